@@ -1,0 +1,75 @@
+"""Throughput of fewbit.round against torch.clone and gfloat, measured in one run.
+
+    python benchmarks/bench_round.py [--log2-size 24] [--repeat 5]
+
+Reports million elements per second (Melem/s) and ratios for float32 -> binary8p4,
+RNE and SRC with N = 3 random bits per element, the bits generated beforehand.
+Eager fewbit (no compilation) against gfloat on numpy and on torch arrays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import gfloat
+import torch
+from gfloat.formats import format_info_p3109
+
+import fewbit
+
+
+def best_time(fn, repeat: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--log2-size", type=int, default=24)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--gfloat-repeat", type=int, default=1)
+    args = parser.parse_args()
+
+    n = 1 << args.log2_size
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=g) * 10
+    bits = torch.randint(0, 8, (n,), generator=g, dtype=torch.int32)
+    x_np, bits_np = x.numpy(), bits.numpy()
+    info = format_info_p3109(8, 4)
+
+    rows = [("torch.clone", best_time(lambda: x.clone(), args.repeat))]
+    for label, mode, kw, gmode in [
+        ("RNE", "rne", {}, gfloat.RoundMode.TiesToEven),
+        ("SRC N=3", "src", {"bits": 3, "random_bits": bits}, gfloat.RoundMode.Stochastic),
+    ]:
+        rows.append((f"fewbit {label}", best_time(
+            lambda: fewbit.round(x, "binary8p4", mode, **kw), args.repeat)))
+        g_kw = {"srbits": bits_np, "srnumbits": 3} if kw else {}
+        rows.append((f"gfloat numpy {label}", best_time(
+            lambda: gfloat.round_ndarray(info, x_np, gmode, **g_kw), args.gfloat_repeat)))
+        g_kw = {"srbits": bits, "srnumbits": 3} if kw else {}
+        rows.append((f"gfloat torch {label}", best_time(
+            lambda: gfloat.round_ndarray(info, x, gmode, **g_kw), args.gfloat_repeat)))
+
+    clone = rows[0][1]
+    times = dict(rows)
+    print(f"float32 -> binary8p4, {n} elements, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    print(f"{'':24} {'Melem/s':>10} {'x clone':>8} {'x gfloat np':>12} {'x gfloat torch':>15}")
+    for name, t in rows:
+        line = f"{name:24} {n / t / 1e6:>10.1f} {clone / t:>8.3f}"
+        if name.startswith("fewbit"):
+            label = name.removeprefix("fewbit ")
+            line += f" {times[f'gfloat numpy {label}'] / t:>12.1f}"
+            line += f" {times[f'gfloat torch {label}'] / t:>15.1f}"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

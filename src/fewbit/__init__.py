@@ -1,0 +1,8 @@
+"""fewbit: low-precision floating point for PyTorch, every format and rounding mode."""
+
+from .codec import decode, encode
+from .formats import FloatFormat, format
+from .rounding import RoundMode, round
+
+__all__ = ["FloatFormat", "RoundMode", "decode", "encode", "format", "round"]
+__version__ = "0.1.0"

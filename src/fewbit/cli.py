@@ -1,0 +1,117 @@
+"""The ``fewbit`` command line: ``fewbit formats``, ``fewbit round``."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from fractions import Fraction
+
+import torch
+
+from . import formats
+from .formats import FloatFormat
+from .rounding import RoundMode, dtype_format, natural_sr_bits, round
+from .rounding.reference import probability_away
+
+_COMMON = ["binary16", "bfloat16", "binary32", "ocp_e5m2", "ocp_e4m3", "ocp_e3m2", "ocp_e2m3",
+           "ocp_e2m1", "ocp_e8m0", "ocp_int8", "binary8p3", "binary8p4", "binary8p5",
+           "p3109_k8p4sf", "p3109_k8p4ue", "binary6p3", "binary4p2"]
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+           "float16": torch.float16}
+
+
+def _num(v: float) -> str:
+    return f"{v:.6g}"
+
+
+def _specials(fmt: FloatFormat) -> str:
+    return " ".join([
+        f"inf={'yes' if fmt.has_infs else 'no'}",
+        f"nan={fmt.num_nans}",
+        f"-0={'yes' if fmt.has_nz else 'no'}",
+    ])
+
+
+def cmd_formats(args: argparse.Namespace) -> int:
+    shown = formats.names() if args.all else _COMMON
+    print(f"{'name':15} {'K':>2} {'P':>2} {'E':>2} {'max':>12} {'min normal':>12} "
+          f"{'min subnormal':>13}  specials")
+    for name in shown:
+        fmt = formats.format(name)
+        try:
+            nums = f"{_num(fmt.max):>12} {_num(fmt.smallest_normal):>12} {_num(fmt.smallest_subnormal):>13}"
+        except ValueError:
+            nums = f"{'beyond float64 range':>39}"
+        print(f"{fmt.name:15} {fmt.k:>2} {fmt.p:>2} {fmt.exp_bits:>2} {nums}  {_specials(fmt)}")
+    if not args.all:
+        print(f"({len(formats.names())} formats in all: fewbit formats --all)")
+    return 0
+
+
+def cmd_round(args: argparse.Namespace) -> int:
+    fmt = formats.format(args.format)
+    dtype = _DTYPES[args.dtype]
+    x = torch.tensor([args.value], dtype=dtype)
+    stored = x.double().item()
+    print(f"x = {args.value} ({args.dtype}: {stored!r}) -> {fmt.name}")
+    if not math.isfinite(stored):
+        print(f"rne: {round(x, fmt, sat=args.sat).item()!r}")
+        return 0
+    lo = round(x.abs(), fmt, "rtz", sat=True).double().item()
+    hi = round(x.abs(), fmt, "rup", sat=True).double().item()
+    sign = -1.0 if stored < 0 else 1.0
+    ulp = hi - lo
+    d = Fraction(abs(stored) - lo) / Fraction(ulp) if ulp else Fraction(0)
+    print(f"neighbours: {sign * lo!r} and {sign * hi!r}; ulp = {ulp!r}; d = {float(d):.10g}")
+    print(f"{'mode':16} {'result':>14} {'P(away)':>12} {'E[result]':>14} {'bias/ulp':>10}")
+    modes = [RoundMode(args.mode)] if args.mode else list(RoundMode)[:11]
+    natural = natural_sr_bits(dtype_format(dtype), fmt)
+    for mode in modes:
+        if mode in (RoundMode.SR_NEAR_ZERO, RoundMode.SR_FRACTION):
+            print(f"{mode.value:16} see fewbit.round: a mix of rne and src per element")
+            continue
+        if not mode.is_stochastic:
+            r = round(x, fmt, mode, sat=args.sat).double().item()
+            bias = (r - stored) / ulp if ulp else 0.0
+            print(f"{mode.value:16} {r!r:>14} {'':>12} {r!r:>14} {bias:>10.4f}")
+            continue
+        bits = natural if mode is RoundMode.SR else args.bits
+        p = probability_away(mode, d, bits)
+        expected = sign * (lo + float(p) * ulp)
+        bias = float((lo + p * Fraction(ulp) - Fraction(abs(stored))) / Fraction(ulp)) if ulp else 0.0
+        label = f"{mode.value} N={bits}"
+        print(f"{label:16} {'lo or hi':>14} {str(p):>12} {expected!r:>14} {sign * bias:>10.4f}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fewbit", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("formats", help="table of the registered formats")
+    p.add_argument("--all", action="store_true", help="every registered format")
+    p.set_defaults(run=cmd_formats)
+
+    p = sub.add_parser("round", help="round one value in every mode, with SR probabilities")
+    p.add_argument("value", type=float)
+    p.add_argument("--format", "-f", required=True)
+    p.add_argument("--mode", "-m", choices=[m.value for m in RoundMode])
+    p.add_argument("--bits", "-N", type=int, default=3, help="N for srff/srf/src/src_odd")
+    p.add_argument("--dtype", choices=list(_DTYPES), default="float32")
+    p.add_argument("--sat", action="store_true")
+    p.set_defaults(run=cmd_round)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, TypeError) as err:
+        print(f"fewbit: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Real storage: values of a format as integer codes, and back.
+
+``encode`` turns a tensor holding values of a format (as ``fewbit.round`` returns
+them) into codes: uint8 for K <= 8, int16 holding the 16-bit pattern for K <= 16.
+With ``packed=True`` two codes of K <= 4 bits share a byte, the even element in the
+low nibble. ``decode`` looks codes up in the format's value table. OCP E4M3/E5M2
+codes are the bit patterns of ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from .formats import FloatFormat, format
+from .rounding.checks import dtype_format
+from .rounding.fast import _LAYOUT, decompose, working_dtype
+
+__all__ = ["code_dtype", "decode", "encode"]
+
+
+def code_dtype(fmt: FloatFormat | str) -> torch.dtype:
+    """The dtype codes of ``fmt`` are stored in."""
+    fmt = format(fmt)
+    if fmt.k > 16:
+        raise ValueError(f"{fmt.name} has K={fmt.k}: codes are for K <= 16 (view the tensor instead)")
+    return torch.uint8 if fmt.k <= 8 else torch.int16
+
+
+def _check_holds(dtype: torch.dtype, fmt: FloatFormat) -> None:
+    if not dtype_format(dtype).contains(fmt):
+        raise ValueError(f"{dtype} cannot hold every value of {fmt.name}")
+
+
+def encode(x: torch.Tensor, fmt: FloatFormat | str, packed: bool = False) -> torch.Tensor:
+    """Codes of ``x``'s values in ``fmt``. Every element must be a value of fmt
+    (round first); otherwise ValueError names the first that is not."""
+    fmt = format(fmt)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, not {type(x).__name__}")
+    _check_holds(x.dtype, fmt)  # also rejects non-float dtypes
+    out_dtype = code_dtype(fmt)
+    if packed:
+        _check_packable(fmt, x.shape)
+    work = x.to(working_dtype(x.dtype))
+    itype, M, _ = _LAYOUT[work.dtype]
+    negative, is_inf, is_nan, e_x, sig = decompose(work, fmt.emin)
+
+    exp_field_of_emin = 1 if fmt.has_subnormals else 0
+    normal = ((e_x - fmt.emin + exp_field_of_emin) << fmt.t) + (sig >> (M - fmt.t)) - (1 << fmt.t)
+    subnormal = sig >> (fmt.min_ulp_exponent + M - e_x).clamp(0, M + 1)  # |x| / ulp
+    is_normal = (e_x >= fmt.emin) & (sig >= 1 << M)  # zero and subnormals: r * ulp
+    mag = torch.where(is_normal, normal, subnormal)
+    if fmt.extended:
+        mag = torch.where(is_inf, fmt.code_of_max + 1, mag)
+    if fmt.has_nans:
+        mag = torch.where(is_nan, fmt.code_of_nan, mag)
+    if fmt.twos_complement:
+        code = torch.where(negative, -mag, mag) & ((1 << fmt.k) - 1)
+    elif fmt.signed:
+        keep_sign = negative & ~is_nan if fmt.has_nz else negative & (mag != 0) & ~is_nan
+        code = torch.where(keep_sign, mag | (1 << (fmt.k - 1)), mag)
+    else:
+        code = mag
+    code = code.to(torch.int32)
+
+    # Exactness check: a code is right only if it decodes to the value given.
+    in_range = (code >= 0) & (code < 1 << fmt.k)
+    back = _lookup(code.clamp(0, (1 << fmt.k) - 1), fmt, work.dtype)
+    same = in_range & ((back == work) | (torch.isnan(back) & is_nan))
+    if not bool(same.all()):
+        bad = work[~same].flatten()[0].item()
+        raise ValueError(f"{bad!r} is not a value of {fmt.name}; round it first (fewbit.round)")
+    if packed:
+        code = code[..., 0::2] | (code[..., 1::2] << 4)
+    return code.to(out_dtype)
+
+
+def decode(
+    codes: torch.Tensor,
+    fmt: FloatFormat | str,
+    dtype: torch.dtype = torch.float32,
+    packed: bool = False,
+) -> torch.Tensor:
+    """Values of ``codes`` in ``fmt`` as a tensor of ``dtype`` (NaN codes give NaN)."""
+    fmt = format(fmt)
+    if not isinstance(codes, torch.Tensor):
+        raise TypeError(f"codes must be a torch.Tensor, not {type(codes).__name__}")
+    if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
+        raise TypeError(f"codes must have an integer dtype, not {codes.dtype}")
+    _check_holds(dtype, fmt)
+    code_dtype(fmt)
+    code = codes.to(torch.int32)
+    if codes.dtype == torch.int16:
+        code = code & 0xFFFF  # int16 holds the 16-bit pattern
+    if packed:
+        _check_packable(fmt, None)
+        if codes.dtype != torch.uint8:
+            raise TypeError(f"packed codes are uint8, not {codes.dtype}")
+        code = torch.stack([code & 0xF, code >> 4], dim=-1).flatten(-2)
+    if code.numel() and (int(code.min()) < 0 or int(code.max()) >= 1 << fmt.k):
+        raise ValueError(f"codes of {fmt.name} lie in [0, {1 << fmt.k})")
+    return _lookup(code, fmt, dtype)
+
+
+def _check_packable(fmt: FloatFormat, shape) -> None:
+    if fmt.k > 4:
+        raise ValueError(f"packing puts two codes in a byte: needs K <= 4, {fmt.name} has K={fmt.k}")
+    if shape is not None and (len(shape) == 0 or shape[-1] % 2):
+        raise ValueError(f"packing pairs elements along the last dimension; it has size {tuple(shape)[-1:]}")
+
+
+def _lookup(code: torch.Tensor, fmt: FloatFormat, dtype: torch.dtype) -> torch.Tensor:
+    return _table(fmt, dtype, code.device)[code.long()]
+
+
+@lru_cache(maxsize=64)
+def _table(fmt: FloatFormat, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(fmt.values(), dtype=torch.float64).to(dtype).to(device)

@@ -1,0 +1,351 @@
+"""Floating-point formats as pure data: what a format is and which values it holds.
+
+Notation, used throughout fewbit:
+
+- ``K``: the number of bits of a code.
+- ``P``: precision, the significand bits including the implicit leading one.
+- ``t = P - 1``: trailing significand bits stored in the code.
+- ``bias``: exponent bias; ``emin`` is the exponent of the smallest normal value.
+- ``ulp``: the distance between consecutive values at a given exponent.
+
+A code is laid out as ``[sign][exponent field][t trailing bits]``. Special values sit
+at the top of each sign's code range: ``num_high_nans`` NaNs at the highest codes, then
+one infinity when the domain is extended. Formats without negative zero use the code
+``100...0`` as a NaN (IEEE P3109). This module needs no torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+
+__all__ = ["FloatFormat", "format", "names", "p3109"]
+
+
+@dataclass(frozen=True)
+class FloatFormat:
+    """A binary floating-point format of ``k`` bits and precision ``p``.
+
+    ``signed``: encodes negative values. ``extended``: the domain has +-Inf (otherwise
+    finite). ``has_nz``: has negative zero; when False and signed, the code ``1 << (k-1)``
+    is a NaN. ``num_high_nans``: NaN codes at the top of each sign's range.
+    ``has_subnormals``: exponent field 0 holds subnormals (otherwise it holds normals).
+    ``twos_complement``: the significand of negative values is stored in two's
+    complement (OCP MX INT8 only).
+    """
+
+    name: str
+    k: int
+    p: int
+    bias: int
+    signed: bool = True
+    extended: bool = True
+    has_nz: bool = False
+    num_high_nans: int = 0
+    has_subnormals: bool = True
+    twos_complement: bool = False
+
+    def __post_init__(self) -> None:
+        if not (2 <= self.k <= 64):
+            raise ValueError(f"{self.name}: K must be in 2..64, got {self.k}")
+        if not (1 <= self.p <= self.k):
+            raise ValueError(f"{self.name}: P must be in 1..K={self.k}, got {self.p}")
+        if self.exp_bits < 0:
+            raise ValueError(f"{self.name}: K={self.k} leaves no room for P={self.p} and a sign")
+
+    # Layout
+
+    @property
+    def t(self) -> int:
+        """Trailing significand bits stored in a code (``P - 1``)."""
+        return self.p - 1
+
+    @property
+    def sign_bits(self) -> int:
+        return 1 if self.signed else 0
+
+    @property
+    def exp_bits(self) -> int:
+        """Width of the exponent field."""
+        return self.k - self.t - self.sign_bits
+
+    @property
+    def is_signed(self) -> bool:
+        return self.signed
+
+    # Special values
+
+    @property
+    def has_infs(self) -> bool:
+        return self.extended
+
+    @property
+    def has_zero(self) -> bool:
+        # Without subnormals exponent field 0 is a normal value, so zero has no code.
+        return self.has_subnormals
+
+    @property
+    def num_nans(self) -> int:
+        """How many codes decode to NaN."""
+        if not self.signed:
+            return self.num_high_nans
+        if self.twos_complement:
+            return 0
+        return 2 * self.num_high_nans + (0 if self.has_nz else 1)
+
+    @property
+    def has_nans(self) -> bool:
+        return self.num_nans > 0
+
+    # Exponent range
+
+    @property
+    def emin(self) -> int:
+        """Exponent of the smallest normal value."""
+        return (1 if self.has_subnormals else 0) - self.bias
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the largest finite value, ``floor(log2(max))``."""
+        code = self.code_of_max
+        exp_field, frac = code >> self.t, code & ((1 << self.t) - 1)
+        if exp_field == 0 and self.has_subnormals:
+            return self.emin - self.t + frac.bit_length() - 1
+        return exp_field - self.bias
+
+    @property
+    def min_ulp_exponent(self) -> int:
+        """``log2`` of the smallest spacing of values: the ulp of the subnormal range."""
+        return self.emin - self.t
+
+    # Codes
+
+    @property
+    def code_of_max(self) -> int:
+        top = (1 << (self.k - self.sign_bits)) - 1
+        return top - self.num_high_nans - (1 if self.extended else 0)
+
+    @property
+    def code_of_nan(self) -> int:
+        if self.num_high_nans:
+            return (1 << self.k) - 1
+        if self.signed and not self.has_nz and not self.twos_complement:
+            return 1 << (self.k - 1)
+        raise ValueError(f"{self.name} has no NaN")
+
+    def decode_magnitude(self, code: int) -> float:
+        """Value of a code's magnitude bits (sign bit cleared), as an exact float."""
+        exp_field, frac = code >> self.t, code & ((1 << self.t) - 1)
+        if exp_field == 0 and self.has_subnormals:
+            return self._ldexp(frac, self.emin - self.t)
+        return self._ldexp((1 << self.t) + frac, exp_field - self.bias - self.t)
+
+    def _ldexp(self, m: int, e: int) -> float:
+        # Wide P3109 formats (K - P >= 11) reach beyond float64; say so instead of
+        # returning inf or 0.
+        if m and not (-1074 <= e + m.bit_length() - 1 <= 1023):
+            raise ValueError(f"{self.name}: values beyond float64's range (2^{e} scale)")
+        return math.ldexp(m, e)
+
+    # Range, finfo-like
+
+    @property
+    def max(self) -> float:
+        """Largest finite value."""
+        return self.decode_magnitude(self.code_of_max)
+
+    @property
+    def max_negative_magnitude(self) -> float:
+        """Magnitude of the most negative finite value (0.0 for unsigned formats)."""
+        if not self.signed:
+            return 0.0
+        if self.twos_complement:
+            # Code 100...0 is -2^t in two's complement: one step beyond -max.
+            return self._ldexp(1, self.emin)
+        return self.max
+
+    @property
+    def min(self) -> float:
+        """Most negative finite value (the smallest value for unsigned formats)."""
+        if self.signed:
+            return -self.max_negative_magnitude
+        return 0.0 if self.has_zero else self.smallest_normal
+
+    @property
+    def smallest_normal(self) -> float:
+        return self._ldexp(1, self.emin)
+
+    @property
+    def smallest_subnormal(self) -> float:
+        """Smallest positive value; equals smallest_normal when no subnormal is non-zero."""
+        if self.has_subnormals and self.p > 1:
+            return self._ldexp(1, self.min_ulp_exponent)
+        return self.smallest_normal
+
+    @property
+    def eps(self) -> float:
+        """Distance from 1.0 to the next larger value."""
+        return math.ldexp(1.0, -self.t)
+
+    def contains(self, other: FloatFormat) -> bool:
+        """True when every value of ``other`` (specials included) is a value of self."""
+        # Two's complement adds -2^emin beyond -max, one binade up.
+        top = max(other.emax, other.emin) if other.twos_complement else other.emax
+        return (
+            other.p <= self.p
+            and (top < self.emax or (top == self.emax and other.max <= self.max))
+            and other.min_ulp_exponent >= self.min_ulp_exponent
+            and (self.has_infs or not other.has_infs)
+            and (self.has_nans or not other.has_nans)
+        )
+
+    # Value table
+
+    def values(self) -> np.ndarray:
+        """Float64 value of every code ``0 .. 2^K - 1`` (K <= 16), NaN codes as NaN."""
+        if self.k > 16:
+            raise ValueError(f"{self.name}: value tables are for K <= 16, not K={self.k}")
+        return _value_table(self).copy()
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@cache
+def _value_table(fmt: FloatFormat) -> np.ndarray:
+    fmt.max, fmt.smallest_subnormal  # raise for formats beyond float64's range
+    half = 1 << (fmt.k - fmt.sign_bits)
+    codes = np.arange(half)
+    exp_field, frac = codes >> fmt.t, codes & ((1 << fmt.t) - 1)
+    subnormal = (exp_field == 0) & fmt.has_subnormals
+    mags = np.where(
+        subnormal,
+        np.ldexp(frac.astype(np.float64), fmt.emin - fmt.t),
+        np.ldexp(((1 << fmt.t) + frac).astype(np.float64), exp_field - fmt.bias - fmt.t),
+    )
+    top = half - 1
+    if fmt.num_high_nans:
+        mags[top - fmt.num_high_nans + 1 :] = np.nan
+    if fmt.extended:
+        mags[fmt.code_of_max + 1] = np.inf
+    if not fmt.signed:
+        return mags
+    if fmt.twos_complement:
+        # Negative code c holds -(2^(K-1) - (c - 2^(K-1))) ulps.
+        neg = -np.arange(half, 0, -1, dtype=np.float64) * math.ldexp(1.0, fmt.emin - fmt.t)
+    else:
+        neg = -mags
+        if not fmt.has_nz:
+            neg[0] = np.nan
+    return np.concatenate([mags, neg])
+
+
+# Registry
+
+def p3109(k: int, p: int, signed: bool = True, extended: bool = True) -> FloatFormat:
+    """IEEE P3109 ``binaryKpP`` format: no negative zero (its code is the NaN); unsigned
+    formats keep their top code as NaN."""
+    if not (3 <= k <= 16):
+        raise ValueError(f"P3109 formats need 3 <= K <= 16, got K={k}")
+    if not (1 <= p < k):
+        raise ValueError(f"P3109 formats need 1 <= P < K, got K={k}, P={p}")
+    bias = (1 << (k - p - 1)) if signed else (1 << (k - p))
+    variant = ("s" if signed else "u") + ("e" if extended else "f")
+    name = f"binary{k}p{p}" if variant == "se" else f"p3109_k{k}p{p}{variant}"
+    return FloatFormat(
+        name, k, p, bias, signed=signed, extended=extended, has_nz=False,
+        num_high_nans=0 if signed else 1,
+    )
+
+
+def _ieee(name: str, k: int, p: int) -> FloatFormat:
+    e = k - p
+    return FloatFormat(
+        name, k, p, (1 << (e - 1)) - 1, extended=True, has_nz=True,
+        num_high_nans=(1 << (p - 1)) - 1,
+    )
+
+
+def _ocp(name: str, e: int, m: int, *, nans: int, extended: bool = False) -> FloatFormat:
+    return FloatFormat(
+        name, 1 + e + m, m + 1, (1 << (e - 1)) - 1, extended=extended, has_nz=True,
+        num_high_nans=nans,
+    )
+
+
+_FIXED: dict[str, FloatFormat] = {
+    f.name: f
+    for f in [
+        _ieee("binary16", 16, 11),
+        _ieee("bfloat16", 16, 8),
+        _ieee("binary32", 32, 24),
+        _ieee("binary64", 64, 53),
+        _ocp("ocp_e5m2", 5, 2, nans=3, extended=True),
+        _ocp("ocp_e4m3", 4, 3, nans=1),
+        _ocp("ocp_e3m2", 3, 2, nans=0),
+        _ocp("ocp_e2m3", 2, 3, nans=0),
+        _ocp("ocp_e2m1", 2, 1, nans=0),
+        FloatFormat("ocp_e8m0", 8, 1, 127, signed=False, extended=False, has_nz=False,
+                    num_high_nans=1, has_subnormals=False),
+        # OCP MX INT8: a fixed-point two's-complement value k * 2^-6, k in [-128, 127].
+        FloatFormat("ocp_int8", 8, 8, 0, extended=False, has_nz=False,
+                    twos_complement=True),
+    ]
+}
+
+_ALIASES = {
+    "fp16": "binary16", "float16": "binary16", "half": "binary16",
+    "bf16": "bfloat16",
+    "fp32": "binary32", "float32": "binary32",
+    "fp64": "binary64", "float64": "binary64",
+    **{n[len("ocp_"):]: n for n in _FIXED if n.startswith("ocp_")},
+}
+
+_P3109 = re.compile(r"(?:binary(\d+)p(\d+)|p3109_k(\d+)p(\d+)([su])([ef]))")
+
+
+@cache
+def names() -> tuple[str, ...]:
+    """Canonical names of every registered format."""
+    p3109_names = [
+        p3109(k, p, s, e).name
+        for k in range(3, 17) for p in range(1, k)
+        for s in (True, False) for e in (True, False)
+    ]
+    return tuple(_FIXED) + tuple(p3109_names)
+
+
+def _all_spellings() -> list[str]:
+    return list(names()) + list(_ALIASES)
+
+
+@cache
+def format(name: str | FloatFormat) -> FloatFormat:
+    """Look a format up by name (or pass a FloatFormat through).
+
+    Accepts ``binary8p4`` (P3109 signed extended), ``p3109_k8p4sf`` (s/u signed or
+    unsigned, e/f extended or finite), OCP names with or without ``ocp_``, ``bf16``,
+    ``fp16``, ``fp32`` and their long forms.
+    """
+    if isinstance(name, FloatFormat):
+        return name
+    if not isinstance(name, str):
+        raise TypeError(f"a format is a name or a FloatFormat, not {type(name).__name__}")
+    key = name.strip().lower()
+    key = _ALIASES.get(key, key)
+    if key in _FIXED:
+        return _FIXED[key]
+    m = _P3109.fullmatch(key)
+    if m:
+        if m.group(1):
+            return p3109(int(m.group(1)), int(m.group(2)))
+        k, p, s, e = int(m.group(3)), int(m.group(4)), m.group(5), m.group(6)
+        return p3109(k, p, signed=s == "s", extended=e == "e")
+    close = difflib.get_close_matches(key, _all_spellings(), n=5, cutoff=0.5)
+    hint = f"; closest: {', '.join(close)}" if close else ""
+    raise ValueError(f"unknown format {name!r}{hint} (fewbit.formats.names() lists all)")

@@ -1,0 +1,221 @@
+"""Fast rounding on the input's bit pattern: integer shifts, masks and compares only.
+
+The input is viewed as integers of its working float (float32 for 16-bit inputs,
+whose values it holds exactly, else the input's own dtype). With ``M`` trailing
+bits in the working float, an input magnitude is ``sig * 2^(e_x - M)`` where ``sig``
+carries the implicit bit. For a target of precision ``P = t + 1``:
+
+- ``e_t = max(e_x, emin)`` is the target binade, ``D = M - t + (e_t - e_x)`` the
+  number of bits discarded (the paper's D, per element),
+- ``r = sig >> D`` is ``floor(s)`` and ``rem = sig mod 2^D`` holds ``d = rem / 2^D``,
+- the mode's predicate gives ``away``; ``r + away`` is the target significand.
+
+Shifts are clamped where more would only shift in zeros, so no shift leaves the
+word. There is no Python branch on data, and every step is an elementwise torch op,
+so ``torch.compile`` can fuse the whole function into one kernel.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+from .checks import RoundSpec
+from .modes import FEW_BIT_TIE, SELECT_BITS, RoundMode
+
+__all__ = ["decompose", "round_fast", "working_dtype"]
+
+# (integer view, trailing significand bits M, exponent bias) of each working float.
+_LAYOUT = {
+    torch.float32: (torch.int32, 23, 127),
+    torch.float64: (torch.int64, 52, 1023),
+}
+
+
+def working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The float dtype the bit arithmetic runs in for an input dtype."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _bits_of(value: float, dtype: torch.dtype) -> int:
+    """Integer bit pattern of a Python float in the working float ``dtype``."""
+    if dtype == torch.float64:
+        return struct.unpack("<q", struct.pack("<d", value))[0]
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+def _fraction_to_bits(rem, D, bits: int, tie: str, max_shift: int):
+    """``d * 2^N`` rounded to an integer by the tie rule, where ``d = rem / 2^D``.
+
+    ``rem`` holds every nonzero bit of the fraction (it is ``sig`` itself when
+    ``D`` exceeds the significand), so clamping the right shift at ``max_shift``
+    (more than ``sig``'s width) keeps the result exact: everything shifts out and the
+    remainder stays below one half.
+    """
+    shift = D - bits
+    right = shift.clamp(0, max_shift)
+    left = (-shift).clamp(0, bits)
+    q = rem >> right
+    if tie == "truncate":
+        return torch.where(shift > 0, q, rem << left)
+    low2 = (rem & ((1 << right) - 1)) << 1  # twice the bits shifted out
+    half2 = 1 << right  # ... compared with twice one half
+    if tie == "up":
+        up = low2 >= half2
+    else:
+        q_odd = (q & 1) == 1
+        tie_up = q_odd if tie == "even" else ~q_odd
+        up = (low2 > half2) | ((low2 == half2) & tie_up)
+    return torch.where(shift > 0, q + up.to(q.dtype), rem << left)
+
+
+def _few_bit_away(rem, D, n, bits: int, tie: str, max_shift: int):
+    """Few-bit SR: round away iff ``d_N + n >= 2^N``, written so no sum can overflow."""
+    wide = bits >= 31  # 2^N then needs more than int32
+    if wide:
+        rem, D = rem.to(torch.int64), D.to(torch.int64)
+    d_n = _fraction_to_bits(rem, D, bits, tie, max_shift)
+    n = n.to(d_n.dtype)
+    return n > ((1 << bits) - 1) - d_n
+
+
+def _sign_mask(dtype: torch.dtype) -> int:
+    """The sign bit of the integer view, as a (negative) Python int."""
+    M = _LAYOUT[dtype][1]
+    return -(1 << (M + (11 if dtype == torch.float64 else 8)))
+
+
+def decompose(x: torch.Tensor, emin: int):
+    """Split a float32/float64 tensor into ``(negative, is_inf, is_nan, e_x, sig)``.
+
+    For finite x, ``|x| = sig * 2^(e_x - M)`` with ``sig < 2^(M+1)``; ``e_x`` is the
+    binade exponent, except for input subnormals, where it is clamped to the input's
+    smallest normal exponent. A target whose ``emin`` lies below that (OCP E8M0 from
+    float32) needs the true exponent, so those subnormals are renormalised.
+    """
+    itype, M, bias_in = _LAYOUT[x.dtype]
+    bits = x.view(itype)
+    negative = bits < 0
+    a = bits & ~_sign_mask(x.dtype)
+    inf_bits = _bits_of(float("inf"), x.dtype)
+    is_inf = a == inf_bits
+    is_nan = a > inf_bits
+    e_field = a >> M
+    mantissa = a & ((1 << M) - 1)
+    sig = torch.where(e_field > 0, mantissa | (1 << M), mantissa)
+    e_x = e_field.clamp(min=1) - bias_in
+    if emin < 1 - bias_in:
+        # 2^(M+1) times larger is normal; its exponent less M + 1 is the true one.
+        scaled = (x.abs() * 2.0 ** (M + 1)).view(itype)
+        subnormal = (e_field == 0) & (a != 0)
+        e_x = torch.where(subnormal, (scaled >> M) - bias_in - (M + 1), e_x)
+        sig = torch.where(subnormal, (scaled & ((1 << M) - 1)) | (1 << M), sig)
+    return negative, is_inf, is_nan, e_x, sig
+
+
+def round_fast(x: torch.Tensor, spec: RoundSpec, random_bits: torch.Tensor | None) -> torch.Tensor:
+    """Round ``x`` (float32 or float64) to ``spec.fmt``.
+
+    Returns a tensor of x's dtype. For formats without NaN, NaN marks the elements
+    that have no valid result (NaN input, or overflow without sat); the caller turns
+    them into an error.
+    """
+    fmt, mode = spec.fmt, spec.mode
+    itype, M, bias_in = _LAYOUT[x.dtype]
+    t = fmt.t
+    sign_mask = _sign_mask(x.dtype)
+    negative, is_inf, is_nan, e_x, sig = decompose(x, fmt.emin)
+    e_t = e_x.clamp(min=fmt.emin)
+    D = (M - t) + (e_t - e_x)
+    # Beyond M + 2 discarded bits the kept part is 0 and the fraction's value is below
+    # one half: every deterministic decision is already fixed.
+    max_shift = M + 2
+    Dc = D.clamp(max=max_shift)
+    r = sig >> Dc
+    rem = sig & ((1 << Dc) - 1)
+
+    away = _away(mode, spec, r, rem, Dc, D, e_t, negative, random_bits, max_shift)
+    r = r + away.to(itype)
+
+    # Back to the working float: normal results by placing exponent and significand
+    # (a carry into 2^P moves the exponent up by itself); subnormal ones as r * ulp.
+    normal = ((e_t + (bias_in - 1)) << M) + (r << (M - t))
+    tiny = (r.to(x.dtype) * 2.0 ** fmt.min_ulp_exponent).view(itype)
+    is_normal = r >= (1 << t)
+    if fmt.emin < 1 - bias_in:
+        is_normal &= e_t >= 1 - bias_in
+    mag = torch.where(is_normal, normal, tiny)
+
+    # Range: saturate, stop directed modes at the limit, or go beyond (Inf/NaN).
+    def const(value: float):
+        # A 0-d tensor keeps torch.where in the integer view's dtype.
+        return torch.tensor(_bits_of(value, x.dtype), dtype=itype, device=x.device)
+
+    limit = torch.where(negative, const(fmt.max_negative_magnitude), const(fmt.max))
+    over = (mag > limit) | is_inf
+    if spec.sat:
+        to_limit = over
+    else:
+        to_limit = over & ~is_inf & _directed_to_limit(mode, negative)
+    beyond_pos = const(float("inf") if fmt.extended else float("nan"))
+    beyond_neg = const(float("inf") if fmt.extended and fmt.signed else float("nan"))
+    beyond = torch.where(negative, beyond_neg, beyond_pos)
+    mag = torch.where(to_limit, limit, torch.where(over, beyond, mag))
+    keep_sign = negative & (mag != 0) if not fmt.has_nz else negative
+    if not fmt.has_zero:
+        mag = torch.where(mag == 0, const(fmt.smallest_normal), mag)
+    out = torch.where(keep_sign, mag | sign_mask, mag)
+    out = torch.where(is_nan, const(float("nan")), out)
+    return out.view(x.dtype)
+
+
+def _directed_to_limit(mode: RoundMode, negative):
+    if mode in (RoundMode.RTZ, RoundMode.RTO):
+        return torch.ones_like(negative)
+    if mode is RoundMode.RUP:
+        return negative
+    if mode is RoundMode.RDN:
+        return ~negative
+    return torch.zeros_like(negative)
+
+
+def _away(mode, spec: RoundSpec, r, rem, Dc, D, e_t, negative, random_bits, max_shift):
+    """The predicate R per element, on the integer fraction ``rem / 2^Dc``."""
+    fmt = spec.fmt
+    rem2 = rem << 1
+    one = 1 << Dc
+    if fmt.p > 1:
+        odd = (r & 1) == 1
+    else:  # P = 1: the code's last bit is the exponent field's.
+        odd = (r != 0) & (((e_t + fmt.bias) & 1) == 1)
+
+    def nearest_even():
+        return (rem2 > one) | ((rem2 == one) & odd)
+
+    if mode is RoundMode.RNE:
+        return nearest_even()
+    if mode is RoundMode.RNA:
+        return rem2 >= one
+    if mode is RoundMode.RTZ:
+        return torch.zeros_like(negative)
+    if mode is RoundMode.RUP:
+        return (rem != 0) & ~negative
+    if mode is RoundMode.RDN:
+        return (rem != 0) & negative
+    if mode is RoundMode.RTO:
+        return (rem != 0) & ~odd
+
+    n = random_bits
+    if mode is RoundMode.SR_FRACTION:
+        select = n >> spec.bits
+        n = n & ((1 << spec.bits) - 1)
+    tie = FEW_BIT_TIE.get(mode, "even")  # sr and the stagnation modes use SRC
+    stochastic = _few_bit_away(rem, D, n, spec.bits, tie, max_shift)
+    if mode is RoundMode.SR_NEAR_ZERO:
+        rne = nearest_even()
+        return torch.where((r == 0) & ~rne, stochastic, rne)
+    if mode is RoundMode.SR_FRACTION:
+        threshold = round(spec.fraction * (1 << SELECT_BITS))
+        return torch.where(select < threshold, stochastic, nearest_even())
+    return stochastic

@@ -1,0 +1,176 @@
+"""Reference rounding: the paper's equations, one element at a time, in exact arithmetic.
+
+For a finite ``x != 0`` with magnitude ``|x|`` and a target of precision ``P``:
+
+- ``e = max(floor(log2 |x|), emin)``  (the clamp gives subnormals),
+- ``ulp = 2^(e - P + 1)``, ``s = |x| / ulp``,
+- ``d = s - floor(s)``, the fraction rounded away,
+- result magnitude ``(floor(s) + [R(d)]) * ulp``, where the predicate ``R`` says
+  "round away from zero".
+
+This module is the specification: slow, readable, and the source of the predicates
+that ``fewbit.bias`` integrates. The fast implementation is tested against it.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import torch
+
+from ..formats import FloatFormat
+from .checks import RoundSpec, check_random_bits, check_round_args
+from .modes import FEW_BIT_TIE, SELECT_BITS, RoundMode
+
+__all__ = ["fraction_to_bits", "probability_away", "round_away", "round_reference"]
+
+
+def fraction_to_bits(d: Fraction, bits: int, tie: str) -> int:
+    """``d * 2^N`` rounded to an integer: truncated, or to nearest with ties ``up``,
+    to ``even`` or to ``odd``. The result lies in ``[0, 2^N]``."""
+    scaled = d * (1 << bits)
+    low = math.floor(scaled)
+    rest = scaled - low
+    if tie == "truncate" or rest < Fraction(1, 2):
+        return low
+    if rest > Fraction(1, 2) or tie == "up":
+        return low + 1
+    low_is_odd = low % 2 == 1
+    return low + (low_is_odd if tie == "even" else not low_is_odd)
+
+
+def round_away(
+    mode: RoundMode,
+    d: Fraction,
+    *,
+    odd: bool = False,
+    negative: bool = False,
+    n: int | None = None,
+    bits: int | None = None,
+) -> bool:
+    """The predicate ``R(d)``: round the magnitude away from zero?
+
+    ``odd``: the truncated result's last code bit is 1. ``n``: the N-bit random
+    integer of the stochastic modes. ``sr`` is SRC with its N; the stagnation modes
+    are compositions and are decided in :func:`_round_magnitude`.
+    """
+    if mode is RoundMode.RNE:
+        return d > Fraction(1, 2) or (d == Fraction(1, 2) and odd)
+    if mode is RoundMode.RNA:
+        return d >= Fraction(1, 2)
+    if mode is RoundMode.RTZ:
+        return False
+    if mode is RoundMode.RUP:
+        return d > 0 and not negative
+    if mode is RoundMode.RDN:
+        return d > 0 and negative
+    if mode is RoundMode.RTO:
+        return d > 0 and not odd
+    if mode is RoundMode.SR:
+        mode = RoundMode.SRC
+    return fraction_to_bits(d, bits, FEW_BIT_TIE[mode]) + n >= (1 << bits)
+
+
+def probability_away(mode: RoundMode, d: Fraction, bits: int) -> Fraction:
+    """Exact probability that a few-bit SR mode rounds a fraction ``d`` away, over
+    uniformly random N-bit ``n``: the count of ``n`` with ``d_N + n >= 2^N``, / 2^N."""
+    mode = RoundMode.SRC if mode is RoundMode.SR else mode
+    return Fraction(fraction_to_bits(d, bits, FEW_BIT_TIE[mode]), 1 << bits)
+
+
+def _floor_log2(a: Fraction) -> int:
+    e = a.numerator.bit_length() - a.denominator.bit_length()
+    return e if Fraction(2) ** e <= a else e - 1
+
+
+def _round_magnitude(a: Fraction, spec: RoundSpec, negative: bool, n: int | None) -> Fraction:
+    """Round a finite magnitude to the target's grid (ignoring its range)."""
+    fmt, mode = spec.fmt, spec.mode
+    e = max(_floor_log2(a), fmt.emin) if a else fmt.emin
+    ulp = Fraction(2) ** (e - fmt.t)
+    s = a / ulp
+    floor_s = math.floor(s)
+    d = s - floor_s
+    if fmt.p > 1:
+        odd = floor_s % 2 == 1
+    else:  # P = 1: the code's last bit is the exponent field's.
+        odd = floor_s != 0 and (e + fmt.bias) % 2 == 1
+
+    def away(m: RoundMode, rand: int | None = None) -> bool:
+        return round_away(m, d, odd=odd, negative=negative, n=rand, bits=spec.bits)
+
+    if mode is RoundMode.SR_NEAR_ZERO:
+        rne_gives_zero = floor_s == 0 and not away(RoundMode.RNE)
+        up = away(RoundMode.SRC, n) if rne_gives_zero else away(RoundMode.RNE)
+    elif mode is RoundMode.SR_FRACTION:
+        select, n = n >> spec.bits, n & ((1 << spec.bits) - 1)
+        use_sr = select < round(spec.fraction * (1 << SELECT_BITS))
+        up = away(RoundMode.SRC, n) if use_sr else away(RoundMode.RNE)
+    else:
+        up = away(mode, n)
+    return (floor_s + up) * ulp
+
+
+def _directed_to_limit(mode: RoundMode, negative: bool) -> bool:
+    """Modes whose overflow stops at the largest finite value (they never round up
+    in magnitude past it)."""
+    return (
+        mode in (RoundMode.RTZ, RoundMode.RTO)
+        or (mode is RoundMode.RUP and negative)
+        or (mode is RoundMode.RDN and not negative)
+    )
+
+
+def _beyond_range(fmt: FloatFormat, negative: bool) -> float:
+    """What an overflow becomes without saturation: Inf, else NaN, else an error."""
+    if fmt.extended and (fmt.signed or not negative):
+        return -math.inf if negative else math.inf
+    if fmt.has_nans:
+        return math.nan
+    raise ValueError(f"{fmt.name} has no Inf or NaN for a value beyond its range; use sat=True")
+
+
+def _round_scalar(v: float, spec: RoundSpec, n: int | None) -> float:
+    fmt = spec.fmt
+    if math.isnan(v):
+        if not fmt.has_nans:
+            raise ValueError(f"{fmt.name} has no NaN to hold a NaN input")
+        return math.nan
+    negative = math.copysign(1.0, v) < 0
+    limit = Fraction(fmt.max_negative_magnitude if negative else fmt.max)
+    if math.isinf(v):
+        magnitude = None
+    else:
+        magnitude = _round_magnitude(abs(Fraction(v)), spec, negative, n)
+        if magnitude > limit and _directed_to_limit(spec.mode, negative):
+            magnitude = limit
+    if magnitude is None or magnitude > limit:
+        if not spec.sat:
+            return _beyond_range(fmt, negative)
+        magnitude = limit
+    if magnitude == 0:
+        if not fmt.has_zero:
+            return fmt.smallest_normal
+        return -0.0 if negative and fmt.has_nz else 0.0
+    return float(-magnitude if negative else magnitude)
+
+
+def round_reference(
+    x: torch.Tensor,
+    fmt: FloatFormat | str,
+    mode: RoundMode | str = "rne",
+    *,
+    sat: bool = False,
+    bits: int | None = None,
+    random_bits: torch.Tensor | None = None,
+    fraction: float | None = None,
+) -> torch.Tensor:
+    """Same contract as :func:`fewbit.round`, computed element by element in exact
+    rational arithmetic. Slow: for tests and documentation."""
+    spec = check_round_args(x, fmt, mode, sat, bits, fraction)
+    check_random_bits(x, spec, random_bits)
+    values = x.detach().cpu().double().flatten().tolist()
+    rand = random_bits.cpu().flatten().tolist() if random_bits is not None else [None] * len(values)
+    out = [_round_scalar(v, spec, n) for v, n in zip(values, rand)]
+    return torch.tensor(out, dtype=torch.float64).reshape(x.shape).to(x.dtype).to(x.device)

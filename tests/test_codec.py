@@ -1,0 +1,103 @@
+"""encode/decode: exact round trips, torch float8 interop, packing, bad input."""
+
+import math
+
+import pytest
+import torch
+
+import fewbit
+from fewbit.formats import names
+from fewbit.rounding import dtype_format
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+INT_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _small_formats():
+    for name in names():
+        fmt = fewbit.format(name)
+        if fmt.k <= 16 and dtype_format(torch.float64).contains(fmt):
+            yield fmt
+
+
+def test_every_code_of_every_format_round_trips():
+    checked = 0
+    for fmt in _small_formats():
+        codes = torch.arange(2**fmt.k)
+        for dtype in DTYPES:
+            if not dtype_format(dtype).contains(fmt):
+                continue
+            values = fewbit.decode(codes.to(fewbit.codec.code_dtype(fmt)), fmt, dtype)
+            nan = torch.isnan(values)
+            assert int(nan.sum()) == fmt.num_nans, fmt.name
+            again = fewbit.encode(values, fmt).to(torch.int32) & 0xFFFF
+            assert torch.equal(again[~nan], codes[~nan].to(torch.int32)), (fmt.name, dtype)
+            if fmt.has_nans:
+                assert bool((again[nan] == fmt.code_of_nan).all())
+            checked += 1
+    assert checked > 900
+
+
+@pytest.mark.parametrize("fmt, dtype", [("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)])
+def test_ocp_codes_are_torch_float8_bit_patterns(fmt, dtype):
+    x = torch.randn(100_000) * 50
+    x = fewbit.round(x, fmt, sat=True)
+    assert torch.equal(fewbit.encode(x, fmt), x.to(dtype).view(torch.uint8))
+    codes = torch.arange(256, dtype=torch.uint8)
+    ours = fewbit.decode(codes, fmt)
+    theirs = codes.view(dtype).float()
+    assert torch.equal(torch.isnan(ours), torch.isnan(theirs))
+    finite = ~torch.isnan(ours)
+    assert torch.equal(ours[finite].view(torch.int32), theirs[finite].view(torch.int32))
+
+
+def test_code_dtypes():
+    assert fewbit.encode(torch.tensor([1.0]), "binary8p4").dtype == torch.uint8
+    assert fewbit.encode(torch.tensor([1.0]), "binary12p5").dtype == torch.int16
+    assert fewbit.encode(torch.tensor([-2.0]), "bf16").item() == torch.tensor(
+        [-2.0], dtype=torch.bfloat16).view(torch.int16).item()
+
+
+@pytest.mark.parametrize("fmt", ["e2m1", "binary4p2", "p3109_k3p2uf"])
+def test_packed_codes_share_bytes(fmt):
+    codes = torch.randint(0, 2 ** fewbit.format(fmt).k, (6, 10), dtype=torch.uint8)
+    values = fewbit.decode(codes, fmt)
+    keep = ~torch.isnan(values).any(-1)
+    values, codes = values[keep], codes[keep]
+    packed = fewbit.encode(values, fmt, packed=True)
+    assert packed.shape == (values.shape[0], 5) and packed.dtype == torch.uint8
+    assert torch.equal(packed & 0xF, codes[:, 0::2]) and torch.equal(packed >> 4, codes[:, 1::2])
+    assert torch.equal(fewbit.decode(packed, fmt, packed=True), values)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="not a value of binary8p4; round it first"):
+        fewbit.encode(torch.tensor([0.3]), "binary8p4")
+    with pytest.raises(ValueError, match="not a value"):
+        fewbit.encode(torch.tensor([1000.0]), "binary8p4")
+    with pytest.raises(ValueError, match="not a value"):
+        fewbit.encode(torch.tensor([math.nan]), "e2m1")
+    with pytest.raises(ValueError, match="not a value"):
+        fewbit.encode(torch.tensor([-1.0]), "p3109_k8p4ue")
+    with pytest.raises(ValueError, match="K <= 4"):
+        fewbit.encode(torch.tensor([1.0, 2.0]), "e4m3", packed=True)
+    with pytest.raises(ValueError, match="last dimension"):
+        fewbit.encode(torch.tensor([1.0, 2.0, 3.0]), "e2m1", packed=True)
+    with pytest.raises(ValueError, match="K <= 16"):
+        fewbit.encode(torch.tensor([1.0]), "fp32")
+    with pytest.raises(TypeError):
+        fewbit.encode(torch.tensor([1]), "e4m3")
+    with pytest.raises(ValueError, match="cannot hold"):
+        fewbit.encode(torch.tensor([1.0], dtype=torch.float16), "bf16")
+    with pytest.raises(ValueError, match=r"lie in \[0, 16\)"):
+        fewbit.decode(torch.tensor([16], dtype=torch.uint8), "e2m1")
+    with pytest.raises(TypeError, match="integer dtype"):
+        fewbit.decode(torch.tensor([1.0]), "e4m3")
+    with pytest.raises(ValueError, match="cannot hold"):
+        fewbit.decode(torch.tensor([1], dtype=torch.uint8), "binary8p1", dtype=torch.float16)
+
+
+def test_empty_and_scalar():
+    assert fewbit.encode(torch.empty(0), "e4m3").shape == (0,)
+    code = fewbit.encode(torch.tensor(1.0), "e4m3")
+    assert code.shape == () and fewbit.decode(code, "e4m3").item() == 1.0

@@ -1,0 +1,141 @@
+"""Formats: registry, name parsing, properties and value tables."""
+
+import math
+
+import gfloat
+import numpy as np
+import pytest
+from gfloat.formats import format_info_p3109
+
+import fewbit
+from fewbit.formats import FloatFormat, names, p3109
+
+# Published maxima and minima (OCP OFP8 and MX specs, IEEE 754, P3109 interim report).
+SPEC_RANGES = {
+    "binary16": (65504.0, 2.0**-14, 2.0**-24),
+    "bfloat16": ((2 - 2.0**-7) * 2.0**127, 2.0**-126, 2.0**-133),
+    "binary32": ((2 - 2.0**-23) * 2.0**127, 2.0**-126, 2.0**-149),
+    "ocp_e4m3": (448.0, 2.0**-6, 2.0**-9),
+    "ocp_e5m2": (57344.0, 2.0**-14, 2.0**-16),
+    "ocp_e3m2": (28.0, 2.0**-2, 2.0**-4),
+    "ocp_e2m3": (7.5, 1.0, 2.0**-3),
+    "ocp_e2m1": (6.0, 1.0, 0.5),
+    "binary8p4": (224.0, 2.0**-7, 2.0**-10),
+    "binary8p3": (49152.0, 2.0**-15, 2.0**-17),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPEC_RANGES))
+def test_published_ranges(name):
+    fmt = fewbit.format(name)
+    assert (fmt.max, fmt.smallest_normal, fmt.smallest_subnormal) == SPEC_RANGES[name]
+
+
+def test_e8m0_and_int8():
+    e8m0 = fewbit.format("e8m0")
+    assert (e8m0.max, e8m0.min, e8m0.has_zero, e8m0.num_nans) == (2.0**127, 2.0**-127, False, 1)
+    int8 = fewbit.format("int8")
+    assert (int8.max, int8.min, int8.num_nans, int8.has_infs) == (127 / 64, -2.0, 0, False)
+
+
+@pytest.mark.parametrize(
+    "spelling, canonical",
+    [
+        ("binary8p4", "binary8p4"), ("p3109_k8p4se", "binary8p4"),
+        ("p3109_k8p4sf", "p3109_k8p4sf"), ("p3109_k6p3uf", "p3109_k6p3uf"),
+        ("e4m3", "ocp_e4m3"), ("ocp_e4m3", "ocp_e4m3"), ("E5M2", "ocp_e5m2"),
+        ("e3m2", "ocp_e3m2"), ("e2m3", "ocp_e2m3"), ("e2m1", "ocp_e2m1"), ("e8m0", "ocp_e8m0"),
+        ("int8", "ocp_int8"), ("bf16", "bfloat16"), ("bfloat16", "bfloat16"),
+        ("fp16", "binary16"), ("binary16", "binary16"), ("fp32", "binary32"),
+        ("binary32", "binary32"),
+    ],
+)
+def test_names_parse(spelling, canonical):
+    assert fewbit.format(spelling).name == canonical
+
+
+def test_every_name_round_trips_and_is_unique():
+    all_names = names()
+    assert len(all_names) == len(set(all_names))
+    assert len([n for n in all_names if n.startswith(("binary", "p3109")) and "p" in n[6:]]) >= 476
+    for name in all_names:
+        assert fewbit.format(name).name == name
+
+
+def test_unknown_names_suggest_close_ones():
+    with pytest.raises(ValueError, match="closest: .*binary8p4"):
+        fewbit.format("binary8p5x")
+    with pytest.raises(ValueError, match="e4m3"):
+        fewbit.format("e4m4")
+    with pytest.raises(TypeError):
+        fewbit.format(8)
+
+
+@pytest.mark.parametrize("k, p", [(2, 1), (17, 4), (8, 8), (8, 0)])
+def test_impossible_p3109_parameters(k, p):
+    with pytest.raises(ValueError, match="P3109"):
+        p3109(k, p)
+    with pytest.raises(ValueError):
+        fewbit.format(f"binary{k}p{p}")
+
+
+def test_wide_formats_say_they_exceed_float64():
+    with pytest.raises(ValueError, match="float64"):
+        fewbit.format("binary16p1").max
+
+
+def _gfloat_info(fmt: FloatFormat):
+    if fmt.name.startswith(("binary", "p3109")) and fmt.k <= 16 and fmt.name not in (
+        "binary16", "binary32", "binary64"
+    ):
+        return format_info_p3109(
+            fmt.k, fmt.p,
+            gfloat.Signedness.Signed if fmt.signed else gfloat.Signedness.Unsigned,
+            gfloat.Domain.Extended if fmt.extended else gfloat.Domain.Finite,
+        )
+    return getattr(gfloat.formats, f"format_info_{fmt.name}")
+
+
+def _in_float64(fmt):
+    try:
+        fmt.max
+        fmt.smallest_subnormal
+    except ValueError:
+        return False
+    return True
+
+
+def test_value_tables_and_properties_match_gfloat():
+    checked = 0
+    for name in names():
+        fmt = fewbit.format(name)
+        if fmt.k > 16 or not _in_float64(fmt):
+            continue
+        info = _gfloat_info(fmt)
+        ours = fmt.values()
+        theirs = gfloat.decode_ndarray(info, np.arange(2**fmt.k))
+        assert np.array_equal(np.isnan(ours), np.isnan(theirs)), name
+        finite = ~np.isnan(ours)
+        assert np.array_equal(ours[finite], theirs[finite]), name
+        assert np.array_equal(np.signbit(ours[finite]), np.signbit(theirs[finite])), name
+        assert (fmt.max, fmt.min, fmt.eps, fmt.num_nans) == (info.max, info.min, info.eps, info.num_nans)
+        assert (fmt.has_infs, fmt.has_nz, fmt.is_signed) == (
+            info.num_infs > 0, info.has_nz, info.is_signed)
+        # The table's extremes agree with the properties.
+        assert np.nanmax(ours[np.isfinite(ours)]) == fmt.max
+        checked += 1
+    assert checked > 400
+
+
+def test_contains():
+    fp32, bf16, fp16 = (fewbit.format(n) for n in ("fp32", "bf16", "fp16"))
+    assert fp32.contains(fewbit.format("e8m0")) and fp32.contains(bf16)
+    assert not fp16.contains(bf16) and not bf16.contains(fp16)
+    assert fp16.contains(fewbit.format("e5m2")) and bf16.contains(fewbit.format("e4m3"))
+    assert bf16.contains(fewbit.format("binary8p1"))  # 2^62 fits bf16's range
+    assert not fp16.contains(fewbit.format("binary8p1"))
+
+
+def test_smallest_subnormal_without_nonzero_subnormals():
+    fmt = fewbit.format("binary8p1")
+    assert fmt.smallest_subnormal == fmt.smallest_normal == math.ldexp(1, 1 - fmt.bias)
