@@ -10,23 +10,13 @@ Eager fewbit (no compilation) against gfloat on numpy and on torch arrays.
 from __future__ import annotations
 
 import argparse
-import time
 
 import gfloat
 import torch
 from gfloat.formats import format_info_p3109
 
 import fewbit
-
-
-def best_time(fn, repeat: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+from fewbit.bench import best_time, eager_only
 
 
 def main() -> None:
@@ -40,10 +30,17 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, generator=g) * 10
     bits = torch.randint(0, 8, (n,), generator=g, dtype=torch.int32)
-    x_np, bits_np = x.numpy(), bits.numpy()
     info = format_info_p3109(8, 4)
 
     rows = [("torch.clone", best_time(lambda: x.clone(), args.repeat))]
+    with eager_only():
+        rows += _fewbit_and_gfloat(x, bits, info, args)
+    _report(rows, n)
+
+
+def _fewbit_and_gfloat(x, bits, info, args):
+    x_np, bits_np = x.numpy(), bits.numpy()
+    rows = []
     for label, mode, kw, gmode in [
         ("RNE", "rne", {}, gfloat.RoundMode.TiesToEven),
         ("SRC N=3", "src", {"bits": 3, "random_bits": bits}, gfloat.RoundMode.Stochastic),
@@ -56,7 +53,10 @@ def main() -> None:
         g_kw = {"srbits": bits, "srnumbits": 3} if kw else {}
         rows.append((f"gfloat torch {label}", best_time(
             lambda: gfloat.round_ndarray(info, x, gmode, **g_kw), args.gfloat_repeat)))
+    return rows
 
+
+def _report(rows, n):
     clone = rows[0][1]
     times = dict(rows)
     print(f"float32 -> binary8p4, {n} elements, torch {torch.__version__}, "

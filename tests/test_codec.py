@@ -10,7 +10,6 @@ from fewbit.formats import names
 from fewbit.rounding import dtype_format
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-INT_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _small_formats():

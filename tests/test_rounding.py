@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fewbit
+from conftest import assert_bitwise_equal
 from fewbit.rounding import RoundMode, natural_sr_bits, round_reference
 from fewbit.rounding.checks import dtype_format
 from fewbit.rounding.reference import fraction_to_bits
@@ -16,23 +17,6 @@ from fewbit.rounding.reference import fraction_to_bits
 FORMATS = ["binary8p4", "binary8p3", "p3109_k8p4ue", "p3109_k6p3sf", "binary8p1", "ocp_e4m3",
            "ocp_e5m2", "ocp_e2m1", "ocp_e8m0", "ocp_int8", "bfloat16", "binary3p2"]
 SR_MODES = ["srff", "srf", "src", "src_odd"]
-INT_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Elementwise: identical bit patterns, or both NaN."""
-    view = INT_VIEW[a.element_size()]
-    return (a.view(view) == b.view(view)) | (torch.isnan(a) & torch.isnan(b))
-
-
-def assert_same(a, b, x, what):
-    ok = same_bits(a, b)
-    if not bool(ok.all()):
-        i = (~ok).nonzero()[0].item()
-        pytest.fail(f"{what}: x={x.flatten()[i].item()!r} got {a.flatten()[i].item()!r}, "
-                    f"want {b.flatten()[i].item()!r} ({int((~ok).sum())} mismatches)")
-
-
 def sample(fmt, dtype, n_random=150, seed=0):
     """Random values around the target's range, its grid points, midpoints and specials."""
     g = torch.Generator().manual_seed(seed)
@@ -96,7 +80,7 @@ def test_fast_equals_reference(fmt, dtype):
             args = dict(sat=sat, bits=bits if mode != "sr" else None, random_bits=rb_ok, **extra)
             got = fewbit.round(x_ok, fmt, mode, **args)
             want = round_reference(x_ok, fmt, mode, **args)
-            assert_same(got, want, x_ok, f"{fmt} {mode} N={bits} sat={sat} {dtype}")
+            assert_bitwise_equal(got, want, x_ok, f"{fmt} {mode} N={bits} sat={sat} {dtype}")
 
 
 @settings(max_examples=300, deadline=None)
@@ -126,7 +110,7 @@ def test_fast_equals_reference_on_any_float32(bits, fmt, mode, n, r, sat):
         with pytest.raises(ValueError):
             fewbit.round(x, fmt, mode, **kwargs)
         return
-    assert_same(fewbit.round(x, fmt, mode, **kwargs), want, x, f"{fmt} {mode}")
+    assert_bitwise_equal(fewbit.round(x, fmt, mode, **kwargs), want, x, f"{fmt} {mode}")
 
 
 # Round to odd, sr and the stagnation modes, which gfloat lacks, by their definitions.
@@ -179,7 +163,7 @@ def test_sr_near_zero_is_rne_except_where_rne_gives_zero():
     zero = rne == 0
     assert 1000 < int(zero.sum()) < x.numel()
     assert torch.equal(got[~zero], rne[~zero])
-    assert_same(got[zero], src[zero], x[zero], "sr_near_zero")
+    assert_bitwise_equal(got[zero], src[zero], x[zero], "sr_near_zero")
     assert bool((got[zero] != 0).any())  # SR does lift some tiny values off zero
 
 

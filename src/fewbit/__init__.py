@@ -2,7 +2,7 @@
 
 from .codec import decode, encode
 from .formats import FloatFormat, format
-from .rounding import RoundMode, round
+from .rounding import RoundMode, round, round_
 
-__all__ = ["FloatFormat", "RoundMode", "decode", "encode", "format", "round"]
+__all__ = ["FloatFormat", "RoundMode", "decode", "encode", "format", "round", "round_"]
 __version__ = "0.1.0"

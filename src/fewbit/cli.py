@@ -85,6 +85,25 @@ def cmd_round(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device here")
+    step = 0
+
+    def progress(label: str) -> None:
+        nonlocal step
+        step += 1
+        print(f"\r[{step}] {label:60}", end="", file=sys.stderr, flush=True)
+
+    rows = bench.run(args.log2_size, args.device, args.repeat, args.quick,
+                     with_gfloat=not args.no_gfloat, progress=progress)
+    print(file=sys.stderr)
+    print(bench.to_json(rows) if args.json else bench.format_table(rows))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fewbit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -101,6 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=list(_DTYPES), default="float32")
     p.add_argument("--sat", action="store_true")
     p.set_defaults(run=cmd_round)
+
+    p = sub.add_parser("bench", help="rounding throughput against torch.clone and gfloat")
+    p.add_argument("--log2-size", type=int, default=24)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="binary8p4 with RNE, SRC N=3, sr only")
+    p.add_argument("--no-gfloat", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=cmd_bench)
     return parser
 
 

@@ -218,7 +218,7 @@ class FloatFormat:
 
 @cache
 def _value_table(fmt: FloatFormat) -> np.ndarray:
-    fmt.max, fmt.smallest_subnormal  # raise for formats beyond float64's range
+    _ = fmt.max, fmt.smallest_subnormal  # raise for formats beyond float64's range
     half = 1 << (fmt.k - fmt.sign_bits)
     codes = np.arange(half)
     exp_field, frac = codes >> fmt.t, codes & ((1 << fmt.t) - 1)

@@ -37,7 +37,9 @@ class RoundSpec:
 
     ``bits`` is N, the random bits per element the mode consumes (None when
     deterministic); ``random_range`` is the exclusive bound on each random integer
-    (2^N, or 2^(N + SELECT_BITS) for ``sr_fraction``).
+    (2^N, or 2^(N + SELECT_BITS) for ``sr_fraction``). ``select_below``: ``sr_fraction``
+    rounds an element stochastically iff its selection bits are below it,
+    ``round(p * 2^SELECT_BITS)`` (an int, so a compiled kernel keeps it constant).
     """
 
     fmt: FloatFormat
@@ -45,7 +47,7 @@ class RoundSpec:
     mode: RoundMode
     sat: bool
     bits: int | None
-    fraction: float | None
+    select_below: int | None
 
     @property
     def random_range(self) -> int:
@@ -79,7 +81,7 @@ def check_round_args(
             raise TypeError("mode 'sr_fraction' needs fraction=p, a number in [0, 1]")
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"fraction must be in [0, 1], got {fraction}")
-        fraction = float(fraction)
+        fraction = round(fraction * (1 << SELECT_BITS))
     elif fraction is not None:
         raise ValueError(f"fraction is only for mode 'sr_fraction', not {mode.value!r}")
     if not mode.is_stochastic:
@@ -112,7 +114,7 @@ def check_random_bits(x: torch.Tensor, spec: RoundSpec, random_bits: torch.Tenso
     if random_bits is None:
         raise ValueError(
             f"mode {spec.mode.value!r} needs random bits: pass random_bits "
-            f"(integers in [0, {spec.random_range}))"
+            f"(integers in [0, {spec.random_range})) or seed=, and fewbit draws them"
         )
     if not isinstance(random_bits, torch.Tensor):
         raise TypeError(f"random_bits must be a tensor, not {type(random_bits).__name__}")

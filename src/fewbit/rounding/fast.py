@@ -22,7 +22,7 @@ import struct
 import torch
 
 from .checks import RoundSpec
-from .modes import FEW_BIT_TIE, SELECT_BITS, RoundMode
+from .modes import FEW_BIT_TIE, RoundMode
 
 __all__ = ["decompose", "round_fast", "working_dtype"]
 
@@ -216,6 +216,5 @@ def _away(mode, spec: RoundSpec, r, rem, Dc, D, e_t, negative, random_bits, max_
         rne = nearest_even()
         return torch.where((r == 0) & ~rne, stochastic, rne)
     if mode is RoundMode.SR_FRACTION:
-        threshold = round(spec.fraction * (1 << SELECT_BITS))
-        return torch.where(select < threshold, stochastic, nearest_even())
+        return torch.where(select < spec.select_below, stochastic, nearest_even())
     return stochastic

@@ -21,7 +21,7 @@ import torch
 
 from ..formats import FloatFormat
 from .checks import RoundSpec, check_random_bits, check_round_args
-from .modes import FEW_BIT_TIE, SELECT_BITS, RoundMode
+from .modes import FEW_BIT_TIE, RoundMode
 
 __all__ = ["fraction_to_bits", "probability_away", "round_away", "round_reference"]
 
@@ -105,7 +105,7 @@ def _round_magnitude(a: Fraction, spec: RoundSpec, negative: bool, n: int | None
         up = away(RoundMode.SRC, n) if rne_gives_zero else away(RoundMode.RNE)
     elif mode is RoundMode.SR_FRACTION:
         select, n = n >> spec.bits, n & ((1 << spec.bits) - 1)
-        use_sr = select < round(spec.fraction * (1 << SELECT_BITS))
+        use_sr = select < spec.select_below
         up = away(RoundMode.SRC, n) if use_sr else away(RoundMode.RNE)
     else:
         up = away(mode, n)
@@ -172,5 +172,5 @@ def round_reference(
     check_random_bits(x, spec, random_bits)
     values = x.detach().cpu().double().flatten().tolist()
     rand = random_bits.cpu().flatten().tolist() if random_bits is not None else [None] * len(values)
-    out = [_round_scalar(v, spec, n) for v, n in zip(values, rand)]
+    out = [_round_scalar(v, spec, n) for v, n in zip(values, rand, strict=True)]
     return torch.tensor(out, dtype=torch.float64).reshape(x.shape).to(x.dtype).to(x.device)

@@ -1,0 +1,144 @@
+"""``fewbit bench``: rounding throughput as ratios to ``torch.clone``, in one run.
+
+Every row times one configuration on the same input (2^24 elements by default):
+fewbit.round as users call it (the compiled kernel, bits generated inside it), an
+SR fed by ``torch.randint`` bits (what one writes without fewbit.random), and gfloat
+on key rows. Times are the best of ``repeat`` runs after a warm-up, which also
+absorbs the first call's compilation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import torch
+
+from .codec import encode
+from .formats import format
+from .rounding import dtype_format, natural_sr_bits
+from .rounding import round as fewbit_round
+
+TARGETS = ["binary8p4", "ocp_e4m3", "ocp_e5m2", "ocp_e2m1", "bfloat16"]
+SR_MODES = ["srff", "srf", "src"]
+BITS = [2, 3, 4, 8]
+
+
+def best_time(fn: Callable[[], object], repeat: int, sync: Callable[[], None] = lambda: None) -> float:
+    """Best wall time of ``repeat`` calls after one warm-up call."""
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@contextmanager
+def eager_only():
+    old = os.environ.get("FEWBIT_EAGER")
+    os.environ["FEWBIT_EAGER"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["FEWBIT_EAGER"]
+        else:
+            os.environ["FEWBIT_EAGER"] = old
+
+
+def _gfloat_round(x: torch.Tensor, fmt: str, mode: str, bits: int | None):
+    import gfloat  # a test dependency, imported only when asked for
+    from gfloat.formats import format_info_ocp_e4m3, format_info_p3109
+
+    info = format_info_p3109(8, 4) if fmt == "binary8p4" else format_info_ocp_e4m3
+    modes = {"rne": gfloat.RoundMode.TiesToEven, "src": gfloat.RoundMode.Stochastic,
+             "srf": gfloat.RoundMode.StochasticFast, "srff": gfloat.RoundMode.StochasticFastest}
+    xn = x.float().numpy()
+    if bits is None:
+        return lambda: gfloat.round_ndarray(info, xn, modes[mode])
+    rb = torch.randint(0, 2**bits, x.shape, dtype=torch.int32).numpy()
+    return lambda: gfloat.round_ndarray(info, xn, modes[mode], srbits=rb, srnumbits=bits)
+
+
+def run(
+    log2_size: int = 24,
+    device: str = "cpu",
+    repeat: int = 5,
+    quick: bool = False,
+    with_gfloat: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict]:
+    """Measure every configuration; one dict per row (Melem/s and ratios)."""
+    n = 1 << log2_size
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    rows = []
+    gen = torch.Generator(device=device).manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(n, generator=gen, device=device) * 8).to(dtype)
+        clone = best_time(lambda: x.clone(), repeat, sync)
+        targets = TARGETS[:1] if quick else TARGETS
+        for fmt in targets:
+            if fmt == "bfloat16" and dtype == torch.bfloat16:
+                continue
+            configs = [("rne", None)]
+            for mode in (["src"] if quick else SR_MODES):
+                configs += [(mode, b) for b in ([3] if quick else BITS)]
+            configs.append(("sr", None))
+            for mode, bits in configs:
+                label = f"{str(dtype).removeprefix('torch.')} -> {fmt} {mode}"
+                label += f" N={bits}" if bits else ""
+                if progress:
+                    progress(label)
+                sat = fmt == "ocp_e2m1"
+                seed = {"seed": 1} if mode != "rne" else {}
+                t = best_time(lambda: fewbit_round(x, fmt, mode, bits=bits, sat=sat, **seed), repeat, sync)
+                row = {"input": str(dtype), "format": fmt, "mode": mode, "bits": bits,
+                       "melem_per_s": n / t / 1e6, "x_clone": clone / t}
+                if mode != "rne":
+                    width = bits or natural_sr_bits(dtype_format(dtype), format(fmt))
+
+                    def randint_fed():
+                        rb = torch.randint(0, 2**width, x.shape, dtype=torch.int32, device=device)
+                        return fewbit_round(x, fmt, mode, bits=bits, sat=sat, random_bits=rb)
+
+                    row["randint_fed_x_clone"] = clone / best_time(randint_fed, repeat, sync)
+                if dtype == torch.float32 and fmt == "binary8p4" and (mode == "rne" or bits == 3):
+                    with eager_only():
+                        row["eager_x_clone"] = clone / best_time(
+                            lambda: fewbit_round(x, fmt, mode, bits=bits, sat=sat, **seed), repeat, sync)
+                    if with_gfloat and device == "cpu" and mode in ("rne", "src", "srf", "srff"):
+                        row["x_gfloat"] = best_time(_gfloat_round(x, fmt, mode, bits), 1) / t
+                rows.append(row)
+        rounded = fewbit_round(x, "binary8p4", sat=True)
+        t = best_time(lambda: encode(rounded, "binary8p4"), repeat, sync)
+        rows.append({"input": str(dtype), "format": "binary8p4", "mode": "encode to uint8",
+                     "bits": None, "melem_per_s": n / t / 1e6, "x_clone": clone / t})
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'configuration':42} {'Melem/s':>9} {'x clone':>8} {'eager':>7} "
+            f"{'randint-fed':>11} {'x gfloat':>9}")
+    lines = [head]
+    for r in rows:
+        label = f"{r['input'].removeprefix('torch.')} -> {r['format']} {r['mode']}"
+        label += f" N={r['bits']}" if r["bits"] else ""
+
+        def col(key, width, fmt=".3f"):
+            return f"{r[key]:>{width}{fmt}}" if key in r else " " * width
+
+        lines.append(f"{label:42} {r['melem_per_s']:>9.1f} {r['x_clone']:>8.3f} "
+                     f"{col('eager_x_clone', 7)} {col('randint_fed_x_clone', 11)} "
+                     f"{col('x_gfloat', 9, '.0f')}")
+    return "\n".join(lines)
+
+
+def to_json(rows: list[dict]) -> str:
+    return json.dumps(rows, indent=1)

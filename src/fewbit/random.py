@@ -1,0 +1,510 @@
+"""Stateless, counter-based random bits built from plain torch integer ops.
+
+Stochastic rounding needs ``N`` random bits per element (``1 <= N <= 32``).
+Here those bits are a pure function of ``(key, element index)``, so they are
+identical on CPU and GPU, in eager mode and under ``torch.compile``, and for a
+tensor processed whole or in chunks (pass the chunk's start as ``offset``).
+
+The generator is Threefry-2x32 with 20 rounds (``threefry2x32_20`` from
+Random123, Salmon et al., "Parallel random numbers: as easy as 1, 2, 3",
+SC 2011). It maps a 64-bit counter ``(c0, c1)`` and a 64-bit key ``(k0, k1)``
+to 64 random bits ``(x0, x1)`` using only 32-bit add, xor and rotate, which
+torch can express exactly; Philox would need a 32x32->64 multiply-high.
+
+Layout of the stream for a key:
+
+* block ``b`` (``b >= 0``) is Threefry applied to counter
+  ``(b mod 2**32, b // 2**32)``; it gives two 32-bit words;
+* word ``w`` is output ``w % 2`` of block ``w // 2``;
+* with ``bits`` bits per element, ``per_word = 32 // bits`` elements share a
+  word: element ``i`` uses word ``i // per_word``, bits
+  ``[(i % per_word) * bits, (i % per_word + 1) * bits)`` (low bits first).
+  When ``bits`` does not divide 32 the top ``32 % bits`` bits of each word are
+  unused.
+
+Representation: torch has weak ``uint32`` support and ``int32`` right shifts
+are arithmetic, so 32-bit values are held in ``int64`` tensors and masked with
+``0xFFFFFFFF``. Every intermediate stays far below ``2**63``, so nothing
+overflows and the result is bit-exact on every backend.
+
+For fusing with rounding inside a ``torch.compile``'d function use the tensor
+functions :func:`bits_from_range` (a contiguous range of elements: one
+Threefry block per ``2 * per_word`` elements) or :func:`bits_from_index`
+(arbitrary indices: one block per element); pass keys as 0-d int64 tensors
+(:meth:`Key.tensors`) to avoid recompiling for every new key. The eager path
+runs in cache-sized chunks with in-place ops; the traced path is functional
+(see :func:`_compile_fence` for what keeps Inductor's compile time linear).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "Key",
+    "as_key",
+    "fold_in",
+    "threefry2x32",
+    "threefry2x32_int",
+    "random_words",
+    "random_bits",
+    "bits_from_range",
+    "bits_from_index",
+]
+
+MASK32 = 0xFFFFFFFF
+
+# Rotation distances of Threefry-2x32 (Random123's R_32x2_{0..7}); round r
+# rotates by ROTATIONS[r % 8]. Taken from the Skein/Threefish design.
+ROTATIONS = (13, 15, 26, 6, 17, 29, 16, 24)
+
+# Key-schedule parity constant (Skein's SKEIN_KS_PARITY32). The key schedule is
+# (k0, k1, ks2) with ks2 = PARITY ^ k0 ^ k1; the constant keeps the schedule
+# from being degenerate for simple keys (e.g. all-zero key -> all-zero schedule).
+SKEIN_KS_PARITY32 = 0x1BD11BDA
+
+# Random123's default round count for threefry2x32 ("threefry2x32_20"; 13 is
+# the fewest that pass TestU01 BigCrush, 20 adds a safety margin).
+DEFAULT_ROUNDS = 20
+
+# A key is injected after every KEY_INJECTION_INTERVAL rounds.
+KEY_INJECTION_INTERVAL = 4
+
+_MAX_U32 = 2**32
+_MAX_U64 = 2**64
+# Largest element index we support: indices live in int64 tensors.
+_MAX_INDEX = 2**63 - 1
+
+KeyInt = int | torch.Tensor
+
+
+# --------------------------------------------------------------------------
+# Validation helpers
+# --------------------------------------------------------------------------
+
+
+def _is_int(x: object) -> bool:
+    """True for Python/numpy integers, False for bool (a common mistake)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_uint(x: object, limit: int, what: str) -> int:
+    if not _is_int(x):
+        raise TypeError(f"{what} must be an int, got {type(x).__name__}: {x!r}")
+    x = int(x)
+    if not 0 <= x < limit:
+        raise ValueError(f"{what} must be in [0, 2**{limit.bit_length() - 1}), got {x}")
+    return x
+
+
+def _check_size(x: object, limit: int, what: str) -> int:
+    """Like _check_uint for sizes and offsets, which may also be symbolic ints
+    (``torch.SymInt``) when traced by ``torch.compile(dynamic=True)``."""
+    if isinstance(x, torch.SymInt):
+        torch._check(x >= 0, lambda: f"{what} must be non-negative")
+        return x  # type: ignore[return-value]
+    return _check_uint(x, limit, what)
+
+
+def _check_bits(bits: object) -> int:
+    if not _is_int(bits):
+        raise ValueError(f"bits must be an int in 1..32, got {type(bits).__name__}: {bits!r}")
+    bits = int(bits)
+    if not 1 <= bits <= 32:
+        raise ValueError(f"bits must be in 1..32, got {bits}")
+    return bits
+
+
+# --------------------------------------------------------------------------
+# Keys
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Key:
+    """A 64-bit Threefry key as two 32-bit unsigned ints ``(k0, k1)``."""
+
+    k0: int
+    k1: int
+
+    def __post_init__(self) -> None:
+        # Normalise numpy ints etc. to Python ints (frozen: use object.__setattr__).
+        object.__setattr__(self, "k0", _check_uint(self.k0, _MAX_U32, "Key.k0"))
+        object.__setattr__(self, "k1", _check_uint(self.k1, _MAX_U32, "Key.k1"))
+
+    @classmethod
+    def from_seed(cls, seed: int) -> Key:
+        """Key from an int seed in ``[0, 2**64)``: ``k0`` = low 32 bits, ``k1`` = high."""
+        seed = _check_uint(seed, _MAX_U64, "seed")
+        return cls(seed & MASK32, seed >> 32)
+
+    def tensors(
+        self, device: torch.device | str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k0, k1)`` as 0-d int64 tensors (lets a compiled function take any key
+        without recompiling)."""
+        return (
+            torch.tensor(self.k0, dtype=torch.int64, device=device),
+            torch.tensor(self.k1, dtype=torch.int64, device=device),
+        )
+
+
+def as_key(seed_or_key: Key | int) -> Key:
+    """``Key`` -> itself; int -> :meth:`Key.from_seed`; anything else -> TypeError."""
+    if isinstance(seed_or_key, Key):
+        return seed_or_key
+    if _is_int(seed_or_key):
+        return Key.from_seed(seed_or_key)
+    raise TypeError(
+        "expected a fewbit.random.Key or an int seed, "
+        f"got {type(seed_or_key).__name__}: {seed_or_key!r}"
+    )
+
+
+def fold_in(key: Key | int, *ints: int) -> Key:
+    """Derive a new key from ``key`` and each int in turn (each in ``[0, 2**64)``).
+
+    One step is ``Key(*threefry2x32_20(counter=(v mod 2**32, v // 2**32), key))``,
+    as in JAX's ``fold_in``. ``fold_in(k, a, b) == fold_in(fold_in(k, a), b)``;
+    ``fold_in(k)`` is ``k``. As in JAX, the child key equals block ``v`` of
+    ``k``'s own stream (words ``2v, 2v + 1``): derive children for separate
+    uses rather than also drawing from the parent.
+    """
+    key = as_key(key)
+    for v in ints:
+        v = _check_uint(v, _MAX_U64, "fold_in value")
+        key = Key(*threefry2x32_int(v & MASK32, v >> 32, key.k0, key.k1))
+    return key
+
+
+# --------------------------------------------------------------------------
+# Threefry-2x32
+# --------------------------------------------------------------------------
+
+
+def _rotl32_int(x: int, r: int) -> int:
+    return ((x << r) | (x >> (32 - r))) & MASK32
+
+
+def threefry2x32_int(
+    c0: int, c1: int, k0: int, k1: int, *, rounds: int = DEFAULT_ROUNDS
+) -> tuple[int, int]:
+    """Scalar pure-Python Threefry-2x32 (reference; used by :func:`fold_in`)."""
+    ks = (k0, k1, SKEIN_KS_PARITY32 ^ k0 ^ k1)
+    x0 = (c0 + ks[0]) & MASK32
+    x1 = (c1 + ks[1]) & MASK32
+    for r in range(rounds):
+        x0 = (x0 + x1) & MASK32
+        x1 = _rotl32_int(x1, ROTATIONS[r % 8]) ^ x0
+        if r % KEY_INJECTION_INTERVAL == KEY_INJECTION_INTERVAL - 1:
+            i = (r + 1) // KEY_INJECTION_INTERVAL
+            x0 = (x0 + ks[i % 3]) & MASK32
+            x1 = (x1 + ks[(i + 1) % 3] + i) & MASK32
+    return x0, x1
+
+
+def _compile_fence(t: torch.Tensor) -> torch.Tensor:
+    """Identity, but makes TorchInductor store ``t`` as a buffer.
+
+    Inductor inlines pointwise producers into their consumers by re-evaluating
+    them at every use. Threefry's state words are each used two or three times
+    per round, so without a fence lowering expands a tree of ~3.4**rounds ops
+    (minutes, or hangs, for 20 rounds). An identity ``as_strided`` forces
+    realisation, yet the scheduler still fuses all rounds into one loop, so
+    the generated kernel keeps everything in registers.
+    """
+    return t.as_strided(t.size(), t.stride())
+
+
+def threefry2x32(
+    c0: torch.Tensor,
+    c1: torch.Tensor,
+    k0: KeyInt,
+    k1: KeyInt,
+    *,
+    rounds: int = DEFAULT_ROUNDS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Threefry-2x32 on int64 tensors of counters (values in ``[0, 2**32)``).
+
+    ``k0``/``k1`` are Python ints or (0-d or broadcastable) int64 tensors in
+    ``[0, 2**32)``. Returns ``(x0, x1)``, int64 tensors with values in
+    ``[0, 2**32)``. Pure functional torch ops: works on any device and under
+    ``torch.compile(fullgraph=True)``.
+
+    Masking is lazy to save ops: ``x0`` only feeds additions and the xor into
+    ``x1``, so garbage above bit 31 is harmless there; ``x1`` is masked once per
+    round because the rotation must see exactly 32 bits. ``x0`` grows by at most
+    one 32-bit term per round/injection (< 2**38), ``x1 << r`` < 2**61: no
+    int64 overflow.
+    """
+    if isinstance(k0, torch.Tensor) or isinstance(k1, torch.Tensor):
+        ks2 = (
+            torch.bitwise_xor(torch.as_tensor(k0, dtype=torch.int64, device=c0.device), k1)
+            ^ SKEIN_KS_PARITY32
+        )
+    else:
+        ks2 = SKEIN_KS_PARITY32 ^ k0 ^ k1
+    ks = (k0, k1, ks2)
+    fence = torch.compiler.is_compiling()  # eager needs no fence
+
+    x0 = c0 + ks[0]  # unmasked (see docstring)
+    x1 = (c1 + ks[1]) & MASK32
+    for r in range(rounds):
+        rot = ROTATIONS[r % 8]
+        x0 = x0 + x1
+        # rotl32(x1) ^ x0, then drop everything above bit 31 in one mask.
+        x1 = (((x1 << rot) | (x1 >> (32 - rot))) ^ x0) & MASK32
+        if r % KEY_INJECTION_INTERVAL == KEY_INJECTION_INTERVAL - 1:
+            # Key injection i: add the key schedule rotated by i, plus the
+            # injection number into x1 (Skein's defence against slide attacks).
+            i = (r + 1) // KEY_INJECTION_INTERVAL
+            x0 = x0 + ks[i % 3]
+            x1 = (x1 + (ks[(i + 1) % 3] + i)) & MASK32
+        if fence:
+            x0, x1 = _compile_fence(x0), _compile_fence(x1)
+    return x0 & MASK32, x1
+
+
+def _threefry2x32_inplace(
+    c0: torch.Tensor, c1: torch.Tensor, k0: int, k1: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager fast path of :func:`threefry2x32` (20 rounds, int keys): the same
+    arithmetic with in-place ops, so no allocation per op (3-4x faster on CPU
+    when the block fits in cache). Consumes ``c0``, ``c1`` (overwritten)."""
+    ks = (k0, k1, SKEIN_KS_PARITY32 ^ k0 ^ k1)
+    x0 = c0.add_(ks[0])
+    x1 = c1.add_(ks[1]).bitwise_and_(MASK32)
+    tmp = torch.empty_like(x1)
+    for r in range(DEFAULT_ROUNDS):
+        rot = ROTATIONS[r % 8]
+        x0.add_(x1)
+        torch.bitwise_left_shift(x1, rot, out=tmp)
+        x1.bitwise_right_shift_(32 - rot).bitwise_or_(tmp).bitwise_xor_(x0).bitwise_and_(MASK32)
+        if r % KEY_INJECTION_INTERVAL == KEY_INJECTION_INTERVAL - 1:
+            i = (r + 1) // KEY_INJECTION_INTERVAL
+            x0.add_(ks[i % 3])
+            x1.add_(ks[(i + 1) % 3] + i).bitwise_and_(MASK32)
+    return x0.bitwise_and_(MASK32), x1
+
+
+# --------------------------------------------------------------------------
+# Streams of words and bits
+# --------------------------------------------------------------------------
+
+# Eager generation works on chunks of this many Threefry blocks so that the
+# state (two int64 tensors + a temporary) stays in L2 cache across the ~130
+# ops of 20 rounds, and each op stays single-threaded (below torch's parallel
+# grain size; threading such short ops costs more than it gains).
+_EAGER_CHUNK_BLOCKS = 2**14
+
+
+def _words_range(
+    first_word: int, n_words: int, k0: KeyInt, k1: KeyInt, device, *, inplace: bool
+) -> torch.Tensor:
+    """Words ``[first_word, first_word + n_words)`` of the stream: one Threefry
+    call per pair of words, outputs interleaved. ``inplace`` selects the eager
+    fast path (int keys only)."""
+    first_block = first_word // 2
+    end_block = (first_word + n_words + 1) // 2
+    block = torch.arange(first_block, end_block, dtype=torch.int64, device=device)
+    if inplace:
+        x0, x1 = _threefry2x32_inplace(block & MASK32, block >> 32, k0, k1)
+    else:
+        x0, x1 = threefry2x32(block & MASK32, block >> 32, k0, k1)
+    words = torch.stack((x0, x1), dim=-1).reshape(-1)
+    start = first_word - 2 * first_block
+    return words[start : start + n_words]
+
+
+def _check_range(offset: object, n: int) -> int:
+    offset = _check_size(offset, _MAX_INDEX + 1, "offset")
+    symbolic = isinstance(offset, torch.SymInt) or isinstance(n, torch.SymInt)
+    if not symbolic and offset + n > _MAX_INDEX + 1:
+        raise ValueError(f"offset + size must be <= 2**63, got {offset} + {n}")
+    return offset
+
+
+def random_words(
+    n_words: int,
+    key: Key | int,
+    *,
+    offset: int = 0,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """int64 tensor of the 32-bit words ``[offset, offset + n_words)`` of ``key``'s
+    stream (values in ``[0, 2**32)``). Word ``w`` is output ``w % 2`` of the
+    Threefry-2x32-20 block with counter ``(w // 2 mod 2**32, w // 2**33)``."""
+    key = as_key(key)
+    n_words = _check_size(n_words, _MAX_INDEX + 1, "n_words")
+    offset = _check_range(offset, n_words)
+    eager = not torch.compiler.is_compiling()
+    return _words_range(offset, n_words, key.k0, key.k1, device, inplace=eager)
+
+
+# Integer dtypes random_bits can return, with how many value bits they hold.
+_DTYPE_VALUE_BITS = {
+    torch.uint8: 8,
+    torch.int8: 7,
+    torch.int16: 15,
+    torch.int32: 31,
+    torch.int64: 63,
+}
+
+
+def _default_dtype(bits: int) -> torch.dtype:
+    return torch.int32 if bits <= 31 else torch.int64
+
+
+def _as_shape(shape: int | Sequence[int]) -> tuple[int, ...]:
+    if _is_int(shape) or isinstance(shape, torch.SymInt):
+        shape = (shape,)
+    try:
+        dims = tuple(shape)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"shape must be an int or a sequence of ints, got {type(shape).__name__}"
+        ) from None
+    return tuple(_check_size(d, _MAX_INDEX + 1, "shape entry") for d in dims)
+
+
+def _extract_bits(words: torch.Tensor, bits: int, wide: bool) -> torch.Tensor:
+    """Split int64 32-bit words into ``per_word`` ``bits``-bit fields, low bits
+    first: result ``[w * per_word + j] = (words[w] >> (j * bits)) & mask``.
+
+    With ``wide=False`` (``bits <= 31``) the work is done in int32: the words
+    are reinterpreted as signed int32 exactly (no overflowing cast); the
+    arithmetic shift only smears the sign into bits that the mask removes.
+    """
+    per_word = 32 // bits
+    mask = (1 << bits) - 1
+    if not wide:
+        words = (words - ((words & 0x80000000) << 1)).to(torch.int32)
+    if per_word == 1:  # bits in 17..32: one element per word, low bits
+        return words if bits == 32 else words & mask
+    shifts = torch.arange(0, per_word * bits, bits, dtype=words.dtype, device=words.device)
+    return ((words[:, None] >> shifts) & mask).reshape(-1)
+
+
+def _bits_range(
+    offset: int, n: int, bits: int, k0: KeyInt, k1: KeyInt, device, dtype: torch.dtype
+) -> torch.Tensor:
+    """Flat ``dtype`` tensor of the ``bits``-bit values of elements
+    ``[offset, offset + n)`` (arguments already validated)."""
+    per_word = 32 // bits
+    wide = bits == 32 or dtype == torch.int64
+    first_word = offset // per_word
+    end_word = (offset + n + per_word - 1) // per_word  # ceil
+    skip = offset - first_word * per_word  # leading fields of the first word to drop
+
+    if torch.compiler.is_compiling() or not (isinstance(k0, int) and isinstance(k1, int)):
+        # One functional graph; under torch.compile the bit extraction fuses
+        # with whatever consumes the result.
+        words = _words_range(first_word, end_word - first_word, k0, k1, device, inplace=False)
+        return _extract_bits(words, bits, wide)[skip : skip + n].to(dtype)
+
+    # Eager: generate and split cache-sized chunks of words straight into the output.
+    out = torch.empty(n, dtype=dtype, device=device)
+    chunk_words = 2 * _EAGER_CHUNK_BLOCKS
+    pos = 0  # elements written so far
+    for w in range(first_word, end_word, chunk_words):
+        nw = min(chunk_words, end_word - w)
+        vals = _extract_bits(_words_range(w, nw, k0, k1, device, inplace=True), bits, wide)
+        vals = vals[skip : skip + n] if pos == 0 else vals[: n - pos]
+        out[pos : pos + vals.numel()] = vals
+        pos += vals.numel()
+    return out
+
+
+def random_bits(
+    shape: int | Sequence[int],
+    bits: int,
+    key: Key | int,
+    *,
+    offset: int = 0,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Random ``bits``-bit values (in ``[0, 2**bits)``), one per element of ``shape``.
+
+    Element ``i = offset + flat_position`` (row-major) takes bits
+    ``[(i % per_word) * bits, ...)`` of word ``i // per_word``, where
+    ``per_word = 32 // bits`` (see the module docstring). So
+    ``random_bits((n,), b, k, offset=o)`` equals ``random_bits((o + n,), b, k)[o:]``:
+    a tensor processed in chunks gets exactly the bits it would get whole.
+
+    ``bits``: int in 1..32, else ValueError. ``dtype``: default ``torch.int32``
+    for ``bits <= 31`` and ``torch.int64`` for ``bits == 32``; any of uint8,
+    int8, int16, int32, int64 that can hold ``bits`` non-negative bits is
+    accepted (ValueError otherwise). Computes each Threefry block once, for
+    ``2 * per_word`` elements.
+
+    Works under ``torch.compile``, but the key's ints become constants of the
+    graph, so each new key recompiles: in compiled code that sees many keys use
+    :func:`bits_from_range` with :meth:`Key.tensors`.
+    """
+    bits = _check_bits(bits)
+    key = as_key(key)
+    dims = _as_shape(shape)
+    if dtype is None:
+        dtype = _default_dtype(bits)
+    if dtype not in _DTYPE_VALUE_BITS:
+        raise ValueError(f"dtype must be one of {sorted(map(str, _DTYPE_VALUE_BITS))}, got {dtype}")
+    if bits > _DTYPE_VALUE_BITS[dtype]:
+        raise ValueError(f"dtype {dtype} cannot hold {bits}-bit values; use torch.int64")
+    n = 1
+    for d in dims:
+        n *= d
+    offset = _check_range(offset, n)
+    return _bits_range(offset, n, bits, key.k0, key.k1, device, dtype).reshape(dims)
+
+
+def bits_from_range(
+    offset: int,
+    n: int,
+    bits: int,
+    k0: KeyInt,
+    k1: KeyInt,
+    *,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Values of elements ``[offset, offset + n)``, flat; the same values as
+    :func:`random_bits`. Returns int32 for ``bits <= 31``, int64 for ``bits == 32``.
+
+    The tensor-level form for compiled code: ``k0``/``k1`` may be 0-d int64
+    tensors (:meth:`Key.tensors`) so that a new key needs no recompilation;
+    ``offset``/``n`` may be symbolic under ``torch.compile(dynamic=True)``.
+    Costs one Threefry block per ``2 * per_word`` elements.
+    """
+    bits = _check_bits(bits)
+    n = _check_size(n, _MAX_INDEX + 1, "n")
+    offset = _check_range(offset, n)
+    if not torch.compiler.is_compiling():
+        # Eager: use the fast in-place path with the keys as Python ints.
+        k0, k1 = int(k0), int(k1)
+    return _bits_range(offset, n, bits, k0, k1, device, _default_dtype(bits))
+
+
+def bits_from_index(index: torch.Tensor, bits: int, k0: KeyInt, k1: KeyInt) -> torch.Tensor:
+    """Values for arbitrary element indices (int64 tensor, each in
+    ``[0, 2**63)``), the same as :func:`random_bits` gives those elements.
+    Returns int32 (``bits <= 31``) or int64 (``bits == 32``) with ``index``'s
+    shape and device.
+
+    A pure function of tensors (keys: ints or 0-d int64 tensors, e.g. from
+    :meth:`Key.tensors`) for use inside ``torch.compile(fullgraph=True)`` code,
+    fused with the consumer. Each element runs its own Threefry block, i.e.
+    ``2 * per_word`` times the work of :func:`bits_from_range`; prefer that
+    for contiguous ranges.
+    """
+    bits = _check_bits(bits)
+    per_word = 32 // bits
+    word = index // per_word
+    shift = (index - word * per_word) * bits
+    block = word >> 1
+    x0, x1 = threefry2x32(block & MASK32, block >> 32, k0, k1)
+    w = torch.where((word & 1) == 1, x1, x0)
+    return ((w >> shift) & ((1 << bits) - 1)).to(_default_dtype(bits))
