@@ -133,9 +133,10 @@ def round_fast(x: torch.Tensor, spec: RoundSpec, random_bits: torch.Tensor | Non
     max_shift = M + 2
     Dc = D.clamp(max=max_shift)
     r = sig >> Dc
-    rem = sig & ((1 << Dc) - 1)
+    one = 1 << Dc  # one ulp of the target, in units of the input's last bit
+    rem = sig & (one - 1)
 
-    away = _away(mode, spec, r, rem, Dc, D, e_t, negative, random_bits, max_shift)
+    away = _away(mode, spec, r, rem, one, D, e_t, negative, random_bits, max_shift)
     r = r + away.to(itype)
 
     # Back to the working float: normal results by placing exponent and significand
@@ -152,16 +153,23 @@ def round_fast(x: torch.Tensor, spec: RoundSpec, random_bits: torch.Tensor | Non
         # A 0-d tensor keeps torch.where in the integer view's dtype.
         return torch.tensor(_bits_of(value, x.dtype), dtype=itype, device=x.device)
 
-    limit = torch.where(negative, const(fmt.max_negative_magnitude), const(fmt.max))
+    if fmt.max_negative_magnitude == fmt.max:
+        limit = const(fmt.max)
+    else:
+        limit = torch.where(negative, const(fmt.max_negative_magnitude), const(fmt.max))
     over = (mag > limit) | is_inf
     if spec.sat:
         to_limit = over
     else:
-        to_limit = over & ~is_inf & _directed_to_limit(mode, negative)
+        to_limit = _directed_to_limit(mode, negative)
+        if to_limit is not None:
+            to_limit = over & ~is_inf & to_limit
     beyond_pos = const(float("inf") if fmt.extended else float("nan"))
     beyond_neg = const(float("inf") if fmt.extended and fmt.signed else float("nan"))
-    beyond = torch.where(negative, beyond_neg, beyond_pos)
-    mag = torch.where(to_limit, limit, torch.where(over, beyond, mag))
+    beyond = beyond_pos if fmt.signed else torch.where(negative, beyond_neg, beyond_pos)
+    mag = torch.where(over, beyond, mag)
+    if to_limit is not None:
+        mag = torch.where(to_limit, limit, mag)
     keep_sign = negative & (mag != 0) if not fmt.has_nz else negative
     if not fmt.has_zero:
         mag = torch.where(mag == 0, const(fmt.smallest_normal), mag)
@@ -171,20 +179,20 @@ def round_fast(x: torch.Tensor, spec: RoundSpec, random_bits: torch.Tensor | Non
 
 
 def _directed_to_limit(mode: RoundMode, negative):
+    """Where a mode stops at the largest finite value (None: nowhere)."""
     if mode in (RoundMode.RTZ, RoundMode.RTO):
         return torch.ones_like(negative)
     if mode is RoundMode.RUP:
         return negative
     if mode is RoundMode.RDN:
         return ~negative
-    return torch.zeros_like(negative)
+    return None
 
 
-def _away(mode, spec: RoundSpec, r, rem, Dc, D, e_t, negative, random_bits, max_shift):
-    """The predicate R per element, on the integer fraction ``rem / 2^Dc``."""
+def _away(mode, spec: RoundSpec, r, rem, one, D, e_t, negative, random_bits, max_shift):
+    """The predicate R per element, on the integer fraction ``d = rem / one``."""
     fmt = spec.fmt
     rem2 = rem << 1
-    one = 1 << Dc
     if fmt.p > 1:
         odd = (r & 1) == 1
     else:  # P = 1: the code's last bit is the exponent field's.
