@@ -509,20 +509,3 @@ def bits_from_index(index: torch.Tensor, bits: int, k0: KeyInt, k1: KeyInt) -> t
     w = torch.where((word & 1) == 1, x1, x0)
     return ((w >> shift) & ((1 << bits) - 1)).to(_default_dtype(bits))
 
-
-def bits_by_block(n_blocks: int, bits: int, k0: KeyInt, k1: KeyInt, *, device=None) -> torch.Tensor:
-    """Values of elements ``[0, n_blocks * 2 * per_word)`` as a
-    ``(n_blocks, 2 * per_word)`` tensor, row ``b`` holding the elements of Threefry
-    block ``b``: the same values as :func:`random_bits`, laid out by block.
-
-    For compiled code that rounds a tensor viewed with that shape: the consumer reads
-    each block's two words by broadcasting, so only the words are stored (one int64
-    pair per ``2 * per_word`` elements), never a value per element.
-    """
-    bits = _check_bits(bits)
-    per_word = 32 // bits
-    block = torch.arange(n_blocks, dtype=torch.int64, device=device)
-    x0, x1 = threefry2x32(block & MASK32, block >> 32, k0, k1)
-    j = torch.arange(2 * per_word, dtype=torch.int64, device=device)
-    word = torch.where(j < per_word, x0[:, None], x1[:, None])
-    return ((word >> ((j % per_word) * bits)) & ((1 << bits) - 1)).to(_default_dtype(bits))

@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from ..random import Key, bits_by_block, bits_from_range, fold_in
+from ..random import Key, bits_from_range, fold_in
 from .checks import RoundSpec
 from .fast import round_fast
 from .modes import SELECT_BITS, RoundMode
@@ -93,14 +93,4 @@ def compiled_round(x: torch.Tensor, spec: RoundSpec, key: Key | None, random_bit
 def _kernel(x, *args, spec: RoundSpec):
     if len(args) == 1:  # explicit random bits (or None)
         return round_fast(x, spec, args[0])
-    if spec.mode is RoundMode.SR_FRACTION:
-        return generated_round(x, *args, offset=0, spec=spec)
-    # Round the bulk viewed as one row per Threefry block, so the kernel stores only
-    # each block's two words; the tail (under one block) takes its bits by range.
-    k0, k1 = args[:2]
-    row = 2 * (32 // spec.bits)
-    n_rows = x.numel() // row
-    bulk = x[: n_rows * row].view(n_rows, row)
-    rand = bits_by_block(n_rows, spec.bits, k0, k1, device=x.device)
-    tail = generated_round(x[n_rows * row :], *args, offset=n_rows * row, spec=spec)
-    return torch.cat([round_fast(bulk, spec, rand).reshape(-1), tail])
+    return generated_round(x, *args, offset=0, spec=spec)
