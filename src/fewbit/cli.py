@@ -104,6 +104,40 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bias(args: argparse.Namespace) -> int:
+    from . import bias
+
+    if args.table:
+        modes = ["srff", "srf", "src", "src_odd"]
+        excesses = [*range(1, 13), None]
+        print("exact bias in ulps (rows: mode and N; columns: excess bits D, inf = infinite precision)")
+        print(f"{'mode':10}" + "".join(f"{('inf' if d is None else d):>10}" for d in excesses))
+        for mode in modes:
+            for n in range(1, 9):
+                cells = "".join(f"{float(bias.exact(mode, n, d)):>10.6f}" for d in excesses)
+                print(f"{mode + ' N=' + str(n):10}{cells}")
+        return 0
+    excess = args.excess
+    if args.format:
+        if not args.source:
+            raise ValueError("--format needs --from, the input format")
+        excess = bias.excess_bits(args.format, args.source)
+        print(f"{args.source} -> {args.format}: D = {excess} excess bits")
+    modes = [args.mode] if args.mode else ["srff", "srf", "src", "src_odd", "sr"]
+    for mode in modes:
+        bits = None if mode == "sr" or mode in ("rne", "rna", "rtz", "rup", "rdn", "rto") else args.bits
+        value = bias.exact(mode, bits, excess)
+        label = f"{mode}" + (f" N={bits}" if bits else "") + f" D={'inf' if excess is None else excess}"
+        line = f"{label:24} exact {str(value):>24} = {float(value):+.8f} ulp"
+        try:
+            paper = bias.closed_form(mode, bits, excess)
+            line += f"   paper {float(paper):+.8f}"
+        except ValueError:
+            pass
+        print(line)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fewbit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -129,6 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-gfloat", action="store_true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=cmd_bench)
+
+    p = sub.add_parser("bias", help="exact bias of rounding modes, in ulps")
+    p.add_argument("--mode", "-m", choices=[m.value for m in RoundMode][:11])
+    p.add_argument("--bits", "-N", type=int, default=3)
+    p.add_argument("--excess", "-D", type=int, help="excess input bits (default: infinite precision)")
+    p.add_argument("--format", help="target format: works D out with --from")
+    p.add_argument("--from", dest="source", help="input format, e.g. bf16")
+    p.add_argument("--table", action="store_true", help="every few-bit mode, N = 1..8, D = 1..12 and inf")
+    p.set_defaults(run=cmd_bias)
     return parser
 
 

@@ -1,0 +1,171 @@
+"""Bias of rounding modes: exact, from the paper's closed forms, and measured.
+
+Bias is the mean rounding error in ulps of the target, for positive inputs spread
+uniformly between two consecutive target values (fraction ``d`` uniform in [0, 1)),
+and over the random integer ``n`` of the stochastic modes. Negative values mean
+magnitudes drift toward zero. ``excess=None`` takes infinite-precision inputs;
+``excess=D`` inputs with D bits below the target's last bit (``d = j / 2^D``).
+
+``exact`` averages ``P(away | d) - d`` with ``P`` taken from the predicates of
+``fewbit.rounding.reference`` (one definition for rounding and bias), in rational
+arithmetic.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import torch
+
+from .formats import FloatFormat, format
+from .random import Key, as_key, fold_in
+from .rounding import RoundMode
+from .rounding import round as fewbit_round
+from .rounding.modes import parse_mode
+from .rounding.reference import probability_away, round_away
+
+__all__ = ["bias_at", "closed_form", "exact", "excess_bits", "measure"]
+
+_FEW_BIT = (RoundMode.SRFF, RoundMode.SRF, RoundMode.SRC, RoundMode.SRC_ODD)
+_DETERMINISTIC = (RoundMode.RNE, RoundMode.RNA, RoundMode.RTZ, RoundMode.RUP,
+                  RoundMode.RDN, RoundMode.RTO)
+_ENUMERATE_UP_TO = 1 << 12  # grid points per period summed one by one
+
+
+def _check(mode: RoundMode | str, bits: int | None, excess: int | None) -> tuple[RoundMode, int | None]:
+    mode = parse_mode(mode)
+    if mode in (RoundMode.SR_NEAR_ZERO, RoundMode.SR_FRACTION):
+        raise ValueError(f"the bias of {mode.value!r} depends on where x lies, not only on d: "
+                         "use fewbit.bias.measure")
+    if excess is not None and (isinstance(excess, bool) or not isinstance(excess, int) or excess < 0):
+        raise ValueError(f"excess must be an int >= 0 or None, got {excess!r}")
+    if mode is RoundMode.SR:
+        if bits is not None:
+            raise ValueError("mode 'sr' takes its N from the excess bits: N = min(D, 32)")
+        if excess is not None:  # sr is SRC with N = min(D, 32)
+            return RoundMode.SRC, min(max(excess, 1), 32)
+    elif mode in _FEW_BIT:
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 32:
+            raise ValueError(f"mode {mode.value!r} needs bits=N in 1..32, got {bits!r}")
+    elif bits is not None:
+        raise ValueError(f"mode {mode.value!r} is deterministic and takes no bits")
+    return mode, bits
+
+
+def bias_at(mode: RoundMode | str, bits: int | None, d: Fraction) -> Fraction:
+    """Expected rounding error, in ulps, of a positive input with fraction ``d``:
+    ``P(away) - d``, averaged over the parity of the kept part (RNE, RTO)."""
+    mode, bits = _check(mode, bits, None)
+    d = Fraction(d)
+    if not 0 <= d < 1:
+        raise ValueError(f"d must lie in [0, 1), got {d}")
+    if mode is RoundMode.SR and bits is None:
+        return Fraction(0)  # ideal SR: P(away) = d
+    if mode in _DETERMINISTIC:
+        p = sum(Fraction(int(round_away(mode, d, odd=odd))) for odd in (False, True)) / 2
+    else:
+        p = probability_away(mode, d, bits)
+    return p - d
+
+
+def _period(mode: RoundMode, bits: int | None) -> tuple[Fraction, list[Fraction]]:
+    """A period of ``bias_at`` in d and the points where it may jump within it.
+
+    Few-bit SR: adding ``2^(1-N)`` to d adds 2 to ``d * 2^N`` (parity kept), so
+    ``P(away)`` grows by exactly ``2^(1-N)`` and the bias repeats; it can only jump at
+    multiples of ``2^-(N+1)``. Deterministic modes: one period, jumps at 0 and 1/2.
+    """
+    if mode in _DETERMINISTIC:
+        return Fraction(1), [Fraction(0), Fraction(1, 2)]
+    period = Fraction(2, 1 << bits)
+    step = Fraction(1, 1 << (bits + 1))
+    return period, [k * step for k in range(4)]
+
+
+def exact(mode: RoundMode | str, bits: int | None = None, excess: int | None = None) -> Fraction:
+    """Exact mean bias in ulps (see the module docstring)."""
+    mode, bits = _check(mode, bits, excess)
+    if mode is RoundMode.SR and bits is None:
+        return Fraction(0)
+    period, jumps = _period(mode, bits)
+    bounds = jumps + [period]
+    if excess is None:
+        # Constant on each open piece between jumps: value at the midpoint times width.
+        total = sum((bias_at(mode, bits, (a + b) / 2) * (b - a) for a, b in zip(bounds, bounds[1:],
+                                                                                   strict=False)),
+                    Fraction(0))
+        return total / period
+    h = Fraction(1, 1 << excess)
+    if period <= h:  # every grid point sits at the start of a period
+        return bias_at(mode, bits, Fraction(0))
+    points = period / h
+    if points <= _ENUMERATE_UP_TO:
+        return sum((bias_at(mode, bits, j * h) for j in range(int(points))), Fraction(0)) / points
+    # Many grid points: each jump point on its own, then each open piece as a group
+    # (constant P, and an arithmetic series of d).
+    total = Fraction(0)
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        total += bias_at(mode, bits, a)
+        inside = (b - a) / h - 1  # grid points strictly between a and b (both on the grid)
+        p_inside = bias_at(mode, bits, (a + b) / 2) + (a + b) / 2
+        total += inside * p_inside - inside * (a + b) / 2
+    return total / points
+
+
+def closed_form(mode: RoundMode | str, bits: int, excess: int | None = None) -> Fraction:
+    """The paper's formulas (section III): SRFF ``-2^-(N+1)`` for infinite precision
+    and ``(2^-D - 2^-N)/2`` with D excess bits; SRF ``0`` and ``2^-(D+1)``; SRC ``0``.
+
+    Where they equal :func:`exact`: SRFF for ``N <= D``; SRF for ``N < D`` (its
+    appendix derivation needs D > N; at ``N = D`` SRF is exact SR and unbiased,
+    although the main text says ``N <= D``); SRC always."""
+    mode = parse_mode(mode)
+    if mode not in (RoundMode.SRFF, RoundMode.SRF, RoundMode.SRC):
+        raise ValueError(f"the paper gives closed forms for srff, srf and src, not {mode.value!r}")
+    two = Fraction(2)
+    if excess is None:
+        return -(two ** -(bits + 1)) if mode is RoundMode.SRFF else Fraction(0)
+    if mode is RoundMode.SRFF:
+        return (two ** -excess - two ** -bits) / 2
+    if mode is RoundMode.SRF:
+        return two ** -(excess + 1)
+    return Fraction(0)
+
+
+def excess_bits(target: FloatFormat | str, source: FloatFormat | str) -> int:
+    """D for inputs of ``source`` rounded to ``target`` in the normal range: P_s - P_t."""
+    target, source = format(target), format(source)
+    if source.p < target.p:
+        raise ValueError(f"{source.name} has fewer significand bits than {target.name}")
+    return source.p - target.p
+
+
+def measure(
+    x: torch.Tensor,
+    fmt: FloatFormat | str,
+    mode: RoundMode | str,
+    bits: int | None,
+    samples: int,
+    seed: int | Key = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empirical bias per input, through ``fewbit.round`` with generated bits.
+
+    Rounds ``x`` ``samples`` times (keys ``fold_in(seed, s)``); returns the mean error
+    in ulps of each input and its standard error (float64 tensors of x's shape).
+    """
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 2:
+        raise ValueError(f"samples must be an int >= 2, got {samples!r}")
+    key = as_key(seed)
+    lo = fewbit_round(x.abs(), fmt, "rtz", sat=True).double()
+    ulp = fewbit_round(x.abs(), fmt, "rup", sat=True).double() - lo
+    ulp = torch.where(ulp > 0, ulp, torch.ones_like(ulp))  # exact inputs: error 0
+    total = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    total_sq = torch.zeros_like(total)
+    for s in range(samples):
+        r = fewbit_round(x, fmt, mode, bits=bits, seed=fold_in(key, s)).double()
+        err = (r.abs() - x.double().abs()) / ulp
+        total += err
+        total_sq += err * err
+    mean = total / samples
+    var = (total_sq / samples - mean * mean).clamp(min=0) * samples / (samples - 1)
+    return mean, (var / samples).sqrt()

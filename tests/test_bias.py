@@ -1,0 +1,117 @@
+"""fewbit.bias: exact bias against brute force, the paper's closed forms, and measurement."""
+
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+
+from fewbit import bias
+from fewbit.cli import main
+from fewbit.rounding import RoundMode
+from fewbit.rounding.reference import round_away
+
+FEW_BIT = ["srff", "srf", "src", "src_odd"]
+
+
+def brute_force(mode: str, bits: int | None, excess: int) -> Fraction:
+    """Mean of (away - d) over every d = j / 2^D, every n, and both parities."""
+    m = RoundMode(mode)
+    total, count = Fraction(0), 0
+    for j in range(1 << excess):
+        d = Fraction(j, 1 << excess)
+        for n in range(1 << bits) if bits else [None]:
+            for odd in (False, True):
+                total += int(round_away(m, d, odd=odd, n=n, bits=bits)) - d
+                count += 1
+    return total / count
+
+
+@pytest.mark.parametrize("mode", FEW_BIT)
+def test_exact_equals_brute_force(mode):
+    for bits in range(1, 5):
+        for excess in range(0, 8):
+            assert bias.exact(mode, bits, excess) == brute_force(mode, bits, excess), (bits, excess)
+
+
+@pytest.mark.parametrize("mode", ["rne", "rna", "rtz", "rup", "rdn", "rto"])
+def test_exact_deterministic_equals_brute_force(mode):
+    for excess in range(0, 9):
+        assert bias.exact(mode, None, excess) == brute_force(mode, None, excess)
+    # Infinite precision: rtz loses half an ulp, rup gains it, the rest are unbiased.
+    assert bias.exact(mode) == {"rtz": Fraction(-1, 2), "rdn": Fraction(-1, 2),
+                                "rup": Fraction(1, 2)}.get(mode, 0)
+
+
+def test_closed_forms_match_where_the_paper_says_they_are_tight():
+    for bits in range(1, 9):
+        for mode in ("srff", "srf", "src"):
+            assert bias.exact(mode, bits) == bias.closed_form(mode, bits)
+        for excess in range(1, 41):
+            tight = {"srff": bits <= excess, "srf": bits < excess, "src": True}
+            for mode, is_tight in tight.items():
+                if is_tight:
+                    assert bias.exact(mode, bits, excess) == bias.closed_form(mode, bits, excess)
+
+
+def test_where_the_closed_forms_are_not_tight():
+    # SRF with N = D is exact SR: unbiased, not 2^-(D+1).
+    for n in range(1, 9):
+        assert bias.exact("srf", n, n) == 0 != bias.closed_form("srf", n, n)
+    # With fewer excess bits than random bits every fraction is exact on N bits.
+    for mode in ("srff", "srf"):
+        assert bias.exact(mode, 8, 3) == 0 != bias.closed_form(mode, 8, 3)
+
+
+def test_paper_headline_numbers():
+    assert bias.exact("srff", 2) == Fraction(-1, 8)  # Figure 1: about -0.124
+    assert bias.exact("srf", 2) == 0
+    assert bias.exact("sr") == 0 and bias.exact("sr", excess=20) == 0
+    assert bias.excess_bits("binary8p4", "bf16") == 4
+
+
+def test_bias_at_one_fraction():
+    assert bias.bias_at("srff", 2, Fraction(3, 8)) == Fraction(1, 4) - Fraction(3, 8)
+    assert bias.bias_at("src", 2, Fraction(3, 8)) == Fraction(2, 4) - Fraction(3, 8)
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        bias.bias_at("src", 2, Fraction(1))
+
+
+@pytest.mark.parametrize("mode, bits", [("srff", 2), ("srf", 2), ("src", 2), ("sr", None)])
+def test_measured_bias_through_the_kernel_matches_exact(mode, bits):
+    # Every bfloat16 value in [1, 2) rounded to binary8p4: D = 4 excess bits, d spread
+    # uniformly over its 16 values, 8 inputs each.
+    x = torch.arange(128, dtype=torch.float64).mul(2.0**-7).add(1.0).to(torch.bfloat16)
+    mean, se = bias.measure(x, "binary8p4", mode, bits, samples=3000, seed=5)
+    expected = float(bias.exact(mode, bits, 4))
+    overall, overall_se = mean.mean().item(), math.sqrt((se**2).sum().item()) / x.numel()
+    assert overall_se > 0
+    assert abs(overall - expected) <= 3 * overall_se, (overall, expected, overall_se)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="depends on where x lies"):
+        bias.exact("sr_near_zero", 3)
+    with pytest.raises(ValueError, match="needs bits"):
+        bias.exact("srff")
+    with pytest.raises(ValueError, match="takes no bits"):
+        bias.exact("rne", 3)
+    with pytest.raises(ValueError, match="excess"):
+        bias.exact("srff", 3, -1)
+    with pytest.raises(ValueError, match="unknown rounding mode"):
+        bias.exact("nearest")
+    with pytest.raises(ValueError, match="samples"):
+        bias.measure(torch.ones(3), "e4m3", "src", 3, samples=1)
+
+
+def test_cli(capsys):
+    assert main(["bias", "--mode", "srff", "--bits", "3", "--excess", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "-1/32" in out and "-0.03125000" in out
+    assert main(["bias", "--table"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    srff2 = next(r for r in rows if r.startswith("srff N=2 "))
+    assert srff2.split()[-1] == "-0.125000" and srff2.split()[2] == "0.000000"
+    assert main(["bias", "--format", "binary8p4", "--from", "bf16", "--bits", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "D = 4" in out and "srf N=3 D=4" in out and "1/32" in out
