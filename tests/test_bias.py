@@ -6,6 +6,7 @@ from fractions import Fraction
 import pytest
 import torch
 
+import fewbit
 from fewbit import bias
 from fewbit.cli import main
 from fewbit.rounding import RoundMode
@@ -115,3 +116,46 @@ def test_cli(capsys):
     assert main(["bias", "--format", "binary8p4", "--from", "bf16", "--bits", "3"]) == 0
     out = capsys.readouterr().out
     assert "D = 4" in out and "srf N=3 D=4" in out and "1/32" in out
+
+
+def test_figures_reproduce_the_paper_numbers(tmp_path):
+    results = bias.figure(2, str(tmp_path), samples=20_000)
+    assert (tmp_path / "figure2.png").stat().st_size > 10_000
+    assert [r["mode"] for r in results] == ["srff", "srf", "src"]
+    for r, paper in zip(results, (-0.046875, 0.015625, 0.0), strict=True):
+        assert r["exact"] == paper
+        assert abs(r["measured"] - r["exact"]) <= 3 * r["stderr"], r
+
+
+# Seed 002's theorems, checked through the kernel: SR equals floor(x + U(0, ulp)) in
+# distribution, and is unbiased.
+
+CHI2_DF1_P1E6 = 23.93  # chi-square critical value, 1 degree of freedom, p = 1e-6
+
+
+def test_sr_is_distributed_as_floor_of_x_plus_uniform_ulp():
+    fmt = "binary8p4"
+    xs = torch.tensor([1.0 + 3 / 64, 1.3, 2.718281828, 0.0123, 100.7, 5.5 + 1 / 1024])
+    draws = 40_000
+    x = xs.repeat(draws, 1)
+    lo = fewbit.round(xs, fmt, "rtz").double()
+    ulp = (fewbit.round(xs, fmt, "rup").double() - lo)
+    sr = fewbit.round(x, fmt, "sr", seed=11).double()
+    u = torch.rand(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
+    dither = lo + ulp * torch.floor((x.double() - lo) / ulp + u)
+    for j in range(xs.numel()):
+        a = (sr[:, j] > lo[j]).sum().item()  # rounded up
+        b = (dither[:, j] > lo[j]).sum().item()
+        assert set(sr[:, j].unique().tolist()) <= {lo[j].item(), (lo[j] + ulp[j]).item()}
+        table = [[a, draws - a], [b, draws - b]]
+        total = 2 * draws
+        chi2 = 0.0
+        for row in table:
+            for col in range(2):
+                expected = sum(r[col] for r in table) * sum(row) / total
+                chi2 += (row[col] - expected) ** 2 / expected if expected else 0.0
+        assert chi2 < CHI2_DF1_P1E6, (xs[j].item(), a, b)
+        # Unbiased: the mean of sr is x within 5 standard errors.
+        p = (xs[j].double() - lo[j]) / ulp[j]
+        se = ulp[j] * math.sqrt(p * (1 - p) / draws)
+        assert abs(sr[:, j].mean() - xs[j].double()) <= 5 * se + 1e-15

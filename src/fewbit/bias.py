@@ -13,6 +13,7 @@ arithmetic.
 
 from __future__ import annotations
 
+import os
 from fractions import Fraction
 
 import torch
@@ -24,7 +25,7 @@ from .rounding import round as fewbit_round
 from .rounding.modes import parse_mode
 from .rounding.reference import probability_away, round_away
 
-__all__ = ["bias_at", "closed_form", "exact", "excess_bits", "measure"]
+__all__ = ["FIGURES", "bias_at", "closed_form", "exact", "excess_bits", "figure", "measure"]
 
 _FEW_BIT = (RoundMode.SRFF, RoundMode.SRF, RoundMode.SRC, RoundMode.SRC_ODD)
 _DETERMINISTIC = (RoundMode.RNE, RoundMode.RNA, RoundMode.RTZ, RoundMode.RUP,
@@ -169,3 +170,67 @@ def measure(
     mean = total / samples
     var = (total_sq / samples - mean * mean).clamp(min=0) * samples / (samples - 1)
     return mean, (var / samples).sqrt()
+
+
+#: The paper's two bias figures, set up so that its printed biases follow from the
+#: theory. Figure 2's caption says 2 random bits, but its numbers (-0.046875 for SRFF,
+#: +0.015625 for SRF) are the exact biases for N = 3 and D = 5; with N = 2 SRFF would
+#: be -7/64. BFloat16 (P = 8) into a P = 3 target gives D = 5.
+FIGURES = {
+    1: {"source": torch.float64, "target": "binary8p4", "bits": 2, "modes": ("srff", "srf"),
+        "samples": 5000, "title": "X at cell midpoints (as infinite precision)"},
+    2: {"source": torch.bfloat16, "target": "binary8p3", "bits": 3, "modes": ("srff", "srf", "src"),
+        "samples": 100_000, "title": "bfloat16 inputs (D = 5)"},
+}
+
+
+def figure(number: int, out_dir: str, seed: int = 0, samples: int | None = None) -> list[dict]:
+    """Draw the paper's Figure 1 or 2 as ``figure<number>.png`` in ``out_dir``: the mean
+    rounded value against X on [1, 2), one panel per mode, with the measured and the
+    exact bias. Returns, per mode, the measured bias, its standard error and the exact
+    value (in ulps of the target)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if number not in FIGURES:
+        raise ValueError(f"figure must be 1 or 2, not {number!r}")
+    cfg = FIGURES[number]
+    samples = samples or cfg["samples"]
+    if cfg["source"] == torch.bfloat16:  # every bfloat16 value in [1, 2)
+        x = (1 + torch.arange(128, dtype=torch.float64) / 128).to(torch.bfloat16)
+    else:
+        # Midpoints of 512 equal cells of [1, 2): 64 per ulp of binary8p4, so the mean
+        # over these X is exactly the mean over uniform d (the bias is linear between
+        # jumps at multiples of 2^-(N+1), which fall on cell edges), no X on a jump.
+        x = 1 + (torch.arange(512, dtype=torch.float64) + 0.5) / 512
+    excess = excess_bits(cfg["target"], "bfloat16" if cfg["source"] == torch.bfloat16 else "binary64")
+    # Round many copies at once: each call covers `reps` samples of every X.
+    reps = max(1, min(samples, 200_000 // x.numel()))
+    calls = max(2, -(-samples // reps))
+    results = []
+    fig, axes = plt.subplots(1, len(cfg["modes"]), figsize=(4.2 * len(cfg["modes"]), 4), sharey=True)
+    for ax, mode in zip(axes, cfg["modes"], strict=True):
+        mean_err, se = measure(x.repeat(reps), cfg["target"], mode, cfg["bits"], calls,
+                               fold_in(as_key(seed), number))
+        per_x = mean_err.view(reps, -1).mean(0)
+        measured = per_x.mean().item()
+        stderr = se.pow(2).sum().sqrt().item() / se.numel()
+        exact_value = float(exact(mode, cfg["bits"], excess if number == 2 else None))
+        results.append({"mode": mode, "measured": measured, "stderr": stderr, "exact": exact_value})
+        ulp = (fewbit_round(x, cfg["target"], "rup") - fewbit_round(x, cfg["target"], "rtz")).double()
+        xs = x.double()
+        ax.plot(xs, xs, color="grey", lw=1, label="Y = X")
+        ax.plot(xs, xs + per_x * ulp, ".", ms=3, label="mean rounded value")
+        ax.set_title(f"{mode.upper()}: bias {measured:+.4f} (exact {exact_value:+.4f}) ulp", fontsize=9)
+        ax.set_xlabel("X")
+    axes[0].set_ylabel("mean of rounded X")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Figure {number}: {cfg['title']} -> {cfg['target']}, N = {cfg['bits']} random bits, "
+                 f"{calls * reps} samples per X", fontsize=10)
+    fig.tight_layout()
+    os.makedirs(out_dir, exist_ok=True)
+    fig.savefig(os.path.join(out_dir, f"figure{number}.png"), dpi=110)
+    plt.close(fig)
+    return results

@@ -107,6 +107,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_bias(args: argparse.Namespace) -> int:
     from . import bias
 
+    if args.figure:
+        for r in bias.figure(args.figure, args.out, samples=args.samples):
+            print(f"figure {args.figure} {r['mode']:5} measured {r['measured']:+.5f} "
+                  f"+- {r['stderr']:.5f} ulp, exact {r['exact']:+.5f}")
+        print(f"wrote {args.out}/figure{args.figure}.png")
+        return 0
     if args.table:
         modes = ["srff", "srf", "src", "src_odd"]
         excesses = [*range(1, 13), None]
@@ -171,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", help="target format: works D out with --from")
     p.add_argument("--from", dest="source", help="input format, e.g. bf16")
     p.add_argument("--table", action="store_true", help="every few-bit mode, N = 1..8, D = 1..12 and inf")
+    p.add_argument("--figure", type=int, choices=[1, 2], help="draw the paper's Figure 1 or 2")
+    p.add_argument("--out", default="docs", help="folder for --figure's PNG")
+    p.add_argument("--samples", type=int, help="samples per X for --figure (default: the paper's)")
     p.set_defaults(run=cmd_bias)
     return parser
 
