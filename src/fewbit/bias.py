@@ -22,14 +22,11 @@ from .formats import FloatFormat, format
 from .random import Key, as_key, fold_in
 from .rounding import RoundMode
 from .rounding import round as fewbit_round
-from .rounding.modes import parse_mode
+from .rounding.modes import FEW_BIT_TIE, parse_mode
 from .rounding.reference import probability_away, round_away
 
 __all__ = ["FIGURES", "bias_at", "closed_form", "exact", "excess_bits", "figure", "measure"]
 
-_FEW_BIT = (RoundMode.SRFF, RoundMode.SRF, RoundMode.SRC, RoundMode.SRC_ODD)
-_DETERMINISTIC = (RoundMode.RNE, RoundMode.RNA, RoundMode.RTZ, RoundMode.RUP,
-                  RoundMode.RDN, RoundMode.RTO)
 _ENUMERATE_UP_TO = 1 << 12  # grid points per period summed one by one
 
 
@@ -45,7 +42,7 @@ def _check(mode: RoundMode | str, bits: int | None, excess: int | None) -> tuple
             raise ValueError("mode 'sr' takes its N from the excess bits: N = min(D, 32)")
         if excess is not None:  # sr is SRC with N = min(D, 32)
             return RoundMode.SRC, min(max(excess, 1), 32)
-    elif mode in _FEW_BIT:
+    elif mode in FEW_BIT_TIE:
         if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 32:
             raise ValueError(f"mode {mode.value!r} needs bits=N in 1..32, got {bits!r}")
     elif bits is not None:
@@ -62,7 +59,7 @@ def bias_at(mode: RoundMode | str, bits: int | None, d: Fraction) -> Fraction:
         raise ValueError(f"d must lie in [0, 1), got {d}")
     if mode is RoundMode.SR and bits is None:
         return Fraction(0)  # ideal SR: P(away) = d
-    if mode in _DETERMINISTIC:
+    if not mode.is_stochastic:
         p = sum(Fraction(int(round_away(mode, d, odd=odd))) for odd in (False, True)) / 2
     else:
         p = probability_away(mode, d, bits)
@@ -76,7 +73,7 @@ def _period(mode: RoundMode, bits: int | None) -> tuple[Fraction, list[Fraction]
     ``P(away)`` grows by exactly ``2^(1-N)`` and the bias repeats; it can only jump at
     multiples of ``2^-(N+1)``. Deterministic modes: one period, jumps at 0 and 1/2.
     """
-    if mode in _DETERMINISTIC:
+    if not mode.is_stochastic:
         return Fraction(1), [Fraction(0), Fraction(1, 2)]
     period = Fraction(2, 1 << bits)
     step = Fraction(1, 1 << (bits + 1))

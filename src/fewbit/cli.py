@@ -131,7 +131,7 @@ def cmd_bias(args: argparse.Namespace) -> int:
         print(f"{args.source} -> {args.format}: D = {excess} excess bits")
     modes = [args.mode] if args.mode else ["srff", "srf", "src", "src_odd", "sr"]
     for mode in modes:
-        bits = None if mode == "sr" or mode in ("rne", "rna", "rtz", "rup", "rdn", "rto") else args.bits
+        bits = args.bits if RoundMode(mode).takes_bits else None
         value = bias.exact(mode, bits, excess)
         label = f"{mode}" + (f" N={bits}" if bits else "") + f" D={'inf' if excess is None else excess}"
         line = f"{label:24} exact {str(value):>24} = {float(value):+.8f} ulp"
@@ -191,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as err:
         print(f"fewbit: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `fewbit formats --all | head`: the reader left, not an error
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":
