@@ -98,7 +98,11 @@ def run(
                     progress(label)
                 sat = fmt == "ocp_e2m1"
                 seed = {"seed": 1} if mode != "rne" else {}
-                t = best_time(lambda: fewbit_round(x, fmt, mode, bits=bits, sat=sat, **seed), repeat, sync)
+
+                def call():
+                    return fewbit_round(x, fmt, mode, bits=bits, sat=sat, **seed)
+
+                t = best_time(call, repeat, sync)
                 row = {"input": str(dtype), "format": fmt, "mode": mode, "bits": bits,
                        "melem_per_s": n / t / 1e6, "x_clone": clone / t}
                 if mode != "rne":
@@ -111,8 +115,7 @@ def run(
                     row["randint_fed_x_clone"] = clone / best_time(randint_fed, repeat, sync)
                 if dtype == torch.float32 and fmt == "binary8p4" and (mode == "rne" or bits == 3):
                     with eager_only():
-                        row["eager_x_clone"] = clone / best_time(
-                            lambda: fewbit_round(x, fmt, mode, bits=bits, sat=sat, **seed), repeat, sync)
+                        row["eager_x_clone"] = clone / best_time(call, repeat, sync)
                     if with_gfloat and device == "cpu" and mode in ("rne", "src", "srf", "srff"):
                         row["x_gfloat"] = best_time(_gfloat_round(x, fmt, mode, bits), 1) / t
                 rows.append(row)

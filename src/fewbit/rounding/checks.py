@@ -81,9 +81,11 @@ def check_round_args(
             raise TypeError("mode 'sr_fraction' needs fraction=p, a number in [0, 1]")
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"fraction must be in [0, 1], got {fraction}")
-        fraction = round(fraction * (1 << SELECT_BITS))
+        select_below = round(fraction * (1 << SELECT_BITS))
     elif fraction is not None:
         raise ValueError(f"fraction is only for mode 'sr_fraction', not {mode.value!r}")
+    else:
+        select_below = None
     if not mode.is_stochastic:
         if bits is not None:
             raise ValueError(f"mode {mode.value!r} is deterministic and takes no bits")
@@ -102,7 +104,7 @@ def check_round_args(
             f"mode 'sr' uses N = min(D, 32) = {natural} bits for {source.name} -> "
             f"{fmt.name}; use 'src' to choose N"
         )
-    return RoundSpec(fmt, source, mode, sat, bits, fraction)
+    return RoundSpec(fmt, source, mode, sat, bits, select_below)
 
 
 def check_random_bits(x: torch.Tensor, spec: RoundSpec, random_bits: torch.Tensor | None) -> None:

@@ -71,12 +71,11 @@ def compiled_round(x: torch.Tensor, spec: RoundSpec, key: Key | None, random_bit
     if fn is None:
         fn = torch.compile(partial(_kernel, spec=spec), fullgraph=True, dynamic=False)
         _CACHE[cache_key] = fn
-    # Only the length is dynamic: every spec shares _kernel's code object, and
-    # automatic dynamism would turn the format's ints into symbols on the second spec.
+    # Every spec's kernel shares _kernel's code object. So only the length is marked
+    # dynamic (automatic dynamism would turn the next spec's format ints into symbols),
+    # and Dynamo's limit of 8 compilations per code object is lifted.
     torch._dynamo.maybe_mark_dynamic(x, 0)
     try:
-        # Every spec's kernel shares _kernel's code object, which Dynamo caches with
-        # a limit on compilations (8): lift it so each spec keeps its own entry.
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             if key is None:
                 return fn(x, random_bits)
