@@ -1,0 +1,120 @@
+"""Straight-through fake quantisation of activations and gradients.
+
+The forward pass rounds a tensor to one format and mode; the backward pass rounds the
+incoming gradient to another (or passes it through unchanged, the straight-through
+estimator). A :class:`FakeQuantize` module counts its calls in a buffer, so each call
+draws fresh random bits and a model restored from its ``state_dict`` draws the same bits
+as one that never stopped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .formats import FloatFormat, format
+from .random import Key, as_key, fold_in
+from .rounding import RoundMode, round
+from .rounding.modes import parse_mode
+
+__all__ = ["FakeQuantize", "Quant", "fake_quantize", "quantize_outputs"]
+
+#: Streams of one call: forward and backward rounding draw from different keys.
+_FORWARD, _BACKWARD = 0, 1
+
+
+@dataclass(frozen=True)
+class Quant:
+    """One rounding: format, mode, N (stochastic modes), p (``sr_fraction``), saturation."""
+
+    fmt: FloatFormat | str
+    mode: RoundMode | str = "rne"
+    bits: int | None = None
+    fraction: float | None = None
+    sat: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fmt", format(self.fmt))
+        object.__setattr__(self, "mode", parse_mode(self.mode))
+        if self.bits is not None and not self.mode.is_stochastic:
+            raise ValueError(f"mode {self.mode.value!r} is deterministic and takes no bits")
+
+    def __call__(self, x: torch.Tensor, key: Key | None) -> torch.Tensor:
+        if not self.mode.is_stochastic:
+            return round(x, self.fmt, self.mode, sat=self.sat)
+        if key is None:
+            raise ValueError(f"mode {self.mode.value!r} needs a seed")
+        return round(x, self.fmt, self.mode, sat=self.sat, bits=self.bits, fraction=self.fraction, seed=key)
+
+
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, forward: Quant | None, backward: Quant | None, key: Key | None):
+        ctx.backward_quant, ctx.key = backward, key
+        return x.clone() if forward is None else forward(x, None if key is None else fold_in(key, _FORWARD))
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, key = ctx.backward_quant, ctx.key
+        out = grad if q is None else q(grad.contiguous(), None if key is None else fold_in(key, _BACKWARD))
+        return out, None, None, None
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    forward: Quant | None = None,
+    backward: Quant | None = None,
+    seed: int | Key | None = None,
+) -> torch.Tensor:
+    """Round ``x`` with ``forward`` and its gradient with ``backward`` (None: unchanged).
+
+    Stochastic roundings need ``seed``; the two directions draw from separate streams.
+    """
+    key = None if seed is None else as_key(seed)
+    return _StraightThrough.apply(x, forward, backward, key)
+
+
+class FakeQuantize(nn.Module):
+    """:func:`fake_quantize` as a module with its own stream: call c uses ``fold_in(key, c)``."""
+
+    def __init__(self, forward: Quant | None = None, backward: Quant | None = None, seed: int | Key = 0):
+        super().__init__()
+        self.forward_quant, self.backward_quant = forward, backward
+        self.key = as_key(seed)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        key = fold_in(self.key, int(self.calls))
+        if self.training:
+            self.calls += 1
+        return fake_quantize(x, self.forward_quant, self.backward_quant, key)
+
+    def extra_repr(self) -> str:
+        return f"forward={self.forward_quant}, backward={self.backward_quant}"
+
+
+def quantize_outputs(
+    model: nn.Module,
+    forward: Quant | None = None,
+    backward: Quant | None = None,
+    types: tuple[type[nn.Module], ...] = (nn.Linear,),
+    seed: int | Key = 0,
+) -> list[nn.Module]:
+    """Fake-quantise the output of every submodule of ``types`` (and, in backward, the
+    gradient flowing into it). Each gets a :class:`FakeQuantize` child named
+    ``output_quant`` (in the state_dict, so resumable) with key ``fold_in(seed, i)``;
+    returns the modules changed. ``del module.output_quant`` and the hook stop it.
+    """
+    key = as_key(seed)
+    changed = [m for m in model.modules() if isinstance(m, types)]
+    for i, m in enumerate(changed):
+        m.output_quant = FakeQuantize(forward, backward, fold_in(key, i))
+        m.register_forward_hook(_quantize_output)
+    return changed
+
+
+def _quantize_output(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+    quant = getattr(module, "output_quant", None)
+    return output if quant is None else quant(output)

@@ -1,0 +1,195 @@
+"""Low-precision weights: the paper's Algorithm 1 around any torch optimizer.
+
+Every step the inner optimizer computes ``w + u`` in the parameters' dtype (or, with
+``update_dtype``, that sum rounded to a 16-bit dtype, as the paper's bfloat16 updates);
+fewbit then rounds it back to the weight format in place, stochastically by default.
+Updates smaller than half an ulp survive SR on average, where round-to-nearest drops them.
+
+Random bits are a pure function of (seed, step, parameter index), so a run restarted
+from ``state_dict()`` draws exactly the bits an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+from .codec import decode, encode
+from .formats import FloatFormat, format
+from .random import Key, as_key, fold_in
+from .rounding import RoundMode, dtype_format, round
+from .rounding.modes import parse_mode
+
+__all__ = ["LowPrecisionWeights"]
+
+_UPDATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+class LowPrecisionWeights:
+    """Wrap ``optimizer`` so that the selected parameters always hold values of ``fmt``.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``; it owns the update rule and its state.
+        fmt: the weight format (a FloatFormat or a name such as ``"binary8p4"``).
+        mode: the rounding of the write-back; ``"src"`` (few-bit SR, unbiased) by default.
+        bits: N, random bits per element, for the modes that take it.
+        seed: an int or ``fewbit.random.Key``; step t rounds parameter i with
+            ``fold_in(key, t, i)`` (t = 0 is the rounding of the initial weights).
+        params: the parameters to keep in ``fmt`` (tensors, or (name, tensor) pairs as
+            ``named_parameters()`` gives); default: the optimizer's parameters with two or
+            more dimensions (matrices and embeddings, as the paper).
+        fraction: p for mode ``"sr_fraction"``.
+        sat: values beyond the format's range go to its largest value (default), not Inf.
+        update_dtype: hold ``w + u`` in this dtype (RNE) before rounding to ``fmt``;
+            ``torch.bfloat16`` is the paper's set-up. None: the parameters' own dtype.
+        scale: scale each tensor by a power of two so that its largest magnitude lands in
+            the top binade below half the format's maximum, round, and scale back.
+        store_codes: between a step and the next :meth:`zero_grad` (or
+            :meth:`materialize`), keep the selected weights only as codes of ``fmt``
+            (uint8 for formats of up to 8 bits) and free their float storage.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        fmt: FloatFormat | str,
+        mode: RoundMode | str = "src",
+        bits: int | None = 3,
+        seed: int | Key = 0,
+        params: Iterable | None = None,
+        *,
+        fraction: float | None = None,
+        sat: bool = True,
+        update_dtype: torch.dtype | None = None,
+        scale: bool = False,
+        store_codes: bool = False,
+    ):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self.fmt = format(fmt)
+        self.mode = parse_mode(mode)
+        if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int)):
+            raise TypeError(f"bits must be an int, not {type(bits).__name__}")
+        if bits is not None and not 1 <= bits <= 32:
+            raise ValueError(f"bits must be in 1..32, got {bits}")
+        self.bits = bits if self.mode.takes_bits else None
+        self.fraction = fraction
+        self.sat = sat
+        self.key = as_key(seed)
+        if update_dtype is not None and update_dtype not in _UPDATE_DTYPES:
+            raise TypeError(f"update_dtype must be one of {_UPDATE_DTYPES}, not {update_dtype}")
+        self.update_dtype = update_dtype
+        self.scale = scale
+        self.store_codes = store_codes
+        self.names, self.params = self._select(params)
+        for name, p in zip(self.names, self.params, strict=True):
+            for dtype in {p.dtype, update_dtype or p.dtype}:
+                if not dtype_format(dtype).contains(self.fmt):
+                    raise ValueError(f"{name} ({dtype}) cannot hold every value of {self.fmt.name}")
+        if self.store_codes and self.fmt.k > 8:
+            raise ValueError(f"store_codes keeps uint8 codes; {self.fmt.name} has {self.fmt.k} bits")
+        self._codes: list[torch.Tensor] | None = None
+        self._scales: list[float] = [1.0] * len(self.params)
+        self._stored = False  # weights held only as codes
+        self.steps = 0
+        self._write_back()  # Algorithm 1 starts from rounded initial weights
+
+    def _select(self, params) -> tuple[list[str], list[torch.Tensor]]:
+        owned = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if params is None:
+            chosen = [(f"param {i}", p) for i, p in enumerate(owned) if p.dim() >= 2]
+        else:
+            chosen = [
+                item if isinstance(item, tuple) else (f"param {i}", item) for i, item in enumerate(params)
+            ]
+            ids = {id(p) for p in owned}
+            for name, p in chosen:
+                if id(p) not in ids:
+                    raise ValueError(f"{name} is not among the optimizer's parameters")
+        if not chosen:
+            raise ValueError("no parameters selected: pass params=")
+        return [n for n, _ in chosen], [p for _, p in chosen]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The inner optimizer's zero_grad; restores weights kept as codes first."""
+        self.materialize()
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """The inner step (``w + u``), then every selected weight rounded to ``fmt``."""
+        self.materialize()
+        loss = self.optimizer.step(closure)
+        self.steps += 1
+        self._write_back()
+        return loss
+
+    @torch.no_grad()
+    def _write_back(self) -> None:
+        stochastic = self.mode.is_stochastic
+        for i, p in enumerate(self.params):
+            w = p if self.update_dtype is None else p.to(self.update_dtype)
+            s = self._power_of_two_scale(w) if self.scale else 1.0
+            kwargs = {"sat": self.sat}
+            if stochastic:
+                kwargs.update(bits=self.bits, seed=fold_in(self.key, self.steps, i))
+                if self.mode is RoundMode.SR_FRACTION:
+                    kwargs["fraction"] = self.fraction
+            r = round(w * s if s != 1.0 else w, self.fmt, self.mode, **kwargs)
+            self._scales[i] = s
+            if self.store_codes:
+                self._codes = self._codes or [None] * len(self.params)
+                self._codes[i] = encode(r, self.fmt)
+                p.untyped_storage().resize_(0)
+            else:
+                p.copy_(r / s if s != 1.0 else r)
+        self._stored = self.store_codes
+
+    def _power_of_two_scale(self, w: torch.Tensor) -> float:
+        amax = float(w.abs().max()) if w.numel() else 0.0
+        if amax == 0.0 or not math.isfinite(amax):
+            return 1.0
+        return 2.0 ** math.floor(math.log2(self.fmt.max / 2 / amax))
+
+    @torch.no_grad()
+    def materialize(self) -> None:
+        """Decode weights kept as codes back into the parameters (no-op otherwise)."""
+        if not self._stored:
+            return
+        for p, codes, s in zip(self.params, self._codes, self._scales, strict=True):
+            p.untyped_storage().resize_(p.numel() * p.element_size())
+            p.copy_(decode(codes, self.fmt, p.dtype) / s)
+        self._stored = False
+
+    def memory(self) -> dict[str, int]:
+        """Bytes the selected weights take as floats and as codes of ``fmt``."""
+        n = sum(p.numel() for p in self.params)
+        float_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        code_bytes = n * (1 if self.fmt.k <= 8 else 2)
+        return {"elements": n, "float_bytes": float_bytes, "code_bytes": code_bytes,
+                "saved_bytes": float_bytes - code_bytes}  # fmt: skip
+
+    def _config(self) -> dict:
+        return {"fmt": self.fmt.name, "mode": self.mode.value, "bits": self.bits, "fraction": self.fraction,
+                "sat": self.sat, "key": (self.key.k0, self.key.k1), "scale": self.scale,
+                "update_dtype": str(self.update_dtype)}  # fmt: skip
+
+    def state_dict(self) -> dict:
+        """The inner optimizer's state, the step count and the rounding set-up."""
+        return {"optimizer": self.optimizer.state_dict(), "steps": self.steps, "config": self._config()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume: the next step draws the bits an uninterrupted run would."""
+        if state["config"] != self._config():
+            raise ValueError(
+                f"checkpoint was written with {state['config']}, this wrapper has {self._config()}"
+            )
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = state["steps"]

@@ -1,0 +1,79 @@
+"""fewbit.nn: straight-through fake quantisation of activations and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fewbit
+from fewbit.nn import FakeQuantize, Quant, fake_quantize, quantize_outputs
+from fewbit.random import Key, fold_in
+
+E4M3 = Quant("ocp_e4m3")
+E5M2_SR = Quant("ocp_e5m2", "src", bits=3)
+
+
+def test_forward_and_backward_round_separately():
+    torch.manual_seed(0)
+    x = torch.randn(1000, requires_grad=True)
+    g = torch.randn(1000)
+    key = Key.from_seed(5)
+    y = fake_quantize(x, E4M3, E5M2_SR, seed=key)
+    assert torch.equal(y, fewbit.round(x.detach(), "ocp_e4m3", sat=True))
+    y.backward(g)
+    expected = fewbit.round(g, "ocp_e5m2", "src", bits=3, sat=True, seed=fold_in(key, 1))
+    assert torch.equal(x.grad, expected)
+    assert not torch.equal(x.grad, g)
+
+
+def test_straight_through_when_a_direction_is_none():
+    x = torch.linspace(-3, 3, 101, requires_grad=True)
+    y = fake_quantize(x, E4M3, None)
+    g = torch.linspace(0.001, 1, 101)
+    y.backward(g)
+    assert torch.equal(x.grad, g)
+    x.grad = None
+    fake_quantize(x, None, Quant("binary8p3")).backward(g)
+    assert torch.equal(x.grad, fewbit.round(g, "binary8p3", sat=True))
+
+
+def test_stochastic_needs_a_seed_and_quant_checks_its_arguments():
+    with pytest.raises(ValueError, match="needs a seed"):
+        fake_quantize(torch.ones(3), E5M2_SR)
+    with pytest.raises(ValueError, match="deterministic and takes no bits"):
+        Quant("ocp_e4m3", "rne", bits=3)
+    with pytest.raises(ValueError):
+        Quant("binary8p9")
+    with pytest.raises(ValueError, match="mode"):
+        Quant("ocp_e4m3", "nearest")
+
+
+def test_module_draws_fresh_bits_per_call_and_resumes_from_state_dict():
+    x = torch.full((4096,), 1.03)  # between binary8p4 neighbours 1 and 1.125
+    q = FakeQuantize(Quant("binary8p4", "src", bits=3), seed=7)
+    first, second = q(x), q(x)
+    assert not torch.equal(first, second)
+    assert int(q.calls) == 2
+    restored = FakeQuantize(Quant("binary8p4", "src", bits=3), seed=7)
+    restored.load_state_dict(q.state_dict())
+    assert torch.equal(restored(x), q(x))
+    q.eval()
+    assert torch.equal(q(x), q(x))  # evaluation does not advance the stream
+
+
+def test_quantize_outputs_of_every_linear():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    plain = [p.detach().clone() for p in model.parameters()]
+    changed = quantize_outputs(model, E4M3, Quant("ocp_e5m2"))
+    assert changed == [model[0], model[2]]
+    x = torch.randn(32, 8)
+    h = model[0](x)
+    assert torch.equal(h, fewbit.round(x @ plain[0].T + plain[1], "ocp_e4m3", sat=True))
+    model(x).sum().backward()
+    # The gradient reaching the first layer's weight went through e5m2 rounding.
+    grad_h = fewbit.round(
+        fewbit.round(torch.ones(32, 2), "ocp_e5m2", sat=True) @ model[2].weight.detach(), "ocp_e5m2", sat=True
+    ) * (h > 0)
+    assert torch.allclose(model[0].weight.grad, grad_h.T @ x, rtol=1e-6, atol=1e-6)
+    assert "0.output_quant.calls" in model.state_dict()

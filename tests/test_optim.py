@@ -1,0 +1,173 @@
+"""LowPrecisionWeights: Algorithm 1's write-back, its keys, options and errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fewbit
+from fewbit.optim import LowPrecisionWeights
+from fewbit.random import fold_in
+
+FMT = "binary8p4"
+
+
+def model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+def loss_of(m: torch.nn.Module, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(64, 16, generator=g), torch.randn(64, 4, generator=g)
+    return (m(x) - y).pow(2).mean()
+
+
+def train(m, opt, steps: int, start: int = 0) -> None:
+    for t in range(start, start + steps):
+        opt.zero_grad()
+        loss_of(m, t).backward()
+        opt.step()
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("mode", ["src", "srff", "rne", "sr", "sr_fraction"])
+def test_write_back_is_the_documented_rounding(mode):
+    """Step t rounds parameter i as fewbit.round(w + u in bf16, seed=fold_in(key, t, i))."""
+    extra = {"fraction": 0.5} if mode == "sr_fraction" else {}
+    a, b = model(), model()
+    lpw = LowPrecisionWeights(torch.optim.AdamW(a.parameters(), lr=0.01), FMT, mode, bits=3, seed=9,
+                              update_dtype=torch.bfloat16, **extra)  # fmt: skip
+    plain = torch.optim.AdamW(b.parameters(), lr=0.01)
+    key = fewbit.random.Key.from_seed(9)
+    stochastic = fewbit.RoundMode(mode).is_stochastic
+    bits = 3 if mode not in ("sr", "rne") else None
+
+    def write_back(step: int) -> None:
+        with torch.no_grad():
+            for i, p in enumerate(w for w in b.parameters() if w.dim() >= 2):
+                seed = {"seed": fold_in(key, step, i), "bits": bits, **extra} if stochastic else {}
+                p.copy_(fewbit.round(p.to(torch.bfloat16), FMT, mode, sat=True, **seed))
+
+    write_back(0)
+    for t in range(1, 6):
+        train(a, lpw, 1, start=t)
+        train(b, plain, 1, start=t)
+        write_back(t)
+        for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+            assert bits_equal(pa.detach(), pb.detach()), (mode, t)
+    matrices = [p for p in a.parameters() if p.dim() >= 2]
+    assert all(torch.equal(fewbit.round(p.detach(), FMT, sat=True), p.detach()) for p in matrices)
+    assert lpw.names == ["param 0", "param 2"]  # vectors (biases) are left in float32
+
+
+def test_sr_keeps_updates_below_half_an_ulp_and_rne_loses_them():
+    """w = 1, u = -2^-7: an eighth of binary8p4's ulp (1/16) below 1. RNE keeps 1 for
+    ever; SRC with N = D = 4 (bfloat16 updates) is exact SR, so unbiased."""
+    n, lr = 1 << 16, 2.0**-7
+    means = {}
+    for mode in ("rne", "src"):
+        w = torch.nn.Parameter(torch.ones(n, 1))
+        lpw = LowPrecisionWeights(torch.optim.SGD([w], lr=lr), FMT, mode, bits=4, seed=1,
+                                  update_dtype=torch.bfloat16)  # fmt: skip
+        w.grad = torch.ones_like(w)
+        lpw.step()
+        means[mode] = w.detach().double()
+    assert torch.all(means["rne"] == 1.0)
+    # 1 - 2^-7 lies 7/8 of the way from 15/16 to 1: P(1) = 7/8, mean 1 - 2^-7 exactly.
+    got = means["src"]
+    se = got.std() / n**0.5
+    assert abs(got.mean() - (1 - lr)) < 5 * se
+    assert set(got.unique().tolist()) == {15 / 16, 1.0}
+
+
+def test_resume_from_state_dict_is_bit_identical():
+    a = model()
+    lpw = LowPrecisionWeights(torch.optim.AdamW(a.parameters(), lr=0.01), FMT, "src", seed=3)
+    train(a, lpw, 6)
+    b = model()
+    lpw_b = LowPrecisionWeights(torch.optim.AdamW(b.parameters(), lr=0.01), FMT, "src", seed=3)
+    train(b, lpw_b, 3)
+    saved = {"model": b.state_dict(), "opt": lpw_b.state_dict()}
+    c = model(seed=1)  # different initial weights: everything must come from the checkpoint
+    lpw_c = LowPrecisionWeights(torch.optim.AdamW(c.parameters(), lr=0.01), FMT, "src", seed=3)
+    c.load_state_dict(saved["model"])
+    lpw_c.load_state_dict(saved["opt"])
+    train(c, lpw_c, 3, start=3)
+    for pa, pc in zip(a.parameters(), c.parameters(), strict=True):
+        assert bits_equal(pa.detach(), pc.detach())
+    assert lpw_c.steps == 6
+
+
+def test_different_seeds_round_differently():
+    a, b = model(), model()
+    for m, seed in ((a, 1), (b, 2)):
+        train(m, LowPrecisionWeights(torch.optim.AdamW(m.parameters(), lr=0.01), FMT, "src", seed=seed), 2)
+    assert not torch.equal(a[0].weight, b[0].weight)
+
+
+def test_store_codes_frees_floats_and_restores_the_same_weights():
+    a, b = model(), model()
+    lpw_a = LowPrecisionWeights(torch.optim.AdamW(a.parameters(), lr=0.01), FMT, "src", seed=4)
+    lpw_b = LowPrecisionWeights(torch.optim.AdamW(b.parameters(), lr=0.01), FMT, "src", seed=4,
+                                store_codes=True)  # fmt: skip
+    for t in range(3):
+        lpw_b.zero_grad()
+        loss_of(b, t).backward()
+        lpw_b.step()
+        assert all(p.untyped_storage().nbytes() == 0 for p in lpw_b.params)
+        assert all(c.dtype == torch.uint8 for c in lpw_b._codes)
+        train(a, lpw_a, 1, start=t)
+    lpw_b.materialize()
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert bits_equal(pa.detach(), pb.detach())
+    mem = lpw_b.memory()
+    assert mem["elements"] == 16 * 32 + 32 * 4
+    assert mem["float_bytes"] == 4 * mem["elements"] and mem["code_bytes"] == mem["elements"]
+
+
+def test_power_of_two_scale_keeps_small_weights():
+    """Weights of order 1e-5 are below binary8p4's subnormals; scaled, they keep 4 bits."""
+    torch.manual_seed(0)
+    w0 = torch.randn(64, 64) * 1e-5
+    kept = {}
+    for scale in (False, True):
+        w = torch.nn.Parameter(w0.clone())
+        LowPrecisionWeights(torch.optim.SGD([w], lr=0.0), FMT, "rne", scale=scale)
+        kept[scale] = w.detach()
+    assert (kept[False] == 0).float().mean() > 0.9
+    rel = ((kept[True] - w0).abs() / w0.abs()).max()
+    assert rel <= 2.0**-4  # half an ulp of a 4-bit significand
+    amax = kept[True].abs().max()
+    s = 2.0 ** torch.floor(torch.log2(fewbit.format(FMT).max / 2 / w0.abs().max()))
+    assert amax * s <= fewbit.format(FMT).max / 2
+
+
+def test_bad_input():
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        LowPrecisionWeights(object(), FMT)
+    with pytest.raises(ValueError, match="P3109 formats need"):
+        LowPrecisionWeights(opt, "binary8p55")
+    with pytest.raises(ValueError, match="mode"):
+        LowPrecisionWeights(opt, FMT, "stochastic")
+    for bits in (0, 33):
+        with pytest.raises(ValueError, match="bits must be in 1..32"):
+            LowPrecisionWeights(opt, FMT, bits=bits)
+    half = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="cannot hold every value of binary16"):
+        LowPrecisionWeights(torch.optim.SGD(half.parameters(), lr=0.1), "binary16", "rne")
+    with pytest.raises(ValueError, match="cannot hold"):
+        LowPrecisionWeights(opt, "binary16", "rne", update_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="not among the optimizer's parameters"):
+        LowPrecisionWeights(opt, FMT, params=[torch.nn.Parameter(torch.ones(2, 2))])
+    with pytest.raises(TypeError, match="sr_fraction"):
+        LowPrecisionWeights(opt, FMT, "sr_fraction")
+    lpw = LowPrecisionWeights(torch.optim.SGD(m.parameters(), lr=0.1), FMT, "src", seed=1)
+    other = LowPrecisionWeights(torch.optim.SGD(m.parameters(), lr=0.1), FMT, "src", seed=2)
+    with pytest.raises(ValueError, match="checkpoint was written with"):
+        other.load_state_dict(lpw.state_dict())
