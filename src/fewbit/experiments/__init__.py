@@ -1,0 +1,1 @@
+"""The paper's experiments as library code: data, the char GPT, training runs, sweeps."""

