@@ -16,6 +16,7 @@ from torch import nn
 
 from .formats import FloatFormat, format
 from .random import Key, as_key, fold_in
+from .replicas import SeedPolicy, replica_key
 from .rounding import RoundMode, round
 from .rounding.modes import parse_mode
 
@@ -77,16 +78,25 @@ def fake_quantize(
 
 
 class FakeQuantize(nn.Module):
-    """:func:`fake_quantize` as a module with its own stream: call c uses ``fold_in(key, c)``."""
+    """:func:`fake_quantize` as a module with its own stream: call c uses ``fold_in(key, c)``,
+    with the replica's rank folded in under the default DIFFERING policy (seed 000: forward
+    and backward rounding differ per replica)."""
 
-    def __init__(self, forward: Quant | None = None, backward: Quant | None = None, seed: int | Key = 0):
+    def __init__(
+        self,
+        forward: Quant | None = None,
+        backward: Quant | None = None,
+        seed: int | Key = 0,
+        policy: SeedPolicy | str = SeedPolicy.DIFFERING,
+    ):
         super().__init__()
         self.forward_quant, self.backward_quant = forward, backward
         self.key = as_key(seed)
+        self.policy = SeedPolicy(policy)
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        key = fold_in(self.key, int(self.calls))
+        key = replica_key(fold_in(self.key, int(self.calls)), self.policy)
         if self.training:
             self.calls += 1
         return fake_quantize(x, self.forward_quant, self.backward_quant, key)
@@ -101,6 +111,7 @@ def quantize_outputs(
     backward: Quant | None = None,
     types: tuple[type[nn.Module], ...] = (nn.Linear,),
     seed: int | Key = 0,
+    policy: SeedPolicy | str = SeedPolicy.DIFFERING,
 ) -> list[nn.Module]:
     """Fake-quantise the output of every submodule of ``types`` (and, in backward, the
     gradient flowing into it). Each gets a :class:`FakeQuantize` child named
@@ -110,7 +121,7 @@ def quantize_outputs(
     key = as_key(seed)
     changed = [m for m in model.modules() if isinstance(m, types)]
     for i, m in enumerate(changed):
-        m.output_quant = FakeQuantize(forward, backward, fold_in(key, i))
+        m.output_quant = FakeQuantize(forward, backward, fold_in(key, i), policy)
         m.register_forward_hook(_quantize_output)
     return changed
 

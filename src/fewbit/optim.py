@@ -19,6 +19,7 @@ import torch
 from .codec import decode, encode
 from .formats import FloatFormat, format
 from .random import Key, as_key, fold_in
+from .replicas import SeedPolicy, assert_identical_inputs, replica_key
 from .rounding import RoundMode, dtype_format, round
 from .rounding.modes import parse_mode
 
@@ -49,6 +50,11 @@ class LowPrecisionWeights:
         store_codes: between a step and the next :meth:`zero_grad` (or
             :meth:`materialize`), keep the selected weights only as codes of ``fmt``
             (uint8 for formats of up to 8 bits) and free their float storage.
+        policy: under data parallelism the write-back is ``"identical"`` on every
+            replica (seed 000); ``"differing"`` folds in the rank (wrong: for tests).
+        guard: before each step, check across ranks that every selected weight and its
+            gradient agree (the invariant identical rounding needs); raise
+            ``fewbit.replicas.ReplicaDriftError`` naming the first that does not.
     """
 
     def __init__(
@@ -65,6 +71,8 @@ class LowPrecisionWeights:
         update_dtype: torch.dtype | None = None,
         scale: bool = False,
         store_codes: bool = False,
+        policy: SeedPolicy | str = SeedPolicy.IDENTICAL,
+        guard: bool = False,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
@@ -84,6 +92,8 @@ class LowPrecisionWeights:
         self.update_dtype = update_dtype
         self.scale = scale
         self.store_codes = store_codes
+        self.policy = SeedPolicy(policy)
+        self.guard = guard
         self.names, self.params = self._select(params)
         for name, p in zip(self.names, self.params, strict=True):
             for dtype in {p.dtype, update_dtype or p.dtype}:
@@ -126,6 +136,11 @@ class LowPrecisionWeights:
     def step(self, closure=None):
         """The inner step (``w + u``), then every selected weight rounded to ``fmt``."""
         self.materialize()
+        if self.guard:
+            assert_identical_inputs(
+                [(f"{name}{part}", t) for name, p in zip(self.names, self.params, strict=True)
+                 for part, t in (("", p), (".grad", p.grad)) if t is not None]
+            )  # fmt: skip
         loss = self.optimizer.step(closure)
         self.steps += 1
         self._write_back()
@@ -139,7 +154,8 @@ class LowPrecisionWeights:
             s = self._power_of_two_scale(w) if self.scale else 1.0
             kwargs = {"sat": self.sat}
             if stochastic:
-                kwargs.update(bits=self.bits, seed=fold_in(self.key, self.steps, i))
+                key = replica_key(fold_in(self.key, self.steps, i), self.policy)
+                kwargs.update(bits=self.bits, seed=key)
                 if self.mode is RoundMode.SR_FRACTION:
                     kwargs["fraction"] = self.fraction
             r = round(w * s if s != 1.0 else w, self.fmt, self.mode, **kwargs)
@@ -179,7 +195,7 @@ class LowPrecisionWeights:
     def _config(self) -> dict:
         return {"fmt": self.fmt.name, "mode": self.mode.value, "bits": self.bits, "fraction": self.fraction,
                 "sat": self.sat, "key": (self.key.k0, self.key.k1), "scale": self.scale,
-                "update_dtype": str(self.update_dtype)}  # fmt: skip
+                "update_dtype": str(self.update_dtype), "policy": self.policy.value}  # fmt: skip
 
     def state_dict(self) -> dict:
         """The inner optimizer's state, the step count and the rounding set-up."""

@@ -1,0 +1,190 @@
+"""Stochastic rounding under data-parallel replication (seed 000's two RNG streams).
+
+Forward and backward roundings should differ per replica, so that their noise averages
+out over the data-parallel batch: ``SeedPolicy.DIFFERING`` folds the replica's rank into
+the key. The weight update must round identically everywhere, or replicas drift apart
+silently: ``SeedPolicy.IDENTICAL`` leaves the rank out. fewbit's keys are stateless, so
+IDENTICAL rounding stays identical as long as its *inputs* are (seed 000's invariant);
+:func:`check_in_sync`, the guard of ``LowPrecisionWeights(guard=True)`` and
+:func:`drift_report` check that on real ranks.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from .formats import FloatFormat, format
+from .random import Key, as_key, fold_in
+
+__all__ = [
+    "DEFAULT_POLICY", "ReplicaContext", "ReplicaDriftError", "SeedPolicy", "SyncResult",
+    "check_in_sync", "drift_report", "replica_key", "world",
+]  # fmt: skip
+
+#: Folded in before the rank, so a DIFFERING key never equals any IDENTICAL one.
+_RANK_STREAM = 0x7E91_1CA5
+
+
+class SeedPolicy(enum.StrEnum):
+    DIFFERING = "differing"  #: rounding differs per replica (forward, backward, accumulation)
+    IDENTICAL = "identical"  #: rounding the same on every replica (the weight update)
+
+
+#: Seed 000's assignment of a policy to each kind of rounding.
+DEFAULT_POLICY = {
+    "forward": SeedPolicy.DIFFERING,
+    "backward": SeedPolicy.DIFFERING,
+    "accumulation": SeedPolicy.DIFFERING,
+    "update": SeedPolicy.IDENTICAL,
+}
+
+
+def world(group=None) -> tuple[int, int]:
+    """(rank, world size) in ``group`` under torch.distributed, else (0, 1)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def replica_key(key: Key | int, policy: SeedPolicy | str, rank: int | None = None) -> Key:
+    """``key`` for IDENTICAL; ``key`` with the rank folded in for DIFFERING (rank None:
+    this process's rank under torch.distributed, 0 without it)."""
+    if SeedPolicy(policy) is SeedPolicy.IDENTICAL:
+        return as_key(key)
+    return fold_in(key, _RANK_STREAM, world()[0] if rank is None else rank)
+
+
+@dataclass(frozen=True)
+class ReplicaContext:
+    """What an SR call needs to pick its key under replication: seed, step, rank, world size.
+
+    ``ctx.key(policy, *stream)`` is ``fold_in(seed, step, *stream)``, with the rank folded
+    in for DIFFERING; pass it as ``seed=`` to ``fewbit.round``.
+    """
+
+    seed: int | Key = 0
+    step: int = 0
+    rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def from_distributed(cls, seed: int | Key = 0, step: int = 0, group=None) -> ReplicaContext:
+        rank, size = world(group)
+        return cls(seed, step, rank, size)
+
+    def key(self, policy: SeedPolicy | str, *stream: int) -> Key:
+        return replica_key(fold_in(self.seed, self.step, *stream), policy, self.rank)
+
+
+class ReplicaDriftError(RuntimeError):
+    """Replicas hold different values where they must agree."""
+
+
+def _named_tensors(obj) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.nn.Module):
+        return [(n, t) for n, t in obj.state_dict(keep_vars=True).items()]
+    if isinstance(obj, torch.Tensor):
+        return [("tensor", obj)]
+    items = list(obj.items()) if isinstance(obj, dict) else list(obj)
+    return [item if isinstance(item, tuple) else (f"tensor {i}", item) for i, item in enumerate(items)]
+
+
+def _digest(t: torch.Tensor) -> int:
+    """A 63-bit hash of the raw bits (so -0 differs from 0 and NaN payloads count), the
+    dtype and the shape."""
+    raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    h = hashlib.blake2b(raw, digest_size=8)
+    h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+@dataclass
+class SyncResult:
+    """Falsy when some tensor differs across ranks; ``first`` names the first one."""
+
+    names: list[str]
+    differing: list[str]
+    world_size: int
+
+    def __bool__(self) -> bool:
+        return not self.differing
+
+    @property
+    def first(self) -> str | None:
+        return self.differing[0] if self.differing else None
+
+    def __str__(self) -> str:
+        if self:
+            return f"in sync: {len(self.names)} tensors on {self.world_size} ranks"
+        return f"OUT OF SYNC: {len(self.differing)} of {len(self.names)} tensors differ, first {self.first}"
+
+
+def check_in_sync(tensors: torch.nn.Module | Iterable | torch.Tensor, group=None) -> SyncResult:
+    """Compare a digest of every tensor's bits across the ranks of ``group`` (a collective:
+    every rank must call it). A module contributes its state_dict (parameters, buffers)."""
+    named = _named_tensors(tensors)
+    names = [n for n, _ in named]
+    # One all_gather of integers: the names' hash first, then each tensor's digest.
+    names_digest = _digest(torch.tensor(list("|".join(names).encode())))
+    mine = torch.tensor([names_digest] + [_digest(t) for _, t in named])
+    _, size = world(group)
+    everyone = [mine]
+    if size > 1:
+        everyone = [torch.empty_like(mine) for _ in range(size)]
+        torch.distributed.all_gather(everyone, mine, group=group)
+    if any(d[0] != mine[0] for d in everyone):
+        raise ReplicaDriftError("ranks hold different sets of tensors")
+    table = torch.stack(everyone)[:, 1:]
+    differing = [names[i] for i in torch.nonzero((table != table[0]).any(0)).flatten().tolist()]
+    return SyncResult(names, differing, size)
+
+
+def _ordered(t: torch.Tensor, fmt: FloatFormat | None) -> torch.Tensor:
+    """Each value's position in value order, so that adjacent values differ by 1: in the
+    tensor's own dtype (its bits, sign-magnitude made monotone), or among ``fmt``'s values."""
+    if fmt is not None:
+        table = torch.tensor(sorted({v for v in fmt.values() if math.isfinite(v)}), dtype=torch.float64)
+        return torch.searchsorted(table.to(t.device), t.detach().double().contiguous())
+    ints = {torch.float64: torch.int64, torch.float32: torch.int32,
+            torch.bfloat16: torch.int16, torch.float16: torch.int16}[t.dtype]  # fmt: skip
+    i = t.detach().contiguous().view(ints).to(torch.int64)
+    sign_bit = 1 << (8 * t.element_size() - 1)
+    return torch.where(i < 0, -(i + sign_bit), i)
+
+
+def drift_report(
+    tensors: torch.nn.Module | Iterable | torch.Tensor, group=None, fmt: FloatFormat | str | None = None
+) -> dict[str, int]:
+    """For each floating tensor, the largest distance in ulps between any rank's value and
+    rank 0's (0 everywhere when in sync): ulps of the tensor's dtype, or of ``fmt`` (a
+    format of up to 16 bits the values belong to, e.g. the weights' format). A collective:
+    every rank must call it."""
+    fmt = None if fmt is None else format(fmt)
+    report = {}
+    for name, t in _named_tensors(tensors):
+        if not t.is_floating_point():
+            continue
+        here = _ordered(t, fmt)
+        _, size = world(group)
+        gathered = [torch.empty_like(here) for _ in range(size)] if size > 1 else [here]
+        if size > 1:
+            torch.distributed.all_gather(gathered, here, group=group)
+        report[name] = int(max((g - gathered[0]).abs().max() if g.numel() else 0 for g in gathered))
+    return report
+
+
+def assert_identical_inputs(named: list[tuple[str, torch.Tensor]], group=None) -> None:
+    """Seed 000's invariant before an IDENTICAL rounding: its inputs agree on every rank."""
+    result = check_in_sync(named, group)
+    if not result:
+        raise ReplicaDriftError(
+            f"{result.first} differs across ranks before the identical-seed weight update "
+            f"(all differing: {', '.join(result.differing)}); was its gradient all-reduced?"
+        )

@@ -1,0 +1,140 @@
+"""Replicas: seed policies, the sync verifier, and real multi-process gloo training runs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fewbit.experiments.replicas import ReplicaRun, launch
+from fewbit.random import Key, fold_in
+from fewbit.replicas import (
+    ReplicaContext,
+    SeedPolicy,
+    _digest,
+    check_in_sync,
+    drift_report,
+    replica_key,
+)
+
+KEY = Key.from_seed(1)
+
+
+def test_policies_fold_in_the_rank_only_when_differing():
+    assert replica_key(KEY, "identical", rank=3) == KEY
+    differing = {replica_key(KEY, SeedPolicy.DIFFERING, rank=r) for r in range(4)}
+    assert len(differing) == 4 and KEY not in differing
+    ctx = ReplicaContext(seed=1, step=7, rank=2, world_size=4)
+    assert ctx.key("identical", 5) == fold_in(KEY, 7, 5)
+    assert ctx.key("differing", 5) == replica_key(fold_in(KEY, 7, 5), "differing", rank=2)
+    assert ctx.key("differing", 5) != ReplicaContext(1, 7, 3, 4).key("differing", 5)
+    with pytest.raises(ValueError):
+        replica_key(KEY, "same")
+
+
+def test_digest_compares_bits_not_values():
+    zero, nz = torch.tensor([0.0]), torch.tensor([-0.0])
+    assert zero == nz and _digest(zero) != _digest(nz)
+    nan_a = torch.tensor([0x7FC00000], dtype=torch.int32).view(torch.float32)
+    nan_b = torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32)
+    assert _digest(nan_a) != _digest(nan_b) and _digest(nan_a) == _digest(nan_a.clone())
+    assert _digest(torch.zeros(2, 3)) != _digest(torch.zeros(3, 2))
+
+
+def test_single_process_is_trivially_in_sync():
+    model = torch.nn.Linear(3, 2)
+    result = check_in_sync(model)
+    assert result and result.first is None and result.names == ["weight", "bias"]
+    assert drift_report(model) == {"weight": 0, "bias": 0}
+
+
+# ---------------------------------------------------------------------------------
+# Real torch.distributed processes (gloo on CPU). Process start-up dominates, so each
+# world size starts its processes once and runs all of its scenarios on them.
+
+#: 1 + 3/128 rounds up with probability 1/4 (SRC, N = 3): ranks disagree with p = 3/8.
+DISAGREE, N_SR = 3 / 8, 4096
+STEPS = 200
+
+BROKEN = {
+    "differing-update": ReplicaRun(steps=10, policy="differing-update"),
+    "randint+extra draw": ReplicaRun(steps=10, update_rng="randint", extra_draw_rank=1),
+    "randint": ReplicaRun(steps=10, update_rng="randint"),
+    "fewbit+extra draw": ReplicaRun(steps=10, extra_draw_rank=1),
+    "skip all-reduce": ReplicaRun(steps=3, skip_allreduce="2.weight"),
+    "skip all-reduce, guarded": ReplicaRun(steps=3, skip_allreduce="2.weight", guard=True),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
+    """Scenario name -> per-rank results, for each world size."""
+    ckpt = str(tmp_path_factory.mktemp("ckpt"))
+    plans = {
+        2: {"default": ReplicaRun(steps=STEPS), "start": ReplicaRun(steps=0), **BROKEN},
+        3: {
+            "default": ReplicaRun(steps=STEPS),
+            "whole": ReplicaRun(steps=30, save_at=15, checkpoint_dir=ckpt),
+            "resumed": ReplicaRun(steps=30, checkpoint_dir=ckpt, resume=True),
+        },
+        4: {"default": ReplicaRun(steps=STEPS)},
+    }
+    return {n: dict(zip(plan, launch(list(plan.values()), n), strict=True)) for n, plan in plans.items()}
+
+
+def bits(w: torch.Tensor) -> torch.Tensor:
+    return w.reshape(-1).view(torch.uint8)
+
+
+def assert_all_ranks_equal(results: list[dict]) -> None:
+    for r in results[1:]:
+        for name, w in r["weights"].items():
+            assert torch.equal(bits(w), bits(results[0]["weights"][name])), name
+
+
+@pytest.mark.parametrize("nproc", [2, 3, 4])
+def test_default_policy_keeps_replicas_in_sync(runs, nproc):
+    results = runs[nproc]["default"]
+    assert len(results) == nproc
+    assert all(e["in_sync"] for r in results for e in r["log"])
+    assert len(results[0]["log"]) == STEPS
+    assert_all_ranks_equal(results)
+    # Different data per rank really did reach the weights: they moved from the start.
+    start = runs[2]["start"][0]["weights"]
+    assert not torch.equal(start["0.weight"], results[0]["weights"]["0.weight"])
+    # Forward SR is independent across ranks: disagreement at the rate the probabilities give.
+    se = math.sqrt(DISAGREE * (1 - DISAGREE) / N_SR)
+    assert results[0]["disagreement"] == 0.0
+    for r in results[1:]:
+        assert abs(r["disagreement"] - DISAGREE) < 5 * se
+
+
+def test_update_keyed_with_the_rank_drifts_and_is_named(runs):
+    log = runs[2]["differing-update"][0]["log"]
+    assert not any(e["in_sync"] for e in log)
+    assert log[0]["first"] == "0.weight"
+    assert all(e["max_ulps"] >= 1 for e in log)
+
+
+def test_extra_draw_on_one_rank_breaks_stateful_sr_but_not_fewbit_keys(runs):
+    stateful = runs[2]["randint+extra draw"][0]["log"]
+    assert not stateful[-1]["in_sync"] and stateful[-1]["first"] == "0.weight"
+    assert all(e["in_sync"] for e in runs[2]["randint"][0]["log"])  # without the draw: in sync
+    assert all(e["in_sync"] for e in runs[2]["fewbit+extra draw"][0]["log"])
+    assert_all_ranks_equal(runs[2]["fewbit+extra draw"])
+
+
+def test_gradient_left_out_of_the_all_reduce_is_named(runs):
+    assert runs[2]["skip all-reduce"][0]["log"][0]["first"] == "2.weight"
+    for r in runs[2]["skip all-reduce, guarded"]:
+        assert "2.weight.grad differs across ranks" in r["error"]
+
+
+def test_resume_on_all_ranks_equals_the_uninterrupted_run(runs):
+    whole, resumed = runs[3]["whole"], runs[3]["resumed"]
+    assert [e["step"] for e in resumed[0]["log"]] == list(range(16, 31))
+    assert all(e["in_sync"] for e in resumed[0]["log"])
+    for a, b in zip(whole, resumed, strict=True):
+        for name, w in a["weights"].items():
+            assert torch.equal(bits(w), bits(b["weights"][name])), name
