@@ -1,0 +1,241 @@
+"""Scale-aware casts and rescaling (seed 003's cast and rebalance_scale).
+
+``cast`` rounds the data to a fewbit format and keeps the scale; ``rebalance`` moves a
+factor between data and scale without changing the value; the dynamic rescalings pick
+the new scale from a statistic of the tensor (max, mean absolute value, RMS), on the
+forward value or, for the ``_grad`` variants, on the gradient flowing back. Scales can
+be held to powers of two, whose exponents E8M0 stores in a byte.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+from ..codec import decode, encode
+from ..formats import FloatFormat
+from ..rounding import RoundMode
+from ..rounding import round as fewbit_round
+from .tensor import (
+    Scale,
+    ScaledTensor,
+    as_scaled,
+    check_scale,
+    compute_dtype,
+    is_partial_view,
+    is_static,
+    parts,
+    sdiv,
+    times,
+    wrap,
+)
+
+Stat = Literal["max", "l1", "l2"]
+Pow2 = Literal["down", "up", "nearest"]
+
+_E8M0 = "ocp_e8m0"
+_POW2_MODES = {"down": "rtz", "up": "rup", "nearest": "rne"}
+
+
+def _scaled(t: torch.Tensor) -> ScaledTensor:
+    return t if isinstance(t, ScaledTensor) else as_scaled(t)
+
+
+# --- cast ----------------------------------------------------------------------------
+
+class _Cast(torch.autograd.Function):
+    # Rounding with a straight-through gradient, the usual estimator for quantisation.
+    @staticmethod
+    def forward(ctx, t, fmt, mode, kwargs):
+        d, s = parts(_scaled(t))
+        return wrap(fewbit_round(d, fmt, mode, **kwargs), s)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None, None, None
+
+
+def cast(t: torch.Tensor, fmt: FloatFormat | str, mode: RoundMode | str = "rne",
+         **kwargs: Any) -> ScaledTensor:
+    """t with its data rounded to the values of ``fmt`` by ``fewbit.round`` (any mode,
+    stochastic ones included: ``bits=``, ``seed=``, ``random_bits=``, ``sat=`` pass
+    through); the scale and the data dtype are kept. Gradients pass straight through.
+    Rebalance first (e.g. ``dynamic_rescale_max``) to centre the data in fmt's range.
+    """
+    return _Cast.apply(t, fmt, mode, kwargs)
+
+
+def cast_(t: ScaledTensor, fmt: FloatFormat | str, mode: RoundMode | str = "rne",
+          **kwargs: Any) -> ScaledTensor:
+    """In-place :func:`cast` of a ScaledTensor (a parameter's write-back); returns t."""
+    if not isinstance(t, ScaledTensor):
+        raise TypeError(f"cast_ needs a ScaledTensor, not {type(t).__name__}")
+    with torch.no_grad():
+        t._data.copy_(fewbit_round(t._data, fmt, mode, **kwargs))
+    torch.autograd.graph.increment_version(t)
+    return t
+
+
+# --- rebalance -----------------------------------------------------------------------
+
+class _Rebalance(torch.autograd.Function):
+    # Same value, new scale: the identity for autograd.
+    @staticmethod
+    def forward(ctx, t, s):
+        d, old = parts(_scaled(t))
+        return wrap(times(d, sdiv(old, s)), s)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def rebalance(t: torch.Tensor, s: torch.Tensor | float) -> ScaledTensor:
+    """t with scale ``s`` and the same value: data * old_scale / s, rounded once to the
+    data dtype (seed 003's rebalance_scale gives the factor; here s is the new scale).
+
+    s: a positive float, or a float tensor broadcastable to t (on t's device).
+    """
+    s = check_scale(s, parts(t)[0], positive=True)
+    return _Rebalance.apply(t, s)
+
+
+def rebalance_(t: ScaledTensor, s: torch.Tensor | float) -> ScaledTensor:
+    """In-place :func:`rebalance` of a ScaledTensor that is not a view (a parameter)."""
+    if not isinstance(t, ScaledTensor):
+        raise TypeError(f"rebalance_ needs a ScaledTensor, not {type(t).__name__}")
+    if is_partial_view(t._data):
+        raise ValueError("rebalance_ of a view would leave its base with the old scale")
+    s = check_scale(s, t._data, positive=True)
+    with torch.no_grad():
+        d, old = parts(t)
+        t._data.copy_(times(d, sdiv(old, s)))
+    new = wrap(t._data, s)
+    t._scale, t._static = new._scale, new._static
+    torch.autograd.graph.increment_version(t)
+    return t
+
+
+# --- power-of-two scales ---------------------------------------------------------------
+
+def round_pow2(s: Scale, rounding: Pow2 = "down") -> Scale:
+    """Scale s rounded to a power of two (down, up or to the nearest), through E8M0:
+    2^-127 .. 2^127; 0 stays 0."""
+    if rounding not in _POW2_MODES:
+        raise ValueError(f"rounding must be one of {sorted(_POW2_MODES)}, not {rounding!r}")
+    t = s if isinstance(s, torch.Tensor) else torch.tensor(float(s))
+    r = fewbit_round(t.to(torch.float32), _E8M0, _POW2_MODES[rounding], sat=True)
+    r = torch.where(t == 0, 0.0, r)
+    return r if isinstance(s, torch.Tensor) else r.item()
+
+
+def pow2_scale(t: torch.Tensor, rounding: Pow2 = "down") -> ScaledTensor:
+    """t with its scale rounded to a power of two and the same value (data * 2^k is
+    exact, so products and quotients of such scales are too)."""
+    return rebalance(t, round_pow2(parts(_scaled(t))[1], rounding))
+
+
+def scale_to_e8m0(t: ScaledTensor) -> torch.Tensor:
+    """The E8M0 codes (uint8, biased exponents) of t's power-of-two scale.
+    ValueError if the scale is not a non-zero power of two in 2^-127 .. 2^127."""
+    s = parts(t)[1]
+    return encode(s if isinstance(s, torch.Tensor) else torch.tensor(s), _E8M0)
+
+
+def from_e8m0(data: torch.Tensor, codes: torch.Tensor) -> ScaledTensor:
+    """ScaledTensor of data with the power-of-two scale stored as E8M0 codes."""
+    return as_scaled(data, decode(codes.to(data.device), _E8M0, torch.float32))
+
+
+# --- dynamic rescaling -------------------------------------------------------------------
+
+def _statistic(t: ScaledTensor, stat: Stat) -> torch.Tensor:
+    d, s = parts(t)
+    a = d.to(compute_dtype(d.dtype)).abs()
+    if stat == "max":
+        v = a.amax()
+    elif stat == "l1":
+        v = a.mean()
+    elif stat == "l2":
+        v = a.square().mean().sqrt()
+    else:
+        raise ValueError(f"statistic must be 'max', 'l1' or 'l2', not {stat!r}")
+    return (v if is_static(s, 1.0) else v * s).to(torch.float32)
+
+
+def dynamic_scale(t: torch.Tensor, stat: Stat = "max", target: float = 1.0,
+                  pow2: bool = False) -> torch.Tensor:
+    """The scale that brings ``stat`` of t's data to ``target`` (max |x|, mean |x| or
+    RMS), as a float32 tensor; with pow2 a power of two (rounded up for max, so the
+    data stays within target; to the nearest otherwise). An all-zero t keeps its scale.
+    """
+    if not target > 0:
+        raise ValueError(f"target must be positive, got {target}")
+    t = _scaled(t)
+    new = _statistic(t, stat) / target
+    if pow2:
+        new = round_pow2(new, "up" if stat == "max" else "nearest")
+    return torch.where(new > 0, new, parts(t)[1])
+
+
+def dynamic_rescale(t: torch.Tensor, stat: Stat = "max", target: float = 1.0,
+                    pow2: bool = False) -> ScaledTensor:
+    """t rebalanced to :func:`dynamic_scale` (same value; autograd sees the identity)."""
+    return _Rebalance.apply(t, dynamic_scale(t, stat, target, pow2))
+
+
+def dynamic_rescale_(t: ScaledTensor, stat: Stat = "max", target: float = 1.0,
+                     pow2: bool = False) -> ScaledTensor:
+    """In-place :func:`dynamic_rescale` of a parameter; returns t."""
+    return rebalance_(t, dynamic_scale(t, stat, target, pow2))
+
+
+def dynamic_rescale_max(t: torch.Tensor, target: float = 1.0, pow2: bool = False) -> ScaledTensor:
+    """t rebalanced so that max |data| = target."""
+    return dynamic_rescale(t, "max", target, pow2)
+
+
+def dynamic_rescale_l1(t: torch.Tensor, target: float = 1.0, pow2: bool = False) -> ScaledTensor:
+    """t rebalanced so that mean |data| = target."""
+    return dynamic_rescale(t, "l1", target, pow2)
+
+
+def dynamic_rescale_l2(t: torch.Tensor, target: float = 1.0, pow2: bool = False) -> ScaledTensor:
+    """t rebalanced so that the RMS of its data = target."""
+    return dynamic_rescale(t, "l2", target, pow2)
+
+
+class _RescaleGrad(torch.autograd.Function):
+    # The identity forward; in backward the gradient is rebalanced by its statistic.
+    @staticmethod
+    def forward(ctx, t, stat, target, pow2):
+        ctx.args = (stat, target, pow2)
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return dynamic_rescale(g, *ctx.args), None, None, None
+
+
+def dynamic_rescale_grad(t: torch.Tensor, stat: Stat = "max", target: float = 1.0,
+                         pow2: bool = False) -> torch.Tensor:
+    """t itself, but the gradient flowing back through it is rebalanced (same value) so
+    that ``stat`` of its data is ``target``: where the gradient's data is about to leave
+    the range of a 16- or 8-bit format, its scale takes the size instead."""
+    return _RescaleGrad.apply(t, stat, target, pow2)
+
+
+def dynamic_rescale_max_grad(t: torch.Tensor, target: float = 1.0, pow2: bool = False) -> torch.Tensor:
+    """Identity forward; the gradient is rebalanced so that max |data| = target."""
+    return dynamic_rescale_grad(t, "max", target, pow2)
+
+
+def dynamic_rescale_l1_grad(t: torch.Tensor, target: float = 1.0, pow2: bool = False) -> torch.Tensor:
+    """Identity forward; the gradient is rebalanced so that mean |data| = target."""
+    return dynamic_rescale_grad(t, "l1", target, pow2)
+
+
+def dynamic_rescale_l2_grad(t: torch.Tensor, target: float = 1.0, pow2: bool = False) -> torch.Tensor:
+    """Identity forward; the gradient is rebalanced so that its RMS = target."""
+    return dynamic_rescale_grad(t, "l2", target, pow2)

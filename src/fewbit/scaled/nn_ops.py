@@ -1,0 +1,288 @@
+"""Rules of the neural-network aten ops and of their backward ops.
+
+Linear maps (matmuls, convolutions) compute on the data and multiply the scales, with
+seed 003's optional static unit-scaling factor. Ops that are not scale-equivariant
+(normalisations, softmax, GELU, attention's softmax) compute on the value in float32
+or wider and give their output a stated scale. A backward op is linear in the incoming
+gradient: it computes on the gradient's data, and its output carries the gradient's
+scale (times the scale of any linear factor).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .ops import at_scale
+from .tensor import (
+    aten,
+    compute_dtype,
+    parts,
+    rule,
+    scalar_scale,
+    sdiv,
+    settings,
+    smul,
+    times,
+    value,
+    wrap,
+)
+
+
+def _unit(data: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
+    # Unit scaling: divide the data by a power of two near sqrt(k) (exact) and put it
+    # in the scale, so that a sum of k unit terms stays near 1.
+    if not settings.unit_scaling or k <= 1:
+        return data, 1.0
+    f = 2.0 ** round(0.5 * math.log2(k))
+    return data * (1.0 / f), f
+
+
+def _to(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if x is None else x.to(dtype)
+
+
+# --- matmuls and convolutions ----------------------------------------------------------
+
+@rule(aten.mm, aten.bmm)
+def _mm(func, a, b):
+    """mm, bmm (and matmul, linear, which decompose into them): scale sa sb (times the
+    unit-scaling factor when settings.unit_scaling)."""
+    da, sa = parts(scalar_scale(a))
+    db, sb = parts(scalar_scale(b))
+    out, f = _unit(func(da, db), da.shape[-1])
+    return wrap(out, smul(smul(sa, sb), f))
+
+
+@rule(aten.addmm, aten.baddbmm)
+def _addmm(func, bias, a, b, *, beta=1, alpha=1):
+    """addmm, baddbmm (linear with a bias): scale sa sb (times the unit factor); the
+    bias is rebalanced to it."""
+    da, sa = parts(scalar_scale(a))
+    db, sb = parts(scalar_scale(b))
+    p = smul(sa, sb)
+    out = func(at_scale(scalar_scale(bias), p), da, db, beta=beta, alpha=alpha)
+    out, f = _unit(out, da.shape[-1])
+    return wrap(out, smul(p, f))
+
+
+@rule(aten.convolution)
+def _convolution(func, x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    """convolution (conv1d/2d/3d): scale sx sw (times the unit factor, K = fan-in);
+    the bias is rebalanced to it."""
+    dx, sx = parts(scalar_scale(x))
+    dw, sw = parts(scalar_scale(weight))
+    p = smul(sx, sw)
+    b = None if bias is None else at_scale(scalar_scale(bias), p)
+    out = func(dx, dw, b, stride, padding, dilation, transposed, output_padding, groups)
+    fan_in = (dw.shape[0] // groups if transposed else dw.shape[1]) * math.prod(dw.shape[2:])
+    out, f = _unit(out, fan_in)
+    return wrap(out, smul(p, f))
+
+
+@rule(aten.convolution_backward)
+def _convolution_backward(func, g, x, weight, bias_sizes, *args):
+    """Gradients of convolution: input sg sw, weight sg sx, bias sg."""
+    dg, sg = parts(scalar_scale(g))
+    dx, sx = parts(scalar_scale(x))
+    dw, sw = parts(scalar_scale(weight))
+    gi, gw, gb = func(dg, dx, dw, bias_sizes, *args)
+    return (None if gi is None else wrap(gi, smul(sg, sw)),
+            None if gw is None else wrap(gw, smul(sg, sx)),
+            None if gb is None else wrap(gb, sg))
+
+
+# --- attention -------------------------------------------------------------------------
+
+def _attention_inputs(q, k, v, attn_mask):
+    dv, sv = parts(scalar_scale(v))
+    cdt = compute_dtype(dv.dtype)
+    mask = attn_mask
+    if mask is not None and mask.is_floating_point():
+        mask = value(mask, cdt)
+    return value(q, cdt), value(k, cdt), dv.to(cdt), sv, mask
+
+
+@rule(aten._scaled_dot_product_flash_attention_for_cpu)
+def _sdpa(func, q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    """scaled_dot_product_attention (CPU kernel): softmax(q k^T) on the values of q and
+    k; the output is that times v, so its scale is sv."""
+    vq, vk, dv, sv, mask = _attention_inputs(q, k, v, attn_mask)
+    out, lse = func(vq, vk, dv, dropout_p, is_causal, attn_mask=mask, scale=scale)
+    return wrap(out.to(parts(v)[0].dtype), sv), lse
+
+
+@rule(aten._scaled_dot_product_flash_attention_for_cpu_backward)
+def _sdpa_backward(func, g, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None):
+    """Gradients of attention: q and k sg sv, v sg (the kernel runs on the gradient's
+    data and the output's data at v's scale, which are linear in those scales)."""
+    vq, vk, dv, sv, mask = _attention_inputs(q, k, v, attn_mask)
+    dg, sg = parts(scalar_scale(g))
+    cdt = dv.dtype
+    gq, gk, gv = func(dg.to(cdt), vq, vk, dv, at_scale(out, sv).to(cdt), lse, dropout_p, is_causal,
+                      attn_mask=mask, scale=scale)
+    s = smul(sg, sv)
+    return (wrap(gq.to(parts(q)[0].dtype), s), wrap(gk.to(parts(k)[0].dtype), s),
+            wrap(gv.to(parts(v)[0].dtype), sg))
+
+
+@rule(aten._fused_sdp_choice)
+def _sdp_choice(func, q, k, v, *args, **kwargs):
+    """Which attention kernel: chosen as for the data."""
+    return func(*(parts(t)[0] for t in (q, k, v)), *args, **kwargs)
+
+
+# --- normalisations --------------------------------------------------------------------
+
+def _affine(weight, bias, cdt):
+    # Weight data and scale, and the bias rebalanced to the weight's scale.
+    if weight is None:
+        dw, sw = None, 1.0
+    else:
+        dw, sw = parts(scalar_scale(weight))
+    b = None if bias is None else at_scale(scalar_scale(bias), sw)
+    return _to(dw, cdt), _to(b, cdt), sw
+
+
+@rule(aten.native_layer_norm)
+def _layer_norm(func, x, normalized_shape, weight, bias, eps):
+    """layer_norm on the value: the output is unit-scaled, so its scale is 1, or sw with
+    a scaled affine weight. mean and rstd stay in float32 (they are of the value)."""
+    d = parts(x)[0]
+    cdt = compute_dtype(d.dtype)
+    w, b, sw = _affine(weight, bias, cdt)
+    out, mean, rstd = func(value(x, cdt), normalized_shape, w, b, eps)
+    return wrap(out.to(d.dtype), sw), mean, rstd
+
+
+@rule(aten.native_layer_norm_backward)
+def _layer_norm_backward(func, g, x, normalized_shape, mean, rstd, weight, bias, output_mask):
+    """Gradients of layer_norm: input sg sw, weight sg, bias sg."""
+    dg, sg = parts(scalar_scale(g))
+    cdt = compute_dtype(dg.dtype)
+    w, b, sw = _affine(weight, bias, cdt)
+    gi, gw, gb = func(dg.to(cdt), value(x, cdt), normalized_shape, mean, rstd, w, b, output_mask)
+    return (None if gi is None else wrap(gi.to(parts(x)[0].dtype), smul(sg, sw)),
+            None if gw is None else wrap(gw.to(parts(weight)[0].dtype), sg),
+            None if gb is None else wrap(gb.to(parts(bias)[0].dtype), sg))
+
+
+@rule(aten._fused_rms_norm)
+def _rms_norm(func, x, normalized_shape, weight, eps):
+    """rms_norm (fused kernel) on the value: scale 1, or sw with a scaled weight.
+    (On CPU rms_norm decomposes into pow, mean, add, rsqrt and mul, whose rules make
+    the output's scale exactly 1.)"""
+    d = parts(x)[0]
+    cdt = compute_dtype(d.dtype)
+    w, _, sw = _affine(weight, None, cdt)
+    out, rstd = func(value(x, cdt), normalized_shape, w, eps)
+    return wrap(out.to(d.dtype), sw), rstd
+
+
+@rule(aten._fused_rms_norm_backward)
+def _rms_norm_backward(func, g, x, normalized_shape, rstd, weight, output_mask):
+    """Gradients of rms_norm: input sg sw, weight sg."""
+    dg, sg = parts(scalar_scale(g))
+    cdt = compute_dtype(dg.dtype)
+    w, _, sw = _affine(weight, None, cdt)
+    gi, gw = func(dg.to(cdt), value(x, cdt), normalized_shape, rstd, w, output_mask)
+    return (None if gi is None else wrap(gi.to(parts(x)[0].dtype), smul(sg, sw)),
+            None if gw is None else wrap(gw.to(parts(weight)[0].dtype), sg))
+
+
+# --- softmax and activations -------------------------------------------------------------
+
+@rule(aten._softmax, aten._log_softmax)
+def _softmax(func, x, dim, half_to_float):
+    """softmax, log_softmax on the value: scale 1 (bounded, or log-probabilities)."""
+    d = parts(x)[0]
+    out = func(value(x, compute_dtype(d.dtype)), dim, False)
+    return wrap(out.to(torch.float32 if half_to_float else d.dtype), 1.0)
+
+
+@rule(aten._safe_softmax)
+def _safe_softmax(func, x, dim, dtype=None):
+    """softmax that gives 0 on fully masked rows, on the value: scale 1."""
+    d = parts(x)[0]
+    out = func(value(x, compute_dtype(d.dtype)), dim)
+    return wrap(out.to(dtype or d.dtype), 1.0)
+
+
+@rule(aten._softmax_backward_data, aten._log_softmax_backward_data)
+def _softmax_backward(func, g, output, dim, input_dtype):
+    """Gradients of softmax, log_softmax (linear in g): scale sg."""
+    dg, sg = parts(scalar_scale(g))
+    cdt = compute_dtype(dg.dtype)
+    return wrap(func(dg.to(cdt), value(output, cdt), dim, cdt).to(input_dtype), sg)
+
+
+@rule(aten.gelu, aten.silu)
+def _gelu(func, x, **kwargs):
+    """gelu (exact and tanh), silu on the value; they follow relu for large |x|, so the
+    output keeps the input's scale s."""
+    d, s = parts(x)
+    out = func(value(x, compute_dtype(d.dtype)), **kwargs)
+    return wrap(times(out, sdiv(1.0, s)).to(d.dtype), s)
+
+
+@rule(aten.threshold_backward, aten.gelu_backward, aten.silu_backward, aten.tanh_backward,
+      aten.sigmoid_backward, aten.leaky_relu_backward)
+def _activation_backward(func, g, *args, **kwargs):
+    """Gradients of activations, g * f'(x) (f' from the value of x or of the output):
+    scale sg."""
+    dg, sg = parts(scalar_scale(g))
+    cdt = compute_dtype(dg.dtype)
+    args = tuple(value(a, cdt) if isinstance(a, torch.Tensor) else a for a in args)
+    return wrap(func(dg.to(cdt), *args, **kwargs).to(dg.dtype), sg)
+
+
+@rule(aten.select_backward, aten.slice_backward, aten.embedding_dense_backward, aten.native_dropout_backward)
+def _gather_backward(func, g, *args, **kwargs):
+    """Gradients of views, embedding and dropout (g moved or masked): scale sg."""
+    dg, sg = parts(scalar_scale(g))
+    return wrap(func(dg, *args, **kwargs), sg)
+
+
+@rule(aten.native_dropout)
+def _dropout(func, x, p, train):
+    """dropout: scale s (the kept data is divided by 1 - p)."""
+    d, s = parts(x)
+    out, mask = func(d, p, train)
+    return wrap(out, s), mask
+
+
+# --- losses ------------------------------------------------------------------------------
+
+@rule(aten.nll_loss_forward, aten.nll_loss2d_forward)
+def _nll_loss(func, x, target, weight, reduction, ignore_index):
+    """nll_loss (the end of cross_entropy, after log_softmax): scale s."""
+    d, s = parts(scalar_scale(x))
+    out, total = func(d, target, value(weight, d.dtype), reduction, ignore_index)
+    return wrap(out, s), total
+
+
+@rule(aten.nll_loss_backward, aten.nll_loss2d_backward)
+def _nll_loss_backward(func, g, x, target, weight, reduction, ignore_index, total_weight):
+    """Gradient of nll_loss: scale sg."""
+    dg, sg = parts(scalar_scale(g))
+    d = parts(x)[0]
+    return wrap(func(dg.to(d.dtype), d, target, value(weight, d.dtype), reduction, ignore_index,
+                     total_weight), sg)
+
+
+@rule(aten.mse_loss)
+def _mse_loss(func, x, target, reduction=1):
+    """mse_loss: (x - t)^2 reduced, scale max(sx, st)^2 (composed of sub, mul, mean)."""
+    diff = torch.sub(x, target)
+    sq = torch.mul(diff, diff)
+    return sq if reduction == 0 else sq.mean() if reduction == 1 else sq.sum()
+
+
+@rule(aten.mse_loss_backward)
+def _mse_loss_backward(func, g, x, target, reduction):
+    """Gradient of mse_loss, 2 (x - t) g / n: scale 2 max(sx, st) sg / n."""
+    diff = torch.sub(x, target)
+    n = diff.numel() if reduction == 1 else 1
+    return torch.mul(torch.mul(diff, g), 2.0 / n)
+

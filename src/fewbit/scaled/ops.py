@@ -1,0 +1,588 @@
+"""Rules of the general aten ops: layout, arithmetic, reductions, comparisons, factories.
+
+Each rule states its output scale in its docstring (``s`` is the input's scale, ``sa``
+and ``sb`` those of two operands, ``c`` a Python number). A plain tensor operand has
+scale 1; a Python number c is seed 003's constant of scale |c|. Sums use the common
+scale max(sa, sb), so the larger operand keeps its data exactly and nothing overflows
+that did not already; a static zero scale is the zero array and drops out of sums and
+maxima. In-place and ``_foreach_`` ops need no rule of their own (see ``tensor``).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import reduce
+from typing import Any
+
+import torch
+
+from .tensor import (
+    Scale,
+    ScaledTensor,
+    assign,
+    aten,
+    compute_dtype,
+    inplace,
+    is_static,
+    parts,
+    rule,
+    scalar_scale,
+    sdiv,
+    smax,
+    smul,
+    spow,
+    times,
+    value,
+    wrap,
+)
+
+# --- layout: the data moves, the scale follows ---------------------------------------
+
+_VIEWS = (aten.view, aten._unsafe_view, aten.reshape)
+
+
+def _compact(s: torch.Tensor) -> torch.Tensor:
+    # A scale expanded to data's shape back to its broadcastable form: one element along
+    # every dimension it does not vary in.
+    for dim in range(s.dim()):
+        if s.stride(dim) == 0 and s.size(dim) > 1:
+            s = s.narrow(dim, 0, 1)
+    return s
+
+
+@rule(aten.view, aten._unsafe_view, aten.reshape, aten.expand, aten.permute, aten.t, aten.transpose,
+      aten.unsqueeze, aten.squeeze, aten.select, aten.slice, aten.alias, aten.detach, aten.split,
+      aten.split_with_sizes, aten.unbind, aten.narrow, aten.index, aten.index_select, aten.gather,
+      aten.embedding, aten.repeat, aten.flip, aten.roll, aten.diagonal, aten.unfold, aten.movedim)
+def _layout(func, x, *args, **kwargs):
+    """Views, indexing, gather, embedding, repeat: scale s (a per-channel scale goes
+    through the same op, expanded to data's shape)."""
+    d, s = parts(x)
+    out = func(d, *args, **kwargs)
+    if is_static(s) or s.dim() == 0:
+        return [wrap(o, s) for o in out] if isinstance(out, (list, tuple)) else wrap(out, s)
+    big = s.expand(d.shape)
+    so = big.reshape(*args, **kwargs) if func.overloadpacket in _VIEWS else func(big, *args, **kwargs)
+    if isinstance(out, (list, tuple)):
+        return [wrap(o, _compact(t)) for o, t in zip(out, so, strict=True)]
+    return wrap(out, _compact(so))
+
+
+@rule(aten.as_strided)
+def _as_strided(func, x, *args, **kwargs):
+    """as_strided: scale s (a per-channel scale is first made one scale)."""
+    d, s = parts(scalar_scale(x))
+    return wrap(func(d, *args, **kwargs), s)
+
+
+@rule(aten.clone, aten.neg, aten.abs, aten.relu, aten.tril, aten.triu, aten.leaky_relu)
+def _keep(func, x, *args, **kwargs):
+    """Same-shape ops that commute with a positive factor: scale s."""
+    d, s = parts(x)
+    return wrap(func(d, *args, **kwargs), s)
+
+
+@rule(aten._to_copy)
+def _to_copy(func, x, **kwargs):
+    """Cast or move: scale s (moved with the data); a non-float dtype gives a plain tensor."""
+    dtype = kwargs.get("dtype")
+    if dtype is not None and not dtype.is_floating_point:
+        return func(value(x), **kwargs)
+    d, s = parts(x)
+    out = func(d, **kwargs)
+    if isinstance(s, torch.Tensor) and s.device != out.device:
+        s = s.to(out.device)
+    return wrap(out, s)
+
+
+@rule(aten.copy)
+def _copy(func, dest, src, non_blocking=False):
+    """Functional copy (for copy_): src's values in dest's shape and dtype, scale of src."""
+    d, s = parts(src)
+    return wrap(func(parts(dest)[0], d, non_blocking), s)
+
+
+# --- factories ---------------------------------------------------------------------
+
+def _factory(func, x, args, kwargs, fill_scale: float):
+    out = func(parts(x)[0], *args, **kwargs)
+    return wrap(out, fill_scale) if out.is_floating_point() else out
+
+
+@rule(aten.zeros_like, aten.new_zeros, aten.zero)
+def _zeros(func, x, *args, **kwargs):
+    """Zeros: scale 0, the zero array (optimizer state starts here and takes the scale
+    of the first value written into it)."""
+    return _factory(func, x, args, kwargs, 0.0)
+
+
+@rule(aten.ones_like, aten.new_ones, aten.empty_like, aten.new_empty, aten.new_empty_strided,
+      aten.rand_like, aten.randn_like)
+def _ones(func, x, *args, **kwargs):
+    """Ones, empty, random: scale 1 (the seed of backward is ``ones_like(loss)``)."""
+    return _factory(func, x, args, kwargs, 1.0)
+
+
+@rule(aten.full_like, aten.new_full, aten.fill.Scalar)
+def _full(func, x, *args, **kwargs):
+    """Filled with c: data sign(c), scale |c| (c not finite: data c, scale 1)."""
+    args = list(args)
+    i = 0 if func.overloadpacket is aten.full_like or func is aten.fill.Scalar else 1
+    c = float(args[i])
+    if not math.isfinite(c):
+        return _factory(func, x, tuple(args), kwargs, 1.0)
+    args[i] = math.copysign(1.0, c) if c else 0.0
+    return _factory(func, x, tuple(args), kwargs, abs(c))
+
+
+@rule(aten.bernoulli_, aten.uniform_, aten.normal_, aten.exponential_)
+def _random_(func, dest, *args, **kwargs):
+    """Random fills in place (dropout's mask): the random values, stored at dest's
+    scale; the generator is drawn as for a plain tensor of dest's shape."""
+    fresh = func(torch.empty_like(parts(dest)[0]), *args, **kwargs)
+    return assign(dest, wrap(fresh, 1.0))
+
+
+# --- sums: a common scale ------------------------------------------------------------
+
+def scale_of(x: Any) -> Scale:
+    """Scale of an operand of a sum: a finite number c counts |c|, a non-finite one 0
+    (it is the same at any scale)."""
+    if isinstance(x, torch.Tensor):
+        return parts(x)[1]
+    c = float(x)
+    return abs(c) if math.isfinite(c) else 0.0
+
+
+def at_scale(x: Any, s: Scale) -> Any:
+    """x's data rebalanced to scale s (x's value = result * s)."""
+    if isinstance(x, torch.Tensor):
+        d, sx = parts(x)
+        return times(d, sdiv(sx, s))
+    c = float(x)
+    return c * sdiv(1.0, s) if math.isfinite(c) else c
+
+
+def common_scale(*xs: Any) -> Scale:
+    """max of the operands' scales (seed 003's add rule)."""
+    return reduce(smax, (scale_of(x) for x in xs))
+
+
+def _unit_scales(*xs: Any) -> bool:
+    """Whether every tensor operand has the static scale 1: then it is a plain tensor
+    (seed 003), and numbers and coefficients act on its data as torch's op does."""
+    return all(is_static(parts(x)[1], 1.0) for x in xs if isinstance(x, torch.Tensor))
+
+
+def _on_data(func, *args, **kwargs) -> ScaledTensor:
+    # func on the data of scale-1 operands: the output has scale 1.
+    return wrap(func(*(parts(a)[0] if isinstance(a, torch.Tensor) else a for a in args), **kwargs), 1.0)
+
+
+def _term(x: Any, coef: float) -> tuple[Any, Scale, float] | None:
+    # (data, scale, sign) of coef * x, or None when it is zero. A non-finite number is
+    # kept as data with scale 0: inf is inf at any scale.
+    if isinstance(x, torch.Tensor):
+        d, s = parts(x)
+        s = smul(s, abs(coef))
+        return None if coef == 0 or is_static(s, 0.0) else (d, s, math.copysign(1.0, coef))
+    k = float(x) * coef
+    if not math.isfinite(k):
+        return (k, 0.0, 1.0)
+    return None if k == 0 else (1.0, abs(k), math.copysign(1.0, k))
+
+
+def _like(datas: list, sign: float, d: Any) -> torch.Tensor:
+    # d as a new tensor with the shape and dtype of the sum of datas.
+    tensors = [t for t in datas if isinstance(t, torch.Tensor)]
+    shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+    dtype = reduce(torch.promote_types, (t.dtype for t in tensors))
+    if not isinstance(d, torch.Tensor):
+        return torch.full(shape, sign * d, dtype=dtype, device=tensors[0].device)
+    out = d.expand(shape).to(dtype, copy=True)
+    return out.neg_() if sign < 0 else out
+
+
+def lincomb(terms: list[tuple[Any, float]]) -> tuple[torch.Tensor, Scale]:
+    """(data, scale) of sum(coef * x) over (x, coef) pairs, coef a Python number.
+
+    Scale: the max of |coef| * scale(x) over the terms (seed 003's add). A zero-scale
+    term is the zero array and drops out: one term left is returned as it is.
+    """
+    datas = [parts(x)[0] if isinstance(x, torch.Tensor) else x for x, _ in terms]
+    live = [t for t in (_term(x, c) for x, c in terms) if t is not None]
+    if not live:
+        return _like(datas, 1.0, 0.0), 0.0
+    s = reduce(smax, (ts for _, ts, _ in live))
+    if len(live) == 1:
+        d, ts, sign = live[0]
+        return _like(datas, sign, d if is_static(ts, 0.0) else times(d, sdiv(ts, s))), s
+    (d0, s0, g0), (d1, s1, g1) = live[0], live[1]
+    if len(live) == 2 and g0 > 0 and isinstance(d0, torch.Tensor) and is_static(s0, 1.0) \
+            and is_static(s, 1.0) and is_static(s1):
+        # Scale-1 operands: one fused op, rounded once, as on plain tensors.
+        return torch.add(d0, d1, alpha=g1 * s1), s
+    out = None
+    for d, ts, sign in live:
+        term = d if is_static(ts, 0.0) else times(d, sdiv(ts, s))
+        if out is None:
+            out = -term if sign < 0 else term
+        else:
+            out = out - term if sign < 0 else out + term
+    if not isinstance(out, torch.Tensor) or out.shape != torch.broadcast_shapes(
+            *(t.shape for t in datas if isinstance(t, torch.Tensor))):
+        out = _like(datas, 1.0, out)
+    return out, s
+
+
+@rule(aten.add, aten.sub)
+def _add(func, a, b, alpha=1):
+    """a + alpha b, a - alpha b: scale max(sa, |alpha| sb); a zero-scale operand returns
+    the other."""
+    if _unit_scales(a, b):
+        return _on_data(func, a, b, alpha=alpha)
+    sign = 1.0 if func.overloadpacket is aten.add else -1.0
+    return wrap(*lincomb([(a, 1.0), (b, sign * alpha)]))
+
+
+@rule(aten.rsub)
+def _rsub(func, a, b, alpha=1):
+    """b - alpha a: as sub."""
+    if _unit_scales(a, b):
+        return _on_data(func, a, b, alpha=alpha)
+    return wrap(*lincomb([(b, 1.0), (a, -alpha)]))
+
+
+@rule(aten.lerp.Scalar)
+def _lerp(func, a, b, weight):
+    """a + w (b - a) = (1 - w) a + w b: scale max(|1-w| sa, |w| sb)."""
+    if _unit_scales(a, b):
+        return _on_data(func, a, b, weight)
+    w = float(weight)
+    return wrap(*lincomb([(a, 1.0 - w), (b, w)]))
+
+
+@rule(aten.lerp.Tensor)
+def _lerp_tensor(func, a, b, weight):
+    """a + w (b - a) with a tensor w: composed of sub, mul and add."""
+    if _unit_scales(a, b, weight):
+        return _on_data(func, a, b, weight)
+    return torch.add(a, torch.mul(weight, torch.sub(b, a)))
+
+
+@rule(aten.addcmul, aten.addcdiv)
+def _addc(func, a, t1, t2, value=1):
+    """a + v t1 * t2 (t1 / t2): scale max(sa, |v| s1 s2) (s1 / s2)."""
+    if _unit_scales(a, t1, t2):
+        return _on_data(func, a, t1, t2, value=value)
+    d1, s1 = parts(t1)
+    d2, s2 = parts(t2)
+    if func.overloadpacket is aten.addcmul:
+        prod = wrap(d1 * d2, smul(s1, s2))
+    else:
+        prod = _divide(t1, t2)
+    return wrap(*lincomb([(a, 1.0), (prod, value)]))
+
+
+# --- in place: the destination keeps its scale ----------------------------------------
+
+def _keeps_scale(dest: Any) -> bool:
+    # A zero-scale ScaledTensor takes the result's scale instead (see ``assign``).
+    return isinstance(dest, ScaledTensor) and dest._static != 0.0
+
+
+@rule(aten.add_.Tensor, aten.add_.Scalar, aten.sub_.Tensor, aten.sub_.Scalar)
+def _add_(func, dest, other, alpha=1):
+    """In-place add, sub: dest keeps its scale sd; alpha * other is rebalanced to it
+    (alpha goes into the ratio, so a large learning rate meets a tiny gradient in the
+    scale, not in 16-bit data)."""
+    if not _keeps_scale(dest):
+        return inplace(func, dest, other, alpha=alpha)
+    d, sd = parts(dest)
+    sign = math.copysign(1.0, alpha) * (1 if func.overloadpacket is aten.add_ else -1)
+    if isinstance(other, torch.Tensor) and d.dtype not in (torch.float16, torch.bfloat16):
+        # One pass: d + sign * other_data * ratio, the ratio a 0-dim tensor.
+        do, so = parts(other)
+        r = sdiv(smul(so, abs(alpha)), sd)
+        if isinstance(r, torch.Tensor) and r.dim() == 0:
+            d.addcmul_(do, r, value=sign)
+            return dest
+    d.add_(at_scale(other, sdiv(sd, abs(alpha))) if alpha else 0.0, alpha=sign)
+    return dest
+
+
+@rule(aten.mul_.Tensor, aten.mul_.Scalar, aten.div_.Tensor, aten.div_.Scalar)
+def _mul_(func, dest, other):
+    """In-place mul, div: dest keeps its scale sd; the data is multiplied (divided) by
+    other's value."""
+    if not _keeps_scale(dest):
+        return inplace(func, dest, other)
+    d = parts(dest)[0]
+    factor = other if not isinstance(other, torch.Tensor) else times(*parts(other))
+    (d.mul_ if func.overloadpacket is aten.mul_ else d.div_)(factor)
+    return dest
+
+
+@rule(aten.lerp_.Scalar)
+def _lerp_(func, dest, end, weight):
+    """In-place lerp: dest keeps its scale sd; end is rebalanced to it."""
+    if not _keeps_scale(dest):
+        return inplace(func, dest, end, weight)
+    d, sd = parts(dest)
+    d.lerp_(at_scale(end, sd), weight)
+    return dest
+
+
+@rule(aten.addcmul_, aten.addcdiv_)
+def _addc_(func, dest, t1, t2, value=1):
+    """In-place addcmul, addcdiv: dest keeps its scale sd; t1's data carries the ratio
+    |v| s1 s2 / sd (|v| s1 / (s2 sd))."""
+    if not _keeps_scale(dest):
+        return inplace(func, dest, t1, t2, value=value)
+    d, sd = parts(dest)
+    (d1, s1), (d2, s2) = parts(t1), parts(t2)
+    sign = math.copysign(1.0, value)
+    if func.overloadpacket is aten.addcmul_:
+        d.addcmul_(times(d1, sdiv(smul(smul(s1, s2), abs(value)), sd)), d2, value=sign)
+    else:
+        d.addcdiv_(times(d1, sdiv(smul(s1, abs(value)), smul(s2, sd))), d2, value=sign)
+    return dest
+
+
+# --- products ------------------------------------------------------------------------
+
+@rule(aten.mul)
+def _mul(func, a, b):
+    """a * b: scale sa sb; a number c only changes the scale (to |c| s)."""
+    for x, c in ((a, b), (b, a)):
+        if not isinstance(c, torch.Tensor):
+            c = float(c)
+            if not math.isfinite(c):
+                return _on_values(func, a, b)
+            d, s = parts(x)
+            return wrap(-d if c < 0 else d.clone() if c > 0 else d * 0.0, smul(s, abs(c)))
+    da, sa = parts(a)
+    db, sb = parts(b)
+    return wrap(da * db, smul(sa, sb))
+
+
+def _divide(a: Any, b: Any) -> torch.Tensor:
+    da, sa = parts(a)
+    db, sb = parts(b)
+    if is_static(sb, 0.0):
+        return wrap(value(a) / value(b), 1.0)
+    return wrap(da / db, sa if is_static(sb, 1.0) else sa / sb)
+
+
+@rule(aten.div.Tensor, aten.div.Scalar)
+def _div(func, a, b):
+    """a / b: scale sa / sb; a number c only changes the scale (to s / |c|)."""
+    if not isinstance(b, torch.Tensor):
+        c = float(b)
+        if c == 0 or not math.isfinite(c):
+            return _on_values(func, a, b)
+        d, s = parts(a)
+        return wrap(-d if c < 0 else d.clone(), sdiv(s, abs(c)))
+    if not isinstance(a, torch.Tensor):
+        return torch.mul(torch.reciprocal(b), a)
+    return _divide(a, b)
+
+
+@rule(aten.reciprocal)
+def _reciprocal(func, x):
+    """1 / x: scale 1 / s."""
+    d, s = parts(x)
+    if is_static(s, 0.0):
+        return _on_values(func, x)
+    return wrap(torch.reciprocal(d), 1.0 / s)
+
+
+@rule(aten.sqrt, aten.rsqrt)
+def _sqrt(func, x):
+    """sqrt: scale sqrt(s); rsqrt: scale 1 / sqrt(s)."""
+    d, s = parts(x)
+    if is_static(s, 0.0):
+        return _on_values(func, x)
+    return wrap(func(d), spow(s, 0.5 if func.overloadpacket is aten.sqrt else -0.5))
+
+
+@rule(aten.pow.Tensor_Scalar)
+def _pow(func, x, p):
+    """x ** p for a number p: scale s ** p."""
+    d, s = parts(x)
+    if is_static(s, 0.0) or isinstance(p, complex):
+        return _on_values(func, x, p)
+    return wrap(func(d, p), spow(s, float(p)))
+
+
+# --- computed on the value -----------------------------------------------------------
+
+def _dtype_of(xs: tuple) -> torch.dtype:
+    return reduce(torch.promote_types, (parts(x)[0].dtype for x in xs if isinstance(x, torch.Tensor)))
+
+
+def _on_values(func, *args, **kwargs):
+    """func on the values (computed in float32 or wider), rounded to the data dtype;
+    scale 1. Used where the result is bounded or has no useful scale."""
+    out = func(*(value(a) for a in args), **kwargs)
+    return wrap(out.to(_dtype_of(args)), 1.0)
+
+
+@rule(aten.tanh, aten.sigmoid, aten.exp, aten.expm1, aten.log1p, aten.erf, aten.sin, aten.cos, aten.atan,
+      aten.sgn, aten.sign, aten.pow.Tensor_Tensor, aten.pow.Scalar, aten.logsumexp, aten.cumprod)
+def _bounded(func, *args, **kwargs):
+    """tanh, sigmoid, exp, sign, ...: computed on the value; scale 1 (bounded outputs,
+    or outputs whose size does not follow the input's scale)."""
+    return _on_values(func, *args, **kwargs)
+
+
+@rule(aten.log)
+def _log(func, x):
+    """log(d s) = log(d) + log(s), computed on the data so a tiny value does not
+    underflow first; scale 1."""
+    d, s = parts(x)
+    if is_static(s, 1.0) or is_static(s, 0.0):
+        return _on_values(func, x)
+    cdt = compute_dtype(d.dtype)
+    out = torch.log(d.to(cdt)) + (math.log(s) if is_static(s) else torch.log(s.to(cdt)))
+    return wrap(out.to(d.dtype), 1.0)
+
+
+# --- maxima and clamps ---------------------------------------------------------------
+
+@rule(aten.maximum, aten.minimum, aten.max.other, aten.min.other, aten.clamp_min.Tensor,
+      aten.clamp_max.Tensor)
+def _maximum(func, a, b):
+    """Elementwise max/min: scale max(sa, sb); a zero-scale operand needs no common
+    scale (max(a, 0) keeps sa)."""
+    upper = func.overloadpacket in (aten.maximum, aten.max, aten.clamp_min)
+    op = torch.maximum if upper else torch.minimum
+    for x, y in ((a, b), (b, a)):
+        if is_static(scale_of(y), 0.0) and isinstance(y, ScaledTensor):
+            d, s = parts(x)
+            bound = d.clamp_min(0) if upper else d.clamp_max(0)
+            return wrap(_like([d, parts(y)[0]], 1.0, bound), s)
+    s = common_scale(a, b)
+    return wrap(op(at_scale(a, s), at_scale(b, s)), s)
+
+
+@rule(aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default)
+def _clamp(func, x, lo=None, hi=None):
+    """clamp by numbers: scale s (the bounds are divided by s)."""
+    d, s = parts(x)
+    if is_static(s, 0.0):
+        return _on_values(func, x, lo, hi) if hi is not None else _on_values(func, x, lo)
+    if func.overloadpacket is aten.clamp_max:
+        lo, hi = None, lo
+    bound = [None if c is None else at_scale(c, s) for c in (lo, hi)]
+    return wrap(torch.clamp(d, *bound), s)
+
+
+@rule(aten.clamp.Tensor)
+def _clamp_tensor(func, x, lo=None, hi=None):
+    """clamp by tensors: composed of maximum and minimum."""
+    if lo is not None:
+        x = torch.maximum(x, lo)
+    return x if hi is None else torch.minimum(x, hi)
+
+
+@rule(aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
+def _where(func, cond, a, b):
+    """where(cond, a, b): scale max(sa, sb)."""
+    if _unit_scales(a, b):
+        return _on_data(func, cond, a, b)
+    s = common_scale(a, b)
+    return wrap(torch.where(cond, at_scale(a, s), at_scale(b, s)), s)
+
+
+@rule(aten.masked_fill)
+def _masked_fill(func, x, mask, fill):
+    """masked_fill: scale max(s, |fill|) (a non-finite fill, e.g. -inf, keeps s)."""
+    if _unit_scales(x, fill):
+        return _on_data(func, x, mask, fill)
+    s = common_scale(x, fill)
+    return wrap(torch.masked_fill(at_scale(x, s), mask, at_scale(fill, s)), s)
+
+
+@rule(aten.cat, aten.stack)
+def _cat(func, tensors, dim=0):
+    """cat, stack: scale max of the scales."""
+    tensors = [scalar_scale(t) for t in tensors]
+    s = common_scale(*tensors)
+    return wrap(func([at_scale(t, s) for t in tensors], dim), s)
+
+
+@rule(aten.index_put, aten.scatter.src, aten.scatter.value, aten.scatter_add, aten.index_add)
+def _merge(func, x, *args, **kwargs):
+    """index_put, scatter, scatter_add, index_add: the values written meet x at scale
+    max(s, s_src) (a zero-scale x, as autograd's zeros, takes s_src)."""
+    x = scalar_scale(x)
+    i = 1 if func.overloadpacket is aten.index_put else 2
+    src = scalar_scale(args[i])
+    s = common_scale(x, src)
+    args = (*args[:i], at_scale(src, s), *args[i + 1:])
+    return wrap(func(at_scale(x, s), *args, **kwargs), s)
+
+
+# --- reductions ----------------------------------------------------------------------
+
+@rule(aten.sum, aten.mean, aten.nansum, aten.amax, aten.amin, aten.cumsum, aten.linalg_vector_norm)
+def _reduce(func, x, *args, **kwargs):
+    """Sums, means, maxima, norms (homogeneous of degree 1): scale s."""
+    if func.overloadpacket is aten.linalg_vector_norm and (args[:1] or [kwargs.get("ord", 2)])[0] == 0:
+        return _on_values(func, x, *args, **kwargs)
+    d, s = parts(scalar_scale(x))
+    return wrap(func(d, *args, **kwargs), s)
+
+
+@rule(aten.max.default, aten.min.default, aten.max.dim, aten.min.dim)
+def _max(func, x, *args, **kwargs):
+    """max, min (and their indices): scale s."""
+    d, s = parts(scalar_scale(x))
+    out = func(d, *args, **kwargs)
+    return (wrap(out[0], s), out[1]) if isinstance(out, tuple) else wrap(out, s)
+
+
+@rule(aten.prod)
+def _prod(func, x, *args, **kwargs):
+    """prod: scale s^n, n the number of elements multiplied."""
+    d, s = parts(scalar_scale(x))
+    out = func(d, *args, **kwargs)
+    return wrap(out, spow(s, float(d.numel() // max(out.numel(), 1))))
+
+
+@rule(aten.var, aten.std, aten.var_mean, aten.std_mean)
+def _var(func, x, *args, **kwargs):
+    """var: scale s^2; std: s; var_mean: (s^2, s); std_mean: (s, s)."""
+    d, s = parts(scalar_scale(x))
+    out = func(d, *args, **kwargs)
+    first = spow(s, 2.0) if func.overloadpacket in (aten.var, aten.var_mean) else s
+    return (wrap(out[0], first), wrap(out[1], s)) if isinstance(out, tuple) else wrap(out, first)
+
+
+# --- plain outputs -------------------------------------------------------------------
+
+@rule(aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.isnan, aten.isinf, aten.isfinite,
+      aten.argmax, aten.argmin, aten.equal)
+def _compare(func, *args, **kwargs):
+    """Comparisons and predicates: a plain result, computed on the values (on the data
+    when both operands share one scale)."""
+    if len(args) >= 2 and all(isinstance(a, ScaledTensor) for a in args[:2]):
+        (da, sa), (db, sb) = parts(args[0]), parts(args[1])
+        if sa is sb or (is_static(sa) and is_static(sb) and sa == sb and sa != 0.0):
+            return func(da, db, *args[2:], **kwargs)
+    if func.overloadpacket is aten.equal:
+        return func(*(value(a, a.dtype) for a in args))
+    return func(*(value(a) for a in args), **kwargs)
+
+
+@rule(aten._local_scalar_dense)
+def _item(func, x):
+    """item(): the value as a Python number."""
+    return value(x).item()
+
+
+@rule(aten.is_same_size)
+def _same_size(func, a, b):
+    """is_same_size: compares shapes."""
+    return a.shape == b.shape

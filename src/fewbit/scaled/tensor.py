@@ -1,0 +1,533 @@
+"""ScaledTensor: a tensor stored as ``data * scale``, and the table of its aten rules.
+
+Seed 003 (Scalify) in PyTorch: ``data`` keeps the storage dtype, ``scale`` is a float32
+tensor (a scalar, or broadcastable to ``data`` for per-channel scales), and each aten
+op has a rule that says how the output's scale follows from the inputs' scales, so
+the scale propagates through forward, backward and the optimizer while the maths of
+the model is unchanged. The rules themselves live in ``ops`` and ``nn_ops``.
+
+A scale known while tracing is kept as a Python float instead of a tensor (seed 003's
+special values: 1 for a plain tensor, 0 for the zero array, and constants such as a
+scalar factor): rules then skip work (a product with 1, a sum with 0), and torch.compile
+sees a constant.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from functools import partial
+from typing import Any, Literal
+
+import torch
+from torch.utils._python_dispatch import return_and_correct_aliasing
+
+aten = torch.ops.aten
+
+#: A scale: a float32 tensor, or a Python float known while tracing.
+Scale = torch.Tensor | float
+
+#: Smallest normal float32: the floor of a divisor scale, so that a ratio to a zero
+#: common scale is 0 instead of NaN (a zero scale is the zero array, whatever its data).
+TINY = torch.finfo(torch.float32).tiny
+
+_REDUCED = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class Settings:
+    """Process-wide behaviour of ScaledTensor (read when an op runs or is traced).
+
+    Attributes:
+        fallback: ``"warn"`` (once per op) or ``"error"`` when an op has no rule.
+        unit_scaling: matmuls and convolutions divide their output data by a static
+            power of two near sqrt(K), K the contraction length, and multiply the
+            scale by it (unit scaling); off, the output scale is the plain product.
+    """
+
+    fallback: Literal["warn", "error"] = "warn"
+    unit_scaling: bool = False
+
+
+settings = Settings()
+
+
+@contextmanager
+def configure(**changes: Any) -> Iterator[Settings]:
+    """Change :data:`settings` inside a ``with`` block, e.g. ``configure(fallback="error")``."""
+    names = {f.name for f in fields(Settings)}
+    unknown = set(changes) - names
+    if unknown:
+        raise ValueError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(names)}")
+    old = {k: getattr(settings, k) for k in changes}
+    for k, v in changes.items():
+        setattr(settings, k, v)
+    try:
+        yield settings
+    finally:
+        for k, v in old.items():
+            setattr(settings, k, v)
+
+
+class NoRuleError(NotImplementedError):
+    """An op without a rule met a ScaledTensor while ``settings.fallback == "error"``."""
+
+
+class ScaledTensor(torch.Tensor):
+    """A tensor whose value is ``data * scale``.
+
+    ``ScaledTensor(data, scale)`` checks its arguments as :func:`as_scaled` does. The
+    tensor reports data's shape, dtype and device; ``unscaled`` is the data,
+    ``scale`` the scale (always a tensor here), :meth:`dequantize` the value.
+    """
+
+    _data: torch.Tensor
+    _scale: torch.Tensor | None  # None when the scale is static
+    _static: float | None
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor | float | None = None) -> ScaledTensor:
+        data, s = _checked(data, scale)
+        return cls._make(data, s)
+
+    @classmethod
+    def _make(cls, data: torch.Tensor, scale: Scale) -> ScaledTensor:
+        """Wrap without checks (rules call this). A tensor scale must be float32 on
+        data's device with a shape broadcastable to data's."""
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, strides=data.stride(), storage_offset=data.storage_offset(),
+            dtype=data.dtype, device=data.device, layout=data.layout, requires_grad=False,
+        )
+        t._data = data
+        if isinstance(scale, torch.Tensor):
+            t._scale, t._static = _canonical(scale, data.dim()), None
+        else:
+            t._scale, t._static = None, float(scale)
+        return t
+
+    @property
+    def unscaled(self) -> torch.Tensor:
+        """The stored data (value = unscaled * scale)."""
+        return self._data
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The scale as a float32 tensor (built on the spot when it is static)."""
+        if self._scale is not None:
+            return self._scale
+        return torch.full((), self._static, dtype=torch.float32, device=self._data.device)
+
+    @property
+    def static_scale(self) -> float | None:
+        """The scale when it is known without reading a tensor, else None."""
+        return self._static
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The value ``data * scale`` as a plain tensor of ``dtype`` (default data's),
+        computed in float32 or wider and rounded once."""
+        return value(self, dtype or self._data.dtype)
+
+    def __repr__(self) -> str:
+        s = self._static if self._scale is None else self._scale
+        return f"ScaledTensor(unscaled={self._data!r}, scale={s!r})"
+
+    def __tensor_flatten__(self) -> tuple[list[str], tuple]:
+        inner = ["_data"] if self._scale is None else ["_data", "_scale"]
+        return inner, (self._static,)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, ctx: tuple, outer_size, outer_stride) -> ScaledTensor:
+        (static,) = ctx
+        return ScaledTensor._make(inner["_data"], inner["_scale"] if static is None else static)
+
+    def __coerce_same_metadata_as_tangent__(self, expected_metadata: tuple, expected_type=None):
+        # torch.compile guessed a gradient's static scale from the output's; give the
+        # gradient that form, with the same value.
+        if expected_type not in (None, type(self)):
+            return None
+        (static,) = expected_metadata
+        if static == self._static:
+            return self
+        if static is None:
+            return ScaledTensor._make(self._data, self.scale)
+        return ScaledTensor._make(times(self._data, sdiv(parts(self)[1], static)), static)
+
+    def _stable_hash_for_caching(self) -> str:
+        # AOTAutograd's cache key: what the compiled code depends on, not the values.
+        def meta(t: torch.Tensor | None) -> str:
+            return "-" if t is None else f"{t.dtype}{tuple(t.shape)}{t.stride()}{t.device}"
+
+        return f"ScaledTensor({meta(self._data)},{meta(self._scale)},{self._static!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        _check_devices(func, args, kwargs)
+        rule = _lookup(func)
+        if rule is None:
+            return _fallback(func, args, kwargs)
+        out = rule(func, *args, **kwargs)
+        if func in _ALIASING:
+            return return_and_correct_aliasing(func, args, kwargs, out)
+        return out
+
+
+# --- checks ------------------------------------------------------------------------
+
+def _checked(data: torch.Tensor, scale: torch.Tensor | float | None) -> tuple[torch.Tensor, Scale]:
+    if isinstance(data, ScaledTensor):
+        raise TypeError("data is already a ScaledTensor; use rebalance to change its scale")
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"data must be a torch.Tensor, not {type(data).__name__}")
+    if not data.is_floating_point():
+        raise TypeError(f"data must have a floating dtype, not {data.dtype}")
+    return data, 1.0 if scale is None else check_scale(scale, data)
+
+
+def check_scale(scale: torch.Tensor | float, data: torch.Tensor, positive: bool = False) -> Scale:
+    """scale as rules hold it (a float, or a float32 tensor), after checking that it is
+    a number or float tensor on data's device, broadcastable to data, finite and >= 0
+    (> 0 with ``positive``). Raises TypeError or ValueError naming the problem."""
+    bound = "> 0" if positive else ">= 0"
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, torch.Tensor)):
+        raise TypeError(f"scale must be a float or a float tensor, not {type(scale).__name__}")
+    if not isinstance(scale, torch.Tensor):
+        if not (math.isfinite(scale) and (scale > 0 if positive else scale >= 0)):
+            raise ValueError(f"scale must be finite and {bound}, got {scale}")
+        return float(scale)
+    if not scale.is_floating_point():
+        raise TypeError(f"scale must have a floating dtype, not {scale.dtype}")
+    if scale.device != data.device:
+        raise ValueError(f"scale is on device {scale.device} but data on device {data.device}")
+    try:
+        shape = torch.broadcast_shapes(scale.shape, data.shape)
+    except RuntimeError:
+        shape = None
+    if shape != data.shape:
+        raise ValueError(f"scale of shape {tuple(scale.shape)} does not broadcast to data's "
+                         f"shape {tuple(data.shape)}")
+    scale = scale.detach().to(torch.float32)
+    ok = torch.isfinite(scale) & ((scale > 0) if positive else (scale >= 0))
+    if not bool(ok.all()):
+        raise ValueError(f"scale must be finite and {bound} everywhere")
+    return scale
+
+
+def _canonical(scale: torch.Tensor, ndim: int) -> torch.Tensor:
+    # One element: a 0-dim scale, which broadcasts through any view. Per channel: as many
+    # dims as data, so that view rules can apply data's op to the expanded scale.
+    if scale.dim() == 0:
+        return scale
+    if scale.numel() == 1:
+        return scale.reshape(())
+    if scale.dim() < ndim:
+        return scale.reshape((1,) * (ndim - scale.dim()) + tuple(scale.shape))
+    return scale
+
+
+def _devices(x: Any, out: set) -> None:
+    if isinstance(x, torch.Tensor):
+        # CPU 0-dim tensors mix with any device in torch; so do they here.
+        if not (x.dim() == 0 and x.device.type == "cpu" and not isinstance(x, ScaledTensor)):
+            out.add(x.device)
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            _devices(y, out)
+
+
+def _check_devices(func, args: tuple, kwargs: dict) -> None:
+    found: set = set()
+    _devices(args, found)
+    _devices(tuple(kwargs.values()), found)
+    if len(found) > 1:
+        raise ValueError(f"{func}: ScaledTensor mixed with tensors on other devices "
+                         f"({', '.join(sorted(map(str, found)))})")
+
+
+def as_scaled(data: torch.Tensor, scale: torch.Tensor | float | None = None) -> ScaledTensor:
+    """``ScaledTensor`` with value ``data * scale`` (scale None means 1).
+
+    A float scale is static (known while tracing); a tensor scale is cast to float32
+    and may be per-channel (broadcastable to data). Raises TypeError for non-float data
+    or scale, ValueError for a scale that does not broadcast to data, lies on another
+    device, or is negative or not finite.
+    """
+    return ScaledTensor(data, scale)
+
+
+# --- the op table ------------------------------------------------------------------
+
+#: aten op (overload or packet) -> rule. A rule takes (func, *args, **kwargs) as the
+#: op does and returns what the op returns, with ScaledTensors where values are scaled.
+RULES: dict[Any, Callable] = {}
+
+#: View ops: autograd and torch.compile need the wrapper's aliasing to match the op's
+#: schema.
+_ALIASING: set = set()
+
+#: Rules found by ``_lookup``, per overload.
+_CACHE: dict[Any, Callable | None] = {}
+
+
+def rule(*ops: Any) -> Callable[[Callable], Callable]:
+    """Register the decorated function as the rule of each op (overload or packet)."""
+
+    def register(fn: Callable) -> Callable:
+        for op in ops:
+            RULES[op] = fn
+            for overload in _overloads(op):
+                if _is_aliasing(overload):
+                    _ALIASING.add(overload)
+        return fn
+
+    return register
+
+
+def _overloads(op: Any) -> list:
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return [getattr(op, name) for name in op.overloads()]
+    return [op]
+
+
+def _is_aliasing(op: torch._ops.OpOverload) -> bool:
+    # Views: outputs that alias an input without writing it. (In-place and out= rules
+    # return the written tensor itself, which needs no correcting.)
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
+
+
+def _lookup(func: torch._ops.OpOverload) -> Callable | None:
+    """The rule of func: its own, its packet's, or one derived from the rule of the
+    functional op, for ``out=``, in-place and ``_foreach_`` ops."""
+    if func in _CACHE:
+        return _CACHE[func]
+    _CACHE[func] = None  # while looking: siblings that ask back find nothing
+    found = RULES.get(func)
+    name = func.overloadpacket.__name__
+    if found is None and "out" not in func._overloadname:
+        found = RULES.get(func.overloadpacket)
+    elif found is None and [a.name for a in func._schema.arguments if a.is_out] == ["out"]:
+        if any(_lookup(o) for o in _overloads(func.overloadpacket) if o is not func):
+            found = partial(_out_variant, func.overloadpacket)
+    if found is None and name.startswith("_foreach_"):
+        base = getattr(aten, name[len("_foreach_"):], None)
+        if base is not None and any(_lookup(o) for o in _overloads(base)):
+            found = partial(_foreach, base, name.endswith("_"))
+    elif found is None and name.endswith("_") and not name.startswith("_"):
+        functional = _functional(func)
+        if functional is not None and _lookup(functional) is not None:
+            found = inplace
+    if found is not None and _is_aliasing(func):
+        _ALIASING.add(func)
+    _CACHE[func] = found
+    return found
+
+
+def _functional(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    # aten.op_.overload -> aten.op.overload
+    packet = getattr(aten, func.overloadpacket.__name__[:-1], None)
+    return getattr(packet, func._overloadname, None)
+
+
+def inplace(func, dest, *args, **kwargs):
+    """The rule of an in-place op without its own: x.op_(...) is x.op(...) stored back
+    into x (see ``assign``)."""
+    return assign(dest, _functional(func)(dest, *args, **kwargs))
+
+
+def _out_variant(packet, func, *args, out, **kwargs):
+    # op(..., out=t) is op(...) stored into t.
+    return assign(out, packet(*args, **kwargs))
+
+
+def _foreach(base, inplace: bool, func, *args, **kwargs):
+    # _foreach_op(lists...) is op on each index; a non-list argument goes to every call.
+    # Arguments keyword-only in op (alpha, value) come positionally in _foreach_op.
+    schema = getattr(base, base.overloads()[0])._schema.arguments[:len(args)]
+
+    def call(i: int):
+        def pick(a):
+            return a[i] if isinstance(a, (list, tuple)) else a
+
+        pos = [pick(a) for a, arg in zip(args, schema, strict=True) if not arg.kwarg_only]
+        kw = {arg.name: pick(a) for a, arg in zip(args, schema, strict=True) if arg.kwarg_only}
+        kw.update({k: pick(v) for k, v in kwargs.items()})
+        return base(*pos, **kw)
+
+    outs = [call(i) for i in range(len(args[0]))]
+    return None if inplace else outs
+
+
+_warned: set[str] = set()
+
+
+def _fallback(func, args: tuple, kwargs: dict):
+    name = str(func)
+    if settings.fallback == "error":
+        raise NoRuleError(f"fewbit.scaled: no rule for {name}")
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn(f"fewbit.scaled: no rule for {name}; it runs on dequantized values and "
+                      "returns scale 1", stacklevel=3)
+    out = func(*_tree_map(dequantize_any, args), **_tree_map(dequantize_any, kwargs))
+    return _tree_map(lambda t: wrap(t, 1.0) if _is_float(t) else t, out)
+
+
+def _is_float(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+def _tree_map(fn: Callable, x: Any) -> Any:
+    if isinstance(x, (list, tuple)):
+        return type(x)(_tree_map(fn, y) for y in x)
+    if isinstance(x, dict):
+        return {k: _tree_map(fn, v) for k, v in x.items()}
+    return fn(x)
+
+
+# --- helpers shared by the rules -----------------------------------------------------
+
+def wrap(data: torch.Tensor, scale: Scale) -> ScaledTensor:
+    """A ScaledTensor from a rule's output data and scale."""
+    return ScaledTensor._make(data, scale)
+
+
+def parts(x: Any) -> tuple[Any, Scale]:
+    """(data, scale) of an operand: a plain tensor has scale 1, and a Python number c
+    is the constant sign(c) with scale |c| (seed 003's scalar as a scaled array)."""
+    if isinstance(x, ScaledTensor):
+        return x._data, (x._static if x._scale is None else x._scale)
+    if isinstance(x, torch.Tensor):
+        return x, 1.0
+    c = float(x)
+    return (1.0 if c > 0 else -1.0 if c < 0 else 0.0), abs(c)
+
+
+def is_static(s: Scale, c: float | None = None) -> bool:
+    """Whether scale s is known while tracing (and equal to c when c is given)."""
+    return not isinstance(s, torch.Tensor) and (c is None or s == c)
+
+
+def smul(a: Scale, b: Scale) -> Scale:
+    """Product of two scales, skipping the work for 0 and 1."""
+    if is_static(a, 1.0) or is_static(b, 0.0):
+        return b
+    if is_static(b, 1.0) or is_static(a, 0.0):
+        return a
+    return a * b
+
+
+def sdiv(a: Scale, b: Scale) -> Scale:
+    """a / b for a ratio of scales: 0 when a is 0, even for b = 0."""
+    if is_static(b, 1.0) or is_static(a, 0.0):
+        return a
+    if is_static(b):
+        return a / b if b else 0.0
+    return a / b.clamp_min(TINY)
+
+
+def smax(a: Scale, b: Scale) -> Scale:
+    """The larger of two (non-negative) scales."""
+    if is_static(a) and is_static(b):
+        return max(a, b)
+    if is_static(a, 0.0):
+        return b
+    if is_static(b, 0.0):
+        return a
+    if is_static(a):
+        return b.clamp_min(a)
+    if is_static(b):
+        return a.clamp_min(b)
+    return torch.maximum(a, b)
+
+
+def spow(s: Scale, p: float) -> Scale:
+    """s ** p for a scale."""
+    if is_static(s):
+        return s**p if s or p > 0 else float("inf")
+    return s.pow(p)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which rules compute on values: float32 for 16-bit data, else data's."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def times(d: Any, r: Scale) -> Any:
+    """d * r, rounded once to d's dtype (16-bit data would first round r to 16 bits)."""
+    if is_static(r, 1.0):
+        return d
+    if not isinstance(d, torch.Tensor):
+        return d * r
+    if d.dtype in _REDUCED or (isinstance(r, torch.Tensor) and r.dim()):
+        return (d.to(compute_dtype(d.dtype)) * r).to(d.dtype)
+    return d * r
+
+
+def at_scale(x: Any, s: Scale) -> Any:
+    """Data of operand x rebalanced to scale s (x's value = result * s)."""
+    d, sx = parts(x)
+    return times(d, sdiv(sx, s))
+
+
+def value(x: Any, dtype: torch.dtype | None = None) -> Any:
+    """The value of x (ScaledTensor, tensor or number) as a plain tensor.
+
+    Computed in the compute dtype; rounded to ``dtype`` when given, else left there.
+    """
+    if not isinstance(x, ScaledTensor):
+        return x if dtype is None or not isinstance(x, torch.Tensor) else x.to(dtype)
+    d, s = parts(x)
+    if is_static(s, 0.0):
+        v = torch.zeros_like(d, dtype=compute_dtype(d.dtype))
+    else:
+        v = d.to(compute_dtype(d.dtype))
+        if not is_static(s, 1.0):
+            v = v * s
+    return v if dtype is None else v.to(dtype)
+
+
+def dequantize_any(x: Any) -> Any:
+    """x's value in x's dtype when x is a ScaledTensor; anything else unchanged."""
+    return x.dequantize() if isinstance(x, ScaledTensor) else x
+
+
+def scalar_scale(x: Any) -> Any:
+    """x with a single scale: a per-channel ScaledTensor is rebalanced to its largest
+    scale (for rules whose op mixes elements across channels); others unchanged."""
+    if not isinstance(x, ScaledTensor) or x._scale is None or x._scale.dim() == 0:
+        return x
+    top = x._scale.amax()
+    return wrap(times(x._data, sdiv(x._scale, top)), top)
+
+
+def is_partial_view(d: torch.Tensor) -> bool:
+    """Whether d covers only part of its storage (views made inside rules have no _base)."""
+    return d.storage_offset() != 0 or d.untyped_storage().nbytes() != d.numel() * d.element_size()
+
+
+def assign(dest: torch.Tensor, out: Any) -> torch.Tensor:
+    """Store the result of an in-place op into dest, and return dest.
+
+    dest keeps its scale (its views share it), except a zero scale: the zero array
+    takes the result's scale, as optimizer state created by ``zeros_like`` does (views
+    taken of it before the write keep scale 0; a write into such a view is refused).
+    """
+    if not isinstance(dest, ScaledTensor):
+        dest.copy_(dequantize_any(out))
+        return dest
+    d, s = parts(out)
+    if dest._static == 0.0:
+        if is_partial_view(dest._data):
+            raise ValueError("in-place write into a view of a zero-scale ScaledTensor: rebalance its "
+                             "base to a non-zero scale first")
+        dest._data.copy_(d)
+        dest._scale, dest._static = (_canonical(s, d.dim()), None) if isinstance(s, torch.Tensor) \
+            else (None, float(s))
+        return dest
+    dest._data.copy_(times(d, sdiv(s, parts(dest)[1])))
+    return dest

@@ -1,0 +1,515 @@
+"""ScaledTensor (fewbit.scaled): every rule against plain torch, scales, autograd,
+optimizers, torch.compile, casts and rescaling, errors, and the demo."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fewbit
+from fewbit.cli import main as cli_main
+from fewbit.scaled import (
+    NoRuleError,
+    ScaledTensor,
+    as_scaled,
+    cast,
+    cast_,
+    configure,
+    demo,
+    dynamic_rescale_,
+    dynamic_rescale_grad,
+    dynamic_rescale_l1,
+    dynamic_rescale_l2,
+    dynamic_rescale_max,
+    dynamic_rescale_max_grad,
+    from_e8m0,
+    pow2_scale,
+    rebalance,
+    round_pow2,
+    scale_to_e8m0,
+    scalify,
+)
+
+F64 = torch.float64
+
+
+def value(t):
+    return t.dequantize() if isinstance(t, ScaledTensor) else t
+
+
+def scale_of(t: ScaledTensor) -> float:
+    return float(t.scale)
+
+
+def close(got, want, rtol=1e-9):
+    got, want = value(got).detach().double(), value(want).detach().double()
+    assert got.shape == want.shape
+    tol = rtol * max(1.0, float(want.abs().max())) if want.numel() else 0.0
+    err = float((got - want).abs().max()) if want.numel() else 0.0
+    assert err <= tol, f"max error {err} > {tol}"
+
+
+@pytest.fixture(autouse=True)
+def strict():
+    """Every test runs with fallbacks as errors, unless it asks otherwise."""
+    with configure(fallback="error"):
+        yield
+
+
+# --- every rule: value, gradient and output scale ---------------------------------------
+
+X = torch.randn(4, 6, dtype=F64, generator=torch.Generator().manual_seed(1))
+Y = torch.randn(4, 6, dtype=F64, generator=torch.Generator().manual_seed(2))
+
+IDX = torch.tensor([[0], [1], [2], [3]])
+TARGET = torch.tensor([0, 1, 5, 2])
+
+# name -> (f(x, y), expected output scale as a function of (sx, sy), or None for "any")
+CASES = {
+    "neg": (lambda x, y: -x, lambda a, b: a),
+    "abs": (lambda x, y: x.abs(), lambda a, b: a),
+    "relu": (lambda x, y: F.relu(x), lambda a, b: a),
+    "leaky_relu": (lambda x, y: F.leaky_relu(x, 0.1), lambda a, b: a),
+    "mul": (lambda x, y: x * y, lambda a, b: a * b),
+    "mul_scalar": (lambda x, y: x * -3.0, lambda a, b: 3 * a),
+    "div": (lambda x, y: x / y, lambda a, b: a / b),
+    "div_scalar": (lambda x, y: x / 4.0, lambda a, b: a / 4),
+    "reciprocal": (lambda x, y: y.reciprocal(), lambda a, b: 1 / b),
+    "add": (lambda x, y: x + y, lambda a, b: max(a, b)),
+    "sub": (lambda x, y: x - y, lambda a, b: max(a, b)),
+    "add_alpha": (lambda x, y: torch.add(x, y, alpha=0.25), lambda a, b: max(a, b / 4)),
+    "add_scalar": (lambda x, y: x + 2.5, lambda a, b: max(a, 2.5)),
+    "rsub": (lambda x, y: 1 - x, lambda a, b: max(a, 1.0)),
+    "maximum": (lambda x, y: torch.maximum(x, y), lambda a, b: max(a, b)),
+    "minimum": (lambda x, y: torch.minimum(x, y), lambda a, b: max(a, b)),
+    "clamp": (lambda x, y: x.clamp(-0.5, 0.5), lambda a, b: a),
+    "clamp_tensor": (lambda x, y: x.clamp(y - 1, y + 1), lambda a, b: max(a, b, 1)),
+    "where": (lambda x, y: torch.where(x > 0, x, y), lambda a, b: max(a, b)),
+    "masked_fill": (lambda x, y: x.masked_fill(y > 0, -1.5), lambda a, b: max(a, 1.5)),
+    "lerp": (lambda x, y: torch.lerp(x, y, 0.25), lambda a, b: max(0.75 * a, 0.25 * b)),
+    "lerp_tensor": (lambda x, y: torch.lerp(x, y, y.sigmoid()), None),
+    "addcmul": (lambda x, y: torch.addcmul(x, x, y, value=-0.5), lambda a, b: max(a, 0.5 * a * b)),
+    "addcdiv": (lambda x, y: torch.addcdiv(x, x, y, value=2), lambda a, b: max(a, 2 * a / b)),
+    "gelu": (lambda x, y: F.gelu(x), lambda a, b: a),
+    "gelu_tanh": (lambda x, y: F.gelu(x, approximate="tanh"), lambda a, b: a),
+    "silu": (lambda x, y: F.silu(x), lambda a, b: a),
+    "tanh": (lambda x, y: x.tanh(), lambda a, b: 1.0),
+    "sigmoid": (lambda x, y: x.sigmoid(), lambda a, b: 1.0),
+    "exp": (lambda x, y: x.exp(), lambda a, b: 1.0),
+    "log": (lambda x, y: y.abs().log(), lambda a, b: 1.0),
+    "sqrt": (lambda x, y: y.abs().sqrt(), lambda a, b: b**0.5),
+    "rsqrt": (lambda x, y: y.abs().rsqrt(), lambda a, b: b**-0.5),
+    "pow": (lambda x, y: x.pow(3), lambda a, b: a**3),
+    "pow_tensor": (lambda x, y: x.abs() ** y, lambda a, b: 1.0),
+    "sum": (lambda x, y: x.sum(0), lambda a, b: a),
+    "mean": (lambda x, y: x.mean(), lambda a, b: a),
+    "var": (lambda x, y: x.var(1), lambda a, b: a * a),
+    "std": (lambda x, y: x.std(), lambda a, b: a),
+    "amax": (lambda x, y: x.amax(1), lambda a, b: a),
+    "amin": (lambda x, y: x.amin(0), lambda a, b: a),
+    "max": (lambda x, y: x.max(), lambda a, b: a),
+    "max_dim": (lambda x, y: x.max(dim=1)[0], lambda a, b: a),
+    "norm": (lambda x, y: x.norm(), lambda a, b: a),
+    "cumsum": (lambda x, y: x.cumsum(1), lambda a, b: a),
+    "prod": (lambda x, y: x.prod(1), lambda a, b: a**6),
+    "logsumexp": (lambda x, y: torch.logsumexp(x, 1), lambda a, b: 1.0),
+    "softmax": (lambda x, y: F.softmax(x, -1), lambda a, b: 1.0),
+    "log_softmax": (lambda x, y: F.log_softmax(x, 0), lambda a, b: 1.0),
+    "masked_softmax": (lambda x, y: F.softmax(x.masked_fill(y > 0, float("-inf")), -1), lambda a, b: 1.0),
+    "select": (lambda x, y: x[1], lambda a, b: a),
+    "slice": (lambda x, y: x[:, 2:4], lambda a, b: a),
+    "t": (lambda x, y: x.t(), lambda a, b: a),
+    "permute": (lambda x, y: x.permute(1, 0), lambda a, b: a),
+    "transpose": (lambda x, y: x.transpose(0, 1), lambda a, b: a),
+    "reshape": (lambda x, y: x.t().reshape(24), lambda a, b: a),
+    "view": (lambda x, y: x.view(2, 12), lambda a, b: a),
+    "expand": (lambda x, y: x.expand(2, 4, 6), lambda a, b: a),
+    "unsqueeze": (lambda x, y: x.unsqueeze(0), lambda a, b: a),
+    "split": (lambda x, y: x.split(2)[1], lambda a, b: a),
+    "unbind": (lambda x, y: x.unbind(0)[2], lambda a, b: a),
+    "chunk": (lambda x, y: x.chunk(3, 1)[0], lambda a, b: a),
+    "index": (lambda x, y: x[torch.tensor([0, 2])], lambda a, b: a),
+    "gather": (lambda x, y: x.gather(1, IDX), lambda a, b: a),
+    "embedding": (lambda x, y: F.embedding(torch.tensor([[0, 3], [2, 2]]), x), lambda a, b: a),
+    "cat": (lambda x, y: torch.cat([x, y]), lambda a, b: max(a, b)),
+    "stack": (lambda x, y: torch.stack([x, y]), lambda a, b: max(a, b)),
+    "clone": (lambda x, y: x.t().contiguous(), lambda a, b: a),
+    "tril": (lambda x, y: x.tril(), lambda a, b: a),
+    "mm": (lambda x, y: x @ y.t(), lambda a, b: a * b),
+    "bmm": (lambda x, y: torch.bmm(x.unsqueeze(0), y.t().unsqueeze(0)), lambda a, b: a * b),
+    "matmul_3d": (lambda x, y: x.reshape(2, 2, 6) @ y.t(), lambda a, b: a * b),
+    "addmm": (lambda x, y: torch.addmm(x[:, :4], x, y.t()), lambda a, b: a * b),
+    "baddbmm": (lambda x, y: torch.baddbmm(x[:, :4].unsqueeze(0), x.unsqueeze(0), y.t().unsqueeze(0),
+                                           alpha=0.5, beta=2), lambda a, b: a * b),
+    "linear": (lambda x, y: F.linear(x, y[:3], y[3, :3]), lambda a, b: a * b),
+    "linear_3d": (lambda x, y: F.linear(x.reshape(2, 2, 6), y[:3], y[3, :3]), lambda a, b: a * b),
+    "conv1d": (lambda x, y: F.conv1d(x.reshape(1, 4, 6), y[:2, :4].reshape(2, 4, 1).expand(2, 4, 2),
+                                     y[0, :2]), lambda a, b: a * b),
+    "conv2d": (lambda x, y: F.conv2d(x.reshape(1, 1, 4, 6), y[:2, :4].reshape(2, 1, 2, 2), padding=1),
+               lambda a, b: a * b),
+    "sdpa": (lambda x, y: F.scaled_dot_product_attention(x.reshape(1, 2, 2, 6), y.reshape(1, 2, 2, 6),
+                                                         (x * y).reshape(1, 2, 2, 6)), lambda a, b: a * b),
+    "sdpa_causal": (lambda x, y: F.scaled_dot_product_attention(x.reshape(1, 1, 4, 6), y.reshape(1, 1, 4, 6),
+                                                                x.reshape(1, 1, 4, 6), is_causal=True),
+                    lambda a, b: a),
+    "layer_norm": (lambda x, y: F.layer_norm(x, (6,)), lambda a, b: 1.0),
+    "layer_norm_affine": (lambda x, y: F.layer_norm(x, (6,), y[0], y[1]), lambda a, b: b),
+    "rms_norm": (lambda x, y: F.rms_norm(x, (6,), y[0]), None),
+    "mse_loss": (lambda x, y: F.mse_loss(x, y), lambda a, b: max(a, b) ** 2),
+    "cross_entropy": (lambda x, y: F.cross_entropy(x, TARGET), lambda a, b: 1.0),
+    "sign": (lambda x, y: x.sign(), lambda a, b: 1.0),
+}
+
+
+#: Rules whose output scale is not a power of two even from power-of-two inputs
+#: (square roots of odd powers, 2 / n): their float32 scale rounds.
+F32_SCALES = {"sqrt", "rsqrt", "rms_norm", "mse_loss"}
+
+
+def _inputs(scales: tuple):
+    """x with a static scale, y with a tensor scale, and their plain twins."""
+    sx, sy = scales
+    xs = as_scaled(X / sx, sx).requires_grad_()
+    ys = as_scaled(Y / sy, torch.tensor(sy)).requires_grad_()
+    return xs, ys, X.clone().requires_grad_(), Y.clone().requires_grad_()
+
+
+@pytest.mark.parametrize("scales", [(0.25, 8.0), (0.375, 3.0)], ids=["pow2", "float32"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_rule_value_gradient_and_scale(name, scales):
+    """op(scaled) equals op(value): to float64 rounding with power-of-two scales, to
+    float32 rounding otherwise (ratios of float32 scales round); the scale as stated."""
+    f, rule_scale = CASES[name]
+    xs, ys, xr, yr = _inputs(scales)
+    rtol = 1e-12 if scales[0] == 0.25 and name not in F32_SCALES else 5e-7
+    out, ref = f(xs, ys), f(xr, yr)
+    assert isinstance(out, ScaledTensor), type(out)
+    close(out, ref, rtol)
+    if rule_scale is not None:
+        assert scale_of(out) == pytest.approx(rule_scale(*scales), rel=1e-6)
+    w = torch.randn(ref.shape, dtype=F64, generator=torch.Generator().manual_seed(3))
+    (out * w).sum().backward()
+    (ref * w).sum().backward()
+    for s, r in ((xs, xr), (ys, yr)):
+        if r.grad is not None:
+            assert isinstance(s.grad, ScaledTensor)
+            close(s.grad, r.grad, rtol)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_scale_one_is_a_plain_tensor(name):
+    """Seed 003: ScaledTensor(data, 1) behaves as the plain tensor, to the last bit."""
+    f, _ = CASES[name]
+    x, y = as_scaled(X), as_scaled(Y)
+    out, ref = f(x, y), f(X, Y)
+    assert torch.equal(value(out), ref)
+
+
+def test_comparisons_are_plain_and_exact():
+    xs, ys, _, _ = _inputs((0.375, 3.0))
+    for f in (torch.gt, torch.lt, torch.ge, torch.le, torch.eq, torch.ne):
+        got = f(xs, ys)
+        assert type(got) is torch.Tensor and got.dtype == torch.bool
+        assert torch.equal(got, f(X, Y))
+    assert torch.equal(xs > 0.1, X > 0.1)
+    assert torch.equal(xs.argmax(1), X.argmax(1))
+    assert torch.equal(torch.isfinite(xs), torch.isfinite(X))
+    assert xs.sum().item() == pytest.approx(X.sum().item())
+
+
+def test_unit_scaling_factor():
+    a, b = as_scaled(X, 0.5), as_scaled(Y.t().contiguous(), 2.0)
+    with configure(unit_scaling=True):
+        out = a @ b  # K = 6: factor 2^round(log2(sqrt 6)) = 2
+    assert scale_of(out) == 2.0 and out.static_scale == 2.0
+    close(out, X @ Y.t(), 1e-14)
+
+
+# --- seed 003's special scales ----------------------------------------------------------
+
+def test_zero_scale_is_the_zero_array_and_drops_out():
+    x = as_scaled(X, torch.tensor(0.5))
+    zero = as_scaled(torch.full_like(X, 7.0), 0.0)
+    assert torch.equal(zero.dequantize(), torch.zeros_like(X))
+    s = x + zero  # returns the other: same data, same scale, no rebalancing
+    assert torch.equal(s.unscaled, X) and s.scale is x.scale
+    d = zero - x
+    assert torch.equal(d.unscaled, -X) and d.scale is x.scale
+    m = torch.maximum(x, zero)  # no common scale: max(x, 0) at x's scale
+    assert torch.equal(m.unscaled, X.clamp_min(0)) and m.scale is x.scale
+    p = x * zero
+    assert p.static_scale == 0.0 and torch.equal(p.dequantize(), torch.zeros_like(X))
+    assert torch.zeros_like(x).static_scale == 0.0
+
+
+def test_in_place_ops_keep_the_scale_and_zero_state_adopts():
+    x = as_scaled(X.clone(), 0.5)  # as_scaled does not copy data
+    x.add_(as_scaled(Y, 0.25), alpha=2.0)
+    assert x.static_scale == 0.5
+    close(x, X * 0.5 + Y * 0.5, 1e-15)
+    state = torch.zeros_like(x)
+    state.addcmul_(x, x, value=0.1)  # a zero-scale destination takes the result's scale
+    assert scale_of(state) == pytest.approx(0.1 * 0.25)
+    close(state, 0.1 * value(x) ** 2, 1e-15)
+    view = torch.zeros_like(x)[0]
+    with pytest.raises(ValueError, match="view of a zero-scale"):
+        view.add_(1.0)
+
+
+# --- autograd, modules, optimizers ---------------------------------------------------
+
+def _layer(**kw) -> nn.TransformerEncoderLayer:
+    torch.manual_seed(0)
+    return nn.TransformerEncoderLayer(16, 4, 32, batch_first=True, dtype=F64, **kw).train()
+
+
+@pytest.mark.parametrize("kw,rtol", [
+    (dict(dropout=0.0), 1e-12),
+    # With dropout, attention takes the math path, which multiplies q and k by
+    # sqrt(1/sqrt(4)): a float32 scale then rounds.
+    (dict(dropout=0.1, norm_first=True, activation="gelu"), 3e-7),
+])
+def test_transformer_block_forward_backward(kw, rtol):
+    """An unmodified nn.TransformerEncoderLayer in training mode, forward and backward,
+    with no fallback (the fixture makes one an error), matches the plain block."""
+    plain = _layer(**kw)
+    scaled = scalify(copy.deepcopy(plain))
+    assert all(isinstance(p, ScaledTensor) for p in scaled.parameters())
+    x = torch.randn(2, 5, 16, dtype=F64)
+    mask = nn.Transformer.generate_square_subsequent_mask(5, dtype=F64)
+    xs = as_scaled(x * 64, torch.tensor(1 / 64)).requires_grad_()
+    xr = x.clone().requires_grad_()
+    torch.manual_seed(5)
+    out = scaled(xs, src_mask=mask, is_causal=True)
+    torch.manual_seed(5)
+    ref = plain(xr, src_mask=mask, is_causal=True)
+    close(out, ref, rtol)
+    w = torch.randn_like(ref)
+    (out * w).sum().backward()
+    (ref * w).sum().backward()
+    close(xs.grad, xr.grad, rtol)
+    for p, q in zip(scaled.parameters(), plain.parameters(), strict=True):
+        assert isinstance(p.grad, ScaledTensor)
+        close(p.grad, q.grad, rtol)
+
+
+def test_scale_one_transformer_block_is_bitwise_plain():
+    plain = _layer(dropout=0.0)
+    scaled = scalify(copy.deepcopy(plain), rescale=None)
+    x = torch.randn(2, 5, 16, dtype=F64)
+    out, ref = scaled(as_scaled(x)), plain(x)
+    assert torch.equal(value(out), ref)
+    out.sum().backward()
+    ref.sum().backward()
+    for p, q in zip(scaled.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(value(p.grad), q.grad)
+
+
+@pytest.mark.parametrize("name,kw", [
+    ("SGD", dict(lr=0.1, momentum=0.9, weight_decay=1e-2)),
+    ("AdamW", dict(lr=1e-2)),
+    ("AdamW", dict(lr=1e-2, foreach=True)),
+    ("Adam", dict(lr=1e-2, amsgrad=True)),
+])
+def test_optimizers_update_scaled_parameters(name, kw):
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Embedding(10, 8), nn.LayerNorm(8), nn.Linear(8, 16), nn.GELU(),
+                          nn.Linear(16, 10)).double()
+    scaled = scalify(copy.deepcopy(plain))
+    tokens, target = torch.randint(0, 10, (4, 3)), torch.randint(0, 10, (12,))
+    for model in (plain, scaled):
+        opt = getattr(torch.optim, name)(model.parameters(), **kw)
+        for _ in range(3):
+            opt.zero_grad()
+            F.cross_entropy(model(tokens).reshape(-1, 10), target).backward()
+            opt.step()
+    for p, q in zip(scaled.parameters(), plain.parameters(), strict=True):
+        assert isinstance(p, ScaledTensor) and isinstance(p, nn.Parameter)
+        close(p, q, 1e-6)
+
+
+def test_scalify_keeps_values_ties_and_dtype():
+    emb = nn.Embedding(5, 4)
+    head = nn.Linear(4, 5, bias=False)
+    head.weight = emb.weight
+    model = nn.Sequential(emb, head)
+    ref = emb.weight.detach().clone()
+    scalify(model, dtype=torch.float16, rescale="max")
+    assert model[0].weight is model[1].weight and model[0].weight.dtype == torch.float16
+    w = model[0].weight
+    assert 0.5 < float(w.unscaled.abs().max()) <= 1.0  # max: the pow2 scale rounds up
+    close(w, ref.half(), 1e-3)
+
+
+def test_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = scalify(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 4)))
+    x = as_scaled(torch.randn(6, 8), torch.tensor(0.5))
+    eager = model(x)
+    eager.sum().backward()
+    grads = [p.grad.dequantize() for p in model.parameters()]
+    model.zero_grad()
+    compiled = torch.compile(model, fullgraph=True)  # fullgraph: any graph break is an error
+    out = compiled(x)
+    out.sum().backward()
+    assert isinstance(out, ScaledTensor)
+    close(out, eager, 1e-6)
+    for p, g in zip(model.parameters(), grads, strict=True):
+        close(p.grad, g, 1e-6)
+
+
+# --- casts and rescaling ---------------------------------------------------------------
+
+def test_cast_rounds_data_keeps_scale_and_passes_gradients():
+    x = as_scaled(torch.randn(64) * 30, torch.tensor(0.125)).requires_grad_()
+    y = cast(x, "ocp_e4m3", sat=True)
+    assert y.scale is x.scale
+    assert torch.equal(y.unscaled, fewbit.round(x.unscaled.detach(), "ocp_e4m3", sat=True))
+    (y * 3).sum().backward()
+    close(x.grad, torch.full((64,), 3.0))
+    a = cast(x, "ocp_e4m3", "src", bits=3, seed=7, sat=True)
+    b = cast(x, "ocp_e4m3", "src", bits=3, seed=7, sat=True)
+    assert torch.equal(a.unscaled, b.unscaled)
+    p = as_scaled(torch.tensor([0.3, -1.7]), 2.0)
+    cast_(p, "binary8p4")
+    assert torch.equal(p.unscaled, fewbit.round(torch.tensor([0.3, -1.7]), "binary8p4"))
+
+
+def test_rebalance_and_dynamic_rescaling_keep_the_value():
+    x = as_scaled(torch.randn(32, dtype=F64) * 1e-3, 3.0)
+    r = rebalance(x, 0.25)
+    assert r.static_scale == 0.25
+    close(r, x, 1e-15)
+    for f, stat in ((dynamic_rescale_max, lambda d: d.abs().max()),
+                    (dynamic_rescale_l1, lambda d: d.abs().mean()),
+                    (dynamic_rescale_l2, lambda d: d.square().mean().sqrt())):
+        y = f(x, target=4.0)
+        close(y, x, 3e-7)  # a float32 scale: the ratio of scales rounds
+        assert float(stat(y.unscaled)) == pytest.approx(4.0, rel=1e-6)
+    z = dynamic_rescale_max(x, pow2=True)
+    s = scale_of(z)
+    assert s == 2.0 ** round(math.log2(s)) and float(z.unscaled.abs().max()) <= 1.0
+    with pytest.raises(ValueError):
+        rebalance(x, 0.0)
+    p = as_scaled(torch.randn(8) * 100)
+    dynamic_rescale_(p, "max", target=2.0)
+    assert float(p.unscaled.abs().max()) == pytest.approx(2.0)
+
+
+def test_gradient_side_rescaling():
+    x = as_scaled(torch.randn(16, dtype=F64)).requires_grad_()
+    y = dynamic_rescale_max_grad(x)
+    close(y, x)
+    (y * 1e-7).sum().backward()
+    assert float(x.grad.unscaled.abs().max()) == pytest.approx(1.0)
+    close(x.grad, torch.full((16,), 1e-7, dtype=F64), 1e-12)
+    x.grad = None
+    (dynamic_rescale_grad(x, "l2", target=2.0) * 3.0).sum().backward()
+    assert float(x.grad.unscaled.square().mean().sqrt()) == pytest.approx(2.0)
+
+
+def test_power_of_two_scales_and_e8m0():
+    assert round_pow2(0.3, "down") == 0.25 and round_pow2(0.3, "up") == 0.5 and round_pow2(0.0) == 0.0
+    x = as_scaled(torch.randn(8, dtype=F64), torch.tensor(0.3))
+    y = pow2_scale(x, "up")
+    assert scale_of(y) == 0.5
+    close(y, x, 1e-15)
+    codes = scale_to_e8m0(y)
+    assert codes.dtype == torch.uint8 and int(codes) == 126  # 2^-1: biased exponent 127 - 1
+    close(from_e8m0(y.unscaled, codes), x, 1e-15)
+    with pytest.raises(ValueError):
+        scale_to_e8m0(x)  # 0.3 is not a power of two
+
+
+# --- float16: what scaling is for -----------------------------------------------------------
+
+def test_float16_gradients_survive_with_scaling():
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 1)
+    small = 2.0**-16
+    x = torch.randn(64, 16) * small
+    plain = copy.deepcopy(lin).half()
+    plain(x.half()).sum().mul(small).backward()
+    assert float(plain.weight.grad.abs().max()) == 0.0  # products of 2^-32 underflow
+    scaled = scalify(copy.deepcopy(lin), dtype=torch.float16)
+    scaled(as_scaled((x / small).half(), small)).sum().mul(small).backward()
+    ref = copy.deepcopy(lin).double()
+    ref(x.double()).sum().mul(small).backward()
+    close(scaled.weight.grad, ref.weight.grad, 2e-3)
+
+
+def test_demo_runs_show_the_underflow():
+    curves = demo.train(steps=30, every=10)
+    final = {run: c[-1][1] for run, c in curves.items()}
+    start = curves["fp32"][0][1]
+    assert final["fp16"] == pytest.approx(start, rel=1e-2)  # float16 learns nothing
+    assert final["fp32"] < 0.8 * start
+    assert final["scaled fp16"] == pytest.approx(final["fp32"], rel=2e-2)
+    assert final["scaled e4m3"] < 0.9 * start
+
+
+def test_cli_scaled_demo_writes_png_and_csv(tmp_path, capsys):
+    assert cli_main(["scaled-demo", "--steps", "2", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "scaled_demo.png").stat().st_size > 0
+    lines = (tmp_path / "scaled_demo.csv").read_text().splitlines()
+    assert lines[0] == "step,fp32,fp16,scaled fp16,scaled e4m3" and len(lines) == 3
+    assert "scaled fp16" in capsys.readouterr().out
+
+
+# --- per-channel scales -----------------------------------------------------------------------
+
+def test_per_channel_scales():
+    s = torch.tensor([[0.5], [2.0], [4.0], [0.25]])
+    x = as_scaled(X, s)
+    close(x, X * s.double())
+    t = x.t()
+    assert tuple(t.scale.shape) == (1, 4)  # the scale follows the view
+    close(t, (X * s.double()).t())
+    close(x + as_scaled(Y, 2.0), X * s.double() + 2 * Y)
+    close(x.sum(), (X * s.double()).sum())
+    close(x @ as_scaled(Y.t().contiguous(), 0.5), (X * s.double()) @ (0.5 * Y.t()))
+
+
+# --- errors and the fallback ------------------------------------------------------------------
+
+def test_bad_input_is_refused():
+    with pytest.raises(TypeError, match="floating"):
+        as_scaled(torch.arange(4))
+    with pytest.raises(TypeError):
+        as_scaled(X, torch.tensor(2))
+    with pytest.raises(ValueError, match="broadcast"):
+        as_scaled(X, torch.ones(3))
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="finite"):
+            as_scaled(X, bad)
+    with pytest.raises(ValueError, match="finite"):
+        as_scaled(X, torch.tensor([[1.0], [-1.0], [1.0], [1.0]]))
+    with pytest.raises(ValueError, match="device"):
+        as_scaled(X, torch.tensor(1.0, device="meta"))
+    x = as_scaled(X, 0.5)
+    other = torch.ones(4, 6, dtype=F64, device="meta")
+    with pytest.raises(ValueError, match="other devices"):
+        x + other
+    with pytest.raises(ValueError, match="unknown setting"):
+        with configure(fallbak="error"):
+            pass
+
+
+def test_fallback_warns_once_or_raises():
+    x = as_scaled(X * 4, 0.25)
+    with pytest.raises(NoRuleError, match="aten.frac"):
+        torch.frac(x)
+    with configure(fallback="warn"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a = torch.frac(x)
+        b = torch.frac(x)
+    assert sum("aten.frac" in str(w.message) for w in caught) == 1
+    assert a.static_scale == 1.0
+    assert torch.equal(a.dequantize(), torch.frac(X)) and torch.equal(b.unscaled, a.unscaled)
