@@ -4,7 +4,7 @@ Times training steps of the char GPT (cpu-small preset, generated text) with pla
 AdamW and with LowPrecisionWeights (binary8p4, SRC N=3, bfloat16 updates), and the
 write-back alone, in the same run. Prints each and the write-back's share of the step.
 
-    python benchmarks/bench_train.py [--preset cpu-small] [--steps 30] [--device cpu]
+    python benchmarks/bench_train.py [--preset cpu-small] [--steps 30] [--device cpu] [--threads 1]
 """
 
 from __future__ import annotations
@@ -50,7 +50,10 @@ def main() -> None:
     p.add_argument("--preset", default="cpu-small")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     data = CharDataset.from_text(sample_text())
     base = config_from(args.preset, device=args.device)

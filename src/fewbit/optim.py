@@ -21,11 +21,17 @@ from .formats import FloatFormat, format
 from .random import Key, as_key, fold_in
 from .replicas import SeedPolicy, assert_identical_inputs, replica_key
 from .rounding import RoundMode, dtype_format, round
+from .rounding.checks import check_round_args
+from .rounding.compiled import compile_from, round_foreach_
 from .rounding.modes import parse_mode
 
 __all__ = ["LowPrecisionWeights"]
 
 _UPDATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+#: The write-back rounds every weight of 8192 elements or more with the compiled kernel:
+#: it runs every step, so the one compilation per run is soon repaid.
+COMPILE_FROM = 1 << 13
 
 
 class LowPrecisionWeights:
@@ -99,6 +105,15 @@ class LowPrecisionWeights:
             for dtype in {p.dtype, update_dtype or p.dtype}:
                 if not dtype_format(dtype).contains(self.fmt):
                     raise ValueError(f"{name} ({dtype}) cannot hold every value of {self.fmt.name}")
+        # Every selected parameter shares one dtype: the write-back rounds them together.
+        dtypes = {p.dtype for p in self.params} | {p.device.type for p in self.params}
+        if len(dtypes) > 2:
+            raise ValueError(f"selected parameters mix dtypes or devices ({sorted(map(str, dtypes))}): "
+                             "wrap each group in its own LowPrecisionWeights")  # fmt: skip
+        #: The dtype ``w + u`` is rounded from.
+        self.via = update_dtype or self.params[0].dtype
+        probe = torch.empty(0, dtype=self.via)
+        self.spec = check_round_args(probe, self.fmt, self.mode, sat, self.bits, fraction)
         if self.store_codes and self.fmt.k > 8:
             raise ValueError(f"store_codes keeps uint8 codes; {self.fmt.name} has {self.fmt.k} bits")
         self._codes: list[torch.Tensor] | None = None
@@ -148,25 +163,31 @@ class LowPrecisionWeights:
 
     @torch.no_grad()
     def _write_back(self) -> None:
-        stochastic = self.mode.is_stochastic
-        for i, p in enumerate(self.params):
-            w = p if self.update_dtype is None else p.to(self.update_dtype)
-            s = self._power_of_two_scale(w) if self.scale else 1.0
-            kwargs = {"sat": self.sat}
-            if stochastic:
-                key = replica_key(fold_in(self.key, self.steps, i), self.policy)
-                kwargs.update(bits=self.bits, seed=key)
-                if self.mode is RoundMode.SR_FRACTION:
-                    kwargs["fraction"] = self.fraction
-            r = round(w * s if s != 1.0 else w, self.fmt, self.mode, **kwargs)
-            self._scales[i] = s
-            if self.store_codes:
-                self._codes = self._codes or [None] * len(self.params)
-                self._codes[i] = encode(r, self.fmt)
+        with compile_from(COMPILE_FROM):
+            self._round_all()
+
+    def _round_all(self) -> None:
+        keys = [
+            replica_key(fold_in(self.key, self.steps, i), self.policy) if self.mode.is_stochastic else None
+            for i in range(len(self.params))
+        ]
+        if self.scale:  # powers of two: exact both ways
+            self._scales = [self._power_of_two_scale(p) for p in self.params]
+            torch._foreach_mul_(self.params, self._scales)
+        if self.fmt.has_nans:
+            round_foreach_(self.params, self.spec, keys, self.via)
+        else:  # fewbit.round raises where a value has no result: a NaN input, say
+            extra = {"fraction": self.fraction} if self.mode is RoundMode.SR_FRACTION else {}
+            for p, key in zip(self.params, keys, strict=True):
+                sr = {"bits": self.bits, "seed": key, **extra} if key is not None else {}
+                p.copy_(round(p.to(self.via), self.fmt, self.mode, sat=self.sat, **sr))
+        if self.store_codes:
+            self._codes = [encode(p, self.fmt) for p in self.params]
+            for p in self.params:
                 p.untyped_storage().resize_(0)
-            else:
-                p.copy_(r / s if s != 1.0 else r)
-        self._stored = self.store_codes
+            self._stored = True
+        elif self.scale:
+            torch._foreach_div_(self.params, self._scales)
 
     def _power_of_two_scale(self, w: torch.Tensor) -> float:
         amax = float(w.abs().max()) if w.numel() else 0.0

@@ -11,25 +11,41 @@ Set ``FEWBIT_EAGER=1`` to never compile.
 from __future__ import annotations
 
 import os
+import types
 import warnings
-from functools import partial
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
 from ..random import Key, bits_from_range, fold_in
 from .checks import RoundSpec
-from .fast import round_fast
+from .fast import round_fast, working_dtype
 from .modes import SELECT_BITS, RoundMode
 
 __all__ = [
-    "MIN_COMPILE_NUMEL", "compiled_round", "generated_round", "select_key", "use_compiled",
+    "MIN_COMPILE_NUMEL", "compile_from", "compiled_round", "generated_round", "round_foreach_", "select_key",
+    "use_compiled",
 ]
 
 #: Below this many elements a call runs eager: a kernel launch buys nothing there,
 #: and small tensors should never wait for a first compilation.
 MIN_COMPILE_NUMEL = 1 << 16
+_min_numel: ContextVar[int] = ContextVar("min_compile_numel", default=MIN_COMPILE_NUMEL)
 
-RECOMPILE_LIMIT = 4096
+
+@contextmanager
+def compile_from(numel: int) -> Iterator[None]:
+    """Inside the block, compile calls on tensors of ``numel`` elements or more. For loops
+    that round the same spec again and again (an optimizer's write-back), where the one
+    compilation is soon repaid: a small tensor's ~50 eager ops cost more than one kernel."""
+    token = _min_numel.set(numel)
+    try:
+        yield
+    finally:
+        _min_numel.reset(token)
+
 _CACHE: dict[tuple, object] = {}
 _BROKEN: set[tuple] = set()  # cache keys whose compilation failed once
 
@@ -56,10 +72,11 @@ def generated_round(
 
 def use_compiled(x: torch.Tensor) -> bool:
     """Whether a call on ``x`` takes the compiled kernel."""
-    return (
-        os.environ.get("FEWBIT_EAGER", "") in ("", "0")
-        and x.numel() >= MIN_COMPILE_NUMEL
-    )
+    return use_compiled_numel(x.numel())
+
+
+def use_compiled_numel(numel: int) -> bool:
+    return os.environ.get("FEWBIT_EAGER", "") in ("", "0") and numel >= _min_numel.get()
 
 
 def compiled_round(x: torch.Tensor, spec: RoundSpec, key: Key | None, random_bits) -> torch.Tensor | None:
@@ -69,27 +86,79 @@ def compiled_round(x: torch.Tensor, spec: RoundSpec, key: Key | None, random_bit
         return None
     fn = _CACHE.get(cache_key)
     if fn is None:
-        fn = torch.compile(partial(_kernel, spec=spec), fullgraph=True, dynamic=False)
+        fn = torch.compile(_own(_kernel, spec=spec), fullgraph=True, dynamic=False)
         _CACHE[cache_key] = fn
-    # Every spec's kernel shares _kernel's code object. So only the length is marked
-    # dynamic (automatic dynamism would turn the next spec's format ints into symbols),
-    # and Dynamo's limit of 8 compilations per code object is lifted.
-    torch._dynamo.maybe_mark_dynamic(x, 0)
+    torch._dynamo.maybe_mark_dynamic(x, 0)  # one kernel for every length
     try:
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            if key is None:
-                return fn(x, random_bits)
-            sel = select_key(key)
-            return fn(x, *key.tensors(x.device), *sel.tensors(x.device))
+        if key is None:
+            return fn(x, random_bits)
+        sel = select_key(key) if spec.mode is RoundMode.SR_FRACTION else key
+        return fn(x, *key.tensors(x.device), *sel.tensors(x.device))
     except Exception as err:  # no C++ compiler, no Triton, ...: eager still works
         _BROKEN.add(cache_key)
-        warnings.warn(f"fewbit: torch.compile failed for {spec.mode.value} to {spec.fmt.name} "
-                      f"on {x.device.type} ({err!s:.300}); running it eager from now on",
-                      RuntimeWarning, stacklevel=3)
+        _warn_eager(spec, x.device, err)
         return None
+
+
+def _warn_eager(spec: RoundSpec, device: torch.device, err: Exception) -> None:
+    warnings.warn(f"fewbit: torch.compile failed for {spec.mode.value} to {spec.fmt.name} "
+                  f"on {device.type} ({err!s:.300}); running it eager from now on",
+                  RuntimeWarning, stacklevel=4)  # fmt: skip
+
+
+def _own(fn, **bound):
+    """``fn`` with keyword arguments bound, as a function with a code object of its own.
+    Dynamo keeps compilations, guards and its recompile limit per code object: one per
+    spec keeps specs apart (a shared one would hit the limit of 8, and automatic
+    dynamism would turn the next spec's format constants into symbols), with no
+    per-call change of Dynamo's settings."""
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
+    own.__kwdefaults__ = bound
+    return own
 
 
 def _kernel(x, *args, spec: RoundSpec):
     if len(args) == 1:  # explicit random bits (or None)
         return round_fast(x, spec, args[0])
     return generated_round(x, *args, offset=0, spec=spec)
+
+
+def _foreach_kernel(tensors: list[torch.Tensor], keys: torch.Tensor, *, spec: RoundSpec, via: torch.dtype):
+    for i, t in enumerate(tensors):
+        x = t.reshape(-1).to(via)  # the value in the dtype the caller rounds from
+        r = generated_round(x.to(working_dtype(via)), keys[i, 0], keys[i, 1], keys[i, 2], keys[i, 3], 0, spec)
+        t.copy_(r.reshape(t.shape))
+
+
+def round_foreach_(
+    tensors: list[torch.Tensor], spec: RoundSpec, keys: list[Key | None], via: torch.dtype
+) -> None:
+    """Round each tensor in place, tensor i with ``keys[i]``, as ``round_`` of ``t.to(via)``
+    would: one compiled call for the whole list when compilation applies (an optimizer's
+    write-back: per-call overhead, not arithmetic, dominates many mid-sized tensors),
+    else the same code eager. The caller has checked the spec against ``via``, and
+    ``spec.fmt`` has a NaN for anything without a value (nothing to raise)."""
+    rows = []
+    for key in keys:
+        if key is None:  # deterministic: the kernel draws nothing
+            rows.append((0, 0, 0, 0))
+        else:
+            sel = select_key(key) if spec.mode is RoundMode.SR_FRACTION else key
+            rows.append((key.k0, key.k1, sel.k0, sel.k1))
+    device = tensors[0].device
+    table = torch.tensor(rows, dtype=torch.int64, device=device)
+    total = sum(t.numel() for t in tensors)
+    cache_key = ("foreach", spec, via, tensors[0].dtype, device.type)
+    if use_compiled_numel(total) and cache_key not in _BROKEN:
+        fn = _CACHE.get(cache_key)
+        if fn is None:
+            # Inductor would otherwise keep a float32 -> bfloat16 -> float32 round trip in
+            # float32, skipping the rounding to ``via`` that the result depends on.
+            fn = _CACHE[cache_key] = torch.compile(_own(_foreach_kernel, spec=spec, via=via), fullgraph=True,
+                                                   options={"emulate_precision_casts": True})  # fmt: skip
+        try:
+            return fn(tensors, table)
+        except Exception as err:
+            _BROKEN.add(cache_key)
+            _warn_eager(spec, device, err)
+    _foreach_kernel(tensors, table, spec=spec, via=via)
