@@ -257,9 +257,77 @@ def test_in_place_ops_keep_the_scale_and_zero_state_adopts():
     state.addcmul_(x, x, value=0.1)  # a zero-scale destination takes the result's scale
     assert scale_of(state) == pytest.approx(0.1 * 0.25)
     close(state, 0.1 * value(x) ** 2, 1e-15)
+    avg = torch.zeros_like(x)
+    avg.lerp_(x, 0.1)  # a running average starts at its input's scale
+    assert avg.static_scale == 0.5
+    close(avg, 0.1 * value(x), 1e-15)
     view = torch.zeros_like(x)[0]
     with pytest.raises(ValueError, match="view of a zero-scale"):
         view.add_(1.0)
+
+
+#: In-place updates as optimizers make them, f(dest, a, b), on scaled or plain tensors.
+UPDATES = {
+    "add_": lambda d, a, b: d.add_(a, alpha=-0.3),
+    "sub_": lambda d, a, b: d.sub_(a, alpha=2.0),
+    "add_number": lambda d, a, b: d.add_(1e-3),
+    "mul_": lambda d, a, b: d.mul_(0.9),
+    "lerp_": lambda d, a, b: d.lerp_(a, 0.1),
+    "addcmul_": lambda d, a, b: d.addcmul_(a, b, value=0.01),
+    "addcdiv_": lambda d, a, b: d.addcdiv_(a, b.abs().add_(0.5), value=-0.2),
+}
+
+#: How rules see a scale s: a static number, a host tensor (read as a number), or
+#: per-channel (kept a tensor).
+SCALE_FORMS = {
+    "static": lambda s: s,
+    "host": lambda s: torch.tensor(s),
+    "per_channel": lambda s: torch.tensor([[s], [2 * s], [s / 2], [4 * s]]),
+}
+
+
+@pytest.mark.parametrize("dtype,rtol", [(F64, 1e-14), (torch.float16, 1e-3)], ids=["f64", "f16"])
+@pytest.mark.parametrize("form", list(SCALE_FORMS))
+@pytest.mark.parametrize("name", list(UPDATES))
+def test_in_place_updates_match_plain(name, form, dtype, rtol):
+    """Each path of the in-place rules (a ratio of scales as the op's scalar argument,
+    as a rebalanced copy of an operand; 16-bit data) equals the update on the values,
+    and dest keeps its scale."""
+    def scaled(t, s):
+        s = SCALE_FORMS[form](s)
+        return as_scaled((t / s).to(dtype), s)
+
+    d, a, b = scaled(X, 0.5), scaled(Y, 2.0**-10), scaled(X.flip(0), 4.0)
+    plain = [value(t).double() for t in (d, a, b)]
+    before = d.scale.clone()
+    UPDATES[name](d, a, b)
+    UPDATES[name](*plain)
+    assert torch.equal(d.scale, before)
+    close(d, plain[0], 5e-7 if form == "per_channel" and dtype == F64 else rtol)  # float32 ratios
+
+
+def test_compiled_in_place_updates_match_eager():
+    """Traced, ratios of scales stay tensors (fake tensors have no value to read); the
+    update matches eager, where host scales are read as numbers."""
+    def update(p, m, v, g):
+        m.lerp_(g, 0.1)
+        v.mul_(0.999).addcmul_(g, g, value=1e-3)
+        p.addcdiv_(m, v.sqrt().add_(1e-8), value=-1e-2)
+        p.add_(g, alpha=-0.5)
+
+    def tensors():
+        pairs = ((X, 0.5), (Y, 0.25), (X.flip(1), 2.0**-6), (Y.flip(0), 3.0))
+        return [as_scaled(t.abs(), torch.tensor(s)) for t, s in pairs]
+
+    eager, traced = tensors(), tensors()
+    update(*eager)
+    torch._dynamo.reset()
+    # Dynamo's own rewrite of addcmul_ into an inductor prim has no rule; aten's has.
+    with torch._dynamo.config.patch(enable_dynamo_decompositions=False):
+        torch.compile(update, backend="aot_eager", fullgraph=True)(*traced)
+    for e, t in zip(eager, traced, strict=True):
+        assert torch.equal(t.scale, e.scale)
+        close(t, e, 1e-7)  # float32 ratios traced, float64 ones in eager
 
 
 # --- autograd, modules, optimizers ---------------------------------------------------

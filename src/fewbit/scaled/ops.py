@@ -17,10 +17,12 @@ from typing import Any
 import torch
 
 from .tensor import (
+    REDUCED,
     Scale,
     ScaledTensor,
     assign,
     aten,
+    coefficient,
     compute_dtype,
     inplace,
     is_static,
@@ -285,10 +287,26 @@ def _addc(func, a, t1, t2, value=1):
 
 
 # --- in place: the destination keeps its scale ----------------------------------------
+#
+# These are the optimizer's updates, so they avoid passes that plain torch does not make:
+# scales are read as numbers where that is free (``coefficient``), and a rebalancing ratio
+# then goes into the scalar argument of the op itself instead of into a rescaled copy of
+# an operand. 16-bit data keeps the copy: its ops round the scalar argument to 16 bits.
 
 def _keeps_scale(dest: Any) -> bool:
     # A zero-scale ScaledTensor takes the result's scale instead (see ``assign``).
     return isinstance(dest, ScaledTensor) and dest._static != 0.0
+
+
+def _operand(x: Any) -> tuple[Any, Scale]:
+    # (data, scale) of an in-place op's operand, the scale a number where that is free.
+    d, s = parts(x)
+    return d, coefficient(s)
+
+
+def _fusable(d: torch.Tensor, ratio: Scale) -> bool:
+    # Whether ratio can be the scalar argument of an in-place op on data d.
+    return is_static(ratio) and d.dtype not in REDUCED
 
 
 @rule(aten.add_.Tensor, aten.add_.Scalar, aten.sub_.Tensor, aten.sub_.Scalar)
@@ -298,13 +316,16 @@ def _add_(func, dest, other, alpha=1):
     scale, not in 16-bit data)."""
     if not _keeps_scale(dest):
         return inplace(func, dest, other, alpha=alpha)
-    d, sd = parts(dest)
+    d, sd = _operand(dest)
     sign = math.copysign(1.0, alpha) * (1 if func.overloadpacket is aten.add_ else -1)
-    if isinstance(other, torch.Tensor) and d.dtype not in (torch.float16, torch.bfloat16):
-        # One pass: d + sign * other_data * ratio, the ratio a 0-dim tensor.
-        do, so = parts(other)
+    if isinstance(other, torch.Tensor) and d.dtype not in REDUCED:
+        # One pass: d + sign * ratio * other's data.
+        do, so = _operand(other)
         r = sdiv(smul(so, abs(alpha)), sd)
-        if isinstance(r, torch.Tensor) and r.dim() == 0:
+        if is_static(r):
+            d.add_(do, alpha=sign * r)
+            return dest
+        if r.dim() == 0:
             d.addcmul_(do, r, value=sign)
             return dest
     d.add_(at_scale(other, sdiv(sd, abs(alpha))) if alpha else 0.0, alpha=sign)
@@ -325,27 +346,45 @@ def _mul_(func, dest, other):
 
 @rule(aten.lerp_.Scalar)
 def _lerp_(func, dest, end, weight):
-    """In-place lerp: dest keeps its scale sd; end is rebalanced to it."""
+    """In-place lerp: dest keeps its scale sd; end is rebalanced to it. The zero array
+    becomes w end at end's scale: a running average (Adam's) starts at its input's scale,
+    and later steps need no rebalancing, one exact lerp, while that scale holds."""
+    if isinstance(dest, ScaledTensor) and dest._static == 0.0:
+        de, se = parts(end)
+        return assign(dest, wrap(times(de, float(weight)), se))
     if not _keeps_scale(dest):
         return inplace(func, dest, end, weight)
-    d, sd = parts(dest)
-    d.lerp_(at_scale(end, sd), weight)
+    d, sd = _operand(dest)
+    de, se = _operand(end)
+    r = sdiv(se, sd)
+    if is_static(r, 1.0):
+        d.lerp_(de, weight)
+    elif _fusable(d, r):
+        # (1 - w) d + w r de: two passes over d, no rebalanced copy of end.
+        w = float(weight)
+        d.mul_(1.0 - w).add_(de, alpha=w * r)
+    else:
+        d.lerp_(times(de, r), weight)
     return dest
 
 
 @rule(aten.addcmul_, aten.addcdiv_)
 def _addc_(func, dest, t1, t2, value=1):
-    """In-place addcmul, addcdiv: dest keeps its scale sd; t1's data carries the ratio
-    |v| s1 s2 / sd (|v| s1 / (s2 sd))."""
+    """In-place addcmul, addcdiv: dest keeps its scale sd; the ratio |v| s1 s2 / sd
+    (|v| s1 / (s2 sd)) is the op's value, or multiplies t1's data."""
     if not _keeps_scale(dest):
         return inplace(func, dest, t1, t2, value=value)
-    d, sd = parts(dest)
-    (d1, s1), (d2, s2) = parts(t1), parts(t2)
-    sign = math.copysign(1.0, value)
+    d, sd = _operand(dest)
+    (d1, s1), (d2, s2) = _operand(t1), _operand(t2)
     if func.overloadpacket is aten.addcmul_:
-        d.addcmul_(times(d1, sdiv(smul(smul(s1, s2), abs(value)), sd)), d2, value=sign)
+        op, r = d.addcmul_, sdiv(smul(smul(s1, s2), abs(value)), sd)
     else:
-        d.addcdiv_(times(d1, sdiv(smul(s1, abs(value)), smul(s2, sd))), d2, value=sign)
+        op, r = d.addcdiv_, sdiv(smul(s1, abs(value)), smul(s2, sd))
+    sign = math.copysign(1.0, value)
+    if _fusable(d, r):
+        op(d1, d2, value=sign * r)
+    else:
+        op(times(d1, r), d2, value=sign)
     return dest
 
 

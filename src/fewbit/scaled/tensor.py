@@ -34,7 +34,8 @@ Scale = torch.Tensor | float
 #: common scale is 0 instead of NaN (a zero scale is the zero array, whatever its data).
 TINY = torch.finfo(torch.float32).tiny
 
-_REDUCED = (torch.float16, torch.bfloat16)
+#: 16-bit data dtypes: rules compute on them in float32 and round once.
+REDUCED = (torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -171,10 +172,7 @@ class ScaledTensor(torch.Tensor):
         rule = _lookup(func)
         if rule is None:
             return _fallback(func, args, kwargs)
-        out = rule(func, *args, **kwargs)
-        if func in _ALIASING:
-            return return_and_correct_aliasing(func, args, kwargs, out)
-        return out
+        return rule(func, *args, **kwargs)
 
 
 # --- checks ------------------------------------------------------------------------
@@ -230,23 +228,27 @@ def _canonical(scale: torch.Tensor, ndim: int) -> torch.Tensor:
     return scale
 
 
-def _devices(x: Any, out: set) -> None:
-    if isinstance(x, torch.Tensor):
-        # CPU 0-dim tensors mix with any device in torch; so do they here.
-        if not (x.dim() == 0 and x.device.type == "cpu" and not isinstance(x, ScaledTensor)):
-            out.add(x.device)
-    elif isinstance(x, (list, tuple)):
-        for y in x:
-            _devices(y, out)
-
-
 def _check_devices(func, args: tuple, kwargs: dict) -> None:
-    found: set = set()
-    _devices(args, found)
-    _devices(tuple(kwargs.values()), found)
-    if len(found) > 1:
+    # Runs before every op, so a flat loop over the arguments (and lists among them).
+    found = None
+    for x in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(x, torch.Tensor):
+            found = _same_device(func, x, found)
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                if isinstance(y, torch.Tensor):
+                    found = _same_device(func, y, found)
+
+
+def _same_device(func, x: torch.Tensor, found: torch.device | None) -> torch.device | None:
+    # CPU 0-dim tensors mix with any device in torch; so do they here.
+    if not isinstance(x, ScaledTensor) and x.dim() == 0 and x.is_cpu:
+        return found
+    device = x.device
+    if found is not None and device != found:
         raise ValueError(f"{func}: ScaledTensor mixed with tensors on other devices "
-                         f"({', '.join(sorted(map(str, found)))})")
+                         f"({', '.join(sorted(map(str, {found, device})))})")
+    return device
 
 
 def as_scaled(data: torch.Tensor, scale: torch.Tensor | float | None = None) -> ScaledTensor:
@@ -266,12 +268,9 @@ def as_scaled(data: torch.Tensor, scale: torch.Tensor | float | None = None) -> 
 #: op does and returns what the op returns, with ScaledTensors where values are scaled.
 RULES: dict[Any, Callable] = {}
 
-#: View ops: autograd and torch.compile need the wrapper's aliasing to match the op's
-#: schema.
-_ALIASING: set = set()
-
-#: Rules found by ``_lookup``, per overload.
+#: Rules found by ``_lookup``, per overload (None: no rule).
 _CACHE: dict[Any, Callable | None] = {}
+_UNSEEN = object()
 
 
 def rule(*ops: Any) -> Callable[[Callable], Callable]:
@@ -280,9 +279,6 @@ def rule(*ops: Any) -> Callable[[Callable], Callable]:
     def register(fn: Callable) -> Callable:
         for op in ops:
             RULES[op] = fn
-            for overload in _overloads(op):
-                if _is_aliasing(overload):
-                    _ALIASING.add(overload)
         return fn
 
     return register
@@ -303,8 +299,9 @@ def _is_aliasing(op: torch._ops.OpOverload) -> bool:
 def _lookup(func: torch._ops.OpOverload) -> Callable | None:
     """The rule of func: its own, its packet's, or one derived from the rule of the
     functional op, for ``out=``, in-place and ``_foreach_`` ops."""
-    if func in _CACHE:
-        return _CACHE[func]
+    found = _CACHE.get(func, _UNSEEN)  # one lookup: this runs before every op
+    if found is not _UNSEEN:
+        return found
     _CACHE[func] = None  # while looking: siblings that ask back find nothing
     found = RULES.get(func)
     name = func.overloadpacket.__name__
@@ -322,9 +319,15 @@ def _lookup(func: torch._ops.OpOverload) -> Callable | None:
         if functional is not None and _lookup(functional) is not None:
             found = inplace
     if found is not None and _is_aliasing(func):
-        _ALIASING.add(func)
+        found = partial(_aliasing, found)
     _CACHE[func] = found
     return found
+
+
+def _aliasing(rule: Callable, func, *args, **kwargs):
+    # View ops: autograd and torch.compile need the wrapper's aliasing to match the
+    # op's schema.
+    return return_and_correct_aliasing(func, args, kwargs, rule(func, *args, **kwargs))
 
 
 def _functional(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
@@ -463,9 +466,25 @@ def times(d: Any, r: Scale) -> Any:
         return d
     if not isinstance(d, torch.Tensor):
         return d * r
-    if d.dtype in _REDUCED or (isinstance(r, torch.Tensor) and r.dim()):
+    if d.dtype in REDUCED or (isinstance(r, torch.Tensor) and r.dim()):
         return (d.to(compute_dtype(d.dtype)) * r).to(d.dtype)
     return d * r
+
+
+def coefficient(s: Scale) -> Scale:
+    """Scale s as a Python number where reading it is free, else s unchanged.
+
+    Free: a plain scalar tensor in host memory, whose read syncs no device (torch's
+    eager Adam reads its CPU step count so, every step). In-place rules then pass a
+    rebalancing ratio as the scalar argument of one fused op (``d.addcmul_(d1, d2,
+    value=ratio)``) instead of writing a rebalanced copy of an operand first, a pass
+    and an allocation more. Scales on an accelerator, per-channel scales, and the fake
+    tensors that torch.compile traces rules with (a subclass of torch.Tensor) stay
+    tensors; make_fx and jit.trace record ops on ScaledTensors, not inside rules.
+    """
+    if type(s) is torch.Tensor and s.is_cpu and s.dim() == 0:
+        return s.item()
+    return s
 
 
 def at_scale(x: Any, s: Scale) -> Any:
