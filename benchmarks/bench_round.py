@@ -1,10 +1,11 @@
 """Throughput of fewbit.round against torch.clone and gfloat, measured in one run.
 
-    python benchmarks/bench_round.py [--log2-size 24] [--repeat 5]
+    python benchmarks/bench_round.py [--log2-size 24] [--repeat 5] [--threads 2]
 
 Reports million elements per second (Melem/s) and ratios for float32 -> binary8p4,
 RNE and SRC with N = 3 random bits per element, the bits generated beforehand.
-Eager fewbit (no compilation) against gfloat on numpy and on torch arrays.
+Eager fewbit (no compilation; both take the magic-number shortcut,
+``fewbit.rounding.magic``) against gfloat on numpy and on torch arrays.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ def main() -> None:
     parser.add_argument("--log2-size", type=int, default=24)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--gfloat-repeat", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
 
     n = 1 << args.log2_size
     g = torch.Generator().manual_seed(0)

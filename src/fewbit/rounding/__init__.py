@@ -1,6 +1,7 @@
 """``fewbit.round``: round a tensor to a format in a rounding mode.
 
-``reference`` states the maths element by element; ``fast`` is what runs. Both share
+``reference`` states the maths element by element; ``fast`` is what runs (compiled,
+or eager), with ``magic`` as the eager shortcut for its most common cases. All share
 the argument checks in ``checks`` and the modes in ``modes``.
 """
 
@@ -11,10 +12,11 @@ from dataclasses import astuple
 import torch
 
 from ..formats import FloatFormat
-from ..random import Key, as_key
+from ..random import Key, as_key, bits_from_range
 from .checks import RoundSpec, check_random_bits, check_round_args, dtype_format
 from .compiled import compiled_round, generated_round, select_key, use_compiled
 from .fast import round_fast, working_dtype
+from .magic import magic_applies, round_magic
 from .modes import SELECT_BITS, RoundMode, natural_sr_bits
 from .reference import round_reference
 
@@ -102,28 +104,36 @@ def _round_any(flat: torch.Tensor, spec: RoundSpec, key: Key | None, rand) -> to
 
 
 #: Elements per block for eager CPU runs: eager torch makes one pass over the tensor
-#: per op, so blocks keep the ~50 intermediates in cache rather than memory. 2^20 was
-#: the fastest of 2^14 .. 2^24 on a 2-core AMD EPYC (2^24 elements, float32).
+#: per op, so blocks keep the intermediates in cache rather than memory. 2^20 was
+#: the fastest of 2^14 .. 2^24 for ``round_fast`` on a 2-core AMD EPYC (2^24 elements,
+#: float32); the magic shortcut ran alike from 2^17 to 2^20 there.
 CPU_BLOCK = 1 << 20
 
 
 def _in_blocks(flat: torch.Tensor, spec: RoundSpec, key: Key | None, rand) -> torch.Tensor:
+    magic = magic_applies(spec, flat.dtype)
     if key is not None:
         keys = (key.k0, key.k1, *astuple(select_key(key)))
 
-    def one(start: int, stop: int) -> torch.Tensor:
+    def one(start: int, stop: int, dest: torch.Tensor) -> None:
         part = flat[start:stop]
-        if key is not None:
-            return generated_round(part, *keys, offset=start, spec=spec)
-        return round_fast(part, spec, None if rand is None else rand[start:stop])
+        if key is None:
+            bits = None if rand is None else rand[start:stop]
+        elif magic:  # the bits generated_round draws (no sr_fraction here)
+            bits = bits_from_range(start, part.numel(), spec.bits, key.k0, key.k1, device=part.device)
+        else:
+            dest.copy_(generated_round(part, *keys, offset=start, spec=spec))
+            return
+        if magic:
+            round_magic(part, spec, bits, out=dest)
+        else:
+            dest.copy_(round_fast(part, spec, bits))
 
     n = flat.numel()
     block = CPU_BLOCK if flat.device.type == "cpu" else max(n, 1)
-    if n <= block:
-        return one(0, n)
     out = torch.empty_like(flat)
     for start in range(0, n, block):
-        out[start : start + block] = one(start, start + block)
+        one(start, start + block, out[start : start + block])
     return out
 
 
