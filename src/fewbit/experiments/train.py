@@ -77,7 +77,7 @@ class TrainConfig:
         if self.mode == "fp16":
             return "binary16"
         extra = f" p={self.fraction:g}" if self.mode == "sr_fraction" else ""
-        n = f" N={self.bits}" if parse_mode(self.mode).takes_bits and self.mode != "sr" else ""
+        n = f" N={self.bits}" if parse_mode(self.mode).takes_bits else ""
         return f"{self.weight_format} {self.mode.upper()}{n}{extra}"
 
 
