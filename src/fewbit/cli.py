@@ -192,8 +192,9 @@ def cmd_scaled_demo(args: argparse.Namespace) -> int:
 
 
 def _add_scaled_demo(sub) -> None:
-    p = sub.add_parser("scaled-demo", help="fp32, fp16 and ScaledTensor fp16/e4m3 training; loss curves")
-    p.add_argument("--steps", type=int, default=400)
+    p = sub.add_parser("scaled-demo", help="fp32, fp16 and ScaledTensor fp16/e4m3 training of the char GPT "
+                       "on Shakespeare; loss curves")
+    p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--out", default="docs", help="folder for scaled_demo.png and scaled_demo.csv")
     p.set_defaults(run=cmd_scaled_demo)
 

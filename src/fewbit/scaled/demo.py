@@ -1,19 +1,30 @@
-"""The ScaledTensor example: a regression whose gradients underflow in float16.
+"""The ScaledTensor example: the character GPT on Shakespeare, with gradients that
+underflow in float16.
 
-A student MLP learns a teacher MLP whose outputs are SMALL = 2^-10; the student ends in
-a fixed output multiplier SMALL (as muP does), so the loss is SMALL^2 times an O(1)
-loss and every gradient carries a factor SMALL^2 = 2^-20 (times 2 / batch). SGD with
-learning rate lr0 / SMALL^2 then follows the path of the O(1) problem with lr0.
+The model and data are those of ``fewbit.experiments`` (``GPT``, ``load_shakespeare``),
+at a size that trains in a minute or two per run on one CPU thread. The loss that is
+differentiated is SMALL * cross-entropy, SMALL = 2^-16 (a fixed loss multiplier below 1,
+the opposite of float16 loss scaling): every gradient carries the factor SMALL, and the
+gradient of the logits, SMALL * (softmax - onehot) / (batch * block), lies below half of
+float16's smallest subnormal 2^-24 once batch * block >= 512, and rounds to 0 (SMALL
+is no smaller so that float16 can hold SGD's step size lr0 / SMALL). SGD with momentum
+and learning rate lr0 / SMALL then follows the path of plain cross-entropy with lr0, in
+exact arithmetic.
 
 Four runs from the same initial weights and batches:
   fp32         plain float32, the baseline;
-  fp16         plain float16: the gradients fall below float16's 2^-24 and round to 0,
-               so nothing is learnt;
-  scaled fp16  ScaledTensor with float16 data: the SMALL factors live in the scales,
-               the data stays near 1, and the run follows fp32;
-  scaled e4m3  the same, with weights and hidden activations rounded to OCP E4M3 after
-               a dynamic rescale (weights written back with stochastic rounding), and
-               the activations' gradients rescaled dynamically.
+  fp16         plain float16: every gradient is 0, so nothing is learnt;
+  scaled fp16  ScaledTensor with float16 data: SMALL lives in the gradients' scales,
+               the data stays near 1, and the run follows fp32. Matmuls use unit
+               scaling (``configure(unit_scaling=True)``), so that the gradients' data
+               does not grow by sqrt(K) at each matmul going back: without it, the
+               float16 data of the LayerNorm weight gradients (sums over the tokens)
+               overflowed in trials;
+  scaled e4m3  the same, with the weight matrices (embedding and output included) and
+               the inputs of every Linear rounded to OCP E4M3 after a dynamic rescale
+               (weights written back with stochastic rounding after each step), and the
+               gradients of those inputs rescaled dynamically; vectors (biases, LayerNorm)
+               stay float16.
 """
 
 from __future__ import annotations
@@ -26,111 +37,106 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..experiments.data import CharDataset
+from ..experiments.gpt import GPT, GPTConfig
+from ..experiments.train import batch_generator
 from .casts import cast, cast_, dynamic_rescale_, dynamic_rescale_max, dynamic_rescale_max_grad
 from .modules import scalify
-from .tensor import ScaledTensor, as_scaled
+from .tensor import ScaledTensor, configure
 
-SMALL = 2.0**-10
+SMALL = 2.0**-16
 E4M3 = "ocp_e4m3"
 RUNS = ("fp32", "fp16", "scaled fp16", "scaled e4m3")
 #: Largest |data| after a dynamic rescale before an E4M3 cast: well inside E4M3's 448,
 #: and small enough that a float16 matmul of two such tensors cannot overflow.
 E4M3_TARGET = 8.0
+#: The demo's model: two layers, 64 wide, 32 characters of context.
+MODEL = dict(block_size=32, n_layer=2, n_head=4, n_embd=64)
+BATCH_SIZE = 16
+EVAL_BATCHES = 8
 
 
-class Student(nn.Module):
-    """MLP whose output is multiplied by SMALL; ``act`` is applied to hidden activations."""
-
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(dim, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, 1)])
-        self.act: Callable[[torch.Tensor], torch.Tensor] = lambda h: h
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers[:-1]:
-            x = self.act(torch.relu(layer(x)))
-        return self.layers[-1](x) * SMALL
+def _e4m3_input(module: nn.Module, args: tuple) -> tuple:
+    # Forward pre-hook of a Linear: its input rescaled and rounded to E4M3, the gradient
+    # flowing back through it rescaled to max 1 so that sums stay inside float16.
+    x = dynamic_rescale_max(dynamic_rescale_max_grad(args[0]), target=E4M3_TARGET)
+    return (cast(x, E4M3), *args[1:])
 
 
-def make_problem(seed: int = 0, dim: int = 32, hidden: int = 64
-                 ) -> tuple[Callable[[], Student], Callable[[torch.Generator, int], tuple]]:
-    """(new_model, batch): new_model() gives the same initial student every call;
-    batch(gen, n) gives float32 inputs x and targets SMALL * teacher(x)."""
-    g = torch.Generator().manual_seed(seed)
-    w1 = torch.randn(dim, hidden, generator=g) / math.sqrt(dim)
-    w2 = torch.randn(hidden, 1, generator=g) / math.sqrt(hidden / 2)
-
-    def new_model() -> Student:
-        torch.manual_seed(seed + 1)
-        return Student(dim, hidden)
-
-    def batch(gen: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.randn(n, dim, generator=gen)
-        return x, torch.relu(x @ w1) @ w2 * SMALL
-
-    return new_model, batch
-
-
-def _setup(run: str, model: Student) -> tuple[Student, Callable, Callable[[int], None]]:
-    # The model as the run stores it, how it sees a batch, and what follows each step.
+def _setup(run: str, model: GPT) -> tuple[GPT, Callable[[int], None]]:
+    # The model as the run stores it, and what follows each step.
     def nothing(step: int) -> None:
         pass
 
     if run == "fp32":
-        return model, lambda x, y: (x, y), nothing
+        return model, nothing
     if run == "fp16":
-        return model.half(), lambda x, y: (x.half(), y.half()), nothing
+        return model.half(), nothing
     scalify(model, dtype=torch.float16)
-
-    def scaled(x, y):
-        return as_scaled(x.half()), as_scaled((y / SMALL).half(), SMALL)
-
     if run == "scaled fp16":
-        return model, scaled, nothing
-    # Activations: rescaled and rounded to E4M3 going forward; their gradients rescaled
-    # to max 1 going back, so that sums over the batch stay inside float16.
-    model.act = lambda h: cast(dynamic_rescale_max(dynamic_rescale_max_grad(h), target=E4M3_TARGET), E4M3)
+        return model, nothing
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.register_forward_pre_hook(_e4m3_input)
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
 
     def write_back(step: int) -> None:
         with torch.no_grad():
-            for i, p in enumerate(model.parameters()):
+            for i, p in enumerate(matrices):
                 dynamic_rescale_(p, "max", target=E4M3_TARGET, pow2=True)
                 cast_(p, E4M3, "sr", seed=(step + 1) * 1000 + i)
 
     write_back(-1)
-    return model, scaled, write_back
+    return model, write_back
 
 
-def _loss(model: Student, prepare: Callable, x: torch.Tensor, y: torch.Tensor) -> float:
-    # MSE of the stored model on (x, y) in float64, relative to SMALL^2.
+def _value(t: torch.Tensor) -> float:
+    return float(t.dequantize(torch.float64) if isinstance(t, ScaledTensor) else t.double())
+
+
+def _eval_loss(model: GPT, data: CharDataset, batch_size: int, batches: int) -> float:
+    # Mean validation cross-entropy (nats per character) over fixed batches.
+    model.eval()
     with torch.no_grad():
-        out = model(prepare(x, y)[0])
-        out = out.dequantize(torch.float64) if isinstance(out, ScaledTensor) else out.double()
-    return float(((out - y.double()) ** 2).mean()) / SMALL**2
+        losses = []
+        for i in range(batches):
+            x, y = data.batch("val", batch_size, model.cfg.block_size, batch_generator(-1, i))
+            losses.append(_value(model(x, y)[1]))
+    model.train()
+    return sum(losses) / len(losses)
 
 
-def train(steps: int = 400, lr: float = 0.02, batch_size: int = 256, seed: int = 0, every: int = 5,
+def train(steps: int = 1000, data: CharDataset | None = None, lr: float = 0.3, batch_size: int = BATCH_SIZE,
+          seed: int = 0, every: int = 50, model: dict | None = None, eval_batches: int = EVAL_BATCHES,
           progress: Callable[[int], None] | None = None) -> dict[str, list[tuple[int, float]]]:
-    """Train the four runs; returns each run's (step, eval MSE / SMALL^2) before
-    training, every ``every`` steps and at the end. ``progress(1)`` after each step."""
-    new_model, batch = make_problem(seed)
-    x_eval, y_eval = batch(torch.Generator().manual_seed(seed + 2), 1024)
+    """Train the four runs on ``data`` (default: Shakespeare, downloaded on first use);
+    returns each run's (step, validation cross-entropy over ``eval_batches`` fixed
+    batches) before training, every ``every`` steps and at the end. ``model``
+    overrides :data:`MODEL`; ``progress(1)`` after each step."""
+    if data is None:
+        from ..experiments.data import load_shakespeare
+
+        data = load_shakespeare()
+    cfg = GPTConfig(len(data.vocab), **(model or MODEL))
     curves = {}
     for run in RUNS:
-        model, prepare, after = _setup(run, new_model())
-        opt = torch.optim.SGD(model.parameters(), lr=lr / SMALL**2, momentum=0.9)
-        gen = torch.Generator().manual_seed(seed + 3)
-        curve = [(0, _loss(model, prepare, x_eval, y_eval))]
-        for step in range(steps):
-            x, y = prepare(*batch(gen, batch_size))
-            opt.zero_grad(set_to_none=True)
-            nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-            after(step)
-            if (step + 1) % every == 0 or step + 1 == steps:
-                curve.append((step + 1, _loss(model, prepare, x_eval, y_eval)))
-            if progress:
-                progress(1)
+        torch.manual_seed(seed)
+        net, after = _setup(run, GPT(cfg))
+        opt = torch.optim.SGD(net.parameters(), lr=lr / SMALL, momentum=0.9)
+        with configure(unit_scaling=run.startswith("scaled")):
+            curve = [(0, _eval_loss(net, data, batch_size, eval_batches))]
+            for step in range(steps):
+                x, y = data.batch("train", batch_size, cfg.block_size, batch_generator(seed, step))
+                for group in opt.param_groups:  # a short linear warm-up
+                    group["lr"] = lr / SMALL * min(1.0, (step + 1) / 20)
+                opt.zero_grad(set_to_none=True)
+                (net(x, y)[1] * SMALL).backward()
+                opt.step()
+                after(step)
+                if (step + 1) % every == 0 or step + 1 == steps:
+                    curve.append((step + 1, _eval_loss(net, data, batch_size, eval_batches)))
+                if progress:
+                    progress(1)
         curves[run] = curve
     return curves
 
@@ -153,30 +159,33 @@ def write(curves: dict[str, list[tuple[int, float]]], out: Path) -> tuple[Path, 
     style = {"fp32": dict(color="0.6", linewidth=4), "fp16": dict(linestyle="--")}
     for run, curve in curves.items():
         ax.plot(*zip(*curve, strict=True), label=run, **style.get(run, {}))
-    ax.set_yscale("log")
     ax.set_xlabel("step")
-    ax.set_ylabel("eval MSE / SMALL$^2$")
-    ax.set_title(f"Teacher-student regression, outputs of size 2$^{{{int(math.log2(SMALL))}}}$")
+    ax.set_ylabel("validation cross-entropy (nats/char)")
+    ax.set_title(f"Char GPT on Shakespeare, loss multiplied by 2$^{{{int(math.log2(SMALL))}}}$")
     ax.legend()
-    ax.grid(True, which="both", alpha=0.3)
+    ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
     return csv_path, png_path
 
 
-def main(steps: int, out: str) -> int:
+def main(steps: int, out: str, data: CharDataset | None = None) -> int:
     """``fewbit scaled-demo``: train with a progress bar, write the CSV and PNG, print
     the final losses."""
     from tqdm import tqdm
 
     if steps < 1:
         raise ValueError(f"--steps must be at least 1, got {steps}")
+    if data is None:
+        from ..experiments.data import load_shakespeare
+
+        data = load_shakespeare()
     with tqdm(total=steps * len(RUNS), desc="scaled-demo", unit="step") as bar:
-        curves = train(steps, progress=bar.update)
+        curves = train(steps, data, progress=bar.update)
     csv_path, png_path = write(curves, Path(out))
     for run, curve in curves.items():
-        print(f"{run:12} eval MSE / SMALL^2: {curve[0][1]:.4g} at start, {curve[-1][1]:.4g} after "
+        print(f"{run:12} validation cross-entropy: {curve[0][1]:.4g} at start, {curve[-1][1]:.4g} after "
               f"{curve[-1][0]} steps")
     print(f"wrote {csv_path} and {png_path}")
     return 0
