@@ -146,11 +146,11 @@ def check_in_sync(tensors: torch.nn.Module | Iterable | torch.Tensor, group=None
     return SyncResult(names, differing, size)
 
 
-def _ordered(t: torch.Tensor, fmt: FloatFormat | None) -> torch.Tensor:
+def _ordered(t: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
     """Each value's position in value order, so that adjacent values differ by 1: in the
-    tensor's own dtype (its bits, sign-magnitude made monotone), or among ``fmt``'s values."""
-    if fmt is not None:
-        table = torch.tensor(sorted({v for v in fmt.values() if math.isfinite(v)}), dtype=torch.float64)
+    tensor's own dtype (its bits, sign-magnitude made monotone), or in ``table``, the
+    sorted finite values of a format."""
+    if table is not None:
         return torch.searchsorted(table.to(t.device), t.detach().double().contiguous())
     ints = {torch.float64: torch.int64, torch.float32: torch.int32,
             torch.bfloat16: torch.int16, torch.float16: torch.int16}[t.dtype]  # fmt: skip
@@ -166,15 +166,19 @@ def drift_report(
     rank 0's (0 everywhere when in sync): ulps of the tensor's dtype, or of ``fmt`` (a
     format of up to 16 bits the values belong to, e.g. the weights' format). A collective:
     every rank must call it."""
-    fmt = None if fmt is None else format(fmt)
+    table = None
+    if fmt is not None:
+        finite = {v for v in format(fmt).values() if math.isfinite(v)}
+        table = torch.tensor(sorted(finite), dtype=torch.float64)
+    _, size = world(group)
     report = {}
     for name, t in _named_tensors(tensors):
         if not t.is_floating_point():
             continue
-        here = _ordered(t, fmt)
-        _, size = world(group)
-        gathered = [torch.empty_like(here) for _ in range(size)] if size > 1 else [here]
+        here = _ordered(t, table)
+        gathered = [here]
         if size > 1:
+            gathered = [torch.empty_like(here) for _ in range(size)]
             torch.distributed.all_gather(gathered, here, group=group)
         report[name] = int(max((g - gathered[0]).abs().max() if g.numel() else 0 for g in gathered))
     return report

@@ -104,13 +104,18 @@ def write_losses(results: list[RunResult], path: Path) -> None:
                 w.writerow([r.cfg.label, r.cfg.seed, *row])
 
 
-def summarise(results: list[RunResult]) -> list[dict]:
-    """Per arm: final and best validation loss, mean with min and max over seeds."""
+def by_arm(results: list[RunResult]) -> dict[str, list[RunResult]]:
+    """Each arm's runs (one per seed), in sweep order."""
     arms: dict[str, list[RunResult]] = {}
     for r in results:
         arms.setdefault(r.cfg.label, []).append(r)
+    return arms
+
+
+def summarise(results: list[RunResult]) -> list[dict]:
+    """Per arm: final and best validation loss, mean with min and max over seeds."""
     rows = []
-    for label, runs in arms.items():
+    for label, runs in by_arm(results).items():
         final = [r.val[-1] for r in runs]
         best = [min(r.val) for r in runs]
         rows.append({
@@ -144,10 +149,7 @@ def plot(results: list[RunResult], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    arms: dict[str, list[RunResult]] = {}
-    for r in results:
-        arms.setdefault(r.cfg.label, []).append(r)
-    for label, runs in arms.items():
+    for label, runs in by_arm(results).items():
         its = torch.tensor(runs[0].iters)
         vals = torch.tensor([r.val for r in runs])
         (line,) = ax.plot(its, vals.mean(0), label=f"{label} ({len(runs)} seeds)")

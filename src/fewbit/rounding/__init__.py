@@ -7,14 +7,12 @@ the argument checks in ``checks`` and the modes in ``modes``.
 
 from __future__ import annotations
 
-from dataclasses import astuple
-
 import torch
 
 from ..formats import FloatFormat
 from ..random import Key, as_key, bits_from_range
 from .checks import RoundSpec, check_random_bits, check_round_args, dtype_format
-from .compiled import compiled_round, generated_round, select_key, use_compiled
+from .compiled import compiled_round, generated_round, key_words, use_compiled
 from .fast import round_fast, working_dtype
 from .magic import magic_applies, round_magic
 from .modes import SELECT_BITS, RoundMode, natural_sr_bits
@@ -113,7 +111,7 @@ CPU_BLOCK = 1 << 20
 def _in_blocks(flat: torch.Tensor, spec: RoundSpec, key: Key | None, rand) -> torch.Tensor:
     magic = magic_applies(spec, flat.dtype)
     if key is not None:
-        keys = (key.k0, key.k1, *astuple(select_key(key)))
+        keys = key_words(key, spec)
 
     def one(start: int, stop: int, dest: torch.Tensor) -> None:
         part = flat[start:stop]

@@ -25,7 +25,7 @@ from .fast import round_fast, working_dtype
 from .modes import SELECT_BITS, RoundMode
 
 __all__ = [
-    "MIN_COMPILE_NUMEL", "compile_from", "compiled_round", "generated_round", "round_foreach_", "select_key",
+    "MIN_COMPILE_NUMEL", "compile_from", "compiled_round", "generated_round", "key_words", "round_foreach_",
     "use_compiled",
 ]
 
@@ -46,6 +46,7 @@ def compile_from(numel: int) -> Iterator[None]:
     finally:
         _min_numel.reset(token)
 
+
 _CACHE: dict[tuple, object] = {}
 _BROKEN: set[tuple] = set()  # cache keys whose compilation failed once
 
@@ -53,6 +54,15 @@ _BROKEN: set[tuple] = set()  # cache keys whose compilation failed once
 def select_key(key: Key) -> Key:
     # sr_fraction's selection bits come from their own stream, derived from the key.
     return fold_in(key, 0x5E1EC7)
+
+
+def key_words(key: Key | None, spec: RoundSpec) -> tuple[int, int, int, int]:
+    """``(k0, k1, s0, s1)`` as the kernels take them: the key, and the selection key that
+    only ``sr_fraction`` reads (the key again otherwise; zeros when nothing is drawn)."""
+    if key is None:
+        return (0, 0, 0, 0)
+    sel = select_key(key) if spec.mode is RoundMode.SR_FRACTION else key
+    return (key.k0, key.k1, sel.k0, sel.k1)
 
 
 def generated_round(
@@ -92,8 +102,8 @@ def compiled_round(x: torch.Tensor, spec: RoundSpec, key: Key | None, random_bit
     try:
         if key is None:
             return fn(x, random_bits)
-        sel = select_key(key) if spec.mode is RoundMode.SR_FRACTION else key
-        return fn(x, *key.tensors(x.device), *sel.tensors(x.device))
+        words = key_words(key, spec)
+        return fn(x, *(torch.tensor(w, dtype=torch.int64, device=x.device) for w in words))
     except Exception as err:  # no C++ compiler, no Triton, ...: eager still works
         _BROKEN.add(cache_key)
         _warn_eager(spec, x.device, err)
@@ -138,15 +148,8 @@ def round_foreach_(
     write-back: per-call overhead, not arithmetic, dominates many mid-sized tensors),
     else the same code eager. The caller has checked the spec against ``via``, and
     ``spec.fmt`` has a NaN for anything without a value (nothing to raise)."""
-    rows = []
-    for key in keys:
-        if key is None:  # deterministic: the kernel draws nothing
-            rows.append((0, 0, 0, 0))
-        else:
-            sel = select_key(key) if spec.mode is RoundMode.SR_FRACTION else key
-            rows.append((key.k0, key.k1, sel.k0, sel.k1))
     device = tensors[0].device
-    table = torch.tensor(rows, dtype=torch.int64, device=device)
+    table = torch.tensor([key_words(k, spec) for k in keys], dtype=torch.int64, device=device)
     total = sum(t.numel() for t in tensors)
     cache_key = ("foreach", spec, via, tensors[0].dtype, device.type)
     if use_compiled_numel(total) and cache_key not in _BROKEN:
