@@ -91,9 +91,9 @@ def test_threefry_known_answers(rounds, ctr, key, expected):
         x0, x1 = threefry2x32(c0, c1, k0, k1, rounds=rounds)
         assert (x0.dtype, x1.dtype) == (torch.int64, torch.int64)
         assert (int(x0), int(x1)) == expected
-    if rounds == 20:  # the eager in-place fast path (20 rounds only)
-        x0, x1 = fr._threefry2x32_inplace(c0.clone(), c1.clone(), *key)
-        assert (int(x0), int(x1)) == expected
+    if rounds == 20:  # the eager in-place fast path (20 rounds only, int32 lanes)
+        x0, x1 = fr._threefry32_inplace(fr._to_int32(c0), fr._to_int32(c1), fr._key_schedule(*key))
+        assert (int(x0) & 0xFFFFFFFF, int(x1) & 0xFFFFFFFF) == expected
 
 
 def test_threefry_tensor_matches_scalar_reference():
@@ -105,8 +105,8 @@ def test_threefry_tensor_matches_scalar_reference():
         expected = torch.tensor([threefry2x32_int(int(a), int(b), k0, k1) for a, b in c.T.tolist()])
         x0, x1 = threefry2x32(c[0], c[1], k0, k1)
         assert torch.equal(torch.stack([x0, x1], 1), expected)
-        y0, y1 = fr._threefry2x32_inplace(c[0].clone(), c[1].clone(), k0, k1)
-        assert torch.equal(torch.stack([y0, y1], 1), expected)
+        y0, y1 = fr._threefry32_inplace(fr._to_int32(c[0]), fr._to_int32(c[1]), fr._key_schedule(k0, k1))
+        assert torch.equal(torch.stack([y0, y1], 1).to(torch.int64) & 0xFFFFFFFF, expected)
 
 
 def test_named_constants():
@@ -212,28 +212,35 @@ def test_fold_in_bad_values(bad, exc):
 # ------------------------------------------------------------------ layout
 
 
+LANES = 512  # the documented row length of the stream layout
+
+
 def test_random_words_layout():
-    for offset in [0, 1, 2**33 + 1, 2**40 + 6]:  # large offsets use counter word 1
+    assert fr.LANES == LANES
+    # Offsets inside a row, across the x0/x1 rows of one row of blocks, and large
+    # enough that the block counter uses its high word.
+    for offset in [0, 1, LANES - 4, 2 * LANES - 3, 2**41 + 6]:
         words = random_words(9, KEY, offset=offset)
         assert words.dtype == torch.int64 and words.shape == (9,)
         for j, w in enumerate(words.tolist()):
-            word = offset + j
-            block = word // 2
-            expected = threefry2x32_int(block & 0xFFFFFFFF, block >> 32, KEY.k0, KEY.k1)[word % 2]
+            row, lane = divmod(offset + j, LANES)  # word row: output row % 2 of a row of blocks
+            block = (row // 2) * LANES + lane
+            expected = threefry2x32_int(block & 0xFFFFFFFF, block >> 32, KEY.k0, KEY.k1)[row % 2]
             assert w == expected
 
 
 @pytest.mark.parametrize("bits", [1, 3, 5, 7, 8, 11, 16, 17, 31, 32])
 def test_random_bits_layout(bits):
     per_word = 32 // bits
-    offset = 3 * per_word + 1 if per_word > 1 else 5
-    n = 4 * per_word + 3
-    vals = random_bits((n,), bits, KEY, offset=offset).tolist()
-    words = random_words((offset + n) // per_word + 1, KEY).tolist()
-    for j, v in enumerate(vals):
-        i = offset + j
-        expected = (words[i // per_word] >> ((i % per_word) * bits)) & ((1 << bits) - 1)
-        assert v == expected
+    # Elements at the ends of rows and of runs of per_word rows (a word row's last field).
+    rows = [0, 1, per_word - 1, per_word, 2 * per_word + 1, 7 * per_word + 3]
+    index = [r * LANES + h for r in rows for h in (0, 1, LANES - 1)] + [2**40 + 12345]
+    for i in index:
+        v = int(random_bits((1,), bits, KEY, offset=i))
+        row, lane = divmod(i, LANES)
+        word = int(random_words(1, KEY, offset=(row // per_word) * LANES + lane))
+        field = row % per_word
+        assert v == (word >> (field * bits)) & ((1 << bits) - 1), i
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 5, 8, 13, 32])
@@ -267,10 +274,11 @@ def test_determinism_and_key_sensitivity():
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 5, 7, 8, 13, 31, 32])
 def test_chunked_equals_whole(bits):
-    n = 3 * 2 * fr._EAGER_CHUNK_BLOCKS + 1234  # spans several eager chunks
-    offset = 11  # not a multiple of per_word (except for per_word == 1)
+    chunk = 2 * (32 // bits) * fr._EAGER_CHUNK_BLOCK_ROWS * LANES  # elements per eager chunk
+    n = 2 * chunk + 1234  # spans several eager chunks
+    offset = 11  # not a multiple of per_word or of LANES
     whole = random_bits((n,), bits, KEY, offset=offset)
-    cuts = sorted([0, 1, 7, 10, 1000, 2 * fr._EAGER_CHUNK_BLOCKS + 3, 40001, n - 5, n])
+    cuts = sorted([0, 1, 7, 10, 1000, LANES + 3, chunk + 3, n - 5, n])
     parts = [
         random_bits((b - a,), bits, KEY, offset=offset + a) for a, b in itertools.pairwise(cuts)
     ]
@@ -434,7 +442,9 @@ def test_torch_compile_matches_eager_without_recompiling():
     compiled = torch.compile(fused, fullgraph=True, dynamic=True)
     cases = [
         (torch.zeros(3, 1000), 17, KEY),
-        (torch.ones(7, 13), 2**40 + 3, fold_in(KEY, 1)),
+        # Several rows of the layout: a range inside one row is a size-1 case,
+        # which Dynamo compiles once more.
+        (torch.ones(7, 130), 2**40 + 3, fold_in(KEY, 1)),
     ]
     for j, (x, offset, key) in enumerate(cases):
         with torch._dynamo.config.patch(error_on_recompile=j > 0):

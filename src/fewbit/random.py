@@ -11,26 +11,35 @@ SC 2011). It maps a 64-bit counter ``(c0, c1)`` and a 64-bit key ``(k0, k1)``
 to 64 random bits ``(x0, x1)`` using only 32-bit add, xor and rotate, which
 torch can express exactly; Philox would need a 32x32->64 multiply-high.
 
-Layout of the stream for a key:
+Layout of the stream for a key, in rows of ``LANES = 512``:
 
 * block ``b`` (``b >= 0``) is Threefry applied to counter
-  ``(b mod 2**32, b // 2**32)``; it gives two 32-bit words;
-* word ``w`` is output ``w % 2`` of block ``w // 2``;
-* with ``bits`` bits per element, ``per_word = 32 // bits`` elements share a
-  word: element ``i`` uses word ``i // per_word``, bits
-  ``[(i % per_word) * bits, (i % per_word + 1) * bits)`` (low bits first).
-  When ``bits`` does not divide 32 the top ``32 % bits`` bits of each word are
-  unused.
+  ``(b mod 2**32, b // 2**32)``; it gives two 32-bit words ``(x0, x1)``;
+* words come in rows of ``LANES``: row ``p`` holds output ``p % 2`` of blocks
+  ``(p // 2) * LANES + h`` for ``h = 0 .. LANES - 1`` (word ``w = p * LANES + h``);
+* elements come in rows of ``LANES`` too. With ``bits`` bits per element,
+  ``per_word = 32 // bits`` elements share a word: element ``i = r * LANES + h``
+  takes bits ``[j * bits, (j + 1) * bits)`` (low bits first), ``j = r % per_word``,
+  of word ``h`` of word row ``r // per_word``. When ``bits`` does not divide 32
+  the top ``32 % bits`` bits of each word are unused.
 
-Representation: torch has weak ``uint32`` support and ``int32`` right shifts
-are arithmetic, so 32-bit values are held in ``int64`` tensors and masked with
-``0xFFFFFFFF``. Every intermediate stays far below ``2**63``, so nothing
-overflows and the result is bit-exact on every backend.
+Rows are what make the bits cheap inside a fused kernel: a row of elements
+reads a row of words, so a kernel over ``(rows, LANES)`` loads its words as
+contiguous vectors, with no division or gather per element. (With ``i //
+per_word`` as the word index, Inductor's C++ kernel gathered every word with
+two integer divisions, at a third of the speed.)
+
+Representation: torch has weak ``uint32`` support, so Threefry runs on
+``int32`` tensors, whose addition wraps mod ``2**32``; right shifts are
+arithmetic, so the rotation masks the sign bits they smear in. Words and
+counters given to or returned by the public functions are ``int64`` in
+``[0, 2**32)``.
 
 For fusing with rounding inside a ``torch.compile``'d function use the tensor
-functions :func:`bits_from_range` (a contiguous range of elements: one
-Threefry block per ``2 * per_word`` elements) or :func:`bits_from_index`
-(arbitrary indices: one block per element); pass keys as 0-d int64 tensors
+functions :func:`bits_rows` (whole rows, shaped ``(rows, LANES)``: what the
+fused rounding kernel uses), :func:`bits_from_range` (a contiguous range of
+elements: one Threefry block per ``2 * per_word`` elements) or
+:func:`bits_from_index` (arbitrary indices: one block per element); pass keys as 0-d int64 tensors
 (:meth:`Key.tensors`) to avoid recompiling for every new key. The eager path
 runs in cache-sized chunks with in-place ops; the traced path is functional
 (see :func:`_compile_fence` for what keeps Inductor's compile time linear).
@@ -52,8 +61,10 @@ __all__ = [
     "threefry2x32_int",
     "random_words",
     "random_bits",
+    "bits_rows",
     "bits_from_range",
     "bits_from_index",
+    "LANES",
 ]
 
 MASK32 = 0xFFFFFFFF
@@ -220,6 +231,81 @@ def _compile_fence(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided(t.size(), t.stride())
 
 
+def _signed32(v: int) -> int:
+    """The int32 value with the bits of ``v mod 2**32``."""
+    v &= MASK32
+    return v - (1 << 32) if v >> 31 else v
+
+
+def _to_int32(t: torch.Tensor) -> torch.Tensor:
+    """int64 tensor of values in ``[0, 2**32)`` -> int32 tensor of the same bits
+    (spelled out: a narrowing cast of values beyond int32 is not defined)."""
+    return (t - ((t & 0x80000000) << 1)).to(torch.int32)
+
+
+def _key_schedule(k0: KeyInt, k1: KeyInt, rounds: int = DEFAULT_ROUNDS) -> list:
+    """The values Threefry adds at injection ``i`` (the initial one is 0, then one
+    every ``KEY_INJECTION_INTERVAL`` rounds): ``(a_i, b_i)`` with
+    ``a_i = ks[i % 3]`` and ``b_i = ks[(i + 1) % 3] + i``, as int32 (Python ints
+    or 0-d int32 tensors), where ``ks = (k0, k1, k0 ^ k1 ^ PARITY)``."""
+    injections = rounds // KEY_INJECTION_INTERVAL + 1
+    if isinstance(k0, torch.Tensor) or isinstance(k1, torch.Tensor):
+        device = k0.device if isinstance(k0, torch.Tensor) else k1.device
+        t0, t1 = (_to_int32(torch.as_tensor(k, dtype=torch.int64, device=device)) for k in (k0, k1))
+        ks = (t0, t1, t0 ^ t1 ^ _signed32(SKEIN_KS_PARITY32))
+        return [(ks[i % 3], ks[(i + 1) % 3] + i) for i in range(injections)]  # int32 wraps
+    ks = (k0, k1, SKEIN_KS_PARITY32 ^ k0 ^ k1)
+    return [(_signed32(ks[i % 3]), _signed32(ks[(i + 1) % 3] + i)) for i in range(injections)]
+
+
+def _threefry32(
+    c0: torch.Tensor, c1: torch.Tensor, schedule: list, rounds: int = DEFAULT_ROUNDS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Threefry-2x32 on int32 tensors, functional (eager or traced).
+
+    int32 lanes: two's-complement addition is addition mod 2**32, and a
+    vector holds twice as many of them as of int64. The right half of a
+    rotation is an arithmetic shift, so its sign-extended bits are masked.
+    """
+    fence = torch.compiler.is_compiling()  # eager needs no fence
+    x0 = c0 + schedule[0][0]
+    x1 = c1 + schedule[0][1]
+    for r in range(rounds):
+        rot = ROTATIONS[r % 8]
+        x0 = x0 + x1
+        x1 = ((x1 << rot) | ((x1 >> (32 - rot)) & ((1 << rot) - 1))) ^ x0
+        if r % KEY_INJECTION_INTERVAL == KEY_INJECTION_INTERVAL - 1:
+            # Key injection i: the key schedule rotated by i, plus i into x1
+            # (Skein's defence against slide attacks).
+            a, b = schedule[(r + 1) // KEY_INJECTION_INTERVAL]
+            x0 = x0 + a
+            x1 = x1 + b
+        if fence and r < rounds - 1:  # the last round fuses into the consumer
+            x0, x1 = _compile_fence(x0), _compile_fence(x1)
+    return x0, x1
+
+
+def _threefry32_inplace(
+    c0: torch.Tensor, c1: torch.Tensor, schedule: list
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager fast path of :func:`_threefry32` (20 rounds, int keys): the same
+    arithmetic in place, so no allocation per op (3-4x faster on CPU when the
+    block fits in cache). Consumes ``c0``, ``c1`` (overwritten)."""
+    x0 = c0.add_(schedule[0][0])
+    x1 = c1.add_(schedule[0][1])
+    tmp = torch.empty_like(x1)
+    for r in range(DEFAULT_ROUNDS):
+        rot = ROTATIONS[r % 8]
+        x0.add_(x1)
+        torch.bitwise_left_shift(x1, rot, out=tmp)
+        x1.bitwise_right_shift_(32 - rot).bitwise_and_((1 << rot) - 1).bitwise_or_(tmp).bitwise_xor_(x0)
+        if r % KEY_INJECTION_INTERVAL == KEY_INJECTION_INTERVAL - 1:
+            a, b = schedule[(r + 1) // KEY_INJECTION_INTERVAL]
+            x0.add_(a)
+            x1.add_(b)
+    return x0, x1
+
+
 def threefry2x32(
     c0: torch.Tensor,
     c1: torch.Tensor,
@@ -234,90 +320,75 @@ def threefry2x32(
     ``[0, 2**32)``. Returns ``(x0, x1)``, int64 tensors with values in
     ``[0, 2**32)``. Pure functional torch ops: works on any device and under
     ``torch.compile(fullgraph=True)``.
-
-    Masking is lazy to save ops: ``x0`` only feeds additions and the xor into
-    ``x1``, so garbage above bit 31 is harmless there; ``x1`` is masked once per
-    round because the rotation must see exactly 32 bits. ``x0`` grows by at most
-    one 32-bit term per round/injection (< 2**38), ``x1 << r`` < 2**61: no
-    int64 overflow.
     """
-    if isinstance(k0, torch.Tensor) or isinstance(k1, torch.Tensor):
-        ks2 = (
-            torch.bitwise_xor(torch.as_tensor(k0, dtype=torch.int64, device=c0.device), k1)
-            ^ SKEIN_KS_PARITY32
-        )
-    else:
-        ks2 = SKEIN_KS_PARITY32 ^ k0 ^ k1
-    ks = (k0, k1, ks2)
-    fence = torch.compiler.is_compiling()  # eager needs no fence
-
-    x0 = c0 + ks[0]  # unmasked (see docstring)
-    x1 = (c1 + ks[1]) & MASK32
-    for r in range(rounds):
-        rot = ROTATIONS[r % 8]
-        x0 = x0 + x1
-        # rotl32(x1) ^ x0, then drop everything above bit 31 in one mask.
-        x1 = (((x1 << rot) | (x1 >> (32 - rot))) ^ x0) & MASK32
-        if r % KEY_INJECTION_INTERVAL == KEY_INJECTION_INTERVAL - 1:
-            # Key injection i: add the key schedule rotated by i, plus the
-            # injection number into x1 (Skein's defence against slide attacks).
-            i = (r + 1) // KEY_INJECTION_INTERVAL
-            x0 = x0 + ks[i % 3]
-            x1 = (x1 + (ks[(i + 1) % 3] + i)) & MASK32
-        if fence:
-            x0, x1 = _compile_fence(x0), _compile_fence(x1)
-    return x0 & MASK32, x1
-
-
-def _threefry2x32_inplace(
-    c0: torch.Tensor, c1: torch.Tensor, k0: int, k1: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eager fast path of :func:`threefry2x32` (20 rounds, int keys): the same
-    arithmetic with in-place ops, so no allocation per op (3-4x faster on CPU
-    when the block fits in cache). Consumes ``c0``, ``c1`` (overwritten)."""
-    ks = (k0, k1, SKEIN_KS_PARITY32 ^ k0 ^ k1)
-    x0 = c0.add_(ks[0])
-    x1 = c1.add_(ks[1]).bitwise_and_(MASK32)
-    tmp = torch.empty_like(x1)
-    for r in range(DEFAULT_ROUNDS):
-        rot = ROTATIONS[r % 8]
-        x0.add_(x1)
-        torch.bitwise_left_shift(x1, rot, out=tmp)
-        x1.bitwise_right_shift_(32 - rot).bitwise_or_(tmp).bitwise_xor_(x0).bitwise_and_(MASK32)
-        if r % KEY_INJECTION_INTERVAL == KEY_INJECTION_INTERVAL - 1:
-            i = (r + 1) // KEY_INJECTION_INTERVAL
-            x0.add_(ks[i % 3])
-            x1.add_(ks[(i + 1) % 3] + i).bitwise_and_(MASK32)
-    return x0.bitwise_and_(MASK32), x1
+    x0, x1 = _threefry32(_to_int32(c0), _to_int32(c1), _key_schedule(k0, k1, rounds), rounds)
+    return x0.to(torch.int64) & MASK32, x1.to(torch.int64) & MASK32
 
 
 # --------------------------------------------------------------------------
 # Streams of words and bits
 # --------------------------------------------------------------------------
 
-# Eager generation works on chunks of this many Threefry blocks so that the
-# state (two int64 tensors + a temporary) stays in L2 cache across the ~130
-# ops of 20 rounds, and each op stays single-threaded (below torch's parallel
-# grain size; threading such short ops costs more than it gains).
-_EAGER_CHUNK_BLOCKS = 2**14
+#: Elements (and words) per row of the stream layout; see the module docstring.
+LANES = 512
+
+# Eager generation works on chunks of this many rows of blocks, so that the
+# state (two int32 tensors + a temporary) stays in L2 cache across the ~130 ops
+# of 20 rounds, and each op stays single-threaded (below torch's parallel grain
+# size; threading such short ops costs more than it gains).
+_EAGER_CHUNK_BLOCK_ROWS = 32
 
 
-def _words_range(
-    first_word: int, n_words: int, k0: KeyInt, k1: KeyInt, device, *, inplace: bool
-) -> torch.Tensor:
-    """Words ``[first_word, first_word + n_words)`` of the stream: one Threefry
-    call per pair of words, outputs interleaved. ``inplace`` selects the eager
-    fast path (int keys only)."""
-    first_block = first_word // 2
-    end_block = (first_word + n_words + 1) // 2
-    block = torch.arange(first_block, end_block, dtype=torch.int64, device=device)
-    if inplace:
-        x0, x1 = _threefry2x32_inplace(block & MASK32, block >> 32, k0, k1)
-    else:
-        x0, x1 = threefry2x32(block & MASK32, block >> 32, k0, k1)
-    words = torch.stack((x0, x1), dim=-1).reshape(-1)
-    start = first_word - 2 * first_block
-    return words[start : start + n_words]
+def _block_rows(first: int, n: int, k0: KeyInt, k1: KeyInt, device, *, inplace: bool) -> torch.Tensor:
+    """Words of rows ``first .. first + n`` of blocks as int32 ``(n, 2, LANES)``:
+    ``[g, s, h]`` is output ``s`` of block ``(first + g) * LANES + h``, i.e. word
+    ``h`` of word row ``2 * (first + g) + s``. ``inplace``: the eager fast path
+    (int keys only)."""
+    block = torch.arange(first * LANES, (first + n) * LANES, dtype=torch.int64, device=device)
+    c0, c1 = _to_int32(block & MASK32), (block >> 32).to(torch.int32)
+    x0, x1 = (_threefry32_inplace if inplace else _threefry32)(c0, c1, _key_schedule(k0, k1))
+    if not torch.compiler.is_compiling():
+        return torch.stack((x0.view(n, LANES), x1.view(n, LANES)), dim=1)
+    # Fused, the last Threefry round writes x0 and x1 into the two halves of one
+    # buffer (a strided view gives the (n, 2, LANES) order). They are stored as
+    # float32 bits: Inductor's C++ backend loads an int32 vector through a copy on
+    # the stack, a stalled store-to-load forward per load, but a float32 one directly.
+    words = torch.cat((x0.view(torch.float32), x1.view(torch.float32)))
+    return words.view(2, n, LANES).permute(1, 0, 2).view(torch.int32)
+
+
+def _fields(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 words ``(n, 2, LANES)`` (see :func:`_block_rows`) -> their ``bits``-bit
+    fields as rows ``(n * 2 * per_word, LANES)``: element row ``r`` takes field
+    ``r % per_word`` (bits ``[j*bits, (j+1)*bits)``) of word row ``r // per_word``.
+    int64 for ``bits == 32`` (values up to ``2**32 - 1``), else int32: the arithmetic
+    shift only smears the sign into bits the mask removes."""
+    if bits == 32:
+        return (words.to(torch.int64) & MASK32).reshape(-1, LANES)
+    per_word = 32 // bits
+    if per_word > 1:
+        shifts = torch.arange(0, per_word * bits, bits, dtype=torch.int32, device=words.device)
+        words = words[:, :, None, :] >> shifts[:, None]
+    return (words & ((1 << bits) - 1)).reshape(-1, LANES)
+
+
+def bits_rows(row0: int, n_rows: int, bits: int, k0: KeyInt, k1: KeyInt, *, device=None) -> torch.Tensor:
+    """Values of elements ``[row0 * LANES, (row0 + n_rows) * LANES)`` as a
+    ``(n_rows, LANES)`` tensor (int32, or int64 for ``bits == 32``).
+
+    The form the fused kernel uses: row ``r`` of elements reads row
+    ``r // per_word`` of words, so a kernel over ``(n_rows, LANES)`` loads its
+    words as contiguous vectors. Keys as for :func:`bits_from_range`;
+    ``row0``/``n_rows`` may be symbolic under ``torch.compile``. Arguments are
+    not checked (internal fast path).
+    """
+    rows_per_block_row = 2 * (32 // bits)
+    first = row0 // rows_per_block_row
+    end = (row0 + n_rows - 1) // rows_per_block_row + 1
+    inplace = not torch.compiler.is_compiling() and isinstance(k0, int) and isinstance(k1, int)
+    values = _fields(_block_rows(first, end - first, k0, k1, device, inplace=inplace), bits)
+    start = row0 - first * rows_per_block_row
+    return values[start : start + n_rows]
 
 
 def _check_range(offset: object, n: int) -> int:
@@ -336,13 +407,19 @@ def random_words(
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """int64 tensor of the 32-bit words ``[offset, offset + n_words)`` of ``key``'s
-    stream (values in ``[0, 2**32)``). Word ``w`` is output ``w % 2`` of the
-    Threefry-2x32-20 block with counter ``(w // 2 mod 2**32, w // 2**33)``."""
+    stream (values in ``[0, 2**32)``). Word ``w`` is output ``(w // LANES) % 2``
+    of the Threefry-2x32-20 block ``b = (w // (2 * LANES)) * LANES + w % LANES``,
+    whose counter is ``(b mod 2**32, b // 2**32)``."""
     key = as_key(key)
     n_words = _check_size(n_words, _MAX_INDEX + 1, "n_words")
     offset = _check_range(offset, n_words)
-    eager = not torch.compiler.is_compiling()
-    return _words_range(offset, n_words, key.k0, key.k1, device, inplace=eager)
+    if n_words == 0:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    first, end = offset // (2 * LANES), (offset + n_words - 1) // (2 * LANES) + 1  # rows of blocks
+    inplace = not torch.compiler.is_compiling()
+    words = _block_rows(first, end - first, key.k0, key.k1, device, inplace=inplace).reshape(-1)
+    start = offset - first * 2 * LANES
+    return words[start : start + n_words].to(torch.int64) & MASK32
 
 
 # Integer dtypes random_bits can return, with how many value bits they hold.
@@ -371,51 +448,30 @@ def _as_shape(shape: int | Sequence[int]) -> tuple[int, ...]:
     return tuple(_check_size(d, _MAX_INDEX + 1, "shape entry") for d in dims)
 
 
-def _extract_bits(words: torch.Tensor, bits: int, wide: bool) -> torch.Tensor:
-    """Split int64 32-bit words into ``per_word`` ``bits``-bit fields, low bits
-    first: result ``[w * per_word + j] = (words[w] >> (j * bits)) & mask``.
-
-    With ``wide=False`` (``bits <= 31``) the work is done in int32: the words
-    are reinterpreted as signed int32 exactly (no overflowing cast); the
-    arithmetic shift only smears the sign into bits that the mask removes.
-    """
-    per_word = 32 // bits
-    mask = (1 << bits) - 1
-    if not wide:
-        words = (words - ((words & 0x80000000) << 1)).to(torch.int32)
-    if per_word == 1:  # bits in 17..32: one element per word, low bits
-        return words if bits == 32 else words & mask
-    shifts = torch.arange(0, per_word * bits, bits, dtype=words.dtype, device=words.device)
-    return ((words[:, None] >> shifts) & mask).reshape(-1)
-
-
 def _bits_range(
     offset: int, n: int, bits: int, k0: KeyInt, k1: KeyInt, device, dtype: torch.dtype
 ) -> torch.Tensor:
     """Flat ``dtype`` tensor of the ``bits``-bit values of elements
     ``[offset, offset + n)`` (arguments already validated)."""
-    per_word = 32 // bits
-    wide = bits == 32 or dtype == torch.int64
-    first_word = offset // per_word
-    end_word = (offset + n + per_word - 1) // per_word  # ceil
-    skip = offset - first_word * per_word  # leading fields of the first word to drop
+    first = offset // LANES  # rows of elements
+    end = (offset + n + LANES - 1) // LANES
+    skip = offset - first * LANES  # leading elements of the first row to drop
 
     if torch.compiler.is_compiling() or not (isinstance(k0, int) and isinstance(k1, int)):
-        # One functional graph; under torch.compile the bit extraction fuses
-        # with whatever consumes the result.
-        words = _words_range(first_word, end_word - first_word, k0, k1, device, inplace=False)
-        return _extract_bits(words, bits, wide)[skip : skip + n].to(dtype)
+        # One functional graph; under torch.compile the bits fuse with their consumer.
+        values = bits_rows(first, end - first, bits, k0, k1, device=device).reshape(-1)
+        return values[skip : skip + n].to(dtype)
 
-    # Eager: generate and split cache-sized chunks of words straight into the output.
+    # Eager: generate cache-sized chunks of rows (whole rows of blocks, so no
+    # block is computed twice) straight into the output.
     out = torch.empty(n, dtype=dtype, device=device)
-    chunk_words = 2 * _EAGER_CHUNK_BLOCKS
+    chunk = 2 * (32 // bits) * _EAGER_CHUNK_BLOCK_ROWS  # element rows per chunk
     pos = 0  # elements written so far
-    for w in range(first_word, end_word, chunk_words):
-        nw = min(chunk_words, end_word - w)
-        vals = _extract_bits(_words_range(w, nw, k0, k1, device, inplace=True), bits, wide)
-        vals = vals[skip : skip + n] if pos == 0 else vals[: n - pos]
-        out[pos : pos + vals.numel()] = vals
-        pos += vals.numel()
+    for row in range(first, end, chunk):
+        values = bits_rows(row, min(chunk, end - row), bits, k0, k1, device=device).reshape(-1)
+        values = values[skip : skip + n] if pos == 0 else values[: n - pos]
+        out[pos : pos + values.numel()] = values
+        pos += values.numel()
     return out
 
 
@@ -430,9 +486,8 @@ def random_bits(
 ) -> torch.Tensor:
     """Random ``bits``-bit values (in ``[0, 2**bits)``), one per element of ``shape``.
 
-    Element ``i = offset + flat_position`` (row-major) takes bits
-    ``[(i % per_word) * bits, ...)`` of word ``i // per_word``, where
-    ``per_word = 32 // bits`` (see the module docstring). So
+    Element ``i = offset + flat_position`` (row-major) takes the values the
+    module docstring's layout gives index ``i``. So
     ``random_bits((n,), b, k, offset=o)`` equals ``random_bits((o + n,), b, k)[o:]``:
     a tensor processed in chunks gets exactly the bits it would get whole.
 
@@ -477,7 +532,8 @@ def bits_from_range(
     The tensor-level form for compiled code: ``k0``/``k1`` may be 0-d int64
     tensors (:meth:`Key.tensors`) so that a new key needs no recompilation;
     ``offset``/``n`` may be symbolic under ``torch.compile(dynamic=True)``.
-    Costs one Threefry block per ``2 * per_word`` elements.
+    Costs one Threefry block per ``2 * per_word`` elements, plus the part rows
+    at either end.
     """
     bits = _check_bits(bits)
     n = _check_size(n, _MAX_INDEX + 1, "n")
@@ -502,10 +558,13 @@ def bits_from_index(index: torch.Tensor, bits: int, k0: KeyInt, k1: KeyInt) -> t
     """
     bits = _check_bits(bits)
     per_word = 32 // bits
-    word = index // per_word
-    shift = (index - word * per_word) * bits
-    block = word >> 1
-    x0, x1 = threefry2x32(block & MASK32, block >> 32, k0, k1)
-    w = torch.where((word & 1) == 1, x1, x0)
-    return ((w >> shift) & ((1 << bits) - 1)).to(_default_dtype(bits))
-
+    row = index // LANES
+    lane = index - row * LANES
+    word_row = row // per_word
+    field = row - word_row * per_word
+    block = (word_row >> 1) * LANES + lane
+    x0, x1 = _threefry32(_to_int32(block & MASK32), (block >> 32).to(torch.int32), _key_schedule(k0, k1))
+    word = torch.where((word_row & 1) == 1, x1, x0)
+    if bits == 32:
+        return word.to(torch.int64) & MASK32
+    return (word >> (field * bits).to(torch.int32)) & ((1 << bits) - 1)

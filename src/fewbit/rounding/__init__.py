@@ -10,11 +10,10 @@ from __future__ import annotations
 import torch
 
 from ..formats import FloatFormat
-from ..random import Key, as_key, bits_from_range
+from ..random import Key, as_key
 from .checks import RoundSpec, check_random_bits, check_round_args, dtype_format
-from .compiled import compiled_round, generated_round, key_words, use_compiled
-from .fast import round_fast, working_dtype
-from .magic import magic_applies, round_magic
+from .compiled import compiled_round, key_words, range_bits, round_body, use_compiled
+from .fast import working_dtype
 from .modes import SELECT_BITS, RoundMode, natural_sr_bits
 from .reference import round_reference
 
@@ -109,29 +108,17 @@ CPU_BLOCK = 1 << 20
 
 
 def _in_blocks(flat: torch.Tensor, spec: RoundSpec, key: Key | None, rand) -> torch.Tensor:
-    magic = magic_applies(spec, flat.dtype)
-    if key is not None:
-        keys = key_words(key, spec)
-
-    def one(start: int, stop: int, dest: torch.Tensor) -> None:
-        part = flat[start:stop]
-        if key is None:
-            bits = None if rand is None else rand[start:stop]
-        elif magic:  # the bits generated_round draws (no sr_fraction here)
-            bits = bits_from_range(start, part.numel(), spec.bits, key.k0, key.k1, device=part.device)
-        else:
-            dest.copy_(generated_round(part, *keys, offset=start, spec=spec))
-            return
-        if magic:
-            round_magic(part, spec, bits, out=dest)
-        else:
-            dest.copy_(round_fast(part, spec, bits))
-
+    keys = key_words(key, spec)
     n = flat.numel()
     block = CPU_BLOCK if flat.device.type == "cpu" else max(n, 1)
     out = torch.empty_like(flat)
     for start in range(0, n, block):
-        one(start, start + block, out[start : start + block])
+        part = flat[start : start + block]
+        if key is None:
+            bits = None if rand is None else rand[start : start + block]
+        else:
+            bits = range_bits(spec, keys, start, part.numel(), part.device)
+        round_body(part, spec, bits, out[start : start + block])
     return out
 
 

@@ -1,15 +1,19 @@
 """One fused kernel per (mode, format, dtype, device): rounding and random-bit
 generation compiled together by ``torch.compile`` (C++/OpenMP on CPU, Triton on GPU).
 
-The kernel is the same Python as the eager path (``fast.round_fast`` fed by
-``fewbit.random.bits_from_range``): integer ops only, so compiled and eager results
-are bit-identical. Compilation is dynamic in the shape, so each spec compiles once;
+The kernel is the same Python as the eager path (``magic.round_magic`` where it
+applies, else ``fast.round_fast``, fed by ``fewbit.random``), so compiled and eager
+results are bit-identical. With generated bits it works on rows of
+``fewbit.random.LANES`` elements, the stream's own layout, so each row of elements
+reads a row of random words as contiguous vectors; the last, partial row is padded
+to a whole one. Compilation is dynamic in the shape, so each spec compiles once;
 keys are passed as 0-d tensors, so a new seed does not recompile either.
 Set ``FEWBIT_EAGER=1`` to never compile.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import types
 import warnings
@@ -19,14 +23,15 @@ from contextvars import ContextVar
 
 import torch
 
-from ..random import Key, bits_from_range, fold_in
+from ..random import LANES, Key, bits_from_range, bits_rows, fold_in
 from .checks import RoundSpec
 from .fast import round_fast, working_dtype
+from .magic import magic_applies, round_magic
 from .modes import SELECT_BITS, RoundMode
 
 __all__ = [
-    "MIN_COMPILE_NUMEL", "compile_from", "compiled_round", "generated_round", "key_words", "round_foreach_",
-    "use_compiled",
+    "MIN_COMPILE_NUMEL", "compile_from", "compiled_round", "key_words", "range_bits", "round_body",
+    "round_foreach_", "use_compiled",
 ]
 
 #: Below this many elements a call runs eager: a kernel launch buys nothing there,
@@ -65,19 +70,61 @@ def key_words(key: Key | None, spec: RoundSpec) -> tuple[int, int, int, int]:
     return (key.k0, key.k1, sel.k0, sel.k1)
 
 
-def generated_round(
-    x: torch.Tensor, k0, k1, s0, s1, offset: int, spec: RoundSpec
+def _draw(spec: RoundSpec, keys, draw) -> torch.Tensor | None:
+    """The random bits a spec takes, ``draw(bits, k0, k1)`` giving each stream's values:
+    N bits from the key, and for ``sr_fraction`` the selection bits above them."""
+    if spec.bits is None:
+        return None
+    k0, k1, s0, s1 = keys
+    rand = draw(spec.bits, k0, k1)
+    if spec.mode is RoundMode.SR_FRACTION:
+        rand = rand.to(torch.int64) | (draw(SELECT_BITS, s0, s1).to(torch.int64) << spec.bits)
+    return rand
+
+
+def range_bits(spec: RoundSpec, keys, offset: int, n: int, device) -> torch.Tensor | None:
+    """The bits of elements ``offset .. offset + n`` for the key in
+    ``keys = (k0, k1, s0, s1)`` (``(s0, s1)``: the selection stream of ``sr_fraction``)."""
+    return _draw(spec, keys, lambda bits, a, b: bits_from_range(offset, n, bits, a, b, device=device))
+
+
+def round_body(
+    x: torch.Tensor, spec: RoundSpec, rand: torch.Tensor | None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Round a flat tensor with random bits drawn for elements ``offset ..`` of the
-    key ``(k0, k1)`` (``(s0, s1)``: the selection stream of ``sr_fraction``)."""
-    n = x.numel()
-    rand = None
-    if spec.bits is not None:
-        rand = bits_from_range(offset, n, spec.bits, k0, k1, device=x.device)
-        if spec.mode is RoundMode.SR_FRACTION:
-            select = bits_from_range(offset, n, SELECT_BITS, s0, s1, device=x.device)
-            rand = rand.to(torch.int64) | (select.to(torch.int64) << spec.bits)
-    return round_fast(x, spec, rand)
+    """What every path computes: the float-adder shortcut where it applies, else
+    ``round_fast``; into ``out`` when given."""
+    if magic_applies(spec, x.dtype):
+        return round_magic(x, spec, rand, out)
+    result = round_fast(x, spec, rand)
+    return result if out is None else out.copy_(result)
+
+
+def _rows_kernel(main, last, out, keys, *, spec: RoundSpec) -> torch.Tensor:
+    """Round ``main`` (rows ``0 ..`` of the stream) into ``out``, and return ``last``
+    (the row after them) rounded. One draw of bits serves both."""
+    rows = main.shape[0]
+    rand = _draw(spec, keys, lambda bits, a, b: bits_rows(0, rows + 1, bits, a, b, device=main.device))
+    split = (None, None) if rand is None else (rand[:rows], rand[rows:])
+    out.copy_(round_body(main, spec, split[0]))
+    return round_body(last, spec, split[1])
+
+
+def round_rows_into(x: torch.Tensor, out: torch.Tensor, keys, spec: RoundSpec, kernel=None) -> None:
+    """``out[:] =`` flat ``x`` rounded with generated bits, in rows of ``LANES``: the
+    whole rows, and the partial last one padded with zeros to a whole row (an empty
+    one when ``x`` fills its rows). The split is made outside ``kernel``, which so
+    sees only a symbolic number of rows: one graph for every length."""
+    rows, tail = divmod(x.shape[0], LANES)
+    cut = rows * LANES
+    last = torch.nn.functional.pad(x[cut:], (0, LANES - tail)).view(1, LANES)
+    main, out_main = x[:cut].view(rows, LANES), out[:cut].view(rows, LANES)
+    if not torch.compiler.is_compiling():
+        torch._dynamo.maybe_mark_dynamic(main, 0)
+        torch._dynamo.maybe_mark_dynamic(out_main, 0)
+    if kernel is None:
+        kernel = functools.partial(_rows_kernel, spec=spec)
+    last = kernel(main, last, out_main, keys)
+    out[cut:].copy_(last.view(-1)[:tail])
 
 
 def use_compiled(x: torch.Tensor) -> bool:
@@ -96,14 +143,17 @@ def compiled_round(x: torch.Tensor, spec: RoundSpec, key: Key | None, random_bit
         return None
     fn = _CACHE.get(cache_key)
     if fn is None:
-        fn = torch.compile(_own(_kernel, spec=spec), fullgraph=True, dynamic=False)
+        kernel = _given_kernel if key is None else _rows_kernel
+        fn = torch.compile(_own(kernel, spec=spec), fullgraph=True, dynamic=False)
         _CACHE[cache_key] = fn
-    torch._dynamo.maybe_mark_dynamic(x, 0)  # one kernel for every length
     try:
         if key is None:
+            torch._dynamo.maybe_mark_dynamic(x, 0)  # one kernel for every length
             return fn(x, random_bits)
-        words = key_words(key, spec)
-        return fn(x, *(torch.tensor(w, dtype=torch.int64, device=x.device) for w in words))
+        out = torch.empty_like(x)
+        words = torch.tensor(key_words(key, spec), dtype=torch.int64, device=x.device)
+        round_rows_into(x, out, words.unbind(), spec, kernel=fn)
+        return out
     except Exception as err:  # no C++ compiler, no Triton, ...: eager still works
         _BROKEN.add(cache_key)
         _warn_eager(spec, x.device, err)
@@ -127,17 +177,16 @@ def _own(fn, **bound):
     return own
 
 
-def _kernel(x, *args, spec: RoundSpec):
-    if len(args) == 1:  # explicit random bits (or None)
-        return round_fast(x, spec, args[0])
-    return generated_round(x, *args, offset=0, spec=spec)
+def _given_kernel(x, random_bits, *, spec: RoundSpec):
+    return round_body(x, spec, random_bits)
 
 
 def _foreach_kernel(tensors: list[torch.Tensor], keys: torch.Tensor, *, spec: RoundSpec, via: torch.dtype):
     for i, t in enumerate(tensors):
         x = t.reshape(-1).to(via)  # the value in the dtype the caller rounds from
-        r = generated_round(x.to(working_dtype(via)), keys[i, 0], keys[i, 1], keys[i, 2], keys[i, 3], 0, spec)
-        t.copy_(r.reshape(t.shape))
+        out = torch.empty_like(x, dtype=working_dtype(via))
+        round_rows_into(x.to(out.dtype), out, keys[i].unbind(), spec)
+        t.copy_(out.reshape(t.shape))
 
 
 def round_foreach_(

@@ -62,13 +62,17 @@ def magic_applies(spec: RoundSpec, dtype: torch.dtype) -> bool:
 
 
 def round_magic(
-    x: torch.Tensor, spec: RoundSpec, random_bits: torch.Tensor | None, out: torch.Tensor
+    x: torch.Tensor, spec: RoundSpec, random_bits: torch.Tensor | None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Round flat float32 ``x`` into ``out`` as ``fast.round_fast`` does; returns out.
+    """Round float32 ``x`` into ``out`` (a new tensor if None) as ``fast.round_fast``
+    does; returns out.
 
-    Only for calls that :func:`magic_applies` accepts.
+    Only for calls that :func:`magic_applies` accepts. The in-place ops keep eager
+    runs to a few memory passes; under ``torch.compile`` they fuse into one kernel.
     """
     fmt, n = spec.fmt, _fraction_bits(spec)
+    if out is None:
+        out = torch.empty_like(x)
     # 2^e_t, made in its exponent field. Every binade above emax overflows whatever
     # the rounding, so e_t is capped at emax to keep the magic number finite; the
     # results there still come out beyond the largest finite value.
@@ -88,10 +92,16 @@ def round_magic(
     out.sub_(c, alpha=scale)
     if fmt.has_nz:  # the subtraction gave +0 where the result is -0
         torch.copysign(out, x, out=out)
-    lo, hi = torch.aminmax(x)
-    if not -fmt.max <= float(lo) <= float(hi) <= fmt.max:  # false for NaN too
-        _beyond_range(x, spec, out)
+    if torch.compiler.is_compiling() or not _within_range(x, fmt.max):
+        _beyond_range(x, spec, out)  # costs little fused, a pass or two eager
     return out
+
+
+def _within_range(x: torch.Tensor, limit: float) -> bool:
+    if x.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(x)
+    return -limit <= float(lo) <= float(hi) <= limit  # false for NaN too
 
 
 def _beyond_range(x: torch.Tensor, spec: RoundSpec, out: torch.Tensor) -> None:
@@ -103,4 +113,4 @@ def _beyond_range(x: torch.Tensor, spec: RoundSpec, out: torch.Tensor) -> None:
     beyond = torch.copysign(torch.tensor(beyond, dtype=torch.float32, device=x.device), x)
     torch.where(out.abs() > fmt.max, beyond, out, out=out)
     nan = torch.tensor(float("nan"), dtype=torch.float32, device=x.device)
-    torch.where(torch.isnan(x), nan, out, out=out)
+    torch.where(x != x, nan, out, out=out)  # NaN: isnan is a scalar loop in the C++ kernel
