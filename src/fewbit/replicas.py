@@ -24,7 +24,7 @@ from .random import Key, as_key, fold_in
 
 __all__ = [
     "DEFAULT_POLICY", "ReplicaContext", "ReplicaDriftError", "SeedPolicy", "SyncResult",
-    "check_in_sync", "drift_report", "replica_key", "world",
+    "check_in_sync", "drift_report", "rank_order_mean_hook", "replica_key", "world",
 ]  # fmt: skip
 
 #: Folded in before the rank, so a DIFFERING key never equals any IDENTICAL one.
@@ -192,3 +192,31 @@ def assert_identical_inputs(named: list[tuple[str, torch.Tensor]], group=None) -
             f"{result.first} differs across ranks before the identical-seed weight update "
             f"(all differing: {', '.join(result.differing)}); was its gradient all-reduced?"
         )
+
+
+def rank_order_mean_hook(process_group, bucket):  # no annotation: DDP checks it, and ours are strings
+    """A DDP communication hook (``ddp.register_comm_hook(None, rank_order_mean_hook)``):
+    the mean of the ranks' gradients, each element summed in rank order.
+
+    With more than two ranks a sum's rounding depends on its order, and a ring
+    all-reduce orders each element by where it falls in the bucket. DDP lays its buckets
+    out again after its first iteration, and a run resumed from a checkpoint starts on a
+    first iteration, so with the default hook a resumed run can differ from the
+    uninterrupted one in the last bit. Gathering the buckets and adding them in rank order
+    makes every element's sum independent of the layout, for the price of an all-gather.
+    """
+    import torch.distributed as dist  # only for runs that use torch.distributed
+
+    group = process_group if process_group is not None else dist.group.WORLD
+    size = dist.get_world_size(group)
+    grads = bucket.buffer()
+    parts = [torch.empty_like(grads) for _ in range(size)]
+    gathered = dist.all_gather(parts, grads, group=group, async_op=True).get_future()
+
+    def mean(_) -> torch.Tensor:
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        return total.div_(size)
+
+    return gathered.then(mean)

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 from .. import round as fewbit_round
 from ..nn import Quant, quantize_outputs
 from ..optim import LowPrecisionWeights
-from ..replicas import ReplicaDriftError, check_in_sync, drift_report
+from ..replicas import ReplicaDriftError, check_in_sync, drift_report, rank_order_mean_hook
 
 #: Policies the command offers: seed 000's default, and the update keyed with the rank.
 POLICIES = ("default", "differing-update")
@@ -108,6 +108,7 @@ def _train(rank: int, world_size: int, cfg: ReplicaRun) -> dict:
             model, [cfg.skip_allreduce]
         )
     ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(None, rank_order_mean_hook)  # a resumed run stays bit-identical
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     named = [(n, p) for n, p in model.named_parameters() if p.dim() >= 2]
     policy = "differing" if cfg.policy == "differing-update" else "identical"
