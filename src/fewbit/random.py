@@ -347,14 +347,14 @@ def _block_rows(first: int, n: int, k0: KeyInt, k1: KeyInt, device, *, inplace: 
     block = torch.arange(first * LANES, (first + n) * LANES, dtype=torch.int64, device=device)
     c0, c1 = _to_int32(block & MASK32), (block >> 32).to(torch.int32)
     x0, x1 = (_threefry32_inplace if inplace else _threefry32)(c0, c1, _key_schedule(k0, k1))
-    if not torch.compiler.is_compiling():
-        return torch.stack((x0.view(n, LANES), x1.view(n, LANES)), dim=1)
-    # Fused, the last Threefry round writes x0 and x1 into the two halves of one
-    # buffer (a strided view gives the (n, 2, LANES) order). They are stored as
-    # float32 bits: Inductor's C++ backend loads an int32 vector through a copy on
-    # the stack, a stalled store-to-load forward per load, but a float32 one directly.
-    words = torch.cat((x0.view(torch.float32), x1.view(torch.float32)))
-    return words.view(2, n, LANES).permute(1, 0, 2).view(torch.int32)
+    if torch.compiler.is_compiling():
+        # Stored as float32 bits and read back as int32: Inductor's C++ backend loads an
+        # int32 vector through a copy on the stack (a stalled store-to-load forward per
+        # load), a float32 one directly. The last Threefry round, left unfenced, writes
+        # straight into the stacked buffer.
+        x0, x1 = x0.view(torch.float32), x1.view(torch.float32)
+        return torch.stack((x0.view(n, LANES), x1.view(n, LANES)), dim=1).view(torch.int32)
+    return torch.stack((x0.view(n, LANES), x1.view(n, LANES)), dim=1)
 
 
 def _fields(words: torch.Tensor, bits: int) -> torch.Tensor:

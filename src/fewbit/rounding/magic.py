@@ -36,6 +36,7 @@ from .modes import RoundMode
 __all__ = ["magic_applies", "round_magic"]
 
 _EXPONENT = 0x7F800000  # exponent field of a float32 bit pattern
+_SIGN = -0x80000000  # sign bit of a float32 bit pattern, as an int32
 _SR_MODES = (RoundMode.SRC, RoundMode.SR)  # SR is SRC with N = D
 
 
@@ -84,17 +85,25 @@ def round_magic(
         scale *= 1.5
         torch.add(x, c, alpha=scale, out=out)
     else:
-        torch.copysign(c, x, out=c)
+        _take_sign(c, x)
         torch.add(x, c, alpha=scale, out=out)
         k = out.view(torch.int32)
         k.add_(random_bits)
         k.bitwise_and_(-(1 << n))
     out.sub_(c, alpha=scale)
     if fmt.has_nz:  # the subtraction gave +0 where the result is -0
-        torch.copysign(out, x, out=out)
+        _take_sign(out, x)
     if torch.compiler.is_compiling() or not _within_range(x, fmt.max):
         _beyond_range(x, spec, out)  # costs little fused, a pass or two eager
     return out
+
+
+def _take_sign(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Set a's sign bit where x's is set, in place; returns a. This is ``copysign(a, x)``
+    wherever a is not negative, or has x's sign already: the cases here. Bit ops:
+    Inductor's C++ kernel calls copysign out of line, twice per vector."""
+    a.view(torch.int32).bitwise_or_(x.view(torch.int32) & _SIGN)
+    return a
 
 
 def _within_range(x: torch.Tensor, limit: float) -> bool:
@@ -110,7 +119,7 @@ def _beyond_range(x: torch.Tensor, spec: RoundSpec, out: torch.Tensor) -> None:
     beyond = fmt.max if spec.sat else float("inf") if fmt.extended else float("nan")
     # Inf inputs and capped binades come out beyond max too. NaN inputs have left
     # arbitrary bits, replaced by the one NaN.
-    beyond = torch.copysign(torch.tensor(beyond, dtype=torch.float32, device=x.device), x)
+    beyond = _take_sign(torch.full_like(x, beyond), x)
     torch.where(out.abs() > fmt.max, beyond, out, out=out)
     nan = torch.tensor(float("nan"), dtype=torch.float32, device=x.device)
     torch.where(x != x, nan, out, out=out)  # NaN: isnan is a scalar loop in the C++ kernel
