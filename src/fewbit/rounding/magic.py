@@ -100,10 +100,11 @@ def round_magic(
 
 def _take_sign(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Set a's sign bit where x's is set, in place; returns a. This is ``copysign(a, x)``
-    wherever a is not negative, or has x's sign already: the cases here. Bit ops:
-    Inductor's C++ kernel calls copysign out of line, twice per vector."""
-    a.view(torch.int32).bitwise_or_(x.view(torch.int32) & _SIGN)
-    return a
+    wherever a is not negative, or has x's sign already: the cases here."""
+    if torch.compiler.is_compiling():  # Inductor's C++ kernel calls copysign out of line
+        a.view(torch.int32).bitwise_or_(x.view(torch.int32) & _SIGN)
+        return a
+    return torch.copysign(a, x, out=a)  # one pass eager, where the bit ops take two
 
 
 def _within_range(x: torch.Tensor, limit: float) -> bool:
