@@ -55,3 +55,20 @@ def test_errors_are_clear(capsys):
     assert code == 2 and "unknown format 'e9m9'" in err and "e8m0" in err
     code, _, err = run(capsys, "round", "0.3", "--format", "fp32", "--dtype", "float16")
     assert code == 2 and "cannot hold" in err
+
+
+def test_bench_json_rows(capsys):
+    """`fewbit bench --quick --json`: every row the issue asks for, each with its ratios."""
+    import json
+
+    code, out, _ = run(capsys, "bench", "--quick", "--log2-size", "12", "--repeat", "1", "--json")
+    assert code == 0
+    rows = json.loads(out[out.index("[") :])
+    f32 = {(r["mode"], r["bits"]): r for r in rows if r["input"] == "torch.float32"}
+    assert set(f32) == {("rne", None), ("src", 3), ("sr", None), ("encode to uint8", None)}
+    assert {r["input"] for r in rows} == {"torch.float32", "torch.bfloat16"}
+    for r in rows:
+        assert r["melem_per_s"] > 0 and r["x_clone"] > 0
+    # Beside fewbit: eager, a torch.randint-fed SR, and gfloat on the key rows.
+    assert {"eager_x_clone", "x_gfloat"} <= set(f32[("rne", None)])
+    assert {"eager_x_clone", "x_gfloat", "randint_fed_x_clone"} <= set(f32[("src", 3)])

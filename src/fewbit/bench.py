@@ -3,14 +3,18 @@
 Every row times one configuration on the same input (2^24 elements by default):
 fewbit.round as users call it (the compiled kernel, bits generated inside it), an
 SR fed by ``torch.randint`` bits (what one writes without fewbit.random), and gfloat
-on key rows. Times are the best of ``repeat`` runs after a warm-up, which also
-absorbs the first call's compilation.
+on key rows. Melem/s is the best of ``repeat`` runs after a warm-up, which also
+absorbs the first call's compilation. A ratio to ``torch.clone`` is the median over
+``repeat`` pairs, each a clone and then the configuration, back to back: on a shared
+machine whose speed drifts by tens of percent, both sides of a pair see the same
+conditions.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -38,6 +42,27 @@ def best_time(fn: Callable[[], object], repeat: int, sync: Callable[[], None] = 
         sync()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def paired(fn: Callable[[], object], baseline: Callable[[], object], repeat: int,
+           sync: Callable[[], None] = lambda: None) -> tuple[float, float]:
+    """``fn``'s best time, and the median of ``baseline`` time / ``fn`` time over
+    ``repeat`` back-to-back pairs (after one warm-up call of each)."""
+    fn()
+    baseline()
+    sync()
+    times, ratios = [], []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        baseline()
+        sync()
+        middle = time.perf_counter()
+        fn()
+        sync()
+        end = time.perf_counter()
+        times.append(end - middle)
+        ratios.append((middle - start) / (end - middle))
+    return min(times), statistics.median(ratios)
 
 
 @contextmanager
@@ -82,7 +107,10 @@ def run(
     gen = torch.Generator(device=device).manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         x = (torch.randn(n, generator=gen, device=device) * 8).to(dtype)
-        clone = best_time(lambda: x.clone(), repeat, sync)
+
+        def clone():
+            return x.clone()
+
         targets = TARGETS[:1] if quick else TARGETS
         for fmt in targets:
             if fmt == "bfloat16" and dtype == torch.bfloat16:
@@ -102,9 +130,9 @@ def run(
                 def call():
                     return fewbit_round(x, fmt, mode, bits=bits, sat=sat, **seed)
 
-                t = best_time(call, repeat, sync)
+                t, x_clone = paired(call, clone, repeat, sync)
                 row = {"input": str(dtype), "format": fmt, "mode": mode, "bits": bits,
-                       "melem_per_s": n / t / 1e6, "x_clone": clone / t}
+                       "melem_per_s": n / t / 1e6, "x_clone": x_clone}
                 if mode != "rne":
                     width = bits or natural_sr_bits(dtype_format(dtype), format(fmt))
 
@@ -112,17 +140,17 @@ def run(
                         rb = torch.randint(0, 2**width, x.shape, dtype=torch.int32, device=device)
                         return fewbit_round(x, fmt, mode, bits=bits, sat=sat, random_bits=rb)
 
-                    row["randint_fed_x_clone"] = clone / best_time(randint_fed, repeat, sync)
+                    row["randint_fed_x_clone"] = paired(randint_fed, clone, repeat, sync)[1]
                 if dtype == torch.float32 and fmt == "binary8p4" and (mode == "rne" or bits == 3):
                     with eager_only():
-                        row["eager_x_clone"] = clone / best_time(call, repeat, sync)
+                        row["eager_x_clone"] = paired(call, clone, repeat, sync)[1]
                     if with_gfloat and device == "cpu" and mode in ("rne", "src", "srf", "srff"):
                         row["x_gfloat"] = best_time(_gfloat_round(x, fmt, mode, bits), 1) / t
                 rows.append(row)
         rounded = fewbit_round(x, "binary8p4", sat=True)
-        t = best_time(lambda: encode(rounded, "binary8p4"), repeat, sync)
+        t, x_clone = paired(lambda: encode(rounded, "binary8p4"), clone, repeat, sync)
         rows.append({"input": str(dtype), "format": "binary8p4", "mode": "encode to uint8",
-                     "bits": None, "melem_per_s": n / t / 1e6, "x_clone": clone / t})
+                     "bits": None, "melem_per_s": n / t / 1e6, "x_clone": x_clone})
     return rows
 
 
