@@ -465,10 +465,12 @@ def _bits_range(
     # Eager: generate cache-sized chunks of rows (whole rows of blocks, so no
     # block is computed twice) straight into the output.
     out = torch.empty(n, dtype=dtype, device=device)
-    chunk = 2 * (32 // bits) * _EAGER_CHUNK_BLOCK_ROWS  # element rows per chunk
+    per_block_row = 2 * (32 // bits)  # element rows per row of blocks
+    chunk = per_block_row * _EAGER_CHUNK_BLOCK_ROWS
     pos = 0  # elements written so far
-    for row in range(first, end, chunk):
-        values = bits_rows(row, min(chunk, end - row), bits, k0, k1, device=device).reshape(-1)
+    for aligned in range(first - first % per_block_row, end, chunk):
+        row = max(aligned, first)
+        values = bits_rows(row, min(aligned + chunk, end) - row, bits, k0, k1, device=device).reshape(-1)
         values = values[skip : skip + n] if pos == 0 else values[: n - pos]
         out[pos : pos + values.numel()] = values
         pos += values.numel()
