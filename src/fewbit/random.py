@@ -413,13 +413,8 @@ def random_words(
     key = as_key(key)
     n_words = _check_size(n_words, _MAX_INDEX + 1, "n_words")
     offset = _check_range(offset, n_words)
-    if n_words == 0:
-        return torch.zeros(0, dtype=torch.int64, device=device)
-    first, end = offset // (2 * LANES), (offset + n_words - 1) // (2 * LANES) + 1  # rows of blocks
-    inplace = not torch.compiler.is_compiling()
-    words = _block_rows(first, end - first, key.k0, key.k1, device, inplace=inplace).reshape(-1)
-    start = offset - first * 2 * LANES
-    return words[start : start + n_words].to(torch.int64) & MASK32
+    # With 32 bits per element, element w takes the whole of word w.
+    return _bits_range(offset, n_words, 32, key.k0, key.k1, device, torch.int64)
 
 
 # Integer dtypes random_bits can return, with how many value bits they hold.
