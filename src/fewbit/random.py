@@ -367,7 +367,9 @@ def _fields(words: torch.Tensor, bits: int) -> torch.Tensor:
         return (words.to(torch.int64) & MASK32).reshape(-1, LANES)
     per_word = 32 // bits
     if per_word > 1:
-        shifts = torch.arange(0, per_word * bits, bits, dtype=torch.int32, device=words.device)
+        # A tensor, not an arange: Inductor would fold an arange into an index expression,
+        # which Triton types int64 when the row is symbolic, making the fields int64.
+        shifts = torch.tensor(range(0, per_word * bits, bits), dtype=torch.int32, device=words.device)
         words = words[:, :, None, :] >> shifts[:, None]
     return (words & ((1 << bits) - 1)).reshape(-1, LANES)
 
