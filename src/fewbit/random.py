@@ -57,6 +57,7 @@ __all__ = [
     "Key",
     "as_key",
     "fold_in",
+    "key_tensor",
     "threefry2x32",
     "threefry2x32_int",
     "random_words",
@@ -158,10 +159,17 @@ class Key:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k0, k1)`` as 0-d int64 tensors (lets a compiled function take any key
         without recompiling)."""
-        return (
-            torch.tensor(self.k0, dtype=torch.int64, device=device),
-            torch.tensor(self.k1, dtype=torch.int64, device=device),
-        )
+        return key_tensor([self.k0, self.k1], device).unbind()
+
+
+def key_tensor(values: Sequence[int], device: torch.device | str | None) -> torch.Tensor:
+    """int64 tensor of ``values`` on ``device``, for keys that a kernel takes as data.
+    To a GPU it travels from pinned memory without blocking: a copy from ordinary
+    memory first waits for all queued work, which would put each call's host overhead
+    after the previous call's kernel instead of beside it."""
+    if device is None or torch.device(device).type != "cuda":
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    return torch.tensor(values, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
 
 
 def as_key(seed_or_key: Key | int) -> Key:
@@ -460,10 +468,12 @@ def _bits_range(
         return values[skip : skip + n].to(dtype)
 
     # Eager: generate cache-sized chunks of rows (whole rows of blocks, so no
-    # block is computed twice) straight into the output.
+    # block is computed twice) straight into the output. A GPU takes the range in one
+    # chunk: it has no such cache to fit, and each chunk costs some 130 kernel launches.
     out = torch.empty(n, dtype=dtype, device=device)
     per_block_row = 2 * (32 // bits)  # element rows per row of blocks
-    chunk = per_block_row * _EAGER_CHUNK_BLOCK_ROWS
+    block_rows = _EAGER_CHUNK_BLOCK_ROWS if out.device.type == "cpu" else end // per_block_row + 1
+    chunk = per_block_row * block_rows
     pos = 0  # elements written so far
     for aligned in range(first - first % per_block_row, end, chunk):
         row = max(aligned, first)

@@ -23,7 +23,7 @@ from contextvars import ContextVar
 
 import torch
 
-from ..random import LANES, Key, bits_from_range, bits_rows, fold_in
+from ..random import LANES, Key, bits_from_range, bits_rows, fold_in, key_tensor
 from .checks import RoundSpec
 from .fast import round_fast, working_dtype
 from .magic import magic_applies, round_magic
@@ -151,7 +151,7 @@ def compiled_round(x: torch.Tensor, spec: RoundSpec, key: Key | None, random_bit
             torch._dynamo.maybe_mark_dynamic(x, 0)  # one kernel for every length
             return fn(x, random_bits)
         out = torch.empty_like(x)
-        words = torch.tensor(key_words(key, spec), dtype=torch.int64, device=x.device)
+        words = key_tensor(key_words(key, spec), x.device)
         round_rows_into(x, out, words.unbind(), spec, kernel=fn)
         return out
     except Exception as err:  # no C++ compiler, no Triton, ...: eager still works
@@ -198,7 +198,7 @@ def round_foreach_(
     else the same code eager. The caller has checked the spec against ``via``, and
     ``spec.fmt`` has a NaN for anything without a value (nothing to raise)."""
     device = tensors[0].device
-    table = torch.tensor([key_words(k, spec) for k in keys], dtype=torch.int64, device=device)
+    table = key_tensor([key_words(k, spec) for k in keys], device)
     total = sum(t.numel() for t in tensors)
     cache_key = ("foreach", spec, via, tensors[0].dtype, device.type)
     if use_compiled_numel(total) and cache_key not in _BROKEN:
