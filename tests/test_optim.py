@@ -10,6 +10,7 @@ import torch
 import fewbit
 from fewbit.optim import LowPrecisionWeights
 from fewbit.random import fold_in
+from fewbit.rounding import compiled
 
 FMT = "binary8p4"
 
@@ -110,6 +111,26 @@ def test_compiled_write_back_equals_eager(monkeypatch, mode):
         results.append([p.detach().clone() for p in m.parameters()])
     for a, b in zip(*results, strict=True):
         assert bits_equal(a, b)
+
+
+@pytest.mark.parametrize("via", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("source", [torch.float32, torch.float64])
+def test_write_back_converts_to_the_update_dtype_as_torch_does(via, source):
+    """The compiled write-back converts to ``via`` with fewbit's own RNE (Inductor may drop
+    a float32 -> bfloat16 -> float32 round trip): it must equal torch's conversion, eager
+    and compiled, on every 16-bit pattern's neighbourhood, subnormals, overflow and NaN."""
+    every16 = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
+    base = torch.cat([every16.view(torch.bfloat16).float(), every16.view(torch.float16).float()])
+    ties = base.view(torch.int32) | 0x8000  # bfloat16 halfway points (and more below them)
+    g = torch.Generator().manual_seed(5)
+    raw = torch.randint(-(1 << 31), 1 << 31, (1 << 18,), generator=g, dtype=torch.int64).to(torch.int32)
+    x = torch.cat([base, ties.view(torch.float32), raw.view(torch.float32), base * 65504.5]).to(source)
+    want = x.to(via).float()
+    for got in (compiled._as_via(x, via), torch.compile(compiled._as_via, fullgraph=True)(x, via)):
+        assert got.dtype == torch.float32
+        nan = torch.isnan(want)
+        assert torch.equal(torch.isnan(got), nan)
+        assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
 
 
 def test_resume_from_state_dict_is_bit_identical():

@@ -24,7 +24,7 @@ from contextvars import ContextVar
 import torch
 
 from ..random import LANES, Key, bits_from_range, bits_rows, fold_in, key_tensor
-from .checks import RoundSpec
+from .checks import RoundSpec, dtype_format
 from .fast import round_fast, working_dtype
 from .magic import magic_applies, round_magic
 from .modes import SELECT_BITS, RoundMode
@@ -181,11 +181,24 @@ def _given_kernel(x, random_bits, *, spec: RoundSpec):
     return round_body(x, spec, random_bits)
 
 
+def _as_via(t: torch.Tensor, via: torch.dtype) -> torch.Tensor:
+    """Flat ``t.to(via)``, held in via's working dtype. The conversion to a 16-bit ``via``
+    is fewbit's own RNE: a compiled ``t.to(bfloat16).float()`` is a round trip that
+    Inductor may drop (torch 2.11 on AVX-512 did, even with emulate_precision_casts),
+    and then SR would start from the unrounded value. float64 goes through float32
+    first, as torch's own conversion to a 16-bit dtype does."""
+    x = t.reshape(-1).to(working_dtype(via))
+    if via in (torch.bfloat16, torch.float16) and t.dtype != via:
+        to_via = RoundSpec(dtype_format(via), dtype_format(x.dtype), RoundMode.RNE, False, None, None)
+        x = round_body(x, to_via, None)
+    return x
+
+
 def _foreach_kernel(tensors: list[torch.Tensor], keys: torch.Tensor, *, spec: RoundSpec, via: torch.dtype):
     for i, t in enumerate(tensors):
-        x = t.reshape(-1).to(via)  # the value in the dtype the caller rounds from
-        out = torch.empty_like(x, dtype=working_dtype(via))
-        round_rows_into(x.to(out.dtype), out, keys[i].unbind(), spec)
+        x = _as_via(t, via)  # the value in the dtype the caller rounds from
+        out = torch.empty_like(x)
+        round_rows_into(x, out, keys[i].unbind(), spec)
         t.copy_(out.reshape(t.shape))
 
 
@@ -204,10 +217,7 @@ def round_foreach_(
     if use_compiled_numel(total) and cache_key not in _BROKEN:
         fn = _CACHE.get(cache_key)
         if fn is None:
-            # Inductor would otherwise keep a float32 -> bfloat16 -> float32 round trip in
-            # float32, skipping the rounding to ``via`` that the result depends on.
-            fn = _CACHE[cache_key] = torch.compile(_own(_foreach_kernel, spec=spec, via=via), fullgraph=True,
-                                                   options={"emulate_precision_casts": True})  # fmt: skip
+            fn = _CACHE[cache_key] = torch.compile(_own(_foreach_kernel, spec=spec, via=via), fullgraph=True)
         try:
             return fn(tensors, table)
         except Exception as err:
