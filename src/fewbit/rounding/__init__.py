@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import FloatFormat
+from ..memory import converted, empty_output
 from ..random import Key, as_key
 from .checks import RoundSpec, check_random_bits, check_round_args, dtype_format
 from .compiled import compiled_round, key_words, range_bits, round_body, use_compiled
@@ -58,11 +59,11 @@ def round(
     key = _check_seed(spec, seed, random_bits)
     if key is None:
         check_random_bits(x, spec, random_bits)
-    work = x.to(working_dtype(x.dtype))
+    work = converted(x, working_dtype(x.dtype))
     out = _round_any(work.reshape(-1), spec, key, _flat(random_bits))
     if not spec.fmt.has_nans:
         _raise_on_invalid(work, out, spec)
-    return out.reshape(x.shape).to(x.dtype)
+    return converted(out.reshape(x.shape), x.dtype)
 
 
 def round_(
@@ -111,7 +112,7 @@ def _in_blocks(flat: torch.Tensor, spec: RoundSpec, key: Key | None, rand) -> to
     keys = key_words(key, spec)
     n = flat.numel()
     block = CPU_BLOCK if flat.device.type == "cpu" else max(n, 1)
-    out = torch.empty_like(flat)
+    out = empty_output(flat)
     for start in range(0, n, block):
         part = flat[start : start + block]
         if key is None:

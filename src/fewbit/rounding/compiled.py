@@ -23,6 +23,7 @@ from contextvars import ContextVar
 
 import torch
 
+from ..memory import empty_output
 from ..random import LANES, Key, bits_from_range, bits_rows, fold_in, key_tensor
 from .checks import RoundSpec, dtype_format
 from .fast import round_fast, working_dtype
@@ -147,10 +148,12 @@ def compiled_round(x: torch.Tensor, spec: RoundSpec, key: Key | None, random_bit
         fn = torch.compile(_own(kernel, spec=spec), fullgraph=True, dynamic=False)
         _CACHE[cache_key] = fn
     try:
+        out = empty_output(x)
         if key is None:
             torch._dynamo.maybe_mark_dynamic(x, 0)  # one kernel for every length
-            return fn(x, random_bits)
-        out = torch.empty_like(x)
+            torch._dynamo.maybe_mark_dynamic(out, 0)
+            fn(x, random_bits, out)
+            return out
         words = key_tensor(key_words(key, spec), x.device)
         round_rows_into(x, out, words.unbind(), spec, kernel=fn)
         return out
@@ -177,8 +180,8 @@ def _own(fn, **bound):
     return own
 
 
-def _given_kernel(x, random_bits, *, spec: RoundSpec):
-    return round_body(x, spec, random_bits)
+def _given_kernel(x, random_bits, out, *, spec: RoundSpec) -> None:
+    round_body(x, spec, random_bits, out)
 
 
 def _as_via(t: torch.Tensor, via: torch.dtype) -> torch.Tensor:
