@@ -70,5 +70,5 @@ def test_bench_json_rows(capsys):
     for r in rows:
         assert r["melem_per_s"] > 0 and r["x_clone"] > 0
     # Beside fewbit: eager, a torch.randint-fed SR, and gfloat on the key rows.
-    assert {"eager_x_clone", "x_gfloat"} <= set(f32[("rne", None)])
-    assert {"eager_x_clone", "x_gfloat", "randint_fed_x_clone"} <= set(f32[("src", 3)])
+    assert {"eager_x_clone", "x_gfloat", "x_copy"} <= set(f32[("rne", None)])
+    assert {"eager_x_clone", "x_gfloat", "randint_fed_x_clone", "x_copy"} <= set(f32[("src", 3)])

@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="rounding throughput against torch.clone and gfloat")
     p.add_argument("--log2-size", type=int, default=24)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--repeat", type=int, default=9)
     p.add_argument("--quick", action="store_true", help="binary8p4 with RNE, SRC N=3, sr only")
     p.add_argument("--no-gfloat", action="store_true")
     p.add_argument("--json", action="store_true")
