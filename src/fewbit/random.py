@@ -251,6 +251,11 @@ def _to_int32(t: torch.Tensor) -> torch.Tensor:
     return (t - ((t & 0x80000000) << 1)).to(torch.int32)
 
 
+def _counter(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Threefry's counter for int64 block indices: ``(b mod 2**32, b // 2**32)`` as int32."""
+    return _to_int32(block & MASK32), (block >> 32).to(torch.int32)
+
+
 def _key_schedule(k0: KeyInt, k1: KeyInt, rounds: int = DEFAULT_ROUNDS) -> list:
     """The values Threefry adds at injection ``i`` (the initial one is 0, then one
     every ``KEY_INJECTION_INTERVAL`` rounds): ``(a_i, b_i)`` with
@@ -353,8 +358,7 @@ def _block_rows(first: int, n: int, k0: KeyInt, k1: KeyInt, device, *, inplace: 
     ``h`` of word row ``2 * (first + g) + s``. ``inplace``: the eager fast path
     (int keys only)."""
     block = torch.arange(first * LANES, (first + n) * LANES, dtype=torch.int64, device=device)
-    c0, c1 = _to_int32(block & MASK32), (block >> 32).to(torch.int32)
-    x0, x1 = (_threefry32_inplace if inplace else _threefry32)(c0, c1, _key_schedule(k0, k1))
+    x0, x1 = (_threefry32_inplace if inplace else _threefry32)(*_counter(block), _key_schedule(k0, k1))
     if torch.compiler.is_compiling():
         # Stored as float32 bits and read back as int32: Inductor's C++ backend loads an
         # int32 vector through a copy on the stack (a stalled store-to-load forward per
@@ -572,7 +576,7 @@ def bits_from_index(index: torch.Tensor, bits: int, k0: KeyInt, k1: KeyInt) -> t
     word_row = row // per_word
     field = row - word_row * per_word
     block = (word_row >> 1) * LANES + lane
-    x0, x1 = _threefry32(_to_int32(block & MASK32), (block >> 32).to(torch.int32), _key_schedule(k0, k1))
+    x0, x1 = _threefry32(*_counter(block), _key_schedule(k0, k1))
     word = torch.where((word_row & 1) == 1, x1, x0)
     if bits == 32:
         return word.to(torch.int64) & MASK32
