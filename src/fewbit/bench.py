@@ -8,8 +8,9 @@ absorbs the first call's compilation. A ratio to ``torch.clone`` is the median o
 ``repeat`` pairs, each a clone and then the configuration, back to back: on a shared
 machine whose speed drifts by tens of percent, both sides of a pair see the same
 conditions. Key rows add ``x copy``, the ratio to a copy into an output allocated as
-fewbit allocates its own (``fewbit.memory``: huge pages on Linux), which separates
-the kernel's cost from the allocator's; ``torch.clone`` pays 4 KiB page faults.
+fewbit allocates its own (``fewbit.memory``: from its cache of outputs, on huge pages
+on Linux), which separates the kernel's cost from the allocator's; ``torch.clone``
+pays for fresh memory every call.
 """
 
 from __future__ import annotations

@@ -8,6 +8,15 @@ pages for its large arrays; torch does only with ``THP_MEM_ALLOC_ENABLE=1``, whi
 changes every allocation of the process. fewbit asks for its own outputs only; set
 ``FEWBIT_HUGE_PAGES=0`` to leave them on torch's pages (where a fragmented machine
 would stall on compaction to find huge pages).
+
+Even on huge pages, fresh memory costs the kernel's zeroing of every page: 3 ms of the
+10 ms that rounding 64 MiB takes there. So fewbit keeps the large CPU outputs it hands
+out in a cache, as torch's CUDA allocator does on a GPU: once every tensor on such an
+output is gone, the next output of the same size reuses its memory, already mapped.
+The cache tracks at most ``FEWBIT_CPU_CACHE_MB`` (default 1024) MiB of outputs, so no
+more than that stays allocated after the tensors are freed; beyond it, outputs are
+plain allocations. ``FEWBIT_CPU_CACHE_MB=0`` turns it off; :func:`empty_cache` gives
+the free memory back.
 """
 
 from __future__ import annotations
@@ -17,11 +26,12 @@ import functools
 import mmap
 import os
 import sys
+import threading
 from pathlib import Path
 
 import torch
 
-__all__ = ["converted", "empty_output"]
+__all__ = ["cached_bytes", "converted", "empty_cache", "empty_output"]
 
 #: A huge page on x86-64 and on arm64 with 4 KiB base pages.
 HUGE_PAGE = 2 << 20
@@ -46,18 +56,88 @@ def _madvise():
     return madvise
 
 
-def empty_output(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``torch.empty_like(like, dtype=dtype)``, contiguous; a CPU one of 4 MiB or more
-    with the whole huge pages inside it advised as such (before anything touches them,
-    so the kernel backs them with huge pages on first write). The advice only changes
-    how the memory is backed: where it fails, nothing else changes."""
-    out = torch.empty_like(like, dtype=dtype, memory_format=torch.contiguous_format)
+def _advise(data_ptr: int, nbytes: int) -> None:
+    """Ask for huge pages on the whole ones inside the block, before anything touches
+    them (the kernel backs them on first write). The advice only changes how the
+    memory is backed: where it fails, nothing else changes."""
     madvise = _madvise()
-    wanted = os.environ.get("FEWBIT_HUGE_PAGES", "") != "0"
-    if madvise is not None and wanted and out.device.type == "cpu" and out.nbytes >= MIN_BYTES:
-        start = -(-out.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-        end = (out.data_ptr() + out.nbytes) // HUGE_PAGE * HUGE_PAGE
+    if madvise is not None and os.environ.get("FEWBIT_HUGE_PAGES", "") != "0":
+        start = -(-data_ptr // HUGE_PAGE) * HUGE_PAGE
+        end = (data_ptr + nbytes) // HUGE_PAGE * HUGE_PAGE
         madvise(start, end - start, mmap.MADV_HUGEPAGE)
+
+
+#: Storages of the large CPU outputs handed out; one is free again when the cache
+#: holds its only reference.
+_cached: list[torch.UntypedStorage] = []
+_lock = threading.Lock()
+
+
+def _cache_bytes() -> int:
+    value = os.environ.get("FEWBIT_CPU_CACHE_MB", "1024")
+    try:
+        mib = int(value)
+    except ValueError:
+        raise ValueError(f"FEWBIT_CPU_CACHE_MB must be a whole number of MiB, got {value!r}") from None
+    if mib < 0:
+        raise ValueError(f"FEWBIT_CPU_CACHE_MB must be >= 0, got {mib}")
+    return mib << 20
+
+
+def _is_free(storage: torch.UntypedStorage) -> bool:
+    return torch._C._storage_Use_Count(storage._cdata) == 1
+
+
+def _from_cache(like: torch.Tensor, dtype: torch.dtype, nbytes: int) -> torch.Tensor | None:
+    """An output on a free cached storage of ``nbytes``, else on a new one if the cache
+    has room, else None."""
+    limit = _cache_bytes()
+    if not hasattr(torch._C, "_storage_Use_Count"):  # no way to tell a free storage
+        return None
+    with _lock:
+        # Memory a tensor moved to shared memory may be in another process's hands:
+        # the cache lets go of it for good.
+        _cached[:] = [s for s in _cached if not s.is_shared()]
+        storage = next((s for s in _cached if s.nbytes() == nbytes and _is_free(s)), None)
+        if storage is None:
+            held = cached_bytes()
+            for s in [s for s in _cached if _is_free(s)]:  # oldest first
+                if held + nbytes <= limit:
+                    break
+                _cached.remove(s)
+                held -= s.nbytes()
+            if held + nbytes > limit:
+                return None
+            storage = torch.UntypedStorage(nbytes)
+            _advise(storage.data_ptr(), nbytes)
+            _cached.append(storage)
+        # Made under the lock: from here on the storage is not free.
+        return torch.empty(0, dtype=dtype).set_(storage, 0, like.shape)
+
+
+def cached_bytes() -> int:
+    """Bytes of the outputs the cache tracks, in use or free."""
+    return sum(s.nbytes() for s in _cached)
+
+
+def empty_cache() -> None:
+    """Free the cached outputs that no tensor uses any more."""
+    with _lock:
+        _cached[:] = [s for s in _cached if not _is_free(s)]
+
+
+def empty_output(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.empty_like(like, dtype=dtype)``, contiguous. A CPU one of 4 MiB or more
+    comes from the cache (see the module docstring), on huge pages where they can be had."""
+    dtype = like.dtype if dtype is None else dtype
+    nbytes = like.numel() * dtype.itemsize
+    if like.device.type == "cpu" and nbytes >= MIN_BYTES:
+        out = _from_cache(like, dtype, nbytes)
+        if out is not None:
+            return out
+    out = torch.empty_like(like, dtype=dtype, memory_format=torch.contiguous_format)
+    if out.device.type == "cpu" and nbytes >= MIN_BYTES:
+        _advise(out.data_ptr(), nbytes)
     return out
 
 

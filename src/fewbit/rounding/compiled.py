@@ -147,8 +147,8 @@ def compiled_round(x: torch.Tensor, spec: RoundSpec, key: Key | None, random_bit
         kernel = _given_kernel if key is None else _rows_kernel
         fn = torch.compile(_own(kernel, spec=spec), fullgraph=True, dynamic=False)
         _CACHE[cache_key] = fn
+    out = empty_output(x)
     try:
-        out = empty_output(x)
         if key is None:
             torch._dynamo.maybe_mark_dynamic(x, 0)  # one kernel for every length
             torch._dynamo.maybe_mark_dynamic(out, 0)
