@@ -3,8 +3,8 @@
 Every row times one configuration on the same input (2^24 elements by default):
 fewbit.round as users call it (the compiled kernel, bits generated inside it), an
 SR fed by ``torch.randint`` bits (what one writes without fewbit.random), and gfloat
-on key rows. Melem/s is the best of ``repeat`` runs after a warm-up, which also
-absorbs the first call's compilation. A ratio to ``torch.clone`` is the median over
+on key rows (its best of 3 calls). Melem/s is the best of ``repeat`` runs after a
+warm-up, which also absorbs the first call's compilation. A ratio to ``torch.clone`` is the median over
 ``repeat`` pairs, each a clone and then the configuration, back to back: on a shared
 machine whose speed drifts by tens of percent, both sides of a pair see the same
 conditions. Key rows add ``x copy``, the ratio to a copy into an output allocated as
@@ -156,7 +156,7 @@ def run(
                         row["eager_x_clone"] = paired(call, clone, repeat, sync)[1]
                     row["x_copy"] = paired(call, copy, repeat, sync)[1]
                     if with_gfloat and device == "cpu" and mode in ("rne", "src", "srf", "srff"):
-                        row["x_gfloat"] = best_time(_gfloat_round(x, fmt, mode, bits), 1) / t
+                        row["x_gfloat"] = best_time(_gfloat_round(x, fmt, mode, bits), 3) / t
                 rows.append(row)
         rounded = fewbit_round(x, "binary8p4", sat=True)
         t, x_clone = paired(lambda: encode(rounded, "binary8p4"), clone, repeat, sync)
