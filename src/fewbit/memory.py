@@ -9,8 +9,8 @@ changes every allocation of the process. fewbit asks for its own outputs only; s
 ``FEWBIT_HUGE_PAGES=0`` to leave them on torch's pages (where a fragmented machine
 would stall on compaction to find huge pages).
 
-Even on huge pages, fresh memory costs the kernel's zeroing of every page: 3 ms of the
-10 ms that rounding 64 MiB takes there. So fewbit keeps the large CPU outputs it hands
+Even on huge pages, fresh memory costs the kernel's zeroing of every page: RNE of
+2^24 float32 takes 10 ms into fresh memory there, 5 ms into reused. So fewbit keeps the large CPU outputs it hands
 out in a cache, as torch's CUDA allocator does on a GPU: once every tensor on such an
 output is gone, the next output of the same size reuses its memory, already mapped.
 The cache tracks at most ``FEWBIT_CPU_CACHE_MB`` (default 1024) MiB of outputs, so no
