@@ -143,6 +143,12 @@ def test_the_cache_tracks_at_most_its_limit(cache):
     assert cached_bytes() == 0 and out.shape == like.shape
 
 
+def test_traced_code_allocates_plainly(cache):
+    x = torch.randn(3 * MIB)
+    traced = torch.compile(lambda t: empty_output(t).copy_(t) * 2, fullgraph=True)(x)
+    assert torch.equal(traced, x * 2) and cached_bytes() == 0
+
+
 def test_a_bad_cache_limit_is_an_error(cache):
     x = torch.randn(3 * MIB)
     for value in ("lots", "-1"):

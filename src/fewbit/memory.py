@@ -1,4 +1,4 @@
-"""Output buffers for large CPU results, on transparent huge pages where Linux offers them.
+"""Outputs for large CPU results: cached for reuse, on transparent huge pages on Linux.
 
 A fresh CPU tensor of tens of MiB costs more in first-touch page faults than the
 arithmetic that fills it. glibc maps each such block anew, in 4 KiB pages, and every
@@ -10,13 +10,13 @@ changes every allocation of the process. fewbit asks for its own outputs only; s
 would stall on compaction to find huge pages).
 
 Even on huge pages, fresh memory costs the kernel's zeroing of every page: RNE of
-2^24 float32 takes 10 ms into fresh memory there, 5 ms into reused. So fewbit keeps the large CPU outputs it hands
-out in a cache, as torch's CUDA allocator does on a GPU: once every tensor on such an
-output is gone, the next output of the same size reuses its memory, already mapped.
-The cache tracks at most ``FEWBIT_CPU_CACHE_MB`` (default 1024) MiB of outputs, so no
-more than that stays allocated after the tensors are freed; beyond it, outputs are
-plain allocations. ``FEWBIT_CPU_CACHE_MB=0`` turns it off; :func:`empty_cache` gives
-the free memory back.
+2^24 float32 takes 10 ms into fresh memory there, 5 ms into reused. So fewbit keeps
+the large CPU outputs it hands out in a cache, as torch's CUDA allocator does on a GPU:
+once every tensor on such an output is gone, the next output of the same size reuses
+its memory, already mapped. The cache tracks at most ``FEWBIT_CPU_CACHE_MB`` (default
+1024) MiB of outputs, so no more than that stays allocated after the tensors are freed;
+beyond it, outputs are plain allocations. ``FEWBIT_CPU_CACHE_MB=0`` turns it off;
+:func:`empty_cache` gives the free memory back.
 """
 
 from __future__ import annotations
@@ -130,14 +130,16 @@ def empty_output(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.
     """``torch.empty_like(like, dtype=dtype)``, contiguous. A CPU one of 4 MiB or more
     comes from the cache (see the module docstring), on huge pages where they can be had."""
     dtype = like.dtype if dtype is None else dtype
-    nbytes = like.numel() * dtype.itemsize
-    if like.device.type == "cpu" and nbytes >= MIN_BYTES:
-        out = _from_cache(like, dtype, nbytes)
-        if out is not None:
-            return out
-    out = torch.empty_like(like, dtype=dtype, memory_format=torch.contiguous_format)
-    if out.device.type == "cpu" and nbytes >= MIN_BYTES:
-        _advise(out.data_ptr(), nbytes)
+    out = None
+    # Traced by torch.compile, the compiled code allocates: a plain empty_like.
+    large = not torch.compiler.is_compiling() and like.device.type == "cpu"
+    large = large and like.numel() * dtype.itemsize >= MIN_BYTES
+    if large:
+        out = _from_cache(like, dtype, like.numel() * dtype.itemsize)
+    if out is None:
+        out = torch.empty_like(like, dtype=dtype, memory_format=torch.contiguous_format)
+        if large:
+            _advise(out.data_ptr(), out.nbytes)
     return out
 
 
