@@ -120,6 +120,15 @@ def test_memory_put_in_shared_memory_is_let_go(cache):
     assert cached_bytes() == 12 * MIB
 
 
+def test_a_storage_resized_to_nothing_is_let_go(cache):
+    like = torch.empty(3 * MIB)
+    a = empty_output(like)
+    a.untyped_storage().resize_(0)
+    b = empty_output(like)
+    assert b.untyped_storage().nbytes() == 12 * MIB
+    assert len(memory._cached) == 1
+
+
 def test_the_cache_tracks_at_most_its_limit(cache):
     cache.setenv("FEWBIT_CPU_CACHE_MB", "20")
     like = torch.empty(3 * MIB)  # 12 MiB

@@ -95,9 +95,10 @@ def _from_cache(like: torch.Tensor, dtype: torch.dtype, nbytes: int) -> torch.Te
     if not hasattr(torch._C, "_storage_Use_Count"):  # no way to tell a free storage
         return None
     with _lock:
-        # Memory a tensor moved to shared memory may be in another process's hands:
-        # the cache lets go of it for good.
-        _cached[:] = [s for s in _cached if not s.is_shared()]
+        # Memory a tensor moved to shared memory may be in another process's hands, and
+        # a storage resized to nothing (as FSDP frees memory) holds none: the cache lets
+        # go of both for good.
+        _cached[:] = [s for s in _cached if not s.is_shared() and s.nbytes() > 0]
         storage = next((s for s in _cached if s.nbytes() == nbytes and _is_free(s)), None)
         if storage is None:
             held = cached_bytes()
