@@ -4,10 +4,10 @@ Every row times one configuration on the same input (2^24 elements by default):
 fewbit.round as users call it (the compiled kernel, bits generated inside it), an
 SR fed by ``torch.randint`` bits (what one writes without fewbit.random), and gfloat
 on key rows (its best of 3 calls). Melem/s is the best of ``repeat`` runs after a
-warm-up, which also absorbs the first call's compilation. A ratio to ``torch.clone`` is the median over
-``repeat`` pairs, each a clone and then the configuration, back to back: on a shared
-machine whose speed drifts by tens of percent, both sides of a pair see the same
-conditions. Key rows add ``x copy``, the ratio to a copy into an output allocated as
+warm-up, which also absorbs the first call's compilation. A ratio to ``torch.clone``
+is the median over ``repeat`` pairs, each a clone and then the configuration, back to
+back: on a shared machine whose speed drifts by tens of percent, both sides of a pair
+see the same conditions. Key rows add ``x copy``, the ratio to a copy into an output allocated as
 fewbit allocates its own (``fewbit.memory``: from its cache of outputs, on huge pages
 on Linux), which separates the kernel's cost from the allocator's; ``torch.clone``
 pays for fresh memory every call.

@@ -131,16 +131,14 @@ def empty_output(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.
     """``torch.empty_like(like, dtype=dtype)``, contiguous. A CPU one of 4 MiB or more
     comes from the cache (see the module docstring), on huge pages where they can be had."""
     dtype = like.dtype if dtype is None else dtype
-    out = None
+    nbytes = like.numel() * dtype.itemsize
     # Traced by torch.compile, the compiled code allocates: a plain empty_like.
-    large = not torch.compiler.is_compiling() and like.device.type == "cpu"
-    large = large and like.numel() * dtype.itemsize >= MIN_BYTES
-    if large:
-        out = _from_cache(like, dtype, like.numel() * dtype.itemsize)
+    large = nbytes >= MIN_BYTES and like.device.type == "cpu" and not torch.compiler.is_compiling()
+    out = _from_cache(like, dtype, nbytes) if large else None
     if out is None:
         out = torch.empty_like(like, dtype=dtype, memory_format=torch.contiguous_format)
         if large:
-            _advise(out.data_ptr(), out.nbytes)
+            _advise(out.data_ptr(), nbytes)
     return out
 
 
