@@ -7,10 +7,10 @@ on key rows (its best of 3 calls). Melem/s is the best of ``repeat`` runs after 
 warm-up, which also absorbs the first call's compilation. A ratio to ``torch.clone``
 is the median over ``repeat`` pairs, each a clone and then the configuration, back to
 back: on a shared machine whose speed drifts by tens of percent, both sides of a pair
-see the same conditions. Key rows add ``x copy``, the ratio to a copy into an output allocated as
-fewbit allocates its own (``fewbit.memory``: from its cache of outputs, on huge pages
-on Linux), which separates the kernel's cost from the allocator's; ``torch.clone``
-pays for fresh memory every call.
+see the same conditions. Key rows add ``x copy``, the ratio to a copy into an output
+allocated as fewbit allocates its own (``fewbit.memory``: from its cache of outputs,
+on huge pages on Linux), which separates the kernel's cost from the allocator's;
+``torch.clone`` pays for fresh memory every call.
 """
 
 from __future__ import annotations
