@@ -1,0 +1,99 @@
+"""fewbit's one configuration object: read once from the environment at import, changed
+for a block of code with :func:`configure`.
+
+=====================  =====================  =============================================
+setting                environment (import)   meaning
+=====================  =====================  =============================================
+``compile``            ``FEWBIT_EAGER=1``     run fewbit's kernels compiled by torch.compile
+                       sets it False          (C++/OpenMP on CPU, Triton on GPU); False: eager
+                                              torch ops (same bits, slower, no compiler)
+``compile_threshold``  ``FEWBIT_COMPILE_      tensors of at least this many elements take the
+                       THRESHOLD``            compiled kernel; smaller ones run eager
+``eager_chunk``                               elements per chunk of an eager CPU run (chunks
+                                              keep the intermediates in cache)
+``scaled_fallback``                           ``"warn"`` (once per op) or ``"error"`` when an
+                                              aten op without a ScaledTensor rule meets one
+``unit_scaling``                              ScaledTensor matmuls divide by a power of two
+                                              near sqrt(K) and fold it into the scale
+=====================  =====================  =============================================
+
+Settings live in a ``ContextVar``, so a ``with configure(...)`` block changes them for its
+own thread (or task) only. Nothing in fewbit reads the environment after import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = ["Config", "configure", "current"]
+
+
+@dataclass(frozen=True)
+class Config:
+    """fewbit's settings (see the module docstring for each)."""
+
+    compile: bool = True
+    #: 2^16: below it a kernel launch buys nothing, and a small tensor should never wait
+    #: for a first compilation.
+    compile_threshold: int = 1 << 16
+    #: 2^20 was the fastest of 2^14 .. 2^24 for eager rounding on a 2-core AMD EPYC.
+    eager_chunk: int = 1 << 20
+    scaled_fallback: Literal["warn", "error"] = "warn"
+    unit_scaling: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("compile", "unit_scaling"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, not {type(getattr(self, name)).__name__}")
+        for name in ("compile_threshold", "eager_chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "eager_chunk"):
+                raise ValueError(f"{name} must be an int >= {int(name == 'eager_chunk')}, got {value!r}")
+        if self.scaled_fallback not in ("warn", "error"):
+            raise ValueError(f"scaled_fallback must be 'warn' or 'error', got {self.scaled_fallback!r}")
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> Config:
+        """The defaults, with ``FEWBIT_EAGER`` and ``FEWBIT_COMPILE_THRESHOLD`` applied."""
+        env = os.environ if environ is None else environ
+        changes: dict[str, Any] = {}
+        eager = env.get("FEWBIT_EAGER", "")
+        if eager not in ("", "0", "1"):
+            raise ValueError(f"FEWBIT_EAGER must be 0 or 1, got {eager!r}")
+        changes["compile"] = eager != "1"
+        threshold = env.get("FEWBIT_COMPILE_THRESHOLD")
+        if threshold is not None:
+            try:
+                changes["compile_threshold"] = int(threshold)
+            except ValueError:
+                raise ValueError(f"FEWBIT_COMPILE_THRESHOLD must be an int, got {threshold!r}") from None
+        return cls(**changes)
+
+
+_current: ContextVar[Config] = ContextVar("fewbit_config", default=Config.from_env())
+
+
+def current() -> Config:
+    """The settings in force here."""
+    return _current.get()
+
+
+@contextmanager
+def configure(**changes: Any) -> Iterator[Config]:
+    """Change settings inside a ``with`` block: ``with fewbit.configure(compile=False): ...``.
+    Unknown names and bad values raise before anything changes."""
+    names = {f.name for f in dataclasses.fields(Config)}
+    unknown = sorted(set(changes) - names)
+    if unknown:
+        raise ValueError(f"unknown setting(s) {unknown}; known: {sorted(names)}")
+    token = _current.set(dataclasses.replace(_current.get(), **changes))
+    try:
+        yield _current.get()
+    finally:
+        _current.reset(token)
