@@ -14,6 +14,7 @@ from torch import nn
 
 import fewbit
 from fewbit.cli import main as cli_main
+from fewbit.experiments import scaled_demo
 from fewbit.scaled import (
     NoRuleError,
     ScaledTensor,
@@ -21,7 +22,6 @@ from fewbit.scaled import (
     cast,
     cast_,
     configure,
-    demo,
     dynamic_rescale_,
     dynamic_rescale_grad,
     dynamic_rescale_l1,
@@ -526,7 +526,7 @@ DEMO_TINY = dict(block_size=16, n_layer=1, n_head=2, n_embd=16)  # batch 32: 512
 
 
 def test_demo_runs_show_the_underflow():
-    curves = demo.train(steps=20, data=_demo_text_data(), batch_size=32, every=20, model=DEMO_TINY,
+    curves = scaled_demo.train(steps=20, data=_demo_text_data(), batch_size=32, every=20, model=DEMO_TINY,
                         eval_batches=2)
     final = {run: c[-1][1] for run, c in curves.items()}
     start = curves["fp32"][0][1]

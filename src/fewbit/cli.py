@@ -186,9 +186,9 @@ def cmd_replicas(args: argparse.Namespace) -> int:
 
 
 def cmd_scaled_demo(args: argparse.Namespace) -> int:
-    from .scaled import demo
+    from .experiments import scaled_demo
 
-    return demo.main(args.steps, args.out)
+    return scaled_demo.main(args.steps, args.out)
 
 
 def _add_scaled_demo(sub) -> None:

@@ -1,15 +1,15 @@
 """The ScaledTensor example: the character GPT on Shakespeare, with gradients that
 underflow in float16.
 
-The model and data are those of ``fewbit.experiments`` (``GPT``, ``load_shakespeare``),
-at a size that trains in a minute or two per run on one CPU thread. The loss that is
-differentiated is SMALL * cross-entropy, SMALL = 2^-16 (a fixed loss multiplier below 1,
-the opposite of float16 loss scaling): every gradient carries the factor SMALL, and the
-gradient of the logits, SMALL * (softmax - onehot) / (batch * block), lies below half of
-float16's smallest subnormal 2^-24 once batch * block >= 512, and rounds to 0 (SMALL
-is no smaller so that float16 can hold SGD's step size lr0 / SMALL). SGD with momentum
-and learning rate lr0 / SMALL then follows the path of plain cross-entropy with lr0, in
-exact arithmetic.
+The model and data are this package's (``GPT``, ``load_shakespeare``), at a size that
+trains in a minute or two per run on one CPU thread. The loss that is differentiated is
+SMALL * cross-entropy, SMALL = 2^-16 (a fixed loss multiplier below 1, the opposite of
+float16 loss scaling): every gradient carries the factor SMALL, and the gradient of the
+logits, SMALL * (softmax - onehot) / (batch * block), lies below half of float16's
+smallest subnormal 2^-24 once batch * block >= 512, and rounds to 0 (SMALL is no smaller
+so that float16 can hold SGD's step size lr0 / SMALL). SGD with momentum and learning
+rate lr0 / SMALL then follows the path of plain cross-entropy with lr0, in exact
+arithmetic.
 
 Four runs from the same initial weights and batches:
   fp32         plain float32, the baseline;
@@ -37,12 +37,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..experiments.data import CharDataset
-from ..experiments.gpt import GPT, GPTConfig
-from ..experiments.train import batch_generator
-from .casts import cast, cast_, dynamic_rescale_, dynamic_rescale_max, dynamic_rescale_max_grad
-from .modules import scalify
-from .tensor import ScaledTensor, configure
+from ..scaled import (
+    ScaledTensor,
+    cast,
+    cast_,
+    configure,
+    dynamic_rescale_,
+    dynamic_rescale_max,
+    dynamic_rescale_max_grad,
+    scalify,
+)
+from .data import CharDataset
+from .gpt import GPT, GPTConfig
+from .train import batch_generator
 
 SMALL = 2.0**-16
 E4M3 = "ocp_e4m3"
@@ -114,7 +121,7 @@ def train(steps: int = 1000, data: CharDataset | None = None, lr: float = 0.3, b
     batches) before training, every ``every`` steps and at the end. ``model``
     overrides :data:`MODEL`; ``progress(1)`` after each step."""
     if data is None:
-        from ..experiments.data import load_shakespeare
+        from .data import load_shakespeare
 
         data = load_shakespeare()
     cfg = GPTConfig(len(data.vocab), **(model or MODEL))
@@ -178,7 +185,7 @@ def main(steps: int, out: str, data: CharDataset | None = None) -> int:
     if steps < 1:
         raise ValueError(f"--steps must be at least 1, got {steps}")
     if data is None:
-        from ..experiments.data import load_shakespeare
+        from .data import load_shakespeare
 
         data = load_shakespeare()
     with tqdm(total=steps * len(RUNS), desc="scaled-demo", unit="step") as bar:
