@@ -14,6 +14,7 @@ from torch import nn
 
 import fewbit
 from fewbit.cli import main as cli_main
+from fewbit.config import configure
 from fewbit.experiments import scaled_demo
 from fewbit.scaled import (
     NoRuleError,
@@ -21,7 +22,6 @@ from fewbit.scaled import (
     as_scaled,
     cast,
     cast_,
-    configure,
     dynamic_rescale_,
     dynamic_rescale_grad,
     dynamic_rescale_l1,
@@ -58,7 +58,7 @@ def close(got, want, rtol=1e-9):
 @pytest.fixture(autouse=True)
 def strict():
     """Every test runs with fallbacks as errors, unless it asks otherwise."""
-    with configure(fallback="error"):
+    with configure(scaled_fallback="error"):
         yield
 
 
@@ -583,7 +583,7 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="other devices"):
         x + other
     with pytest.raises(ValueError, match="unknown setting"):
-        with configure(fallbak="error"):
+        with configure(scaled_fallbak="error"):
             pass
 
 
@@ -591,7 +591,7 @@ def test_fallback_warns_once_or_raises():
     x = as_scaled(X * 4, 0.25)
     with pytest.raises(NoRuleError, match="aten.frac"):
         torch.frac(x)
-    with configure(fallback="warn"), warnings.catch_warnings(record=True) as caught:
+    with configure(scaled_fallback="warn"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         a = torch.frac(x)
         b = torch.frac(x)

@@ -16,10 +16,10 @@ Four runs from the same initial weights and batches:
   fp16         plain float16: every gradient is 0, so nothing is learnt;
   scaled fp16  ScaledTensor with float16 data: SMALL lives in the gradients' scales,
                the data stays near 1, and the run follows fp32. Matmuls use unit
-               scaling (``configure(unit_scaling=True)``), so that the gradients' data
-               does not grow by sqrt(K) at each matmul going back: without it, the
-               float16 data of the LayerNorm weight gradients (sums over the tokens)
-               overflowed in trials;
+               scaling (``fewbit.configure(unit_scaling=True)``), so that the
+               gradients' data does not grow by sqrt(K) at each matmul going back:
+               without it, the float16 data of the LayerNorm weight gradients (sums
+               over the tokens) overflowed in trials;
   scaled e4m3  the same, with the weight matrices (embedding and output included) and
                the inputs of every Linear rounded to OCP E4M3 after a dynamic rescale
                (weights written back with stochastic rounding after each step), and the
@@ -37,11 +37,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..config import configure
 from ..scaled import (
     ScaledTensor,
     cast,
     cast_,
-    configure,
     dynamic_rescale_,
     dynamic_rescale_max,
     dynamic_rescale_max_grad,

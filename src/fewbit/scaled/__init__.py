@@ -28,12 +28,12 @@ from .casts import (
     scale_to_e8m0,
 )
 from .modules import scalify
-from .tensor import RULES, NoRuleError, ScaledTensor, Settings, as_scaled, configure, settings
+from .tensor import RULES, NoRuleError, ScaledTensor, as_scaled
 
 __all__ = [
-    "RULES", "NoRuleError", "ScaledTensor", "Settings", "as_scaled", "cast", "cast_", "configure",
-    "dynamic_rescale", "dynamic_rescale_", "dynamic_rescale_grad", "dynamic_rescale_l1",
-    "dynamic_rescale_l1_grad", "dynamic_rescale_l2", "dynamic_rescale_l2_grad", "dynamic_rescale_max",
-    "dynamic_rescale_max_grad", "dynamic_scale", "from_e8m0", "pow2_scale", "rebalance", "rebalance_",
-    "round_pow2", "scalify", "scale_to_e8m0", "settings",
+    "RULES", "NoRuleError", "ScaledTensor", "as_scaled", "cast", "cast_", "dynamic_rescale",
+    "dynamic_rescale_", "dynamic_rescale_grad", "dynamic_rescale_l1", "dynamic_rescale_l1_grad",
+    "dynamic_rescale_l2", "dynamic_rescale_l2_grad", "dynamic_rescale_max", "dynamic_rescale_max_grad",
+    "dynamic_scale", "from_e8m0", "pow2_scale", "rebalance", "rebalance_", "round_pow2", "scalify",
+    "scale_to_e8m0",
 ]

@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from ..config import current
 from .ops import at_scale
 from .tensor import (
     aten,
@@ -22,7 +23,6 @@ from .tensor import (
     rule,
     scalar_scale,
     sdiv,
-    settings,
     smul,
     times,
     value,
@@ -33,7 +33,7 @@ from .tensor import (
 def _unit(data: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
     # Unit scaling: divide the data by a power of two near sqrt(k) (exact) and put it
     # in the scale, so that a sum of k unit terms stays near 1.
-    if not settings.unit_scaling or k <= 1:
+    if not current().unit_scaling or k <= 1:
         return data, 1.0
     f = 2.0 ** round(0.5 * math.log2(k))
     return data * (1.0 / f), f
@@ -48,7 +48,7 @@ def _to(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 @rule(aten.mm, aten.bmm)
 def _mm(func, a, b):
     """mm, bmm (and matmul, linear, which decompose into them): scale sa sb (times the
-    unit-scaling factor when settings.unit_scaling)."""
+    unit-scaling factor when fewbit's setting unit_scaling is on)."""
     da, sa = parts(scalar_scale(a))
     db, sb = parts(scalar_scale(b))
     out, f = _unit(func(da, db), da.shape[-1])

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
+
+from ..config import current
 
 aten = torch.ops.aten
 
@@ -38,43 +38,9 @@ TINY = torch.finfo(torch.float32).tiny
 REDUCED = (torch.float16, torch.bfloat16)
 
 
-@dataclass
-class Settings:
-    """Process-wide behaviour of ScaledTensor (read when an op runs or is traced).
-
-    Attributes:
-        fallback: ``"warn"`` (once per op) or ``"error"`` when an op has no rule.
-        unit_scaling: matmuls and convolutions divide their output data by a static
-            power of two near sqrt(K), K the contraction length, and multiply the
-            scale by it (unit scaling); off, the output scale is the plain product.
-    """
-
-    fallback: Literal["warn", "error"] = "warn"
-    unit_scaling: bool = False
-
-
-settings = Settings()
-
-
-@contextmanager
-def configure(**changes: Any) -> Iterator[Settings]:
-    """Change :data:`settings` inside a ``with`` block, e.g. ``configure(fallback="error")``."""
-    names = {f.name for f in fields(Settings)}
-    unknown = set(changes) - names
-    if unknown:
-        raise ValueError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(names)}")
-    old = {k: getattr(settings, k) for k in changes}
-    for k, v in changes.items():
-        setattr(settings, k, v)
-    try:
-        yield settings
-    finally:
-        for k, v in old.items():
-            setattr(settings, k, v)
-
-
 class NoRuleError(NotImplementedError):
-    """An op without a rule met a ScaledTensor while ``settings.fallback == "error"``."""
+    """An op without a rule met a ScaledTensor while fewbit's setting ``scaled_fallback``
+    is ``"error"`` (``with fewbit.configure(scaled_fallback="error"): ...``)."""
 
 
 class ScaledTensor(torch.Tensor):
@@ -370,7 +336,7 @@ _warned: set[str] = set()
 
 def _fallback(func, args: tuple, kwargs: dict):
     name = str(func)
-    if settings.fallback == "error":
+    if current().scaled_fallback == "error":
         raise NoRuleError(f"fewbit.scaled: no rule for {name}")
     if name not in _warned:
         _warned.add(name)
