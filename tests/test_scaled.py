@@ -17,6 +17,7 @@ from fewbit.cli import main as cli_main
 from fewbit.config import configure
 from fewbit.experiments import scaled_demo
 from fewbit.scaled import (
+    RULES,
     NoRuleError,
     ScaledTensor,
     as_scaled,
@@ -35,6 +36,7 @@ from fewbit.scaled import (
     scale_to_e8m0,
     scalify,
 )
+from fewbit.scaled.tensor import rule
 
 F64 = torch.float64
 
@@ -585,6 +587,12 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="unknown setting"):
         with configure(scaled_fallbak="error"):
             pass
+
+
+def test_a_second_rule_for_an_op_is_refused():
+    with pytest.raises(ValueError, match=r"aten\.neg already has a rule \(_keep\)"):
+        rule(torch.ops.aten.frac, torch.ops.aten.neg)(lambda func, x: x)
+    assert torch.ops.aten.frac not in RULES  # refused as a whole: frac has no rule either
 
 
 def test_fallback_warns_once_or_raises():

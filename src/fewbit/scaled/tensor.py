@@ -240,11 +240,18 @@ _UNSEEN = object()
 
 
 def rule(*ops: Any) -> Callable[[Callable], Callable]:
-    """Register the decorated function as the rule of each op (overload or packet)."""
+    """Register the decorated function as the rule of each op (overload or packet).
+
+    An op that already has a rule raises ValueError, and none of ``ops`` is registered:
+    a second rule would silently replace the first, in whichever order modules import.
+    """
 
     def register(fn: Callable) -> Callable:
-        for op in ops:
-            RULES[op] = fn
+        taken = [op for op in ops if op in RULES]
+        if taken:
+            raise ValueError("fewbit.scaled: " + "; ".join(
+                f"{op} already has a rule ({RULES[op].__qualname__})" for op in taken))
+        RULES.update(dict.fromkeys(ops, fn))
         return fn
 
     return register
