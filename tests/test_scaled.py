@@ -435,6 +435,89 @@ def test_compile_fullgraph_matches_eager():
         close(p.grad, g, 1e-6)
 
 
+# --- dequantize under autograd -------------------------------------------------------
+
+@pytest.mark.parametrize("form", list(SCALE_FORMS))
+def test_dequantize_is_differentiable(form):
+    """t.dequantize().sum() has gradient 1: a ScaledTensor of t's dtype whose
+    power-of-two scale holds the largest |gradient| (here 1)."""
+    t = as_scaled(X, SCALE_FORMS[form](0.375)).requires_grad_()
+    v = t.dequantize()
+    assert type(v) is torch.Tensor and v.grad_fn is not None
+    v.sum().backward()
+    assert isinstance(t.grad, ScaledTensor) and t.grad.dtype == F64
+    assert scale_of(t.grad) == 1.0 and torch.equal(t.grad.dequantize(), torch.ones_like(X))
+
+
+def test_dequantize_to_float32_keeps_gradients_that_float16_loses():
+    """dequantize(torch.float32) of float16 data: a gradient near 2^-30 rounds to 0 in
+    a float16 tensor, but t.grad holds it in its scale, with float16's precision."""
+    w = torch.randn(4, 6, generator=torch.Generator().manual_seed(4)) * 2.0**-30
+    t = as_scaled(X.half(), 0.25).requires_grad_()
+    v = t.dequantize(torch.float32)
+    assert v.dtype == torch.float32 and torch.equal(v, X.half().float() * 0.25)
+    (v * w).sum().backward()
+    plain = v.detach().half().requires_grad_()
+    (plain.float() * w).sum().backward()
+    assert not plain.grad.any()
+    assert isinstance(t.grad, ScaledTensor) and t.grad.dtype == torch.float16
+    err = (t.grad.dequantize(torch.float32) - w).abs().max()
+    assert err <= 2.0**-11 * w.abs().max()  # one float16 rounding of data near 1
+
+
+def test_dequantize_passes_a_scaled_gradient_back():
+    """The gradient reaching dequantize's output may itself be a ScaledTensor (the
+    plain value met a scaled operand): its value goes back, rebalanced exactly."""
+    t = as_scaled(X, 0.5).requires_grad_()
+    (t.dequantize() * as_scaled(Y * 2.0**20, 2.0**-20)).sum().backward()
+    assert torch.equal(t.grad.dequantize(), Y)
+
+
+@pytest.mark.parametrize("scale", [0.125, torch.tensor(0.125), torch.tensor(0.375)],
+                         ids=["static", "tensor", "float32"])
+def test_loss_on_dequantized_output_gives_the_plain_gradients(scale):
+    """A loss on out.dequantize() of a scalify'd float32 MLP: the parameters' gradients
+    are the plain model's, bit for bit with power-of-two scales (every product and ratio
+    of scales is exact), else to float32's rounding of ratios of scales."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3))
+    scaled = scalify(copy.deepcopy(plain))
+    x = as_scaled(X.float() / float(scale), scale)
+    target = torch.randn(4, 3)
+    F.mse_loss(scaled(x).dequantize(), target).backward()
+    F.mse_loss(plain(x.dequantize()), target).backward()
+    for p, q in zip(scaled.parameters(), plain.parameters(), strict=True):
+        assert isinstance(p.grad, ScaledTensor) and p.grad.dtype == torch.float32
+        if float(scale) == 0.125:
+            assert torch.equal(p.grad.dequantize(), q.grad)
+        else:
+            close(p.grad, q.grad, 5e-7)
+    w = scaled[0].weight
+    w.grad = None
+    w.dequantize().sum().backward()
+    assert torch.equal(w.grad.dequantize(), torch.ones(8, 6))
+
+
+def test_compiled_loss_on_dequantized_output_matches_eager():
+    """dequantize traces without a graph break, and the traced backward gives eager's
+    gradients (aot_eager: inductor's code generation would only add compile time)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = scalify(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)))
+    x = as_scaled(torch.randn(6, 8), torch.tensor(0.5))
+
+    def loss(x):
+        return model(x).dequantize().square().mean()
+
+    loss(x).backward()
+    grads = [p.grad.dequantize() for p in model.parameters()]
+    model.zero_grad()
+    torch.compile(loss, backend="aot_eager", fullgraph=True)(x).backward()
+    for p, g in zip(model.parameters(), grads, strict=True):
+        assert isinstance(p.grad, ScaledTensor)
+        assert torch.equal(p.grad.dequantize(), g)
+
+
 # --- casts and rescaling ---------------------------------------------------------------
 
 def test_cast_rounds_data_keeps_scale_and_passes_gradients():

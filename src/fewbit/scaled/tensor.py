@@ -95,9 +95,17 @@ class ScaledTensor(torch.Tensor):
         return self._static
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The value ``data * scale`` as a plain tensor of ``dtype`` (default data's),
-        computed in float32 or wider and rounded once."""
-        return value(self, dtype or self._data.dtype)
+        """The value ``data * scale`` as a new plain tensor of ``dtype`` (default data's),
+        computed in float32 or wider and rounded once.
+
+        Differentiable: the gradient that comes back to this tensor has the value of the
+        gradient of the plain result, as a ScaledTensor (as the gradients of the rules'
+        ops are) of the data's dtype, with the power-of-two scale that
+        ``dynamic_rescale_max(g, pow2=True)`` picks: its largest |data| is about 1, so
+        float16 or bfloat16 data holds a gradient that would underflow or overflow there
+        at scale 1.
+        """
+        return _Dequantize.apply(self, dtype or self._data.dtype)
 
     def __repr__(self) -> str:
         s = self._static if self._scale is None else self._scale
@@ -139,6 +147,23 @@ class ScaledTensor(torch.Tensor):
         if rule is None:
             return _fallback(func, args, kwargs)
         return rule(func, *args, **kwargs)
+
+
+class _Dequantize(torch.autograd.Function):
+    # ScaledTensor.dequantize as autograd sees it (the gradient's form: its docstring).
+    @staticmethod
+    def forward(ctx, t: ScaledTensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.dtype = t.dtype
+        v = value(t, dtype)
+        # Autograd writes the output's history on the tensor object itself: a scale-1
+        # value in the data's dtype is the stored data, which must not take it.
+        return v.clone() if v is t._data else v
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[ScaledTensor, None]:
+        from .casts import dynamic_rescale_max  # casts builds on this module
+
+        return dynamic_rescale_max(g, pow2=True).to(ctx.dtype), None
 
 
 # --- checks ------------------------------------------------------------------------
@@ -484,8 +509,9 @@ def value(x: Any, dtype: torch.dtype | None = None) -> Any:
 
 
 def dequantize_any(x: Any) -> Any:
-    """x's value in x's dtype when x is a ScaledTensor; anything else unchanged."""
-    return x.dequantize() if isinstance(x, ScaledTensor) else x
+    """x's value in x's dtype when x is a ScaledTensor; anything else unchanged. For rules,
+    which run below autograd: not recorded, and scale 1 gives the data itself."""
+    return value(x, x.dtype) if isinstance(x, ScaledTensor) else x
 
 
 def scalar_scale(x: Any) -> Any:
