@@ -535,6 +535,19 @@ def test_cast_rounds_data_keeps_scale_and_passes_gradients():
     assert torch.equal(p.unscaled, fewbit.round(torch.tensor([0.3, -1.7]), "binary8p4"))
 
 
+@pytest.mark.parametrize("mode,kw", [("rne", {}), ("sr", dict(seed=0))], ids=["rne", "sr"])
+@pytest.mark.parametrize("scale", [0.125, torch.tensor(0.125)], ids=["static", "tensor"])
+def test_cast_gradient_is_straight_through(mode, kw, scale):
+    """cast rounds the data, and the gradient of its value is the identity: ones for
+    cast(...).dequantize().sum()."""
+    t = as_scaled(torch.randn(64, generator=torch.Generator().manual_seed(5)) * 30, scale).requires_grad_()
+    y = cast(t, "ocp_e4m3", mode, **kw)
+    assert torch.equal(y.unscaled, fewbit.round(t.unscaled.detach(), "ocp_e4m3", mode, **kw))
+    assert not torch.equal(y.unscaled, t.unscaled)
+    y.dequantize().sum().backward()
+    assert torch.equal(t.grad.dequantize(), torch.ones(64))
+
+
 def test_rebalance_and_dynamic_rescaling_keep_the_value():
     x = as_scaled(torch.randn(32, dtype=F64) * 1e-3, 3.0)
     r = rebalance(x, 0.25)
