@@ -22,7 +22,7 @@ from .formats import FloatFormat, format
 from .random import Key, as_key, fold_in
 from .rounding import RoundMode
 from .rounding import round as fewbit_round
-from .rounding.modes import FEW_BIT_TIE, parse_mode
+from .rounding.modes import MODES, parse_mode
 from .rounding.reference import probability_away, round_away
 
 __all__ = ["FIGURES", "bias_at", "closed_form", "exact", "excess_bits", "figure", "measure"]
@@ -32,17 +32,18 @@ _ENUMERATE_UP_TO = 1 << 12  # grid points per period summed one by one
 
 def _check(mode: RoundMode | str, bits: int | None, excess: int | None) -> tuple[RoundMode, int | None]:
     mode = parse_mode(mode)
-    if mode in (RoundMode.SR_NEAR_ZERO, RoundMode.SR_FRACTION):
+    info = MODES[mode]
+    if info.composite:
         raise ValueError(f"the bias of {mode.value!r} depends on where x lies, not only on d: "
                          "use fewbit.bias.measure")
     if excess is not None and (isinstance(excess, bool) or not isinstance(excess, int) or excess < 0):
         raise ValueError(f"excess must be an int >= 0 or None, got {excess!r}")
-    if mode is RoundMode.SR:
+    if info.bits == "natural":
         if bits is not None:
-            raise ValueError("mode 'sr' takes its N from the excess bits: N = min(D, 32)")
-        if excess is not None:  # sr is SRC with N = min(D, 32)
-            return RoundMode.SRC, min(max(excess, 1), 32)
-    elif mode in FEW_BIT_TIE:
+            raise ValueError(f"mode {mode.value!r} takes its N from the excess bits: N = min(D, 32)")
+        if excess is not None:
+            return mode, min(max(excess, 1), 32)
+    elif info.stochastic:
         if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 32:
             raise ValueError(f"mode {mode.value!r} needs bits=N in 1..32, got {bits!r}")
     elif bits is not None:
@@ -57,8 +58,12 @@ def bias_at(mode: RoundMode | str, bits: int | None, d: Fraction) -> Fraction:
     d = Fraction(d)
     if not 0 <= d < 1:
         raise ValueError(f"d must lie in [0, 1), got {d}")
-    if mode is RoundMode.SR and bits is None:
-        return Fraction(0)  # ideal SR: P(away) = d
+    return _bias_at(mode, bits, d)
+
+
+def _bias_at(mode: RoundMode, bits: int | None, d: Fraction) -> Fraction:
+    if bits is None and mode.is_stochastic:
+        return Fraction(0)  # ideal SR (N = D of infinite precision): P(away) = d
     if not mode.is_stochastic:
         p = sum(Fraction(int(round_away(mode, d, odd=odd))) for odd in (False, True)) / 2
     else:
@@ -83,29 +88,29 @@ def _period(mode: RoundMode, bits: int | None) -> tuple[Fraction, list[Fraction]
 def exact(mode: RoundMode | str, bits: int | None = None, excess: int | None = None) -> Fraction:
     """Exact mean bias in ulps (see the module docstring)."""
     mode, bits = _check(mode, bits, excess)
-    if mode is RoundMode.SR and bits is None:
+    if mode.is_stochastic and bits is None:
         return Fraction(0)
     period, jumps = _period(mode, bits)
     bounds = jumps + [period]
     if excess is None:
         # Constant on each open piece between jumps: value at the midpoint times width.
-        total = sum((bias_at(mode, bits, (a + b) / 2) * (b - a) for a, b in zip(bounds, bounds[1:],
+        total = sum((_bias_at(mode, bits, (a + b) / 2) * (b - a) for a, b in zip(bounds, bounds[1:],
                                                                                    strict=False)),
                     Fraction(0))
         return total / period
     h = Fraction(1, 1 << excess)
     if period <= h:  # every grid point sits at the start of a period
-        return bias_at(mode, bits, Fraction(0))
+        return _bias_at(mode, bits, Fraction(0))
     points = period / h
     if points <= _ENUMERATE_UP_TO:
-        return sum((bias_at(mode, bits, j * h) for j in range(int(points))), Fraction(0)) / points
+        return sum((_bias_at(mode, bits, j * h) for j in range(int(points))), Fraction(0)) / points
     # Many grid points: each jump point on its own, then each open piece as a group
     # (constant P, and an arithmetic series of d).
     total = Fraction(0)
     for a, b in zip(bounds, bounds[1:], strict=False):
-        total += bias_at(mode, bits, a)
+        total += _bias_at(mode, bits, a)
         inside = (b - a) / h - 1  # grid points strictly between a and b (both on the grid)
-        p_inside = bias_at(mode, bits, (a + b) / 2) + (a + b) / 2
+        p_inside = _bias_at(mode, bits, (a + b) / 2) + (a + b) / 2
         total += inside * p_inside - inside * (a + b) / 2
     return total / points
 

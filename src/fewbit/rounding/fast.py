@@ -22,7 +22,7 @@ import struct
 import torch
 
 from .checks import RoundSpec
-from .modes import FEW_BIT_TIE, RoundMode
+from .modes import MODES, RoundMode
 
 __all__ = ["decompose", "round_fast", "working_dtype"]
 
@@ -214,15 +214,15 @@ def _away(mode, spec: RoundSpec, r, rem, one, D, e_t, negative, random_bits, max
     if mode is RoundMode.RTO:
         return (rem != 0) & ~odd
 
+    info = MODES[mode]
     n = random_bits
-    if mode is RoundMode.SR_FRACTION:
+    if "select" in info.streams:  # the selection bits lie above the N rounding bits
         select = n >> spec.bits
         n = n & ((1 << spec.bits) - 1)
-    tie = FEW_BIT_TIE.get(mode, "even")  # sr and the stagnation modes use SRC
-    stochastic = _few_bit_away(rem, D, n, spec.bits, tie, max_shift)
-    if mode is RoundMode.SR_NEAR_ZERO:
+    stochastic = _few_bit_away(rem, D, n, spec.bits, info.tie, max_shift)
+    if info.where == "near_zero":
         rne = nearest_even()
         return torch.where((r == 0) & ~rne, stochastic, rne)
-    if mode is RoundMode.SR_FRACTION:
+    if info.where == "selected":
         return torch.where(select < spec.select_below, stochastic, nearest_even())
     return stochastic

@@ -31,13 +31,12 @@ from __future__ import annotations
 import torch
 
 from .checks import RoundSpec
-from .modes import RoundMode
+from .modes import MODES, RoundMode
 
 __all__ = ["magic_applies", "round_magic"]
 
 _EXPONENT = 0x7F800000  # exponent field of a float32 bit pattern
 _SIGN = -0x80000000  # sign bit of a float32 bit pattern, as an int32
-_SR_MODES = (RoundMode.SRC, RoundMode.SR)  # SR is SRC with N = D
 
 
 def _fraction_bits(spec: RoundSpec) -> int:
@@ -48,7 +47,9 @@ def _fraction_bits(spec: RoundSpec) -> int:
 def magic_applies(spec: RoundSpec, dtype: torch.dtype) -> bool:
     """Whether :func:`round_magic` takes this call (else ``fast.round_fast``)."""
     fmt = spec.fmt
-    if dtype != torch.float32 or not (spec.mode is RoundMode.RNE or spec.mode in _SR_MODES):
+    info = MODES[spec.mode]
+    src_everywhere = info.tie == "even" and not info.composite  # src, and sr (src with N = D)
+    if dtype != torch.float32 or not (spec.mode is RoundMode.RNE or src_everywhere):
         return False
     # Unsigned formats map negatives to NaN; P = 1 breaks ties on the exponent's
     # parity; without subnormals there is no zero; two's complement has its own -max.
@@ -93,8 +94,10 @@ def round_magic(
     out.sub_(c, alpha=scale)
     if fmt.has_nz:  # the subtraction gave +0 where the result is -0
         _take_sign(out, x)
-    if torch.compiler.is_compiling() or not _within_range(x, fmt.max):
-        _beyond_range(x, spec, out)  # costs little fused, a pass or two eager
+    # Fused, the range fix costs little; eager it is two passes, which a CPU skips when
+    # one reduction finds every value in range (on a GPU that read-back would wait).
+    if torch.compiler.is_compiling() or x.device.type != "cpu" or not _within_range(x, fmt.max):
+        _beyond_range(x, spec, out)
     return out
 
 

@@ -1,4 +1,4 @@
-"""Rounding modes and the arguments each one takes.
+"""Rounding modes: the one table every layer reads.
 
 Every mode decides, for a magnitude ``|x| = (floor(s) + d) * ulp`` with fraction
 ``d`` in ``[0, 1)``, whether to round away from zero. The few-bit stochastic modes
@@ -14,60 +14,124 @@ SRF        nearest, ties up            ``d + (n + 1/2) 2^-N >= 1``
 SRC        nearest, ties to even       ``RNE(d 2^N) + n >= 2^N``
 SRC_ODD    nearest, ties to odd        ``RNO(d 2^N) + n >= 2^N``
 =========  ==========================  =====================================
+
+:data:`MODES` gives each mode's :class:`ModeInfo`: whether it is stochastic, its tie
+rule, where it rounds stochastically (everywhere, or only where seed 002's stagnation
+fixes apply), the random streams it reads and how its ``N`` is chosen. The reference
+(``reference``), the kernel (``fast``), the argument checks, ``fewbit.bias`` and the
+command line read it; adding a mode is an entry here plus its predicate in
+``reference.round_away`` and ``fast._away``.
 """
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
+from typing import Literal
 
 from ..formats import FloatFormat
 
-__all__ = ["RoundMode", "SELECT_BITS", "natural_sr_bits"]
+__all__ = ["MODES", "ModeInfo", "RoundMode", "SELECT_BITS", "natural_sr_bits", "parse_mode"]
 
 
 class RoundMode(enum.StrEnum):
     """Rounding modes; each also accepted as its lower-case string."""
 
-    RNE = "rne"  #: to nearest, ties to even
-    RNA = "rna"  #: to nearest, ties away from zero
-    RTZ = "rtz"  #: toward zero
-    RUP = "rup"  #: toward +inf
-    RDN = "rdn"  #: toward -inf
-    RTO = "rto"  #: round to odd: truncate, then set the last bit if inexact
-    SR = "sr"  #: classical SR: P(away) is the discarded fraction (SRC with N = D)
-    SRFF = "srff"  #: few-bit SR, fraction truncated to N bits
-    SRF = "srf"  #: few-bit SR, fraction to N bits ties up
-    SRC = "src"  #: few-bit SR, fraction to N bits ties to even
-    SRC_ODD = "src_odd"  #: few-bit SR, fraction to N bits ties to odd
-    SR_NEAR_ZERO = "sr_near_zero"  #: SR where RNE would give zero, RNE elsewhere
-    SR_FRACTION = "sr_fraction"  #: SR on a random fraction p of elements, RNE elsewhere
+    RNE = "rne"
+    RNA = "rna"
+    RTZ = "rtz"
+    RUP = "rup"
+    RDN = "rdn"
+    RTO = "rto"
+    SR = "sr"
+    SRFF = "srff"
+    SRF = "srf"
+    SRC = "src"
+    SRC_ODD = "src_odd"
+    SR_NEAR_ZERO = "sr_near_zero"
+    SR_FRACTION = "sr_fraction"
+
+    @property
+    def info(self) -> ModeInfo:
+        return MODES[self]
 
     @property
     def is_stochastic(self) -> bool:
-        return self not in _DETERMINISTIC
+        return MODES[self].stochastic
 
     @property
     def takes_bits(self) -> bool:
         """Whether ``bits`` may be chosen (``sr`` derives it from the formats)."""
-        return self.is_stochastic and self is not RoundMode.SR
+        return MODES[self].bits in ("required", "optional")
 
-
-_DETERMINISTIC = frozenset(
-    {RoundMode.RNE, RoundMode.RNA, RoundMode.RTZ, RoundMode.RUP, RoundMode.RDN, RoundMode.RTO}
-)
-
-#: Tie rule used when the fraction is rounded to N bits, per few-bit SR mode.
-FEW_BIT_TIE = {
-    RoundMode.SRFF: "truncate",
-    RoundMode.SRF: "up",
-    RoundMode.SRC: "even",
-    RoundMode.SRC_ODD: "odd",
-}
 
 #: ``sr_fraction`` takes ``SELECT_BITS`` extra random bits per element above the N
 #: rounding bits: the element is rounded stochastically iff those bits, read as an
 #: integer, are below ``round(p * 2^SELECT_BITS)``.
 SELECT_BITS = 16
+
+
+@dataclass(frozen=True)
+class ModeInfo:
+    """One row of the mode table.
+
+    Attributes:
+        summary: when the mode rounds away, in words.
+        stochastic: reads random bits.
+        tie: how the fraction ``d`` is rounded to N bits before ``n`` is added
+            (``"truncate"``, ``"up"``, ``"even"``, ``"odd"``); None for deterministic modes.
+        where: where the stochastic rounding applies: ``"everywhere"``, ``"near_zero"``
+            (where RNE would give 0; RNE elsewhere) or ``"selected"`` (on elements whose
+            selection bits fall below ``round(p 2^SELECT_BITS)``; RNE elsewhere).
+        streams: the random streams read per element: ``"bits"`` (N rounding bits) and
+            ``"select"`` (SELECT_BITS selection bits, from the key ``fold_in(key, SELECT_KEY)``).
+        bits: how N is given: ``"none"`` (deterministic), ``"required"``, ``"optional"``
+            (default: the natural ``N = min(D, 32)``), ``"natural"`` (always that N).
+    """
+
+    summary: str
+    stochastic: bool = False
+    tie: Literal["truncate", "up", "even", "odd"] | None = None
+    where: Literal["everywhere", "near_zero", "selected"] = "everywhere"
+    streams: tuple[str, ...] = ()
+    bits: Literal["none", "required", "optional", "natural"] = "none"
+
+    @property
+    def composite(self) -> bool:
+        """SR in some places and RNE in others: its bias depends on where x lies."""
+        return self.where != "everywhere"
+
+
+def _few_bit(summary: str, tie: str, **kw) -> ModeInfo:
+    kw.setdefault("bits", "required")
+    return ModeInfo(summary, stochastic=True, tie=tie, streams=kw.pop("streams", ("bits",)), **kw)
+
+
+#: The table of modes.
+MODES: dict[RoundMode, ModeInfo] = {
+    RoundMode.RNE: ModeInfo("d > 1/2, or d = 1/2 and floor(s) odd"),
+    RoundMode.RNA: ModeInfo("d >= 1/2"),
+    RoundMode.RTZ: ModeInfo("never"),
+    RoundMode.RUP: ModeInfo("d > 0 and x positive"),
+    RoundMode.RDN: ModeInfo("d > 0 and x negative"),
+    RoundMode.RTO: ModeInfo("d > 0 and floor(s) even (round to odd)"),
+    RoundMode.SR: _few_bit("classical SR, probability d: src with N = min(D, 32)", "even", bits="natural"),
+    RoundMode.SRFF: _few_bit("floor(d 2^N) + n >= 2^N", "truncate"),
+    RoundMode.SRF: _few_bit("(d 2^N rounded ties up) + n >= 2^N", "up"),
+    RoundMode.SRC: _few_bit("RNE(d 2^N) + n >= 2^N", "even"),
+    RoundMode.SRC_ODD: _few_bit("RNO(d 2^N) + n >= 2^N", "odd"),
+    RoundMode.SR_NEAR_ZERO: _few_bit("src where RNE would give 0, RNE elsewhere", "even",
+                                     where="near_zero", bits="optional"),
+    RoundMode.SR_FRACTION: _few_bit("src on a random fraction p of elements, RNE on the rest", "even",
+                                    where="selected", bits="optional", streams=("bits", "select")),
+}
+assert set(MODES) == set(RoundMode), "every mode needs a row"
+
+#: The modes whose few-bit rounding of d is the whole predicate (no RNE part).
+FEW_BIT_MODES = tuple(m for m, info in MODES.items() if info.stochastic and not info.composite)
+
+#: The value folded into a key to give ``sr_fraction``'s selection stream.
+SELECT_KEY = 0x5E1EC7
 
 
 def natural_sr_bits(source: FloatFormat, target: FloatFormat) -> int:

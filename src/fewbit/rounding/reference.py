@@ -21,7 +21,7 @@ import torch
 
 from ..formats import FloatFormat
 from .checks import RoundSpec, check_random_bits, check_round_args
-from .modes import FEW_BIT_TIE, RoundMode
+from .modes import MODES, RoundMode
 
 __all__ = ["fraction_to_bits", "probability_away", "round_away", "round_reference"]
 
@@ -52,8 +52,9 @@ def round_away(
     """The predicate ``R(d)``: round the magnitude away from zero?
 
     ``odd``: the truncated result's last code bit is 1. ``n``: the N-bit random
-    integer of the stochastic modes. ``sr`` is SRC with its N; the stagnation modes
-    are compositions and are decided in :func:`_round_magnitude`.
+    integer of the stochastic modes, whose tie rule comes from the mode table; for the
+    stagnation modes this is their SR part (where it applies is decided in
+    :func:`_round_magnitude`).
     """
     if mode is RoundMode.RNE:
         return d > Fraction(1, 2) or (d == Fraction(1, 2) and odd)
@@ -67,16 +68,13 @@ def round_away(
         return d > 0 and negative
     if mode is RoundMode.RTO:
         return d > 0 and not odd
-    if mode is RoundMode.SR:
-        mode = RoundMode.SRC
-    return fraction_to_bits(d, bits, FEW_BIT_TIE[mode]) + n >= (1 << bits)
+    return fraction_to_bits(d, bits, MODES[mode].tie) + n >= (1 << bits)
 
 
 def probability_away(mode: RoundMode, d: Fraction, bits: int) -> Fraction:
     """Exact probability that a few-bit SR mode rounds a fraction ``d`` away, over
     uniformly random N-bit ``n``: the count of ``n`` with ``d_N + n >= 2^N``, / 2^N."""
-    mode = RoundMode.SRC if mode is RoundMode.SR else mode
-    return Fraction(fraction_to_bits(d, bits, FEW_BIT_TIE[mode]), 1 << bits)
+    return Fraction(fraction_to_bits(d, bits, MODES[mode].tie), 1 << bits)
 
 
 def _floor_log2(a: Fraction) -> int:
@@ -100,13 +98,14 @@ def _round_magnitude(a: Fraction, spec: RoundSpec, negative: bool, n: int | None
     def away(m: RoundMode, rand: int | None = None) -> bool:
         return round_away(m, d, odd=odd, negative=negative, n=rand, bits=spec.bits)
 
-    if mode is RoundMode.SR_NEAR_ZERO:
-        rne_gives_zero = floor_s == 0 and not away(RoundMode.RNE)
-        up = away(RoundMode.SRC, n) if rne_gives_zero else away(RoundMode.RNE)
-    elif mode is RoundMode.SR_FRACTION:
+    info = MODES[mode]
+    if "select" in info.streams:  # the selection bits lie above the N rounding bits
         select, n = n >> spec.bits, n & ((1 << spec.bits) - 1)
-        use_sr = select < spec.select_below
-        up = away(RoundMode.SRC, n) if use_sr else away(RoundMode.RNE)
+    if info.where == "near_zero":
+        rne_gives_zero = floor_s == 0 and not away(RoundMode.RNE)
+        up = away(mode, n) if rne_gives_zero else away(RoundMode.RNE)
+    elif info.where == "selected":
+        up = away(mode, n) if select < spec.select_below else away(RoundMode.RNE)
     else:
         up = away(mode, n)
     return (floor_s + up) * ulp

@@ -1,0 +1,184 @@
+"""``fewbit::round`` and ``fewbit::round_into``: rounding as ``torch.library`` operators.
+
+A user's ``torch.compile``, ``torch.export`` and autograd see one opaque op per call,
+with a fake implementation giving the output's shape and dtype; behind it run
+fewbit's own kernels (``compiled`` where the config allows, else eager in chunks).
+The format and mode travel as names, the random key as an int64 tensor ``(k0, k1)``
+(``fewbit.random.key_of``), so a new seed or step is new data, not a new graph.
+
+Gradient: straight-through. ``d round(x) / dx`` is taken as the identity, as
+``torch.fake_quantize_per_tensor_affine`` and quantisation-aware training do inside
+the range. Rounding to a float format changes a value by at most half an ulp
+(relative error below ``2^-P``) and SR is unbiased, so the identity is the expected
+derivative; a zero gradient would stop every weight that training must move by less
+than an ulp. Overflow is not special-cased: float formats saturate rarely, and a zero
+gradient there would pin a value at the format's maximum.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import current
+from ..formats import FloatFormat, format
+from ..random import Key
+from .checks import RoundSpec, check_random_bits, make_spec
+from .compiled import compiled_round, range_bits, round_body, stream_keys, use_compiled
+from .fast import working_dtype
+from .modes import parse_mode
+
+__all__ = ["format_name", "lookup_format", "spec_of"]
+
+#: Formats made by hand (not in the registry) that went through an op, by name.
+_UNREGISTERED: dict[str, FloatFormat] = {}
+
+
+def format_name(fmt: FloatFormat | str) -> str:
+    """The name an op takes for ``fmt``. A FloatFormat outside the registry is kept
+    here under its name (two different formats of one name are refused)."""
+    if isinstance(fmt, str):
+        return fmt
+    if not isinstance(fmt, FloatFormat):
+        raise TypeError(f"a format is a name or a FloatFormat, not {type(fmt).__name__}")
+    if torch.compiler.is_compiling():  # the registry is read by the op, not traced
+        return fmt.name
+    try:
+        known = format(fmt.name)
+    except ValueError:
+        known = _UNREGISTERED.setdefault(fmt.name, fmt)
+    if known != fmt:
+        raise ValueError(f"two formats are named {fmt.name!r}: rename the one made by hand")
+    return fmt.name
+
+
+def lookup_format(name: str) -> FloatFormat:
+    """The format an op names (the registry, or one made by hand that went through
+    :func:`format_name`)."""
+    return _UNREGISTERED.get(name) or format(name)
+
+
+def spec_of(
+    x: torch.Tensor, fmt: str, mode: str, sat: bool, bits: int | None, fraction: float | None
+) -> RoundSpec:
+    """The validated spec of an op call (cached by its arguments)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, not {type(x).__name__}")
+    return make_spec(x.dtype, lookup_format(fmt), parse_mode(mode), sat, bits, fraction)
+
+
+def _check_key(spec: RoundSpec, x: torch.Tensor, key: torch.Tensor | None, random_bits) -> None:
+    if key is None:
+        return
+    if random_bits is not None:
+        raise ValueError("give either seed (fewbit draws the bits) or random_bits, not both")
+    if spec.bits is None:
+        raise ValueError(f"mode {spec.mode.value!r} is deterministic and takes no seed")
+    if key.dtype != torch.int64 or key.shape != (2,) or key.device != x.device:
+        raise ValueError(f"a key is an int64 tensor of shape (2,) on {x.device}; got {key.dtype} "
+                         f"{tuple(key.shape)} on {key.device} (fewbit.random.key_of makes one)")
+
+
+def _round_into(x, spec: RoundSpec, key, random_bits, out: torch.Tensor) -> None:
+    """Round x into out (x's shape and dtype). Nothing is written on an error."""
+    rand = check_random_bits(x, spec, random_bits) if key is None else None
+    work = x.to(working_dtype(x.dtype)).reshape(-1)
+    # The kernels write a flat tensor of the working dtype. out is that only when it is
+    # contiguous and of that dtype, and does not overlap x (an in-place call), and when a
+    # format without NaN leaves nothing to refuse after the rounding.
+    direct = (out.is_contiguous() and out.dtype == work.dtype and spec.fmt.has_nans
+              and not _overlaps(out, x))  # fmt: skip
+    result = out.view(-1) if direct else torch.empty_like(work)
+    flat_rand = None if rand is None else rand.reshape(-1)
+    if not (use_compiled(work.numel()) and compiled_round(work, spec, key, flat_rand, result)):
+        _in_chunks(work, spec, None if key is None else Key(*key.tolist()), flat_rand, result)
+    if not spec.fmt.has_nans:
+        _raise_on_invalid(work, result, spec)
+    if not direct:
+        out.copy_(result.view(x.shape))
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _in_chunks(flat: torch.Tensor, spec: RoundSpec, key: Key | None, rand, out: torch.Tensor) -> None:
+    """Eager rounding. On a CPU in chunks of ``config.eager_chunk`` elements: eager torch
+    makes one pass over the tensor per op, and chunks keep the intermediates in cache."""
+    n = flat.numel()
+    chunk = current().eager_chunk if flat.device.type == "cpu" else max(n, 1)
+    keys = None if key is None else stream_keys(spec, key)
+    for start in range(0, n, chunk):
+        part = flat[start : start + chunk]
+        if key is None:
+            bits = None if rand is None else rand[start : start + chunk]
+        else:
+            bits = range_bits(spec, keys, start, part.numel(), part.device)
+        round_body(part, spec, bits, out[start : start + chunk])
+
+
+def _raise_on_invalid(work: torch.Tensor, out: torch.Tensor, spec: RoundSpec) -> None:
+    # In a format without NaN, a NaN result marks an element with no valid value. This
+    # one reduction (a host sync on a GPU) is the only check of data after rounding.
+    if bool(torch.isnan(out).any()):
+        fmt = spec.fmt.name
+        if bool(torch.isnan(work).any()):
+            raise ValueError(f"{fmt} has no NaN to hold a NaN input")
+        raise ValueError(f"{fmt} has no Inf or NaN for a value beyond its range; use sat=True")
+
+
+def _fake_checks(x, fmt, mode, sat, bits, fraction, key, random_bits) -> None:
+    """What can be checked while tracing: everything but the values of random_bits."""
+    spec = spec_of(x, fmt, mode, sat, bits, fraction)
+    _check_key(spec, x, key, random_bits)
+    if key is None:
+        check_random_bits(x, spec, random_bits, values=False)
+
+
+@torch.library.custom_op("fewbit::round", mutates_args=())
+def round_op(
+    x: torch.Tensor, fmt: str, mode: str, sat: bool, bits: int | None, fraction: float | None,
+    key: torch.Tensor | None, random_bits: torch.Tensor | None,
+) -> torch.Tensor:
+    """``fewbit.round`` as an operator (see there)."""
+    spec = spec_of(x, fmt, mode, sat, bits, fraction)
+    _check_key(spec, x, key, random_bits)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _round_into(x, spec, key, random_bits, out)
+    return out
+
+
+@round_op.register_fake
+def _(x, fmt, mode, sat, bits, fraction, key, random_bits):
+    _fake_checks(x, fmt, mode, sat, bits, fraction, key, random_bits)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _straight_through(ctx, grad: torch.Tensor):
+    return grad, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("fewbit::round", _straight_through)
+
+
+@torch.library.custom_op("fewbit::round_into", mutates_args=("out",))
+def round_into_op(
+    x: torch.Tensor, fmt: str, mode: str, sat: bool, bits: int | None, fraction: float | None,
+    key: torch.Tensor | None, random_bits: torch.Tensor | None, out: torch.Tensor,
+) -> None:
+    """``fewbit.round(..., out=out)`` and ``fewbit.round_`` as an operator."""
+    spec = spec_of(x, fmt, mode, sat, bits, fraction)
+    _check_key(spec, x, key, random_bits)
+    _check_out(x, out)
+    _round_into(x, spec, key, random_bits, out)
+
+
+@round_into_op.register_fake
+def _(x, fmt, mode, sat, bits, fraction, key, random_bits, out):
+    _fake_checks(x, fmt, mode, sat, bits, fraction, key, random_bits)
+    _check_out(x, out)
+
+
+def _check_out(x: torch.Tensor, out: torch.Tensor) -> None:
+    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"out must match x: x is {x.dtype} {tuple(x.shape)} on {x.device}, "
+                         f"out is {out.dtype} {tuple(out.shape)} on {out.device}")
