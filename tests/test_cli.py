@@ -64,11 +64,15 @@ def test_bench_json_rows(capsys):
     code, out, _ = run(capsys, "bench", "--quick", "--log2-size", "12", "--repeat", "1", "--json")
     assert code == 0
     rows = json.loads(out[out.index("[") :])
+    per_call = [r for r in rows if "us_per_call" in r]
+    assert {r["mode"] for r in per_call} == {"copy_", "rne", "src"}
+    assert all(r["us_per_call"] > 0 for r in per_call)
+    rows = [r for r in rows if "us_per_call" not in r]
     f32 = {(r["mode"], r["bits"]): r for r in rows if r["input"] == "torch.float32"}
     assert set(f32) == {("rne", None), ("src", 3), ("sr", None), ("encode to uint8", None)}
     assert {r["input"] for r in rows} == {"torch.float32", "torch.bfloat16"}
     for r in rows:
-        assert r["melem_per_s"] > 0 and r["x_clone"] > 0
+        assert r["melem_per_s"] > 0 and r["x_copy"] > 0 and r["x_clone"] > 0
     # Beside fewbit: eager, a torch.randint-fed SR, and gfloat on the key rows.
-    assert {"eager_x_clone", "x_gfloat", "x_copy"} <= set(f32[("rne", None)])
-    assert {"eager_x_clone", "x_gfloat", "randint_fed_x_clone", "x_copy"} <= set(f32[("src", 3)])
+    assert {"eager_x_copy", "x_gfloat"} <= set(f32[("rne", None)])
+    assert {"eager_x_copy", "x_gfloat", "randint_fed_x_copy"} <= set(f32[("src", 3)])

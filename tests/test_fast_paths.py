@@ -17,7 +17,6 @@ import pytest
 import torch
 
 import fewbit
-import fewbit.rounding as rounding
 from conftest import assert_bitwise_equal, hexbits, stable_seed
 from fewbit.random import random_bits
 from fewbit.rounding import natural_sr_bits
@@ -108,11 +107,10 @@ def _first_difference(x, got, want, context: str) -> str:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_16_bit_inputs_through_round(monkeypatch, dtype):
-    # The whole call: blocks (small here, so several), the dtype round trip, bits
+@fewbit.configure(compile=False, eager_chunk=5000)
+def test_16_bit_inputs_through_round(dtype):
+    # The whole call: chunks (small here, so several), the dtype round trip, bits
     # given or drawn from a seed, errors.
-    monkeypatch.setenv("FEWBIT_EAGER", "1")
-    monkeypatch.setattr(rounding, "CPU_BLOCK", 5000)
     x = _bits16(dtype).to(dtype)
     given = torch.randint(0, 8, x.shape, generator=torch.Generator().manual_seed(3), dtype=torch.int64)
     for mode, kw, bits in [("rne", {}, None), ("src", {"random_bits": given}, given),

@@ -13,13 +13,15 @@ from fewbit.rounding.reference import probability_away
 
 
 @pytest.fixture
-def eager(monkeypatch):
-    monkeypatch.setenv("FEWBIT_EAGER", "1")
+def eager():
+    with fewbit.configure(compile=False):
+        yield
 
 
 @pytest.fixture
-def compiling(monkeypatch):
-    monkeypatch.delenv("FEWBIT_EAGER", raising=False)
+def compiling():
+    with fewbit.configure(compile=True):
+        yield
 
 
 def bits_of(t):
@@ -63,8 +65,8 @@ def test_same_seed_same_bits_new_seed_new_bits(eager):
     [(torch.float32, "binary8p4", "src", 3), (torch.float32, "e4m3", "sr_fraction", 3),
      (torch.bfloat16, "e2m1", "srff", 2), (torch.float32, "binary8p4", "rne", None)],
 )
-def test_compiled_kernel_equals_eager(compiling, monkeypatch, dtype, fmt, mode, bits):
-    x = (torch.randn(compiled.MIN_COMPILE_NUMEL * 3 + 17) * 4).to(dtype)
+def test_compiled_kernel_equals_eager(compiling, dtype, fmt, mode, bits):
+    x = (torch.randn(fewbit.config.current().compile_threshold * 3 + 17) * 4).to(dtype)
     kw = {"bits": bits, "seed": 11} if bits else {}
     if mode == "sr_fraction":
         kw["fraction"] = 0.5
@@ -74,15 +76,15 @@ def test_compiled_kernel_equals_eager(compiling, monkeypatch, dtype, fmt, mode, 
     assert len(compiled._CACHE) == before + 1 and not compiled._BROKEN
     again = fewbit.round(x[:-5], fmt, mode, sat=sat, **kw)  # another length: no new compile
     assert len(compiled._CACHE) == before + 1
-    monkeypatch.setenv("FEWBIT_EAGER", "1")
-    slow = fewbit.round(x, fmt, mode, sat=sat, **kw)
+    with fewbit.configure(compile=False):
+        slow = fewbit.round(x, fmt, mode, sat=sat, **kw)
     assert torch.equal(bits_of(fast), bits_of(slow))
     assert torch.equal(bits_of(again), bits_of(slow[:-5]))
 
 
-def test_environment_variable_forces_eager(eager):
+def test_config_forces_eager(eager):
     before = len(compiled._CACHE)
-    fewbit.round(torch.randn(compiled.MIN_COMPILE_NUMEL * 2), "e3m2", "src", bits=3, seed=1,
+    fewbit.round(torch.randn(fewbit.config.current().compile_threshold * 2), "e3m2", "src", bits=3, seed=1,
                  sat=True)
     assert len(compiled._CACHE) == before
 

@@ -112,11 +112,12 @@ def mode_cases(dtype, fmt, modes=GFLOAT_MODES, base=BASE_NS):
 
 
 @pytest.fixture(autouse=True)
-def _eager(monkeypatch):
+def _eager():
     """Run fewbit eager: this file calls ~25,000 distinct (format, mode, sat, N)
     specs, and a compiled kernel per spec would cost far more than the checks. The
     compiled path is checked against eager elsewhere."""
-    monkeypatch.setenv("FEWBIT_EAGER", "1")
+    with fewbit.configure(compile=False):
+        yield
 
 
 # ---------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ COMPILED = ("binary8p4", "ocp_e5m2")
 @pytest.mark.parametrize(
     "name, compiled", [(n, False) for n in FORMATS] + [(n, True) for n in COMPILED]
 )
-def test_gpu_equals_cpu(x, name, compiled, monkeypatch):
+def test_gpu_equals_cpu(x, name, compiled):
     fmt = fewbit.format(name)
     for mode in RoundMode:
         # A format with neither Inf nor NaN refuses out-of-range values unless saturating.
@@ -64,9 +64,9 @@ def test_gpu_equals_cpu(x, name, compiled, monkeypatch):
                     kw["bits"] = 3
                 if mode is RoundMode.SR_FRACTION:
                     kw["fraction"] = 0.5
-            monkeypatch.setenv("FEWBIT_EAGER", "1")
-            cpu = fewbit.round(xs, fmt, mode, sat=sat, **kw)
-            monkeypatch.setenv("FEWBIT_EAGER", "0" if compiled else "1")
-            gpu = fewbit.round(xs.cuda(), fmt, mode, sat=sat, **kw)
+            with fewbit.configure(compile=False):
+                cpu = fewbit.round(xs, fmt, mode, sat=sat, **kw)
+            with fewbit.configure(compile=compiled):
+                gpu = fewbit.round(xs.cuda(), fmt, mode, sat=sat, **kw)
             assert gpu.device.type == "cuda"
             assert_bitwise_equal(gpu.cpu(), cpu, xs, f"{name} {mode} sat={sat} compiled={compiled}")

@@ -88,27 +88,27 @@ def test_sr_keeps_updates_below_half_an_ulp_and_rne_loses_them():
 
 
 @pytest.mark.parametrize("mode", ["src", "sr_fraction"])
-def test_compiled_write_back_equals_eager(monkeypatch, mode):
+def test_compiled_write_back_equals_eager(mode):
     """Weights of 8192 elements or more go through one compiled call for all of them."""
     extra = {"fraction": 0.3} if mode == "sr_fraction" else {}
     results = []
-    for eager in ("1", "0"):
-        monkeypatch.setenv("FEWBIT_EAGER", eager)
-        torch.manual_seed(0)
-        m = torch.nn.Sequential(torch.nn.Linear(128, 96), torch.nn.Linear(96, 8))  # 12288 + 768
-        lpw = LowPrecisionWeights(torch.optim.AdamW(m.parameters(), lr=0.01), FMT, mode, seed=2,
-                                  update_dtype=torch.bfloat16, **extra)  # fmt: skip
-        start = m[0].weight.detach().clone()
-        with warnings.catch_warnings():
-            # A kernel that fails to compile falls back to eager with a RuntimeWarning
-            # and the same bits: only the warning shows it.
-            warnings.simplefilter("error", RuntimeWarning)
-            for t in range(2):
-                lpw.zero_grad()
-                m(torch.randn(4, 128, generator=torch.Generator().manual_seed(t))).square().mean().backward()
-                lpw.step()
-        assert not torch.equal(start, m[0].weight)
-        results.append([p.detach().clone() for p in m.parameters()])
+    for compile in (False, True):
+        with fewbit.configure(compile=compile):
+            torch.manual_seed(0)
+            m = torch.nn.Sequential(torch.nn.Linear(128, 96), torch.nn.Linear(96, 8))  # 12288 + 768
+            lpw = LowPrecisionWeights(torch.optim.AdamW(m.parameters(), lr=0.01), FMT, mode, seed=2,
+                                      update_dtype=torch.bfloat16, **extra)  # fmt: skip
+            start = m[0].weight.detach().clone()
+            with warnings.catch_warnings():
+                # A kernel that fails to compile falls back to eager with a RuntimeWarning
+                # and the same bits: only the warning shows it.
+                warnings.simplefilter("error", RuntimeWarning)
+                for t in range(2):
+                    lpw.zero_grad()
+                    m(torch.randn(4, 128, generator=torch.Generator().manual_seed(t))).square().mean().backward()
+                    lpw.step()
+            assert not torch.equal(start, m[0].weight)
+            results.append([p.detach().clone() for p in m.parameters()])
     for a, b in zip(*results, strict=True):
         assert bits_equal(a, b)
 

@@ -1,32 +1,31 @@
-"""``fewbit bench``: rounding throughput as ratios to ``torch.clone``, in one run.
+"""``fewbit bench``: rounding throughput as ratios to a copy of the same bytes, in one run.
 
 Every row times one configuration on the same input (2^24 elements by default):
 fewbit.round as users call it (the compiled kernel, bits generated inside it), an
 SR fed by ``torch.randint`` bits (what one writes without fewbit.random), and gfloat
 on key rows (its best of 3 calls). Melem/s is the best of ``repeat`` runs after a
-warm-up, which also absorbs the first call's compilation. A ratio to ``torch.clone``
-is the median over ``repeat`` pairs, each a clone and then the configuration, back to
-back: on a shared machine whose speed drifts by tens of percent, both sides of a pair
-see the same conditions. Key rows add ``x copy``, the ratio to a copy into an output
-allocated as fewbit allocates its own (``fewbit.memory``: from its cache of outputs,
-on huge pages on Linux), which separates the kernel's cost from the allocator's;
-``torch.clone`` pays for fresh memory every call.
+warm-up, which also absorbs the first call's compilation.
+
+Ratios are medians over ``repeat`` pairs, each the baseline and then the configuration,
+back to back: on a shared machine whose speed drifts by tens of percent, both sides of
+a pair see the same conditions. ``x copy`` is the yardstick of a memory-bound op:
+``fewbit.round(x, ..., out=y)`` against ``y.copy_(x)``, both into a preallocated
+output. ``x clone`` compares a call that returns a new tensor with ``torch.clone``,
+where both also pay for fresh memory. The last rows give the time of one call on 4096
+elements, where the per-call overhead is all there is.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
-
 import torch
 
 from .codec import encode
+from .config import configure
 from .formats import format
-from .memory import empty_output
 from .rounding import dtype_format, natural_sr_bits
 from .rounding import round as fewbit_round
 
@@ -72,19 +71,6 @@ def paired(fn: Callable[[], object], baseline: Callable[[], object], repeat: int
     return min(times), statistics.median(ratios)
 
 
-@contextmanager
-def eager_only():
-    old = os.environ.get("FEWBIT_EAGER")
-    os.environ["FEWBIT_EAGER"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["FEWBIT_EAGER"]
-        else:
-            os.environ["FEWBIT_EAGER"] = old
-
-
 def _gfloat_round(x: torch.Tensor, fmt: str, mode: str, bits: int | None):
     import gfloat  # a test dependency, imported only when asked for
     from gfloat.formats import format_info_ocp_e4m3, format_info_p3109
@@ -114,12 +100,13 @@ def run(
     gen = torch.Generator(device=device).manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         x = (torch.randn(n, generator=gen, device=device) * 8).to(dtype)
+        out = torch.empty_like(x)
 
         def clone():
             return x.clone()
 
-        def copy():  # a copy into an output allocated as fewbit allocates its own
-            return empty_output(x).copy_(x)
+        def copy():
+            return out.copy_(x)
 
         targets = TARGETS[:1] if quick else TARGETS
         for fmt in targets:
@@ -134,50 +121,84 @@ def run(
                 label += f" N={bits}" if bits else ""
                 if progress:
                     progress(label)
-                sat = fmt == "ocp_e2m1"
-                seed = {"seed": 1} if mode != "rne" else {}
+                kw = {"bits": bits, "sat": fmt == "ocp_e2m1", **({"seed": 1} if mode != "rne" else {})}
 
                 def call():
-                    return fewbit_round(x, fmt, mode, bits=bits, sat=sat, **seed)
+                    return fewbit_round(x, fmt, mode, **kw)
 
-                t, x_clone = paired(call, clone, repeat, sync)
+                def call_out():
+                    return fewbit_round(x, fmt, mode, out=out, **kw)
+
+                t, x_copy = paired(call_out, copy, repeat, sync)
                 row = {"input": str(dtype), "format": fmt, "mode": mode, "bits": bits,
-                       "melem_per_s": n / t / 1e6, "x_clone": x_clone}
+                       "melem_per_s": n / t / 1e6, "x_copy": x_copy,
+                       "x_clone": paired(call, clone, repeat, sync)[1]}
                 if mode != "rne":
                     width = bits or natural_sr_bits(dtype_format(dtype), format(fmt))
 
                     def randint_fed():
                         rb = torch.randint(0, 2**width, x.shape, dtype=torch.int32, device=device)
-                        return fewbit_round(x, fmt, mode, bits=bits, sat=sat, random_bits=rb)
+                        return fewbit_round(x, fmt, mode, random_bits=rb, out=out,
+                                            **{k: v for k, v in kw.items() if k != "seed"})
 
-                    row["randint_fed_x_clone"] = paired(randint_fed, clone, repeat, sync)[1]
+                    row["randint_fed_x_copy"] = paired(randint_fed, copy, repeat, sync)[1]
                 if dtype == torch.float32 and fmt == "binary8p4" and (mode == "rne" or bits == 3):
-                    with eager_only():
-                        row["eager_x_clone"] = paired(call, clone, repeat, sync)[1]
-                    row["x_copy"] = paired(call, copy, repeat, sync)[1]
+                    with configure(compile=False):
+                        row["eager_x_copy"] = paired(call_out, copy, repeat, sync)[1]
                     if with_gfloat and device == "cpu" and mode in ("rne", "src", "srf", "srff"):
                         row["x_gfloat"] = best_time(_gfloat_round(x, fmt, mode, bits), 3) / t
                 rows.append(row)
         rounded = fewbit_round(x, "binary8p4", sat=True)
-        t, x_clone = paired(lambda: encode(rounded, "binary8p4"), clone, repeat, sync)
+
+        def encode_call():
+            return encode(rounded, "binary8p4")
+
+        t, x_copy = paired(encode_call, copy, repeat, sync)
         rows.append({"input": str(dtype), "format": "binary8p4", "mode": "encode to uint8",
-                     "bits": None, "melem_per_s": n / t / 1e6, "x_clone": x_clone})
+                     "bits": None, "melem_per_s": n / t / 1e6, "x_copy": x_copy,
+                     "x_clone": paired(encode_call, clone, repeat, sync)[1]})
+    rows += _per_call(device, sync)
+    return rows
+
+
+#: Elements of the per-call rows: small enough that the call's overhead is all there is.
+PER_CALL_NUMEL = 4096
+
+
+def _per_call(device: str, sync: Callable[[], None]) -> list[dict]:
+    """Microseconds per call on ``PER_CALL_NUMEL`` float32 elements (best of 5 runs of
+    200 calls), for ``copy_`` and for RNE and SRC N=3 into a preallocated output."""
+    x = torch.randn(PER_CALL_NUMEL, device=device)
+    out = torch.empty_like(x)
+    calls = {"copy_": lambda: out.copy_(x),
+             "rne": lambda: fewbit_round(x, "binary8p4", out=out),
+             "src": lambda: fewbit_round(x, "binary8p4", "src", bits=3, seed=1, out=out)}  # fmt: skip
+    rows = []
+    for mode, fn in calls.items():
+        for _ in range(20):
+            fn()
+        t = best_time(lambda: [fn() for _ in range(200)], 5, sync) / 200
+        rows.append({"input": "torch.float32", "format": f"{PER_CALL_NUMEL} elements", "mode": mode,
+                     "bits": 3 if mode == "src" else None, "us_per_call": t * 1e6})
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'configuration':42} {'Melem/s':>9} {'x clone':>8} {'x copy':>7} {'eager':>7} "
+    head = (f"{'configuration':42} {'Melem/s':>9} {'x copy':>7} {'x clone':>8} {'eager':>7} "
             f"{'randint-fed':>11} {'x gfloat':>9}")
-    lines = [head]
+    lines = [head, "(ratios: copy_ or clone time / fewbit time, into a preallocated output or a new one)"]
     for r in rows:
         label = f"{r['input'].removeprefix('torch.')} -> {r['format']} {r['mode']}"
         label += f" N={r['bits']}" if r["bits"] else ""
+        if "us_per_call" in r:
+            lines.append(f"{label:42} {r['us_per_call']:>9.1f} us per call")
+            continue
 
         def col(key, width, fmt=".3f"):
             return f"{r[key]:>{width}{fmt}}" if key in r else " " * width
 
-        lines.append(f"{label:42} {r['melem_per_s']:>9.1f} {r['x_clone']:>8.3f} {col('x_copy', 7)} "
-                     f"{col('eager_x_clone', 7)} {col('randint_fed_x_clone', 11)} "
+        lines.append(f"{label:42} {r['melem_per_s']:>9.1f} {r['x_copy']:>7.3f} {r['x_clone']:>8.3f} "
+                     f"{col('eager_x_copy', 7)} {col('randint_fed_x_copy', 11)} "
                      f"{col('x_gfloat', 9, '.0f')}")
     return "\n".join(lines)
 

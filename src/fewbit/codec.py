@@ -5,6 +5,10 @@ them) into codes: uint8 for K <= 8, int16 holding the 16-bit pattern for K <= 16
 With ``packed=True`` two codes of K <= 4 bits share a byte, the even element in the
 low nibble. ``decode`` looks codes up in the format's value table. OCP E4M3/E5M2
 codes are the bit patterns of ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``.
+
+Both are ``torch.library`` operators (``fewbit::encode``, ``fewbit::decode``) with fake
+implementations, so compiled and exported code treats each as one op. Codes carry no
+gradient: they are integers.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 from .formats import FloatFormat, format
 from .rounding.checks import dtype_format
 from .rounding.fast import _LAYOUT, decompose, working_dtype
+from .rounding.ops import format_name, lookup_format
 
 __all__ = ["code_dtype", "decode", "encode"]
 
@@ -36,17 +41,40 @@ def _check_holds(dtype: torch.dtype, fmt: FloatFormat) -> None:
 def encode(x: torch.Tensor, fmt: FloatFormat | str, packed: bool = False) -> torch.Tensor:
     """Codes of ``x``'s values in ``fmt``. Every element must be a value of fmt
     (round first); otherwise ValueError names the first that is not."""
-    fmt = format(fmt)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, not {type(x).__name__}")
+    return torch.ops.fewbit.encode(x, format_name(fmt), bool(packed))
+
+
+def decode(
+    codes: torch.Tensor,
+    fmt: FloatFormat | str,
+    dtype: torch.dtype = torch.float32,
+    packed: bool = False,
+) -> torch.Tensor:
+    """Values of ``codes`` in ``fmt`` as a tensor of ``dtype`` (NaN codes give NaN)."""
+    if not isinstance(codes, torch.Tensor):
+        raise TypeError(f"codes must be a torch.Tensor, not {type(codes).__name__}")
+    return torch.ops.fewbit.decode(codes, format_name(fmt), dtype, bool(packed))
+
+
+def _encode_checks(x: torch.Tensor, fmt: FloatFormat, packed: bool) -> torch.Size:
+    """Check an encode call; return the shape of its codes."""
     _check_holds(x.dtype, fmt)  # also rejects non-float dtypes
-    out_dtype = code_dtype(fmt)
-    if packed:
-        _check_packable(fmt, x.shape)
+    code_dtype(fmt)
+    if not packed:
+        return x.shape
+    _check_packable(fmt, x.shape)
+    return (*x.shape[:-1], x.shape[-1] // 2)
+
+
+@torch.library.custom_op("fewbit::encode", mutates_args=())
+def _encode(x: torch.Tensor, fmt: str, packed: bool) -> torch.Tensor:
+    fmt = lookup_format(fmt)
+    _encode_checks(x, fmt, packed)
     work = x.to(working_dtype(x.dtype))
     itype, M, _ = _LAYOUT[work.dtype]
     negative, is_inf, is_nan, e_x, sig = decompose(work, fmt.emin)
-
     exp_field_of_emin = 1 if fmt.has_subnormals else 0
     normal = ((e_x - fmt.emin + exp_field_of_emin) << fmt.t) + (sig >> (M - fmt.t)) - (1 << fmt.t)
     subnormal = sig >> (fmt.min_ulp_exponent + M - e_x).clamp(0, M + 1)  # |x| / ulp
@@ -74,34 +102,48 @@ def encode(x: torch.Tensor, fmt: FloatFormat | str, packed: bool = False) -> tor
         raise ValueError(f"{bad!r} is not a value of {fmt.name}; round it first (fewbit.round)")
     if packed:
         code = code[..., 0::2] | (code[..., 1::2] << 4)
-    return code.to(out_dtype)
+    return code.to(code_dtype(fmt))
 
 
-def decode(
-    codes: torch.Tensor,
-    fmt: FloatFormat | str,
-    dtype: torch.dtype = torch.float32,
-    packed: bool = False,
-) -> torch.Tensor:
-    """Values of ``codes`` in ``fmt`` as a tensor of ``dtype`` (NaN codes give NaN)."""
-    fmt = format(fmt)
-    if not isinstance(codes, torch.Tensor):
-        raise TypeError(f"codes must be a torch.Tensor, not {type(codes).__name__}")
+@_encode.register_fake
+def _(x, fmt, packed):
+    fmt = lookup_format(fmt)
+    return x.new_empty(_encode_checks(x, fmt, packed), dtype=code_dtype(fmt))
+
+
+def _decode_checks(codes: torch.Tensor, fmt: FloatFormat, dtype: torch.dtype, packed: bool) -> torch.Size:
+    """Check a decode call; return the shape of its values."""
     if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
         raise TypeError(f"codes must have an integer dtype, not {codes.dtype}")
     _check_holds(dtype, fmt)
     code_dtype(fmt)
+    if not packed:
+        return codes.shape
+    _check_packable(fmt, None)
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"packed codes are uint8, not {codes.dtype}")
+    if codes.dim() == 0:
+        raise ValueError("packed codes lie along a last dimension; got a 0-d tensor")
+    return (*codes.shape[:-1], codes.shape[-1] * 2)
+
+
+@torch.library.custom_op("fewbit::decode", mutates_args=())
+def _decode(codes: torch.Tensor, fmt: str, dtype: torch.dtype, packed: bool) -> torch.Tensor:
+    fmt = lookup_format(fmt)
+    _decode_checks(codes, fmt, dtype, packed)
     code = codes.to(torch.int32)
     if codes.dtype == torch.int16:
         code = code & 0xFFFF  # int16 holds the 16-bit pattern
     if packed:
-        _check_packable(fmt, None)
-        if codes.dtype != torch.uint8:
-            raise TypeError(f"packed codes are uint8, not {codes.dtype}")
         code = torch.stack([code & 0xF, code >> 4], dim=-1).flatten(-2)
     if code.numel() and (int(code.min()) < 0 or int(code.max()) >= 1 << fmt.k):
         raise ValueError(f"codes of {fmt.name} lie in [0, {1 << fmt.k})")
     return _lookup(code, fmt, dtype)
+
+
+@_decode.register_fake
+def _(codes, fmt, dtype, packed):
+    return codes.new_empty(_decode_checks(codes, lookup_format(fmt), dtype, packed), dtype=dtype)
 
 
 def _check_packable(fmt: FloatFormat, shape) -> None:

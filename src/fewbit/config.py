@@ -17,8 +17,9 @@ setting                environment (import)   meaning
                                               near sqrt(K) and fold it into the scale
 =====================  =====================  =============================================
 
-Settings live in a ``ContextVar``, so a ``with configure(...)`` block changes them for its
-own thread (or task) only. Nothing in fewbit reads the environment after import.
+The settings are process-wide: a ``with configure(...)`` block changes them for every
+thread until it ends, autograd's backward threads included (a per-thread setting would
+not reach those). Nothing in fewbit reads the environment after import.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import dataclasses
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -76,24 +76,26 @@ class Config:
         return cls(**changes)
 
 
-_current: ContextVar[Config] = ContextVar("fewbit_config", default=Config.from_env())
+_current = Config.from_env()
 
 
 def current() -> Config:
-    """The settings in force here."""
-    return _current.get()
+    """The settings in force."""
+    return _current
 
 
 @contextmanager
 def configure(**changes: Any) -> Iterator[Config]:
     """Change settings inside a ``with`` block: ``with fewbit.configure(compile=False): ...``.
     Unknown names and bad values raise before anything changes."""
+    global _current
     names = {f.name for f in dataclasses.fields(Config)}
     unknown = sorted(set(changes) - names)
     if unknown:
         raise ValueError(f"unknown setting(s) {unknown}; known: {sorted(names)}")
-    token = _current.set(dataclasses.replace(_current.get(), **changes))
+    before = _current
+    _current = dataclasses.replace(before, **changes)
     try:
-        yield _current.get()
+        yield _current
     finally:
-        _current.reset(token)
+        _current = before

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .formats import FloatFormat, format
-from .random import Key, as_key, fold_in
+from .random import Key, as_key, fold_in, key_of
 from .replicas import SeedPolicy, replica_key
 from .rounding import RoundMode, round
 from .rounding.modes import parse_mode
@@ -42,7 +42,7 @@ class Quant:
         if self.bits is not None and not self.mode.is_stochastic:
             raise ValueError(f"mode {self.mode.value!r} is deterministic and takes no bits")
 
-    def __call__(self, x: torch.Tensor, key: Key | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, key: Key | torch.Tensor | None) -> torch.Tensor:
         if not self.mode.is_stochastic:
             return round(x, self.fmt, self.mode, sat=self.sat)
         if key is None:
@@ -52,7 +52,7 @@ class Quant:
 
 class _StraightThrough(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, forward: Quant | None, backward: Quant | None, key: Key | None):
+    def forward(ctx, x, forward: Quant | None, backward: Quant | None, key: Key | torch.Tensor | None):
         ctx.backward_quant, ctx.key = backward, key
         return x.clone() if forward is None else forward(x, None if key is None else fold_in(key, _FORWARD))
 
@@ -67,14 +67,16 @@ def fake_quantize(
     x: torch.Tensor,
     forward: Quant | None = None,
     backward: Quant | None = None,
-    seed: int | Key | None = None,
+    seed: int | Key | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Round ``x`` with ``forward`` and its gradient with ``backward`` (None: unchanged).
 
-    Stochastic roundings need ``seed``; the two directions draw from separate streams.
+    Stochastic roundings need ``seed`` (an int, a Key, or a seed or key tensor as
+    ``fewbit.round`` takes); the two directions draw from separate streams.
     """
-    key = None if seed is None else as_key(seed)
-    return _StraightThrough.apply(x, forward, backward, key)
+    if seed is not None:
+        seed = key_of(seed, x.device) if isinstance(seed, torch.Tensor) else as_key(seed)
+    return _StraightThrough.apply(x, forward, backward, seed)
 
 
 class FakeQuantize(nn.Module):
@@ -96,7 +98,10 @@ class FakeQuantize(nn.Module):
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        key = replica_key(fold_in(self.key, int(self.calls)), self.policy)
+        # Traced, the count stays a tensor (a new count is new data, not a new graph);
+        # eager, Python ints derive the same key at a fraction of the cost.
+        count = self.calls if torch.compiler.is_compiling() else int(self.calls)
+        key = replica_key(fold_in(self.key, count), self.policy)
         if self.training:
             self.calls += 1
         return fake_quantize(x, self.forward_quant, self.backward_quant, key)

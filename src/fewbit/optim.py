@@ -17,12 +17,13 @@ from collections.abc import Iterable
 import torch
 
 from .codec import decode, encode
+from .config import configure, current
 from .formats import FloatFormat, format
-from .random import Key, as_key, fold_in
+from .random import Key, as_key, fold_in, key_tensor
 from .replicas import SeedPolicy, assert_identical_inputs, replica_key
 from .rounding import RoundMode, dtype_format, round
 from .rounding.checks import check_round_args
-from .rounding.compiled import compile_from, round_foreach_
+from .rounding.compiled import round_foreach_
 from .rounding.modes import parse_mode
 
 __all__ = ["LowPrecisionWeights"]
@@ -163,7 +164,7 @@ class LowPrecisionWeights:
 
     @torch.no_grad()
     def _write_back(self) -> None:
-        with compile_from(COMPILE_FROM):
+        with configure(compile_threshold=min(current().compile_threshold, COMPILE_FROM)):
             self._round_all()
 
     def _round_all(self) -> None:
@@ -175,7 +176,8 @@ class LowPrecisionWeights:
             self._scales = [self._power_of_two_scale(p) for p in self.params]
             torch._foreach_mul_(self.params, self._scales)
         if self.fmt.has_nans:
-            round_foreach_(self.params, self.spec, keys, self.via)
+            words = [[0, 0] if k is None else [k.k0, k.k1] for k in keys]
+            round_foreach_(self.params, self.spec, key_tensor(words, self.params[0].device), self.via)
         else:  # fewbit.round raises where a value has no result: a NaN input, say
             extra = {"fraction": self.fraction} if self.mode is RoundMode.SR_FRACTION else {}
             for p, key in zip(self.params, keys, strict=True):

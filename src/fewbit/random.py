@@ -57,6 +57,7 @@ __all__ = [
     "Key",
     "as_key",
     "fold_in",
+    "key_of",
     "key_tensor",
     "threefry2x32",
     "threefry2x32_int",
@@ -184,7 +185,7 @@ def as_key(seed_or_key: Key | int) -> Key:
     )
 
 
-def fold_in(key: Key | int, *ints: int) -> Key:
+def fold_in(key: Key | int | torch.Tensor, *ints: int | torch.Tensor) -> Key | torch.Tensor:
     """Derive a new key from ``key`` and each int in turn (each in ``[0, 2**64)``).
 
     One step is ``Key(*threefry2x32_20(counter=(v mod 2**32, v // 2**32), key))``,
@@ -192,12 +193,52 @@ def fold_in(key: Key | int, *ints: int) -> Key:
     ``fold_in(k)`` is ``k``. As in JAX, the child key equals block ``v`` of
     ``k``'s own stream (words ``2v, 2v + 1``): derive children for separate
     uses rather than also drawing from the parent.
+
+    With a key tensor (:func:`key_of`) or a value held in a 0-d integer tensor (in
+    ``[0, 2**63)``: a step counter, say), the same words come back as a key tensor,
+    computed by torch ops: compiled code then folds in a new step without recompiling.
     """
-    key = as_key(key)
+    if not isinstance(key, torch.Tensor) and not any(isinstance(v, torch.Tensor) for v in ints):
+        key = as_key(key)
+        for v in ints:
+            v = _check_uint(v, _MAX_U64, "fold_in value")
+            key = Key(*threefry2x32_int(v & MASK32, v >> 32, key.k0, key.k1))
+        return key
+    device = next(t.device for t in (key, *ints) if isinstance(t, torch.Tensor))
+    k = key_of(key, device)
     for v in ints:
-        v = _check_uint(v, _MAX_U64, "fold_in value")
-        key = Key(*threefry2x32_int(v & MASK32, v >> 32, key.k0, key.k1))
-    return key
+        if not isinstance(v, torch.Tensor):
+            v = _check_uint(v, _MAX_U64, "fold_in value")
+            c0, c1 = (torch.tensor(c, dtype=torch.int64, device=device) for c in (v & MASK32, v >> 32))
+        else:
+            v = v.to(device=device, dtype=torch.int64)
+            c0, c1 = v & MASK32, v >> 32
+        k = torch.stack(threefry2x32(c0, c1, k[0], k[1]))
+    return k
+
+
+def key_of(seed: Key | int | torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+    """A key as a tensor: int64 ``(k0, k1)`` of shape ``(2,)`` on ``device``, the form
+    fewbit's operators take (a new key is new data, not a new graph).
+
+    ``seed``: a :class:`Key`, an int seed (as :meth:`Key.from_seed`), an int64 tensor of
+    shape ``(2,)`` (a key tensor, passed through), or a 0-d integer tensor holding a seed
+    in ``[0, 2**63)`` (split as :meth:`Key.from_seed` splits an int). Under
+    ``torch.compile`` an int seed that Dynamo made symbolic is split alike.
+    """
+    if isinstance(seed, torch.Tensor):
+        if seed.dtype in (torch.bool,) or seed.is_floating_point() or seed.is_complex():
+            raise TypeError(f"a seed tensor must have an integer dtype, not {seed.dtype}")
+        seed = seed.to(device=device if device is not None else seed.device, dtype=torch.int64)
+        if seed.shape == (2,):
+            return seed
+        if seed.dim() != 0:
+            raise ValueError(f"a seed tensor is 0-d (a seed) or of shape (2,) (a key), not {tuple(seed.shape)}")
+        return torch.stack((seed & MASK32, seed >> 32))
+    if isinstance(seed, torch.SymInt):
+        return key_of(torch.tensor(seed, dtype=torch.int64, device=device), device)
+    key = as_key(seed)
+    return key_tensor([key.k0, key.k1], device)
 
 
 # --------------------------------------------------------------------------
@@ -551,8 +592,10 @@ def bits_from_range(
     bits = _check_bits(bits)
     n = _check_size(n, _MAX_INDEX + 1, "n")
     offset = _check_range(offset, n)
-    if not torch.compiler.is_compiling():
-        # Eager: use the fast in-place path with the keys as Python ints.
+    on_host = not any(isinstance(k, torch.Tensor) and k.device.type != "cpu" for k in (k0, k1))
+    if not torch.compiler.is_compiling() and on_host:
+        # Eager: the fast in-place path takes the keys as Python ints. Keys on a GPU stay
+        # tensors (reading them back would wait for the device).
         k0, k1 = int(k0), int(k1)
     return _bits_range(offset, n, bits, k0, k1, device, _default_dtype(bits))
 

@@ -53,11 +53,12 @@ def world(group=None) -> tuple[int, int]:
     return 0, 1
 
 
-def replica_key(key: Key | int, policy: SeedPolicy | str, rank: int | None = None) -> Key:
+def replica_key(key: Key | int | torch.Tensor, policy: SeedPolicy | str, rank: int | None = None):
     """``key`` for IDENTICAL; ``key`` with the rank folded in for DIFFERING (rank None:
-    this process's rank under torch.distributed, 0 without it)."""
+    this process's rank under torch.distributed, 0 without it). A key tensor gives a
+    key tensor (see ``fewbit.random.fold_in``)."""
     if SeedPolicy(policy) is SeedPolicy.IDENTICAL:
-        return as_key(key)
+        return key if isinstance(key, torch.Tensor) else as_key(key)
     return fold_in(key, _RANK_STREAM, world()[0] if rank is None else rank)
 
 

@@ -1,8 +1,9 @@
 """``fewbit.round``: round a tensor to a format in a rounding mode.
 
-``reference`` states the maths element by element; ``fast`` is what runs (compiled,
-or eager), with ``magic`` as the eager shortcut for its most common cases. All share
-the argument checks in ``checks`` and the modes in ``modes``.
+``modes`` is the table of modes; ``reference`` states the maths element by element;
+``fast`` is the kernel (with ``magic`` as its shortcut for the most common cases),
+compiled by ``compiled``; ``ops`` registers ``fewbit::round`` and ``fewbit::round_into``
+with ``torch.library``. The functions here turn the user's arguments into an op call.
 """
 
 from __future__ import annotations
@@ -10,16 +11,14 @@ from __future__ import annotations
 import torch
 
 from ..formats import FloatFormat
-from ..memory import converted, empty_output
-from ..random import Key, as_key
-from .checks import RoundSpec, check_random_bits, check_round_args, dtype_format
-from .compiled import compiled_round, key_words, range_bits, round_body, use_compiled
-from .fast import working_dtype
-from .modes import SELECT_BITS, RoundMode, natural_sr_bits
+from ..random import Key, key_of
+from .checks import RoundSpec, dtype_format, scalar_args
+from .modes import MODES, SELECT_BITS, ModeInfo, RoundMode, natural_sr_bits
+from .ops import format_name
 from .reference import round_reference
 
 __all__ = [
-    "RoundMode", "RoundSpec", "SELECT_BITS", "dtype_format", "natural_sr_bits",
+    "MODES", "ModeInfo", "RoundMode", "RoundSpec", "SELECT_BITS", "dtype_format", "natural_sr_bits",
     "round", "round_", "round_reference",
 ]
 
@@ -33,7 +32,8 @@ def round(
     bits: int | None = None,
     random_bits: torch.Tensor | None = None,
     fraction: float | None = None,
-    seed: int | Key | None = None,
+    seed: int | Key | torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Round ``x`` to the values of ``fmt``; the result keeps x's dtype and shape.
 
@@ -43,90 +43,49 @@ def round(
         mode: a RoundMode or its lower-case name (``"rne"``, ``"src"``, ...).
         sat: overflow goes to the largest finite value instead of Inf/NaN.
         bits: N, random bits per element, for the stochastic modes.
-        random_bits: integers in ``[0, 2^N)`` of x's shape (for ``sr_fraction``,
-            ``[0, 2^(N+16))``: the 16 bits above the N rounding bits select).
+        random_bits: integers in ``[0, 2^N)`` of x's shape, any integer dtype (for
+            ``sr_fraction``, ``[0, 2^(N+16))``: the 16 bits above the N rounding bits select).
         fraction: p, the share of elements ``sr_fraction`` rounds stochastically.
-        seed: an int or a ``fewbit.random.Key``: fewbit draws the random bits itself,
-            element i taking the bits ``fewbit.random.random_bits`` gives index i
-            (``sr_fraction`` selects with the stream of ``fold_in(key, 0x5E1EC7)``).
+        seed: an int, a ``fewbit.random.Key``, or a tensor (a 0-d integer seed, or a key
+            from ``fewbit.random.key_of``): fewbit draws the random bits itself, element i
+            taking the bits ``fewbit.random.random_bits`` gives index i (``sr_fraction``
+            selects with the stream of ``fold_in(key, SELECT_KEY)``). Under
+            ``torch.compile`` a tensor seed (a step counter, say) never recompiles.
+        out: a tensor of x's shape, dtype and device to hold the result (torch's
+            convention: no autograd through it).
+
+    Returns the rounded tensor (``out`` when given). Its gradient is straight-through:
+    the identity (see ``fewbit.rounding.ops``).
 
     Raises:
-        TypeError / ValueError, before anything is computed, for a bad argument; and
+        TypeError / ValueError, before anything is written, for a bad argument; and
         ValueError when a value has no result in a format without Inf and NaN
         (NaN input, or overflow without ``sat``).
     """
-    spec = check_round_args(x, fmt, mode, sat, bits, fraction)
-    key = _check_seed(spec, seed, random_bits)
-    if key is None:
-        check_random_bits(x, spec, random_bits)
-    work = converted(x, working_dtype(x.dtype))
-    out = _round_any(work.reshape(-1), spec, key, _flat(random_bits))
-    if not spec.fmt.has_nans:
-        _raise_on_invalid(work, out, spec)
-    return converted(out.reshape(x.shape), x.dtype)
-
-
-def round_(
-    x: torch.Tensor,
-    fmt: FloatFormat | str,
-    mode: RoundMode | str = "rne",
-    **kwargs,
-) -> torch.Tensor:
-    """In-place :func:`round` (same arguments): x holds the rounded values; returns x.
-    On an error x is left untouched."""
-    x.copy_(round(x, fmt, mode, **kwargs))
-    return x
-
-
-def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.reshape(-1)
-
-
-def _check_seed(spec: RoundSpec, seed, random_bits) -> Key | None:
-    if seed is None:
-        return None
-    if random_bits is not None:
-        raise ValueError("give either seed (fewbit draws the bits) or random_bits, not both")
-    if spec.bits is None:
-        raise ValueError(f"mode {spec.mode.value!r} is deterministic and takes no seed")
-    return as_key(seed)
-
-
-def _round_any(flat: torch.Tensor, spec: RoundSpec, key: Key | None, rand) -> torch.Tensor:
-    """The compiled kernel where it applies, else eager."""
-    if use_compiled(flat):
-        out = compiled_round(flat, spec, key, rand)
-        if out is not None:
-            return out
-    return _in_blocks(flat, spec, key, rand)
-
-
-#: Elements per block for eager CPU runs: eager torch makes one pass over the tensor
-#: per op, so blocks keep the intermediates in cache rather than memory. 2^20 was
-#: the fastest of 2^14 .. 2^24 for ``round_fast`` on a 2-core AMD EPYC (2^24 elements,
-#: float32); the magic shortcut ran alike from 2^17 to 2^20 there.
-CPU_BLOCK = 1 << 20
-
-
-def _in_blocks(flat: torch.Tensor, spec: RoundSpec, key: Key | None, rand) -> torch.Tensor:
-    keys = key_words(key, spec)
-    n = flat.numel()
-    block = CPU_BLOCK if flat.device.type == "cpu" else max(n, 1)
-    out = empty_output(flat)
-    for start in range(0, n, block):
-        part = flat[start : start + block]
-        if key is None:
-            bits = None if rand is None else rand[start : start + block]
-        else:
-            bits = range_bits(spec, keys, start, part.numel(), part.device)
-        round_body(part, spec, bits, out[start : start + block])
+    args = _op_args(x, fmt, mode, sat, bits, fraction, seed, random_bits)
+    if out is None:
+        return torch.ops.fewbit.round(*args)
+    if torch.is_grad_enabled() and (x.requires_grad or out.requires_grad):
+        raise RuntimeError("fewbit.round(..., out=...) does not support automatic differentiation, "
+                           "and an argument requires grad; call it without out=")
+    torch.ops.fewbit.round_into(*args, out)
     return out
 
 
-def _raise_on_invalid(work: torch.Tensor, out: torch.Tensor, spec: RoundSpec) -> None:
-    # In a format without NaN, a NaN result marks an element with no valid value.
-    if bool(torch.isnan(out).any()):
-        fmt = spec.fmt.name
-        if bool(torch.isnan(work).any()):
-            raise ValueError(f"{fmt} has no NaN to hold a NaN input")
-        raise ValueError(f"{fmt} has no Inf or NaN for a value beyond its range; use sat=True")
+def round_(x: torch.Tensor, fmt: FloatFormat | str, mode: RoundMode | str = "rne", **kwargs) -> torch.Tensor:
+    """In-place :func:`round` (same arguments): x holds the rounded values; returns x.
+    On an error x is left untouched."""
+    return round(x, fmt, mode, out=x, **kwargs)
+
+
+def _op_args(x, fmt, mode, sat, bits, fraction, seed, random_bits) -> tuple:
+    """The op's arguments: names for the format and mode, Python scalars, a key tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, not {type(x).__name__}")
+    if isinstance(mode, RoundMode):
+        mode = mode.value
+    elif not isinstance(mode, str):
+        raise TypeError(f"mode must be a RoundMode or a string, not {type(mode).__name__}")
+    sat, bits, fraction = scalar_args(sat, bits, fraction)
+    key = None if seed is None else key_of(seed, x.device)
+    return x, format_name(fmt), mode, sat, bits, fraction, key, random_bits

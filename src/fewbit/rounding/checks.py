@@ -6,14 +6,18 @@ half-rounded tensor behind.
 
 from __future__ import annotations
 
+import functools
+import numbers
 from dataclasses import dataclass
+
+import numpy as np
 
 import torch
 
 from ..formats import FloatFormat, format
-from .modes import SELECT_BITS, RoundMode, natural_sr_bits, parse_mode
+from .modes import MODES, SELECT_BITS, RoundMode, natural_sr_bits, parse_mode
 
-__all__ = ["RoundSpec", "check_round_args", "dtype_format"]
+__all__ = ["RoundSpec", "check_random_bits", "check_round_args", "dtype_format", "make_spec", "scalar_args"]
 
 _DTYPE_FORMATS = {
     torch.float16: "binary16",
@@ -51,8 +55,24 @@ class RoundSpec:
 
     @property
     def random_range(self) -> int:
-        extra = SELECT_BITS if self.mode is RoundMode.SR_FRACTION else 0
+        extra = SELECT_BITS if "select" in MODES[self.mode].streams else 0
         return 1 << (self.bits + extra)
+
+
+def scalar_args(sat, bits, fraction) -> tuple[bool, int | None, float | None]:
+    """``sat``, ``bits`` and ``fraction`` as Python scalars: numpy bools, integers and
+    floats are accepted as their Python kinds; a bool is not a number here."""
+    if not isinstance(sat, (bool, np.bool_)):
+        raise TypeError(f"sat must be a bool, not {type(sat).__name__}")
+    if bits is not None:
+        if isinstance(bits, (bool, np.bool_)) or not isinstance(bits, numbers.Integral):
+            raise TypeError(f"bits must be an int, not {type(bits).__name__}")
+        bits = int(bits)
+    if fraction is not None:
+        if isinstance(fraction, (bool, np.bool_)) or not isinstance(fraction, numbers.Real):
+            raise TypeError(f"fraction must be a number in [0, 1], not {type(fraction).__name__}")
+        fraction = float(fraction)
+    return bool(sat), bits, fraction
 
 
 def check_round_args(
@@ -66,19 +86,24 @@ def check_round_args(
     """Validate everything but the random bits themselves; return the call's spec."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, not {type(x).__name__}")
-    source = dtype_format(x.dtype)
-    fmt = format(fmt)
-    mode = parse_mode(mode)
-    if not isinstance(sat, bool):
-        raise TypeError(f"sat must be a bool, not {type(sat).__name__}")
+    return make_spec(x.dtype, format(fmt), parse_mode(mode), *scalar_args(sat, bits, fraction))
+
+
+@functools.cache
+def make_spec(
+    dtype: torch.dtype, fmt: FloatFormat, mode: RoundMode, sat: bool, bits: int | None, fraction: float | None
+) -> RoundSpec:
+    """The spec of a call on a ``dtype`` tensor (scalars already normalised)."""
+    source = dtype_format(dtype)
+    info = MODES[mode]
     if not source.contains(fmt):
         raise ValueError(
-            f"a {x.dtype} tensor cannot hold every value of {fmt.name}: round into a "
+            f"a {dtype} tensor cannot hold every value of {fmt.name}: round into a "
             f"wider dtype (float32 holds every format of up to 24 significand bits)"
         )
-    if mode is RoundMode.SR_FRACTION:
-        if fraction is None or isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
-            raise TypeError("mode 'sr_fraction' needs fraction=p, a number in [0, 1]")
+    if "select" in info.streams:
+        if fraction is None:
+            raise TypeError(f"mode {mode.value!r} needs fraction=p, a number in [0, 1]")
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"fraction must be in [0, 1], got {fraction}")
         select_below = round(fraction * (1 << SELECT_BITS))
@@ -86,33 +111,36 @@ def check_round_args(
         raise ValueError(f"fraction is only for mode 'sr_fraction', not {mode.value!r}")
     else:
         select_below = None
-    if not mode.is_stochastic:
+    if info.bits == "none":
         if bits is not None:
             raise ValueError(f"mode {mode.value!r} is deterministic and takes no bits")
         return RoundSpec(fmt, source, mode, sat, None, None)
     natural = natural_sr_bits(source, fmt)
     if bits is None:
-        if mode.takes_bits and mode not in (RoundMode.SR_NEAR_ZERO, RoundMode.SR_FRACTION):
+        if info.bits == "required":
             raise ValueError(f"mode {mode.value!r} needs bits=N, the random bits per element")
         bits = natural
-    if isinstance(bits, bool) or not isinstance(bits, int):
-        raise TypeError(f"bits must be an int, not {type(bits).__name__}")
     if not 1 <= bits <= 32:
         raise ValueError(f"bits must be in 1..32, got {bits}")
-    if mode is RoundMode.SR and bits != natural:
+    if info.bits == "natural" and bits != natural:
         raise ValueError(
-            f"mode 'sr' uses N = min(D, 32) = {natural} bits for {source.name} -> "
+            f"mode {mode.value!r} uses N = min(D, 32) = {natural} bits for {source.name} -> "
             f"{fmt.name}; use 'src' to choose N"
         )
     return RoundSpec(fmt, source, mode, sat, bits, select_below)
 
 
-def check_random_bits(x: torch.Tensor, spec: RoundSpec, random_bits: torch.Tensor | None) -> None:
-    """Check explicit random bits against the spec: presence, shape, dtype and range."""
+def check_random_bits(
+    x: torch.Tensor, spec: RoundSpec, random_bits: torch.Tensor | None, values: bool = True
+) -> torch.Tensor | None:
+    """Check explicit random bits against the spec (presence, shape, device, integer
+    dtype, and with ``values`` their range) and return them as the kernels take them:
+    int32, or int64 where the values need it. Any integer dtype is accepted, unsigned
+    ones included."""
     if spec.bits is None:
         if random_bits is not None:
             raise ValueError(f"mode {spec.mode.value!r} is deterministic and takes no random_bits")
-        return
+        return None
     if random_bits is None:
         raise ValueError(
             f"mode {spec.mode.value!r} needs random bits: pass random_bits "
@@ -126,11 +154,15 @@ def check_random_bits(x: torch.Tensor, spec: RoundSpec, random_bits: torch.Tenso
         raise ValueError(f"random_bits has shape {tuple(random_bits.shape)}, x has {tuple(x.shape)}")
     if random_bits.device != x.device:
         raise ValueError(f"random_bits is on {random_bits.device}, x on {x.device}")
-    if random_bits.numel():
-        lo, hi = int(random_bits.min()), int(random_bits.max())
+    # Unsigned dtypes lack min/max kernels: compare as int64, where a uint64 beyond 2^63
+    # wraps to a negative value and is refused like one.
+    wide = random_bits.to(torch.int64)
+    if values and wide.numel():
+        lo, hi = (int(v) for v in torch.aminmax(wide))
         if lo < 0 or hi >= spec.random_range:
             raise ValueError(
                 f"random_bits must lie in [0, {spec.random_range}) for N={spec.bits}"
-                f"{' plus the selection bits' if spec.mode is RoundMode.SR_FRACTION else ''};"
+                f"{' plus the selection bits' if 'select' in MODES[spec.mode].streams else ''};"
                 f" found values in [{lo}, {hi}]"
             )
+    return wide.to(torch.int32) if spec.random_range <= 1 << 31 else wide

@@ -3,7 +3,8 @@
 A user's ``torch.compile``, ``torch.export`` and autograd see one opaque op per call,
 with a fake implementation giving the output's shape and dtype; behind it run
 fewbit's own kernels (``compiled`` where the config allows, else eager in chunks).
-The format and mode travel as names, the random key as an int64 tensor ``(k0, k1)``
+The format and the mode (argument ``rounding``: ``mode`` is a name torch's functionalization
+of mutable ops takes for itself) travel as names, the random key as an int64 tensor ``(k0, k1)``
 (``fewbit.random.key_of``), so a new seed or step is new data, not a new graph.
 
 Gradient: straight-through. ``d round(x) / dx`` is taken as the identity, as
@@ -58,12 +59,12 @@ def lookup_format(name: str) -> FloatFormat:
 
 
 def spec_of(
-    x: torch.Tensor, fmt: str, mode: str, sat: bool, bits: int | None, fraction: float | None
+    x: torch.Tensor, fmt: str, rounding: str, sat: bool, bits: int | None, fraction: float | None
 ) -> RoundSpec:
     """The validated spec of an op call (cached by its arguments)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, not {type(x).__name__}")
-    return make_spec(x.dtype, lookup_format(fmt), parse_mode(mode), sat, bits, fraction)
+    return make_spec(x.dtype, lookup_format(fmt), parse_mode(rounding), sat, bits, fraction)
 
 
 def _check_key(spec: RoundSpec, x: torch.Tensor, key: torch.Tensor | None, random_bits) -> None:
@@ -90,7 +91,9 @@ def _round_into(x, spec: RoundSpec, key, random_bits, out: torch.Tensor) -> None
     result = out.view(-1) if direct else torch.empty_like(work)
     flat_rand = None if rand is None else rand.reshape(-1)
     if not (use_compiled(work.numel()) and compiled_round(work, spec, key, flat_rand, result)):
-        _in_chunks(work, spec, None if key is None else Key(*key.tolist()), flat_rand, result)
+        if key is not None and key.device.type == "cpu":
+            key = Key(*key.tolist())  # Python ints take the eager generator's fast path
+        _in_chunks(work, spec, key, flat_rand, result)
     if not spec.fmt.has_nans:
         _raise_on_invalid(work, result, spec)
     if not direct:
@@ -101,7 +104,7 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def _in_chunks(flat: torch.Tensor, spec: RoundSpec, key: Key | None, rand, out: torch.Tensor) -> None:
+def _in_chunks(flat: torch.Tensor, spec: RoundSpec, key: Key | torch.Tensor | None, rand, out: torch.Tensor) -> None:
     """Eager rounding. On a CPU in chunks of ``config.eager_chunk`` elements: eager torch
     makes one pass over the tensor per op, and chunks keep the intermediates in cache."""
     n = flat.numel()
@@ -126,9 +129,9 @@ def _raise_on_invalid(work: torch.Tensor, out: torch.Tensor, spec: RoundSpec) ->
         raise ValueError(f"{fmt} has no Inf or NaN for a value beyond its range; use sat=True")
 
 
-def _fake_checks(x, fmt, mode, sat, bits, fraction, key, random_bits) -> None:
+def _fake_checks(x, fmt, rounding, sat, bits, fraction, key, random_bits) -> None:
     """What can be checked while tracing: everything but the values of random_bits."""
-    spec = spec_of(x, fmt, mode, sat, bits, fraction)
+    spec = spec_of(x, fmt, rounding, sat, bits, fraction)
     _check_key(spec, x, key, random_bits)
     if key is None:
         check_random_bits(x, spec, random_bits, values=False)
@@ -136,11 +139,11 @@ def _fake_checks(x, fmt, mode, sat, bits, fraction, key, random_bits) -> None:
 
 @torch.library.custom_op("fewbit::round", mutates_args=())
 def round_op(
-    x: torch.Tensor, fmt: str, mode: str, sat: bool, bits: int | None, fraction: float | None,
+    x: torch.Tensor, fmt: str, rounding: str, sat: bool, bits: int | None, fraction: float | None,
     key: torch.Tensor | None, random_bits: torch.Tensor | None,
 ) -> torch.Tensor:
     """``fewbit.round`` as an operator (see there)."""
-    spec = spec_of(x, fmt, mode, sat, bits, fraction)
+    spec = spec_of(x, fmt, rounding, sat, bits, fraction)
     _check_key(spec, x, key, random_bits)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     _round_into(x, spec, key, random_bits, out)
@@ -148,8 +151,8 @@ def round_op(
 
 
 @round_op.register_fake
-def _(x, fmt, mode, sat, bits, fraction, key, random_bits):
-    _fake_checks(x, fmt, mode, sat, bits, fraction, key, random_bits)
+def _(x, fmt, rounding, sat, bits, fraction, key, random_bits):
+    _fake_checks(x, fmt, rounding, sat, bits, fraction, key, random_bits)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -162,19 +165,19 @@ torch.library.register_autograd("fewbit::round", _straight_through)
 
 @torch.library.custom_op("fewbit::round_into", mutates_args=("out",))
 def round_into_op(
-    x: torch.Tensor, fmt: str, mode: str, sat: bool, bits: int | None, fraction: float | None,
+    x: torch.Tensor, fmt: str, rounding: str, sat: bool, bits: int | None, fraction: float | None,
     key: torch.Tensor | None, random_bits: torch.Tensor | None, out: torch.Tensor,
 ) -> None:
     """``fewbit.round(..., out=out)`` and ``fewbit.round_`` as an operator."""
-    spec = spec_of(x, fmt, mode, sat, bits, fraction)
+    spec = spec_of(x, fmt, rounding, sat, bits, fraction)
     _check_key(spec, x, key, random_bits)
     _check_out(x, out)
     _round_into(x, spec, key, random_bits, out)
 
 
 @round_into_op.register_fake
-def _(x, fmt, mode, sat, bits, fraction, key, random_bits, out):
-    _fake_checks(x, fmt, mode, sat, bits, fraction, key, random_bits)
+def _(x, fmt, rounding, sat, bits, fraction, key, random_bits, out):
+    _fake_checks(x, fmt, rounding, sat, bits, fraction, key, random_bits)
     _check_out(x, out)
 
 
