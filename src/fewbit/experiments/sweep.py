@@ -129,8 +129,11 @@ class _Worker:
     def send(self, task: int, cfg: TrainConfig, folder: Path) -> None:
         self.task = task
         line = json.dumps({"task": task, "dir": str(folder), "config": asdict(cfg)})
-        self.proc.stdin.write(line.encode() + b"\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(line.encode() + b"\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:  # it has died: its end of output reports the run
+            pass
 
     def lines(self, fd: int, chunk: bytes) -> list[str]:
         """The whole lines that ``chunk`` completes on stream ``fd``."""
@@ -140,7 +143,10 @@ class _Worker:
     def close(self) -> int:
         """Wait for the worker to end; its exit status."""
         for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            stream.close()
+            try:
+                stream.close()
+            except BrokenPipeError:  # stdin, holding a run the worker died before reading
+                pass
         return self.proc.wait()
 
     def signal_group(self, sig: int) -> None:
@@ -180,8 +186,7 @@ def run_many(
 ) -> SweepOutcome:
     """Train every unfinished run, ``workers`` at a time, with one progress bar over all
     iterations; ``on_finish`` is called with the finished runs (in sweep order) as each
-    ends. SIGINT and SIGTERM stop
-    every worker and return (``outcome.stopped``)."""
+    ends. SIGINT and SIGTERM stop every worker and return (``outcome.stopped``)."""
     from tqdm import tqdm
 
     outcome = SweepOutcome(len(configs))
@@ -232,17 +237,17 @@ def run_many(
 
     try:
         while (pending or pool) and not stop:
+            while pending and len(pool) < workers:
+                w = _Worker(data_file)
+                pool.append(w)
+                for stream in (w.proc.stdout, w.proc.stderr):
+                    selector.register(stream, selectors.EVENT_READ, w)
             for w in pool:
                 if w.task is None and pending:
                     i = pending.popleft()
                     w.send(i, configs[i], folders[i])
                 elif w.task is None and not w.proc.stdin.closed:
                     w.proc.stdin.close()  # no more runs: the worker exits
-            while pending and len(pool) < workers:
-                w = _Worker(data_file)
-                pool.append(w)
-                for stream in (w.proc.stdout, w.proc.stderr):
-                    selector.register(stream, selectors.EVENT_READ, w)
             for key, _ in selector.select(timeout=1.0):
                 w = key.data
                 chunk = os.read(key.fd, 1 << 16)
