@@ -129,10 +129,20 @@ def assert_same_outputs(out: Path, reference: Path) -> None:
         assert (out / name).read_bytes() == (reference / name).read_bytes(), name
 
 
-def test_sigterm_then_sigint_then_continue_equals_uninterrupted(data_dir, reference, tmp_path):
+def test_stopped_three_ways_then_continued_equals_uninterrupted(data_dir, reference, tmp_path):
     interrupt(data_dir, tmp_path, signal.SIGTERM)
     err = interrupt(data_dir, tmp_path, signal.SIGINT)
     assert "fewbit: continuing in" in err  # the second call went on from the first's checkpoints
+    # Killed outright, the command cannot stop its workers: they notice, and end.
+    since = time.time()
+    proc = start(data_dir, tmp_path)
+    mid_run(proc, tmp_path, since)
+    proc.kill()
+    proc.communicate()
+    deadline = time.monotonic() + 10
+    while session(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert session(proc.pid) == {}
     code, err = finish(start(data_dir, tmp_path))
     assert code == 0, err
     assert_same_outputs(tmp_path, reference)

@@ -176,6 +176,8 @@ def test_bad_configurations():
         config_from("huge")
     with pytest.raises(ValueError, match="unknown sweep"):
         arm_configs("figure9", TINY, [0])
+    with pytest.raises(ValueError, match="seeds must differ"):
+        arm_configs("figure3", TINY, [0, 1, 0])
 
 
 def test_sweeps_have_the_papers_arms():

@@ -71,6 +71,8 @@ def arm_configs(sweep: str | None, base: TrainConfig, seeds: Sequence[int]) -> l
     """Every (arm, seed) of a named sweep; ``None``: the base configuration alone."""
     if sweep is not None and sweep not in SWEEPS:
         raise ValueError(f"unknown sweep {sweep!r}; choose from {sorted(SWEEPS)}")
+    if len(set(seeds)) < len(seeds):  # two workers would train one run folder
+        raise ValueError(f"seeds must differ, got {list(seeds)}")
     arms = SWEEPS[sweep] if sweep else [{}]
     return [replace(base, **arm, seed=s) for arm in arms for s in seeds]
 
