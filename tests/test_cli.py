@@ -139,3 +139,14 @@ def test_help_lists_every_command_and_version(capsys):
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.startswith(f"fewbit {fewbit.__version__} ")
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    (["--repeat", "0"], "--repeat: must be >= 1, got 0"),
+    (["--log2-size", "-1"], "--log2-size: must be in 0..34, got -1"),
+    (["--log2-size", "x"], "--log2-size: invalid int value: 'x'"),
+])  # fmt: skip
+def test_bench_refuses_sizes_and_repeats_it_cannot_time(capsys, option, message):
+    with pytest.raises(SystemExit) as done:
+        main(["bench", *option])
+    assert done.value.code == 2 and message in capsys.readouterr().err

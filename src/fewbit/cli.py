@@ -21,6 +21,20 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch
            "float16": torch.float16}
 
 
+def _int_in(lo: int, hi: int | None = None):
+    """An argparse type: an int in lo..hi (for options no library function checks)."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < lo or (hi is not None and value > hi):
+            bounds = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse's "invalid int value" for a non-number
+    return parse
+
+
 def _num(v: float) -> str:
     return f"{v:.6g}"
 
@@ -290,9 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_round)
 
     p = sub.add_parser("bench", help="rounding throughput against torch.clone and gfloat")
-    p.add_argument("--log2-size", type=int, default=24)
+    p.add_argument("--log2-size", type=_int_in(0, 34), default=24, help="2^this elements (default 24)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--repeat", type=int, default=9)
+    p.add_argument("--repeat", type=_int_in(1), default=9)
     p.add_argument("--quick", action="store_true", help="binary8p4 with RNE, SRC N=3, sr only")
     p.add_argument("--no-gfloat", action="store_true")
     p.add_argument("--json", action="store_true")
