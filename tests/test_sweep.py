@@ -2,9 +2,9 @@
 
 Each test starts ``python -m fewbit.cli train --sweep figure3`` (tiny preset, one seed: five
 arms) in a session of its own, signals it while a run is mid-way, checks that no process
-of that session is left, and compares what the sweep writes with an uninterrupted
-sweep's files, byte for byte. Rounding runs eager (FEWBIT_EAGER=1): these tests are about
-processes and files, and five first compilations would take minutes.
+of that session is left, and compares what the sweep writes (CSVs and PNG) with an
+uninterrupted sweep's files, byte for byte. Rounding runs eager (FEWBIT_EAGER=1): these
+tests are about processes and files, and five first compilations would take minutes.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ ENV = {
     # The processes import this fewbit, wherever the tests found it.
     "PYTHONPATH": os.pathsep.join([str(Path(fewbit.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
 }
-OUTPUTS = ("losses.csv", "summary.csv")
+OUTPUTS = ("losses.csv", "summary.csv", "figure3.png")
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,6 @@ def test_stopped_three_ways_then_continued_equals_uninterrupted(data_dir, refere
     code, err = finish(start(data_dir, tmp_path))
     assert code == 0, err
     assert_same_outputs(tmp_path, reference)
-    assert (tmp_path / "figure3.png").stat().st_size > 10_000
 
 
 def test_killed_worker_is_reported_and_the_rest_finish(data_dir, reference, tmp_path):

@@ -7,7 +7,7 @@ own under the output directory, ``<arm>-s<seed>/``: ``config.json``, ``checkpoin
 run is over, ``result.json``. Results: ``losses.csv`` (every run's evaluations),
 ``summary.csv`` (final and best validation loss per arm, mean and spread over seeds), a
 PNG of validation loss with the spread over seeds shaded, and ``times.csv`` (each run's
-wall-clock seconds in its workers, start-up and compilation included). They are
+wall-clock seconds in its workers, building the model and compiling included). They are
 rewritten as runs finish; all but ``times.csv`` depend on the finished runs alone, so an
 interrupted and continued sweep writes the same bytes as an uninterrupted one.
 
