@@ -142,8 +142,8 @@ def cmd_round(args: argparse.Namespace) -> int:
             result, expected = repr(first), first
         elif math.isfinite(first) and math.isfinite(last):
             result, expected = f"{first!r} or {last!r}", Fraction(first) + p * Fraction(last - first)
-        else:  # one of them is Inf or NaN, and comes with probability p > 0
-            result, expected = f"{first!r} or {last!r}", last
+        else:  # one of them is Inf or NaN, and comes with a probability > 0
+            result, expected = f"{first!r} or {last!r}", last if math.isfinite(first) else first
         shown_p = "" if spec.bits is None or not (math.isfinite(first) or math.isfinite(last)) else str(p)
         if ulp is None or not math.isfinite(expected):
             bias = ""
