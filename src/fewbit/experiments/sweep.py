@@ -1,24 +1,42 @@
 """Sweeps of training runs: the paper's Figure 3 and seed 002's stagnation study.
 
-Each (arm, seed) is one run in a worker process (one thread each: small models train
-faster side by side than sharing threads). Results: ``losses.csv`` (every run's
-evaluations), ``summary.csv`` (final and best validation loss per arm, mean and spread
-over seeds) and a PNG of validation loss with the spread over seeds shaded.
+Each (arm, seed) is one run, trained by a worker process (:mod:`.worker`, one thread
+each: small models train faster side by side than sharing threads) in a folder of its
+own under the output directory, ``<arm>-s<seed>/``: ``config.json``, ``checkpoint.pt``
+(model, optimizer, history and RNG states, rewritten at every evaluation) and, once the
+run is over, ``result.json``. Results: ``losses.csv`` (every run's evaluations),
+``summary.csv`` (final and best validation loss per arm, mean and spread over seeds), a
+PNG of validation loss with the spread over seeds shaded, and ``times.csv`` (each run's
+wall-clock seconds in its workers, building the model and compiling included). They are
+rewritten as runs finish; all but ``times.csv`` depend on the finished runs alone, so an
+interrupted and continued sweep writes the same bytes as an uninterrupted one.
+
+A sweep survives interruption: SIGINT (Ctrl-C) or SIGTERM stops every worker, and the
+same call again continues each run from its last checkpoint. A worker that dies (killed,
+out of memory) costs its run alone, which is reported; the others go on.
 """
 
 from __future__ import annotations
 
 import csv
-import multiprocessing as mp
-import queue
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+import io
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from .data import CharDataset
-from .train import TrainConfig, train
+from .data import write_atomically
+from .train import TrainConfig
+from .worker import CHECKPOINT, RESULT
 
 #: Each sweep's arms as overrides of the base configuration.
 SWEEPS: dict[str, list[dict]] = {
@@ -49,59 +67,244 @@ class RunResult:
     seconds: float
 
 
-def _worker(cfg: TrainConfig, data: CharDataset, index: int, progress) -> RunResult:
-    torch.set_num_threads(1)
-
-    def report(run) -> None:
-        progress.put((index, run.it, run.history.train[-1], run.history.val[-1]))
-
-    run = train(cfg, data, on_eval=report)
-    h = run.history
-    return RunResult(cfg, h.iters, h.train, h.val, run.seconds)
-
-
 def arm_configs(sweep: str | None, base: TrainConfig, seeds: Sequence[int]) -> list[TrainConfig]:
     """Every (arm, seed) of a named sweep; ``None``: the base configuration alone."""
     if sweep is not None and sweep not in SWEEPS:
         raise ValueError(f"unknown sweep {sweep!r}; choose from {sorted(SWEEPS)}")
+    if len(set(seeds)) < len(seeds):  # two workers would train one run folder
+        raise ValueError(f"seeds must differ, got {list(seeds)}")
     arms = SWEEPS[sweep] if sweep else [{}]
     return [replace(base, **arm, seed=s) for arm in arms for s in seeds]
 
 
+def run_folder(out_dir: Path, cfg: TrainConfig) -> Path:
+    """``binary8p4-src-n3-s0``: the arm's label and the seed."""
+    name = cfg.label.lower().replace(" ", "-").replace("=", "")
+    return out_dir / f"{name}-s{cfg.seed}"
+
+
+def read_result(cfg: TrainConfig, folder: Path) -> RunResult | None:
+    """The finished run in ``folder``, or None while it is unfinished."""
+    path = folder / RESULT
+    if not path.exists():
+        return None
+    saved = json.loads(path.read_text())
+    return RunResult(cfg, saved["iters"], saved["train"], saved["val"], saved["seconds"])
+
+
+def claim_folders(configs: list[TrainConfig], out_dir: Path, restart: bool) -> list[Path]:
+    """Each run's folder, made or found; with ``restart``, emptied first. A folder that
+    holds a run of another configuration is an error, named before anything starts."""
+    folders = [run_folder(out_dir, c) for c in configs]
+    for cfg, folder in zip(configs, folders, strict=True):
+        if restart and folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        written = folder / "config.json"
+        if written.exists():
+            before = json.loads(written.read_text())
+            now = asdict(cfg)
+            changed = [f"{k} {before.get(k)!r} -> {v!r}" for k, v in now.items() if before.get(k) != v]
+            if changed:
+                raise ValueError(
+                    f"{folder} holds a run with another configuration ({', '.join(changed)}): pass "
+                    "--restart to discard it, or --out for another folder"
+                )
+        else:
+            written.write_text(json.dumps(asdict(cfg), indent=1))
+    return folders
+
+
+class _Worker:
+    """A worker process, what it has written of an unfinished line, and its run."""
+
+    def __init__(self, data_file: Path):
+        # A warning made an error here (python -W error ...) is one in the workers too.
+        flags = [f"-W{w}" for w in sys.warnoptions]
+        self.proc = subprocess.Popen(
+            [sys.executable, *flags, "-m", "fewbit.experiments.worker", str(data_file), str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, process_group=0,
+        )  # fmt: skip
+        self.task: int | None = None
+        self.partial = {self.proc.stdout.fileno(): b"", self.proc.stderr.fileno(): b""}
+
+    def send(self, task: int, cfg: TrainConfig, folder: Path) -> None:
+        self.task = task
+        line = json.dumps({"task": task, "dir": str(folder), "config": asdict(cfg)})
+        try:
+            self.proc.stdin.write(line.encode() + b"\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:  # it has died: its end of output reports the run
+            pass
+
+    def lines(self, fd: int, chunk: bytes) -> list[str]:
+        """The whole lines that ``chunk`` completes on stream ``fd``."""
+        *whole, self.partial[fd] = (self.partial[fd] + chunk).split(b"\n")
+        return [line.decode(errors="replace") for line in whole]
+
+    def close(self) -> int:
+        """Wait for the worker to end; its exit status."""
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            try:
+                stream.close()
+            except BrokenPipeError:  # stdin, holding a run the worker died before reading
+                pass
+        return self.proc.wait()
+
+    def signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:  # the whole group has exited
+            pass
+
+
+def _how_it_ended(code: int) -> str:
+    if code < 0:
+        name = signal.Signals(-code).name
+        return f"killed by {name}" + (" (out of memory?)" if -code == signal.SIGKILL else "")
+    return f"exited with status {code}"
+
+
+@dataclass
+class SweepOutcome:
+    """What a sweep call did: the finished runs in sweep order, the runs whose worker
+    died (with how), and the signal that stopped it, if one did."""
+
+    total: int
+    results: list[RunResult] = field(default_factory=list)
+    failed: list[tuple[TrainConfig, str]] = field(default_factory=list)
+    stopped: int | None = None
+    checkpointed: int = 0  #: unfinished runs with a checkpoint to continue from
+    written: list[Path] = field(default_factory=list)
+
+
 def run_many(
-    configs: list[TrainConfig], data: CharDataset, workers: int = 2, progress_bar: bool = True
-) -> list[RunResult]:
-    """Every configuration, ``workers`` at a time, with one progress bar over all iterations."""
+    configs: list[TrainConfig],
+    folders: list[Path],
+    data_file: Path,
+    workers: int = 2,
+    progress_bar: bool = True,
+    on_finish: Callable[[list[RunResult]], object] = lambda results: None,
+) -> SweepOutcome:
+    """Train every unfinished run, ``workers`` at a time, with one progress bar over all
+    iterations; ``on_finish`` is called with the finished runs (in sweep order) as each
+    ends. SIGINT and SIGTERM stop every worker and return (``outcome.stopped``)."""
     from tqdm import tqdm
 
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager, ctx.Pool(workers) as pool:
-        progress = manager.Queue()
-        pending = [pool.apply_async(_worker, (c, data, i, progress)) for i, c in enumerate(configs)]
-        done_iters = [0] * len(configs)
-        latest: dict[str, str] = {}
-        bar = tqdm(total=sum(c.iters for c in configs), unit="it", disable=not progress_bar, smoothing=0.05)
-        while not all(p.ready() for p in pending):
-            try:
-                i, it, tr, va = progress.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            bar.update(it - done_iters[i])
-            done_iters[i] = it
-            latest[f"{configs[i].label} s{configs[i].seed}"] = f"{va:.3f}"
+    outcome = SweepOutcome(len(configs))
+    results = [read_result(c, f) for c, f in zip(configs, folders, strict=True)]
+    finished = {i: r for i, r in enumerate(results) if r is not None}
+    pending = deque(i for i in range(len(configs)) if i not in finished)
+    done_iters = [finished[i].iters[-1] if i in finished else 0 for i in range(len(configs))]
+    bar = tqdm(total=sum(c.iters for c in configs), initial=sum(done_iters), unit="it",
+               disable=not progress_bar, smoothing=0.05)  # fmt: skip
+    bar.set_postfix_str("starting (a mode's first run compiles its kernels)")
+    latest: dict[str, str] = {}
+    pool: list[_Worker] = []
+    selector = selectors.DefaultSelector()
+    stop: list[int] = []
+    # The handler only takes note, and wakes the loop through a pipe: stopping in the
+    # middle of starting a worker could leave one running that nothing knows of.
+    wake_r, wake_w = os.pipe()
+    selector.register(wake_r, selectors.EVENT_READ, None)
+
+    def on_signal(signum, frame) -> None:
+        stop.append(signum)
+        os.write(wake_w, b"!")
+
+    previous = {s: signal.signal(s, on_signal) for s in _STOP_SIGNALS}
+
+    def handle(w: _Worker, message: dict) -> None:
+        i = message["task"]
+        if message.get("done"):
+            w.task = None
+            finished[i] = read_result(configs[i], folders[i])
+            on_finish([finished[j] for j in sorted(finished)])
+            return
+        bar.update(message["it"] - done_iters[i])
+        done_iters[i] = message["it"]
+        if "val" in message:
+            latest[f"{configs[i].label} s{configs[i].seed}"] = f"{message['val']:.3f}"
             bar.set_postfix_str(" ".join(f"{k}: {v}" for k, v in list(latest.items())[-2:]))
-        bar.update(bar.total - bar.n)
+
+    def ended(w: _Worker) -> None:
+        pool.remove(w)
+        code = w.close()
+        if w.task is not None:
+            cfg = configs[w.task]
+            how = _how_it_ended(code)
+            outcome.failed.append((cfg, how))
+            bar.write(f"fewbit: the worker training {cfg.label!r} seed {cfg.seed} {how}; "
+                      "the other runs go on", file=sys.stderr)  # fmt: skip
+
+    try:
+        while (pending or pool) and not stop:
+            while pending and len(pool) < workers:
+                w = _Worker(data_file)
+                pool.append(w)
+                for stream in (w.proc.stdout, w.proc.stderr):
+                    selector.register(stream, selectors.EVENT_READ, w)
+            for w in pool:
+                if w.task is None and pending:
+                    i = pending.popleft()
+                    w.send(i, configs[i], folders[i])
+                elif w.task is None and not w.proc.stdin.closed:
+                    w.proc.stdin.close()  # no more runs: the worker exits
+            for key, _ in selector.select(timeout=1.0):
+                w = key.data
+                chunk = os.read(key.fd, 1 << 16)
+                if w is None:  # a stop signal
+                    continue
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                    if not any(k.data is w for k in selector.get_map().values()):
+                        ended(w)
+                    continue
+                for line in w.lines(key.fd, chunk):
+                    if key.fileobj is w.proc.stdout and line.startswith("{"):
+                        handle(w, json.loads(line))
+                    else:  # the worker's warnings and errors, above the bar
+                        bar.write(line, file=sys.stderr)
+    finally:
+        for w in pool:
+            w.signal_group(signal.SIGTERM)
+        for w in pool:
+            try:
+                w.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                w.signal_group(signal.SIGKILL)
+            w.close()
+        selector.close()
+        os.close(wake_r)
+        os.close(wake_w)
         bar.close()
-        return [p.get() for p in pending]
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    outcome.stopped = stop[0] if stop else None
+    outcome.results = [finished[i] for i in sorted(finished)]
+    return outcome
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _write_csv(path: Path, header: list[str], rows: list[list]) -> None:
+    text = io.StringIO(newline="")
+    w = csv.writer(text)
+    w.writerow(header)
+    w.writerows(rows)
+    write_atomically(path, lambda f: f.write(text.getvalue().encode()))
 
 
 def write_losses(results: list[RunResult], path: Path) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["arm", "seed", "iter", "train_loss", "val_loss"])
-        for r in results:
-            for row in zip(r.iters, r.train, r.val, strict=True):
-                w.writerow([r.cfg.label, r.cfg.seed, *row])
+    rows = [[r.cfg.label, r.cfg.seed, *evaluation] for r in results
+            for evaluation in zip(r.iters, r.train, r.val, strict=True)]  # fmt: skip
+    _write_csv(path, ["arm", "seed", "iter", "train_loss", "val_loss"], rows)
+
+
+def write_times(results: list[RunResult], path: Path) -> None:
+    rows = [[r.cfg.label, r.cfg.seed, f"{r.seconds:.1f}"] for r in results]
+    _write_csv(path, ["arm", "seed", "seconds"], rows)
 
 
 def by_arm(results: list[RunResult]) -> dict[str, list[RunResult]]:
@@ -121,16 +324,13 @@ def summarise(results: list[RunResult]) -> list[dict]:
         rows.append({
             "arm": label, "seeds": len(runs),
             "final_val": sum(final) / len(final), "final_min": min(final), "final_max": max(final),
-            "best_val": sum(best) / len(best), "minutes": sum(r.seconds for r in runs) / 60,
+            "best_val": sum(best) / len(best),
         })  # fmt: skip
     return rows
 
 
 def write_summary(rows: list[dict], path: Path) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    _write_csv(path, list(rows[0]), [list(r.values()) for r in rows])
 
 
 def format_summary(rows: list[dict]) -> str:
@@ -141,10 +341,13 @@ def format_summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[RunResult], path: Path, title: str) -> None:
-    """Validation loss per arm: mean over seeds, the min-max band shaded."""
-    import matplotlib
-
+def plot(results: list[RunResult], path: Path, title: str) -> bool:
+    """Validation loss per arm: mean over seeds, the min-max band shaded. False, and no
+    file, without matplotlib (an optional dependency)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -162,27 +365,61 @@ def plot(results: list[RunResult], path: Path, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_atomically(path, lambda f: fig.savefig(f, format="png", dpi=120))
     plt.close(fig)
+    return True
+
+
+def write_outputs(results: list[RunResult], out_dir: Path, name: str, title: str) -> list[Path]:
+    """losses.csv, summary.csv, times.csv and ``name``.png of the finished runs; the
+    files written."""
+    if not results:
+        return []
+    written = [out_dir / "losses.csv", out_dir / "summary.csv", out_dir / "times.csv"]
+    write_losses(results, written[0])
+    write_summary(summarise(results), written[1])
+    write_times(results, written[2])
+    if plot(results, out_dir / f"{name}.png", title):
+        written.append(out_dir / f"{name}.png")
+    return written
 
 
 def run_sweep(
     sweep: str | None,
     base: TrainConfig,
-    data: CharDataset,
+    data_file: Path,
     seeds: Sequence[int],
     out_dir: Path,
     workers: int = 2,
     progress_bar: bool = True,
-) -> list[dict]:
-    """Run a named sweep (or, with None, ``base`` for each seed); write losses.csv,
-    summary.csv and <sweep>.png (or losses.png) into out_dir."""
+    restart: bool = False,
+) -> SweepOutcome:
+    """Run a named sweep (or, with None, ``base`` for each seed) on the prepared dataset
+    ``data_file``, continuing the runs ``out_dir`` holds (``restart``: from scratch);
+    write the results into out_dir as runs finish and once more at the end."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
     configs = arm_configs(sweep, base, seeds)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    results = run_many(configs, data, workers, progress_bar)
-    write_losses(results, out_dir / "losses.csv")
-    rows = summarise(results)
-    write_summary(rows, out_dir / "summary.csv")
-    name = sweep or "losses"
-    plot(results, out_dir / f"{name}.png", f"{sweep or base.label}: char GPT on Shakespeare")
-    return rows
+    folders = claim_folders(configs, out_dir, restart)
+    finished = sum((f / RESULT).exists() for f in folders)
+    if finished or _checkpointed(folders):
+        print(f"fewbit: continuing in {out_dir}: {finished} of {len(configs)} runs finished, "
+              f"{_checkpointed(folders)} resume from their last evaluation (--restart starts over)",
+              file=sys.stderr)  # fmt: skip
+    name, title = sweep or "losses", f"{sweep or base.label}: char GPT on Shakespeare"
+    written: list[Path] = []
+
+    def write(results: list[RunResult]) -> None:
+        written[:] = write_outputs(results, out_dir, name, title)
+
+    outcome = run_many(configs, folders, data_file, workers, progress_bar, on_finish=write)
+    if not written:  # no run ended in this call: the results of earlier ones, written again
+        write(outcome.results)
+    outcome.written = written
+    outcome.checkpointed = _checkpointed(folders)
+    return outcome
+
+
+def _checkpointed(folders: list[Path]) -> int:
+    """How many unfinished runs have a checkpoint to continue from."""
+    return sum((f / CHECKPOINT).exists() and not (f / RESULT).exists() for f in folders)

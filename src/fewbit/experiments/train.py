@@ -9,17 +9,15 @@ same batches as an uninterrupted one.
 
 from __future__ import annotations
 
-import csv
 import math
-import time
 import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
 import torch
 
 from ..optim import LowPrecisionWeights
+from ..rounding.checks import check_round_args
 from ..rounding.modes import parse_mode
 from .data import CharDataset
 from .gpt import GPT, GPTConfig
@@ -58,11 +56,15 @@ class TrainConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        if self.mode not in PLAIN_MODES:
-            parse_mode(self.mode)  # ValueError naming the known modes
         if self.update_dtype not in UPDATE_DTYPES:
             known = sorted(UPDATE_DTYPES)
             raise ValueError(f"update_dtype must be one of {known}, not {self.update_dtype!r}")
+        if self.mode not in PLAIN_MODES:
+            # The write-back's own checks, here: a bad format, N or p is reported before
+            # any worker starts, in fewbit.round's words.
+            probe = torch.empty(0, dtype=UPDATE_DTYPES[self.update_dtype])
+            bits = self.bits if parse_mode(self.mode).takes_bits else None
+            check_round_args(probe, self.weight_format, self.mode, True, bits, self.fraction)
         for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "iters", "eval_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -106,12 +108,6 @@ class History:
         self.iters.append(it)
         self.train.append(train)
         self.val.append(val)
-
-    def write_csv(self, path: Path) -> None:
-        with open(path, "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["iter", "train_loss", "val_loss"])
-            w.writerows(zip(self.iters, self.train, self.val, strict=True))
 
 
 def batch_generator(seed: int, it: int) -> torch.Generator:
@@ -212,6 +208,7 @@ class Run:
             "history": asdict(self.history),
             "since_eval": list(self._since_eval),
             "torch_rng": torch.get_rng_state(),  # dropout draws from it
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -223,6 +220,8 @@ class Run:
         self.history = History(**state["history"])
         self._since_eval = list(state["since_eval"])
         torch.set_rng_state(state["torch_rng"])
+        if state["cuda_rng"]:
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
 
 
 def config_from(preset: str, **overrides) -> TrainConfig:
@@ -230,12 +229,3 @@ def config_from(preset: str, **overrides) -> TrainConfig:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     return replace(PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None})
-
-
-def train(cfg: TrainConfig, data: CharDataset, on_eval: Callable[[Run], None] | None = None) -> Run:
-    """One whole run; returns it (``run.history`` holds the losses)."""
-    run = Run(cfg, data)
-    start = time.perf_counter()
-    run.run(on_eval=on_eval)
-    run.seconds = time.perf_counter() - start
-    return run

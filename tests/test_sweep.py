@@ -1,0 +1,179 @@
+"""Sweeps that survive interruption: real `fewbit train` processes, stopped by real signals.
+
+Each test starts ``python -m fewbit.cli train --sweep figure3`` (tiny preset, one seed: five
+arms) in a session of its own, signals it while a run is mid-way, checks that no process
+of that session is left, and compares what the sweep writes (CSVs and PNG) with an
+uninterrupted sweep's files, byte for byte. Rounding runs eager (FEWBIT_EAGER=1): these
+tests are about processes and files, and five first compilations would take minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import fewbit
+from fewbit.cli import main
+from fewbit.experiments.data import prepare_shakespeare
+from fewbit.experiments.train import TrainConfig
+from test_train import fake_tarball
+
+pytestmark = pytest.mark.slow  # about ten `fewbit train` processes, each importing torch
+
+ITERS = 20
+SWEEP = ["train", "--preset", "tiny", "--sweep", "figure3", "--seeds", "0", "--iters", str(ITERS),
+         "--eval-interval", "5", "--quiet"]  # fmt: skip
+ENV = {
+    **os.environ,
+    "FEWBIT_EAGER": "1",
+    # The processes import this fewbit, wherever the tests found it.
+    "PYTHONPATH": os.pathsep.join([str(Path(fewbit.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+}
+OUTPUTS = ("losses.csv", "summary.csv", "figure3.png")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("data")
+    prepare_shakespeare(root, fake_tarball(root / "s.tar.gz"))
+    return root
+
+
+def start(data_dir: Path, out: Path, *extra: str) -> subprocess.Popen:
+    """The sweep, in a session of its own: its id is the process's pid."""
+    cmd = [sys.executable, "-m", "fewbit.cli", *SWEEP, "--data-dir", str(data_dir), "--out", str(out), *extra]
+    return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str]:
+    """Exit status and stderr, once the command has ended."""
+    _, err = proc.communicate(timeout=300)
+    return proc.returncode, err
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir, tmp_path_factory) -> Path:
+    """An uninterrupted sweep's folder (run from this process: one torch import less)."""
+    out = tmp_path_factory.mktemp("reference")
+    with pytest.MonkeyPatch.context() as env:
+        for name in ("FEWBIT_EAGER", "PYTHONPATH"):
+            env.setenv(name, ENV[name])
+        assert main([*SWEEP, "--data-dir", str(data_dir), "--out", str(out)]) == 0
+    return out
+
+
+def session(sid: int) -> dict[int, str]:
+    """The live processes of session ``sid``: pid -> command line."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # ended meanwhile
+            continue
+        state, _, _, sid_of = text[text.rindex(")") + 2 :].split()[:4]
+        if int(sid_of) == sid and state != "Z":
+            found[int(stat.parent.name)] = cmdline
+    return found
+
+
+def iteration(checkpoint: Path) -> int:
+    return torch.load(checkpoint)["run"]["it"]
+
+
+def mid_run(proc: subprocess.Popen, out: Path, since: float) -> Path:
+    """Wait for a checkpoint written after ``since`` by a run part of the way through;
+    return that run's folder."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the sweep ended first: {finish(proc)}"
+        for checkpoint in out.glob("*/checkpoint.pt"):
+            try:
+                if checkpoint.stat().st_mtime > since and 0 < iteration(checkpoint) < ITERS:
+                    return checkpoint.parent
+            except FileNotFoundError:  # replaced meanwhile
+                continue
+        time.sleep(0.02)
+    raise AssertionError("no checkpoint mid-run within 240 s")
+
+
+def interrupt(data_dir: Path, out: Path, sig: signal.Signals) -> str:
+    """Start or continue the sweep, send ``sig`` mid-run; check it stopped, leaving
+    nothing running; its stderr."""
+    since = time.time()
+    proc = start(data_dir, out)
+    mid_run(proc, out, since)
+    proc.send_signal(sig)
+    code, err = finish(proc)
+    assert code == 128 + sig, err
+    assert session(proc.pid) == {}
+    assert f"stopped by {sig.name}" in err and "run the same command to continue" in err
+    assert "Traceback" not in err
+    # What the next call continues from: a run part of the way through.
+    saved = [f / "checkpoint.pt" for f in out.iterdir() if not (f / "result.json").exists()]
+    assert any(0 < iteration(c) < ITERS for c in saved if c.exists()), err
+    return err
+
+
+def assert_same_outputs(out: Path, reference: Path) -> None:
+    for name in OUTPUTS:
+        assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+
+
+def test_stopped_three_ways_then_continued_equals_uninterrupted(data_dir, reference, tmp_path):
+    interrupt(data_dir, tmp_path, signal.SIGTERM)
+    err = interrupt(data_dir, tmp_path, signal.SIGINT)
+    assert "fewbit: continuing in" in err  # the second call went on from the first's checkpoints
+    # Killed outright, the command cannot stop its workers: they notice, and end.
+    since = time.time()
+    proc = start(data_dir, tmp_path)
+    mid_run(proc, tmp_path, since)
+    proc.kill()
+    proc.communicate()
+    deadline = time.monotonic() + 10
+    while session(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert session(proc.pid) == {}
+    code, err = finish(start(data_dir, tmp_path))
+    assert code == 0, err
+    assert_same_outputs(tmp_path, reference)
+
+
+def test_killed_worker_is_reported_and_the_rest_finish(data_dir, reference, tmp_path):
+    since = time.time()
+    proc = start(data_dir, tmp_path, "--workers", "1")
+    victim = mid_run(proc, tmp_path, since)
+    (worker,) = [pid for pid, cmd in session(proc.pid).items() if "fewbit.experiments.worker" in cmd]
+    os.kill(worker, signal.SIGKILL)
+    code, err = finish(proc)
+    assert code == 1, err
+    assert session(proc.pid) == {}
+    label = TrainConfig(**json.loads((victim / "config.json").read_text())).label
+    assert f"the worker training {label!r} seed 0 killed by SIGKILL" in err
+    assert f"1 of 5 runs did not finish: {label!r} seed 0" in err
+    # The other four runs' rows, as the uninterrupted sweep wrote them.
+    rows = (reference / "losses.csv").read_text().splitlines(keepends=True)
+    assert (tmp_path / "losses.csv").read_text() == "".join(r for r in rows if not r.startswith(label + ","))
+    # The killed run continues from its checkpoint.
+    code, err = finish(start(data_dir, tmp_path))
+    assert code == 0, err
+    assert_same_outputs(tmp_path, reference)
+
+
+def test_training_warns_of_nothing(data_dir, tmp_path):
+    """`python -W error::UserWarning -m fewbit.cli train --preset tiny`, compiled as a user
+    runs it: no warning, from the command or its worker."""
+    env = {k: v for k, v in ENV.items() if k != "FEWBIT_EAGER"}
+    cmd = [sys.executable, "-W", "error::UserWarning", "-m", "fewbit.cli", "train", "--preset", "tiny",
+           "--data-dir", str(data_dir), "--out", str(tmp_path), "--quiet"]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "Warning" not in done.stderr, done.stderr
