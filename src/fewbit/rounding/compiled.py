@@ -71,12 +71,18 @@ def range_bits(spec: RoundSpec, keys: list[tuple], offset: int, n: int, device) 
 def round_body(
     x: torch.Tensor, spec: RoundSpec, rand: torch.Tensor | None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """What every path computes: the float-adder shortcut where it applies, else
-    ``round_fast``; into ``out`` when given."""
-    if magic_applies(spec, x.dtype):
-        return round_magic(x, spec, rand, out)
-    result = round_fast(x, spec, rand)
-    return result if out is None else out.copy_(result)
+    """What every path computes, on ``x`` in its working dtype (a 16-bit ``x`` widened to
+    float32, exactly): the float-adder shortcut where it applies, else ``round_fast``.
+    Into ``out`` (of x's dtype or the working one) when given; else a tensor of the
+    working dtype. Compiled, the widening and the narrowing into ``out`` fuse into the
+    kernel: a 16-bit tensor is read and written in its own width, in one pass."""
+    work = x.to(working_dtype(x.dtype))
+    into = out if out is not None and out.dtype == work.dtype else None
+    if magic_applies(spec, work.dtype):
+        result = round_magic(work, spec, rand, into)
+    else:
+        result = round_fast(work, spec, rand)
+    return result if out is None or result is out else out.copy_(result)
 
 
 def _rows_kernel(main, last, out, key, *, spec: RoundSpec) -> torch.Tensor:

@@ -25,7 +25,6 @@ from ..formats import FloatFormat, format
 from ..random import Key
 from .checks import RoundSpec, check_random_bits, make_spec
 from .compiled import compiled_round, range_bits, round_body, stream_keys, use_compiled
-from .fast import working_dtype
 from .modes import parse_mode
 
 __all__ = ["format_name", "lookup_format", "spec_of"]
@@ -82,20 +81,19 @@ def _check_key(spec: RoundSpec, x: torch.Tensor, key: torch.Tensor | None, rando
 def _round_into(x, spec: RoundSpec, key, random_bits, out: torch.Tensor) -> None:
     """Round x into out (x's shape and dtype). Nothing is written on an error."""
     rand = check_random_bits(x, spec, random_bits) if key is None else None
-    work = x.to(working_dtype(x.dtype)).reshape(-1)
-    # The kernels write a flat tensor of the working dtype. out is that only when it is
-    # contiguous and of that dtype, and does not overlap x (an in-place call), and when a
-    # format without NaN leaves nothing to refuse after the rounding.
-    direct = (out.is_contiguous() and out.dtype == work.dtype and spec.fmt.has_nans
-              and not _overlaps(out, x))  # fmt: skip
-    result = out.view(-1) if direct else torch.empty_like(work)
+    flat = x.reshape(-1)
+    # The kernels write a flat contiguous tensor. out is one unless it is strided, or
+    # overlaps x (an in-place call), or a format without NaN may still refuse the call
+    # once rounded: then a temporary takes the result first.
+    direct = out.is_contiguous() and spec.fmt.has_nans and not _overlaps(out, x)
+    result = out.view(-1) if direct else torch.empty_like(flat)
     flat_rand = None if rand is None else rand.reshape(-1)
-    if not (use_compiled(work.numel()) and compiled_round(work, spec, key, flat_rand, result)):
+    if not (use_compiled(flat.numel()) and compiled_round(flat, spec, key, flat_rand, result)):
         if key is not None and key.device.type == "cpu":
             key = Key(*key.tolist())  # Python ints take the eager generator's fast path
-        _in_chunks(work, spec, key, flat_rand, result)
+        _in_chunks(flat, spec, key, flat_rand, result)
     if not spec.fmt.has_nans:
-        _raise_on_invalid(work, result, spec)
+        _raise_on_invalid(flat, result, spec)
     if not direct:
         out.copy_(result.view(x.shape))
 
