@@ -23,7 +23,7 @@ from .random import Key, as_key, fold_in, key_tensor
 from .replicas import SeedPolicy, assert_identical_inputs, replica_key
 from .rounding import RoundMode, dtype_format, round
 from .rounding.checks import check_round_args
-from .rounding.compiled import round_foreach_
+from .rounding.compiled import round_foreach_, stream_words
 from .rounding.modes import parse_mode
 
 __all__ = ["LowPrecisionWeights"]
@@ -176,7 +176,7 @@ class LowPrecisionWeights:
             self._scales = [self._power_of_two_scale(p) for p in self.params]
             torch._foreach_mul_(self.params, self._scales)
         if self.fmt.has_nans:
-            words = [[0, 0] if k is None else [k.k0, k.k1] for k in keys]
+            words = [[0, 0] if k is None else stream_words(self.spec, k) for k in keys]
             round_foreach_(self.params, self.spec, key_tensor(words, self.params[0].device), self.via)
         else:  # fewbit.round raises where a value has no result: a NaN input, say
             extra = {"fraction": self.fraction} if self.mode is RoundMode.SR_FRACTION else {}

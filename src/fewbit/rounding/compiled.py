@@ -21,13 +21,14 @@ import warnings
 import torch
 
 from ..config import current
-from ..random import LANES, Key, bits_from_range, bits_rows, fold_in
+from ..random import LANES, Key, bits_from_range, bits_rows, fold_in, key_tensor
 from .checks import RoundSpec, dtype_format
 from .fast import round_fast, working_dtype
 from .magic import magic_applies, round_magic
 from .modes import MODES, SELECT_BITS, SELECT_KEY, RoundMode
 
-__all__ = ["compiled_round", "range_bits", "round_body", "round_foreach_", "stream_keys", "use_compiled"]
+__all__ = ["compiled_round", "range_bits", "round_body", "round_foreach_", "stream_words", "use_compiled",
+           "word_tensors"]
 
 #: Dynamo guards on the dispatch keys each input shows, and those depend on the caller: an
 #: op called through autograd runs below ADInplaceOrView, one called without it does not.
@@ -40,32 +41,42 @@ _CACHE: dict[tuple, object] = {}
 _BROKEN: set[tuple] = set()  # cache keys whose compilation failed once
 
 
-def stream_keys(spec: RoundSpec, key: Key | torch.Tensor) -> list[tuple]:
-    """``(k0, k1)`` of each random stream the mode reads: the key's, then for
-    ``sr_fraction`` its selection stream's, ``fold_in(key, SELECT_KEY)``. Python ints
-    from a Key (eager), 0-d tensors from a key tensor (inside a compiled kernel)."""
+def stream_words(spec: RoundSpec, key: Key | torch.Tensor) -> list:
+    """``[k0, k1]`` of the key's stream, then for ``sr_fraction`` ``[s0, s1]`` of its
+    selection stream, ``fold_in(key, SELECT_KEY)``: Python ints from a Key, 0-d tensors
+    from a key tensor. Kernels take these words ready made: a key derived inside a
+    compiled loop may be recomputed for every element."""
     keys = [key]
     if "select" in MODES[spec.mode].streams:
         keys.append(fold_in(key, SELECT_KEY))
-    return [(k.k0, k.k1) if isinstance(k, Key) else tuple(k.unbind()) for k in keys]
+    return [w for k in keys for w in ((k.k0, k.k1) if isinstance(k, Key) else k.unbind())]
 
 
-def _draw(spec: RoundSpec, keys: list[tuple], draw) -> torch.Tensor | None:
+def word_tensors(spec: RoundSpec, key: torch.Tensor) -> list[torch.Tensor]:
+    """:func:`stream_words` of a key tensor, as 0-d tensors on its device (a new key is
+    new data for a compiled kernel). Derived with Python ints where the key is in host
+    memory, so reading it waits for nothing."""
+    if key.device.type != "cpu":
+        return stream_words(spec, key)
+    return key_tensor(stream_words(spec, Key(*key.tolist())), key.device).unbind()
+
+
+def _draw(spec: RoundSpec, words, draw) -> torch.Tensor | None:
     """The random bits a spec takes, ``draw(bits, k0, k1)`` giving each stream's values:
-    N bits from the key, and for ``sr_fraction`` the selection bits above them."""
+    N bits from the key, and for ``sr_fraction`` the selection bits above them
+    (``words``: :func:`stream_words`)."""
     if spec.bits is None:
         return None
-    (k0, k1), *select = keys
-    rand = draw(spec.bits, k0, k1)
-    for s0, s1 in select:
-        rand = rand.to(torch.int64) | (draw(SELECT_BITS, s0, s1).to(torch.int64) << spec.bits)
+    rand = draw(spec.bits, words[0], words[1])
+    if len(words) > 2:
+        rand = rand.to(torch.int64) | (draw(SELECT_BITS, words[2], words[3]).to(torch.int64) << spec.bits)
     return rand
 
 
-def range_bits(spec: RoundSpec, keys: list[tuple], offset: int, n: int, device) -> torch.Tensor | None:
-    """The bits of elements ``offset .. offset + n`` for the streams' ``keys``
-    (:func:`stream_keys`)."""
-    return _draw(spec, keys, lambda bits, a, b: bits_from_range(offset, n, bits, a, b, device=device))
+def range_bits(spec: RoundSpec, words, offset: int, n: int, device) -> torch.Tensor | None:
+    """The bits of elements ``offset .. offset + n`` for the streams' ``words``
+    (:func:`stream_words`)."""
+    return _draw(spec, words, lambda bits, a, b: bits_from_range(offset, n, bits, a, b, device=device))
 
 
 def round_body(
@@ -85,18 +96,18 @@ def round_body(
     return result if out is None or result is out else out.copy_(result)
 
 
-def _rows_kernel(main, last, out, key, *, spec: RoundSpec) -> torch.Tensor:
+def _rows_kernel(main, last, out, words, *, spec: RoundSpec) -> torch.Tensor:
     """Round ``main`` (rows ``0 ..`` of the stream) into ``out``, and return ``last``
-    (the row after them) rounded, with the bits of key tensor ``key``. One draw of bits
-    serves both."""
+    (the row after them) rounded, with the bits of ``words`` (:func:`stream_words`).
+    One draw of bits serves both."""
     rows = main.shape[0]
-    rand = _draw(spec, stream_keys(spec, key), lambda bits, a, b: bits_rows(0, rows + 1, bits, a, b, device=main.device))
+    rand = _draw(spec, words, lambda bits, a, b: bits_rows(0, rows + 1, bits, a, b, device=main.device))
     split = (None, None) if rand is None else (rand[:rows], rand[rows:])
     out.copy_(round_body(main, spec, split[0]))
     return round_body(last, spec, split[1])
 
 
-def round_rows_into(x: torch.Tensor, out: torch.Tensor, key: torch.Tensor, spec: RoundSpec, kernel=None) -> None:
+def round_rows_into(x: torch.Tensor, out: torch.Tensor, words, spec: RoundSpec, kernel=None) -> None:
     """``out[:] =`` flat ``x`` rounded with generated bits, in rows of ``LANES``: the
     whole rows, and the partial last one padded with zeros to a whole row (an empty
     one when ``x`` fills its rows). The split is made outside ``kernel``, which so
@@ -110,7 +121,7 @@ def round_rows_into(x: torch.Tensor, out: torch.Tensor, key: torch.Tensor, spec:
         torch._dynamo.maybe_mark_dynamic(out_main, 0)
     if kernel is None:
         kernel = functools.partial(_rows_kernel, spec=spec)
-    last = kernel(main, last, out_main, key)
+    last = kernel(main, last, out_main, words)
     out[cut:].copy_(last.view(-1)[:tail])
 
 
@@ -141,7 +152,7 @@ def compiled_round(
                 torch._dynamo.maybe_mark_dynamic(out, 0)
                 fn(x, random_bits, out)
             else:
-                round_rows_into(x, out, key, spec, kernel=fn)
+                round_rows_into(x, out, word_tensors(spec, key), spec, kernel=fn)
         return True
     except Exception as err:  # no C++ compiler, no Triton, ...: eager still works
         _BROKEN.add(cache_key)
@@ -193,13 +204,13 @@ def _foreach_kernel(tensors: list[torch.Tensor], keys: torch.Tensor, *, spec: Ro
     for i, t in enumerate(tensors):
         x = _as_via(t, via)  # the value in the dtype the caller rounds from
         out = torch.empty_like(x)
-        round_rows_into(x, out, keys[i], spec)
+        round_rows_into(x, out, keys[i].unbind(), spec)
         t.copy_(out.reshape(t.shape))
 
 
 def round_foreach_(tensors: list[torch.Tensor], spec: RoundSpec, keys: torch.Tensor, via: torch.dtype) -> None:
-    """Round each tensor in place, tensor i with key tensor ``keys[i]`` (``keys``: int64
-    ``(len(tensors), 2)``), as ``round_`` of ``t.to(via)``
+    """Round each tensor in place, tensor i with the words ``keys[i]`` (``keys``: int64,
+    one row of :func:`stream_words` per tensor), as ``round_`` of ``t.to(via)``
     would: one compiled call for the whole list when compilation applies (an optimizer's
     write-back: per-call overhead, not arithmetic, dominates many mid-sized tensors),
     else the same code eager. The caller has checked the spec against ``via``, and

@@ -24,7 +24,7 @@ from ..config import current
 from ..formats import FloatFormat, format
 from ..random import Key
 from .checks import RoundSpec, check_random_bits, make_spec
-from .compiled import compiled_round, range_bits, round_body, stream_keys, use_compiled
+from .compiled import compiled_round, range_bits, round_body, stream_words, use_compiled
 from .modes import parse_mode
 
 __all__ = ["format_name", "lookup_format", "spec_of"]
@@ -107,13 +107,13 @@ def _in_chunks(flat: torch.Tensor, spec: RoundSpec, key: Key | torch.Tensor | No
     makes one pass over the tensor per op, and chunks keep the intermediates in cache."""
     n = flat.numel()
     chunk = current().eager_chunk if flat.device.type == "cpu" else max(n, 1)
-    keys = None if key is None else stream_keys(spec, key)
+    words = None if key is None else stream_words(spec, key)
     for start in range(0, n, chunk):
         part = flat[start : start + chunk]
         if key is None:
             bits = None if rand is None else rand[start : start + chunk]
         else:
-            bits = range_bits(spec, keys, start, part.numel(), part.device)
+            bits = range_bits(spec, words, start, part.numel(), part.device)
         round_body(part, spec, bits, out[start : start + chunk])
 
 
