@@ -105,7 +105,8 @@ def test_compiled_write_back_equals_eager(mode):
                 warnings.simplefilter("error", RuntimeWarning)
                 for t in range(2):
                     lpw.zero_grad()
-                    m(torch.randn(4, 128, generator=torch.Generator().manual_seed(t))).square().mean().backward()
+                    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(t))
+                    m(x).square().mean().backward()
                     lpw.step()
             assert not torch.equal(start, m[0].weight)
             results.append([p.detach().clone() for p in m.parameters()])

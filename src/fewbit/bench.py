@@ -21,6 +21,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+
 import torch
 
 from .codec import encode

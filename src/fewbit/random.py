@@ -233,7 +233,8 @@ def key_of(seed: Key | int | torch.Tensor, device: torch.device | str | None = N
         if seed.shape == (2,):
             return seed
         if seed.dim() != 0:
-            raise ValueError(f"a seed tensor is 0-d (a seed) or of shape (2,) (a key), not {tuple(seed.shape)}")
+            raise ValueError(f"a seed tensor is 0-d (a seed) or of shape (2,) (a key), "
+                             f"not {tuple(seed.shape)}")
         return torch.stack((seed & MASK32, seed >> 32))
     if isinstance(seed, torch.SymInt):
         return key_of(torch.tensor(seed, dtype=torch.int64, device=device), device)

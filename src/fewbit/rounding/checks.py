@@ -11,7 +11,6 @@ import numbers
 from dataclasses import dataclass
 
 import numpy as np
-
 import torch
 
 from ..formats import FloatFormat, format

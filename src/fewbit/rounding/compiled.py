@@ -208,7 +208,9 @@ def _foreach_kernel(tensors: list[torch.Tensor], keys: torch.Tensor, *, spec: Ro
         t.copy_(out.reshape(t.shape))
 
 
-def round_foreach_(tensors: list[torch.Tensor], spec: RoundSpec, keys: torch.Tensor, via: torch.dtype) -> None:
+def round_foreach_(
+    tensors: list[torch.Tensor], spec: RoundSpec, keys: torch.Tensor, via: torch.dtype
+) -> None:
     """Round each tensor in place, tensor i with the words ``keys[i]`` (``keys``: int64,
     one row of :func:`stream_words` per tensor), as ``round_`` of ``t.to(via)``
     would: one compiled call for the whole list when compilation applies (an optimizer's

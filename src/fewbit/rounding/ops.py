@@ -102,7 +102,9 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def _in_chunks(flat: torch.Tensor, spec: RoundSpec, key: Key | torch.Tensor | None, rand, out: torch.Tensor) -> None:
+def _in_chunks(
+    flat: torch.Tensor, spec: RoundSpec, key: Key | torch.Tensor | None, rand, out: torch.Tensor
+) -> None:
     """Eager rounding. On a CPU in chunks of ``config.eager_chunk`` elements: eager torch
     makes one pass over the tensor per op, and chunks keep the intermediates in cache."""
     n = flat.numel()
