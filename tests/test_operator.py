@@ -149,6 +149,15 @@ def test_out_refuses_before_writing():
         fewbit.round(torch.ones(2, requires_grad=True), "e4m3", out=torch.empty(2))
 
 
+def test_empty_tensors():
+    for threshold in (0, 1 << 16):
+        with fewbit.configure(compile_threshold=threshold):
+            for mode, kw in [("rne", {}), ("src", {"bits": 3, "seed": 1})]:
+                x = torch.empty(0, 3)
+                y = fewbit.round(x, "e4m3", mode, **kw)
+                assert y.shape == (0, 3) and not compiled._BROKEN
+
+
 def test_round_under_compile_in_place():
     def step(w):
         return fewbit.round_(w, "binary8p4", "src", bits=3, seed=torch.tensor(4))

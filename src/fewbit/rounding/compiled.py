@@ -128,7 +128,7 @@ def round_rows_into(x: torch.Tensor, out: torch.Tensor, words, spec: RoundSpec, 
 def use_compiled(numel: int) -> bool:
     """Whether a call on ``numel`` elements takes the compiled kernel (``fewbit.config``)."""
     config = current()
-    return config.compile and numel >= config.compile_threshold
+    return config.compile and numel >= max(config.compile_threshold, 1)  # nothing to launch for 0
 
 
 def compiled_round(
