@@ -162,6 +162,9 @@ class LowPrecisionWeights:
         self._write_back()
         return loss
 
+    # A user's torch.compile of step() compiles the inner optimizer's update; the write-back
+    # stays fewbit's own call (its compiled kernel, as eager), not traced into their graph.
+    @torch.compiler.disable
     @torch.no_grad()
     def _write_back(self) -> None:
         with configure(compile_threshold=min(current().compile_threshold, COMPILE_FROM)):
@@ -197,6 +200,7 @@ class LowPrecisionWeights:
             return 1.0
         return 2.0 ** math.floor(math.log2(self.fmt.max / 2 / amax))
 
+    @torch.compiler.disable
     @torch.no_grad()
     def materialize(self) -> None:
         """Decode weights kept as codes back into the parameters (no-op otherwise)."""
