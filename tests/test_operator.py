@@ -305,3 +305,17 @@ def test_the_private_dispatch_guard_is_still_there():
     # compiled.py calls kernels below ADInplaceOrView through a private torch guard; when a
     # torch release drops it, the fallback compiles a spec up to twice: this says so first.
     assert compiled.below_autograd is torch._C._AutoDispatchBelowADInplaceOrView
+
+
+def test_encode_and_decode_compile_and_take_tensors_that_require_grad():
+    w = torch.nn.Parameter(torch.randn(64))
+    y = fewbit.round(w, "e4m3")
+    codes = fewbit.encode(y, "e4m3")  # integer codes: no gradient, and no error
+    assert codes.dtype == torch.uint8 and not codes.requires_grad
+    assert torch.equal(fewbit.decode(codes, "e4m3"), y.detach())
+
+    def roundtrip(x):
+        return fewbit.decode(fewbit.encode(fewbit.round(x, "e4m3"), "e4m3"), "e4m3")
+
+    x = torch.randn(100)
+    assert torch.equal(torch.compile(roundtrip, fullgraph=True)(x), fewbit.round(x, "e4m3"))
