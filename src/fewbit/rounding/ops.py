@@ -129,10 +129,16 @@ def _raise_on_invalid(work: torch.Tensor, out: torch.Tensor, spec: RoundSpec) ->
         raise ValueError(f"{fmt} has no Inf or NaN for a value beyond its range; use sat=True")
 
 
-def _fake_checks(x, fmt, rounding, sat, bits, fraction, key, random_bits) -> None:
-    """What can be checked while tracing: everything but the values of random_bits."""
+def _checked(x, fmt, rounding, sat, bits, fraction, key, random_bits) -> RoundSpec:
+    """The call's spec, once the arguments and the key are checked."""
     spec = spec_of(x, fmt, rounding, sat, bits, fraction)
     _check_key(spec, x, key, random_bits)
+    return spec
+
+
+def _fake_checks(x, fmt, rounding, sat, bits, fraction, key, random_bits) -> None:
+    """What can be checked while tracing: everything but the values of random_bits."""
+    spec = _checked(x, fmt, rounding, sat, bits, fraction, key, random_bits)
     if key is None:
         check_random_bits(x, spec, random_bits, values=False)
 
@@ -143,8 +149,7 @@ def round_op(
     key: torch.Tensor | None, random_bits: torch.Tensor | None,
 ) -> torch.Tensor:
     """``fewbit.round`` as an operator (see there)."""
-    spec = spec_of(x, fmt, rounding, sat, bits, fraction)
-    _check_key(spec, x, key, random_bits)
+    spec = _checked(x, fmt, rounding, sat, bits, fraction, key, random_bits)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     _round_into(x, spec, key, random_bits, out)
     return out
@@ -169,8 +174,7 @@ def round_into_op(
     key: torch.Tensor | None, random_bits: torch.Tensor | None, out: torch.Tensor,
 ) -> None:
     """``fewbit.round(..., out=out)`` and ``fewbit.round_`` as an operator."""
-    spec = spec_of(x, fmt, rounding, sat, bits, fraction)
-    _check_key(spec, x, key, random_bits)
+    spec = _checked(x, fmt, rounding, sat, bits, fraction, key, random_bits)
     _check_out(x, out)
     _round_into(x, spec, key, random_bits, out)
 
