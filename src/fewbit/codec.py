@@ -22,7 +22,7 @@ from .rounding.checks import dtype_format
 from .rounding.fast import _LAYOUT, decompose, working_dtype
 from .rounding.ops import format_name, lookup_format
 
-__all__ = ["code_dtype", "decode", "encode"]
+__all__ = ["code_dtype", "codes_of", "decode", "encode", "pack_pairs"]
 
 
 def code_dtype(fmt: FloatFormat | str) -> torch.dtype:
@@ -68,12 +68,11 @@ def _encode_checks(x: torch.Tensor, fmt: FloatFormat, packed: bool) -> torch.Siz
     return (*x.shape[:-1], x.shape[-1] // 2)
 
 
-@torch.library.custom_op("fewbit::encode", mutates_args=())
-def _encode(x: torch.Tensor, fmt: str, packed: bool) -> torch.Tensor:
-    fmt = lookup_format(fmt)
-    _encode_checks(x, fmt, packed)
-    work = x.to(working_dtype(x.dtype))
-    itype, M, _ = _LAYOUT[work.dtype]
+def codes_of(work: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """int32 codes of ``work`` (float32 or float64) read as values of ``fmt``, unchecked:
+    right for values of fmt, meaningless for others (:func:`encode` checks). Plain torch
+    ops, so a compiled caller (block quantisation) fuses them."""
+    M = _LAYOUT[work.dtype][1]
     negative, is_inf, is_nan, e_x, sig = decompose(work, fmt.emin)
     exp_field_of_emin = 1 if fmt.has_subnormals else 0
     normal = ((e_x - fmt.emin + exp_field_of_emin) << fmt.t) + (sig >> (M - fmt.t)) - (1 << fmt.t)
@@ -91,17 +90,30 @@ def _encode(x: torch.Tensor, fmt: str, packed: bool) -> torch.Tensor:
         code = torch.where(keep_sign, mag | (1 << (fmt.k - 1)), mag)
     else:
         code = mag
-    code = code.to(torch.int32)
+    return code.to(torch.int32)
+
+
+def pack_pairs(code: torch.Tensor) -> torch.Tensor:
+    """Two codes of at most 4 bits a byte along the last dimension, the even one low."""
+    return code[..., 0::2] | (code[..., 1::2] << 4)
+
+
+@torch.library.custom_op("fewbit::encode", mutates_args=())
+def _encode(x: torch.Tensor, fmt: str, packed: bool) -> torch.Tensor:
+    fmt = lookup_format(fmt)
+    _encode_checks(x, fmt, packed)
+    work = x.to(working_dtype(x.dtype))
+    code = codes_of(work, fmt)
 
     # Exactness check: a code is right only if it decodes to the value given.
     in_range = (code >= 0) & (code < 1 << fmt.k)
     back = _lookup(code.clamp(0, (1 << fmt.k) - 1), fmt, work.dtype)
-    same = in_range & ((back == work) | (torch.isnan(back) & is_nan))
+    same = in_range & ((back == work) | (torch.isnan(back) & torch.isnan(work)))
     if not bool(same.all()):
         bad = work[~same].flatten()[0].item()
         raise ValueError(f"{bad!r} is not a value of {fmt.name}; round it first (fewbit.round)")
     if packed:
-        code = code[..., 0::2] | (code[..., 1::2] << 4)
+        code = pack_pairs(code)
     return code.to(code_dtype(fmt))
 
 
@@ -135,7 +147,7 @@ def _decode(codes: torch.Tensor, fmt: str, dtype: torch.dtype, packed: bool) -> 
     if codes.dtype == torch.int16:
         code = code & 0xFFFF  # int16 holds the 16-bit pattern
     if packed:
-        code = torch.stack([code & 0xF, code >> 4], dim=-1).flatten(-2)
+        code = unpack_pairs(code)
     if code.numel() and (int(code.min()) < 0 or int(code.max()) >= 1 << fmt.k):
         raise ValueError(f"codes of {fmt.name} lie in [0, {1 << fmt.k})")
     return _lookup(code, fmt, dtype)
@@ -144,6 +156,11 @@ def _decode(codes: torch.Tensor, fmt: str, dtype: torch.dtype, packed: bool) -> 
 @_decode.register_fake
 def _(codes, fmt, dtype, packed):
     return codes.new_empty(_decode_checks(codes, lookup_format(fmt), dtype, packed), dtype=dtype)
+
+
+def unpack_pairs(code: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_pairs`."""
+    return torch.stack([code & 0xF, code >> 4], dim=-1).flatten(-2)
 
 
 def _check_packable(fmt: FloatFormat, shape) -> None:

@@ -24,7 +24,7 @@ from functools import cache
 
 import numpy as np
 
-__all__ = ["FloatFormat", "format", "names", "p3109"]
+__all__ = ["FloatFormat", "format", "integer", "names", "p3109"]
 
 
 @dataclass(frozen=True)
@@ -303,10 +303,23 @@ _ALIASES = {
     "bf16": "bfloat16",
     "fp32": "binary32", "float32": "binary32",
     "fp64": "binary64", "float64": "binary64",
+    "int8": "ocp_int8",
     **{n[len("ocp_"):]: n for n in _FIXED if n.startswith("ocp_")},
 }
 
 _P3109 = re.compile(r"(?:binary(\d+)p(\d+)|p3109_k(\d+)p(\d+)([su])([ef]))")
+_INT = re.compile(r"int(\d+)")
+
+
+def integer(m: int) -> FloatFormat:
+    """``intM``: M-bit two's-complement fixed point ``k * 2^(2 - M)``, ``k`` in
+    ``[-2^(M-1), 2^(M-1))`` (values in ``[-2, 2)``), laid out as OCP MX INT8 (``int8`` is
+    ``ocp_int8``): the element of HBFP/BFP blocks, whose shared exponent sets the scale."""
+    if not (2 <= m <= 16):
+        raise ValueError(f"intM formats need 2 <= M <= 16, got M={m}")
+    if m == 8:
+        return _FIXED["ocp_int8"]
+    return FloatFormat(f"int{m}", m, m, 0, extended=False, has_nz=False, twos_complement=True)
 
 
 @cache
@@ -330,7 +343,8 @@ def format(name: str | FloatFormat) -> FloatFormat:
 
     Accepts ``binary8p4`` (P3109 signed extended), ``p3109_k8p4sf`` (s/u signed or
     unsigned, e/f extended or finite), OCP names with or without ``ocp_``, ``bf16``,
-    ``fp16``, ``fp32`` and their long forms.
+    ``fp16``, ``fp32`` and their long forms, and ``intM`` (:func:`integer`; these parse
+    by pattern and are not in :func:`names`).
     """
     if isinstance(name, FloatFormat):
         return name
@@ -346,6 +360,9 @@ def format(name: str | FloatFormat) -> FloatFormat:
             return p3109(int(m.group(1)), int(m.group(2)))
         k, p, s, e = int(m.group(3)), int(m.group(4)), m.group(5), m.group(6)
         return p3109(k, p, signed=s == "s", extended=e == "e")
+    m = _INT.fullmatch(key)
+    if m:
+        return integer(int(m.group(1)))
     close = difflib.get_close_matches(key, _all_spellings(), n=5, cutoff=0.5)
     hint = f"; closest: {', '.join(close)}" if close else ""
     raise ValueError(f"unknown format {name!r}{hint} (fewbit.formats.names() lists all)")

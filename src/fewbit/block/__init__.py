@@ -1,0 +1,126 @@
+"""``fewbit.block``: block-scaled formats (OCP MX, NVFP4, HBFP/BFP) with every rounding mode.
+
+``formats`` says what a block format is (and the scale rules); ``kernel`` computes scales and
+elements in plain torch ops; ``ops`` registers ``fewbit::block_round`` and
+``fewbit::block_quantize``; ``reference`` states the maths block by block. Here: the user's
+functions and :class:`BlockTensor`, the stored form.
+
+Element ``i`` of ``x`` is rounded exactly as ``fewbit.round`` rounds ``x_i / S`` to the
+element format, with the same mode, ``bits``, ``seed`` and ``random_bits`` (its own random
+bits, those ``fewbit.round`` gives index ``i`` of x), where ``S`` is its block's scale;
+``round`` returns that value times ``S``. A length along the block axis that is not a
+multiple of the block size is padded with zeros in the last block (the OCP spec allows
+it): padding never changes a block's scale, and the stored codes include it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..codec import decode, unpack_pairs
+from ..random import Key
+from ..rounding import RoundMode
+from .formats import SCALE_RULES, BlockFormat, ScaleRule, format, names
+from .kernel import from_block_layout
+from .ops import block_args, lookup
+
+__all__ = ["SCALE_RULES", "BlockFormat", "BlockTensor", "ScaleRule", "format", "names", "quantize", "round"]
+
+
+@dataclass(frozen=True)
+class BlockTensor:
+    """A tensor stored in a block format.
+
+    Attributes:
+        codes: uint8 element codes, ``(rows, blocks, B)`` (``B / 2`` bytes, two codes a
+            byte, even element in the low nibble, for elements of at most 4 bits); rows run
+            over x's other dimensions in order, blocks along ``axis``, padding included.
+        scales: uint8 scale codes, ``(rows, blocks)`` (E8M0: ``e + 127``; E4M3: its code).
+        tensor_scale: the per-tensor float32 scale (0-d), or None for formats without one.
+        format: the block format. shape: x's shape. axis: the block axis (non-negative).
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    tensor_scale: torch.Tensor | None
+    format: BlockFormat
+    shape: torch.Size
+    axis: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes stored: codes, scales and the per-tensor scale."""
+        extra = 0 if self.tensor_scale is None else self.tensor_scale.nbytes
+        return self.codes.nbytes + self.scales.nbytes + extra
+
+    def block_scales(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Each block's factor ``S`` (``(rows, blocks)``): its scale, times the per-tensor scale."""
+        scale = decode(self.scales, self.format.scale, torch.float32)
+        factor = scale if self.tensor_scale is None else scale * self.tensor_scale
+        return factor.to(dtype)
+
+    def elements(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The element values ``q`` (``(rows, blocks, B)``), before scaling."""
+        codes = unpack_pairs(self.codes) if self.format.packed else self.codes
+        return decode(codes, self.format.element, dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The values, ``q * S``, in x's shape (a NaN scale makes its block NaN)."""
+        values = self.elements(torch.float32) * self.block_scales()[..., None]
+        return from_block_layout(values, self.shape, self.axis).to(dtype)
+
+
+def quantize(
+    x: torch.Tensor,
+    bfmt: BlockFormat | str,
+    mode: RoundMode | str = "rne",
+    *,
+    axis: int | None = None,
+    bits: int | None = None,
+    seed: int | Key | torch.Tensor | None = None,
+    random_bits: torch.Tensor | None = None,
+    fraction: float | None = None,
+    rule: str | None = None,
+    sat: bool = True,
+) -> BlockTensor:
+    """Quantise ``x`` to block format ``bfmt``: codes, scale codes and the per-tensor scale.
+
+    Args:
+        x: a float tensor (float32, float64, bfloat16, float16) of at least one dimension.
+        bfmt: a BlockFormat or a name (``"mxfp8_e4m3"``, ``"mxfp4"``, ``"nvfp4"``, ``"hbfp8"``,
+            ``"bfp6_b32"``, ``"mx_binary8p4"``; ``fewbit.block.format``).
+        mode, bits, seed, random_bits, fraction: as for ``fewbit.round``, applied to the elements.
+        axis: the block axis (default: the format's, -1).
+        rule: the scale rule (default: the format's; ``fewbit.block.SCALE_RULES``).
+        sat: elements beyond the element format's largest value saturate (the OCP rule);
+            False gives Inf/NaN where the element format has them, else a ValueError.
+
+    Raises TypeError/ValueError, before anything is written, for a bad argument.
+    """
+    args = block_args(x, bfmt, mode, sat, bits, fraction, seed, random_bits, axis, rule)
+    codes, scales, ts = torch.ops.fewbit.block_quantize(*args)
+    fmt = lookup(args[1])
+    return BlockTensor(codes, scales, ts if fmt.tensor_scale else None, fmt, x.shape, args[8] % x.dim())
+
+
+def round(
+    x: torch.Tensor,
+    bfmt: BlockFormat | str,
+    mode: RoundMode | str = "rne",
+    *,
+    axis: int | None = None,
+    bits: int | None = None,
+    seed: int | Key | torch.Tensor | None = None,
+    random_bits: torch.Tensor | None = None,
+    fraction: float | None = None,
+    rule: str | None = None,
+    sat: bool = True,
+) -> torch.Tensor:
+    """Quantise and dequantise in one pass: ``x``'s dtype and shape, holding values of the
+    block format (``quantize(...).dequantize(x.dtype)``, without storing codes). What
+    fake quantisation and training call. Arguments as :func:`quantize`. Gradient:
+    straight-through (the identity), as ``fewbit.round``'s."""
+    return torch.ops.fewbit.block_round(*block_args(x, bfmt, mode, sat, bits, fraction, seed, random_bits,
+                                                    axis, rule))

@@ -1,0 +1,229 @@
+"""Block-scaled formats as pure data: elements of one format sharing a scale per block.
+
+A block of ``B`` consecutive elements along one axis shares a scale ``S``; element ``i``
+of the block holds a value ``q_i`` of the element format and stands for ``q_i * S``.
+
+========================  ========  =====  ============  ==========  =====================
+name                      element   B      scale         rule        per-tensor scale
+========================  ========  =====  ============  ==========  =====================
+``mxfp8_e4m3``            e4m3      32     E8M0          floor       no
+``mxfp8_e5m2``            e5m2      32     E8M0          floor       no
+``mxfp6_e3m2``            e3m2      32     E8M0          floor       no
+``mxfp6_e2m3``            e2m3      32     E8M0          floor       no
+``mxfp4`` (``_e2m1``)     e2m1      32     E8M0          floor       no
+``mxint8``                int8      32     E8M0          floor       no
+``mx_<element>``          any       32     E8M0          floor       no
+``nvfp4``                 e2m1      16     E4M3          nearest     float32
+``hbfp<m>``               int<m>    64     E8M0          floor       no
+``bfp<m>_b<B>``           int<m>    B      E8M0          floor       no
+========================  ========  =====  ============  ==========  =====================
+
+The MX rows follow the OCP Microscaling Formats (MX) v1.0 specification (block of 32, E8M0
+scale ``2^e``, ``e = floor(log2(amax)) - emax_element``). NVFP4 follows NVIDIA's public
+description (the NVIDIA technical blog "Introducing NVFP4 for Efficient and Accurate
+Low-Precision Inference", 2025, and the NVFP4 pretraining report, arXiv:2509.25149): 16
+E2M1 elements share an E4M3 scale, times one float32 scale per tensor chosen so that the
+largest block scale lands on E4M3's maximum, 448.
+
+HBFP/BFP elements are ``intM`` (``fewbit.formats.integer``): M-bit two's-complement
+mantissas ``k * 2^(2 - M)``, sign included, sharing the block's exponent. ``hbfp<m>``
+takes blocks of 64: a power of two, so it divides the widths models use (and MX's 32
+tiles it), small enough that one outlier flushes at most 63 neighbours towards zero,
+large enough that the 8-bit exponent costs 1/8 of a bit per element.
+
+Scale rules (:data:`SCALE_RULES`) say how a block's largest magnitude ``amax`` sets its
+scale; each row states what the rule clips and what it wastes.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+from functools import cache
+
+from ..formats import FloatFormat
+from ..formats import format as element_format
+
+__all__ = ["BlockFormat", "SCALE_RULES", "ScaleRule", "format", "names"]
+
+
+@dataclass(frozen=True)
+class ScaleRule:
+    """One row of the scale-rule table.
+
+    Attributes:
+        summary: how the scale follows from the block's largest magnitude ``amax``
+            (``E``: the element format's largest exponent, ``M``: its largest value,
+            ``P``: its precision).
+        clips: which values the rule lets overflow the element format (they saturate to ``M``).
+        wastes: how much of the element format's range the block's largest value leaves unused.
+        power_of_two: for power-of-two scales (E8M0); otherwise for scales with a
+            significand (E4M3, float32).
+    """
+
+    summary: str
+    clips: str
+    wastes: str
+    power_of_two: bool = True
+
+
+#: The table of scale rules.
+SCALE_RULES: dict[str, ScaleRule] = {
+    "floor": ScaleRule(
+        "2^(floor(log2 amax) - E) (OCP MX)",
+        "amax / S lies in [2^E, 2^(E+1)): the part above M saturates (e2m1: (6, 8), e4m3: (448, 512),"
+        " up to 25% error on the block's largest value)",
+        "nothing: the block's largest value sits in the element format's top binade",
+    ),
+    "ceil": ScaleRule(
+        "2^(ceil(log2 amax) - E)",
+        "nothing: amax / S <= 2^E <= M",
+        "the top binade: amax / S lies in (2^(E-1), 2^E], so every value above 2^E goes unused",
+    ),
+    "rceil": ScaleRule(
+        "the smallest 2^e with amax / 2^e <= M (round the scale up to fit)",
+        "nothing",
+        "less than one binade: amax / S lies in (M/2, M]",
+    ),
+    "even": ScaleRule(
+        "2^(floor(log2 amax') - E), amax' = amax rounded to P bits, ties to even (torchao's EVEN)",
+        "only what rounding to nearest would clip anyway where M is the top P-bit value of its binade "
+        "(e2m1, int<m>); e4m3: amax / S in (464, 480), below 480 = 1.111b 2^8 but above M = 448",
+        "at most the top half-ulp of a binade's values",
+    ),
+    "nearest": ScaleRule(
+        "amax / M rounded to nearest (ties to even) in the scale format (NVFP4)",
+        "amax / S may exceed M by half a scale ulp (E4M3: 1/16) and saturate",
+        "at most half a scale ulp of range",
+        power_of_two=False,
+    ),
+    "up": ScaleRule(
+        "amax / M rounded up in the scale format",
+        "nothing",
+        "less than one scale ulp of range (E4M3: 1/8)",
+        power_of_two=False,
+    ),
+}
+
+#: The scale formats a block may use, by the names :func:`fewbit.format` gives them.
+SCALE_FORMATS = ("ocp_e8m0", "ocp_e4m3", "binary32")
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """``block_size`` elements of ``element`` along ``axis`` share a scale of ``scale``.
+
+    Attributes:
+        name: the registry name (or any name, for a format made by hand).
+        element: the element format (any fewbit FloatFormat; ``intM`` for HBFP/BFP).
+        block_size: B, elements per block.
+        scale: ``ocp_e8m0`` (a power of two), ``ocp_e4m3`` (positive values) or ``binary32``.
+        rule: the default scale rule (:data:`SCALE_RULES`).
+        tensor_scale: a second, per-tensor float32 scale above the block scales (NVFP4).
+        axis: the default block axis.
+    """
+
+    name: str
+    element: FloatFormat
+    block_size: int
+    scale: FloatFormat
+    rule: str = "floor"
+    tensor_scale: bool = False
+    axis: int = -1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
+            raise ValueError(f"{self.name}: block_size must be an int >= 1, got {self.block_size!r}")
+        if self.scale.name not in SCALE_FORMATS:
+            raise ValueError(f"{self.name}: the scale format must be one of {', '.join(SCALE_FORMATS)}, "
+                             f"not {self.scale.name}")
+        if self.element.k > 8:
+            raise ValueError(f"{self.name}: block elements have at most 8 bits, not {self.element.k} "
+                             f"({self.element.name})")
+        if self.packed and self.block_size % 2:
+            raise ValueError(f"{self.name}: {self.element.k}-bit elements are stored two to a byte within "
+                             f"a block, so the block size must be even, not {self.block_size}")
+        check_rule(self.rule, self.scale)
+
+    @property
+    def power_of_two(self) -> bool:
+        """Whether the block scale is a power of two (E8M0)."""
+        return self.scale.p == 1
+
+    @property
+    def packed(self) -> bool:
+        """Element codes of at most 4 bits are stored two to a byte (even element low)."""
+        return self.element.k <= 4
+
+    @property
+    def bits_per_element(self) -> float:
+        """Storage per element: its code (a byte for 5..8 bits, half for <= 4) plus its share
+        of the block scale (the per-tensor scale aside)."""
+        code = 4 if self.packed else 8
+        return code + self.scale.k / self.block_size
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def check_rule(rule: str, scale: FloatFormat) -> str:
+    """``rule``, once it is known and fits the scale format."""
+    if rule not in SCALE_RULES:
+        close = difflib.get_close_matches(str(rule), SCALE_RULES, n=3, cutoff=0.4)
+        hint = f"; closest: {', '.join(close)}" if close else ""
+        raise ValueError(f"unknown scale rule {rule!r}{hint}; known: {', '.join(SCALE_RULES)}")
+    kind = scale.p == 1
+    if SCALE_RULES[rule].power_of_two != kind:
+        fits = [name for name, r in SCALE_RULES.items() if r.power_of_two == kind]
+        raise ValueError(f"scale rule {rule!r} is not for {scale.name} scales; use one of {', '.join(fits)}")
+    return rule
+
+
+_MX_ELEMENTS = {
+    "mxfp8_e4m3": "ocp_e4m3", "mxfp8_e5m2": "ocp_e5m2", "mxfp6_e3m2": "ocp_e3m2",
+    "mxfp6_e2m3": "ocp_e2m3", "mxfp4_e2m1": "ocp_e2m1", "mxint8": "ocp_int8",
+}
+_ALIASES = {"mxfp4": "mxfp4_e2m1"}
+_HBFP_BLOCK = 64
+_HBFP = re.compile(r"hbfp(\d+)")
+_BFP = re.compile(r"bfp(\d+)_b(\d+)")
+_MX = re.compile(r"mx_(.+)")
+
+
+def _mx(name: str, element: str) -> BlockFormat:
+    return BlockFormat(name, element_format(element), 32, element_format("ocp_e8m0"))
+
+
+def _bfp(name: str, m: str, block: int) -> BlockFormat:
+    return BlockFormat(name, element_format(f"int{int(m)}"), block, element_format("ocp_e8m0"))
+
+
+def names() -> tuple[str, ...]:
+    """The fixed names; ``hbfp<m>``, ``bfp<m>_b<B>`` and ``mx_<element>`` parse by pattern."""
+    return (*_MX_ELEMENTS, *_ALIASES, "nvfp4")
+
+
+@cache
+def format(name: str | BlockFormat) -> BlockFormat:
+    """Look a block format up by name (or pass a BlockFormat through); see the module table."""
+    if isinstance(name, BlockFormat):
+        return name
+    if not isinstance(name, str):
+        raise TypeError(f"a block format is a name or a BlockFormat, not {type(name).__name__}")
+    key = name.strip().lower()
+    key = _ALIASES.get(key, key)
+    if key in _MX_ELEMENTS:
+        return _mx(key, _MX_ELEMENTS[key])
+    if key == "nvfp4":
+        return BlockFormat("nvfp4", element_format("ocp_e2m1"), 16, element_format("ocp_e4m3"),
+                           rule="nearest", tensor_scale=True)
+    if m := _HBFP.fullmatch(key):
+        return _bfp(key, m.group(1), _HBFP_BLOCK)
+    if m := _BFP.fullmatch(key):
+        return _bfp(key, m.group(1), int(m.group(2)))
+    if m := _MX.fullmatch(key):
+        return _mx(key, m.group(1))
+    close = difflib.get_close_matches(key, [*names(), "hbfp8", "bfp8_b32", "mx_binary8p4"], n=4, cutoff=0.5)
+    hint = f"; closest: {', '.join(close)}" if close else ""
+    raise ValueError(f"unknown block format {name!r}{hint} (also: hbfp<m>, bfp<m>_b<size>, mx_<element>)")

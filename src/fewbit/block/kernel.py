@@ -1,0 +1,149 @@
+"""Block quantisation in plain torch ops: one reduction for each block's amax, one
+elementwise pass that scales, rounds and (for ``round``) scales back.
+
+The same Python runs eager and under ``torch.compile`` (``ops`` compiles it once per
+spec), so both give the same bits. Layout: ``x`` with the block axis moved last, padded
+with zeros to whole blocks and viewed as ``(rows, blocks, B)``; random bits are drawn for
+x's own flat indices and laid out the same way, so element ``i`` of x takes the bits
+``fewbit.round`` would give it.
+
+Scaled values ``x / S``: exact for power-of-two scales, one correctly rounded division for
+NVFP4's. Where the quotient falls below the working float's normal range it is replaced by
+``±2^emin`` of that float: every value in ``(0, 2^-125)`` rounds alike in every mode to an
+element format whose smallest subnormal is at least ``2^-92`` (SR reads at most 32 bits
+of the fraction), and the working float is float64 for element formats finer than that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..formats import FloatFormat
+from ..rounding.checks import RoundSpec, make_spec
+from ..rounding.compiled import round_body
+from ..rounding.modes import RoundMode
+from .formats import BlockFormat
+
+__all__ = ["BlockSpec", "block_layout", "block_scales", "quantize_blocks"]
+
+#: An element format whose smallest subnormal is below 2^-92 is rounded in float64 (see above).
+_FLOAT32_FLOOR = -92
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """Validated arguments of one block call: the format, the rule in force and the
+    element rounding (``spec``: a ``RoundSpec`` for x's dtype)."""
+
+    bfmt: BlockFormat
+    rule: str
+    spec: RoundSpec
+    scale_spec: RoundSpec | None  # amax / M to a scale with a significand (E4M3, float32)
+
+    @property
+    def work_dtype(self) -> torch.dtype:
+        fine = self.bfmt.element.min_ulp_exponent < _FLOAT32_FLOOR
+        return torch.float64 if fine or self.spec.source.k == 64 else torch.float32
+
+
+def make_block_spec(dtype: torch.dtype, bfmt: BlockFormat, rule: str, mode: RoundMode, sat: bool,
+                    bits: int | None, fraction: float | None) -> BlockSpec:
+    scale_spec = None
+    if not bfmt.power_of_two:
+        # To nearest, or up for rule "up"; saturating: an Inf block takes the largest scale.
+        scale_mode = RoundMode.RNE if rule == "nearest" else RoundMode.RUP
+        scale_spec = make_spec(torch.float64, bfmt.scale, scale_mode, True, None, None)
+    return BlockSpec(bfmt, rule, make_spec(dtype, bfmt.element, mode, sat, bits, fraction), scale_spec)
+
+
+def block_layout(t: torch.Tensor, axis: int, block_size: int) -> torch.Tensor:
+    """``t`` with ``axis`` moved last, zero-padded to whole blocks, as ``(rows, blocks, B)``."""
+    moved = t.movedim(axis, -1)
+    length = moved.shape[-1]
+    pad = -length % block_size  # no branch on it: a compiled kernel serves padded and whole rows
+    moved = torch.nn.functional.pad(moved, (0, pad))
+    return moved.reshape(-1, (length + pad) // block_size, block_size)
+
+
+def from_block_layout(blocks: torch.Tensor, shape: torch.Size, axis: int) -> torch.Tensor:
+    """The inverse of :func:`block_layout` for a tensor of ``shape``."""
+    moved_shape = list(shape)
+    length = moved_shape.pop(axis)
+    flat = blocks.reshape(*moved_shape, -1)[..., :length]
+    return flat.movedim(-1, axis)
+
+
+def _pow2(e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``2^e`` for integer ``e`` in ``[-1022, 1023]``, built from float64 bits (exact)."""
+    return ((e.to(torch.int64) + 1023) << 52).view(torch.float64).to(dtype)
+
+
+def _exponent_of(amax: torch.Tensor, rule: str, element: FloatFormat) -> torch.Tensor:
+    """The power-of-two scale's exponent ``e`` for each block, by ``rule``, clipped to
+    E8M0's ``[-127, 127]`` (an all-zero block takes -127, as gfloat does)."""
+    a = amax.to(torch.float64)
+    bits = a.view(torch.int64)
+    floor_log2 = ((bits >> 52) & 0x7FF) - 1023  # exact for every float32 amax; Inf gives 1024
+    m = ((bits & ((1 << 52) - 1)) | (1023 << 52)).view(torch.float64)  # amax / 2^floor_log2, in [1, 2)
+    e = floor_log2 - element.emax
+    if rule == "ceil":
+        e = e + (m > 1).to(e.dtype)
+    elif rule == "rceil":
+        e = e + (m * 2.0**element.emax > element.max).to(e.dtype)
+    elif rule == "even":
+        e = e + (m >= 2.0 - 2.0**-element.p).to(e.dtype)
+    return torch.where(a == 0, -127, e).clamp(-127, 127)
+
+
+def block_scales(
+    amax: torch.Tensor, spec: BlockSpec, tensor_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, S)`` per block: ``scale`` holds values of the scale format (in the
+    working dtype), ``S`` the factor elements are multiplied by (``scale`` times the
+    per-tensor scale where the format has one). A block holding a NaN gets NaN."""
+    bfmt, work = spec.bfmt, spec.work_dtype
+    if bfmt.power_of_two:
+        scale = _pow2(_exponent_of(amax, spec.rule, bfmt.element), work)
+    else:
+        target = amax.to(torch.float64) / bfmt.element.max
+        if tensor_scale is not None:
+            target = target / tensor_scale.to(torch.float64)
+        scale = round_body(target, spec.scale_spec, None).to(work)
+    scale = torch.where(torch.isnan(amax), torch.nan, scale)
+    factor = scale if tensor_scale is None else (scale.float() * tensor_scale).to(work)
+    return scale, factor
+
+
+def tensor_scale_of(x: torch.Tensor, bfmt: BlockFormat) -> torch.Tensor | None:
+    """NVFP4's per-tensor float32 scale: the finite amax over the largest value a block
+    can hold (``M * scale max``), so the largest block scale lands on the scale format's
+    maximum; 1 for a tensor without a finite nonzero value."""
+    if not bfmt.tensor_scale:
+        return None
+    finite = torch.where(torch.isfinite(x), x, 0)
+    amax = finite.abs().amax().to(torch.float32) if x.numel() else torch.zeros((), device=x.device)
+    ts = amax / (bfmt.element.max * bfmt.scale.max)
+    return torch.where(ts > 0, ts, 1.0)
+
+
+def quantize_blocks(
+    blocks: torch.Tensor, spec: BlockSpec, rand: torch.Tensor | None, tensor_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantise ``blocks`` (``(rows, blocks, B)``): returns ``(q, scale, S)``, ``q`` the
+    element values (working dtype, the layout of ``blocks``), ``scale`` and ``S`` per
+    block (:func:`block_scales`). ``rand``: the random bits in the layout of ``blocks``."""
+    work = blocks.to(spec.work_dtype)
+    amax = work.abs().amax(dim=-1, keepdim=True)
+    scale, factor = block_scales(amax, spec, tensor_scale)
+    scaled = work / factor
+    tiny = torch.finfo(spec.work_dtype).tiny
+    scaled = torch.where((scaled.abs() < tiny) & (work != 0), torch.copysign(torch.full_like(work, tiny), work),
+                         scaled)
+    scaled = torch.where(factor == 0, 0.0, scaled)  # a scale that underflowed holds zeros
+    # In a NaN block the scale carries the NaN; elements without a NaN code hold 0.
+    fill = torch.nan if spec.spec.fmt.has_nans else 0.0
+    scaled = torch.where(torch.isnan(factor), fill, scaled)
+    q = round_body(scaled.reshape(-1), spec.spec, None if rand is None else rand.reshape(-1))
+    return q.view(work.shape), scale, factor
