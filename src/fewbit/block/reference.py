@@ -1,0 +1,108 @@
+"""Block quantisation block by block, as the formats' descriptions state it: slow, for
+tests and documentation. The kernel (``kernel``) must agree with it bit for bit.
+
+For each block of ``B`` values along the axis (zero-padded at the end):
+
+1. ``amax = max |x_i|``;
+2. the scale: for E8M0, ``S = 2^e`` with ``e`` from the rule (``floor``: ``floor(log2
+   amax) - E``; ``ceil``: ``ceil(log2 amax) - E``; ``rceil``: the smallest ``e`` with
+   ``amax <= M 2^e``; ``even``: ``floor(log2 amax') - E`` with ``amax'`` = amax rounded
+   to ``P`` bits, ties to even), ``e`` clipped to ``[-127, 127]``, -127 for an all-zero
+   block; for E4M3/float32, ``amax / M`` (over the per-tensor scale, if any) rounded to
+   the scale format (``nearest``: ties to even; ``up``), times the per-tensor scale in
+   float32. NaN anywhere in the block makes ``S`` NaN;
+3. ``q_i`` = ``x_i / S`` rounded to the element format (``fewbit.rounding.round_reference``);
+4. the block's values are ``q_i * S``.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import numpy as np
+import torch
+
+from ..rounding.checks import dtype_format
+from ..rounding.modes import MODES, natural_sr_bits, parse_mode
+from ..rounding.reference import round_reference
+from .formats import BlockFormat, format
+
+__all__ = ["block_round_reference", "scale_reference"]
+
+
+def _exponent(amax: float, rule: str, bfmt: BlockFormat) -> int:
+    element = bfmt.element
+    if amax == 0:
+        return -127
+    if math.isinf(amax):
+        return 127
+    floor_log2 = math.frexp(amax)[1] - 1
+    if rule == "floor":
+        e = floor_log2 - element.emax
+    elif rule == "ceil":
+        e = floor_log2 + (amax != 2.0**floor_log2) - element.emax
+    elif rule == "rceil":
+        e = floor_log2 - element.emax - 1
+        while amax > element.max * 2.0**e:
+            e += 1
+    else:  # even
+        ulp = Fraction(2) ** (floor_log2 - element.p + 1)
+        rounded = round(Fraction(amax) / ulp) * ulp  # Fraction rounds half to even
+        e = math.floor(math.log2(rounded)) - element.emax
+    return min(max(e, -127), 127)
+
+
+def scale_reference(amax: float, bfmt: BlockFormat, rule: str, tensor_scale: float | None) -> float:
+    """A block's factor ``S`` (step 2 above)."""
+    if math.isnan(amax):
+        return math.nan
+    if bfmt.power_of_two:
+        return 2.0 ** _exponent(amax, rule, bfmt)
+    target = amax / bfmt.element.max / (1.0 if tensor_scale is None else tensor_scale)
+    mode = "rne" if rule == "nearest" else "rup"
+    scale = round_reference(torch.tensor([target], dtype=torch.float64), bfmt.scale, mode, sat=True).item()
+    return scale if tensor_scale is None else float(np.float32(scale) * np.float32(tensor_scale))
+
+
+def block_round_reference(
+    x: torch.Tensor, bfmt: BlockFormat | str, mode: str = "rne", *, axis: int | None = None,
+    bits: int | None = None, random_bits: torch.Tensor | None = None, fraction: float | None = None,
+    rule: str | None = None, sat: bool = True,
+) -> torch.Tensor:
+    """Same contract as ``fewbit.block.round``, computed block by block."""
+    bfmt = format(bfmt)
+    # A default N is min(D, 32) for x's dtype (not for the float64 this works in); classical
+    # SR is src with that N.
+    if bits is None and MODES[parse_mode(mode)].bits in ("optional", "natural"):
+        bits = natural_sr_bits(dtype_format(x.dtype), bfmt.element)
+    if mode == "sr":
+        mode = "src"
+    axis = bfmt.axis if axis is None else axis
+    rule = rule or bfmt.rule
+    size = bfmt.block_size
+    values = x.detach().double().movedim(axis, -1).cpu().numpy()
+    rand = None if random_bits is None else random_bits.movedim(axis, -1).cpu().numpy()
+    tensor_scale = None
+    if bfmt.tensor_scale:
+        finite = values[np.isfinite(values)]
+        amax_t = np.float32(np.abs(finite).max()) if finite.size else np.float32(0)
+        tensor_scale = float(amax_t / np.float32(bfmt.element.max * bfmt.scale.max)) or 1.0
+    out = np.empty_like(values)
+    for row in np.ndindex(values.shape[:-1]):
+        for start in range(0, values.shape[-1], size):
+            block = values[row][start : start + size]
+            scale = scale_reference(float(np.abs(block).max()), bfmt, rule, tensor_scale)
+            if math.isnan(scale):
+                out[row][start : start + size] = np.nan
+                continue
+            if bfmt.power_of_two:
+                scaled = block / scale  # exact: a power of two
+            else:
+                quotient = block.astype(np.float32) / np.float32(scale) if scale else 0 * block
+                scaled = quotient.astype(np.float64)
+            n = None if rand is None else torch.from_numpy(rand[row][start : start + size].copy())
+            q = round_reference(torch.from_numpy(np.asarray(scaled, dtype=np.float64)), bfmt.element, mode,
+                                sat=sat, bits=bits, random_bits=n, fraction=fraction)
+            out[row][start : start + size] = q.numpy() * scale
+    return torch.from_numpy(out).movedim(-1, axis).to(x.dtype)

@@ -1,0 +1,317 @@
+"""fewbit.block: against gfloat's block API, its own block-by-block reference, and fewbit.round."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import fewbit
+import fewbit.block as block
+from conftest import DETERMINISTIC_MODES, gfloat_mode, stable_seed
+from fewbit.block.reference import block_round_reference
+from fewbit.random import key_of, random_bits
+from fewbit.rounding import natural_sr_bits
+
+MX = ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4_e2m1", "mxint8"]
+STOCHASTIC = ["srff", "srf", "src", "src_odd", "sr", "sr_near_zero", "sr_fraction"]
+
+
+def _gfloat_block(name: str):
+    import gfloat.formats as gf
+
+    return getattr(gf, f"format_info_{name}")
+
+
+def _edge_blocks(bfmt: block.BlockFormat, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Blocks of 32 float32 values that exercise the scale rule and the element edges."""
+    M, E = bfmt.element.max, bfmt.element.emax
+    ulp_top = 2.0 ** (E - bfmt.element.p + 1)
+    gauss = rng.standard_normal(32).astype(np.float32)
+    blocks = {
+        "zeros": np.zeros(32, np.float32),
+        "gaussian": gauss,
+        "gaussian_tiny": gauss * np.float32(1e-30),
+        "outlier": np.concatenate([[3.0e4], rng.standard_normal(31)]).astype(np.float32),
+        "subnormal_only": (rng.standard_normal(32) * 1e-40).astype(np.float32),
+        # Scaled by 2^10: amax/S lands on M, on the next grid step above it, and just below 2^(E+1).
+        "at_max": np.concatenate([[M * 1024], gauss[1:] * 8]).astype(np.float32),
+        "above_max": np.concatenate([[(M + ulp_top / 2) * 1024], gauss[1:]]).astype(np.float32),
+        "below_binade_top": np.concatenate([[np.nextafter(np.float32(2.0 ** (E + 11)), 0)], gauss[1:]])
+        .astype(np.float32),
+        "inf": np.concatenate([[np.inf, -np.inf], gauss[2:]]).astype(np.float32),
+    }
+    if bfmt.element.has_nans:  # gfloat refuses NaN for elements without one
+        blocks["nan"] = np.concatenate([[np.nan], gauss[1:]]).astype(np.float32)
+    return blocks
+
+
+@pytest.mark.parametrize("name", MX)
+def test_mx_formats_agree_with_gfloat_block_api(name):
+    """Scale codes, element codes and values equal gfloat's quantize_block /
+    encode_block (floor rule, OCP), for every deterministic mode, on edge and random blocks."""
+    from gfloat import compute_scale_amax, decode_block, encode_block
+
+    fi = _gfloat_block(name)
+    bfmt = block.format(name)
+    rng = np.random.default_rng(stable_seed("gfloat-block", name))
+    cases = _edge_blocks(bfmt, rng)
+    x = torch.from_numpy(np.stack(list(cases.values())))
+    for mode in DETERMINISTIC_MODES:
+        stored = block.quantize(x, bfmt, mode)
+        elements = stored.codes[:, 0]
+        if bfmt.packed:
+            elements = torch.stack([elements & 0xF, elements >> 4], -1).flatten(-2)
+        values = block.round(x, bfmt, mode)
+        for row, (case, vals) in enumerate(cases.items()):
+            scale = compute_scale_amax(fi.etype.emax, vals.astype(np.float64))
+            codes = list(encode_block(fi, scale, vals.astype(np.float64) / scale, gfloat_mode(mode)))
+            where = f"{name} {mode} {case}"
+            assert int(stored.scales[row, 0]) == codes[0], where
+            assert elements[row].tolist() == codes[1:], where
+            with np.errstate(over="ignore"):  # Inf saturates to M * 2^127, beyond float32
+                expected = np.fromiter(decode_block(fi, codes), float).astype(np.float32)
+            np.testing.assert_array_equal(values[row].numpy(), expected, err_msg=where)
+
+
+def test_int_elements_agree_with_gfloat():
+    """intM (HBFP/BFP elements) round as gfloat rounds a two's-complement format of M bits."""
+    import gfloat
+    from gfloat import Domain, FormatInfo
+
+    x = torch.linspace(-2.5, 2.5, 801, dtype=torch.float64)
+    for m in (3, 4, 6, 12):
+        fi = FormatInfo(name=f"int{m}", k=m, precision=m, bias=0, has_nz=False, domain=Domain.Finite,
+                        num_high_nans=0, has_subnormals=True, is_signed=True, is_twos_complement=True)
+        for mode in DETERMINISTIC_MODES:
+            expected = gfloat.round_ndarray(fi, x.numpy(), gfloat_mode(mode), sat=True)
+            got = fewbit.round(x, f"int{m}", mode, sat=True)
+            np.testing.assert_array_equal(got.numpy(), expected, err_msg=f"int{m} {mode}")
+
+
+def _formats_and_rules():
+    for name in ["mxfp8_e4m3", "mxfp4", "mxint8", "hbfp4", "bfp6_b16", "mx_binary8p4"]:
+        for rule in ("floor", "ceil", "rceil", "even"):
+            yield name, rule
+    yield "nvfp4", "nearest"
+    yield "nvfp4", "up"
+
+
+@pytest.mark.parametrize(("name", "rule"), list(_formats_and_rules()))
+def test_kernel_agrees_with_reference(name, rule):
+    """Every rule, deterministic and stochastic modes, padded blocks, a non-last axis."""
+    g = torch.Generator().manual_seed(stable_seed("block-ref", name, rule))
+    x = torch.randn(3, 70, generator=g) * torch.logspace(-3, 3, 70)
+    x[1, 5:40] = 0  # a block of zeros
+    bfmt = block.format(name)
+    for mode, bits in [("rne", None), ("rna", None), ("rtz", None), ("rup", None), ("src", 3), ("srff", 2)]:
+        for axis in (-1, 0):
+            rb = None if bits is None else torch.randint(0, 2**bits, x.shape, generator=g)
+            got = block.round(x, bfmt, mode, axis=axis, bits=bits, random_bits=rb, rule=rule)
+            want = block_round_reference(x, bfmt, mode, axis=axis, bits=bits, random_bits=rb, rule=rule)
+            assert torch.equal(got, want), f"{name} {rule} {mode} axis={axis}"
+
+
+@pytest.mark.parametrize("mode", STOCHASTIC)
+@pytest.mark.parametrize("bits", [1, 2, 3, 8])
+def test_sr_on_blocks_is_elementwise_round_of_x_over_scale(mode, bits):
+    """With explicit bits, block.round is fewbit.round of x / S times S, element by element
+    (float32 arithmetic: exact for power-of-two S, one rounding each way for NVFP4's)."""
+    g = torch.Generator().manual_seed(stable_seed("block-sr", mode, bits))
+    x = torch.randn(4, 96, generator=g) * 5
+    for name in ("mxfp8_e4m3", "mxfp4", "nvfp4", "hbfp6"):
+        bfmt = block.format(name)
+        n = natural_sr_bits(fewbit.format("fp32"), bfmt.element) if mode == "sr" else bits
+        kwargs = {} if mode == "sr" else {"bits": bits}
+        if mode == "sr_fraction":
+            kwargs["fraction"] = 0.5
+        rb = torch.randint(0, 2 ** (n + (16 if mode == "sr_fraction" else 0)), x.shape, generator=g)
+        got = block.round(x, bfmt, mode, random_bits=rb, **kwargs)
+        S = block.quantize(x, bfmt).block_scales()  # the scale depends on amax only
+        S = S.repeat_interleave(bfmt.block_size, -1)[:, : x.shape[1]]
+        want = fewbit.round(x / S, bfmt.element, mode, random_bits=rb, sat=True, **kwargs) * S
+        assert torch.equal(got, want), f"{name} {mode} N={bits}"
+
+
+def test_seed_draws_the_bits_fewbit_round_gives_each_index():
+    x = torch.randn(5, 70) * 3
+    key = fewbit.random.Key.from_seed(11)
+    for axis in (-1, 0):
+        got = block.round(x, "mxfp4", "src", bits=3, seed=key, axis=axis)
+        rb = random_bits(x.shape, 3, key)
+        assert torch.equal(got, block.round(x, "mxfp4", "src", bits=3, random_bits=rb, axis=axis))
+    same = block.round(x, "mxfp4", "src", bits=3, seed=key_of(key))
+    assert torch.equal(same, block.round(x, "mxfp4", "src", bits=3, seed=key))
+    assert not torch.equal(same, block.round(x, "mxfp4", "src", bits=3, seed=12))
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "hbfp4"])
+def test_generated_bits_are_unbiased_per_element(name):
+    """Per-element means of SRC (N = 3) over 4096 draws within 5 standard errors of the
+    exact expectation: down + (up - down) * RNE(d 2^N) / 2^N, from the directed roundings."""
+    bits, draws = 3, 4096
+    g = torch.Generator().manual_seed(stable_seed("block-mean", name))
+    row = torch.randn(1, 64, generator=g, dtype=torch.float64).float()
+    x = row.expand(draws, 64).contiguous()  # every row: the same blocks, other bits
+    down = block.round(row, name, "rtz").double()
+    away = block.round(row, name, "rup").double()
+    away = torch.where(row < 0, block.round(row, name, "rdn").double(), away)
+    gap = away - down
+    d = torch.where(gap == 0, 0, (row.double() - down) / torch.where(gap == 0, 1, gap))
+    expected = down + gap * torch.round(d * 2**bits) / 2**bits  # torch.round: ties to even
+    with fewbit.configure(compile=False):  # eager: no first compilation in a test
+        samples = block.round(x, name, "src", bits=bits, seed=stable_seed(name)).double()
+    mean = samples.mean(0)
+    se = samples.std(0) / math.sqrt(draws)
+    assert (gap != 0).sum() > 48  # most elements are not on the grid
+    assert bool(((mean - expected[0]).abs() <= 5 * se + 1e-12).all())
+
+
+def test_nvfp4_round_trips_every_representable_value():
+    """Every E2M1 element under every positive finite E4M3 block scale, with a power-of-two
+    per-tensor scale: quantize then dequantize gives the input back, with the codes expected."""
+    e2m1 = torch.tensor(fewbit.format("e2m1").values(), dtype=torch.float32)  # 16 codes
+    e4m3 = torch.tensor(fewbit.format("e4m3").values(), dtype=torch.float32)[:128]
+    scales = e4m3[(e4m3 > 0) & torch.isfinite(e4m3)]
+    q = e2m1.expand(len(scales), 16).clone()
+    q[:, 0] = 6.0  # the block's largest element is 6: its scale is amax / 6
+    ts = 2.0**-3  # the largest block scale, 448, sets the per-tensor scale 448 * 6 * ts / (6 * 448)
+    x = q * scales[:, None] * ts
+    stored = block.quantize(x, "nvfp4")
+    assert stored.tensor_scale.item() == ts
+    assert torch.equal(stored.scales[:, 0], fewbit.encode(scales, "e4m3"))
+    assert torch.equal(stored.dequantize(), x)
+    assert torch.equal(block.round(x, "nvfp4"), x)
+    assert torch.equal(stored.elements()[:, 0], q)
+    assert stored.nbytes == len(scales) * (8 + 1) + 4
+
+
+def test_quantize_dequantize_equals_round_and_reports_bytes():
+    x = torch.randn(6, 100)
+    for name in ("mxfp8_e4m3", "mxfp6_e2m3", "mxfp4", "nvfp4", "hbfp5", "bfp3_b8"):
+        bfmt = block.format(name)
+        stored = block.quantize(x, bfmt, "src", bits=2, seed=3, axis=0)
+        assert torch.equal(stored.dequantize(), block.round(x, bfmt, "src", bits=2, seed=3, axis=0))
+        assert stored.shape == x.shape and stored.axis == 0
+        blocks = -(-6 // bfmt.block_size) * 100
+        per_block = bfmt.block_size // 2 if bfmt.packed else bfmt.block_size
+        assert stored.nbytes == blocks * (per_block + 1) + (4 if bfmt.tensor_scale else 0)
+
+
+def test_scale_rules_clip_and_waste_as_the_table_says():
+    """A block whose amax scales to 7 (e2m1: max 6, binade [4, 8)): floor clips it to 6,
+    ceil/rceil/even never clip; ceil doubles the scale, rceil too (7 > 6), even rounds 7 to 8."""
+    x = torch.tensor([[7.0, 1.0, 0.5, 0.0]])
+    bfmt = block.BlockFormat("e2m1_b4", fewbit.format("e2m1"), 4, fewbit.format("ocp_e8m0"))
+    assert block.round(x, bfmt, rule="floor")[0, 0] == 6.0
+    for rule in ("ceil", "rceil", "even"):
+        assert block.round(x, bfmt, rule=rule)[0, 0] == 8.0, rule  # 4 * scale 2
+    y = torch.tensor([[5.0, 1.0, 0.5, 0.0]])  # amax 5: fits under floor and rceil, ceil wastes a binade
+    assert block.round(y, bfmt, rule="rceil")[0, 0] == 4.0  # 5 rounds (RNE) to 4 in [4, 6]
+    assert block.quantize(y, bfmt, rule="ceil").block_scales()[0, 0] == 2.0
+    assert block.quantize(y, bfmt, rule="floor").block_scales()[0, 0] == 1.0
+
+
+def test_nan_and_inf():
+    """NaN makes its block's scale NaN (every scale format has one); Inf saturates."""
+    x = torch.randn(2, 32)
+    x[0, 3] = math.nan
+    x[1, 4] = math.inf
+    for name in ("mxfp8_e4m3", "mxfp4", "mxint8", "nvfp4"):
+        out = block.round(x, name)
+        size = block.format(name).block_size
+        assert bool(out[0, :size].isnan().all()) and not bool(out[0, size:].isnan().any()), name
+        assert not bool(out[1].isnan().any()), name
+        assert out[1, 4] > 0 and bool(torch.isfinite(out[1, :4]).all())
+        assert block.quantize(x, name).scales[0, 0] == fewbit.format(block.format(name).scale).code_of_nan
+
+
+def test_padding_and_shapes():
+    x = torch.randn(2, 3, 45)
+    for axis in (0, 1, 2, -1):
+        out = block.round(x, "mxfp4", axis=axis)
+        assert out.shape == x.shape
+        assert torch.equal(out, block.round(x.movedim(axis, -1).contiguous(), "mxfp4").movedim(-1, axis))
+    padded = block.round(torch.nn.functional.pad(x, (0, 19)), "mxfp4")[..., :45]
+    assert torch.equal(block.round(x, "mxfp4"), padded)  # zeros in the last block change nothing
+    assert block.round(torch.empty(0, 32), "mxfp4").shape == (0, 32)
+
+
+def test_dtypes():
+    x = torch.randn(4, 64)
+    want = block.round(x, "mxfp8_e4m3")
+    assert torch.equal(block.round(x.double(), "mxfp8_e4m3"), want.double())
+    wide = block.round(x.bfloat16().float(), "mxfp8_e4m3")
+    assert torch.equal(block.round(x.bfloat16(), "mxfp8_e4m3"), wide.bfloat16())
+
+
+def test_bad_input_is_refused_before_anything_is_written():
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="block size must be even"):
+        block.format("bfp4_b7")
+    with pytest.raises(ValueError, match="axis 2 is out of range"):
+        block.round(x, "mxfp4", axis=2)
+    with pytest.raises(TypeError, match="float tensor"):
+        block.round(torch.ones(4, 32, dtype=torch.int32), "mxfp4")
+    with pytest.raises(ValueError, match="unknown scale rule 'flor'.*floor"):
+        block.round(x, "mxfp4", rule="flor")
+    with pytest.raises(ValueError, match="not for ocp_e8m0 scales"):
+        block.quantize(x, "mxfp4", rule="nearest")
+    with pytest.raises(ValueError, match="unknown block format 'mxfp5'; closest: mxfp4"):
+        block.round(x, "mxfp5")
+    with pytest.raises(ValueError, match="needs bits=N"):
+        block.round(x, "mxfp4", "src")
+    with pytest.raises(ValueError, match="random_bits must lie"):
+        block.round(x, "mxfp4", "src", bits=2, random_bits=torch.full(x.shape, 4))
+    with pytest.raises(ValueError, match="use sat=True"):
+        block.round(torch.tensor([[7.0, 1.0]]), "mxfp4", sat=False)
+    with pytest.raises(ValueError, match="at most 8 bits"):
+        block.format("mx_bf16")
+    with pytest.raises(TypeError, match="axis must be an int"):
+        block.round(x, "mxfp4", axis=1.0)
+
+
+def test_inside_torch_compile_export_and_autograd():
+    """One opaque op: fullgraph, no recompile for a new seed, export, straight-through gradient."""
+    torch._dynamo.reset()
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.append(gm)
+        return gm
+
+    lin = torch.nn.Linear(64, 64)
+    f = torch.compile(lambda x, s: block.round(lin(x), "mxfp4", "src", bits=3, seed=s), backend=backend,
+                      fullgraph=True)
+    x = torch.randn(8, 64)
+    for step in range(3):
+        seed = torch.tensor(step)
+        assert torch.equal(f(x, seed), block.round(lin(x), "mxfp4", "src", bits=3, seed=step))
+    assert len(calls) == 1
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return block.round(x, "nvfp4")
+
+    ep = torch.export.export(M(), (x,))
+    assert torch.equal(ep.module()(x), block.round(x, "nvfp4"))
+
+    w = torch.randn(4, 64, requires_grad=True)
+    (block.round(w, "mxfp8_e4m3", "src", bits=3, seed=0) * 3).sum().backward()
+    assert torch.equal(w.grad, torch.full_like(w, 3.0))
+
+
+def test_compiled_kernel_gives_the_eager_bits():
+    """The compiled kernel (C++ here) and eager agree: rounding with generated bits, and
+    quantising to codes with given bits (one compilation each: they take a while)."""
+    x = torch.randn(5, 70) * 4
+    rb = torch.randint(0, 8, x.shape)
+    with fewbit.configure(compile=False):
+        eager = block.round(x, "mxfp4", "src", bits=3, seed=7)
+        stored = block.quantize(x, "nvfp4", "srf", bits=3, random_bits=rb)
+    with fewbit.configure(compile_threshold=0):
+        assert torch.equal(block.round(x, "mxfp4", "src", bits=3, seed=7), eager)
+        compiled = block.quantize(x, "nvfp4", "srf", bits=3, random_bits=rb)
+    assert torch.equal(compiled.codes, stored.codes) and torch.equal(compiled.scales, stored.scales)
