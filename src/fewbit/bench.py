@@ -93,8 +93,10 @@ def run(
     quick: bool = False,
     with_gfloat: bool = True,
     progress: Callable[[str], None] | None = None,
+    block: bool = False,
 ) -> list[dict]:
-    """Measure every configuration; one dict per row (Melem/s and ratios)."""
+    """Measure every configuration; one dict per row (Melem/s and ratios). ``block``
+    adds the block-format rows (:func:`block_rows`)."""
     n = 1 << log2_size
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     rows = []
@@ -158,7 +160,41 @@ def run(
         rows.append({"input": str(dtype), "format": "binary8p4", "mode": "encode to uint8",
                      "bits": None, "melem_per_s": n / t / 1e6, "x_copy": x_copy,
                      "x_clone": paired(encode_call, clone, repeat, sync)[1]})
+    if block:
+        rows += block_rows(log2_size, device, repeat, sync, progress)
     rows += _per_call(device, sync)
+    return rows
+
+
+BLOCK_FORMATS = ["mxfp8_e4m3", "mxfp4", "nvfp4"]
+
+
+def block_rows(log2_size: int, device: str, repeat: int, sync: Callable[[], None],
+               progress: Callable[[str], None] | None = None) -> list[dict]:
+    """``fewbit.block.quantize`` (to codes) and ``fewbit.block.round`` (quantise-dequantise)
+    on float32 rows of 4096, blocks along them, RNE and SRC N=3. Both return new tensors;
+    ``x copy`` still times ``copy_`` of the input into a preallocated tensor."""
+    from . import block
+
+    n = max(1 << log2_size, 4096)
+    x = torch.randn(n // 4096, 4096, generator=torch.Generator(device=device).manual_seed(0), device=device)
+    out = torch.empty_like(x)
+    rows = []
+    for name in BLOCK_FORMATS:
+        for mode, bits in (("rne", None), ("src", 3)):
+            kw = {"bits": bits, **({"seed": 1} if bits else {})}
+            for what, fn in (("quantize", block.quantize), ("round", block.round)):
+                label = f"float32 -> {name} {what} {mode}"
+                if progress:
+                    progress(label)
+
+                def call(fn=fn, name=name, mode=mode, kw=kw):
+                    return fn(x, name, mode, **kw)
+
+                t, x_copy = paired(call, lambda: out.copy_(x), repeat, sync)
+                rows.append({"input": "torch.float32", "format": f"{name} {what}", "mode": mode, "bits": bits,
+                             "melem_per_s": n / t / 1e6, "x_copy": x_copy,
+                             "x_clone": paired(call, x.clone, repeat, sync)[1]})
     return rows
 
 

@@ -167,7 +167,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"\r[{step}] {label:60}", end="", file=sys.stderr, flush=True)
 
     rows = bench.run(args.log2_size, args.device, args.repeat, args.quick,
-                     with_gfloat=not args.no_gfloat, progress=progress)
+                     with_gfloat=not args.no_gfloat, progress=progress, block=args.block)
     print(file=sys.stderr)
     print(bench.to_json(rows) if args.json else bench.format_table(rows))
     return 0
@@ -308,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=_int_in(1), default=9)
     p.add_argument("--quick", action="store_true", help="binary8p4 with RNE, SRC N=3, sr only")
     p.add_argument("--no-gfloat", action="store_true")
+    p.add_argument("--block", action="store_true",
+                   help="add block-format rows: mxfp8_e4m3, mxfp4, nvfp4 quantize and round, RNE and SRC N=3")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=cmd_bench)
 
