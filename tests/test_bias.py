@@ -159,3 +159,16 @@ def test_sr_is_distributed_as_floor_of_x_plus_uniform_ulp():
         p = (xs[j].double() - lo[j]) / ulp[j]
         se = ulp[j] * math.sqrt(p * (1 - p) / draws)
         assert abs(sr[:, j].mean() - xs[j].double()) <= 5 * se + 1e-15
+
+
+@pytest.mark.parametrize("mode, bits", [("srff", 2), ("srf", 1), ("src", 3), ("src_odd", 2), ("rne", None)])
+def test_bias_integral_equals_a_midpoint_sum(mode, bits):
+    assert bias.bias_integral(mode, bits, 0, 1) == bias.exact(mode, bits)
+    # bias_at is affine between multiples of 2^-(N+1) (deterministic modes: of 1/2), so on
+    # cells of width h = 2^-(N+3) its value at a cell's midpoint times h is its integral.
+    h = Fraction(1, 1 << ((bits or 1) + 3))
+    for j0, j1 in [(3, 3), (3, 11), (1, int(1 / h) - 5)]:
+        cells = sum(bias.bias_at(mode, bits, (j + Fraction(1, 2)) * h) * h for j in range(j0, j1))
+        assert bias.bias_integral(mode, bits, j0 * h, j1 * h) == cells, (j0, j1)
+    with pytest.raises(ValueError, match="d0 <= d1"):
+        bias.bias_integral(mode, bits, Fraction(1, 2), Fraction(1, 4))

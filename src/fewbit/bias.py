@@ -9,6 +9,10 @@ magnitudes drift toward zero. ``excess=None`` takes infinite-precision inputs;
 ``exact`` averages ``P(away | d) - d`` with ``P`` taken from the predicates of
 ``fewbit.rounding.reference`` (one definition for rounding and bias), in rational
 arithmetic.
+
+Block formats (a scale shared by a block of elements): ``block_bias`` and ``block_table``
+give the mean error and the clipped share per mode, N and scale rule, exact for blocks
+uniform within their largest binade and sampled for Gaussian blocks (``fewbit.block.bias``).
 """
 
 from __future__ import annotations
@@ -25,7 +29,20 @@ from .rounding import round as fewbit_round
 from .rounding.modes import MODES, parse_mode
 from .rounding.reference import probability_away, round_away
 
-__all__ = ["FIGURES", "bias_at", "closed_form", "exact", "excess_bits", "figure", "measure"]
+__all__ = ["FIGURES", "bias_at", "bias_integral", "check_mode", "closed_form", "exact", "excess_bits",
+           "figure", "measure"]
+
+#: Block formats' bias lives in the block layer (``fewbit.block.bias``), which builds on
+#: this module; it is answered here too, imported on first use (so not in ``__all__``).
+_BLOCK_NAMES = ("BlockBias", "block_bias", "block_table")
+
+
+def __getattr__(name: str):
+    if name in _BLOCK_NAMES:
+        from .block import bias as block
+
+        return getattr(block, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 _ENUMERATE_UP_TO = 1 << 12  # grid points per period summed one by one
 
@@ -49,6 +66,12 @@ def _check(mode: RoundMode | str, bits: int | None, excess: int | None) -> tuple
     elif bits is not None:
         raise ValueError(f"mode {mode.value!r} is deterministic and takes no bits")
     return mode, bits
+
+
+def check_mode(mode: RoundMode | str, bits: int | None) -> tuple[RoundMode, int | None]:
+    """The mode and N that :func:`bias_at` takes for infinite-precision inputs (``sr``:
+    N = None, ideal SR); raises for a composite mode or an N the mode does not take."""
+    return _check(mode, bits, None)
 
 
 def bias_at(mode: RoundMode | str, bits: int | None, d: Fraction) -> Fraction:
@@ -93,11 +116,7 @@ def exact(mode: RoundMode | str, bits: int | None = None, excess: int | None = N
     period, jumps = _period(mode, bits)
     bounds = jumps + [period]
     if excess is None:
-        # Constant on each open piece between jumps: value at the midpoint times width.
-        total = sum((_bias_at(mode, bits, (a + b) / 2) * (b - a) for a, b in zip(bounds, bounds[1:],
-                                                                                   strict=False)),
-                    Fraction(0))
-        return total / period
+        return _from_period_start(mode, bits, period) / period
     h = Fraction(1, 1 << excess)
     if period <= h:  # every grid point sits at the start of a period
         return _bias_at(mode, bits, Fraction(0))
@@ -113,6 +132,43 @@ def exact(mode: RoundMode | str, bits: int | None = None, excess: int | None = N
         p_inside = _bias_at(mode, bits, (a + b) / 2) + (a + b) / 2
         total += inside * p_inside - inside * (a + b) / 2
     return total / points
+
+
+def _from_period_start(mode: RoundMode, bits: int | None, r: Fraction) -> Fraction:
+    """``∫ bias_at(d) dd`` over ``[0, r]``, ``0 <= r <= period``: on each open piece
+    between jumps P(away) is constant (its value at the piece's midpoint) and the bias
+    is that minus d."""
+    period, jumps = _period(mode, bits)
+    total = Fraction(0)
+    for a, b in zip(jumps, [*jumps[1:], period], strict=True):
+        if a >= r:
+            break
+        hi, mid = min(b, r), (a + b) / 2
+        p_away = _bias_at(mode, bits, mid) + mid
+        total += p_away * (hi - a) - (hi * hi - a * a) / 2
+    return total
+
+
+def bias_integral(mode: RoundMode | str, bits: int | None, d0: Fraction, d1: Fraction) -> Fraction:
+    """``∫ bias_at(mode, bits, d) dd`` over ``[d0, d1]`` (``0 <= d0 <= d1 <= 1``), exact:
+    the mean error, in ulps, of inputs uniform on that part of an ulp, times its width.
+    What the bias of a distribution that is not uniform over whole ulps is made of
+    (block formats: ``fewbit.block.bias``)."""
+    mode, bits = _check(mode, bits, None)
+    d0, d1 = Fraction(d0), Fraction(d1)
+    if not 0 <= d0 <= d1 <= 1:
+        raise ValueError(f"need 0 <= d0 <= d1 <= 1, got d0 = {d0}, d1 = {d1}")
+    if mode.is_stochastic and bits is None:
+        return Fraction(0)  # ideal SR
+
+    def from_zero(d: Fraction) -> Fraction:
+        # The bias repeats with the period, so whole periods each add the same integral.
+        period, _ = _period(mode, bits)
+        whole = d // period
+        rest = d - whole * period
+        return whole * _from_period_start(mode, bits, period) + _from_period_start(mode, bits, rest)
+
+    return from_zero(d1) - from_zero(d0)
 
 
 def closed_form(mode: RoundMode | str, bits: int, excess: int | None = None) -> Fraction:

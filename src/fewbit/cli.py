@@ -173,9 +173,58 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exact_cell(value: Fraction, notes: list[str], label: str, width: int = 12) -> str:
+    """A Fraction as itself, or, where it would not fit, its decimal and a note number
+    (the note, appended to ``notes``, gives the Fraction)."""
+    text = str(value)
+    if len(text) <= width:
+        return text
+    notes.append(f"[{len(notes) + 1}] {label} = {text}")
+    return f"{float(value):.4g} [{len(notes)}]"
+
+
+def _block_bias(args: argparse.Namespace) -> int:
+    from .block import format as block_format
+    from .block.bias import DEFAULT_SAMPLES, TABLE_MODES, block_table, rules_for
+
+    others = (("--excess", args.excess), ("--format", args.format), ("--from", args.source),
+              ("--figure", args.figure))
+    given = [flag for flag, value in others if value is not None]
+    if given:
+        raise ValueError(f"--block takes no {', '.join(given)}")
+    bfmt = block_format(args.block)
+    samples = DEFAULT_SAMPLES if args.samples is None else args.samples
+    modes = (args.mode,) if args.mode else TABLE_MODES
+    rules = (args.rule,) if args.rule else tuple(rules_for(bfmt))
+    rows = block_table(bfmt, args.bits, modes, rules, samples=samples)  # checks every row first
+    scale = "E8M0 scale" if bfmt.power_of_two else f"{bfmt.scale.name} scale (per-tensor scale 1)"
+    print(f"{bfmt.name}: {bfmt.element.name} elements, blocks of {bfmt.block_size}, {scale}; "
+          f"N = {args.bits} (sr: ideal SR exact, N = min(D, 32) on float32 when sampled)")
+    print("mean error of |x| per element (negative: toward zero) and share of elements clipped to the "
+          "element max")
+    print("  uniform: magnitudes i.i.d. uniform in [1, 2), exact; units of 2^k for [2^k, 2^(k+1))")
+    print(f"  gaussian: i.i.d. N(0, s^2), s = 2^U[0,1) per block; sampled, {samples} blocks, +- one standard "
+          "error; units of s")
+    table = [["mode", "rule", "uniform error", "decimal", "clipped", "gaussian error", "+-", "clipped", "+-"]]
+    notes: list[str] = []
+    for exact, gauss in rows:
+        label = f"{exact.mode} {exact.rule}"
+        table.append([exact.mode, exact.rule, _exact_cell(exact.mean_error, notes, f"{label} error"),
+                      f"{float(exact.mean_error):.6f}", _exact_cell(exact.clipped, notes, f"{label} clipped"),
+                      f"{gauss.mean_error:.6f}", f"{gauss.stderr:.6f}", f"{gauss.clipped:.6f}",
+                      f"{gauss.clipped_stderr:.6f}"])
+    print(_table(table))
+    print("\n".join(notes))
+    return 0
+
+
 def cmd_bias(args: argparse.Namespace) -> int:
     from . import bias
 
+    if args.block:
+        return _block_bias(args)
+    if args.rule:
+        raise ValueError("--rule is for --block")
     if args.figure:
         for r in bias.figure(args.figure, args.out, samples=args.samples):
             print(f"figure {args.figure} {r['mode']:5} measured {r['measured']:+.5f} "
@@ -319,10 +368,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--excess", "-D", type=int, help="excess input bits (default: infinite precision)")
     p.add_argument("--format", help="target format: works D out with --from")
     p.add_argument("--from", dest="source", help="input format, e.g. bf16")
-    p.add_argument("--table", action="store_true", help="every few-bit mode, N = 1..8, D = 1..12 and inf")
+    p.add_argument("--table", action="store_true",
+                   help="every few-bit mode, N = 1..8, D = 1..12 and inf (with --block: every mode and rule)")
     p.add_argument("--figure", type=int, choices=[1, 2], help="draw the paper's Figure 1 or 2")
     p.add_argument("--out", default="docs", help="folder for --figure's PNG")
-    p.add_argument("--samples", type=int, help="samples per X for --figure (default: the paper's)")
+    p.add_argument("--samples", type=_int_in(2),
+                   help="samples per X for --figure (default: the paper's); Gaussian blocks for --block")
+    p.add_argument("--block", help="a block format (mxfp4, nvfp4, hbfp8, ...): bias per mode and scale rule")
+    p.add_argument("--rule", help="with --block: one scale rule (default: every rule for its scale)")
     p.set_defaults(run=cmd_bias)
     p = sub.add_parser("train", help="char GPT on Shakespeare with low-precision weights")
     p.add_argument("--preset", default="cpu-small", help="cpu-small (2 CPU cores), paper (GPU) or tiny")

@@ -1,0 +1,334 @@
+"""Bias of block-scaled formats: the mean error of a block's elements per rounding mode,
+N and scale rule, for a stated distribution of the values in a block, and the share of
+elements that the rule lets saturate.
+
+Element ``i`` of a block holds ``q_i = round(x_i / S)`` and stands for ``q_i S``, ``S`` the
+block's scale, which the rule sets from the block's largest magnitude ``amax``. So a
+block's error is the elements' rounding error (``fewbit.bias``'s per-fraction bias, over
+the element format's grid) plus clipping: a scaled magnitude above the element format's
+largest value ``M`` saturates to ``M`` in every mode.
+
+Distributions (errors are of magnitudes, ``|q S| - |x|``, negative towards zero; signs
+are fair coin flips apart from the magnitudes, and matter only for two's-complement
+elements, ``intM``, whose negative side reaches one step further, to ``-2``):
+
+``"uniform"``
+    The block's ``B`` magnitudes independent and uniform in ``[1, 2)``: the block's
+    largest binade. Error per element in absolute units, i.e. in units of ``2^k`` for
+    magnitudes uniform in ``[2^k, 2^(k+1))``, the same figures while the scales stay in
+    range (E8M0 scales are powers of two; NVFP4 is taken with its per-tensor scale 1, as
+    for a tensor whose amax is ``M`` times E4M3's 448, or that times a power of two).
+    **Exact** (:class:`fractions.Fraction`): the scale is a step function of ``amax``
+    (:func:`scale_steps`), and on each step the error is a piecewise-linear integral over
+    the element grid.
+``"gaussian"``
+    The block's values independent ``N(0, sigma^2)``, ``sigma = 2^u`` with ``u`` uniform in
+    ``[0, 1)`` drawn per block (so a block's place within a binade, which power-of-two
+    scales see, is spread evenly rather than fixed by ``sigma = 1``). Error per element
+    in units of the block's ``sigma``. **Sampled**: float32 blocks rounded by
+    ``fewbit.block.quantize`` with generated bits; the estimate comes with its standard
+    error over blocks (blocks are independent, a block's elements are not).
+
+Modes: those whose bias depends on the fraction ``d`` alone, the same for ``x`` and
+``-x``: rne, rna, rtz, srff, srf, src, src_odd, and sr (ideal SR in the exact figures;
+``N = min(D, 32)`` on float32 inputs when sampled).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import cache
+
+import torch
+
+from ..bias import bias_integral, check_mode
+from ..formats import FloatFormat
+from ..random import as_key, fold_in
+from ..rounding.modes import RoundMode, parse_mode
+from .formats import SCALE_RULES, BlockFormat, check_rule
+from .formats import format as block_format
+from .kernel import block_scales, make_block_spec
+
+__all__ = ["DISTRIBUTIONS", "BlockBias", "block_bias", "block_table", "element_integrals", "scale_steps"]
+
+DISTRIBUTIONS = ("uniform", "gaussian")
+
+#: Default number of blocks drawn for a sampled figure.
+DEFAULT_SAMPLES = 1 << 14
+
+#: Modes whose bias is not a function of d alone: the sign (rup, rdn) or the parity of
+#: each grid point (rto) decides, which a per-d bias averages away.
+_NOT_PER_D = {RoundMode.RUP: "the sign of x", RoundMode.RDN: "the sign of x",
+              RoundMode.RTO: "the parity of each grid point"}
+
+#: Elements per call when sampling: below fewbit's compile threshold, so that a table of
+#: many (mode, rule) rows runs eager instead of compiling a kernel for each.
+_CHUNK_ELEMENTS = 1 << 15
+
+
+@dataclass(frozen=True)
+class BlockBias:
+    """The bias of one (format, mode, N, rule, distribution).
+
+    Attributes:
+        mean_error: mean of ``|q S| - |x|`` per element (units: see the module docstring).
+        clipped: the share of elements whose scaled magnitude exceeds ``M`` (they saturate).
+        exact: True for Fractions; False for sampled estimates.
+        stderr, clipped_stderr: standard errors of the estimates (0 when exact).
+        samples: blocks drawn (None when exact).
+    """
+
+    format: str
+    mode: str
+    bits: int | None
+    rule: str
+    distribution: str
+    mean_error: Fraction | float
+    clipped: Fraction | float
+    exact: bool
+    stderr: float = 0.0
+    clipped_stderr: float = 0.0
+    samples: int | None = None
+
+
+def _checked(bfmt: BlockFormat | str, mode: RoundMode | str, bits: int | None, rule: str | None,
+             distribution: str) -> tuple[BlockFormat, RoundMode, int | None, str]:
+    bfmt = block_format(bfmt)
+    mode, bits = check_mode(mode, bits)
+    if mode in _NOT_PER_D:
+        raise ValueError(f"the block bias of {mode.value!r} depends on {_NOT_PER_D[mode]}, not on d alone")
+    rule = check_rule(bfmt.rule if rule is None else rule, bfmt.scale)
+    if distribution not in DISTRIBUTIONS:
+        raise ValueError(f"distribution must be one of {', '.join(DISTRIBUTIONS)}, not {distribution!r}")
+    return bfmt, mode, bits, rule
+
+
+def rules_for(bfmt: BlockFormat | str) -> list[str]:
+    """The scale rules that fit the format's scale (E8M0: floor, ceil, rceil, even)."""
+    bfmt = block_format(bfmt)
+    return [name for name, r in SCALE_RULES.items() if r.power_of_two == bfmt.power_of_two]
+
+
+# --- Exact figures -----------------------------------------------------------------------
+
+
+def _significand_bits(f: Fraction) -> int:
+    """Bits of a positive dyadic number's odd significand."""
+    n = f.numerator
+    return (n // (n & -n)).bit_length()
+
+
+def _simplest(a: float, b: float) -> Fraction:
+    """Of two neighbouring floats, the one with the shorter significand."""
+    return min(Fraction(a), Fraction(b), key=_significand_bits)
+
+
+Step = tuple[Fraction, Fraction, Fraction]
+
+
+@cache
+def scale_steps(bfmt: BlockFormat | str, rule: str | None = None) -> tuple[Step, ...]:
+    """The block scale ``S`` as a step function of ``amax`` on ``[1, 2)``: rows
+    ``(from, to, S)``, read off ``fewbit.block``'s kernel (the rules are stated there once).
+
+    Every rule's ``S`` is non-decreasing in ``amax``; bisection on float64 ``amax`` brackets
+    each jump between two neighbouring floats, and the threshold is the shorter of them:
+    thresholds are short dyadic numbers (``2^j``, ``M 2^j``, ``(2 - 2^-P) 2^j``, ``M`` times
+    an E4M3 value or midpoint). Which side the threshold itself falls on does not matter
+    for a continuous distribution. NVFP4: per-tensor scale 1.
+    """
+    bfmt = block_format(bfmt)
+    rule = check_rule(bfmt.rule if rule is None else rule, bfmt.scale)
+    spec = make_block_spec(torch.float64, bfmt, rule, RoundMode.RNE, True, None, None)
+
+    def scale_at(a: float) -> Fraction:
+        _, factor = block_scales(torch.tensor([[a]], dtype=torch.float64), spec, None)
+        return Fraction(factor.item())
+
+    steps = []
+    start, left, end = Fraction(1), 1.0, math.nextafter(2.0, 0.0)
+    while (s := scale_at(left)) != scale_at(end):
+        right = end  # scale_at(left) == s != scale_at(right)
+        while math.nextafter(left, math.inf) != right:
+            mid = left + (right - left) / 2
+            left, right = (mid, right) if scale_at(mid) == s else (left, mid)
+        threshold = _simplest(left, right)
+        if scale_at(right) < s or _significand_bits(threshold) > 40:
+            raise RuntimeError(f"{bfmt.name}, rule {rule}: the scale is not a step function of amax with "
+                               f"short thresholds near {threshold}")
+        if threshold > start:  # not the single amax = 1 that ceil still scales down
+            steps.append((start, threshold, s))
+        start, left = threshold, right
+    steps.append((start, Fraction(2), s))
+    return tuple(steps)
+
+
+def _largest(element: FloatFormat, negative: bool) -> Fraction:
+    """The largest magnitude on one side: ``M``, or for two's complement one step more below 0."""
+    return Fraction(element.max_negative_magnitude if negative else element.max)
+
+
+@cache
+def _cells(element: FloatFormat, negative: bool) -> tuple[tuple[Fraction, Fraction], ...]:
+    """``(value, ulp)`` for each magnitude on one side below its largest: the cells
+    ``[v, v + ulp)`` in which a magnitude has fraction ``d = (y - v) / ulp``."""
+    top = _largest(element, negative)
+    side = (-v if negative else v for v in element.values())
+    values = sorted({Fraction(v) for v in side if 0 <= v <= top})
+    return tuple((lo, hi - lo) for lo, hi in zip(values, values[1:], strict=False))
+
+
+def element_integrals(element: FloatFormat, mode: RoundMode | str, bits: int | None,
+                      a: Fraction, b: Fraction, negative: bool = False) -> tuple[Fraction, Fraction]:
+    """``(∫ e(y) dy, ∫ [y > M] dy)`` over scaled magnitudes ``y`` in ``[a, b]`` (``0 <= a <= b``)
+    of one sign, ``e(y)`` the expected error of rounding ``y`` to ``element``, saturating:
+    ``ulp`` times ``fewbit.bias``'s per-fraction bias below ``M``, ``M - y`` above it (``M``:
+    that side's largest magnitude)."""
+    mode, bits = check_mode(mode, bits)
+    a, b = Fraction(a), Fraction(b)
+    err = Fraction(0)
+    for lo, ulp in _cells(element, negative):
+        c0, c1 = max(a, lo), min(b, lo + ulp)
+        if c0 < c1:  # y = lo + d ulp, dy = ulp dd; an error of bias_at ulps is bias_at * ulp
+            err += ulp * ulp * bias_integral(mode, bits, (c0 - lo) / ulp, (c1 - lo) / ulp)
+    top = _largest(element, negative)
+    c0 = max(a, top)
+    if b <= c0:
+        return err, Fraction(0)
+    err -= ((b - top) ** 2 - (c0 - top) ** 2) / 2  # ∫ (M - y) dy
+    return err, b - c0
+
+
+def _uniform_exact(bfmt: BlockFormat, mode: RoundMode, bits: int | None,
+                   rule: str) -> tuple[Fraction, Fraction]:
+    """Magnitudes i.i.d. uniform on [1, 2), CDF F(t) = t - 1. The block's elements are
+    exchangeable, so the mean per element is element 1's. With S = s_j for amax in
+    [t_j, t_(j+1)) and h_j the error of one element under s_j,
+
+        E[h(X_1); amax < t] = E[h(X_1); X_1 < t] F(t)^(B-1)     (the others below t too),
+
+    so E[error] = sum_j H_j(t_(j+1)) F(t_(j+1))^(B-1) - H_j(t_j) F(t_j)^(B-1), with
+    H_j(t) = ∫_1^t s_j e(x / s_j) dx = s_j^2 ∫_(1/s_j)^(t/s_j) e(y) dy; the clipped share
+    likewise with the indicator [y > M] (one factor s_j). Signs: the mean of the two
+    sides (the same unless the element is two's complement)."""
+    element = bfmt.element
+    sides = (False, True) if element.max_negative_magnitude != element.max else (False,)
+
+    def integrals(a: Fraction, b: Fraction) -> tuple[Fraction, Fraction]:
+        both = [element_integrals(element, mode, bits, a, b, negative) for negative in sides]
+        return sum(e for e, _ in both) / len(sides), sum(c for _, c in both) / len(sides)
+
+    err = clip = Fraction(0)
+    for t0, t1, s in scale_steps(bfmt, rule):
+        for t, sign in ((t1, 1), (t0, -1)):
+            e, c = integrals(1 / s, t / s)
+            weight = sign * (t - 1) ** (bfmt.block_size - 1)
+            err += weight * s * s * e
+            clip += weight * s * c
+    return err, clip
+
+
+# --- Sampled figures ---------------------------------------------------------------------
+
+
+def _draw(distribution: str, blocks: int, size: int,
+          gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, unit)``: float32 blocks ``(blocks, size)`` and each block's unit of error."""
+    if distribution == "uniform":
+        sign = torch.randint(0, 2, (blocks, size), generator=gen, dtype=torch.float64) * 2 - 1
+        x = (1 + torch.rand(blocks, size, generator=gen, dtype=torch.float64)) * sign
+        unit = torch.ones(blocks, 1, dtype=torch.float64)
+    else:
+        unit = 2.0 ** torch.rand(blocks, 1, generator=gen, dtype=torch.float64)
+        x = unit * torch.randn(blocks, size, generator=gen, dtype=torch.float64)
+    return x.float(), unit
+
+
+def _sampled(bfmt: BlockFormat, mode: RoundMode, bits: int | None, rule: str, distribution: str,
+             samples: int, seed: int) -> tuple[float, float, float, float]:
+    from . import quantize  # the package imports this module's users, not the reverse
+
+    size, top, bottom = bfmt.block_size, bfmt.element.max, bfmt.element.max_negative_magnitude
+    gen = torch.Generator().manual_seed(seed)
+    key = as_key(seed)
+    per_chunk = max(1, _CHUNK_ELEMENTS // size)
+    err_blocks, clip_blocks = [], []
+    for i, done in enumerate(range(0, samples, per_chunk)):
+        x, unit = _draw(distribution, min(per_chunk, samples - done), size, gen)
+        if bfmt.tensor_scale:
+            # A first block holding M * (the scale format's max) makes the per-tensor scale 1.
+            x = torch.cat([torch.full((1, size), top * bfmt.scale.max), x])
+        seed_i = fold_in(key, i) if mode.is_stochastic else None
+        bt = quantize(x, bfmt, mode, bits=bits, seed=seed_i, rule=rule)
+        r = bt.dequantize(torch.float64).view(x.shape)
+        scale = bt.block_scales(torch.float64).view(-1, 1)
+        if bfmt.tensor_scale:
+            x, r, scale = x[1:], r[1:], scale[1:]
+        xd = x.double().abs()
+        err_blocks.append(((r.abs() - xd) / unit).mean(1))
+        clip_blocks.append((xd > torch.where(x < 0, bottom, top) * scale).double().mean(1))
+
+    def mean_se(t: list[torch.Tensor]) -> tuple[float, float]:
+        t = torch.cat(t)
+        return t.mean().item(), (t.var() / t.numel()).sqrt().item()
+
+    return (*mean_se(err_blocks), *mean_se(clip_blocks))
+
+
+def block_bias(
+    bfmt: BlockFormat | str,
+    mode: RoundMode | str,
+    bits: int | None = None,
+    rule: str | None = None,
+    distribution: str = "uniform",
+    *,
+    samples: int | None = None,
+    seed: int = 0,
+) -> BlockBias:
+    """The mean error per element and the clipped share of block format ``bfmt`` (module
+    docstring: distributions, units, modes).
+
+    ``distribution="uniform"`` without ``samples``: exact Fractions. ``"gaussian"``, or
+    ``samples`` given: sampled through ``fewbit.block.quantize`` with ``samples`` blocks
+    (default :data:`DEFAULT_SAMPLES`), generated bits from ``seed``, with standard errors.
+    ``rule``: the format's default unless given.
+    """
+    bfmt, mode, bits, rule = _checked(bfmt, mode, bits, rule, distribution)
+    head = (bfmt.name, mode.value, bits, rule, distribution)
+    if distribution == "uniform" and samples is None:
+        return BlockBias(*head, *_uniform_exact(bfmt, mode, bits, rule), exact=True)
+    samples = DEFAULT_SAMPLES if samples is None else samples
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 2:
+        raise ValueError(f"samples must be an int >= 2 (blocks), got {samples!r}")
+    mean, se, clip, clip_se = _sampled(bfmt, mode, bits, rule, distribution, samples, seed)
+    return BlockBias(*head, mean, clip, exact=False, stderr=se, clipped_stderr=clip_se, samples=samples)
+
+
+TABLE_MODES = ("rne", "srff", "srf", "src", "sr")
+
+
+def block_table(
+    bfmt: BlockFormat | str,
+    bits: int,
+    modes: tuple[str, ...] | None = None,
+    rules: tuple[str, ...] | None = None,
+    *,
+    samples: int = DEFAULT_SAMPLES,
+    seed: int = 0,
+) -> list[tuple[BlockBias, BlockBias]]:
+    """``(exact uniform, sampled gaussian)`` for every mode (default: rne, srff, srf, src,
+    sr) and every rule that fits the format's scale; ``bits`` is N for the modes that take
+    it. Every argument is checked before anything is computed."""
+    modes = TABLE_MODES if modes is None else modes
+    rules = tuple(rules_for(bfmt)) if rules is None else rules
+    rows = []
+    for mode in modes:
+        n = bits if parse_mode(mode).takes_bits else None
+        for rule in rules:
+            rows.append((mode, n, rule))
+            _checked(bfmt, mode, n, rule, "uniform")
+    return [(block_bias(bfmt, m, n, r), block_bias(bfmt, m, n, r, "gaussian", samples=samples, seed=seed))
+            for m, n, r in rows]
+
