@@ -109,19 +109,17 @@ def block_spec_of(x, name, rounding, sat, bits, fraction, key, random_bits, axis
     return spec
 
 
-def _kernel(x, words, rand, tensor_scale, *, spec: BlockSpec, axis: int, fused: bool):
-    """Round (``fused``: back to x's dtype and shape) or quantise (codes, scale codes),
-    and say whether an element had no value (overflow without sat in a format without
-    Inf or NaN: NaN blocks hold zeros there, so a NaN element is such an overflow)."""
+def _kernel(blocks, words, rand, tensor_scale, *, spec: BlockSpec, fused: bool):
+    """On ``blocks`` (``(n, B)``, contiguous): the rounded values in x's dtype (``fused``)
+    or the codes and scale codes; and whether an element had no value (overflow without
+    sat in a format without Inf or NaN: NaN blocks hold zeros there, so a NaN element is
+    such an overflow). ``words``: draw the bits of elements ``0 .. n B`` here."""
     if words is not None:
-        rand = range_bits(spec.spec, words, 0, x.numel(), x.device).view(x.shape)
-    size = spec.bfmt.block_size
-    blocks = block_layout(x, axis, size)
-    rand = None if rand is None else block_layout(rand, axis, size)
+        rand = range_bits(spec.spec, words, 0, blocks.numel(), blocks.device).view(blocks.shape)
     q, scale, factor = quantize_blocks(blocks, spec, rand, tensor_scale)
     invalid = torch.isnan(q).any() if not (spec.spec.sat or spec.spec.fmt.has_nans) else None
     if fused:
-        return from_block_layout((q * factor).to(x.dtype), x.shape, axis), invalid
+        return (q * factor).to(blocks.dtype), invalid
     codes = codes_of(q, spec.bfmt.element)
     if spec.bfmt.packed:
         codes = pack_pairs(codes)
@@ -129,29 +127,52 @@ def _kernel(x, words, rand, tensor_scale, *, spec: BlockSpec, axis: int, fused: 
 
 
 def _run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool):
+    """The kernel on x's blocks, laid out here (a view when the axis is last and its length
+    a multiple of B): the kernel then sees a plain ``(n, B)`` tensor, which Inductor
+    vectorises. Where the layout moves elements, their bits are drawn here, by x's own
+    flat indices, and laid out with them."""
+    size = spec.bfmt.block_size
     rand = check_random_bits(x, spec.spec, random_bits) if key is None else None
-    ts = tensor_scale_of(x, spec.bfmt)
+    in_order = axis % x.dim() == x.dim() - 1 and x.shape[-1] % size == 0
     words = None
+    if key is not None:
+        cpu_key = Key(*key.tolist()) if key.device.type == "cpu" else key
+        if not in_order:
+            words_now = stream_words(spec.spec, cpu_key)
+            rand = range_bits(spec.spec, words_now, 0, x.numel(), x.device).view(x.shape)
+        else:
+            words = cpu_key
+    ts = tensor_scale_of(x, spec.bfmt)
+    blocks = block_layout(x, axis, size)
+    shape3 = blocks.shape
+    blocks = blocks.reshape(-1, size)
+    rand = None if rand is None else block_layout(rand, axis, size).reshape(-1, size)
+    result = None
     if use_compiled(x.numel()):
-        cache_key = (spec, axis, fused, x.dtype, x.device.type, key is None)
+        cache_key = (spec, fused, x.dtype, x.device.type, words is None)
         if cache_key not in _BROKEN:
             fn = _CACHE.get(cache_key)
             if fn is None:
-                fn = _CACHE[cache_key] = torch.compile(_own(_kernel, spec=spec, axis=axis, fused=fused),
+                fn = _CACHE[cache_key] = torch.compile(_own(_kernel, spec=spec, fused=fused),
                                                        fullgraph=True, dynamic=False)
             try:
-                for t in (x, rand):  # one kernel for every shape of a rank
-                    for dim in range(0 if t is None else t.dim()):
-                        torch._dynamo.maybe_mark_dynamic(t, dim)
+                for t in (blocks, rand):  # one kernel for every number of blocks
+                    if t is not None:
+                        torch._dynamo.maybe_mark_dynamic(t, 0)
                 with below_autograd():
-                    words = None if key is None else word_tensors(spec.spec, key)
-                    return fn(x, words, rand, ts)
+                    tensor_words = None if words is None else word_tensors(spec.spec, key)
+                    result = fn(blocks, tensor_words, rand, ts)
             except Exception as err:  # no C++ compiler, no Triton, ...: eager still works
                 _BROKEN.add(cache_key)
                 _warn_eager(spec.spec, x.device, err)
-    if key is not None:
-        words = stream_words(spec.spec, Key(*key.tolist()) if key.device.type == "cpu" else key)
-    return _kernel(x, words, rand, ts, spec=spec, axis=axis, fused=fused)
+    if result is None:
+        result = _kernel(blocks, None if words is None else stream_words(spec.spec, words), rand, ts,
+                         spec=spec, fused=fused)
+    if fused:
+        out, invalid = result
+        return from_block_layout(out.view(shape3), x.shape, axis), invalid
+    codes, scales, invalid = result
+    return codes.view(*shape3[:2], -1), scales.view(shape3[:2]), invalid
 
 
 def _checked_run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool) -> tuple:
