@@ -27,6 +27,7 @@ from ..rounding.compiled import (
     word_tensors,
 )
 from ..rounding.modes import parse_mode
+from ..rounding.ops import name_for_op
 from .formats import BlockFormat, check_rule
 from .formats import format as block_format
 from .kernel import (
@@ -47,19 +48,7 @@ _BROKEN: set[tuple] = set()
 
 def format_name(bfmt: BlockFormat | str) -> str:
     """The name an op takes for ``bfmt`` (one made by hand is kept here by its name)."""
-    if isinstance(bfmt, str):
-        return bfmt
-    if not isinstance(bfmt, BlockFormat):
-        raise TypeError(f"a block format is a name or a BlockFormat, not {type(bfmt).__name__}")
-    if torch.compiler.is_compiling():
-        return bfmt.name
-    try:
-        known = block_format(bfmt.name)
-    except ValueError:
-        known = _UNREGISTERED.setdefault(bfmt.name, bfmt)
-    if known != bfmt:
-        raise ValueError(f"two block formats are named {bfmt.name!r}: rename the one made by hand")
-    return bfmt.name
+    return name_for_op(bfmt, BlockFormat, block_format, _UNREGISTERED, "block format")
 
 
 def lookup(name: str) -> BlockFormat:

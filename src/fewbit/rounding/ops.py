@@ -27,28 +27,34 @@ from .checks import RoundSpec, check_random_bits, make_spec
 from .compiled import compiled_round, range_bits, round_body, stream_words, use_compiled
 from .modes import parse_mode
 
-__all__ = ["format_name", "lookup_format", "spec_of"]
+__all__ = ["format_name", "lookup_format", "name_for_op", "spec_of"]
 
 #: Formats made by hand (not in the registry) that went through an op, by name.
 _UNREGISTERED: dict[str, FloatFormat] = {}
 
 
-def format_name(fmt: FloatFormat | str) -> str:
-    """The name an op takes for ``fmt``. A FloatFormat outside the registry is kept
-    here under its name (two different formats of one name are refused)."""
+def name_for_op(fmt, kind: type, registry, unregistered: dict, what: str = "format") -> str:
+    """The name an op takes for ``fmt`` (a name, or an object of ``kind``). One outside
+    ``registry`` (the lookup by name) is kept in ``unregistered`` under its name; two
+    different ones of one name are refused."""
     if isinstance(fmt, str):
         return fmt
-    if not isinstance(fmt, FloatFormat):
-        raise TypeError(f"a format is a name or a FloatFormat, not {type(fmt).__name__}")
+    if not isinstance(fmt, kind):
+        raise TypeError(f"a {what} is a name or a {kind.__name__}, not {type(fmt).__name__}")
     if torch.compiler.is_compiling():  # the registry is read by the op, not traced
         return fmt.name
     try:
-        known = format(fmt.name)
+        known = registry(fmt.name)
     except ValueError:
-        known = _UNREGISTERED.setdefault(fmt.name, fmt)
+        known = unregistered.setdefault(fmt.name, fmt)
     if known != fmt:
-        raise ValueError(f"two formats are named {fmt.name!r}: rename the one made by hand")
+        raise ValueError(f"two {what}s are named {fmt.name!r}: rename the one made by hand")
     return fmt.name
+
+
+def format_name(fmt: FloatFormat | str) -> str:
+    """The name an op takes for ``fmt`` (:func:`name_for_op`)."""
+    return name_for_op(fmt, FloatFormat, format, _UNREGISTERED)
 
 
 def lookup_format(name: str) -> FloatFormat:
