@@ -102,7 +102,8 @@ def quantize(
     args = block_args(x, bfmt, mode, sat, bits, fraction, seed, random_bits, axis, rule)
     codes, scales, ts = torch.ops.fewbit.block_quantize(*args)
     fmt = lookup(args[1])
-    return BlockTensor(codes, scales, ts if fmt.tensor_scale else None, fmt, x.shape, args[8] % x.dim())
+    axis = fmt.axis if args[8] is None else args[8]
+    return BlockTensor(codes, scales, ts if fmt.tensor_scale else None, fmt, x.shape, axis % x.dim())
 
 
 def round(

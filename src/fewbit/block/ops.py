@@ -62,12 +62,8 @@ def block_args(x, bfmt, mode, sat, bits, fraction, seed, random_bits, axis, rule
     mode = parse_mode(mode).value
     sat, bits, fraction = scalar_args(sat, bits, fraction)
     name = format_name(bfmt)
-    fmt = lookup(name)
-    if axis is None:
-        axis = fmt.axis
-    if isinstance(axis, bool) or not isinstance(axis, int):
+    if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int)):
         raise TypeError(f"axis must be an int, not {type(axis).__name__}")
-    rule = fmt.rule if rule is None else rule
     key = None if seed is None else key_of(seed, x.device)
     return x, name, mode, sat, bits, fraction, key, random_bits, axis, rule
 
@@ -75,19 +71,24 @@ def block_args(x, bfmt, mode, sat, bits, fraction, seed, random_bits, axis, rule
 @functools.cache
 def _spec(dtype, name, rounding, sat, bits, fraction, rule) -> BlockSpec:
     bfmt = lookup(name)
-    rule = check_rule(rule, bfmt.scale)
+    rule = check_rule(bfmt.rule if rule is None else rule, bfmt.scale)
     return make_block_spec(dtype, bfmt, rule, parse_mode(rounding), sat, bits, fraction)
 
 
-def block_spec_of(x, name, rounding, sat, bits, fraction, key, random_bits, axis, rule) -> BlockSpec:
-    """The checked spec of an op call; raises before anything is written."""
+def block_spec_of(
+    x, name, rounding, sat, bits, fraction, key, random_bits, axis, rule
+) -> tuple[BlockSpec, int]:
+    """The checked spec of an op call and its axis (None: the format's, as a None rule
+    is); raises before anything is written. Defaults are read here, inside the op, so a
+    traced caller never reads the registry."""
     if not x.is_floating_point():
         raise TypeError(f"x must be a float tensor, not {x.dtype}")
+    spec = _spec(x.dtype, name, rounding, sat, bits, fraction, rule)
+    axis = spec.bfmt.axis if axis is None else axis
     if not -x.dim() <= axis < max(x.dim(), 1):
         raise ValueError(f"axis {axis} is out of range for a tensor of {x.dim()} dimensions")
     if x.dim() == 0:
         raise ValueError("block formats need a tensor of at least one dimension")
-    spec = _spec(x.dtype, name, rounding, sat, bits, fraction, rule)
     if key is not None:
         if random_bits is not None:
             raise ValueError("give either seed (fewbit draws the bits) or random_bits, not both")
@@ -95,7 +96,7 @@ def block_spec_of(x, name, rounding, sat, bits, fraction, key, random_bits, axis
             raise ValueError(f"mode {rounding!r} is deterministic and takes no seed")
         if key.dtype != torch.int64 or key.shape != (2,) or key.device != x.device:
             raise ValueError(f"a key is an int64 tensor of shape (2,) on {x.device} (fewbit.random.key_of)")
-    return spec
+    return spec, axis
 
 
 def _kernel(blocks, words, rand, tensor_scale, *, spec: BlockSpec, fused: bool):
@@ -185,10 +186,10 @@ def _empty_codes(x: torch.Tensor, spec: BlockSpec, axis: int) -> tuple[torch.Ten
 @torch.library.custom_op("fewbit::block_round", mutates_args=())
 def block_round_op(
     x: torch.Tensor, bfmt: str, rounding: str, sat: bool, bits: int | None, fraction: float | None,
-    key: torch.Tensor | None, random_bits: torch.Tensor | None, axis: int, rule: str,
+    key: torch.Tensor | None, random_bits: torch.Tensor | None, axis: int | None, rule: str | None,
 ) -> torch.Tensor:
     """``fewbit.block.round`` as an operator (see there)."""
-    spec = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
+    spec, axis = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
     if x.numel() == 0:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
     (out,) = _checked_run(x, spec, key, random_bits, axis, fused=True)
@@ -197,7 +198,7 @@ def block_round_op(
 
 @block_round_op.register_fake
 def _(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule):
-    spec = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
+    spec, axis = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
     if key is None:
         check_random_bits(x, spec.spec, random_bits, values=False)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -213,12 +214,12 @@ torch.library.register_autograd("fewbit::block_round", _straight_through)
 @torch.library.custom_op("fewbit::block_quantize", mutates_args=())
 def block_quantize_op(
     x: torch.Tensor, bfmt: str, rounding: str, sat: bool, bits: int | None, fraction: float | None,
-    key: torch.Tensor | None, random_bits: torch.Tensor | None, axis: int, rule: str,
+    key: torch.Tensor | None, random_bits: torch.Tensor | None, axis: int | None, rule: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``fewbit.block.quantize`` as an operator: element codes ``(rows, blocks, B)``
     (``B / 2`` bytes when packed), scale codes ``(rows, blocks)`` and the per-tensor
     scale (float32, 1 for formats without one)."""
-    spec = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
+    spec, axis = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
     ts = tensor_scale_of(x, spec.bfmt)
     ts = torch.ones((), device=x.device) if ts is None else ts
     if x.numel() == 0:
@@ -229,7 +230,7 @@ def block_quantize_op(
 
 @block_quantize_op.register_fake
 def _(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule):
-    spec = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
+    spec, axis = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
     if key is None:
         check_random_bits(x, spec.spec, random_bits, values=False)
     return (*_empty_codes(x, spec, axis), x.new_empty((), dtype=torch.float32))
