@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
+import fewbit
 from fewbit.experiments.replicas import launch
 from fewbit.experiments.sharded import LayoutProbe, ShardedRun, run, train_single
 from fewbit.random import Key, random_bits
@@ -18,8 +18,11 @@ HSDP_STEPS = 20
 
 @pytest.fixture(scope="module")
 def single() -> dict:
-    """The run in this process, without torch.distributed."""
-    return train_single(ShardedRun(steps=STEPS, hash_every=EVERY))
+    """The run in this process, without torch.distributed. Eager: the write-back's first
+    compilation would cost more than the run (compiled and eager agree bit for bit,
+    tests/test_optim.py); the ranks' pieces are below the compile threshold anyway."""
+    with fewbit.configure(compile=False):
+        return train_single(ShardedRun(steps=STEPS, hash_every=EVERY))
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +41,12 @@ def runs(tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
         },
         2: {
             "layouts": LayoutProbe(),
-            "shard0": ShardedRun(steps=STEPS, hash_every=EVERY),
             "shard1": ShardedRun(steps=STEPS, hash_every=EVERY, placement=1),
             "resumed": ShardedRun(steps=STEPS, hash_every=EVERY, checkpoint_dir=ckpt, resume=True),
         },
     }
-    return {n: dict(zip(plan, launch(list(plan.values()), n, train=run), strict=True)) for n, plan in plans.items()}
+    return {n: dict(zip(plan, launch(list(plan.values()), n, train=run), strict=True))
+            for n, plan in plans.items()}  # fmt: skip
 
 
 def assert_bits_equal(a: dict, b: dict) -> None:
@@ -53,7 +56,7 @@ def assert_bits_equal(a: dict, b: dict) -> None:
         assert x.shape == y.shape and np.array_equal(x.view(np.uint8), y.view(np.uint8)), name
 
 
-@pytest.mark.parametrize("nproc, scenario", [(4, "shard0"), (2, "shard0"), (2, "shard1")])
+@pytest.mark.parametrize("nproc, scenario", [(4, "shard0"), (2, "shard1")])
 def test_sharded_weights_equal_one_process_bit_for_bit(single, runs, nproc, scenario):
     results = runs[nproc][scenario]
     assert len(single["hashes"]) == STEPS // EVERY
@@ -88,7 +91,7 @@ def test_hsdp_update_keyed_with_the_rank_is_caught_naming_the_tensor(runs):
     assert log[0]["first"] == "tok.weight" and all(e["max_ulps"] >= 1 for e in log)
     for r in runs[4]["hsdp differing, guarded"]:
         assert r["step"] == 1
-        assert r["error"].startswith("tok.weight differs across ranks before the identical-seed weight update")
+        assert r["error"].startswith("tok.weight differs across ranks before the identical-seed")
 
 
 def test_guard_without_replicas_is_refused(runs):

@@ -26,7 +26,7 @@ from .rounding.compiled import index_bits, range_bits
 
 __all__ = [
     "PairwiseReduceScatter", "ShardLayout", "global_amax", "global_bits", "is_dtensor", "layout",
-    "local_tensor", "pairwise_sum", "piece_key", "replica_count",
+    "local_tensor", "pairwise_sum", "piece_key", "placement_offsets", "replica_count", "torch_offsets",
 ]  # fmt: skip
 
 
@@ -96,7 +96,7 @@ class ShardLayout:
         return index.expand(self.local_shape).reshape(-1)
 
 
-def _chunk_offsets(t) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def placement_offsets(t) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Local shape and global offset of this rank's piece for Shard and Replicate (and
     Partial) placements, applied left to right over the mesh dimensions with
     ``torch.chunk``'s split (``ceil(size / n)`` per rank, the last ones short or empty),
@@ -123,7 +123,7 @@ def _chunk_offsets(t) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(shape), tuple(offset)
 
 
-def _torch_offsets(t) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+def torch_offsets(t) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """torch's own answer where this torch has it (a private function: it also knows the
     strided shards that FSDP2 with tensor parallelism makes); None otherwise."""
     try:
@@ -141,7 +141,7 @@ def layout(t: torch.Tensor) -> ShardLayout:
     shape = tuple(t.shape)
     if not is_dtensor(t):
         return ShardLayout(shape, shape, (0,) * len(shape))
-    local, offset = _torch_offsets(t) or _chunk_offsets(t)
+    local, offset = torch_offsets(t) or placement_offsets(t)
     actual = tuple(t.to_local().shape)
     if local != actual:
         raise RuntimeError(f"a DTensor of shape {shape} with placements {t.placements} holds a local "

@@ -17,19 +17,27 @@ depends on the sharding.
 from __future__ import annotations
 
 import hashlib
+import time
 import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from ..optim import LowPrecisionWeights
 from ..random import Key
 from ..replicas import ReplicaDriftError, check_in_sync, drift_report
 from ..rounding.checks import check_round_args
 from ..rounding.compiled import stream_words
-from ..sharding import PairwiseReduceScatter, _chunk_offsets, _torch_offsets, global_bits, is_dtensor, layout, pairwise_sum
+from ..sharding import (
+    PairwiseReduceScatter,
+    global_bits,
+    is_dtensor,
+    layout,
+    pairwise_sum,
+    placement_offsets,
+    torch_offsets,
+)  # fmt: skip
 from .gpt import GPT, GPTConfig
 from .train import PRESETS, learning_rate
 
@@ -185,6 +193,7 @@ def train_sharded(rank: int, world_size: int, cfg: ShardedRun) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
+    began = time.perf_counter()
     check_world(cfg, world_size)
     batches = Batches(cfg)
     try:
@@ -220,7 +229,8 @@ def train_sharded(rank: int, world_size: int, cfg: ShardedRun) -> dict:
             hashes.append(weights_hash(full_weights(model)))
     sync = check_in_sync(model)
     full = {n: w.numpy().copy() for n, w in full_weights(model).items()}
-    return {"hashes": hashes, "log": log, "sync": (bool(sync), str(sync)), "weights": full if rank == 0 else {}}
+    return {"hashes": hashes, "log": log, "sync": (bool(sync), str(sync)),
+            "weights": full if rank == 0 else {}, "seconds": time.perf_counter() - began}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -257,7 +267,7 @@ def probe_layouts(rank: int, world_size: int, cfg: LayoutProbe) -> dict:
                     "from_data": dt.to_local().reshape(-1).long().numpy(),
                     "from_layout": piece.flat_indices().numpy(),
                     "flat_start": piece.flat_start(),
-                    "torch": _torch_offsets(dt), "fallback": _chunk_offsets(dt),
+                    "torch": torch_offsets(dt), "fallback": placement_offsets(dt),
                     "bits": global_bits(spec, words, piece, "cpu").reshape(-1).numpy(),
                 })  # fmt: skip
     return {"cases": cases, "weights": {}}
@@ -272,4 +282,6 @@ def _placements(mesh_dims: int, tensor_dims: int, shard, replicate) -> list[tupl
 
 def run(rank: int, world_size: int, cfg) -> dict:
     """What ``launch`` runs on each rank: a training run or a layout probe."""
-    return probe_layouts(rank, world_size, cfg) if isinstance(cfg, LayoutProbe) else train_sharded(rank, world_size, cfg)
+    if isinstance(cfg, LayoutProbe):
+        return probe_layouts(rank, world_size, cfg)
+    return train_sharded(rank, world_size, cfg)
