@@ -162,7 +162,17 @@ def _set_lr(weights: LowPrecisionWeights, step: int, steps: int) -> None:
 
 
 def train_single(cfg: ShardedRun) -> dict:
-    """The run in this process: each micro-batch's gradient, then their pairwise sum."""
+    """The run in this process: each micro-batch's gradient, then their pairwise sum. On
+    one thread, as each rank runs: CPU kernels split their sums by thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train_single(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_single(cfg: ShardedRun) -> dict:
     batches = Batches(cfg)
     model, weights = build(cfg, batches.vocab, None)
     params = list(model.parameters())
