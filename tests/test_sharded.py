@@ -43,6 +43,7 @@ def runs(tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
             "layouts": LayoutProbe(),
             "shard1": ShardedRun(steps=STEPS, hash_every=EVERY, placement=1),
             "resumed": ShardedRun(steps=STEPS, hash_every=EVERY, checkpoint_dir=ckpt, resume=True),
+            "codes": ShardedRun(steps=STEPS, until=10, hash_every=EVERY, store_codes=True),
         },
     }
     return {n: dict(zip(plan, launch(list(plan.values()), n, train=run), strict=True))
@@ -124,3 +125,19 @@ def test_pieces_take_the_indices_and_bits_of_the_full_tensor(runs, nproc):
     assert any(c["flat_start"] is None for c in ranks[0])  # Shard(1) pieces were among them
     if nproc == 4:  # 3 rows on 4 ranks: and empty ones
         assert any(len(c["from_data"]) == 0 for r in ranks for c in r)
+
+
+def test_fake_quantize_refuses_dtensor_activations(runs):
+    """Tensor-parallel activations are not supported yet: refused, never rounded by the
+    indices of the local piece."""
+    for r in runs[2]["layouts"] + runs[4]["layouts"]:
+        assert r["fake_quantize"] is not None and "does not fake-quantise DTensor" in r["fake_quantize"]
+
+
+def test_store_codes_keeps_codes_of_the_local_piece_only(single, runs):
+    results = runs[2]["codes"]
+    full = sum(w.size for n, w in single["weights"].items() if w.ndim >= 2)
+    counts = [r["codes"] for r in results]
+    assert sum(counts) == full and all(0 < c < full for c in counts)
+    for r in results:  # decoded, the weights are those of the run without codes
+        assert r["hashes"] == single["hashes"][:2]

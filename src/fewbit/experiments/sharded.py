@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..nn import Quant, fake_quantize
 from ..optim import LowPrecisionWeights
 from ..random import Key
 from ..replicas import ReplicaDriftError, check_in_sync, drift_report
@@ -57,6 +58,7 @@ class ShardedRun:
     hsdp: bool = False  #: a (2, W / 2) mesh: replicate x shard
     policy: str = "default"  #: or "differing-update": the update keyed with the rank (wrong)
     guard: bool = False
+    store_codes: bool = False  #: keep the weights as uint8 codes between steps
     micro_batches: int = 4
     hash_every: int = 1  #: record the hash of the full weights every this many steps
     data: str = "synthetic"  #: or the path of a prepared Shakespeare dataset
@@ -138,6 +140,7 @@ def build(cfg: ShardedRun, vocab: int, world_size: int | None):
     weights = LowPrecisionWeights(
         opt, cfg.fmt, cfg.mode, bits=cfg.bits, seed=cfg.seed, params=named, update_dtype=torch.bfloat16,
         policy="differing" if cfg.policy == "differing-update" else "identical", guard=cfg.guard,
+        store_codes=cfg.store_codes,
     )  # fmt: skip
     return model, weights
 
@@ -217,7 +220,7 @@ def train_sharded(rank: int, world_size: int, cfg: ShardedRun) -> dict:
         set_model_state_dict(model, state["model"])
         weights.load_state_dict(state["weights"], model)
         start = weights.steps
-    hashes, log = [], []
+    hashes, log, codes = [], [], None
     for step in range(start, cfg.until or cfg.steps):
         _set_lr(weights, step, cfg.steps)
         weights.zero_grad()
@@ -227,6 +230,9 @@ def train_sharded(rank: int, world_size: int, cfg: ShardedRun) -> dict:
             weights.step()
         except ReplicaDriftError as err:  # the guard: raised alike on every rank
             return {"error": str(err), "step": step + 1}
+        if cfg.store_codes:  # the weights are codes until zero_grad(); read them back now
+            codes = sum(c.numel() for c in weights._codes)
+            weights.materialize()
         if cfg.save_at is not None and step + 1 == cfg.save_at:
             dcp.save(_checkpoint(model, weights), checkpoint_id=cfg.checkpoint_dir)
         if cfg.hsdp:  # only replicas have something to compare
@@ -239,7 +245,7 @@ def train_sharded(rank: int, world_size: int, cfg: ShardedRun) -> dict:
             hashes.append(weights_hash(full_weights(model)))
     sync = check_in_sync(model)
     full = {n: w.numpy().copy() for n, w in full_weights(model).items()}
-    return {"hashes": hashes, "log": log, "sync": (bool(sync), str(sync)),
+    return {"hashes": hashes, "log": log, "sync": (bool(sync), str(sync)), "codes": codes,
             "weights": full if rank == 0 else {}, "seconds": time.perf_counter() - began}  # fmt: skip
 
 
@@ -280,7 +286,12 @@ def probe_layouts(rank: int, world_size: int, cfg: LayoutProbe) -> dict:
                     "torch": torch_offsets(dt), "fallback": placement_offsets(dt),
                     "bits": global_bits(spec, words, piece, "cpu").reshape(-1).numpy(),
                 })  # fmt: skip
-    return {"cases": cases, "weights": {}}
+    try:  # not supported yet: must be refused, not rounded by local index
+        fake_quantize(dt, Quant("binary8p4", "src", bits=cfg.bits), seed=cfg.seed)
+        refused = None
+    except TypeError as err:
+        refused = str(err)
+    return {"cases": cases, "fake_quantize": refused, "weights": {}}
 
 
 def _placements(mesh_dims: int, tensor_dims: int, shard, replicate) -> list[tuple]:
