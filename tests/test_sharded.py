@@ -44,6 +44,7 @@ def runs(tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
             "shard1": ShardedRun(steps=STEPS, hash_every=EVERY, placement=1),
             "resumed": ShardedRun(steps=STEPS, hash_every=EVERY, checkpoint_dir=ckpt, resume=True),
             "codes": ShardedRun(steps=STEPS, until=10, hash_every=EVERY, store_codes=True),
+            "scaled": ShardedRun(steps=STEPS, until=10, hash_every=EVERY, scale=True, placement=1),
         },
     }
     return {n: dict(zip(plan, launch(list(plan.values()), n, train=run), strict=True))
@@ -141,3 +142,13 @@ def test_store_codes_keeps_codes_of_the_local_piece_only(single, runs):
     assert sum(counts) == full and all(0 < c < full for c in counts)
     for r in results:  # decoded, the weights are those of the run without codes
         assert r["hashes"] == single["hashes"][:2]
+
+
+def test_scale_takes_the_largest_magnitude_of_the_full_tensor(runs):
+    """scale=True: each piece is scaled by the power of two of the whole tensor's amax."""
+    with fewbit.configure(compile=False):
+        single = train_single(ShardedRun(steps=STEPS, until=10, hash_every=EVERY, scale=True))
+    plain = runs[2]["codes"][0]["hashes"]  # the same 10 steps without scale
+    assert single["hashes"] != plain  # the scale changed the rounding
+    for r in runs[2]["scaled"]:
+        assert r["hashes"] == single["hashes"]

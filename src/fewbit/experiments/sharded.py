@@ -59,6 +59,7 @@ class ShardedRun:
     policy: str = "default"  #: or "differing-update": the update keyed with the rank (wrong)
     guard: bool = False
     store_codes: bool = False  #: keep the weights as uint8 codes between steps
+    scale: bool = False  #: LowPrecisionWeights(scale=True): power-of-two scale per tensor
     micro_batches: int = 4
     hash_every: int = 1  #: record the hash of the full weights every this many steps
     data: str = "synthetic"  #: or the path of a prepared Shakespeare dataset
@@ -140,7 +141,7 @@ def build(cfg: ShardedRun, vocab: int, world_size: int | None):
     weights = LowPrecisionWeights(
         opt, cfg.fmt, cfg.mode, bits=cfg.bits, seed=cfg.seed, params=named, update_dtype=torch.bfloat16,
         policy="differing" if cfg.policy == "differing-update" else "identical", guard=cfg.guard,
-        store_codes=cfg.store_codes,
+        store_codes=cfg.store_codes, scale=cfg.scale,
     )  # fmt: skip
     return model, weights
 
