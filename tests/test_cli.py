@@ -167,3 +167,12 @@ def test_bench_refuses_sizes_and_repeats_it_cannot_time(capsys, option, message)
     with pytest.raises(SystemExit) as done:
         main(["bench", *option])
     assert done.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("nproc", ["3", "8"])
+def test_replicas_fsdp_refuses_world_sizes_outside_its_guarantee_before_starting(capsys, nproc):
+    """Bit-identity with one process holds for 2^k ranks taking one or two of the 4
+    micro-batches each; other sizes are refused before the text or any process is touched."""
+    code, out, err = run(capsys, "replicas", "--fsdp", "--nproc", nproc, "--data-dir", "/nonexistent")
+    assert code == 2 and out == ""
+    assert f"got {nproc} ranks for 4 micro-batches" in err

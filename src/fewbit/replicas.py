@@ -7,6 +7,10 @@ silently: ``SeedPolicy.IDENTICAL`` leaves the rank out. fewbit's keys are statel
 IDENTICAL rounding stays identical as long as its *inputs* are (seed 000's invariant);
 :func:`check_in_sync`, the guard of ``LowPrecisionWeights(guard=True)`` and
 :func:`drift_report` check that on real ranks.
+
+Sharded tensors (DTensors: FSDP2, HSDP) are compared where they must be equal: between
+the ranks that hold the same piece (the replicas of HSDP's replicate mesh dimension).
+Under pure sharding no two ranks do; the checks say so instead of passing.
 """
 
 from __future__ import annotations
@@ -15,12 +19,13 @@ import enum
 import hashlib
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .formats import FloatFormat, format
 from .random import Key, as_key, fold_in
+from .sharding import is_dtensor, local_tensor, piece_key
 
 __all__ = [
     "DEFAULT_POLICY", "ReplicaContext", "ReplicaDriftError", "SeedPolicy", "SyncResult",
@@ -99,7 +104,8 @@ def _named_tensors(obj) -> list[tuple[str, torch.Tensor]]:
 
 def _digest(t: torch.Tensor) -> int:
     """A 63-bit hash of the raw bits (so -0 differs from 0 and NaN payloads count), the
-    dtype and the shape."""
+    dtype and the shape; of this rank's piece of a DTensor."""
+    t = local_tensor(t)
     raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
     h = hashlib.blake2b(raw, digest_size=8)
     h.update(f"{t.dtype}{tuple(t.shape)}".encode())
@@ -108,43 +114,65 @@ def _digest(t: torch.Tensor) -> int:
 
 @dataclass
 class SyncResult:
-    """Falsy when some tensor differs across ranks; ``first`` names the first one."""
+    """Falsy when some tensor differs across ranks (``first`` names the first one), or
+    when nothing could be compared. ``unchecked`` names the tensors that no two ranks
+    hold alike (pieces of a pure shard): nothing says whether those agree."""
 
     names: list[str]
     differing: list[str]
     world_size: int
+    unchecked: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return not self.differing
+        return not self.differing and not (self.unchecked and len(self.unchecked) == len(self.names))
 
     @property
     def first(self) -> str | None:
         return self.differing[0] if self.differing else None
 
     def __str__(self) -> str:
-        if self:
-            return f"in sync: {len(self.names)} tensors on {self.world_size} ranks"
-        return f"OUT OF SYNC: {len(self.differing)} of {len(self.names)} tensors differ, first {self.first}"
+        if self.differing:
+            n, first = len(self.differing), self.first
+            return f"OUT OF SYNC: {n} of {len(self.names)} tensors differ, first {first}"
+        if not self:
+            return (f"NOTHING COMPARED: all {len(self.names)} tensors are sharded and no two of the "
+                    f"{self.world_size} ranks hold the same piece")  # fmt: skip
+        compared = len(self.names) - len(self.unchecked)
+        skipped = f" ({len(self.unchecked)} sharded tensors not compared: no replicas)"
+        skipped = skipped if self.unchecked else ""
+        return f"in sync: {compared} tensors on {self.world_size} ranks{skipped}"
 
 
 def check_in_sync(tensors: torch.nn.Module | Iterable | torch.Tensor, group=None) -> SyncResult:
     """Compare a digest of every tensor's bits across the ranks of ``group`` (a collective:
-    every rank must call it). A module contributes its state_dict (parameters, buffers)."""
+    every rank must call it). A module contributes its state_dict (parameters, buffers).
+    A DTensor is compared between the ranks that hold the same piece of it."""
     named = _named_tensors(tensors)
     names = [n for n, _ in named]
-    # One all_gather of integers: the names' hash first, then each tensor's digest.
+    rank, size = world(group)
+    # Which ranks must agree: equal keys (an empty piece, None, gets a key of its own).
+    keys = [piece_key(t) for _, t in named]
+    keys = [-1 - rank if k is None else k for k in keys]
+    # One all_gather of integers: the names' hash, then each tensor's digest, then its key.
     names_digest = _digest(torch.tensor(list("|".join(names).encode())))
-    mine = torch.tensor([names_digest] + [_digest(t) for _, t in named])
-    _, size = world(group)
+    mine = torch.tensor([names_digest] + [_digest(t) for _, t in named] + keys)
     everyone = [mine]
     if size > 1:
         everyone = [torch.empty_like(mine) for _ in range(size)]
         torch.distributed.all_gather(everyone, mine, group=group)
     if any(d[0] != mine[0] for d in everyone):
         raise ReplicaDriftError("ranks hold different sets of tensors")
-    table = torch.stack(everyone)[:, 1:]
-    differing = [names[i] for i in torch.nonzero((table != table[0]).any(0)).flatten().tolist()]
-    return SyncResult(names, differing, size)
+    table = torch.stack(everyone)[:, 1:].tolist()
+    differing, unchecked = [], []
+    for i, name in enumerate(names):
+        holders: dict[int, list[int]] = {}  # piece key -> the digests of the ranks holding it
+        for row in table:
+            holders.setdefault(row[len(names) + i], []).append(row[i])
+        if any(len(set(digests)) > 1 for digests in holders.values()):
+            differing.append(name)
+        elif size > 1 and all(len(digests) < 2 for digests in holders.values()):
+            unchecked.append(name)
+    return SyncResult(names, differing, size, unchecked)
 
 
 def _ordered(t: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
@@ -165,8 +193,9 @@ def drift_report(
 ) -> dict[str, int]:
     """For each floating tensor, the largest distance in ulps between any rank's value and
     rank 0's (0 everywhere when in sync): ulps of the tensor's dtype, or of ``fmt`` (a
-    format of up to 16 bits the values belong to, e.g. the weights' format). A collective:
-    every rank must call it."""
+    format of up to 16 bits the values belong to, e.g. the weights' format). A DTensor is
+    measured between the ranks that hold the same piece (from the first of them), and left
+    out where no two do. A collective: every rank must call it."""
     table = None
     if fmt is not None:
         finite = {v for v in format(fmt).values() if math.isfinite(v)}
@@ -176,6 +205,11 @@ def drift_report(
     for name, t in _named_tensors(tensors):
         if not t.is_floating_point():
             continue
+        if is_dtensor(t):
+            distance = _piece_drift(t, table, group, size)
+            if distance is not None:
+                report[name] = distance
+            continue
         here = _ordered(t, table)
         gathered = [here]
         if size > 1:
@@ -183,6 +217,27 @@ def drift_report(
             torch.distributed.all_gather(gathered, here, group=group)
         report[name] = int(max((g - gathered[0]).abs().max() if g.numel() else 0 for g in gathered))
     return report
+
+
+def _piece_drift(t: torch.Tensor, table: torch.Tensor | None, group, size: int) -> int | None:
+    """:func:`drift_report` of one DTensor: pieces differ in shape, so they travel as
+    objects; None when no two ranks hold the same piece."""
+    here = (piece_key(t), _ordered(local_tensor(t), table).cpu())
+    gathered = [here]
+    if size > 1:
+        gathered = [None] * size
+        torch.distributed.all_gather_object(gathered, here, group=group)
+    first: dict[int, torch.Tensor] = {}
+    worst = None
+    for key, values in gathered:
+        if key is None:
+            continue
+        if key in first:
+            gap = int((values - first[key]).abs().max()) if values.numel() else 0
+            worst = max(worst or 0, gap)
+        else:
+            first[key] = values
+    return worst
 
 
 def assert_identical_inputs(named: list[tuple[str, torch.Tensor]], group=None) -> None:

@@ -83,14 +83,14 @@ def forward_sr_disagreement(cfg: ReplicaRun, world_size: int) -> float:
     return float((mine != everyone[0]).float().mean())
 
 
-def _worker(rank: int, world_size: int, init_file: str, cfgs: list[ReplicaRun], results) -> None:
+def _worker(rank: int, world_size: int, init_file: str, cfgs: list, results, train) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     out = []
     try:
         for cfg in cfgs:
             try:
-                out.append(_train(rank, world_size, cfg))
+                out.append(train(rank, world_size, cfg))
             except ReplicaDriftError as err:  # raised on every rank alike: go on to the next
                 out.append({"error": str(err)})
     except Exception:  # reported to the parent, which raises it: never a silent failure
@@ -157,17 +157,20 @@ def _randint_sr_step(opt: torch.optim.Optimizer, named, fmt: str) -> None:
         p.copy_(fewbit_round(p, fmt, "src", bits=3, random_bits=bits, sat=True))
 
 
-def launch(cfgs: ReplicaRun | list[ReplicaRun], nproc: int, timeout: float = 600) -> list[list[dict]]:
+def launch(cfgs, nproc: int, timeout: float = 600, train=None) -> list[list[dict]]:
     """Run each configuration in turn on the same ``nproc`` gloo processes (one start-up
-    for all); ``result[i][rank]`` is configuration i's result on that rank."""
-    cfgs = [cfgs] if isinstance(cfgs, ReplicaRun) else list(cfgs)
+    for all); ``result[i][rank]`` is configuration i's result on that rank.
+    ``train(rank, world_size, cfg)`` (a module-level function; default: the DDP run of
+    a :class:`ReplicaRun`) returns a dict, whose ``weights`` are numpy arrays."""
+    cfgs = list(cfgs) if isinstance(cfgs, list | tuple) else [cfgs]
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker, args=(r, nproc, init_file, cfgs, results)) for r in range(nproc)]
+        args = (nproc, init_file, cfgs, results, train or _train)
+        procs = [ctx.Process(target=_worker, args=(r, *args)) for r in range(nproc)]
         for p in procs:
             p.start()
         try:

@@ -21,13 +21,14 @@ import warnings
 import torch
 
 from ..config import current
-from ..random import LANES, Key, bits_from_range, bits_rows, fold_in, key_tensor
+from ..random import LANES, Key, bits_from_index, bits_from_range, bits_rows, fold_in, key_tensor
 from .checks import RoundSpec, dtype_format
 from .fast import round_fast, working_dtype
 from .magic import magic_applies, round_magic
 from .modes import MODES, SELECT_BITS, SELECT_KEY, RoundMode
 
-__all__ = ["compiled_round", "range_bits", "round_body", "round_foreach_", "stream_words", "use_compiled",
+__all__ = ["compiled_round", "index_bits", "range_bits", "round_body", "round_foreach_", "stream_words",
+           "use_compiled",
            "word_tensors"]
 
 #: Dynamo guards on the dispatch keys each input shows, and those depend on the caller: an
@@ -77,6 +78,12 @@ def range_bits(spec: RoundSpec, words, offset: int, n: int, device) -> torch.Ten
     """The bits of elements ``offset .. offset + n`` for the streams' ``words``
     (:func:`stream_words`)."""
     return _draw(spec, words, lambda bits, a, b: bits_from_range(offset, n, bits, a, b, device=device))
+
+
+def index_bits(spec: RoundSpec, words, index: torch.Tensor) -> torch.Tensor | None:
+    """The bits of the elements at int64 ``index`` for the streams' ``words`` (the values
+    :func:`range_bits` gives them, one Threefry block per element)."""
+    return _draw(spec, words, lambda bits, a, b: bits_from_index(index, bits, a, b))
 
 
 def round_body(

@@ -1,0 +1,309 @@
+"""Sharded training (FSDP2, HSDP) of the character GPT, bit for bit against one process.
+
+Every step trains on a global batch of ``micro_batches`` micro-batches (4 by default).
+One process (no torch.distributed) computes each micro-batch's gradient by itself and
+adds them with ``fewbit.sharding.pairwise_sum``: ((g0 + g1) + (g2 + g3)) / 4. Under
+FSDP2 on W ranks (W = 2 or 4), rank r's backward pass p takes micro-batch ``p W + r``;
+``PairwiseReduceScatter`` adds the ranks' gradients in that same tree, and FSDP2 adds
+the (at most two) passes, so every rank ends the backward with its shard of the very
+same gradient (divisions by 4 are exact). AdamW is elementwise, and
+``LowPrecisionWeights`` rounds each piece with the bits of its global indices: the full
+weights equal the single process's after every step, whatever the placement.
+
+Gradient clipping is left out: its global norm is another reduction whose order
+depends on the sharding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import zlib
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from ..nn import Quant, fake_quantize
+from ..optim import LowPrecisionWeights
+from ..random import Key
+from ..replicas import ReplicaDriftError, check_in_sync, drift_report
+from ..rounding.checks import check_round_args
+from ..rounding.compiled import stream_words
+from ..sharding import (
+    PairwiseReduceScatter,
+    global_bits,
+    is_dtensor,
+    layout,
+    pairwise_sum,
+    placement_offsets,
+    torch_offsets,
+)  # fmt: skip
+from .gpt import GPT, GPTConfig
+from .train import PRESETS, learning_rate
+
+#: The tiny preset (1 layer, 2 heads, 32 wide, batches of 8): its model and schedule.
+TINY = PRESETS["tiny"]
+
+
+@dataclass(frozen=True)
+class ShardedRun:
+    steps: int = 50  #: the learning-rate schedule's length
+    until: int | None = None  #: stop after this many steps (default: steps)
+    seed: int = 0
+    fmt: str = "binary8p4"
+    mode: str = "src"
+    bits: int = 3
+    placement: int = 0  #: Shard(placement) for every parameter of two or more dimensions
+    hsdp: bool = False  #: a (2, W / 2) mesh: replicate x shard
+    policy: str = "default"  #: or "differing-update": the update keyed with the rank (wrong)
+    guard: bool = False
+    store_codes: bool = False  #: keep the weights as uint8 codes between steps
+    scale: bool = False  #: LowPrecisionWeights(scale=True): power-of-two scale per tensor
+    micro_batches: int = 4
+    hash_every: int = 1  #: record the hash of the full weights every this many steps
+    data: str = "synthetic"  #: or the path of a prepared Shakespeare dataset
+    vocab: int = 30  #: synthetic data: uneven shards of the embedding on 4 ranks
+    block_size: int = 15
+    save_at: int | None = None  #: save with torch.distributed.checkpoint after this many steps
+    checkpoint_dir: str | None = None
+    resume: bool = False  #: start from the checkpoint in checkpoint_dir
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("default", "differing-update"):
+            raise ValueError(f"policy must be 'default' or 'differing-update', not {self.policy!r}")
+        if self.micro_batches < 1 or self.micro_batches & (self.micro_batches - 1):
+            raise ValueError(f"micro_batches must be a power of two, got {self.micro_batches}")
+
+
+def check_world(cfg: ShardedRun, world_size: int) -> None:
+    """The world sizes the exactness argument covers: 2^k ranks, one or two passes."""
+    m = cfg.micro_batches
+    if world_size & (world_size - 1) or m % world_size or m // world_size > 2 or world_size > m:
+        raise ValueError(f"sharded runs take a power of two ranks with micro_batches / ranks in (1, 2); "
+                         f"got {world_size} ranks for {m} micro-batches")  # fmt: skip
+
+
+class Batches:
+    """Micro-batch m of step t, the same in every process: Shakespeare windows, or
+    synthetic sequences (arithmetic progressions modulo the vocabulary: learnable)."""
+
+    def __init__(self, cfg: ShardedRun):
+        self.cfg = cfg
+        self.dataset = None
+        if cfg.data != "synthetic":
+            from .data import CharDataset
+
+            self.dataset = CharDataset.load(Path(cfg.data))
+
+    @property
+    def vocab(self) -> int:
+        return len(self.dataset.vocab) if self.dataset else self.cfg.vocab
+
+    def __call__(self, step: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        size = TINY.batch_size // cfg.micro_batches
+        g = torch.Generator().manual_seed(zlib.crc32(f"sharded|{cfg.seed}|{step}|{m}".encode()))
+        if self.dataset is not None:
+            return self.dataset.batch("train", size, cfg.block_size, g)
+        start, stride = torch.randint(cfg.vocab, (2, size, 1), generator=g)
+        seq = (start + stride * torch.arange(cfg.block_size + 1)) % cfg.vocab
+        return seq[:, :-1], seq[:, 1:]
+
+
+def build(cfg: ShardedRun, vocab: int, world_size: int | None):
+    """Model, AdamW and LowPrecisionWeights; sharded with FSDP2 on ``world_size`` ranks
+    (None: one process, no torch.distributed)."""
+    from torch.distributed.tensor import Shard
+
+    torch.manual_seed(cfg.seed)
+    model = GPT(GPTConfig(vocab, cfg.block_size, TINY.n_layer, TINY.n_head, TINY.n_embd))
+    if world_size is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if cfg.hsdp:
+            mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
+        matrix_shard = Shard(cfg.placement)
+        fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: matrix_shard if p.dim() >= 2 else Shard(0))
+        model.set_custom_reduce_scatter(PairwiseReduceScatter())
+        model.set_force_sum_reduction_for_comms(True)  # sums, then one exact division
+        model.set_gradient_divide_factor(float(cfg.micro_batches))
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    others = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": TINY.weight_decay}, {"params": others, "weight_decay": 0.0}],
+        lr=TINY.lr, betas=(0.9, 0.99), foreach=True,
+    )  # fmt: skip
+    named = [(n, p) for n, p in model.named_parameters() if p.dim() >= 2]
+    weights = LowPrecisionWeights(
+        opt, cfg.fmt, cfg.mode, bits=cfg.bits, seed=cfg.seed, params=named, update_dtype=torch.bfloat16,
+        policy="differing" if cfg.policy == "differing-update" else "identical", guard=cfg.guard,
+        store_codes=cfg.store_codes, scale=cfg.scale,
+    )  # fmt: skip
+    return model, weights
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole (a collective for sharded ones)."""
+    return {n: (p.full_tensor() if is_dtensor(p) else p).detach() for n, p in model.named_parameters()}
+
+
+def weights_hash(weights: dict[str, torch.Tensor]) -> str:
+    """16 hex digits of a hash of the weights' names, shapes and raw bits."""
+    h = hashlib.blake2b(digest_size=8)
+    for name, w in weights.items():
+        h.update(f"{name}{tuple(w.shape)}{w.dtype}".encode())
+        h.update(w.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _set_lr(weights: LowPrecisionWeights, step: int, steps: int) -> None:
+    for group in weights.param_groups:
+        group["lr"] = learning_rate(replace(TINY, iters=steps), step)
+
+
+def train_single(cfg: ShardedRun) -> dict:
+    """The run in this process: each micro-batch's gradient, then their pairwise sum. On
+    one thread, as each rank runs: CPU kernels split their sums by thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train_single(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_single(cfg: ShardedRun) -> dict:
+    batches = Batches(cfg)
+    model, weights = build(cfg, batches.vocab, None)
+    params = list(model.parameters())
+    hashes = []
+    for step in range(cfg.until or cfg.steps):
+        _set_lr(weights, step, cfg.steps)
+        grads = []
+        for m in range(cfg.micro_batches):
+            weights.zero_grad()
+            model(*batches(step, m))[1].backward()
+            grads.append([p.grad for p in params])
+        for p, parts in zip(params, zip(*grads, strict=True), strict=True):
+            p.grad = pairwise_sum(list(parts)).div_(cfg.micro_batches)
+        weights.step()
+        if (step + 1) % cfg.hash_every == 0:
+            hashes.append(weights_hash(full_weights(model)))
+    return {"hashes": hashes, "weights": {n: w.numpy().copy() for n, w in full_weights(model).items()}}
+
+
+def _checkpoint(model, weights) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return {"model": get_model_state_dict(model), "weights": weights.state_dict(model)}
+
+
+def train_sharded(rank: int, world_size: int, cfg: ShardedRun) -> dict:
+    """One rank of the FSDP2 run (``fewbit.experiments.replicas.launch`` starts them)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    began = time.perf_counter()
+    check_world(cfg, world_size)
+    batches = Batches(cfg)
+    try:
+        model, weights = build(cfg, batches.vocab, world_size)
+    except ValueError as err:  # a set-up LowPrecisionWeights refuses (alike on every rank)
+        return {"error": str(err)}
+    start = 0
+    if cfg.resume:
+        state = _checkpoint(model, weights)  # the shapes to load into, on this many ranks
+        dcp.load(state, checkpoint_id=cfg.checkpoint_dir)
+        set_model_state_dict(model, state["model"])
+        weights.load_state_dict(state["weights"], model)
+        start = weights.steps
+    hashes, log, codes = [], [], None
+    for step in range(start, cfg.until or cfg.steps):
+        _set_lr(weights, step, cfg.steps)
+        weights.zero_grad()
+        for p in range(cfg.micro_batches // world_size):
+            model(*batches(step, p * world_size + rank))[1].backward()
+        try:
+            weights.step()
+        except ReplicaDriftError as err:  # the guard: raised alike on every rank
+            return {"error": str(err), "step": step + 1}
+        if cfg.store_codes:  # the weights are codes until zero_grad(); read them back now
+            codes = sum(c.numel() for c in weights._codes)
+            weights.materialize()
+        if cfg.save_at is not None and step + 1 == cfg.save_at:
+            dcp.save(_checkpoint(model, weights), checkpoint_id=cfg.checkpoint_dir)
+        if cfg.hsdp:  # only replicas have something to compare
+            sync = check_in_sync(model)
+            entry = {"step": step + 1, "in_sync": bool(sync), "first": sync.first, "status": str(sync)}
+            if not sync:  # how far apart, in ulps of the weight format
+                entry["max_ulps"] = max(drift_report(model, fmt=cfg.fmt).values())
+            log.append(entry)
+        if (step + 1) % cfg.hash_every == 0:
+            hashes.append(weights_hash(full_weights(model)))
+    sync = check_in_sync(model)
+    full = {n: w.numpy().copy() for n, w in full_weights(model).items()}
+    return {"hashes": hashes, "log": log, "sync": (bool(sync), str(sync)), "codes": codes,
+            "weights": full if rank == 0 else {}, "seconds": time.perf_counter() - began}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LayoutProbe:
+    """Where the pieces of tensors of ``shapes`` lie, for each placement, as the data say
+    and as fewbit computes; for tests (``run``)."""
+
+    shapes: tuple[tuple[int, ...], ...] = ((5, 8), (8, 6), (3, 4, 6), (2, 1030))
+    bits: int = 3
+    seed: int = 11
+
+
+def probe_layouts(rank: int, world_size: int, cfg: LayoutProbe) -> dict:
+    """For every shape and placement: the global indices of this rank's piece read from
+    the data (the full tensor holds its own indices), from ``layout``, torch's and the
+    fallback's offsets, and the bits ``global_bits`` gives the piece."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    meshes = {"1d": init_device_mesh("cpu", (world_size,))}
+    if world_size == 4:
+        meshes["2x2"] = init_device_mesh("cpu", (2, 2))
+    spec = check_round_args(torch.empty(0), "binary8p4", "src", True, cfg.bits, None)
+    words = stream_words(spec, Key.from_seed(cfg.seed))
+    cases = []
+    for shape in cfg.shapes:
+        full = torch.arange(torch.Size(shape).numel(), dtype=torch.float64).reshape(shape)
+        for name, mesh in meshes.items():
+            for placements in _placements(mesh.ndim, len(shape), Shard, Replicate):
+                dt = distribute_tensor(full, mesh, placements)
+                piece = layout(dt)
+                cases.append({
+                    "shape": shape, "mesh": name, "placements": str(placements),
+                    "from_data": dt.to_local().reshape(-1).long().numpy(),
+                    "from_layout": piece.flat_indices().numpy(),
+                    "flat_start": piece.flat_start(),
+                    "torch": torch_offsets(dt), "fallback": placement_offsets(dt),
+                    "bits": global_bits(spec, words, piece, "cpu").reshape(-1).numpy(),
+                })  # fmt: skip
+    try:  # not supported yet: must be refused, not rounded by local index
+        fake_quantize(dt, Quant("binary8p4", "src", bits=cfg.bits), seed=cfg.seed)
+        refused = None
+    except TypeError as err:
+        refused = str(err)
+    return {"cases": cases, "fake_quantize": refused, "weights": {}}
+
+
+def _placements(mesh_dims: int, tensor_dims: int, shard, replicate) -> list[tuple]:
+    one = [shard(d) for d in range(tensor_dims)] + [replicate()]
+    if mesh_dims == 1:
+        return [(p,) for p in one]
+    return [(a, b) for a in one for b in one]
+
+
+def run(rank: int, world_size: int, cfg) -> dict:
+    """What ``launch`` runs on each rank: a training run or a layout probe."""
+    if isinstance(cfg, LayoutProbe):
+        return probe_layouts(rank, world_size, cfg)
+    return train_sharded(rank, world_size, cfg)

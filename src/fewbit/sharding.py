@@ -1,0 +1,258 @@
+"""Sharded tensors (DTensor: FSDP2, HSDP, tensor parallelism): where a rank's piece sits
+in the full tensor, and the random bits of that piece.
+
+fewbit's random bits are a pure function of (key, element index). Under sharding each
+rank holds a piece of a tensor (``DTensor.to_local()``); it draws the bits of its
+elements' *global* indices, so a rounding gives the same full tensor on any number of
+ranks and for any placement. This module finds those indices from the DTensor's mesh,
+placements and shape, and supplies the exact gradient reduction FSDP2 needs for the
+rest of a training step to be independent of the sharding too
+(:class:`PairwiseReduceScatter`).
+
+Nothing here imports ``torch.distributed.tensor`` unless a DTensor exists: a tensor can
+only be one if that module was imported.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from .rounding.checks import RoundSpec
+from .rounding.compiled import index_bits, range_bits
+
+__all__ = [
+    "PairwiseReduceScatter", "ShardLayout", "global_amax", "global_bits", "is_dtensor", "layout",
+    "local_tensor", "pairwise_sum", "piece_key", "placement_offsets", "replica_count", "torch_offsets",
+]  # fmt: skip
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor``."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The piece of ``t`` this rank holds (``to_local()``, which shares its storage: an
+    in-place write changes the DTensor); ``t`` itself for a plain tensor."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """A rank's piece of a tensor: the block ``offset .. offset + local_shape`` of the full
+    tensor of ``global_shape`` (row-major; element indices are those of the full tensor
+    flattened)."""
+
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+
+    @property
+    def whole(self) -> bool:
+        return self.local_shape == self.global_shape
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.local_shape)
+
+    def _strides(self) -> list[int]:
+        strides, step = [], 1
+        for size in reversed(self.global_shape):
+            strides.append(step)
+            step *= size
+        return strides[::-1]
+
+    def flat_bounds(self) -> tuple[int, int]:
+        """The global indices of the piece's first and last element, plus one (the piece
+        lies within them); ``(0, 0)`` when it is empty."""
+        if self.numel == 0:
+            return 0, 0
+        strides = self._strides()
+        first = sum(o * s for o, s in zip(self.offset, strides, strict=True))
+        last = sum((o + n - 1) * s for o, n, s in zip(self.offset, self.local_shape, strides, strict=True))
+        return first, last + 1
+
+    def flat_start(self) -> int | None:
+        """The global index of the first element when the piece is one contiguous range
+        of the flattened full tensor (Shard(0), or a whole tensor), else None."""
+        sizes = zip(self.local_shape, self.global_shape, strict=True)
+        partial = [d for d, (n, g) in enumerate(sizes) if n != g]
+        if self.numel == 0 or not partial or all(n == 1 for n in self.local_shape[: partial[-1]]):
+            return self.flat_bounds()[0]
+        return None
+
+    def flat_indices(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """int64 global index of every element of the piece, in its row-major order."""
+        index = torch.zeros((), dtype=torch.int64, device=device)
+        for d, (o, n, s) in enumerate(zip(self.offset, self.local_shape, self._strides(), strict=True)):
+            shape = [1] * len(self.local_shape)
+            shape[d] = n
+            index = index + (torch.arange(o, o + n, dtype=torch.int64, device=device) * s).view(shape)
+        return index.expand(self.local_shape).reshape(-1)
+
+
+def placement_offsets(t) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Local shape and global offset of this rank's piece for Shard and Replicate (and
+    Partial) placements, applied left to right over the mesh dimensions with
+    ``torch.chunk``'s split (``ceil(size / n)`` per rank, the last ones short or empty),
+    as DTensor documents for Shard."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    shape, offset = list(t.shape), [0] * t.dim()
+    coordinate = t.device_mesh.get_coordinate()
+    if coordinate is None:  # this rank is outside the mesh: it holds nothing
+        return tuple(0 for _ in shape), tuple(offset)
+    for mesh_dim, placement in enumerate(t.placements):
+        if isinstance(placement, Replicate | Partial):
+            continue
+        if type(placement) is not Shard:
+            raise NotImplementedError(
+                f"placement {placement} is not supported by this torch's fallback; "
+                "fewbit places pieces for Shard, Replicate and Partial"
+            )
+        d, ranks, c = placement.dim, t.device_mesh.size(mesh_dim), coordinate[mesh_dim]
+        chunk = -(-shape[d] // ranks)
+        start = min(c * chunk, shape[d])
+        offset[d] += start
+        shape[d] = max(0, min(chunk, shape[d] - start))
+    return tuple(shape), tuple(offset)
+
+
+def torch_offsets(t) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """torch's own answer where this torch has it (a private function: it also knows the
+    strided shards that FSDP2 with tensor parallelism makes); None otherwise."""
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:
+        return None
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(shape), tuple(offset)
+
+
+def layout(t: torch.Tensor) -> ShardLayout:
+    """Where this rank's piece of ``t`` sits in the full tensor (the whole of a plain
+    tensor). Raises before anything is written when the piece is not where the
+    placements say: fewbit would draw the wrong bits."""
+    shape = tuple(t.shape)
+    if not is_dtensor(t):
+        return ShardLayout(shape, shape, (0,) * len(shape))
+    local, offset = torch_offsets(t) or placement_offsets(t)
+    actual = tuple(t.to_local().shape)
+    if local != actual:
+        raise RuntimeError(f"a DTensor of shape {shape} with placements {t.placements} holds a local "
+                           f"tensor of shape {actual}, not {local}: fewbit cannot tell its global indices")
+    return ShardLayout(shape, local, offset)
+
+
+def global_bits(spec: RoundSpec, words, piece: ShardLayout, device) -> torch.Tensor:
+    """The random integers a rounding with ``spec`` and the streams' ``words``
+    (``fewbit.rounding.compiled.stream_words``) gives the elements of ``piece``, shaped
+    as the piece: the bits those elements have in the full tensor."""
+    n = piece.numel
+    start = piece.flat_start()
+    if start is not None:
+        flat = range_bits(spec, words, start, n, device)
+    else:
+        first, end = piece.flat_bounds()
+        index = piece.flat_indices(device)
+        # A range costs one Threefry block per 2 * floor(32 / N) of its elements, an index
+        # one per element: draw the span and pick from it when that is cheaper (Shard(1)
+        # on a few ranks), else draw by index.
+        if end - first <= 2 * (32 // spec.bits) * n:
+            flat = range_bits(spec, words, first, end - first, device)[index - first]
+        else:
+            flat = index_bits(spec, words, index)
+    return flat.view(piece.local_shape)
+
+
+def global_amax(t: torch.Tensor) -> float:
+    """The largest magnitude in the full tensor (inf where any element is NaN or
+    infinite; 0 for an empty one). For a sharded DTensor, a collective over its mesh."""
+    piece = local_tensor(t).detach()
+    amax = torch.zeros((), device=piece.device)
+    if piece.numel():
+        amax = piece.abs().amax().float().nan_to_num(nan=math.inf)
+    if is_dtensor(t) and any(p.is_shard() for p in t.placements):
+        import torch.distributed as dist
+
+        for mesh_dim in range(t.device_mesh.ndim):
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=t.device_mesh.get_group(mesh_dim))
+    return float(amax)
+
+
+def replica_count(t: torch.Tensor) -> int:
+    """How many ranks hold each piece of ``t`` (the product of the mesh sizes its
+    Replicate placements span; 1 for a pure shard)."""
+    if not is_dtensor(t):
+        return 1
+    from torch.distributed.tensor import Replicate
+
+    return math.prod(t.device_mesh.size(d) for d, p in enumerate(t.placements) if isinstance(p, Replicate))
+
+
+def piece_key(t: torch.Tensor) -> int | None:
+    """Equal on two ranks iff they must hold the same values of ``t``: 0 for a plain
+    tensor (the same everywhere); for a DTensor, a hash of where its piece sits (and its
+    coordinate along Partial mesh dimensions, whose pieces are addends, not copies);
+    None for an empty piece (nothing to compare)."""
+    if not is_dtensor(t):
+        return 0
+    piece = layout(t)
+    if piece.numel == 0:
+        return None
+    from torch.distributed.tensor import Partial
+
+    coordinate = t.device_mesh.get_coordinate() or []
+    partial = tuple(c for c, p in zip(coordinate, t.placements, strict=True) if isinstance(p, Partial))
+    return hash((piece.offset, piece.local_shape, partial)) & ((1 << 62) - 1)
+
+
+def pairwise_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` summed as a binary tree over their order, split at the largest power of
+    two below their number: ((a + b) + (c + d)) for four. A block of 2^k consecutive
+    terms starting at a multiple of 2^k is a subtree, so partial sums over such blocks
+    (a rank's share, an accumulation step) combine into exactly the same result."""
+    if len(tensors) == 1:
+        return tensors[0].clone()
+    half = 1 << ((len(tensors) - 1).bit_length() - 1)
+    return pairwise_sum(tensors[:half]).add_(pairwise_sum(tensors[half:]))
+
+
+class PairwiseReduceScatter:
+    """An FSDP2 reduce-scatter (``model.set_custom_reduce_scatter(PairwiseReduceScatter())``)
+    whose sums do not depend on torch's collective algorithm: each rank receives every
+    rank's part of its shard (one all-to-all) and adds them with :func:`pairwise_sum` in
+    rank order.
+
+    A float sum's rounding depends on its order, and a collective's order on its
+    algorithm and the number of ranks. With this reduction, FSDP2 on 2^k ranks, where rank
+    r's backward pass p handles micro-batch ``p * 2^k + r``, gives the gradient
+    ``pairwise_sum(micro-batch gradients)`` bit for bit, as one process computing that
+    sum does, when there are at most two passes (FSDP2 adds passes left to right).
+    Handles SUM and AVG (divided after the sum); costs an all-to-all of the whole input
+    instead of a reduce-scatter.
+    """
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op,
+                 async_op: bool = False):  # fmt: skip
+        import torch.distributed as dist
+
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            raise ValueError(f"PairwiseReduceScatter sums (SUM, AVG), not {op}: "
+                             "set_force_sum_reduction_for_comms(True) makes FSDP2 ask for SUM")  # fmt: skip
+        size = dist.get_world_size(group)
+        received = torch.empty_like(input_tensor)
+        dist.all_to_all_single(received, input_tensor, group=group)
+        total = pairwise_sum(list(received.view(size, -1).unbind()))
+        if op == dist.ReduceOp.AVG:
+            total.div_(size)
+        output_tensor.copy_(total.view_as(output_tensor))
+        return None

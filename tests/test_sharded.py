@@ -1,0 +1,154 @@
+"""Sharded training (FSDP2, HSDP) on real gloo processes: the full weights equal one
+process's bit for bit on 2 and 4 ranks, for Shard(0) and Shard(1), across a checkpoint
+saved on 4 ranks and resumed on 2; the pieces' global indices and bits; the sync checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fewbit
+from fewbit.experiments.replicas import launch
+from fewbit.experiments.sharded import LayoutProbe, ShardedRun, run, train_single
+from fewbit.random import Key, random_bits
+
+STEPS, SAVE_AT, EVERY = 50, 25, 5
+HSDP_STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def single() -> dict:
+    """The run in this process, without torch.distributed. Eager: the write-back's first
+    compilation would cost more than the run (compiled and eager agree bit for bit,
+    tests/test_optim.py); the ranks' pieces are below the compile threshold anyway."""
+    with fewbit.configure(compile=False):
+        return train_single(ShardedRun(steps=STEPS, hash_every=EVERY))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
+    """Scenario -> per-rank results, for 4 ranks, then 2 (which resume the 4 ranks'
+    checkpoint). Each world size starts its processes once."""
+    ckpt = str(tmp_path_factory.mktemp("dcp"))
+    plans = {
+        4: {
+            "layouts": LayoutProbe(),
+            "shard0": ShardedRun(steps=STEPS, hash_every=EVERY, save_at=SAVE_AT, checkpoint_dir=ckpt),
+            "guard without replicas": ShardedRun(steps=1, guard=True),
+            "hsdp": ShardedRun(steps=STEPS, until=HSDP_STEPS, hash_every=EVERY, hsdp=True, guard=True),
+            "hsdp differing": ShardedRun(steps=2, hsdp=True, policy="differing-update"),
+            "hsdp differing, guarded": ShardedRun(steps=2, hsdp=True, policy="differing-update", guard=True),
+        },
+        2: {
+            "layouts": LayoutProbe(),
+            "shard1": ShardedRun(steps=STEPS, hash_every=EVERY, placement=1),
+            "resumed": ShardedRun(steps=STEPS, hash_every=EVERY, checkpoint_dir=ckpt, resume=True),
+            "codes": ShardedRun(steps=STEPS, until=10, hash_every=EVERY, store_codes=True),
+            "scaled": ShardedRun(steps=STEPS, until=10, hash_every=EVERY, scale=True, placement=1),
+        },
+    }
+    return {n: dict(zip(plan, launch(list(plan.values()), n, train=run), strict=True))
+            for n, plan in plans.items()}  # fmt: skip
+
+
+def assert_bits_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        x, y = np.ascontiguousarray(np.asarray(a[name])), np.ascontiguousarray(np.asarray(b[name]))
+        assert x.shape == y.shape and np.array_equal(x.view(np.uint8), y.view(np.uint8)), name
+
+
+@pytest.mark.parametrize("nproc, scenario", [(4, "shard0"), (2, "shard1")])
+def test_sharded_weights_equal_one_process_bit_for_bit(single, runs, nproc, scenario):
+    results = runs[nproc][scenario]
+    assert len(single["hashes"]) == STEPS // EVERY
+    for r in results:  # every rank gathers the same full weights
+        assert r["hashes"] == single["hashes"]
+    assert_bits_equal(results[0]["weights"], single["weights"])
+    # Training did move the weights (in binary8p4: the hashes change from check to check).
+    assert len(set(single["hashes"])) == len(single["hashes"])
+    # Pure sharding: nothing to compare, and the check says so instead of passing.
+    in_sync, status = results[0]["sync"]
+    assert not in_sync and status.startswith("NOTHING COMPARED")
+
+
+def test_checkpoint_saved_on_4_ranks_resumes_on_2_bit_for_bit(single, runs):
+    resumed = runs[2]["resumed"]
+    assert resumed[0]["hashes"] == single["hashes"][SAVE_AT // EVERY :]
+    assert_bits_equal(resumed[0]["weights"], single["weights"])
+
+
+def test_hsdp_replicas_stay_in_sync_and_equal_one_process(single, runs):
+    results = runs[4]["hsdp"]
+    for r in results:
+        assert [e["step"] for e in r["log"]] == list(range(1, HSDP_STEPS + 1))
+        assert all(e["in_sync"] for e in r["log"]), r["log"]
+        assert r["hashes"] == single["hashes"][: HSDP_STEPS // EVERY]
+    assert r["log"][-1]["status"].startswith("in sync: 17 tensors on 4 ranks")
+
+
+def test_hsdp_update_keyed_with_the_rank_is_caught_naming_the_tensor(runs):
+    log = runs[4]["hsdp differing"][0]["log"]
+    assert not any(e["in_sync"] for e in log)
+    assert log[0]["first"] == "tok.weight" and all(e["max_ulps"] >= 1 for e in log)
+    for r in runs[4]["hsdp differing, guarded"]:
+        assert r["step"] == 1
+        assert r["error"].startswith("tok.weight differs across ranks before the identical-seed")
+
+
+def test_guard_without_replicas_is_refused(runs):
+    for r in runs[4]["guard without replicas"]:
+        assert "guard=True has nothing to compare" in r["error"]
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_pieces_take_the_indices_and_bits_of_the_full_tensor(runs, nproc):
+    cfg = LayoutProbe()
+    ranks = [r["cases"] for r in runs[nproc]["layouts"]]
+    key = Key.from_seed(cfg.seed)
+    for per_rank in zip(*ranks, strict=True):
+        case = per_rank[0]
+        numel = int(np.prod(case["shape"]))
+        everything = random_bits(numel, cfg.bits, key).numpy()
+        covered = np.zeros(numel, dtype=np.int64)
+        for c in per_rank:
+            what = f"{c['shape']} on {c['mesh']} as {c['placements']}"
+            # The data hold their own global indices: fewbit's layout must read the same.
+            assert np.array_equal(c["from_layout"], c["from_data"]), what
+            if len(c["from_data"]):  # an empty piece has no place to agree on
+                assert c["torch"] is None or c["torch"] == c["fallback"], what
+            assert np.array_equal(c["bits"], everything[c["from_data"]]), what
+            if c["flat_start"] is not None:
+                assert np.array_equal(c["from_data"], c["flat_start"] + np.arange(len(c["from_data"]))), what
+            np.add.at(covered, c["from_data"], 1)
+        # Every element is held: once per replica.
+        assert len(set(covered.tolist())) == 1 and covered[0] >= 1, case["shape"]
+    assert any(c["flat_start"] is None for c in ranks[0])  # Shard(1) pieces were among them
+    if nproc == 4:  # 3 rows on 4 ranks: and empty ones
+        assert any(len(c["from_data"]) == 0 for r in ranks for c in r)
+
+
+def test_fake_quantize_refuses_dtensor_activations(runs):
+    """Tensor-parallel activations are not supported yet: refused, never rounded by the
+    indices of the local piece."""
+    for r in runs[2]["layouts"] + runs[4]["layouts"]:
+        assert r["fake_quantize"] is not None and "does not fake-quantise DTensor" in r["fake_quantize"]
+
+
+def test_store_codes_keeps_codes_of_the_local_piece_only(single, runs):
+    results = runs[2]["codes"]
+    full = sum(w.size for n, w in single["weights"].items() if w.ndim >= 2)
+    counts = [r["codes"] for r in results]
+    assert sum(counts) == full and all(0 < c < full for c in counts)
+    for r in results:  # decoded, the weights are those of the run without codes
+        assert r["hashes"] == single["hashes"][:2]
+
+
+def test_scale_takes_the_largest_magnitude_of_the_full_tensor(runs):
+    """scale=True: each piece is scaled by the power of two of the whole tensor's amax."""
+    with fewbit.configure(compile=False):
+        single = train_single(ShardedRun(steps=STEPS, until=10, hash_every=EVERY, scale=True))
+    plain = runs[2]["codes"][0]["hashes"]  # the same 10 steps without scale
+    assert single["hashes"] != plain  # the scale changed the rounding
+    for r in runs[2]["scaled"]:
+        assert r["hashes"] == single["hashes"]
