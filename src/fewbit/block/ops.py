@@ -124,9 +124,14 @@ def _run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool):
                 fn = _CACHE[cache_key] = torch.compile(_own(_kernel, spec=spec, axis=axis, fused=fused),
                                                        fullgraph=True, dynamic=False)
             try:
-                for t in (x, rand):  # one kernel for every shape of a rank
+                # One kernel for every shape of a rank with this length along the block axis.
+                # That length stays static: a symbolic one (pad, then blocks of B) made
+                # Inductor's CPU kernel 7x slower (2^20 float32, torch 2.13), and a model
+                # has few widths.
+                for t in (x, rand):
                     for dim in range(0 if t is None else t.dim()):
-                        torch._dynamo.maybe_mark_dynamic(t, dim)
+                        if dim != axis % t.dim():
+                            torch._dynamo.maybe_mark_dynamic(t, dim)
                 with below_autograd():
                     words = None if key is None else word_tensors(spec.spec, key)
                     return fn(x, words, rand, ts)
