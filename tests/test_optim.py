@@ -241,3 +241,59 @@ def test_a_compiled_step_keeps_the_write_back_out_of_the_graph():
         w = m.weight.detach()
         assert torch.equal(fewbit.round(w, FMT), w)
     assert lpw.steps == 3 and not torch.equal(start, m.weight)
+
+
+@pytest.mark.parametrize("bfmt", ["mxfp4", "hbfp6"])
+def test_block_format_write_back_is_fewbit_block_round_with_the_same_keys(bfmt):
+    """Step t rounds parameter i as fewbit.block.round(w + u in bf16, seed=fold_in(key, t, i)),
+    in blocks along the last dimension."""
+    a, b = model(), model()
+    lpw = LowPrecisionWeights(torch.optim.AdamW(a.parameters(), lr=0.01), bfmt, "src", bits=3, seed=9,
+                              update_dtype=torch.bfloat16)  # fmt: skip
+    plain = torch.optim.AdamW(b.parameters(), lr=0.01)
+    key = fewbit.random.Key.from_seed(9)
+
+    def write_back(step: int) -> None:
+        with torch.no_grad():
+            for i, p in enumerate(w for w in b.parameters() if w.dim() >= 2):
+                seed = fold_in(key, step, i)
+                p.copy_(fewbit.block.round(p.to(torch.bfloat16), bfmt, "src", bits=3, seed=seed))
+
+    write_back(0)
+    for t in range(1, 4):
+        train(a, lpw, 1, start=t)
+        train(b, plain, 1, start=t)
+        write_back(t)
+        for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+            assert bits_equal(pa.detach(), pb.detach()), t
+    # MX values are a fixed point of rounding (HBFP's are not: a block's largest magnitude may
+    # round to -2^(e+1), which rescales the block when it is rounded again).
+    if bfmt == "mxfp4":
+        assert all(torch.equal(fewbit.block.round(p.detach(), bfmt), p.detach()) for p in lpw.params)
+
+
+def test_block_format_store_codes_keeps_block_tensors_and_reports_their_bytes():
+    a, b = model(), model()
+    opts = {"update_dtype": torch.bfloat16, "seed": 4}
+    lpw_a = LowPrecisionWeights(torch.optim.AdamW(a.parameters(), lr=0.01), "nvfp4", "src", **opts)
+    lpw_b = LowPrecisionWeights(torch.optim.AdamW(b.parameters(), lr=0.01), "nvfp4", "src", store_codes=True,
+                                **opts)  # fmt: skip
+    for t in range(3):
+        lpw_b.zero_grad()
+        loss_of(b, t).backward()
+        lpw_b.step()
+        assert all(p.untyped_storage().nbytes() == 0 for p in lpw_b.params)
+        assert all(isinstance(c, fewbit.block.BlockTensor) for c in lpw_b._codes)
+        train(a, lpw_a, 1, start=t)
+    lpw_b.materialize()
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert bits_equal(pa.detach(), pb.detach())
+    mem = lpw_b.memory()
+    # NVFP4: 16 elements a block, half a byte each, one E4M3 byte a block, 4 bytes a tensor.
+    # (32, 16): 32 blocks; (4, 32): 8 blocks.
+    assert mem["code_bytes"] == (32 * 9 + 4) + (8 * 9 + 4) == sum(c.nbytes for c in lpw_b._codes)
+    assert mem["float_bytes"] == 4 * mem["elements"] == 4 * (16 * 32 + 32 * 4)
+    with pytest.raises(ValueError, match="scales each block itself"):
+        LowPrecisionWeights(torch.optim.AdamW(a.parameters()), "mxfp4", scale=True)
+    with pytest.raises(ValueError, match="float16.*cannot hold every value of binary8p2"):
+        LowPrecisionWeights(torch.optim.AdamW(a.parameters()), "mx_binary8p2", update_dtype=torch.float16)

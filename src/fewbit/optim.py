@@ -16,13 +16,13 @@ from collections.abc import Iterable
 
 import torch
 
+from .block import BlockFormat, BlockTensor, check_args, element_or_block, quantize, round_to
 from .codec import decode, encode
 from .config import configure, current
-from .formats import FloatFormat, format
+from .formats import FloatFormat
 from .random import Key, as_key, fold_in, key_tensor
 from .replicas import SeedPolicy, assert_identical_inputs, replica_key
-from .rounding import RoundMode, dtype_format, round
-from .rounding.checks import check_round_args
+from .rounding import RoundMode, dtype_format
 from .rounding.compiled import round_foreach_, stream_words
 from .rounding.modes import parse_mode
 
@@ -40,7 +40,11 @@ class LowPrecisionWeights:
 
     Args:
         optimizer: any ``torch.optim.Optimizer``; it owns the update rule and its state.
-        fmt: the weight format (a FloatFormat or a name such as ``"binary8p4"``).
+        fmt: the weight format (a FloatFormat or a name such as ``"binary8p4"``), or a
+            block format (a BlockFormat or a name such as ``"mxfp8_e4m3"``, ``"nvfp4"``):
+            each weight then holds values of it in blocks along its last dimension (a
+            Linear's input features, the dimension its forward product sums over, as MX
+            lays out weights), rounded with ``fewbit.block.round`` and the same keys.
         mode: the rounding of the write-back; ``"src"`` (few-bit SR, unbiased) by default.
         bits: N, random bits per element, for the modes that take it.
         seed: an int or ``fewbit.random.Key``; step t rounds parameter i with
@@ -53,10 +57,12 @@ class LowPrecisionWeights:
         update_dtype: hold ``w + u`` in this dtype (RNE) before rounding to ``fmt``;
             ``torch.bfloat16`` is the paper's set-up. None: the parameters' own dtype.
         scale: scale each tensor by a power of two so that its largest magnitude lands in
-            the top binade below half the format's maximum, round, and scale back.
+            the top binade below half the format's maximum, round, and scale back (element
+            formats: a block format scales each block itself).
         store_codes: between a step and the next :meth:`zero_grad` (or
             :meth:`materialize`), keep the selected weights only as codes of ``fmt``
-            (uint8 for formats of up to 8 bits) and free their float storage.
+            (uint8 for formats of up to 8 bits; a ``fewbit.block.BlockTensor`` per weight
+            for a block format) and free their float storage.
         policy: under data parallelism the write-back is ``"identical"`` on every
             replica (seed 000); ``"differing"`` folds in the rank (wrong: for tests).
         guard: before each step, check across ranks that every selected weight and its
@@ -84,7 +90,8 @@ class LowPrecisionWeights:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
         self.optimizer = optimizer
-        self.fmt = format(fmt)
+        self.fmt = element_or_block(fmt)
+        block = isinstance(self.fmt, BlockFormat)
         self.mode = parse_mode(mode)
         if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int)):
             raise TypeError(f"bits must be an int, not {type(bits).__name__}")
@@ -102,10 +109,13 @@ class LowPrecisionWeights:
         self.policy = SeedPolicy(policy)
         self.guard = guard
         self.names, self.params = self._select(params)
+        # A block's values are its elements times a power of two (in float32's range) or,
+        # for NVFP4, a product the kernel rounds to the dtype; the element format decides.
+        element = self.fmt.element if block else self.fmt
         for name, p in zip(self.names, self.params, strict=True):
             for dtype in {p.dtype, update_dtype or p.dtype}:
-                if not dtype_format(dtype).contains(self.fmt):
-                    raise ValueError(f"{name} ({dtype}) cannot hold every value of {self.fmt.name}")
+                if not dtype_format(dtype).contains(element):
+                    raise ValueError(f"{name} ({dtype}) cannot hold every value of {element.name}")
         # Every selected parameter shares one dtype: the write-back rounds them together.
         dtypes = {p.dtype for p in self.params} | {p.device.type for p in self.params}
         if len(dtypes) > 2:
@@ -113,11 +123,12 @@ class LowPrecisionWeights:
                              "wrap each group in its own LowPrecisionWeights")  # fmt: skip
         #: The dtype ``w + u`` is rounded from.
         self.via = update_dtype or self.params[0].dtype
-        probe = torch.empty(0, dtype=self.via)
-        self.spec = check_round_args(probe, self.fmt, self.mode, sat, self.bits, fraction)
-        if self.store_codes and self.fmt.k > 8:
+        self.spec = check_args(self.via, self.fmt, self.mode, sat, self.bits, fraction)
+        if block and scale:
+            raise ValueError(f"scale=True is for element formats: {self.fmt.name} scales each block itself")
+        if self.store_codes and not block and self.fmt.k > 8:
             raise ValueError(f"store_codes keeps uint8 codes; {self.fmt.name} has {self.fmt.k} bits")
-        self._codes: list[torch.Tensor] | None = None
+        self._codes: list[torch.Tensor] | list[BlockTensor] | None = None
         self._scales: list[float] = [1.0] * len(self.params)
         self._stored = False  # weights held only as codes
         self.steps = 0
@@ -178,16 +189,22 @@ class LowPrecisionWeights:
         if self.scale:  # powers of two: exact both ways
             self._scales = [self._power_of_two_scale(p) for p in self.params]
             torch._foreach_mul_(self.params, self._scales)
-        if self.fmt.has_nans:
+        block = isinstance(self.fmt, BlockFormat)
+        if not block and self.fmt.has_nans:
             words = [[0, 0] if k is None else stream_words(self.spec, k) for k in keys]
             round_foreach_(self.params, self.spec, key_tensor(words, self.params[0].device), self.via)
         else:  # fewbit.round raises where a value has no result: a NaN input, say
             extra = {"fraction": self.fraction} if self.mode is RoundMode.SR_FRACTION else {}
+            blocks = []
             for p, key in zip(self.params, keys, strict=True):
                 sr = {"bits": self.bits, "seed": key, **extra} if key is not None else {}
-                p.copy_(round(p.to(self.via), self.fmt, self.mode, sat=self.sat, **sr))
+                if block and self.store_codes:  # the codes of this very rounding (NVFP4's
+                    # per-tensor scale would move if the rounded values were quantised again)
+                    blocks.append(quantize(p.to(self.via), self.fmt, self.mode, sat=self.sat, **sr))
+                else:
+                    p.copy_(round_to(p.to(self.via), self.fmt, self.mode, sat=self.sat, **sr))
         if self.store_codes:
-            self._codes = [encode(p, self.fmt) for p in self.params]
+            self._codes = blocks if block else [encode(p, self.fmt) for p in self.params]
             for p in self.params:
                 p.untyped_storage().resize_(0)
             self._stored = True
@@ -208,14 +225,21 @@ class LowPrecisionWeights:
             return
         for p, codes, s in zip(self.params, self._codes, self._scales, strict=True):
             p.untyped_storage().resize_(p.numel() * p.element_size())
-            p.copy_(decode(codes, self.fmt, p.dtype) / s)
+            if isinstance(codes, BlockTensor):  # as fewbit.block.round gives the values in via
+                p.copy_(codes.dequantize(self.via))
+            else:
+                p.copy_(decode(codes, self.fmt, p.dtype) / s)
         self._stored = False
 
     def memory(self) -> dict[str, int]:
-        """Bytes the selected weights take as floats and as codes of ``fmt``."""
+        """Bytes the selected weights take as floats and as codes of ``fmt`` (a block
+        format's: element codes, block scales and any per-tensor scale, BlockTensor.nbytes)."""
         n = sum(p.numel() for p in self.params)
         float_bytes = sum(p.numel() * p.element_size() for p in self.params)
-        code_bytes = n * (1 if self.fmt.k <= 8 else 2)
+        if isinstance(self.fmt, BlockFormat):  # the shapes alone: quantised on the meta device
+            code_bytes = sum(quantize(p.to("meta", self.via), self.fmt).nbytes for p in self.params)
+        else:
+            code_bytes = n * (1 if self.fmt.k <= 8 else 2)
         return {"elements": n, "float_bytes": float_bytes, "code_bytes": code_bytes,
                 "saved_bytes": float_bytes - code_bytes}  # fmt: skip
 

@@ -139,8 +139,8 @@ def quantize_blocks(
     scale, factor = block_scales(amax, spec, tensor_scale)
     scaled = work / factor
     tiny = torch.finfo(spec.work_dtype).tiny
-    scaled = torch.where((scaled.abs() < tiny) & (work != 0), torch.copysign(torch.full_like(work, tiny), work),
-                         scaled)
+    scaled = torch.where((scaled.abs() < tiny) & (work != 0),
+                         torch.copysign(torch.full_like(work, tiny), work), scaled)  # fmt: skip
     scaled = torch.where(factor == 0, 0.0, scaled)  # a scale that underflowed holds zeros
     # In a NaN block the scale carries the NaN; elements without a NaN code hold 0.
     fill = torch.nan if spec.spec.fmt.has_nans else 0.0

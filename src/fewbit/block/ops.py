@@ -17,11 +17,26 @@ import torch
 from ..codec import codes_of, pack_pairs
 from ..random import Key, key_of
 from ..rounding.checks import check_random_bits, scalar_args
-from ..rounding.compiled import _own, _warn_eager, below_autograd, range_bits, stream_words, use_compiled, word_tensors
+from ..rounding.compiled import (
+    _own,
+    _warn_eager,
+    below_autograd,
+    range_bits,
+    stream_words,
+    use_compiled,
+    word_tensors,
+)
 from ..rounding.modes import parse_mode
 from .formats import BlockFormat, check_rule
 from .formats import format as block_format
-from .kernel import BlockSpec, block_layout, from_block_layout, make_block_spec, quantize_blocks, tensor_scale_of
+from .kernel import (
+    BlockSpec,
+    block_layout,
+    from_block_layout,
+    make_block_spec,
+    quantize_blocks,
+    tensor_scale_of,
+)
 
 __all__ = ["block_args", "block_spec_of", "format_name", "lookup"]
 
@@ -71,7 +86,8 @@ def block_args(x, bfmt, mode, sat, bits, fraction, seed, random_bits, axis, rule
 @functools.cache
 def _spec(dtype, name, rounding, sat, bits, fraction, rule) -> BlockSpec:
     bfmt = lookup(name)
-    return make_block_spec(dtype, bfmt, check_rule(rule, bfmt.scale), parse_mode(rounding), sat, bits, fraction)
+    rule = check_rule(rule, bfmt.scale)
+    return make_block_spec(dtype, bfmt, rule, parse_mode(rounding), sat, bits, fraction)
 
 
 def block_spec_of(x, name, rounding, sat, bits, fraction, key, random_bits, axis, rule) -> BlockSpec:
@@ -157,7 +173,8 @@ def _empty_codes(x: torch.Tensor, spec: BlockSpec, axis: int) -> tuple[torch.Ten
     blocks = -(-length // size)
     rows = x.numel() // length if length else 0
     width = size // 2 if spec.bfmt.packed else size
-    return x.new_empty((rows, blocks, width), dtype=torch.uint8), x.new_empty((rows, blocks), dtype=torch.uint8)
+    codes = x.new_empty((rows, blocks, width), dtype=torch.uint8)
+    return codes, x.new_empty((rows, blocks), dtype=torch.uint8)
 
 
 @torch.library.custom_op("fewbit::block_round", mutates_args=())
