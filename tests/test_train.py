@@ -234,14 +234,20 @@ def test_sweeps_have_the_papers_arms():
     ]  # fmt: skip
 
 
+def tiny_sweep(tmp_path: Path, sweep: str, iters: int, *extra: str) -> tuple[list[str], Path]:
+    """`fewbit train` arguments for a tiny one-seed sweep on the generated text; its folder."""
+    out = tmp_path / "out"
+    tarball = fake_tarball(tmp_path / "s.tar.gz")
+    args = ["train", "--preset", "tiny", "--sweep", sweep, "--iters", str(iters), "--eval-interval", "2",
+            "--seeds", "0", "--workers", "2", "--data-dir", str(tmp_path / "cache"),
+            "--data-tarball", str(tarball), "--out", str(out), "--quiet", *extra]  # fmt: skip
+    return args, out
+
+
 def test_cli_sweep_writes_csv_and_png(tmp_path, capsys, monkeypatch):
     # Eager workers: five first compilations would take a minute, and test nothing here.
     monkeypatch.setenv("FEWBIT_EAGER", "1")
-    tarball = fake_tarball(tmp_path / "s.tar.gz")
-    out = tmp_path / "out"
-    args = ["train", "--preset", "tiny", "--sweep", "figure3", "--iters", "4", "--eval-interval", "2",
-            "--seeds", "0", "--workers", "2", "--data-dir", str(tmp_path / "cache"),
-            "--data-tarball", str(tarball), "--out", str(out), "--quiet"]  # fmt: skip
+    args, out = tiny_sweep(tmp_path, "figure3", 4)
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "binary8p4 SRFF N=3" in printed
@@ -265,11 +271,7 @@ def test_cli_sweep_writes_csv_and_png(tmp_path, capsys, monkeypatch):
 
 def test_cli_hbfp_sweep_writes_its_arms(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("FEWBIT_EAGER", "1")  # six first compilations would test nothing here
-    tarball = fake_tarball(tmp_path / "s.tar.gz")
-    out = tmp_path / "out"
-    args = ["train", "--preset", "tiny", "--sweep", "hbfp", "--grad-format", "bfp4_b16", "--iters", "2",
-            "--eval-interval", "2", "--seeds", "0", "--data-dir", str(tmp_path / "cache"),
-            "--data-tarball", str(tarball), "--out", str(out), "--quiet"]  # fmt: skip
+    args, out = tiny_sweep(tmp_path, "hbfp", 2, "--grad-format", "bfp4_b16")
     assert main(args) == 0
     assert "bfp4_b16 SR_NEAR_ZERO N=8 grads" in capsys.readouterr().out
     arms = [row["arm"] for row in csv.DictReader(open(out / "summary.csv"))]
