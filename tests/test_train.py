@@ -229,8 +229,8 @@ def test_sweeps_have_the_papers_arms():
     assert "binary8p4 SR_FRACTION N=3 p=0.2" in stag and "binary8p4 SR_NEAR_ZERO N=3" in stag
     base = replace(TINY, **SWEEP_DEFAULTS["hbfp"])
     assert [c.label for c in arm_configs("hbfp", base, [0])] == [
-        "binary32", "hbfp3 RNE grads", "hbfp3 SR_FRACTION N=8 p=0.2 grads",
-        "hbfp3 SR_FRACTION N=8 p=0.5 grads", "hbfp3 SR_NEAR_ZERO N=8 grads", "hbfp3 SRC N=8 grads",
+        "binary32", "hbfp4 RNE grads", "hbfp4 SR_FRACTION N=8 p=0.2 grads",
+        "hbfp4 SR_FRACTION N=8 p=0.5 grads", "hbfp4 SR_NEAR_ZERO N=8 grads", "hbfp4 SRC N=8 grads",
     ]  # fmt: skip
 
 

@@ -69,9 +69,9 @@ SWEEPS: dict[str, list[dict]] = {
 }
 
 #: A sweep's defaults below the command line's options (``fewbit train --sweep hbfp
-#: --grad-format bfp3_b32`` runs the study at another width). hbfp3: the widest mantissa
+#: --grad-format bfp3_b32`` runs the study at another width). hbfp4: the widest mantissa
 #: at which RNE visibly stagnates on the cpu-small preset (the README's width search).
-SWEEP_DEFAULTS: dict[str, dict] = {"hbfp": {"mode": "fp32", "grad_format": "hbfp3"}}
+SWEEP_DEFAULTS: dict[str, dict] = {"hbfp": {"mode": "fp32", "grad_format": "hbfp4"}}
 
 
 @dataclass
