@@ -266,6 +266,7 @@ def test_block_format_store_codes_keeps_block_tensors_and_reports_their_bytes():
         lpw_b.step()
         assert all(p.untyped_storage().nbytes() == 0 for p in lpw_b.params)
         assert all(isinstance(c, fewbit.block.BlockTensor) for c in lpw_b._codes)
+        assert lpw_b.memory()["code_bytes"] == sum(c.nbytes for c in lpw_b._codes)  # while stored
         train(a, lpw_a, 1, start=t)
     lpw_b.materialize()
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):

@@ -109,8 +109,9 @@ class LowPrecisionWeights:
         self.policy = SeedPolicy(policy)
         self.guard = guard
         self.names, self.params = self._select(params)
-        # A block's values are its elements times a power of two (in float32's range) or,
-        # for NVFP4, a product the kernel rounds to the dtype; the element format decides.
+        # For a block format the element format is checked: a block's values are elements
+        # times a power of two (float32's exponent range), or for NVFP4 a product that the
+        # kernel rounds to the dtype anyway.
         element = self.fmt.element if block else self.fmt
         for name, p in zip(self.names, self.params, strict=True):
             for dtype in {p.dtype, update_dtype or p.dtype}:
@@ -237,7 +238,8 @@ class LowPrecisionWeights:
         n = sum(p.numel() for p in self.params)
         float_bytes = sum(p.numel() * p.element_size() for p in self.params)
         if isinstance(self.fmt, BlockFormat):  # the shapes alone: quantised on the meta device
-            code_bytes = sum(quantize(p.to("meta", self.via), self.fmt).nbytes for p in self.params)
+            shapes = [torch.empty(p.shape, dtype=self.via, device="meta") for p in self.params]
+            code_bytes = sum(quantize(t, self.fmt).nbytes for t in shapes)
         else:
             code_bytes = n * (1 if self.fmt.k <= 8 else 2)
         return {"elements": n, "float_bytes": float_bytes, "code_bytes": code_bytes,
