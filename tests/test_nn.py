@@ -8,6 +8,7 @@ import torch
 import fewbit
 from fewbit.nn import FakeQuantize, Quant, fake_quantize, quantize_outputs
 from fewbit.random import Key, fold_in
+from fewbit.replicas import replica_key
 
 E4M3 = Quant("ocp_e4m3")
 E5M2_SR = Quant("ocp_e5m2", "src", bits=3)
@@ -77,3 +78,60 @@ def test_quantize_outputs_of_every_linear():
     ) * (h > 0)
     assert torch.allclose(model[0].weight.grad, grad_h.T @ x, rtol=1e-6, atol=1e-6)
     assert "0.output_quant.calls" in model.state_dict()
+
+
+# Block formats: the same Quant, with fewbit.block.round behind it and the same keys.
+MX = Quant("mxfp8_e4m3")
+HBFP_SR = Quant("hbfp4", "src", bits=8)
+
+
+def test_block_format_forward_and_backward():
+    torch.manual_seed(0)
+    x = torch.randn(8, 100, requires_grad=True)  # 100: a padded last block
+    g = torch.randn(8, 100) * torch.logspace(-4, 0, 100)  # small values beside large ones
+    key = Key.from_seed(5)
+    y = fake_quantize(x, MX, HBFP_SR, seed=key)
+    assert torch.equal(y, fewbit.block.round(x.detach(), "mxfp8_e4m3"))
+    assert not torch.equal(y, fewbit.round(x.detach(), "ocp_e4m3", sat=True))  # scaled per block
+    y.backward(g)
+    expected = fewbit.block.round(g, "hbfp4", "src", bits=8, seed=fold_in(key, 1))
+    assert torch.equal(x.grad, expected)
+    # Block values: each row's first 64 are 4-bit two's-complement mantissas times one power
+    # of two, set by the block's largest magnitude (which may round to -8 steps).
+    q = fewbit.block.quantize(g, "hbfp4", "src", bits=8, seed=fold_in(key, 1))
+    assert torch.equal(q.dequantize(), x.grad)
+    step = 2.0 ** (torch.floor(torch.log2(g[:, :64].abs().amax(1, keepdim=True))) - 2)
+    mantissas = x.grad[:, :64] / step
+    assert torch.equal(mantissas, mantissas.round()) and mantissas.abs().max() <= 8
+    # Stochastic: another key rounds some gradients the other way.
+    x.grad = None
+    fake_quantize(x, MX, HBFP_SR, seed=Key.from_seed(6)).backward(g)
+    assert not torch.equal(x.grad, expected)
+
+
+def test_block_axis_and_straight_through():
+    x = torch.randn(128, 3, requires_grad=True)
+    y = fake_quantize(x, Quant("hbfp3", axis=0), None)
+    assert torch.equal(y, fewbit.block.round(x.detach(), "hbfp3", axis=0))
+    assert not torch.equal(y, fewbit.block.round(x.detach(), "hbfp3"))  # blocks down the columns
+    g = torch.randn(128, 3)
+    y.backward(g)
+    assert torch.equal(x.grad, g)
+    with pytest.raises(ValueError, match="block axis of a block format"):
+        Quant("ocp_e4m3", axis=0)
+    with pytest.raises(ValueError, match="nor is it a block format"):
+        Quant("hbfp")
+
+
+def test_quantize_outputs_rounds_gradients_to_a_block_format_with_the_modules_keys():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 70))
+    quantize_outputs(model, None, HBFP_SR, seed=3)
+    x = torch.randn(32, 8)
+    c = torch.randn(32, 70) * torch.logspace(-5, 0, 70)
+    (model(x) * c).sum().backward()
+    # The last Linear (module 1 of 2) on its first call (0): its key, as FakeQuantize derives it.
+    key = fold_in(replica_key(fold_in(Key.from_seed(3), 1, 0), "differing"), 1)
+    grad_out = fewbit.block.round(c, "hbfp4", "src", bits=8, seed=key)
+    assert not torch.equal(grad_out, c)
+    assert torch.equal(model[2].bias.grad, grad_out.sum(0))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -37,23 +38,30 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
-@pytest.mark.parametrize("mode", ["src", "srff", "rne", "sr", "sr_fraction"])
-def test_write_back_is_the_documented_rounding(mode):
-    """Step t rounds parameter i as fewbit.round(w + u in bf16, seed=fold_in(key, t, i))."""
+@pytest.mark.parametrize(
+    ("fmt", "mode"),
+    [(FMT, mode) for mode in ("src", "srff", "rne", "sr", "sr_fraction")]
+    + [("mxfp4", "src"), ("hbfp6", "src"), ("hbfp6", "sr_fraction")],
+)
+def test_write_back_is_the_documented_rounding(fmt, mode):
+    """Step t rounds parameter i as fewbit.round(w + u in bf16, seed=fold_in(key, t, i));
+    a block format as fewbit.block.round with the same key, in blocks along the last dimension."""
     extra = {"fraction": 0.5} if mode == "sr_fraction" else {}
     a, b = model(), model()
-    lpw = LowPrecisionWeights(torch.optim.AdamW(a.parameters(), lr=0.01), FMT, mode, bits=3, seed=9,
+    lpw = LowPrecisionWeights(torch.optim.AdamW(a.parameters(), lr=0.01), fmt, mode, bits=3, seed=9,
                               update_dtype=torch.bfloat16, **extra)  # fmt: skip
     plain = torch.optim.AdamW(b.parameters(), lr=0.01)
     key = fewbit.random.Key.from_seed(9)
     stochastic = fewbit.RoundMode(mode).is_stochastic
     bits = 3 if mode not in ("sr", "rne") else None
+    block = fmt != FMT
+    rounding = fewbit.block.round if block else functools.partial(fewbit.round, sat=True)
 
     def write_back(step: int) -> None:
         with torch.no_grad():
             for i, p in enumerate(w for w in b.parameters() if w.dim() >= 2):
                 seed = {"seed": fold_in(key, step, i), "bits": bits, **extra} if stochastic else {}
-                p.copy_(fewbit.round(p.to(torch.bfloat16), FMT, mode, sat=True, **seed))
+                p.copy_(rounding(p.to(torch.bfloat16), fmt, mode, **seed))
 
     write_back(0)
     for t in range(1, 6):
@@ -62,8 +70,11 @@ def test_write_back_is_the_documented_rounding(mode):
         write_back(t)
         for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
             assert bits_equal(pa.detach(), pb.detach()), (mode, t)
-    matrices = [p for p in a.parameters() if p.dim() >= 2]
-    assert all(torch.equal(fewbit.round(p.detach(), FMT, sat=True), p.detach()) for p in matrices)
+    matrices = [p.detach() for p in a.parameters() if p.dim() >= 2]
+    # Values of the format: a fixed point of its rounding. (Not HBFP's: a block's largest
+    # magnitude may round to -2^(e+1), which rescales the block when it is rounded again.)
+    if not fmt.startswith("hbfp"):
+        assert all(torch.equal(rounding(p, fmt), p) for p in matrices)
     assert lpw.names == ["param 0", "param 2"]  # vectors (biases) are left in float32
 
 
@@ -241,3 +252,31 @@ def test_a_compiled_step_keeps_the_write_back_out_of_the_graph():
         w = m.weight.detach()
         assert torch.equal(fewbit.round(w, FMT), w)
     assert lpw.steps == 3 and not torch.equal(start, m.weight)
+
+
+def test_block_format_store_codes_keeps_block_tensors_and_reports_their_bytes():
+    a, b = model(), model()
+    opts = {"update_dtype": torch.bfloat16, "seed": 4}
+    lpw_a = LowPrecisionWeights(torch.optim.AdamW(a.parameters(), lr=0.01), "nvfp4", "src", **opts)
+    lpw_b = LowPrecisionWeights(torch.optim.AdamW(b.parameters(), lr=0.01), "nvfp4", "src", store_codes=True,
+                                **opts)  # fmt: skip
+    for t in range(3):
+        lpw_b.zero_grad()
+        loss_of(b, t).backward()
+        lpw_b.step()
+        assert all(p.untyped_storage().nbytes() == 0 for p in lpw_b.params)
+        assert all(isinstance(c, fewbit.block.BlockTensor) for c in lpw_b._codes)
+        assert lpw_b.memory()["code_bytes"] == sum(c.nbytes for c in lpw_b._codes)  # while stored
+        train(a, lpw_a, 1, start=t)
+    lpw_b.materialize()
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert bits_equal(pa.detach(), pb.detach())
+    mem = lpw_b.memory()
+    # NVFP4: 16 elements a block, half a byte each, one E4M3 byte a block, 4 bytes a tensor.
+    # (32, 16): 32 blocks; (4, 32): 8 blocks.
+    assert mem["code_bytes"] == (32 * 9 + 4) + (8 * 9 + 4) == sum(c.nbytes for c in lpw_b._codes)
+    assert mem["float_bytes"] == 4 * mem["elements"] == 4 * (16 * 32 + 32 * 4)
+    with pytest.raises(ValueError, match="scales each block itself"):
+        LowPrecisionWeights(torch.optim.AdamW(a.parameters()), "mxfp4", scale=True)
+    with pytest.raises(ValueError, match="float16.*cannot hold every value of binary8p2"):
+        LowPrecisionWeights(torch.optim.AdamW(a.parameters()), "mx_binary8p2", update_dtype=torch.float16)

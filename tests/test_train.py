@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import random
 import re
 import subprocess
@@ -18,11 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
+import fewbit
 from fewbit.cli import main
 from fewbit.experiments import data as data_mod
 from fewbit.experiments.data import CharDataset, DatasetUnavailable, load_shakespeare, shakespeare_text
-from fewbit.experiments.sweep import arm_configs
+from fewbit.experiments.sweep import SWEEP_DEFAULTS, arm_configs
 from fewbit.experiments.train import PRESETS, Run, TrainConfig, config_from, learning_rate
+from fewbit.random import Key, fold_in
 
 TINY = PRESETS["tiny"]
 
@@ -158,6 +161,38 @@ def test_resume_gives_bit_identical_weights(text_data, tmp_path):
         Run(replace(cfg, seed=1), text_data).load_state_dict(torch.load(tmp_path / "ckpt.pt"))
 
 
+def test_gradients_in_a_block_format(text_data):
+    """Linear outputs' gradients and the matrices' gradients are HBFP values, keyed by
+    the run's seed and iteration, and a run resumes bit for bit."""
+    cfg = replace(TINY, mode="fp32", grad_format="hbfp3", grad_mode="src", iters=6, eval_interval=3)
+    assert cfg.label == "hbfp3 SRC N=8 grads"
+    run = Run(cfg, text_data)
+    linears = [m for m in run.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(m.output_quant.backward_quant == cfg.grad_quant for m in linears)
+    x, y = text_data.batch("train", 8, 16, torch.Generator().manual_seed(0))
+    run.model(x, y)[1].backward()
+    float_grads = [p.grad.clone() for p in run.model.parameters() if p.dim() >= 2]
+    run._round_weight_grads()
+    key = fold_in(Key.from_seed(0), 1)  # the weight gradients' stream, iteration 0
+    matrices = [p for p in run.model.parameters() if p.dim() >= 2]
+    for i, (p, g) in enumerate(zip(matrices, float_grads, strict=True)):
+        assert torch.equal(p.grad, fewbit.block.round(g, "hbfp3", "src", bits=8, seed=fold_in(key, 0, i)))
+    assert not torch.equal(float_grads[0], run.model.tok.weight.grad)
+    # Each Linear's output gradient went through its FakeQuantize (tests/test_nn.py: its keys).
+    assert all(int(m.output_quant.calls) == 1 for m in linears)
+    whole, first = Run(cfg, text_data), Run(cfg, text_data)
+    whole.run()
+    first.run(until=3)
+    resumed = Run(cfg, text_data)
+    resumed.load_state_dict(first.state_dict())
+    resumed.run()
+    assert resumed.history.val == whole.history.val
+    for pw, pr in zip(whole.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(pw, pr)
+    plain = Run(replace(cfg, grad_format=None), text_data)
+    assert plain.run().val != whole.history.val
+
+
 def test_bad_configurations():
     with pytest.raises(ValueError, match="mode"):
         TrainConfig(mode="nearest")
@@ -168,6 +203,10 @@ def test_bad_configurations():
         TrainConfig(mode="sr_fraction")
     with pytest.raises(ValueError, match="unknown format"):
         TrainConfig(weight_format="e9m9")
+    with pytest.raises(ValueError, match="nor is it a block format"):
+        TrainConfig(grad_format="hbfp")
+    with pytest.raises(TypeError, match="needs fraction=p"):
+        TrainConfig(grad_format="hbfp3", grad_mode="sr_fraction")
     with pytest.raises(ValueError, match="update_dtype"):
         TrainConfig(update_dtype="fp8")
     with pytest.raises(ValueError, match="multiple of n_head"):
@@ -188,16 +227,27 @@ def test_sweeps_have_the_papers_arms():
     assert [c.seed for c in fig3] == [0, 1] * 5
     stag = [c.label for c in arm_configs("stagnation", TINY, [0])]
     assert "binary8p4 SR_FRACTION N=3 p=0.2" in stag and "binary8p4 SR_NEAR_ZERO N=3" in stag
+    base = replace(TINY, **SWEEP_DEFAULTS["hbfp"])
+    assert [c.label for c in arm_configs("hbfp", base, [0])] == [
+        "binary32", "hbfp4 RNE grads", "hbfp4 SR_FRACTION N=8 p=0.2 grads",
+        "hbfp4 SR_FRACTION N=8 p=0.5 grads", "hbfp4 SR_NEAR_ZERO N=8 grads", "hbfp4 SRC N=8 grads",
+    ]  # fmt: skip
+
+
+def tiny_sweep(tmp_path: Path, sweep: str, iters: int, *extra: str) -> tuple[list[str], Path]:
+    """`fewbit train` arguments for a tiny one-seed sweep on the generated text; its folder."""
+    out = tmp_path / "out"
+    tarball = fake_tarball(tmp_path / "s.tar.gz")
+    args = ["train", "--preset", "tiny", "--sweep", sweep, "--iters", str(iters), "--eval-interval", "2",
+            "--seeds", "0", "--workers", "2", "--data-dir", str(tmp_path / "cache"),
+            "--data-tarball", str(tarball), "--out", str(out), "--quiet", *extra]  # fmt: skip
+    return args, out
 
 
 def test_cli_sweep_writes_csv_and_png(tmp_path, capsys, monkeypatch):
     # Eager workers: five first compilations would take a minute, and test nothing here.
     monkeypatch.setenv("FEWBIT_EAGER", "1")
-    tarball = fake_tarball(tmp_path / "s.tar.gz")
-    out = tmp_path / "out"
-    args = ["train", "--preset", "tiny", "--sweep", "figure3", "--iters", "4", "--eval-interval", "2",
-            "--seeds", "0", "--workers", "2", "--data-dir", str(tmp_path / "cache"),
-            "--data-tarball", str(tarball), "--out", str(out), "--quiet"]  # fmt: skip
+    args, out = tiny_sweep(tmp_path, "figure3", 4)
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "binary8p4 SRFF N=3" in printed
@@ -217,3 +267,20 @@ def test_cli_sweep_writes_csv_and_png(tmp_path, capsys, monkeypatch):
     assert "holds a run with another configuration (bits 3 -> 4)" in capsys.readouterr().err
     assert main(["train", "--preset", "tiny", "--bits", "0", "--out", str(out)]) == 2
     assert capsys.readouterr().err == "fewbit: error: bits must be in 1..32, got 0\n"
+
+
+def test_cli_hbfp_sweep_writes_its_arms(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FEWBIT_EAGER", "1")  # six first compilations would test nothing here
+    args, out = tiny_sweep(tmp_path, "hbfp", 2, "--grad-format", "bfp4_b16")
+    assert main(args) == 0
+    assert "bfp4_b16 SR_NEAR_ZERO N=8 grads" in capsys.readouterr().out
+    arms = [row["arm"] for row in csv.DictReader(open(out / "summary.csv"))]
+    assert arms == ["binary32", "bfp4_b16 RNE grads", "bfp4_b16 SR_FRACTION N=8 p=0.2 grads",
+                    "bfp4_b16 SR_FRACTION N=8 p=0.5 grads", "bfp4_b16 SR_NEAR_ZERO N=8 grads",
+                    "bfp4_b16 SRC N=8 grads"]  # fmt: skip
+    rows = list(csv.DictReader(open(out / "losses.csv")))
+    assert len(rows) == 6 * 2  # evaluations at 0 and 2
+    assert len({row["val_loss"] for row in rows if row["iter"] == "2"}) == 6  # every arm trains its own way
+    assert (out / "hbfp.png").stat().st_size > 10_000
+    config = json.loads((out / "bfp4_b16-rne-grads-s0" / "config.json").read_text())
+    assert config["mode"] == "fp32" and config["grad_format"] == "bfp4_b16"

@@ -266,14 +266,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     import signal
     from pathlib import Path
 
-    from .experiments.sweep import format_summary, run_sweep, summarise
+    from .experiments.sweep import SWEEP_DEFAULTS, format_summary, run_sweep, summarise
     from .experiments.train import config_from
 
-    base = config_from(
-        args.preset, mode=args.mode, weight_format=args.format, bits=args.bits, fraction=args.fraction,
-        update_dtype=args.update_dtype, iters=args.iters, eval_interval=args.eval_interval,
-        device=args.device,
+    given = dict(
+        mode=args.mode, weight_format=args.format, bits=args.bits, fraction=args.fraction,
+        update_dtype=args.update_dtype, grad_format=args.grad_format, grad_mode=args.grad_mode,
+        grad_bits=args.grad_bits, grad_fraction=args.grad_fraction, iters=args.iters,
+        eval_interval=args.eval_interval, device=args.device,
     )  # fmt: skip
+    given = {k: v for k, v in given.items() if v is not None}
+    base = config_from(args.preset, **{**SWEEP_DEFAULTS.get(args.sweep, {}), **given})
     data_file = _shakespeare(args)
     if data_file is None:
         return 2
@@ -425,12 +428,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_bias)
     p = sub.add_parser("train", help="char GPT on Shakespeare with low-precision weights")
     p.add_argument("--preset", default="cpu-small", help="cpu-small (2 CPU cores), paper (GPU) or tiny")
-    p.add_argument("--sweep", choices=["figure3", "stagnation"], help="run every arm of a study")
+    p.add_argument("--sweep", choices=["figure3", "stagnation", "hbfp"], help="run every arm of a study")
     p.add_argument("--mode", help="fp32, fp16 (binary16 baseline) or a rounding mode (src, srff, rne, ...)")
     p.add_argument("--format", help="weight format (default binary8p4)")
     p.add_argument("--bits", type=int, help="N, random bits per SR (default 3)")
     p.add_argument("--fraction", type=float, help="p for sr_fraction")
     p.add_argument("--update-dtype", choices=["fp32", "bf16", "fp16"], help="dtype of w + u (default bf16)")
+    p.add_argument("--grad-format", help="round Linear output and weight gradients to this (e.g. hbfp3)")
+    p.add_argument("--grad-mode", help="their rounding mode (default rne)")
+    p.add_argument("--grad-bits", type=int, help="N for the gradients' SR (default 8)")
+    p.add_argument("--grad-fraction", type=float, help="p for the gradients' sr_fraction")
     p.add_argument("--seeds", type=int, nargs="+", help="seeds (default: 0 1 for a sweep, else 0)")
     p.add_argument("--iters", type=int)
     p.add_argument("--eval-interval", type=int)

@@ -2,9 +2,11 @@
 
 The forward pass rounds a tensor to one format and mode; the backward pass rounds the
 incoming gradient to another (or passes it through unchanged, the straight-through
-estimator). A :class:`FakeQuantize` module counts its calls in a buffer, so each call
-draws fresh random bits and a model restored from its ``state_dict`` draws the same bits
-as one that never stopped.
+estimator). A format is an element format (``"e4m3"``, ``"binary8p4"``) or a block format
+(``"mxfp8_e4m3"``, ``"nvfp4"``, ``"hbfp4"``; ``fewbit.block``), by name or object. A
+:class:`FakeQuantize` module counts its calls in a buffer, so each call draws fresh random
+bits and a model restored from its ``state_dict`` draws the same bits as one that never
+stopped.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .formats import FloatFormat, format
+from .block import BlockFormat, element_or_block, round_to
+from .formats import FloatFormat
 from .random import Key, as_key, fold_in, key_of
 from .replicas import SeedPolicy, replica_key
-from .rounding import RoundMode, round
+from .rounding import RoundMode
 from .rounding.modes import parse_mode
 from .sharding import is_dtensor
 
@@ -29,26 +32,37 @@ _FORWARD, _BACKWARD = 0, 1
 
 @dataclass(frozen=True)
 class Quant:
-    """One rounding: format, mode, N (stochastic modes), p (``sr_fraction``), saturation."""
+    """One rounding: format, mode, N (stochastic modes), p (``sr_fraction``), saturation,
+    and for a block format its block axis (None: the format's, the last).
 
-    fmt: FloatFormat | str
+    ``Quant("hbfp4", "src", bits=8)`` rounds to HBFP with 4-bit mantissas in blocks of 64
+    along the last dimension, with the key the caller gives as ``seed=`` of
+    ``fewbit.block.round``, as an element format's key goes to ``fewbit.round``.
+    """
+
+    fmt: FloatFormat | BlockFormat | str
     mode: RoundMode | str = "rne"
     bits: int | None = None
     fraction: float | None = None
     sat: bool = True
+    axis: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "fmt", format(self.fmt))
+        object.__setattr__(self, "fmt", element_or_block(self.fmt))
         object.__setattr__(self, "mode", parse_mode(self.mode))
         if self.bits is not None and not self.mode.is_stochastic:
             raise ValueError(f"mode {self.mode.value!r} is deterministic and takes no bits")
+        if self.axis is not None and not isinstance(self.fmt, BlockFormat):
+            raise ValueError(f"axis is the block axis of a block format; {self.fmt.name} is an element "
+                             "format")  # fmt: skip
 
     def __call__(self, x: torch.Tensor, key: Key | torch.Tensor | None) -> torch.Tensor:
         if not self.mode.is_stochastic:
-            return round(x, self.fmt, self.mode, sat=self.sat)
+            return round_to(x, self.fmt, self.mode, axis=self.axis, sat=self.sat)
         if key is None:
             raise ValueError(f"mode {self.mode.value!r} needs a seed")
-        return round(x, self.fmt, self.mode, sat=self.sat, bits=self.bits, fraction=self.fraction, seed=key)
+        return round_to(x, self.fmt, self.mode, axis=self.axis, sat=self.sat, bits=self.bits,
+                        fraction=self.fraction, seed=key)  # fmt: skip
 
 
 class _StraightThrough(torch.autograd.Function):

@@ -19,13 +19,13 @@ from collections.abc import Iterable
 
 import torch
 
+from .block import BlockFormat, BlockTensor, check_args, element_or_block, quantize, round_to
 from .codec import decode, encode
 from .config import configure, current
-from .formats import FloatFormat, format
+from .formats import FloatFormat
 from .random import Key, as_key, fold_in, key_tensor
 from .replicas import SeedPolicy, assert_identical_inputs, replica_key, world
 from .rounding import RoundMode, dtype_format, round
-from .rounding.checks import check_round_args
 from .rounding.compiled import round_foreach_, stream_words
 from .rounding.modes import parse_mode
 from .sharding import global_amax, global_bits, is_dtensor, layout, local_tensor, replica_count
@@ -44,7 +44,11 @@ class LowPrecisionWeights:
 
     Args:
         optimizer: any ``torch.optim.Optimizer``; it owns the update rule and its state.
-        fmt: the weight format (a FloatFormat or a name such as ``"binary8p4"``).
+        fmt: the weight format (a FloatFormat or a name such as ``"binary8p4"``), or a
+            block format (a BlockFormat or a name such as ``"mxfp8_e4m3"``, ``"nvfp4"``):
+            each weight then holds values of it in blocks along its last dimension (a
+            Linear's input features, the dimension its forward product sums over, as MX
+            lays out weights), rounded with ``fewbit.block.round`` and the same keys.
         mode: the rounding of the write-back; ``"src"`` (few-bit SR, unbiased) by default.
         bits: N, random bits per element, for the modes that take it.
         seed: an int or ``fewbit.random.Key``; step t rounds parameter i with
@@ -57,10 +61,12 @@ class LowPrecisionWeights:
         update_dtype: hold ``w + u`` in this dtype (RNE) before rounding to ``fmt``;
             ``torch.bfloat16`` is the paper's set-up. None: the parameters' own dtype.
         scale: scale each tensor by a power of two so that its largest magnitude lands in
-            the top binade below half the format's maximum, round, and scale back.
+            the top binade below half the format's maximum, round, and scale back (element
+            formats: a block format scales each block itself).
         store_codes: between a step and the next :meth:`zero_grad` (or
             :meth:`materialize`), keep the selected weights only as codes of ``fmt``
-            (uint8 for formats of up to 8 bits) and free their float storage.
+            (uint8 for formats of up to 8 bits; a ``fewbit.block.BlockTensor`` per weight
+            for a block format) and free their float storage.
         policy: under data parallelism the write-back is ``"identical"`` on every
             replica (seed 000); ``"differing"`` folds in the rank (wrong: for tests).
         guard: before each step, check across ranks that every selected weight and its
@@ -96,7 +102,8 @@ class LowPrecisionWeights:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
         self.optimizer = optimizer
-        self.fmt = format(fmt)
+        self.fmt = element_or_block(fmt)
+        block = isinstance(self.fmt, BlockFormat)
         self.mode = parse_mode(mode)
         if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int)):
             raise TypeError(f"bits must be an int, not {type(bits).__name__}")
@@ -120,10 +127,17 @@ class LowPrecisionWeights:
             raise ValueError("guard=True has nothing to compare: every selected weight is sharded and "
                              "no two ranks hold the same piece (FSDP without replication); use HSDP "
                              "or drop guard")  # fmt: skip
+        if block and not all(at.whole for at in self._layouts):
+            # A rank's piece need not hold whole blocks, and a block's scale needs them all.
+            raise ValueError(f"{self.fmt.name}: block formats on sharded (DTensor) weights are not supported")
+        # For a block format the element format is checked: a block's values are elements
+        # times a power of two (float32's exponent range), or for NVFP4 a product that the
+        # kernel rounds to the dtype anyway.
+        element = self.fmt.element if block else self.fmt
         for name, p in zip(self.names, self.params, strict=True):
             for dtype in {p.dtype, update_dtype or p.dtype}:
-                if not dtype_format(dtype).contains(self.fmt):
-                    raise ValueError(f"{name} ({dtype}) cannot hold every value of {self.fmt.name}")
+                if not dtype_format(dtype).contains(element):
+                    raise ValueError(f"{name} ({dtype}) cannot hold every value of {element.name}")
         # Every selected parameter shares one dtype: the write-back rounds them together.
         dtypes = {p.dtype for p in self.params} | {p.device.type for p in self.params}
         if len(dtypes) > 2:
@@ -131,11 +145,12 @@ class LowPrecisionWeights:
                              "wrap each group in its own LowPrecisionWeights")  # fmt: skip
         #: The dtype ``w + u`` is rounded from.
         self.via = update_dtype or self.params[0].dtype
-        probe = torch.empty(0, dtype=self.via)
-        self.spec = check_round_args(probe, self.fmt, self.mode, sat, self.bits, fraction)
-        if self.store_codes and self.fmt.k > 8:
+        self.spec = check_args(self.via, self.fmt, self.mode, sat, self.bits, fraction)
+        if block and scale:
+            raise ValueError(f"scale=True is for element formats: {self.fmt.name} scales each block itself")
+        if self.store_codes and not block and self.fmt.k > 8:
             raise ValueError(f"store_codes keeps uint8 codes; {self.fmt.name} has {self.fmt.k} bits")
-        self._codes: list[torch.Tensor] | None = None
+        self._codes: list[torch.Tensor] | list[BlockTensor] | None = None
         self._nbytes: list[int] = []  # storage sizes of the weights kept as codes
         self._scales: list[float] = [1.0] * len(self.params)
         self._stored = False  # weights held only as codes
@@ -201,24 +216,30 @@ class LowPrecisionWeights:
         # Whole tensors in formats with a NaN go through one call for all; a piece of a
         # sharded tensor takes the bits of its global indices; fewbit.round raises where a
         # value has no result in a format without NaN (a NaN input, say).
-        batched = [i for i, at in enumerate(self._layouts) if at.whole] if self.fmt.has_nans else []
+        block = isinstance(self.fmt, BlockFormat)
+        whole = [i for i, at in enumerate(self._layouts) if at.whole]
+        batched = whole if not block and self.fmt.has_nans else []
         if batched:
             words = [[0, 0] if keys[i] is None else stream_words(self.spec, keys[i]) for i in batched]
             stacked = key_tensor(words, pieces[0].device)
             round_foreach_([pieces[i] for i in batched], self.spec, stacked, self.via)
         extra = {"fraction": self.fraction} if self.mode is RoundMode.SR_FRACTION else {}
+        blocks = []
         for i in sorted(set(range(len(pieces))) - set(batched)):
             t, key, at = pieces[i], keys[i], self._layouts[i]
-            if key is None or t.numel() == 0:
-                sr = {}
-            elif at.whole:
-                sr = {"bits": self.bits, "seed": key, **extra}
-            else:
+            if not at.whole and key is not None and t.numel():  # element formats only
                 bits = global_bits(self.spec, stream_words(self.spec, key), at, t.device)
-                sr = {"bits": self.bits, "random_bits": bits, **extra}
-            t.copy_(round(t.to(self.via), self.fmt, self.mode, sat=self.sat, **sr))
+                t.copy_(round(t.to(self.via), self.fmt, self.mode, sat=self.sat, bits=self.bits,
+                              random_bits=bits, **extra))  # fmt: skip
+                continue
+            sr = {"bits": self.bits, "seed": key, **extra} if key is not None and t.numel() else {}
+            if block and self.store_codes:  # the codes of this very rounding (NVFP4's
+                # per-tensor scale would move if the rounded values were quantised again)
+                blocks.append(quantize(t.to(self.via), self.fmt, self.mode, sat=self.sat, **sr))
+            else:
+                t.copy_(round_to(t.to(self.via), self.fmt, self.mode, sat=self.sat, **sr))
         if self.store_codes:
-            self._codes = [encode(t, self.fmt) for t in pieces]
+            self._codes = blocks if block else [encode(t, self.fmt) for t in pieces]
             # The size of the whole storage: a piece may be a view into a larger one (FSDP2
             # pads its shards), which must come back at its size.
             self._nbytes = [t.untyped_storage().nbytes() for t in pieces]
@@ -243,16 +264,24 @@ class LowPrecisionWeights:
         for p, codes, s, nbytes in zip(self.params, self._codes, self._scales, self._nbytes, strict=True):
             t = local_tensor(p)
             t.untyped_storage().resize_(nbytes)
-            t.copy_(decode(codes, self.fmt, t.dtype) / s)
+            if isinstance(codes, BlockTensor):  # as fewbit.block.round gives the values in via
+                t.copy_(codes.dequantize(self.via))
+            else:
+                t.copy_(decode(codes, self.fmt, t.dtype) / s)
         self._stored = False
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank's pieces of the selected weights take as floats and as codes of
-        ``fmt``."""
+        ``fmt`` (a block format's: element codes, block scales and any per-tensor scale,
+        BlockTensor.nbytes)."""
         n = sum(at.numel for at in self._layouts)
         float_bytes = sum(at.numel * p.element_size()
                           for at, p in zip(self._layouts, self.params, strict=True))  # fmt: skip
-        code_bytes = n * (1 if self.fmt.k <= 8 else 2)
+        if isinstance(self.fmt, BlockFormat):  # the shapes alone: quantised on the meta device
+            shapes = [torch.empty(p.shape, dtype=self.via, device="meta") for p in self.params]
+            code_bytes = sum(quantize(t, self.fmt).nbytes for t in shapes)
+        else:
+            code_bytes = n * (1 if self.fmt.k <= 8 else 2)
         return {"elements": n, "float_bytes": float_bytes, "code_bytes": code_bytes,
                 "saved_bytes": float_bytes - code_bytes}  # fmt: skip
 

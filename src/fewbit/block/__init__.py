@@ -19,14 +19,21 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import rounding
 from ..codec import decode, unpack_pairs
+from ..formats import FloatFormat
+from ..formats import format as element_format
 from ..random import Key
 from ..rounding import RoundMode
+from ..rounding.checks import check_round_args
 from .formats import SCALE_RULES, BlockFormat, ScaleRule, format, names
 from .kernel import from_block_layout
-from .ops import block_args, lookup
+from .ops import block_args, block_spec_of, lookup
 
-__all__ = ["SCALE_RULES", "BlockFormat", "BlockTensor", "ScaleRule", "format", "names", "quantize", "round"]
+__all__ = [
+    "SCALE_RULES", "BlockFormat", "BlockTensor", "ScaleRule", "check_args", "element_or_block", "format",
+    "names", "quantize", "round", "round_to",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -125,3 +132,54 @@ def round(
     straight-through (the identity), as ``fewbit.round``'s."""
     return torch.ops.fewbit.block_round(*block_args(x, bfmt, mode, sat, bits, fraction, seed, random_bits,
                                                     axis, rule))
+
+
+# Layers that take either kind of format (fewbit.nn, fewbit.optim) go through these three,
+# so that an element format and a block format differ in one place.
+
+
+def element_or_block(fmt: FloatFormat | BlockFormat | str) -> FloatFormat | BlockFormat:
+    """``fmt`` itself, or the format its name names: an element format if ``fewbit.format``
+    knows the name, else a block format (no name is both: ``"e4m3"``, ``"hbfp4"``)."""
+    if isinstance(fmt, (FloatFormat, BlockFormat)):
+        return fmt
+    try:
+        return element_format(fmt)
+    except ValueError as err:
+        try:
+            return format(fmt)
+        except ValueError:
+            raise ValueError(f"{err}; nor is it a block format (fewbit.block.format: hbfp<m>, "
+                             f"bfp<m>_b<size>, mx..., nvfp4)") from None  # fmt: skip
+
+
+def check_args(dtype: torch.dtype, fmt: FloatFormat | BlockFormat | str, mode: RoundMode | str, sat: bool,
+               bits: int | None, fraction: float | None):
+    """Raise what :func:`round_to` would raise for these arguments on a ``dtype`` tensor,
+    before there is one; return the call's spec."""
+    fmt = element_or_block(fmt)
+    probe = torch.empty(0, dtype=dtype)
+    if isinstance(fmt, BlockFormat):
+        return block_spec_of(*block_args(probe, fmt, mode, sat, bits, fraction, None, None, -1, None))[0]
+    return check_round_args(probe, fmt, mode, sat, bits, fraction)
+
+
+def round_to(
+    x: torch.Tensor,
+    fmt: FloatFormat | BlockFormat | str,
+    mode: RoundMode | str = "rne",
+    *,
+    axis: int | None = None,
+    sat: bool = True,
+    bits: int | None = None,
+    fraction: float | None = None,
+    seed: int | Key | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``fewbit.round`` for an element format, :func:`round` for a block format (``axis``:
+    its block axis; refused for an element format). Straight-through gradient either way."""
+    fmt = element_or_block(fmt)
+    if isinstance(fmt, BlockFormat):
+        return round(x, fmt, mode, axis=axis, sat=sat, bits=bits, fraction=fraction, seed=seed)
+    if axis is not None:
+        raise ValueError(f"axis is the block axis of a block format; {fmt.name} is an element format")
+    return rounding.round(x, fmt, mode, sat=sat, bits=bits, fraction=fraction, seed=seed)

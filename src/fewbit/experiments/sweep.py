@@ -1,4 +1,6 @@
-"""Sweeps of training runs: the paper's Figure 3 and seed 002's stagnation study.
+"""Sweeps of training runs: the paper's Figure 3 and seed 002's stagnation study, on the
+weights' write-back (``stagnation``) and, as the seed ran it, on gradients in block floating
+point (``hbfp``).
 
 Each (arm, seed) is one run, trained by a worker process (:mod:`.worker`, one thread
 each: small models train faster side by side than sharing threads) in a folder of its
@@ -55,7 +57,21 @@ SWEEPS: dict[str, list[dict]] = {
         {"mode": "sr_fraction", "fraction": 1.0},
         {"mode": "sr_near_zero"},
     ],
+    # Gradients in HBFP (weights float32): every arm rounds with grad_bits N (8 by default).
+    "hbfp": [
+        {"grad_format": None},
+        {"grad_mode": "rne"},
+        {"grad_mode": "sr_fraction", "grad_fraction": 0.2},
+        {"grad_mode": "sr_fraction", "grad_fraction": 0.5},
+        {"grad_mode": "sr_near_zero"},
+        {"grad_mode": "src"},
+    ],
 }
+
+#: A sweep's defaults below the command line's options (``fewbit train --sweep hbfp
+#: --grad-format bfp3_b32`` runs the study at another width). hbfp4: the widest mantissa
+#: at which RNE visibly stagnates on the cpu-small preset (the README's width search).
+SWEEP_DEFAULTS: dict[str, dict] = {"hbfp": {"mode": "fp32", "grad_format": "hbfp4"}}
 
 
 @dataclass

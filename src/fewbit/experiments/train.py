@@ -1,8 +1,10 @@
 """Train the character GPT with low-precision weights (the paper's Figure 3 experiment).
 
-One run is a :class:`TrainConfig`: model size, optimisation, and how the weights are
-kept (``mode``: ``"fp32"`` for plain training, ``"fp16"`` for the binary16 baseline, or a
-rounding mode with ``weight_format`` and ``bits``). Batches are a pure function of
+One run is a :class:`TrainConfig`: model size, optimisation, how the weights are kept
+(``mode``: ``"fp32"`` for plain training, ``"fp16"`` for the binary16 baseline, or a
+rounding mode with ``weight_format`` and ``bits``) and, optionally, how the gradients are
+rounded (``grad_format``, an element or block format, with ``grad_mode``: seed 002's
+study of SR on gradients in block floating point). Batches are a pure function of
 (seed, iteration), so every arm of a sweep sees the same data, and a resumed run the
 same batches as an uninterrupted one.
 """
@@ -16,7 +18,10 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from ..block import check_args
+from ..nn import Quant, quantize_outputs
 from ..optim import LowPrecisionWeights
+from ..random import as_key, fold_in
 from ..rounding.checks import check_round_args
 from ..rounding.modes import parse_mode
 from .data import CharDataset
@@ -25,6 +30,8 @@ from .gpt import GPT, GPTConfig
 #: Modes of the weights beside fewbit's rounding modes.
 PLAIN_MODES = ("fp32", "fp16")
 UPDATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: Key streams of the gradient rounding: Linear outputs' gradients, weights' gradients.
+_OUTPUT_GRADS, _WEIGHT_GRADS = 0, 1
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,13 @@ class TrainConfig:
     bits: int | None = 3
     fraction: float | None = None
     update_dtype: str = "bf16"
+    # gradients: None keeps them float32; else the gradient reaching every Linear's output
+    # and the weights' gradients (2+ dimensions) are rounded to grad_format, in blocks
+    # along the last dimension for a block format (fewbit.nn.Quant's arguments)
+    grad_format: str | None = None
+    grad_mode: str = "rne"
+    grad_bits: int | None = 8
+    grad_fraction: float | None = None
     seed: int = 0
     device: str = "cpu"
 
@@ -65,6 +79,8 @@ class TrainConfig:
             probe = torch.empty(0, dtype=UPDATE_DTYPES[self.update_dtype])
             bits = self.bits if parse_mode(self.mode).takes_bits else None
             check_round_args(probe, self.weight_format, self.mode, True, bits, self.fraction)
+        if (q := self.grad_quant) is not None:  # the same, for the gradients' rounding
+            check_args(torch.float32, q.fmt, q.mode, q.sat, q.bits, q.fraction)
         for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "iters", "eval_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -72,15 +88,28 @@ class TrainConfig:
             raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
 
     @property
+    def grad_quant(self) -> Quant | None:
+        """The gradients' rounding, or None (float32 gradients)."""
+        if self.grad_format is None:
+            return None
+        bits = self.grad_bits if parse_mode(self.grad_mode).takes_bits else None
+        return Quant(self.grad_format, self.grad_mode, bits=bits, fraction=self.grad_fraction)
+
+    @property
     def label(self) -> str:
-        """A short name for plots: the weight format and mode."""
-        if self.mode == "fp32":
-            return "binary32"
-        if self.mode == "fp16":
-            return "binary16"
-        extra = f" p={self.fraction:g}" if self.mode == "sr_fraction" else ""
-        n = f" N={self.bits}" if parse_mode(self.mode).takes_bits else ""
-        return f"{self.weight_format} {self.mode.upper()}{n}{extra}"
+        """A short name for plots: the weight format and mode, then the gradients'."""
+        weights = {"fp32": "binary32", "fp16": "binary16"}.get(self.mode)
+        weights = weights or _rounding_label(self.weight_format, self.mode, self.bits, self.fraction)
+        if self.grad_format is None:
+            return weights
+        grads = _rounding_label(self.grad_format, self.grad_mode, self.grad_bits, self.grad_fraction)
+        return f"{grads} grads" if self.mode == "fp32" else f"{weights}, {grads} grads"
+
+
+def _rounding_label(fmt: str, mode: str, bits: int | None, fraction: float | None) -> str:
+    extra = f" p={fraction:g}" if mode == "sr_fraction" else ""
+    n = f" N={bits}" if parse_mode(mode).takes_bits else ""
+    return f"{fmt} {mode.upper()}{n}{extra}"
 
 
 PRESETS: dict[str, TrainConfig] = {
@@ -137,6 +166,13 @@ class Run:
             lr=cfg.lr, betas=(0.9, 0.99),
         )  # fmt: skip
         self.weights = self._wrap()
+        self.grad_quant = cfg.grad_quant
+        if self.grad_quant is not None:
+            key = as_key(cfg.seed)
+            # Backward of each Linear's output: its FakeQuantize child counts calls in the
+            # model's state_dict, so a resumed run draws the same bits.
+            quantize_outputs(self.model, None, self.grad_quant, seed=fold_in(key, _OUTPUT_GRADS))
+            self._grad_key = fold_in(key, _WEIGHT_GRADS)
         self.it = 0
         self.history = History()
         self._since_eval: list[float] = []
@@ -166,12 +202,25 @@ class Run:
         _, loss = self.model(x.to(cfg.device), y.to(cfg.device))
         self.stepper.zero_grad(set_to_none=True)
         loss.backward()
+        self._round_weight_grads()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.stepper.step()
         self.it += 1
         value = loss.item()
         self._since_eval.append(value)
         return value
+
+    @torch.no_grad()
+    def _round_weight_grads(self) -> None:
+        """Weights' gradients to the gradient format, as a block-FP backward pass would hand
+        them to the (float32) optimizer: before clipping, which is the optimizer's. Iteration
+        t rounds matrix i with ``fold_in(seed, _WEIGHT_GRADS, t, i)``."""
+        if self.grad_quant is None:
+            return
+        matrices = [p for p in self.model.parameters() if p.dim() >= 2]
+        for i, p in enumerate(matrices):
+            if p.grad is not None:
+                p.grad = self.grad_quant(p.grad, fold_in(self._grad_key, self.it, i))
 
     @torch.no_grad()
     def evaluate(self) -> float:
