@@ -27,7 +27,7 @@ from ..rounding.compiled import (
     word_tensors,
 )
 from ..rounding.modes import parse_mode
-from ..rounding.ops import name_for_op
+from ..rounding.ops import check_key, name_for_op
 from .formats import BlockFormat, check_rule
 from .formats import format as block_format
 from .kernel import (
@@ -89,13 +89,17 @@ def block_spec_of(
         raise ValueError(f"axis {axis} is out of range for a tensor of {x.dim()} dimensions")
     if x.dim() == 0:
         raise ValueError("block formats need a tensor of at least one dimension")
-    if key is not None:
-        if random_bits is not None:
-            raise ValueError("give either seed (fewbit draws the bits) or random_bits, not both")
-        if spec.spec.bits is None:
-            raise ValueError(f"mode {rounding!r} is deterministic and takes no seed")
-        if key.dtype != torch.int64 or key.shape != (2,) or key.device != x.device:
-            raise ValueError(f"a key is an int64 tensor of shape (2,) on {x.device} (fewbit.random.key_of)")
+    check_key(spec.spec, x, key, random_bits)
+    return spec, axis
+
+
+def _fake_checks(
+    x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule
+) -> tuple[BlockSpec, int]:
+    """What can be checked while tracing: everything but the values of random_bits."""
+    spec, axis = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
+    if key is None:
+        check_random_bits(x, spec.spec, random_bits, values=False)
     return spec, axis
 
 
@@ -116,7 +120,7 @@ def _kernel(blocks, words, rand, tensor_scale, *, spec: BlockSpec, fused: bool):
     return codes.to(torch.uint8), codes_of(scale.squeeze(-1), spec.bfmt.scale).to(torch.uint8), invalid
 
 
-def _run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool):
+def _run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool, ts: torch.Tensor | None):
     """The kernel on x's blocks, laid out here (a view when the axis is last and its length
     a multiple of B): the kernel then sees a plain ``(n, B)`` tensor, which Inductor
     vectorises. Where the layout moves elements, their bits are drawn here, by x's own
@@ -132,7 +136,6 @@ def _run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool):
             rand = range_bits(spec.spec, words_now, 0, x.numel(), x.device).view(x.shape)
         else:
             words = cpu_key
-    ts = tensor_scale_of(x, spec.bfmt)
     blocks = block_layout(x, axis, size)
     shape3 = blocks.shape
     blocks = blocks.reshape(-1, size)
@@ -165,8 +168,8 @@ def _run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool):
     return codes.view(*shape3[:2], -1), scales.view(shape3[:2]), invalid
 
 
-def _checked_run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool) -> tuple:
-    *result, invalid = _run(x, spec, key, random_bits, axis, fused)
+def _checked_run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool, ts) -> tuple:
+    *result, invalid = _run(x, spec, key, random_bits, axis, fused, ts)
     if invalid is not None and bool(invalid):
         raise ValueError(f"{spec.spec.fmt.name} has no Inf or NaN for a value beyond its range; use sat=True")
     return tuple(result)
@@ -192,15 +195,13 @@ def block_round_op(
     spec, axis = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
     if x.numel() == 0:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
-    (out,) = _checked_run(x, spec, key, random_bits, axis, fused=True)
+    (out,) = _checked_run(x, spec, key, random_bits, axis, True, tensor_scale_of(x, spec.bfmt))
     return out.contiguous()
 
 
 @block_round_op.register_fake
 def _(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule):
-    spec, axis = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
-    if key is None:
-        check_random_bits(x, spec.spec, random_bits, values=False)
+    _fake_checks(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -221,16 +222,14 @@ def block_quantize_op(
     scale (float32, 1 for formats without one)."""
     spec, axis = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
     ts = tensor_scale_of(x, spec.bfmt)
-    ts = torch.ones((), device=x.device) if ts is None else ts
     if x.numel() == 0:
-        return (*_empty_codes(x, spec, axis), ts)
-    codes, scales = _checked_run(x, spec, key, random_bits, axis, fused=False)
-    return codes, scales, ts.clone()
+        codes, scales = _empty_codes(x, spec, axis)
+    else:
+        codes, scales = _checked_run(x, spec, key, random_bits, axis, False, ts)
+    return codes, scales, torch.ones((), device=x.device) if ts is None else ts
 
 
 @block_quantize_op.register_fake
 def _(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule):
-    spec, axis = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
-    if key is None:
-        check_random_bits(x, spec.spec, random_bits, values=False)
+    spec, axis = _fake_checks(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
     return (*_empty_codes(x, spec, axis), x.new_empty((), dtype=torch.float32))

@@ -27,7 +27,7 @@ from .checks import RoundSpec, check_random_bits, make_spec
 from .compiled import compiled_round, range_bits, round_body, stream_words, use_compiled
 from .modes import parse_mode
 
-__all__ = ["format_name", "lookup_format", "name_for_op", "spec_of"]
+__all__ = ["check_key", "format_name", "lookup_format", "name_for_op", "spec_of"]
 
 #: Formats made by hand (not in the registry) that went through an op, by name.
 _UNREGISTERED: dict[str, FloatFormat] = {}
@@ -72,7 +72,8 @@ def spec_of(
     return make_spec(x.dtype, lookup_format(fmt), parse_mode(rounding), sat, bits, fraction)
 
 
-def _check_key(spec: RoundSpec, x: torch.Tensor, key: torch.Tensor | None, random_bits) -> None:
+def check_key(spec: RoundSpec, x: torch.Tensor, key: torch.Tensor | None, random_bits) -> None:
+    """A seed's key against the spec and x (and never with random_bits)."""
     if key is None:
         return
     if random_bits is not None:
@@ -138,7 +139,7 @@ def _raise_on_invalid(work: torch.Tensor, out: torch.Tensor, spec: RoundSpec) ->
 def _checked(x, fmt, rounding, sat, bits, fraction, key, random_bits) -> RoundSpec:
     """The call's spec, once the arguments and the key are checked."""
     spec = spec_of(x, fmt, rounding, sat, bits, fraction)
-    _check_key(spec, x, key, random_bits)
+    check_key(spec, x, key, random_bits)
     return spec
 
 
