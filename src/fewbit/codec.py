@@ -18,6 +18,7 @@ from functools import lru_cache
 import torch
 
 from .formats import FloatFormat, format
+from .rounding import native
 from .rounding.checks import dtype_format
 from .rounding.fast import _LAYOUT, decompose, working_dtype
 from .rounding.ops import format_name, lookup_format
@@ -101,7 +102,14 @@ def pack_pairs(code: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("fewbit::encode", mutates_args=())
 def _encode(x: torch.Tensor, fmt: str, packed: bool) -> torch.Tensor:
     fmt = lookup_format(fmt)
-    _encode_checks(x, fmt, packed)
+    shape = _encode_checks(x, fmt, packed)
+    if native.usable(x, fmt):
+        out = torch.empty(shape, dtype=code_dtype(fmt))
+        bad = native.encode_into(x.contiguous().view(-1), fmt, out.view(-1), packed)
+        if bad is not None:
+            if bad >= 0:
+                _not_a_value(float(x.reshape(-1)[bad]), fmt)
+            return out
     work = x.to(working_dtype(x.dtype))
     code = codes_of(work, fmt)
 
@@ -110,11 +118,14 @@ def _encode(x: torch.Tensor, fmt: str, packed: bool) -> torch.Tensor:
     back = _lookup(code.clamp(0, (1 << fmt.k) - 1), fmt, work.dtype)
     same = in_range & ((back == work) | (torch.isnan(back) & torch.isnan(work)))
     if not bool(same.all()):
-        bad = work[~same].flatten()[0].item()
-        raise ValueError(f"{bad!r} is not a value of {fmt.name}; round it first (fewbit.round)")
+        _not_a_value(work[~same].flatten()[0].item(), fmt)
     if packed:
         code = pack_pairs(code)
     return code.to(code_dtype(fmt))
+
+
+def _not_a_value(value: float, fmt: FloatFormat):
+    raise ValueError(f"{value!r} is not a value of {fmt.name}; round it first (fewbit.round)")
 
 
 @_encode.register_fake

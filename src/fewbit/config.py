@@ -8,7 +8,14 @@ setting                environment (import)   meaning
                        sets it False          (C++/OpenMP on CPU, Triton on GPU); False: eager
                                               torch ops (same bits, slower, no compiler)
 ``compile_threshold``  ``FEWBIT_COMPILE_      tensors of at least this many elements take the
-                       THRESHOLD``            compiled kernel; smaller ones run eager
+                       THRESHOLD``            compiled kernel; smaller ones run eager (the
+                                              native kernel takes every size)
+``native``             ``FEWBIT_NATIVE=0``    on a CPU, fewbit's own C++ kernel
+                       sets it False          (``rounding/native.cpp``, built at first use) where
+                                              it applies; False: torch.compile'd kernels.
+                                              Needs ``compile``
+``native_cache``       ``FEWBIT_CACHE``       folder of the built native kernel (default
+                                              ``$XDG_CACHE_HOME/fewbit`` or ``~/.cache/fewbit``)
 ``eager_chunk``                               elements per chunk of an eager CPU run (chunks
                                               keep the intermediates in cache)
 ``scaled_fallback``                           ``"warn"`` (once per op) or ``"error"`` when an
@@ -46,9 +53,12 @@ class Config:
     eager_chunk: int = 1 << 20
     scaled_fallback: Literal["warn", "error"] = "warn"
     unit_scaling: bool = False
+    native: bool = True
+    native_cache: str = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                     "fewbit")
 
     def __post_init__(self) -> None:
-        for name in ("compile", "unit_scaling"):
+        for name in ("compile", "unit_scaling", "native"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, not {type(getattr(self, name)).__name__}")
         for name in ("compile_threshold", "eager_chunk"):
@@ -60,13 +70,16 @@ class Config:
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Config:
-        """The defaults, with ``FEWBIT_EAGER`` and ``FEWBIT_COMPILE_THRESHOLD`` applied."""
+        """The defaults, with the environment variables of the module docstring applied."""
         env = os.environ if environ is None else environ
         changes: dict[str, Any] = {}
-        eager = env.get("FEWBIT_EAGER", "")
-        if eager not in ("", "0", "1"):
-            raise ValueError(f"FEWBIT_EAGER must be 0 or 1, got {eager!r}")
-        changes["compile"] = eager != "1"
+        for name, setting, default in (("FEWBIT_EAGER", "compile", "0"), ("FEWBIT_NATIVE", "native", "1")):
+            value = env.get(name, "")
+            if value not in ("", "0", "1"):
+                raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+            changes[setting] = (value or default) == default
+        if env.get("FEWBIT_CACHE"):
+            changes["native_cache"] = env["FEWBIT_CACHE"]
         threshold = env.get("FEWBIT_COMPILE_THRESHOLD")
         if threshold is not None:
             try:

@@ -180,13 +180,8 @@ def round_fast(x: torch.Tensor, spec: RoundSpec, random_bits: torch.Tensor | Non
 
 def _directed_to_limit(mode: RoundMode, negative):
     """Where a mode stops at the largest finite value (None: nowhere)."""
-    if mode in (RoundMode.RTZ, RoundMode.RTO):
-        return torch.ones_like(negative)
-    if mode is RoundMode.RUP:
-        return negative
-    if mode is RoundMode.RDN:
-        return ~negative
-    return None
+    return {"nowhere": None, "everywhere": torch.ones_like(negative), "negative": negative,
+            "positive": ~negative}[MODES[mode].stops_at_max]  # fmt: skip
 
 
 def _away(mode, spec: RoundSpec, r, rem, one, D, e_t, negative, random_bits, max_shift):

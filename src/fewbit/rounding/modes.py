@@ -87,6 +87,10 @@ class ModeInfo:
             ``"select"`` (SELECT_BITS selection bits, from the key ``fold_in(key, SELECT_KEY)``).
         bits: how N is given: ``"none"`` (deterministic), ``"required"``, ``"optional"``
             (default: the natural ``N = min(D, 32)``), ``"natural"`` (always that N).
+        stops_at_max: where a value beyond the largest finite one stops at it (with its
+            sign) when the call does not saturate, instead of going beyond (Inf or NaN):
+            ``"nowhere"``, ``"everywhere"``, or only for ``"negative"`` or ``"positive"`` x
+            (the directed modes never round away from the direction they are told).
     """
 
     summary: str
@@ -95,6 +99,7 @@ class ModeInfo:
     where: Literal["everywhere", "near_zero", "selected"] = "everywhere"
     streams: tuple[str, ...] = ()
     bits: Literal["none", "required", "optional", "natural"] = "none"
+    stops_at_max: Literal["nowhere", "everywhere", "negative", "positive"] = "nowhere"
 
     @property
     def composite(self) -> bool:
@@ -111,10 +116,10 @@ def _few_bit(summary: str, tie: str, **kw) -> ModeInfo:
 MODES: dict[RoundMode, ModeInfo] = {
     RoundMode.RNE: ModeInfo("d > 1/2, or d = 1/2 and floor(s) odd"),
     RoundMode.RNA: ModeInfo("d >= 1/2"),
-    RoundMode.RTZ: ModeInfo("never"),
-    RoundMode.RUP: ModeInfo("d > 0 and x positive"),
-    RoundMode.RDN: ModeInfo("d > 0 and x negative"),
-    RoundMode.RTO: ModeInfo("d > 0 and floor(s) even (round to odd)"),
+    RoundMode.RTZ: ModeInfo("never", stops_at_max="everywhere"),
+    RoundMode.RUP: ModeInfo("d > 0 and x positive", stops_at_max="negative"),
+    RoundMode.RDN: ModeInfo("d > 0 and x negative", stops_at_max="positive"),
+    RoundMode.RTO: ModeInfo("d > 0 and floor(s) even (round to odd)", stops_at_max="everywhere"),
     RoundMode.SR: _few_bit("classical SR, probability d: src with N = min(D, 32)", "even", bits="natural"),
     RoundMode.SRFF: _few_bit("floor(d 2^N) + n >= 2^N", "truncate"),
     RoundMode.SRF: _few_bit("(d 2^N rounded ties up) + n >= 2^N", "up"),

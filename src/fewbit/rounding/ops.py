@@ -23,6 +23,7 @@ import torch
 from ..config import current
 from ..formats import FloatFormat, format
 from ..random import Key
+from . import native
 from .checks import RoundSpec, check_random_bits, make_spec
 from .compiled import compiled_round, range_bits, round_body, stream_words, use_compiled
 from .modes import parse_mode
@@ -95,14 +96,25 @@ def _round_into(x, spec: RoundSpec, key, random_bits, out: torch.Tensor) -> None
     direct = out.is_contiguous() and spec.fmt.has_nans and not _overlaps(out, x)
     result = out.view(-1) if direct else torch.empty_like(flat)
     flat_rand = None if rand is None else rand.reshape(-1)
-    if not (use_compiled(flat.numel()) and compiled_round(flat, spec, key, flat_rand, result)):
-        if key is not None and key.device.type == "cpu":
-            key = Key(*key.tolist())  # Python ints take the eager generator's fast path
-        _in_chunks(flat, spec, key, flat_rand, result)
-    if not spec.fmt.has_nans:
+    # On a CPU the key's words as Python ints: the native kernel and the eager generator take them.
+    ints = Key(*key.tolist()) if key is not None and key.device.type == "cpu" else key
+    bad = _native(flat, spec, ints, flat_rand, result)
+    if bad is None:
+        if not (use_compiled(flat.numel()) and compiled_round(flat, spec, key, flat_rand, result)):
+            _in_chunks(flat, spec, ints, flat_rand, result)
+        bad = 0 if not spec.fmt.has_nans else -1  # 0: look
+    if bad >= 0:
         _raise_on_invalid(flat, result, spec)
     if not direct:
         out.copy_(result.view(x.shape))
+
+
+def _native(flat, spec: RoundSpec, key: Key | None, rand, out: torch.Tensor) -> int | None:
+    """The native kernel's call (:func:`native.round_into`), or None where it does not apply."""
+    if not native.applies(spec, flat, rand):
+        return None
+    flat, rand = flat.contiguous(), None if rand is None else rand.contiguous()
+    return native.round_into(flat, spec, None if key is None else stream_words(spec, key), rand, out)
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -112,13 +112,10 @@ def _round_magnitude(a: Fraction, spec: RoundSpec, negative: bool, n: int | None
 
 
 def _directed_to_limit(mode: RoundMode, negative: bool) -> bool:
-    """Modes whose overflow stops at the largest finite value (they never round up
-    in magnitude past it)."""
-    return (
-        mode in (RoundMode.RTZ, RoundMode.RTO)
-        or (mode is RoundMode.RUP and negative)
-        or (mode is RoundMode.RDN and not negative)
-    )
+    """Whether an overflow stops at the largest finite value (the mode table's
+    ``stops_at_max``: directed modes never round up in magnitude past it)."""
+    rule = MODES[mode].stops_at_max
+    return rule == "everywhere" or rule == ("negative" if negative else "positive")
 
 
 def _beyond_range(fmt: FloatFormat, negative: bool) -> float:

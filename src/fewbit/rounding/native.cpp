@@ -1,0 +1,411 @@
+// fewbit's CPU kernel: rounding (and rounding to codes) with the random bits generated
+// in the same pass. Built at first use by native.py with the system C++ compiler and
+// loaded with ctypes; no torch headers, so it builds in about a second.
+//
+// It computes what fast.round_fast computes, on float32 bit patterns (inputs of 16
+// bits are widened exactly and the result narrowed by round-to-nearest-even, as torch
+// converts), and draws the bits of fewbit.random's stream layout: element i = row * LANES
+// + lane takes field (row % per_word) of word `lane` of word row (row / per_word), and
+// word row p holds output p % 2 of Threefry-2x32-20 blocks (p / 2) * LANES + lane.
+// tests/test_native.py holds it to the torch kernels bit for bit.
+//
+// Work goes a row of LANES elements at a time through buffers that stay in L1: widen,
+// draw the row's fields, round, narrow (or encode). Each stage is a plain loop over
+// lanes without branches, which the compiler vectorises; each thread computes a row of
+// Threefry blocks once for the 2 * per_word element rows that read it.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int LANES = 512;
+constexpr uint32_t PARITY = 0x1BD11BDA;  // Skein's key schedule parity
+constexpr uint32_t NAN_BITS = 0x7FC00000;
+
+// Argument layout of the int32 parameter array (native.py writes it in this order).
+enum Param {
+  T, EMIN, BIAS, MIN_ULP_EXP, MAX, MAX_NEG, BEYOND_POS, BEYOND_NEG, SMALLEST_NORMAL, FLAGS,
+  LIMIT_RULE, BITS, SELECT_BELOW, K, CODE_OF_MAX, CODE_OF_NAN, EXP_FIELD_OF_EMIN, EMAX, N_PARAMS
+};
+enum Flag { P_IS_1 = 1, HAS_NZ = 2, HAS_ZERO = 4, SAT = 8, HAS_NANS = 16, EXTENDED = 32, SIGNED = 64,
+            TWOS_COMPLEMENT = 128 };
+// Where a directed mode stops at the largest finite value when not saturating.
+enum LimitRule { NOWHERE, EVERYWHERE, NEGATIVE, POSITIVE };
+// Modes, in native.py's MODE_IDS order.
+enum Mode { RNE, RNA, RTZ, RUP, RDN, RTO, SRFF, SRF, SRC, SRC_ODD, NEAR_ZERO, FRACTION };
+enum Dtype { F32, BF16, F16 };
+
+// The parameters, with the flags as 0 or 1: the per-element code combines them with & and |
+// rather than branching on them, and holds truth values in int32 rather than bool (GCC 12
+// does not vectorise the mix of bool and int32 lanes), so that it stays one vector loop.
+struct Fmt {
+  int32_t p[N_PARAMS];
+  int32_t p_is_1, has_nz, has_zero, sat, has_nans, stop_always, stop_negative, stop_positive;
+
+  float tiny_scale;  // 2^min_ulp_exponent: a subnormal result is r times it
+  float max;  // the largest finite value
+  float magic_scale[2];  // magic.py's 2^c / 2^e_t: for RNE (1.5 2^(23 - t)) and SRC (2^(23 - t - N))
+
+  explicit Fmt(const int32_t* params) : tiny_scale(std::ldexp(1.0f, params[MIN_ULP_EXP])) {
+    std::memcpy(p, params, sizeof p);
+    max = __builtin_bit_cast(float, p[MAX]);
+    magic_scale[0] = std::ldexp(1.5f, 23 - p[T]);
+    magic_scale[1] = std::ldexp(1.0f, 23 - p[T] - p[BITS]);
+    p_is_1 = flag(P_IS_1), has_nz = flag(HAS_NZ), has_zero = flag(HAS_ZERO), sat = flag(SAT);
+    has_nans = flag(HAS_NANS);
+    stop_always = p[LIMIT_RULE] == EVERYWHERE, stop_negative = p[LIMIT_RULE] == NEGATIVE;
+    stop_positive = p[LIMIT_RULE] == POSITIVE;
+  }
+  int32_t operator[](Param i) const { return p[i]; }
+  bool flag(Flag f) const { return p[FLAGS] & f; }
+};
+
+inline uint32_t rotl(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
+inline float as_float(uint32_t u) { return __builtin_bit_cast(float, u); }
+
+#define FEWBIT_ROUND(r) x0 += x1; x1 = rotl(x1, r) ^ x0;
+#define FEWBIT_INJECT(i) x0 += ks[(i) % 3]; x1 += ks[((i) + 1) % 3] + (i);
+
+// Threefry-2x32-20 of blocks b0 .. b0 + LANES - 1: outputs 0 into w0, 1 into w1.
+void threefry_row(uint64_t b0, uint32_t k0, uint32_t k1, uint32_t* __restrict w0,
+                  uint32_t* __restrict w1) {
+  const uint32_t ks[3] = {k0, k1, PARITY ^ k0 ^ k1};
+  // Counter (b mod 2^32, b / 2^32); b0 is a multiple of LANES, so the row shares b / 2^32.
+  const uint32_t lo = uint32_t(b0), hi = uint32_t(b0 >> 32);
+  for (int h = 0; h < LANES; ++h) {
+    uint32_t x0 = lo + uint32_t(h) + ks[0];
+    uint32_t x1 = hi + ks[1];
+    FEWBIT_ROUND(13) FEWBIT_ROUND(15) FEWBIT_ROUND(26) FEWBIT_ROUND(6) FEWBIT_INJECT(1)
+    FEWBIT_ROUND(17) FEWBIT_ROUND(29) FEWBIT_ROUND(16) FEWBIT_ROUND(24) FEWBIT_INJECT(2)
+    FEWBIT_ROUND(13) FEWBIT_ROUND(15) FEWBIT_ROUND(26) FEWBIT_ROUND(6) FEWBIT_INJECT(3)
+    FEWBIT_ROUND(17) FEWBIT_ROUND(29) FEWBIT_ROUND(16) FEWBIT_ROUND(24) FEWBIT_INJECT(4)
+    FEWBIT_ROUND(13) FEWBIT_ROUND(15) FEWBIT_ROUND(26) FEWBIT_ROUND(6) FEWBIT_INJECT(5)
+    w0[h] = x0;
+    w1[h] = x1;
+  }
+}
+
+// One random stream: the element rows of a thread read its words through this cache
+// of the last row of blocks computed.
+struct Stream {
+  uint32_t k0, k1;
+  int bits, per_word;
+  int64_t block_row = -1;
+  alignas(64) uint32_t words[2][LANES];
+
+  Stream(uint32_t k0, uint32_t k1, int bits) : k0(k0), k1(k1), bits(bits), per_word(32 / bits) {}
+
+  // The fields of element row `row`, lanes h0 .. h1, into out[h0 .. h1].
+  void fields(int64_t row, int h0, int h1, uint32_t* __restrict out) {
+    const int64_t word_row = row / per_word;
+    if (word_row / 2 != block_row) {
+      block_row = word_row / 2;
+      threefry_row(uint64_t(block_row) * LANES, k0, k1, words[0], words[1]);
+    }
+    const uint32_t* __restrict w = words[word_row % 2];
+    const int shift = int(row % per_word) * bits;
+    const uint32_t mask = bits == 32 ? 0xFFFFFFFFu : (1u << bits) - 1;
+    for (int h = h0; h < h1; ++h) out[h] = (w[h] >> shift) & mask;
+  }
+};
+
+inline int32_t clampi(int32_t v, int32_t lo, int32_t hi) { return v < lo ? lo : v > hi ? hi : v; }
+
+// fast._fraction_to_bits then fast._few_bit_away (N <= 30, so int32 holds every sum).
+template <Mode M>
+inline int32_t few_bit_away(int32_t rem, int32_t D, int32_t n, int bits) {
+  const int32_t shift = D - bits;
+  const int32_t right = clampi(shift, 0, 25), left = clampi(-shift, 0, bits);
+  const int32_t q = rem >> right;
+  int32_t d_n;
+  if (M == SRFF) {
+    d_n = shift > 0 ? q : rem << left;
+  } else {
+    const int32_t low2 = (rem & ((1 << right) - 1)) << 1, half2 = 1 << right;
+    int32_t up;
+    if (M == SRF) {
+      up = low2 >= half2;
+    } else {
+      const int32_t q_odd = q & 1;
+      const int32_t tie_up = M == SRC_ODD ? (q_odd ^ 1) : q_odd;
+      up = (low2 > half2) | ((low2 == half2) & tie_up);
+    }
+    d_n = shift > 0 ? q + int32_t(up) : rem << left;
+  }
+  return n > ((1 << bits) - 1) - d_n;
+}
+
+// fast.round_fast for one float32 bit pattern. n: the N random bits, s: the selection bits.
+template <Mode M>
+inline uint32_t round_one(uint32_t bits_in, uint32_t n, uint32_t s, const Fmt& f) {
+  const int32_t b = int32_t(bits_in);
+  const int32_t negative = (b >> 31) & 1;
+  const int32_t a = b & 0x7FFFFFFF;
+  const int32_t is_inf = a == 0x7F800000, is_nan = a > 0x7F800000;
+  const int32_t e_field = a >> 23, mantissa = a & 0x7FFFFF;
+  const int32_t sig = e_field > 0 ? (mantissa | 0x800000) : mantissa;
+  const int32_t e_x = std::max(e_field, 1) - 127;
+  const int32_t t = f[T];
+  const int32_t e_t = std::max(e_x, f[EMIN]);
+  const int32_t D = (23 - t) + (e_t - e_x);
+  const int32_t Dc = std::min(D, 25);
+  int32_t r = sig >> Dc;
+  const int32_t one = 1 << Dc;
+  const int32_t rem = sig & (one - 1);
+
+  const int32_t rem2 = rem << 1;
+  const int32_t odd = (f.p_is_1 & (r != 0) & (((e_t + f[BIAS]) & 1) == 1)) | ((f.p_is_1 ^ 1) & ((r & 1) == 1));
+  const int32_t nearest_even = (rem2 > one) | ((rem2 == one) & odd);
+  int32_t away;
+  switch (M) {
+    case RNE: away = nearest_even; break;
+    case RNA: away = rem2 >= one; break;
+    case RTZ: away = 0; break;
+    case RUP: away = (rem != 0) & (negative ^ 1); break;
+    case RDN: away = (rem != 0) & negative; break;
+    case RTO: away = (rem != 0) & (odd ^ 1); break;
+    case NEAR_ZERO: {
+      const int32_t sr = few_bit_away<SRC>(rem, D, int32_t(n), f[BITS]);
+      away = (r == 0) & (nearest_even ^ 1) ? sr : nearest_even;
+      break;
+    }
+    case FRACTION: {
+      const int32_t sr = few_bit_away<SRC>(rem, D, int32_t(n), f[BITS]);
+      away = int32_t(s) < f[SELECT_BELOW] ? sr : nearest_even;
+      break;
+    }
+    default: away = few_bit_away<M>(rem, D, int32_t(n), f[BITS]);
+  }
+  r += int32_t(away);
+
+  const int32_t normal = ((e_t + 126) << 23) + (r << (23 - t));
+  const int32_t tiny = __builtin_bit_cast(int32_t, float(r) * f.tiny_scale);
+  int32_t mag = r >= (1 << t) ? normal : tiny;
+
+  const int32_t limit = negative ? f[MAX_NEG] : f[MAX];
+  const int32_t over = (mag > limit) | is_inf;
+  const int32_t directed = f.stop_always | (f.stop_negative & negative) | (f.stop_positive & (negative ^ 1));
+  const int32_t to_limit = over & (f.sat | ((is_inf ^ 1) & directed));
+  mag = over ? (negative ? f[BEYOND_NEG] : f[BEYOND_POS]) : mag;
+  mag = to_limit ? limit : mag;
+  const int32_t keep_sign = negative & (f.has_nz | (mag != 0));
+  mag = (f.has_zero ^ 1) & (mag == 0) ? f[SMALLEST_NORMAL] : mag;
+  const uint32_t out = keep_sign ? uint32_t(mag) | 0x80000000u : uint32_t(mag);
+  return is_nan ? NAN_BITS : out;
+}
+
+// magic.round_magic for one float32 bit pattern (RNE, or SRC with N = BITS): the float
+// adder rounds x to a multiple of ulp / 2^N; for SRC the N random bits are added to that
+// multiple's low bits, and a carry out of them rounds away. Only where magic_applies.
+template <bool SR>
+inline uint32_t magic_one(uint32_t x, uint32_t n, const Fmt& f) {
+  constexpr uint32_t SIGN = 0x80000000u;
+  const int32_t lo = (f[EMIN] + 127) << 23, hi = (f[EMAX] + 127) << 23;
+  uint32_t c = uint32_t(clampi(int32_t(x & 0x7F800000u), lo, hi));  // 2^e_t, e_t capped at emax
+  if (SR) c |= x & SIGN;
+  const float big = as_float(c) * f.magic_scale[SR];  // exact: a power of two times 1 or 1.5
+  float y = as_float(x) + big;
+  if (SR) y = as_float((__builtin_bit_cast(uint32_t, y) + n) & (0u - (1u << f[BITS])));
+  uint32_t out = __builtin_bit_cast(uint32_t, y - big);
+  out |= x & SIGN & (0u - uint32_t(f.has_nz));  // -0 where the subtraction gave +0
+  const uint32_t beyond = uint32_t(f.sat ? f[MAX] : f[BEYOND_POS]) | (x & SIGN);
+  out = as_float(out & ~SIGN) > f.max ? beyond : out;
+  return (x & ~SIGN) > 0x7F800000u ? NAN_BITS : out;
+}
+
+// codec.codes_of for one float32 bit pattern that is a value of the format.
+inline uint32_t code_of(uint32_t bits_in, const Fmt& f) {
+  const bool negative = int32_t(bits_in) < 0;
+  const uint32_t a = bits_in & 0x7FFFFFFFu;
+  const bool is_inf = a == 0x7F800000u, is_nan = a > 0x7F800000u;
+  const int32_t e_field = int32_t(a >> 23);
+  const uint32_t mantissa = a & 0x7FFFFFu;
+  const uint32_t sig = e_field > 0 ? (mantissa | 0x800000u) : mantissa;
+  const int32_t e_x = std::max(e_field, 1) - 127;
+  const int32_t t = f[T];
+  // Unsigned arithmetic: values beyond the format's range (refused by the caller) wrap
+  // instead of overflowing.
+  const uint32_t normal = (uint32_t(e_x - f[EMIN] + f[EXP_FIELD_OF_EMIN]) << t) + (sig >> (23 - t)) - (1u << t);
+  const uint32_t subnormal = sig >> clampi(f[MIN_ULP_EXP] + 23 - e_x, 0, 24);
+  uint32_t mag = (e_x >= f[EMIN]) & (sig >= 0x800000u) ? normal : subnormal;
+  if (f.flag(EXTENDED)) mag = is_inf ? uint32_t(f[CODE_OF_MAX]) + 1 : mag;
+  if (f.flag(HAS_NANS)) mag = is_nan ? uint32_t(f[CODE_OF_NAN]) : mag;
+  const int k = f[K];
+  if (f.flag(TWOS_COMPLEMENT)) return (negative ? 0u - mag : mag) & ((1u << k) - 1);
+  if (!f.flag(SIGNED)) return mag;
+  const bool keep_sign = f.flag(HAS_NZ) ? negative & !is_nan : negative & (mag != 0) & !is_nan;
+  return keep_sign ? mag | (1u << (k - 1)) : mag;
+}
+
+
+// What a call writes: values in the input's dtype, or codes.
+enum Output { VALUES, CODES_U8, CODES_I16, CODES_PACKED };
+// Besides the rounding modes: encode, which checks that x is a value of the format
+// (round to nearest leaves it unchanged) and writes its code.
+constexpr int ENCODE = FRACTION + 1;
+// magic_one's RNE and SRC, for the calls where magic.magic_applies.
+constexpr int MAGIC_RNE = ENCODE + 1, MAGIC_SRC = ENCODE + 2;
+
+struct Job {
+  const void* x;
+  Dtype dtype;
+  void* out;
+  Output output;
+  int64_t n, offset;
+  Fmt fmt;
+  const uint32_t* keys;  // k0, k1 of the bits stream, then those of the selection stream
+  const int32_t* given;  // random bits given per element (or null: drawn from keys)
+};
+
+inline bool stochastic(int mode) { return (mode >= SRFF && mode <= FRACTION) || mode == MAGIC_SRC; }
+
+// Elements offset .. offset + n lie in rows first_row .. ; each thread takes whole rows
+// and returns the position of its first element without a valid result (or -1).
+template <int MODE>
+int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
+  const Fmt f = job.fmt;  // a local copy: stores through the output pointers cannot change it
+  const int bits = f[BITS];
+  std::vector<Stream> streams;  // on the heap: each holds a row of words of both outputs
+  if (stochastic(MODE) && job.given == nullptr) {
+    streams.emplace_back(job.keys[0], job.keys[1], bits);
+    if (MODE == FRACTION) streams.emplace_back(job.keys[2], job.keys[3], 16);
+  }
+  alignas(64) uint32_t xbuf[LANES], nbuf[LANES], sbuf[LANES], rbuf[LANES];
+  const uint32_t mask = (1u << bits) - 1;
+  int64_t bad = -1;
+  for (int64_t row = row0; row < row1; ++row) {
+    const int64_t start = row * LANES;
+    const int h0 = int(std::max<int64_t>(job.offset - start, 0));
+    const int h1 = int(std::min<int64_t>(job.offset + job.n - start, LANES));
+    const int64_t pos0 = start - job.offset;  // position of lane 0 in x (may be negative)
+    const uint32_t* xs;
+    if (job.dtype == F32) {
+      xs = static_cast<const uint32_t*>(job.x) + pos0;
+    } else {
+      const uint16_t* x16 = static_cast<const uint16_t*>(job.x) + pos0;
+      if (job.dtype == BF16) {
+        for (int h = h0; h < h1; ++h) xbuf[h] = uint32_t(x16[h]) << 16;
+      } else {
+        for (int h = h0; h < h1; ++h) {
+          _Float16 v;
+          std::memcpy(&v, x16 + h, 2);
+          const float w = float(v);
+          std::memcpy(xbuf + h, &w, 4);
+        }
+      }
+      xs = xbuf;
+    }
+    if (stochastic(MODE)) {
+      if (job.given != nullptr) {
+        const int32_t* g = job.given + pos0;
+        for (int h = h0; h < h1; ++h) {
+          nbuf[h] = uint32_t(g[h]) & mask;
+          sbuf[h] = uint32_t(g[h]) >> bits;
+        }
+      } else {
+        streams[0].fields(row, h0, h1, nbuf);
+        if (MODE == FRACTION) streams[1].fields(row, h0, h1, sbuf);
+      }
+    }
+    uint32_t* rs = job.output == VALUES && job.dtype == F32 ? static_cast<uint32_t*>(job.out) + pos0 : rbuf;
+    if constexpr (MODE == ENCODE) {
+      for (int h = h0; h < h1; ++h) rs[h] = round_one<RNE>(xs[h], 0, 0, f);
+      for (int h = h0; h < h1 && bad < 0; ++h) {
+        const bool nan = (xs[h] & 0x7FFFFFFFu) > 0x7F800000u;
+        if (nan ? !f.has_nans : as_float(rs[h]) != as_float(xs[h])) bad = pos0 + h;
+      }
+    } else {
+      if constexpr (MODE == MAGIC_RNE || MODE == MAGIC_SRC) {
+        for (int h = h0; h < h1; ++h) rs[h] = magic_one<MODE == MAGIC_SRC>(xs[h], nbuf[h], f);
+      } else {
+        for (int h = h0; h < h1; ++h) rs[h] = round_one<Mode(MODE)>(xs[h], nbuf[h], sbuf[h], f);
+      }
+      if (!f.has_nans) {  // NaN marks an element without a valid result
+        bool any = false;
+        for (int h = h0; h < h1; ++h) any |= (rs[h] & 0x7FFFFFFFu) > 0x7F800000u;
+        for (int h = h0; any && h < h1 && bad < 0; ++h)
+          if ((rs[h] & 0x7FFFFFFFu) > 0x7F800000u) bad = pos0 + h;
+      }
+    }
+    switch (job.output) {
+      case VALUES:
+        if (job.dtype == BF16) {
+          uint16_t* o = static_cast<uint16_t*>(job.out) + pos0;
+          // Round to nearest even, as torch converts; NaN becomes 0xFFFF as in torch's vector
+          // conversion (its scalar one, used for the tail of a tensor, gives 0x7FC0).
+          for (int h = h0; h < h1; ++h) {
+            const uint32_t u = rs[h];
+            o[h] = (u & 0x7FFFFFFFu) > 0x7F800000u ? 0xFFFF : uint16_t((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
+          }
+        } else if (job.dtype == F16) {
+          uint16_t* o = static_cast<uint16_t*>(job.out) + pos0;
+          for (int h = h0; h < h1; ++h) {
+            const _Float16 v = _Float16(as_float(rs[h]));
+            std::memcpy(o + h, &v, 2);
+          }
+        }
+        break;
+      case CODES_U8: {
+        uint8_t* o = static_cast<uint8_t*>(job.out) + pos0;
+        for (int h = h0; h < h1; ++h) o[h] = uint8_t(code_of(rs[h], f));
+        break;
+      }
+      case CODES_I16: {
+        uint16_t* o = static_cast<uint16_t*>(job.out) + pos0;
+        for (int h = h0; h < h1; ++h) o[h] = uint16_t(code_of(rs[h], f));
+        break;
+      }
+      case CODES_PACKED: {  // offset and row starts are even: pairs lie within a row
+        uint8_t* o = static_cast<uint8_t*>(job.out) + pos0 / 2;
+        for (int h = h0 / 2; h < h1 / 2; ++h)
+          o[h] = uint8_t(code_of(rs[2 * h], f) | (code_of(rs[2 * h + 1], f) << 4));
+        break;
+      }
+    }
+  }
+  return bad;
+}
+
+using RowsFn = int64_t (*)(const Job&, int64_t, int64_t);
+constexpr RowsFn KERNELS[] = {
+  run_rows<RNE>, run_rows<RNA>, run_rows<RTZ>, run_rows<RUP>, run_rows<RDN>, run_rows<RTO>,
+  run_rows<SRFF>, run_rows<SRF>, run_rows<SRC>, run_rows<SRC_ODD>, run_rows<NEAR_ZERO>,
+  run_rows<FRACTION>, run_rows<ENCODE>, run_rows<MAGIC_RNE>, run_rows<MAGIC_SRC>,
+};
+
+// Fewer rows than this per thread cost more to start a thread for than they save.
+constexpr int64_t MIN_ROWS_PER_THREAD = 64;
+
+}  // namespace
+
+extern "C" {
+
+// Round (mode 0 .. FRACTION) or encode (mode ENCODE) x[0 .. n) of dtype into out, the
+// elements being offset .. offset + n of the random stream. Returns the first position
+// without a valid result, or -1.
+int64_t fewbit_round(const void* x, int dtype, void* out, int output, int64_t n, int64_t offset,
+                     const int32_t* params, int mode, const uint32_t* keys, const int32_t* given,
+                     int threads) {
+  if (n <= 0) return -1;
+  const Job job{x, Dtype(dtype), out, Output(output), n, offset, Fmt(params), keys, given};
+  const RowsFn kernel = KERNELS[mode];
+  const int64_t first = offset / LANES, end = (offset + n + LANES - 1) / LANES;
+  const int64_t rows = end - first;
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, rows / MIN_ROWS_PER_THREAD));
+  if (workers == 1) return kernel(job, first, end);
+  // OpenMP, not threads of our own: the process has loaded torch's libgomp, whose threads
+  // are already there (and may still be spinning after torch's last parallel op).
+  std::vector<int64_t> bad(workers, -1);
+#pragma omp parallel for num_threads(workers) schedule(static, 1)
+  for (int64_t w = 0; w < workers; ++w)
+    bad[w] = kernel(job, first + rows * w / workers, first + rows * (w + 1) / workers);
+  for (int64_t b : bad)
+    if (b >= 0) return b;  // workers hold rows in order: the first one found is the first
+  return -1;
+}
+
+}  // extern "C"

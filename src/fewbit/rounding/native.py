@@ -1,0 +1,212 @@
+"""fewbit's CPU kernel (``native.cpp``): rounding, and rounding to codes, in one pass
+over memory with the random bits drawn inside.
+
+Inductor's C++ loops did not overlap Threefry with the memory traffic, and every
+16-bit input took three passes; this kernel is plain C++ without torch headers, built
+at first use with the system compiler (``c++``, about 5 s) into
+``fewbit.config``'s ``native_cache`` under a name that hashes the source, the flags,
+the compiler and the CPU, and loaded with ``ctypes`` (which releases the GIL).
+Where it cannot be built, or does not apply (float64 inputs, formats beyond float32's
+range, N > 30, a GPU), the torch kernels run instead: ``fast.round_fast`` compiled
+or eager, whose bits it reproduces (tests/test_native.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import struct
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..config import current
+from ..formats import FloatFormat
+from .checks import RoundSpec
+from .magic import magic_applies
+from .modes import MODES, SELECT_BITS, RoundMode
+
+__all__ = ["applies", "encode_into", "fits", "round_into", "usable"]
+
+SOURCE = Path(__file__).with_name("native.cpp")
+#: -fno-trapping-math lets the vectoriser compute both sides of a select (no float op here
+#: may trap, and no result depends on it); -ffp-contract=off keeps every float op single.
+#: -fopenmp: the library names libgomp.so.1, which the loader finds loaded already by torch.
+FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp", "-std=c++17",
+         "-shared", "-fPIC"]
+
+#: Kernel ids of native.cpp's ``Mode`` enum. Deterministic modes each have a predicate
+#: of their own; the stochastic ones are told apart by the mode table's tie rule and
+#: where they apply (``sr`` is ``src`` with N = D).
+_DETERMINISTIC = {RoundMode.RNE: 0, RoundMode.RNA: 1, RoundMode.RTZ: 2, RoundMode.RUP: 3,
+                  RoundMode.RDN: 4, RoundMode.RTO: 5}  # fmt: skip
+_STOCHASTIC = {("truncate", "everywhere"): 6, ("up", "everywhere"): 7, ("even", "everywhere"): 8,
+               ("odd", "everywhere"): 9, ("even", "near_zero"): 10,
+               ("even", "selected"): 11}  # fmt: skip
+_ENCODE, _MAGIC_RNE, _MAGIC_SRC = 12, 13, 14
+_STOPS_AT_MAX = {"nowhere": 0, "everywhere": 1, "negative": 2, "positive": 3}
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_VALUES, _CODES_U8, _CODES_I16, _CODES_PACKED = range(4)
+#: Few-bit SR sums d_N + n in int32.
+MAX_BITS = 30
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_failed = False
+
+
+def _bits32(value: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+def fits(fmt: FloatFormat) -> bool:
+    """Whether the kernel's float32 arithmetic covers ``fmt``: its values are float32
+    normals or subnormals, with float32's exponent decomposition."""
+    return fmt.t <= 23 and fmt.emin >= -126 and fmt.emax <= 127 and fmt.k <= 32
+
+
+def usable(x: torch.Tensor, fmt: FloatFormat) -> bool:
+    """Whether the configuration lets the kernel take ``x``, and it covers ``fmt``."""
+    config = current()
+    return config.compile and config.native and x.device.type == "cpu" and x.dtype in _DTYPES and fits(fmt)
+
+
+def applies(spec: RoundSpec, x: torch.Tensor, random_bits: torch.Tensor | None = None) -> bool:
+    """Whether :func:`round_into` takes this call."""
+    return (usable(x, spec.fmt) and (spec.bits is None or spec.bits <= MAX_BITS)
+            and (random_bits is None or random_bits.dtype == torch.int32))  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def _params(fmt: FloatFormat, mode: RoundMode, sat: bool, bits: int | None, select_below: int | None):
+    """native.cpp's ``Param`` array for a call."""
+    beyond_pos = _bits32(float("inf") if fmt.extended else float("nan"))
+    beyond_neg = beyond_pos if fmt.signed else _bits32(float("nan"))
+    flags = ((fmt.p == 1) | fmt.has_nz << 1 | fmt.has_zero << 2 | sat << 3 | fmt.has_nans << 4
+             | fmt.extended << 5 | fmt.signed << 6 | fmt.twos_complement << 7)  # fmt: skip
+    values = [
+        fmt.t, fmt.emin, fmt.bias, fmt.min_ulp_exponent, _bits32(fmt.max),
+        _bits32(fmt.max_negative_magnitude), beyond_pos, beyond_neg, _bits32(fmt.smallest_normal), flags,
+        _STOPS_AT_MAX[MODES[mode].stops_at_max], bits or 0, select_below or 0, fmt.k, fmt.code_of_max,
+        fmt.code_of_nan if fmt.has_nans else 0, 1 if fmt.has_subnormals else 0, fmt.emax,
+    ]  # fmt: skip
+    return (ctypes.c_int32 * len(values))(*values)
+
+
+def _mode_id(spec: RoundSpec) -> int:
+    """The kernel for a spec: magic.py's float-adder shortcut where it applies (every
+    input is rounded from float32 here), else fast.round_fast's predicate for the mode."""
+    if magic_applies(spec, torch.float32):
+        return _MAGIC_RNE if spec.mode is RoundMode.RNE else _MAGIC_SRC
+    info = MODES[spec.mode]
+    return _DETERMINISTIC[spec.mode] if not info.stochastic else _STOCHASTIC[(info.tie, info.where)]
+
+
+def round_into(
+    x: torch.Tensor, spec: RoundSpec, words: list[int] | None, random_bits: torch.Tensor | None,
+    out: torch.Tensor, offset: int = 0,
+) -> int | None:
+    """Round flat contiguous ``x`` into ``out`` (flat, contiguous, x's dtype), the bits
+    given (int32 ``random_bits``) or drawn with ``words`` (``compiled.stream_words``: Python
+    ints) for stream elements ``offset ..``. Returns the first position whose result is
+    not valid (a format without NaN: NaN input, or overflow without sat), else -1; None
+    when the kernel is unavailable (nothing written)."""
+    return _call(x, spec.fmt, spec.mode, spec, words, random_bits, out, _VALUES, offset)
+
+
+def encode_into(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor, packed: bool) -> int | None:
+    """Codes of flat contiguous ``x`` (float32 or 16-bit) in ``fmt`` into ``out`` (uint8
+    or int16, or packed pairs in uint8). Returns the first position that holds no value
+    of fmt, else -1; None when the kernel is unavailable."""
+    return _call(x, fmt, None, None, None, None, out, _output(fmt, packed), 0)
+
+
+def _output(fmt: FloatFormat, packed: bool) -> int:
+    return _CODES_PACKED if packed else _CODES_U8 if fmt.k <= 8 else _CODES_I16
+
+
+def _call(x, fmt, mode, spec, words, random_bits, out, output, offset) -> int | None:
+    library = _load()
+    if library is None:
+        return None
+    if mode is None:  # encode: round to nearest, never saturating, must leave x unchanged
+        params, mode_id = _params(fmt, RoundMode.RNE, False, None, None), _ENCODE
+    else:
+        params, mode_id = _params(fmt, mode, spec.sat, spec.bits, spec.select_below), _mode_id(spec)
+    keys = (ctypes.c_uint32 * 4)(*(words or ()))
+    given = None if random_bits is None else random_bits.data_ptr()
+    return library.fewbit_round(x.data_ptr(), _DTYPES[x.dtype], out.data_ptr(), output, x.numel(), offset,
+                                params, mode_id, keys, given, torch.get_num_threads())
+
+
+def _load() -> ctypes.CDLL | None:
+    """The built kernel, building it at first use; None (with one warning) when that fails."""
+    global _library, _failed
+    if _library is not None or _failed:
+        return _library
+    with _lock:
+        if _library is None and not _failed:
+            try:
+                _library = _open(_build())
+            except (OSError, subprocess.CalledProcessError) as err:
+                _failed = True
+                detail = getattr(err, "stderr", None) or err
+                warnings.warn(f"fewbit: the native CPU kernel could not be built ({detail!s:.300}); "
+                              "torch kernels run instead (same bits, slower)", RuntimeWarning, stacklevel=4)
+    return _library
+
+
+def _build() -> Path:
+    """Path of the shared library, compiled into the cache unless it is there already."""
+    compiler = shutil.which("c++")
+    if compiler is None:
+        raise OSError("no C++ compiler (c++) on PATH")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    tag = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu()]).encode()).hexdigest()[:16]
+    cache = Path(current().native_cache)
+    target = cache / f"native-{tag}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    # Built beside its final name and moved there in one step: processes building at the
+    # same time (test workers) each load a whole file.
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True,
+                       check=True)  # fmt: skip
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+def _cpu() -> str:
+    """What ``-march=native`` depends on: a library built for one CPU may not run on another."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), platform.processor())
+    except OSError:
+        return platform.processor()
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    library = ctypes.CDLL(str(path))
+    library.fewbit_round.restype = ctypes.c_int64
+    library.fewbit_round.argtypes = [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+    ]
+    return library
+
+
+assert SELECT_BITS == 16, "native.cpp draws the selection stream's fields 16 bits wide"

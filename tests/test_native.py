@@ -1,0 +1,166 @@
+"""The native CPU kernel (rounding/native.cpp) against the torch kernels it stands in for:
+the same bits for every mode, format family, input dtype, range rule and random stream,
+and the same errors; encode the same codes. The eager torch path (``compile=False``) is
+the yardstick: tests/test_rounding.py and tests/test_gfloat_oracle.py hold it to the
+reference and to gfloat."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fewbit
+from fewbit.config import configure
+from fewbit.random import Key, random_bits
+from fewbit.rounding import native
+from fewbit.rounding.checks import make_spec
+from fewbit.rounding.compiled import stream_words
+from fewbit.rounding.modes import RoundMode
+
+pytestmark = pytest.mark.skipif(native._load() is None, reason="no C++ compiler to build the native kernel")
+
+# One of each kind the kernel treats differently: P3109 (P = 1 and P > 1, signed, unsigned
+# extended/finite), OCP (NaN-only, no Inf/NaN, two's complement), IEEE-like 16-bit ones.
+FORMATS = ["binary8p4", "binary8p1", "p3109_k8p3ue", "p3109_k6p2uf", "p3109_k8p5sf", "ocp_e4m3",
+           "ocp_e5m2", "ocp_e2m1", "ocp_e3m2", "ocp_int8", "bfloat16", "binary16"]
+MODE_ARGS = {"rne": {}, "rna": {}, "rtz": {}, "rup": {}, "rdn": {}, "rto": {}, "sr": {"seed": 5},
+             "srff": {"bits": 4, "seed": 2}, "srf": {"bits": 2, "seed": 3}, "src": {"bits": 3, "seed": 4},
+             "src_odd": {"bits": 5, "seed": 6}, "sr_near_zero": {"seed": 7},
+             "sr_fraction": {"seed": 8, "fraction": 0.3}}  # fmt: skip
+
+
+def every_bfloat16(dtype: torch.dtype) -> torch.Tensor:
+    """Every bfloat16 bit pattern (every exponent, both signs, Inf and NaN), in ``dtype``;
+    for float32 with random low bits below each, so that every rounding decision occurs."""
+    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    if dtype == torch.float32:
+        gen = torch.Generator().manual_seed(0)
+        low = torch.randint(0, 1 << 16, x.shape, generator=gen, dtype=torch.int32)
+        bits = x.float().view(torch.int32)
+        finite = (bits & 0x7F800000) != 0x7F800000
+        return torch.where(finite, bits | low, bits).view(torch.float32)
+    return x.to(dtype)  # float16: overflows to Inf, underflows to 0, the rest rounded
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    width = {4: torch.int32, 2: torch.int16}[a.element_size()]
+    return torch.equal(a.view(width), b.view(width))
+
+
+def eager_and_native(fn):
+    with configure(compile=False):
+        try:
+            expected = fn()
+        except ValueError as err:
+            expected = str(err)
+    try:
+        got = fn()
+    except ValueError as err:
+        got = str(err)
+    return expected, got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", list(MODE_ARGS))
+def test_every_format_and_input_same_bits_as_torch(mode, dtype):
+    x = every_bfloat16(dtype)
+    checked = 0
+    for name in FORMATS:
+        fmt = fewbit.format(name)
+        if not fewbit.rounding.dtype_format(dtype).contains(fmt):
+            continue
+        assert native.fits(fmt)
+        for sat in (False, True):
+            expected, got = eager_and_native(lambda: fewbit.round(x, fmt, mode, sat=sat, **MODE_ARGS[mode]))
+            if isinstance(expected, str):  # formats without NaN refuse NaN inputs
+                assert got == expected
+                finite = x[~torch.isnan(x)]
+                expected, got = eager_and_native(lambda: fewbit.round(finite, fmt, mode, sat=True,
+                                                                      **MODE_ARGS[mode]))  # fmt: skip
+            assert not isinstance(expected, str), expected
+            assert same_bits(got, expected), f"{mode} {name} {dtype} sat={sat}"
+            checked += 1
+    assert checked >= 12  # every dtype rounds into most of FORMATS
+
+
+@pytest.mark.parametrize("mode", ["src", "sr_fraction", "srff"])
+def test_given_bits_same_as_torch(mode):
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(1)) * 4
+    kw = {k: v for k, v in MODE_ARGS[mode].items() if k != "seed"}
+    if mode == "sr_fraction":
+        kw["bits"] = 8  # with the 16 selection bits, int32 holds them
+    fmt = fewbit.format("ocp_e4m3")
+    spec = make_spec(x.dtype, fmt, RoundMode(mode), True, kw.get("bits"), kw.get("fraction"))
+    gen = torch.Generator().manual_seed(2)
+    rb = torch.randint(0, spec.random_range, x.shape, generator=gen, dtype=torch.int32)
+    expected, got = eager_and_native(lambda: fewbit.round(x, "ocp_e4m3", mode, random_bits=rb, **kw))
+    assert same_bits(got, expected)
+
+
+@pytest.mark.parametrize("bits", [3, 16, 20])
+def test_any_offset_and_thread_count_draws_the_streams_bits(bits):
+    """Elements offset .. offset + n get the stream's bits of their indices (fewbit.random,
+    fed as given bits), far out too (block counters past 2^32), with 1 or 2 threads."""
+    fmt = fewbit.format("binary8p4")
+    spec = make_spec(torch.float32, fmt, RoundMode.SRC, True, bits, None)
+    key = Key(11, 12)
+    x = torch.randn(70_000, generator=torch.Generator().manual_seed(3))
+    for offset in (0, 333, 512 * 2 * (32 // bits) * (1 << 23) + 5):  # the last: block 2^32 onwards
+        given = random_bits(x.shape, bits, key, offset=offset)
+        expected = fewbit.round(x, fmt, "src", bits=bits, random_bits=given, sat=True)
+        for threads in (1, 2):
+            out = torch.empty_like(x)
+            before = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                assert native.round_into(x, spec, stream_words(spec, key), None, out, offset) == -1
+            finally:
+                torch.set_num_threads(before)
+            assert same_bits(out, expected), (offset, threads)
+
+
+def test_first_invalid_element_is_reported_and_nothing_reaches_out():
+    x = torch.linspace(-6, 6, 3000)  # within ocp_e2m1's range
+    x[2500] = 100.0  # beyond ocp_e2m1's range, which has no Inf or NaN
+    out = torch.full_like(x, 7.0)
+    with pytest.raises(ValueError, match="use sat=True"):
+        fewbit.round(x, "ocp_e2m1", out=out)
+    assert bool((out == 7.0).all())
+    spec = make_spec(x.dtype, fewbit.format("ocp_e2m1"), RoundMode.RNE, False, None, None)
+    assert native.round_into(x, spec, None, None, torch.empty_like(x)) == 2500
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["binary8p4", "ocp_e4m3", "ocp_e2m1", "ocp_int8", "p3109_k8p3ue",
+                                  "bfloat16"])
+def test_encode_same_codes_and_errors_as_torch(name, dtype):
+    fmt = fewbit.format(name)
+    if not fewbit.rounding.dtype_format(dtype).contains(fmt):
+        pytest.skip(f"{dtype} cannot hold {name}")
+    values = torch.tensor(fmt.values(), dtype=torch.float64).to(dtype)  # every value, NaN and Inf too
+    for packed in (False, True) if fmt.k <= 4 else (False,):
+        expected, got = eager_and_native(lambda: fewbit.encode(values, fmt, packed=packed))
+        assert torch.equal(got, expected)
+    if fmt.contains(fewbit.rounding.dtype_format(dtype)):
+        return  # every value of dtype is one of fmt
+    off = values.clone()
+    off[-3] = 0.3  # a value of none of these formats, nor its rounding to a 16-bit dtype
+    expected, got = eager_and_native(lambda: fewbit.encode(off, fmt))
+    assert isinstance(expected, str) and got == expected
+
+
+def test_build_failure_warns_and_falls_back(monkeypatch, tmp_path):
+    """A kernel that cannot be built leaves the torch kernels running, with one warning."""
+    broken = tmp_path / "native.cpp"
+    broken.write_text("this is not C++")
+    monkeypatch.setattr(native, "SOURCE", broken)
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_failed", False)
+    x = torch.randn(1000)
+    with configure(compile=False):
+        expected = fewbit.round(x, "binary8p4", "src", bits=3, seed=1)
+    with pytest.warns(RuntimeWarning, match="native CPU kernel could not be built"):
+        got = fewbit.round(x, "binary8p4", "src", bits=3, seed=1)
+    assert same_bits(got, expected)
+    assert native._failed
