@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 import fewbit
 from fewbit.experiments.replicas import launch
@@ -14,6 +15,7 @@ from fewbit.random import Key, random_bits
 
 STEPS, SAVE_AT, EVERY = 50, 25, 5
 HSDP_STEPS = 20
+MX = ShardedRun(steps=STEPS, until=10, hash_every=EVERY, fmt="mxfp8_e4m3")
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +43,8 @@ def runs(tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
         },
         2: {
             "layouts": LayoutProbe(),
+            "mx shard0": MX,
+            "mx shard1": ShardedRun(steps=STEPS, until=1, fmt="mxfp8_e4m3", placement=1),
             "shard1": ShardedRun(steps=STEPS, hash_every=EVERY, placement=1),
             "resumed": ShardedRun(steps=STEPS, hash_every=EVERY, checkpoint_dir=ckpt, resume=True),
             "codes": ShardedRun(steps=STEPS, until=10, hash_every=EVERY, store_codes=True),
@@ -133,6 +137,23 @@ def test_fake_quantize_refuses_dtensor_activations(runs):
     indices of the local piece."""
     for r in runs[2]["layouts"] + runs[4]["layouts"]:
         assert r["fake_quantize"] is not None and "does not fake-quantise DTensor" in r["fake_quantize"]
+
+
+def test_block_formats_on_fsdp_weights_whole_blocks_equal_one_process_straddling_refused(runs):
+    """mxfp8 weights under FSDP2: Shard(0) pieces hold whole blocks (of 32 along the last
+    dimension) and train bit-identically to one process; Shard(1) cuts the 32-wide rows
+    at 16, a block across two ranks, and every rank refuses it naming the weight."""
+    with fewbit.configure(compile=False):
+        single = train_single(MX)
+    for r in runs[2]["mx shard0"]:
+        assert r["hashes"] == single["hashes"]
+    weights = runs[2]["mx shard0"][0]["weights"]
+    assert_bits_equal(weights, single["weights"])
+    w = weights["tok.weight"]  # the written-back weights are mx values: rounding keeps them
+    assert torch.equal(fewbit.block.round(w, "mxfp8_e4m3"), w)
+    for r in runs[2]["mx shard1"]:
+        assert r["error"].startswith("tok.weight: mxfp8_e4m3 on a sharded tensor: blocks of 32 along dim 1 "
+                                     "(of 32) would straddle ranks")  # fmt: skip
 
 
 def test_store_codes_keeps_codes_of_the_local_piece_only(single, runs):
