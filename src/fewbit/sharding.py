@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,8 +30,8 @@ from .rounding.compiled import index_bits, range_bits, stream_words
 
 __all__ = [
     "PairwiseReduceScatter", "ShardLayout", "check_whole_blocks", "global_amax", "global_bits", "is_dtensor",
-    "layout", "local_tensor", "pairwise_sum", "piece_key", "piece_randomness",
-    "placement_offsets", "replica_count", "torch_offsets",
+    "layout", "local_tensor", "map_piece", "pairwise_sum", "piece_key", "piece_randomness",
+    "placement_offsets", "replica_count", "replica_rank", "torch_offsets",
 ]  # fmt: skip
 
 
@@ -235,6 +236,35 @@ def check_whole_blocks(t: torch.Tensor, fmt, axis: int | None = None, name: str 
             f"straddle ranks, cut at {straddled[:4]} by placements {t.placements}; shard another dimension "
             f"or give each rank a multiple of {block} elements along dim {d}"
         )
+
+
+def replica_rank(t: torch.Tensor) -> int | None:
+    """The rank that a DIFFERING key folds in for ``t`` (seed 000): None for a plain
+    tensor (the process's own rank). For a DTensor, the lowest global rank of its mesh:
+    every rank of the mesh holds a piece of this one tensor and must draw its bits, while
+    data-parallel replicas hold other tensors on other meshes, with other lowest ranks."""
+    if not is_dtensor(t):
+        return None
+    return int(t.device_mesh.mesh.min())
+
+
+def map_piece(t: torch.Tensor, fn: Callable[[torch.Tensor, ShardLayout], torch.Tensor]) -> torch.Tensor:
+    """``fn(piece, where)`` on this rank's piece of ``t`` and where it lies, as a tensor laid
+    out as ``t``; ``fn(t, whole)`` for a plain tensor. ``fn`` must keep the piece's shape
+    and act elementwise by global index (a rounding with :func:`piece_randomness`).
+
+    Partial placements are reduced first (to Replicate, a collective): their pieces are
+    addends, and a rounding of the addends is not a rounding of their sum.
+    """
+    if not is_dtensor(t):
+        return fn(t, layout(t))
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if any(p.is_partial() for p in t.placements):
+        t = t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])
+    out = fn(t.to_local(), layout(t))
+    return DTensor.from_local(out, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                              stride=t.stride())  # fmt: skip
 
 
 def global_amax(t: torch.Tensor) -> float:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..nn import Quant, fake_quantize
+from ..nn import Quant
 from ..optim import LowPrecisionWeights
 from ..random import Key
 from ..replicas import ReplicaDriftError, check_in_sync, drift_report
@@ -287,12 +287,75 @@ def probe_layouts(rank: int, world_size: int, cfg: LayoutProbe) -> dict:
                     "torch": torch_offsets(dt), "fallback": placement_offsets(dt),
                     "bits": global_bits(spec, words, piece, "cpu").reshape(-1).numpy(),
                 })  # fmt: skip
-    try:  # not supported yet: must be refused, not rounded by local index
-        fake_quantize(dt, Quant("binary8p4", "src", bits=cfg.bits), seed=cfg.seed)
-        refused = None
-    except TypeError as err:
-        refused = str(err)
-    return {"cases": cases, "fake_quantize": refused, "weights": {}}
+    return {"cases": cases, "weights": {}}
+
+
+@dataclass(frozen=True)
+class TensorParallelProbe:
+    """Fake quantisation of DTensor activations (tensor parallelism), for tests (``run``):
+    ``FakeQuantize(q, q, seed)`` on a tensor drawn from ``data_seed``, for each layout of
+    :data:`TP_CASES`, then the backward pass of a gradient drawn alike. Each rank
+    returns the full output and input gradient (gathered) per case, or the error."""
+
+    fmt: str = "binary8p4"
+    mode: str = "src"
+    bits: int = 3
+    seed: int = 5
+    data_seed: int = 1
+    shape: tuple[int, int] = (6, 10)
+
+
+#: name -> (mesh, format, shape or None for the probe's, x's placement, the gradient's):
+#: "tp" is one mesh of every rank (their pieces make one tensor); "dp x tp" a (2, W / 2)
+#: mesh whose rows are data-parallel replicas, each holding its own tensor on its "tp"
+#: row. A Partial gradient is the ranks' equal shares of it.
+TP_CASES = {
+    "shard0": ("tp", None, None, "S0", "S0"),
+    "shard1, gradient replicated": ("tp", None, None, "S1", "R"),
+    "replicated, gradient partial": ("tp", None, None, "R", "P"),
+    "replicated": ("tp", None, None, "R", "R"),
+    "data-parallel replicas": ("dp x tp", None, None, "S1", "S1"),
+    "mx blocks, shard0": ("tp", "mxfp8_e4m3", (4, 64), "S0", "S0"),
+    "mx blocks cut at 32, shard1": ("tp", "mxfp8_e4m3", (4, 64), "S1", "S1"),
+    "mx blocks straddling ranks": ("tp", "mxfp8_e4m3", (4, 32), "S1", "S1"),
+}
+
+
+def tp_data(cfg: TensorParallelProbe, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The probe's input and gradient of ``shape`` (the same in every process)."""
+    g = torch.Generator().manual_seed(cfg.data_seed)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+def probe_tensor_parallel(rank: int, world_size: int, cfg: TensorParallelProbe) -> dict:
+    """Each case of :data:`TP_CASES` on this rank (see :class:`TensorParallelProbe`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from ..nn import FakeQuantize
+
+    meshes = {"tp": init_device_mesh("cpu", (world_size,)),
+              "dp x tp": init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "tp"))["tp"]}
+    placement = {"S0": Shard(0), "S1": Shard(1), "R": Replicate(), "P": Partial()}
+    out = {}
+    for name, (mesh_name, fmt, shape, x_at, grad_at) in TP_CASES.items():
+        mesh = meshes[mesh_name]
+        x_full, g_full = tp_data(cfg, shape or cfg.shape)
+        q = Quant(fmt or cfg.fmt, cfg.mode, bits=cfg.bits)
+        x = distribute_tensor(x_full, mesh, [placement[x_at]]).requires_grad_()
+        if grad_at == "P":  # halves: exact, and their sum is the gradient
+            grad = DTensor.from_local(g_full / mesh.size(), mesh, [Partial()], run_check=False)
+        else:
+            grad = distribute_tensor(g_full, mesh, [placement[grad_at]])
+        try:
+            y = FakeQuantize(q, q, seed=cfg.seed)(x)
+        except ValueError as err:  # a layout fewbit refuses (alike on every rank)
+            out[name] = {"error": str(err)}
+            continue
+        y.backward(grad)
+        out[name] = {"y": y.detach().full_tensor().numpy(), "grad": x.grad.full_tensor().numpy(),
+                     "placements": (str(y.placements), str(x.grad.placements))}  # fmt: skip
+    return {"cases": out, "weights": {}}
 
 
 def _placements(mesh_dims: int, tensor_dims: int, shard, replicate) -> list[tuple]:
@@ -306,4 +369,6 @@ def run(rank: int, world_size: int, cfg) -> dict:
     """What ``launch`` runs on each rank: a training run or a layout probe."""
     if isinstance(cfg, LayoutProbe):
         return probe_layouts(rank, world_size, cfg)
+    if isinstance(cfg, TensorParallelProbe):
+        return probe_tensor_parallel(rank, world_size, cfg)
     return train_sharded(rank, world_size, cfg)
