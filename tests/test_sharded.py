@@ -4,6 +4,8 @@ saved on 4 ranks and resumed on 2; the pieces' global indices and bits; the sync
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -26,6 +28,7 @@ from fewbit.replicas import replica_key
 STEPS, SAVE_AT, EVERY = 50, 25, 5
 HSDP_STEPS = 20
 MX = ShardedRun(steps=STEPS, until=10, hash_every=EVERY, fmt="mxfp8_e4m3")
+SCALIFIED = ShardedRun(steps=STEPS, until=20, hash_every=EVERY, params="scalified")
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +41,12 @@ def single() -> dict:
 
 
 @pytest.fixture(scope="module")
+def scalified_single() -> dict:
+    """The scalified run in this process."""
+    return train_single(SCALIFIED)
+
+
+@pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
     """Scenario -> per-rank results, for 4 ranks, then 2 (which resume the 4 ranks'
     checkpoint). Each world size starts its processes once."""
@@ -46,6 +55,7 @@ def runs(tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
         4: {
             "layouts": LayoutProbe(),
             "tensor parallel": TensorParallelProbe(),
+            "scalified": SCALIFIED,
             "shard0": ShardedRun(steps=STEPS, hash_every=EVERY, save_at=SAVE_AT, checkpoint_dir=ckpt),
             "guard without replicas": ShardedRun(steps=1, guard=True),
             "hsdp": ShardedRun(steps=STEPS, until=HSDP_STEPS, hash_every=EVERY, hsdp=True, guard=True),
@@ -57,6 +67,7 @@ def runs(tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
             "tensor parallel": TensorParallelProbe(),
             "mx shard0": MX,
             "mx shard1": ShardedRun(steps=STEPS, until=1, fmt="mxfp8_e4m3", placement=1),
+            "scalified": replace(SCALIFIED, placement=1),
             "shard1": ShardedRun(steps=STEPS, hash_every=EVERY, placement=1),
             "resumed": ShardedRun(steps=STEPS, hash_every=EVERY, checkpoint_dir=ckpt, resume=True),
             "codes": ShardedRun(steps=STEPS, until=10, hash_every=EVERY, store_codes=True),
@@ -221,3 +232,20 @@ def test_scale_takes_the_largest_magnitude_of_the_full_tensor(runs):
     assert single["hashes"] != plain  # the scale changed the rounding
     for r in runs[2]["scaled"]:
         assert r["hashes"] == single["hashes"]
+
+
+@pytest.mark.parametrize("nproc, placement", [(4, "Shard(0), uneven"), (2, "Shard(1)")])
+def test_scalified_model_under_fsdp2_equals_one_process_bit_for_bit(scalified_single, runs, nproc, placement):
+    """ScaledTensor parameters under FSDP2 (its all-gather extension points): the ranks
+    hold ScaledTensor pieces with the whole tensor's scale, and the full weights after
+    every check equal those of the same scalified model trained in one process (its
+    gradients ScaledTensors, summed pairwise) bit for bit. 30 embedding rows on 4 ranks
+    leave the last piece short: the padded all-gather."""
+    single = scalified_single
+    assert len(set(single["hashes"])) == len(single["hashes"])  # the weights moved
+    # scalify's power-of-two scales (RMS 1): not all 1, so a scale dropped on the way shows
+    assert single["scales"] and any(s != 1.0 for s in single["scales"].values())
+    for r in runs[nproc]["scalified"]:
+        assert r["scales"] == single["scales"]  # every piece a ScaledTensor, at the full tensor's scale
+        assert r["hashes"] == single["hashes"]
+    assert_bits_equal(runs[nproc]["scalified"][0]["weights"], single["weights"])
