@@ -268,6 +268,23 @@ def test_in_place_ops_keep_the_scale_and_zero_state_adopts():
         view.add_(1.0)
 
 
+@pytest.mark.parametrize("rows", [3, 4], ids=["even", "padded"])
+def test_new_zeros_is_a_buffer_at_the_scale_of_its_source(rows):
+    """A shard as FSDP2 builds it: ``x.new_zeros(padded)``, a copy of x's rows into a view
+    of it, then a view of the buffer. The buffer holds x's scale, so the copy lands in
+    the data and the later view reads x's values. (At the zero array's scale 0, a copy
+    into a view covering the buffer gave the view the scale and left the buffer at 0,
+    reading zeros; into a part of it, it was refused.)"""
+    x = as_scaled(X[:3], torch.tensor(2.0**-12))
+    buffer = x.new_zeros((rows, *X.shape[1:]))
+    assert torch.equal(buffer.dequantize(), torch.zeros(rows, *X.shape[1:]))
+    buffer.narrow(0, 0, 3).copy_(x)
+    shard = buffer.narrow(0, 0, 3)
+    assert torch.equal(shard.dequantize(), x.dequantize()) and torch.equal(shard.unscaled, X[:3])
+    channels = as_scaled(X[:3], torch.tensor([[0.5], [2.0], [1.0]]))  # per channel: the largest
+    assert float(channels.new_zeros(5).scale) == 2.0
+
+
 #: In-place updates as optimizers make them, f(dest, a, b), on scaled or plain tensors.
 UPDATES = {
     "add_": lambda d, a, b: d.add_(a, alpha=-0.3),

@@ -4,16 +4,31 @@ saved on 4 ranks and resumed on 2; the pieces' global indices and bits; the sync
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
+import torch
 
 import fewbit
 from fewbit.experiments.replicas import launch
-from fewbit.experiments.sharded import LayoutProbe, ShardedRun, run, train_single
-from fewbit.random import Key, random_bits
+from fewbit.experiments.sharded import (
+    TP_CASES,
+    LayoutProbe,
+    ShardedRun,
+    TensorParallelProbe,
+    run,
+    tp_data,
+    train_single,
+)  # fmt: skip
+from fewbit.nn import FakeQuantize, Quant, fake_quantize
+from fewbit.random import Key, fold_in, random_bits
+from fewbit.replicas import replica_key
 
 STEPS, SAVE_AT, EVERY = 50, 25, 5
 HSDP_STEPS = 20
+MX = ShardedRun(steps=STEPS, until=10, hash_every=EVERY, fmt="mxfp8_e4m3")
+SCALIFIED = ShardedRun(steps=STEPS, until=20, hash_every=EVERY, params="scalified")
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +41,12 @@ def single() -> dict:
 
 
 @pytest.fixture(scope="module")
+def scalified_single() -> dict:
+    """The scalified run in this process."""
+    return train_single(SCALIFIED)
+
+
+@pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
     """Scenario -> per-rank results, for 4 ranks, then 2 (which resume the 4 ranks'
     checkpoint). Each world size starts its processes once."""
@@ -33,6 +54,8 @@ def runs(tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
     plans = {
         4: {
             "layouts": LayoutProbe(),
+            "tensor parallel": TensorParallelProbe(),
+            "scalified": SCALIFIED,
             "shard0": ShardedRun(steps=STEPS, hash_every=EVERY, save_at=SAVE_AT, checkpoint_dir=ckpt),
             "guard without replicas": ShardedRun(steps=1, guard=True),
             "hsdp": ShardedRun(steps=STEPS, until=HSDP_STEPS, hash_every=EVERY, hsdp=True, guard=True),
@@ -41,6 +64,10 @@ def runs(tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
         },
         2: {
             "layouts": LayoutProbe(),
+            "tensor parallel": TensorParallelProbe(),
+            "mx shard0": MX,
+            "mx shard1": ShardedRun(steps=STEPS, until=1, fmt="mxfp8_e4m3", placement=1),
+            "scalified": replace(SCALIFIED, placement=1),
             "shard1": ShardedRun(steps=STEPS, hash_every=EVERY, placement=1),
             "resumed": ShardedRun(steps=STEPS, hash_every=EVERY, checkpoint_dir=ckpt, resume=True),
             "codes": ShardedRun(steps=STEPS, until=10, hash_every=EVERY, store_codes=True),
@@ -128,11 +155,64 @@ def test_pieces_take_the_indices_and_bits_of_the_full_tensor(runs, nproc):
         assert any(len(c["from_data"]) == 0 for r in ranks for c in r)
 
 
-def test_fake_quantize_refuses_dtensor_activations(runs):
-    """Tensor-parallel activations are not supported yet: refused, never rounded by the
-    indices of the local piece."""
-    for r in runs[2]["layouts"] + runs[4]["layouts"]:
-        assert r["fake_quantize"] is not None and "does not fake-quantise DTensor" in r["fake_quantize"]
+def one_process_fake_quantize(cfg: TensorParallelProbe, case: str, replica: int) -> tuple:
+    """Output and input gradient of the case's full tensor in this process (no
+    torch.distributed): FakeQuantize as is for replica 0, else with that replica's key."""
+    _, fmt, shape, _, _ = TP_CASES[case]
+    x, grad = tp_data(cfg, shape or cfg.shape)
+    x.requires_grad_()
+    q = Quant(fmt or cfg.fmt, cfg.mode, bits=cfg.bits)
+    if replica == 0:
+        y = FakeQuantize(q, q, seed=cfg.seed)(x)
+    else:  # seed 000's DIFFERING: call 0's key with the replica's rank folded in
+        y = fake_quantize(x, q, q, replica_key(fold_in(Key.from_seed(cfg.seed), 0), "differing", replica))
+    y.backward(grad)
+    return y.detach().numpy(), x.grad.numpy()
+
+
+#: Cases refused on W ranks: cuts inside blocks of 32 (32 columns on 2 or 4 ranks, 64 on 4).
+REFUSED = {2: {"mx blocks straddling ranks"},
+           4: {"mx blocks straddling ranks", "mx blocks cut at 32, shard1"}}
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_fake_quantize_of_dtensors_equals_one_process_forward_and_backward(runs, nproc):
+    """Tensor parallelism: each rank rounds its piece with the bits of the full tensor, so
+    the gathered output and gradient are one process's for every layout; ranks of one
+    mesh share a key, data-parallel replicas (the rows of a dp x tp mesh) do not."""
+    cfg = TensorParallelProbe()
+    results = [r["cases"] for r in runs[nproc]["tensor parallel"]]
+    for case, (mesh, *_, grad_at) in TP_CASES.items():
+        for rank, per_rank in enumerate(results):
+            got = per_rank[case]
+            if case in REFUSED[nproc]:
+                assert "would straddle ranks, cut at [" in got["error"], case
+                continue
+            replica = rank - rank % (nproc // 2) if mesh == "dp x tp" else 0  # the first rank of its row
+            y, grad = one_process_fake_quantize(cfg, case, replica)
+            assert_bits_equal({"y": got["y"], "grad": got["grad"]}, {"y": y, "grad": grad})
+            if grad_at == "P":  # a Partial gradient is summed before it is rounded
+                assert got["placements"][1] == "(Replicate(),)"
+    # Replicas differ from each other (and so, the test above, from one process's replica 0).
+    replicas = [r["data-parallel replicas"]["y"] for r in (results[0], results[-1])]
+    assert not np.array_equal(*replicas)
+
+
+def test_block_formats_on_fsdp_weights_whole_blocks_equal_one_process_straddling_refused(runs):
+    """mxfp8 weights under FSDP2: Shard(0) pieces hold whole blocks (of 32 along the last
+    dimension) and train bit-identically to one process; Shard(1) cuts the 32-wide rows
+    at 16, a block across two ranks, and every rank refuses it naming the weight."""
+    with fewbit.configure(compile=False):
+        single = train_single(MX)
+    for r in runs[2]["mx shard0"]:
+        assert r["hashes"] == single["hashes"]
+    weights = runs[2]["mx shard0"][0]["weights"]
+    assert_bits_equal(weights, single["weights"])
+    w = weights["tok.weight"]  # the written-back weights are mx values: rounding keeps them
+    assert torch.equal(fewbit.block.round(w, "mxfp8_e4m3"), w)
+    for r in runs[2]["mx shard1"]:
+        assert r["error"].startswith("tok.weight: mxfp8_e4m3 on a sharded tensor: blocks of 32 along dim 1 "
+                                     "(of 32) would straddle ranks")  # fmt: skip
 
 
 def test_store_codes_keeps_codes_of_the_local_piece_only(single, runs):
@@ -152,3 +232,20 @@ def test_scale_takes_the_largest_magnitude_of_the_full_tensor(runs):
     assert single["hashes"] != plain  # the scale changed the rounding
     for r in runs[2]["scaled"]:
         assert r["hashes"] == single["hashes"]
+
+
+@pytest.mark.parametrize("nproc, placement", [(4, "Shard(0), uneven"), (2, "Shard(1)")])
+def test_scalified_model_under_fsdp2_equals_one_process_bit_for_bit(scalified_single, runs, nproc, placement):
+    """ScaledTensor parameters under FSDP2 (its all-gather extension points): the ranks
+    hold ScaledTensor pieces with the whole tensor's scale, and the full weights after
+    every check equal those of the same scalified model trained in one process (its
+    gradients ScaledTensors, summed pairwise) bit for bit. 30 embedding rows on 4 ranks
+    leave the last piece short: the padded all-gather."""
+    single = scalified_single
+    assert len(set(single["hashes"])) == len(single["hashes"])  # the weights moved
+    # scalify's power-of-two scales (RMS 1): not all 1, so a scale dropped on the way shows
+    assert single["scales"] and any(s != 1.0 for s in single["scales"].values())
+    for r in runs[nproc]["scalified"]:
+        assert r["scales"] == single["scales"]  # every piece a ScaledTensor, at the full tensor's scale
+        assert r["hashes"] == single["hashes"]
+    assert_bits_equal(runs[nproc]["scalified"][0]["weights"], single["weights"])

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .block import BlockFormat, element_or_block, round_to
+from .block import BlockFormat, check_args, element_or_block, round_to
 from .formats import FloatFormat
 from .random import Key, as_key, fold_in, key_of
 from .replicas import SeedPolicy, replica_key
 from .rounding import RoundMode
 from .rounding.modes import parse_mode
-from .sharding import is_dtensor
+from .sharding import ShardLayout, check_whole_blocks, is_dtensor, map_piece, piece_randomness, replica_rank
 
 __all__ = ["FakeQuantize", "Quant", "fake_quantize", "quantize_outputs"]
 
@@ -57,12 +57,24 @@ class Quant:
                              "format")  # fmt: skip
 
     def __call__(self, x: torch.Tensor, key: Key | torch.Tensor | None) -> torch.Tensor:
+        """``x`` rounded; a DTensor piece by piece, each element with the bits of its index
+        in the full tensor (see :func:`fake_quantize`)."""
         if not self.mode.is_stochastic:
-            return round_to(x, self.fmt, self.mode, axis=self.axis, sat=self.sat)
-        if key is None:
+            key = None
+        elif key is None:
             raise ValueError(f"mode {self.mode.value!r} needs a seed")
-        return round_to(x, self.fmt, self.mode, axis=self.axis, sat=self.sat, bits=self.bits,
-                        fraction=self.fraction, seed=key)  # fmt: skip
+        if is_dtensor(x):
+            check_whole_blocks(x, self.fmt, self.axis, "fake_quantize")
+        return map_piece(x, lambda piece, where: self._round(piece, where, key))
+
+    def _round(self, x: torch.Tensor, where: ShardLayout, key: Key | torch.Tensor | None) -> torch.Tensor:
+        sr = {}
+        if key is not None:  # the spec only to draw a piece's bits: a whole tensor draws its own
+            spec = None if where.whole else check_args(x.dtype, self.fmt, self.mode, self.sat, self.bits,
+                                                       self.fraction)  # fmt: skip
+            sr = {"bits": self.bits, "fraction": self.fraction,
+                  **piece_randomness(spec, key, where, x.device)}  # fmt: skip
+        return round_to(x, self.fmt, self.mode, axis=self.axis, sat=self.sat, **sr)
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -87,14 +99,19 @@ def fake_quantize(
     """Round ``x`` with ``forward`` and its gradient with ``backward`` (None: unchanged).
 
     Stochastic roundings need ``seed`` (an int, a Key, or a seed or key tensor as
-    ``fewbit.round`` takes); the two directions draw from separate streams. DTensor
-    activations (tensor parallelism) are refused, not yet supported.
+    ``fewbit.round`` takes); the two directions draw from separate streams.
+
+    DTensors (tensor parallelism): each rank rounds its own piece with the bits its
+    elements have in the full tensor, forward and backward, so the full result is the one
+    a single process gets for the full tensor with the same seed, whatever the placements
+    (Shard along any dimension, Replicate: every rank holding a copy rounds it alike).
+    A Partial tensor, forward or in the gradient, is a sum of the ranks' addends, and a
+    rounding of the addends is not one of the sum: it is reduced first (an all-reduce,
+    the one the model would run later anyway) and comes out Replicate. Otherwise the
+    output and the gradient keep the placements they come with. A block format needs
+    whole blocks on every rank (``fewbit.sharding.check_whole_blocks``); the seed must be
+    the same on every rank of the mesh (:class:`FakeQuantize` sees to it).
     """
-    if is_dtensor(x):
-        # Each rank would round its piece with the bits of local indices, and DIFFERING would
-        # fold in ranks that hold pieces of one tensor: results would depend on the layout.
-        raise TypeError("fewbit.nn does not fake-quantise DTensor activations yet (tensor "
-                        "parallelism): bits by global index are only implemented for weights")  # fmt: skip
     if seed is not None:
         seed = key_of(seed, x.device) if isinstance(seed, torch.Tensor) else as_key(seed)
     return _StraightThrough.apply(x, forward, backward, seed)
@@ -103,7 +120,9 @@ def fake_quantize(
 class FakeQuantize(nn.Module):
     """:func:`fake_quantize` as a module with its own stream: call c uses ``fold_in(key, c)``,
     with the replica's rank folded in under the default DIFFERING policy (seed 000: forward
-    and backward rounding differ per replica)."""
+    and backward rounding differ per replica). For a DTensor the rank folded in is its
+    mesh's (``fewbit.sharding.replica_rank``): ranks holding pieces of one tensor draw
+    alike, data-parallel replicas (other meshes) differently."""
 
     def __init__(
         self,
@@ -122,7 +141,8 @@ class FakeQuantize(nn.Module):
         # Traced, the count stays a tensor (a new count is new data, not a new graph);
         # eager, Python ints derive the same key at a fraction of the cost.
         count = self.calls if torch.compiler.is_compiling() else int(self.calls)
-        key = replica_key(fold_in(self.key, count), self.policy)
+        # A DTensor's pieces are one tensor: its mesh folds in one rank for all of them.
+        key = replica_key(fold_in(self.key, count), self.policy, replica_rank(x))
         if self.training:
             self.calls += 1
         return fake_quantize(x, self.forward_quant, self.backward_quant, key)

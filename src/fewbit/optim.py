@@ -25,10 +25,18 @@ from .config import configure, current
 from .formats import FloatFormat
 from .random import Key, as_key, fold_in, key_tensor
 from .replicas import SeedPolicy, assert_identical_inputs, replica_key, world
-from .rounding import RoundMode, dtype_format, round
+from .rounding import RoundMode, dtype_format
 from .rounding.compiled import round_foreach_, stream_words
 from .rounding.modes import parse_mode
-from .sharding import global_amax, global_bits, is_dtensor, layout, local_tensor, replica_count
+from .sharding import (
+    check_whole_blocks,
+    global_amax,
+    is_dtensor,
+    layout,
+    local_tensor,
+    piece_randomness,
+    replica_count,
+)  # fmt: skip
 
 __all__ = ["LowPrecisionWeights"]
 
@@ -79,7 +87,10 @@ class LowPrecisionWeights:
     placement, uneven shards): each rank rounds its own piece with the bits of the
     elements' indices in the full tensor, so the full weights are those one process
     would hold; ``store_codes`` keeps codes of the local piece only, and ``scale`` takes
-    the largest magnitude of the full tensor.
+    the largest magnitude of the full tensor. A block format needs whole blocks on every
+    rank (the cuts along the block axis on multiples of the block size, as Shard(0) of
+    blocks along the last dimension gives) and no per-tensor scale (NVFP4): other layouts
+    are refused at construction, on every rank alike.
     """
 
     def __init__(
@@ -127,9 +138,9 @@ class LowPrecisionWeights:
             raise ValueError("guard=True has nothing to compare: every selected weight is sharded and "
                              "no two ranks hold the same piece (FSDP without replication); use HSDP "
                              "or drop guard")  # fmt: skip
-        if block and not all(at.whole for at in self._layouts):
-            # A rank's piece need not hold whole blocks, and a block's scale needs them all.
-            raise ValueError(f"{self.fmt.name}: block formats on sharded (DTensor) weights are not supported")
+        for name, p in zip(self.names, self.params, strict=True):
+            # A block's scale needs all its elements: a piece must hold whole blocks.
+            check_whole_blocks(p, self.fmt, name=name)
         # For a block format the element format is checked: a block's values are elements
         # times a power of two (float32's exponent range), or for NVFP4 a product that the
         # kernel rounds to the dtype anyway.
@@ -227,12 +238,8 @@ class LowPrecisionWeights:
         blocks = []
         for i in sorted(set(range(len(pieces))) - set(batched)):
             t, key, at = pieces[i], keys[i], self._layouts[i]
-            if not at.whole and key is not None and t.numel():  # element formats only
-                bits = global_bits(self.spec, stream_words(self.spec, key), at, t.device)
-                t.copy_(round(t.to(self.via), self.fmt, self.mode, sat=self.sat, bits=self.bits,
-                              random_bits=bits, **extra))  # fmt: skip
-                continue
-            sr = {"bits": self.bits, "seed": key, **extra} if key is not None and t.numel() else {}
+            random = piece_randomness(self.spec, key, at, t.device) if t.numel() else {}
+            sr = {"bits": self.bits, **random, **extra} if random else {}
             if block and self.store_codes:  # the codes of this very rounding (NVFP4's
                 # per-tensor scale would move if the rounded values were quantised again)
                 blocks.append(quantize(t.to(self.via), self.fmt, self.mode, sat=self.sat, **sr))
@@ -277,8 +284,8 @@ class LowPrecisionWeights:
         n = sum(at.numel for at in self._layouts)
         float_bytes = sum(at.numel * p.element_size()
                           for at, p in zip(self._layouts, self.params, strict=True))  # fmt: skip
-        if isinstance(self.fmt, BlockFormat):  # the shapes alone: quantised on the meta device
-            shapes = [torch.empty(p.shape, dtype=self.via, device="meta") for p in self.params]
+        if isinstance(self.fmt, BlockFormat):  # the pieces' shapes alone: quantised on the meta device
+            shapes = [torch.empty(at.local_shape, dtype=self.via, device="meta") for at in self._layouts]
             code_bytes = sum(quantize(t, self.fmt).nbytes for t in shapes)
         else:
             code_bytes = n * (1 if self.fmt.k <= 8 else 2)

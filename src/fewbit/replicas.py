@@ -106,10 +106,18 @@ def _digest(t: torch.Tensor) -> int:
     """A 63-bit hash of the raw bits (so -0 differs from 0 and NaN payloads count), the
     dtype and the shape; of this rank's piece of a DTensor."""
     t = local_tensor(t)
-    raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-    h = hashlib.blake2b(raw, digest_size=8)
+    h = hashlib.blake2b(_raw(t), digest_size=8)
     h.update(f"{t.dtype}{tuple(t.shape)}".encode())
     return int.from_bytes(h.digest(), "little") >> 1
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    # A wrapper subclass (a ScaledTensor: data and scale) by the tensors it holds, which
+    # torch's __tensor_flatten__ protocol names, and its other attributes.
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, context = t.__tensor_flatten__()
+        return b"".join(_raw(getattr(t, n)) for n in names) + repr(context).encode()
+    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 @dataclass

@@ -17,16 +17,21 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from .block import BlockFormat
+from .block.kernel import BlockSpec
+from .random import Key
 from .rounding.checks import RoundSpec
-from .rounding.compiled import index_bits, range_bits
+from .rounding.compiled import index_bits, range_bits, stream_words
 
 __all__ = [
-    "PairwiseReduceScatter", "ShardLayout", "global_amax", "global_bits", "is_dtensor", "layout",
-    "local_tensor", "pairwise_sum", "piece_key", "placement_offsets", "replica_count", "torch_offsets",
+    "PairwiseReduceScatter", "ShardLayout", "check_whole_blocks", "global_amax", "global_bits", "is_dtensor",
+    "layout", "local_tensor", "map_piece", "pairwise_sum", "piece_key", "piece_randomness",
+    "placement_offsets", "replica_count", "replica_rank", "torch_offsets",
 ]  # fmt: skip
 
 
@@ -168,6 +173,98 @@ def global_bits(spec: RoundSpec, words, piece: ShardLayout, device) -> torch.Ten
         else:
             flat = index_bits(spec, words, index)
     return flat.view(piece.local_shape)
+
+
+def piece_randomness(spec: RoundSpec | BlockSpec | None, key: Key | torch.Tensor | None,
+                     piece: ShardLayout, device) -> dict:  # fmt: skip
+    """The keyword arguments that make a rounding of a piece (``fewbit.round``,
+    ``fewbit.block.round_to``, ``quantize``) draw the bits its elements have in the full
+    tensor under ``key``: ``seed`` for a whole tensor, ``random_bits`` for a piece of one,
+    none for a deterministic rounding (key None). ``spec``: the rounding's (its N and
+    streams); not read for a whole tensor."""
+    if key is None:
+        return {}
+    if piece.whole:
+        return {"seed": key}
+    spec = spec.spec if isinstance(spec, BlockSpec) else spec  # a block's elements take the bits
+    return {"random_bits": global_bits(spec, stream_words(spec, key), piece, device)}
+
+
+def _cuts(size: int, splits: list[int]) -> set[int]:
+    """Where a dimension of ``size`` is cut when mesh dimensions of ``splits`` ranks shard
+    it in turn (``torch.chunk``'s split of each piece, as :func:`placement_offsets`)."""
+    pieces = [(0, size)]
+    for n in splits:
+        chunked = []
+        for a, b in pieces:
+            step = -(-(b - a) // n) or 1
+            chunked += [(min(a + k * step, b), min(a + (k + 1) * step, b)) for k in range(n)]
+        pieces = chunked
+    return {a for a, _ in pieces} | {b for _, b in pieces}
+
+
+def check_whole_blocks(t: torch.Tensor, fmt, axis: int | None = None, name: str = "tensor") -> None:
+    """Raise ValueError unless each rank's piece of ``t`` holds whole blocks of block
+    format ``fmt`` along its block ``axis`` (None: the format's), and so rounds alone to
+    what the full tensor's rounding gives there. The answer is the same on every rank (it
+    looks at every rank's cuts, not this rank's piece): all raise or none does.
+
+    A piece's blocks are whole when every cut along the axis falls on a multiple of the
+    block size (or at the end, whose last block is padded in the full tensor too). A
+    per-tensor scale (NVFP4) needs the whole tensor and is refused for any sharding.
+    """
+    if not isinstance(fmt, BlockFormat) or not is_dtensor(t):
+        return
+    from torch.distributed.tensor import Shard
+
+    if not any(p.is_shard() for p in t.placements):
+        return
+    if fmt.tensor_scale:
+        raise ValueError(f"{name}: {fmt.name}'s per-tensor scale comes from the whole tensor; a sharded "
+                         f"tensor ({t.placements}) is not supported in it")  # fmt: skip
+    d = (fmt.axis if axis is None else axis) % t.dim()
+    along = [(i, p) for i, p in enumerate(t.placements) if p.is_shard(d)]
+    if any(type(p) is not Shard for _, p in along):
+        raise ValueError(f"{name}: placements {t.placements} split the block axis {d} in a way fewbit does "
+                         f"not place blocks for")  # fmt: skip
+    size, block = t.shape[d], fmt.block_size
+    splits = [t.device_mesh.size(i) for i, _ in along]
+    straddled = sorted(c for c in _cuts(size, splits) if c % block and c != size)
+    if straddled:
+        raise ValueError(
+            f"{name}: {fmt.name} on a sharded tensor: blocks of {block} along dim {d} (of {size}) would "
+            f"straddle ranks, cut at {straddled[:4]} by placements {t.placements}; shard another dimension "
+            f"or give each rank a multiple of {block} elements along dim {d}"
+        )
+
+
+def replica_rank(t: torch.Tensor) -> int | None:
+    """The rank that a DIFFERING key folds in for ``t`` (seed 000): None for a plain
+    tensor (the process's own rank). For a DTensor, the lowest global rank of its mesh:
+    every rank of the mesh holds a piece of this one tensor and must draw its bits, while
+    data-parallel replicas hold other tensors on other meshes, with other lowest ranks."""
+    if not is_dtensor(t):
+        return None
+    return int(t.device_mesh.mesh.min())
+
+
+def map_piece(t: torch.Tensor, fn: Callable[[torch.Tensor, ShardLayout], torch.Tensor]) -> torch.Tensor:
+    """``fn(piece, where)`` on this rank's piece of ``t`` and where it lies, as a tensor laid
+    out as ``t``; ``fn(t, whole)`` for a plain tensor. ``fn`` must keep the piece's shape
+    and act elementwise by global index (a rounding with :func:`piece_randomness`).
+
+    Partial placements are reduced first (to Replicate, a collective): their pieces are
+    addends, and a rounding of the addends is not a rounding of their sum.
+    """
+    if not is_dtensor(t):
+        return fn(t, layout(t))
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if any(p.is_partial() for p in t.placements):
+        t = t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])
+    out = fn(t.to_local(), layout(t))
+    return DTensor.from_local(out, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                              stride=t.stride())  # fmt: skip
 
 
 def global_amax(t: torch.Tensor) -> float:

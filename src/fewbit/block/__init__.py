@@ -174,12 +174,14 @@ def round_to(
     bits: int | None = None,
     fraction: float | None = None,
     seed: int | Key | torch.Tensor | None = None,
+    random_bits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``fewbit.round`` for an element format, :func:`round` for a block format (``axis``:
     its block axis; refused for an element format). Straight-through gradient either way."""
     fmt = element_or_block(fmt)
+    sr = {"bits": bits, "fraction": fraction, "seed": seed, "random_bits": random_bits}
     if isinstance(fmt, BlockFormat):
-        return round(x, fmt, mode, axis=axis, sat=sat, bits=bits, fraction=fraction, seed=seed)
+        return round(x, fmt, mode, axis=axis, sat=sat, **sr)
     if axis is not None:
         raise ValueError(f"axis is the block axis of a block format; {fmt.name} is an element format")
-    return rounding.round(x, fmt, mode, sat=sat, bits=bits, fraction=fraction, seed=seed)
+    return rounding.round(x, fmt, mode, sat=sat, **sr)

@@ -24,17 +24,19 @@ from pathlib import Path
 
 import torch
 
-from ..nn import Quant, fake_quantize
+from ..nn import Quant
 from ..optim import LowPrecisionWeights
 from ..random import Key
 from ..replicas import ReplicaDriftError, check_in_sync, drift_report
 from ..rounding.checks import check_round_args
 from ..rounding.compiled import stream_words
+from ..scaled import ScaledTensor, scalify
 from ..sharding import (
     PairwiseReduceScatter,
     global_bits,
     is_dtensor,
     layout,
+    local_tensor,
     pairwise_sum,
     placement_offsets,
     torch_offsets,
@@ -60,6 +62,9 @@ class ShardedRun:
     guard: bool = False
     store_codes: bool = False  #: keep the weights as uint8 codes between steps
     scale: bool = False  #: LowPrecisionWeights(scale=True): power-of-two scale per tensor
+    #: "scalified": parameters as ScaledTensors (fewbit.scaled.scalify, float32 data) trained by
+    #: SGD with momentum (as fewbit.experiments.scaled_demo), no LowPrecisionWeights
+    params: str = "low-precision"
     micro_batches: int = 4
     hash_every: int = 1  #: record the hash of the full weights every this many steps
     data: str = "synthetic"  #: or the path of a prepared Shakespeare dataset
@@ -72,6 +77,8 @@ class ShardedRun:
     def __post_init__(self) -> None:
         if self.policy not in ("default", "differing-update"):
             raise ValueError(f"policy must be 'default' or 'differing-update', not {self.policy!r}")
+        if self.params not in ("low-precision", "scalified"):
+            raise ValueError(f"params must be 'low-precision' or 'scalified', not {self.params!r}")
         if self.micro_batches < 1 or self.micro_batches & (self.micro_batches - 1):
             raise ValueError(f"micro_batches must be a power of two, got {self.micro_batches}")
 
@@ -112,12 +119,14 @@ class Batches:
 
 
 def build(cfg: ShardedRun, vocab: int, world_size: int | None):
-    """Model, AdamW and LowPrecisionWeights; sharded with FSDP2 on ``world_size`` ranks
-    (None: one process, no torch.distributed)."""
+    """Model, AdamW and LowPrecisionWeights (or for scalified parameters, SGD); sharded
+    with FSDP2 on ``world_size`` ranks (None: one process, no torch.distributed)."""
     from torch.distributed.tensor import Shard
 
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig(vocab, cfg.block_size, TINY.n_layer, TINY.n_head, TINY.n_embd))
+    if cfg.params == "scalified":  # before sharding: FSDP2 shards the ScaledTensors
+        scalify(model)
     if world_size is not None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -131,6 +140,8 @@ def build(cfg: ShardedRun, vocab: int, world_size: int | None):
         model.set_custom_reduce_scatter(PairwiseReduceScatter())
         model.set_force_sum_reduction_for_comms(True)  # sums, then one exact division
         model.set_gradient_divide_factor(float(cfg.micro_batches))
+    if cfg.params == "scalified":
+        return model, torch.optim.SGD(model.parameters(), lr=TINY.lr, momentum=0.9)
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     others = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -147,8 +158,18 @@ def build(cfg: ShardedRun, vocab: int, world_size: int | None):
 
 
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter whole (a collective for sharded ones)."""
-    return {n: (p.full_tensor() if is_dtensor(p) else p).detach() for n, p in model.named_parameters()}
+    """Every parameter whole (a collective for sharded ones), a ScaledTensor as its value."""
+    return {n: _whole(p).detach() for n, p in model.named_parameters()}
+
+
+def _whole(p: torch.Tensor) -> torch.Tensor:
+    if not is_dtensor(p):
+        return p.dequantize() if isinstance(p, ScaledTensor) else p
+    from torch.distributed.tensor import DTensor
+
+    piece = DTensor.from_local(_whole(p.to_local()), p.device_mesh, p.placements, run_check=False,
+                               shape=p.shape, stride=p.stride())  # fmt: skip
+    return piece.full_tensor()
 
 
 def weights_hash(weights: dict[str, torch.Tensor]) -> str:
@@ -160,7 +181,7 @@ def weights_hash(weights: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _set_lr(weights: LowPrecisionWeights, step: int, steps: int) -> None:
+def _set_lr(weights: LowPrecisionWeights | torch.optim.Optimizer, step: int, steps: int) -> None:
     for group in weights.param_groups:
         group["lr"] = learning_rate(replace(TINY, iters=steps), step)
 
@@ -193,7 +214,8 @@ def _train_single(cfg: ShardedRun) -> dict:
         weights.step()
         if (step + 1) % cfg.hash_every == 0:
             hashes.append(weights_hash(full_weights(model)))
-    return {"hashes": hashes, "weights": {n: w.numpy().copy() for n, w in full_weights(model).items()}}
+    return {"hashes": hashes, "weights": {n: w.numpy().copy() for n, w in full_weights(model).items()},
+            "scales": scales(model)}  # fmt: skip
 
 
 def _checkpoint(model, weights) -> dict:
@@ -247,7 +269,19 @@ def train_sharded(rank: int, world_size: int, cfg: ShardedRun) -> dict:
     sync = check_in_sync(model)
     full = {n: w.numpy().copy() for n, w in full_weights(model).items()}
     return {"hashes": hashes, "log": log, "sync": (bool(sync), str(sync)), "codes": codes,
-            "weights": full if rank == 0 else {}, "seconds": time.perf_counter() - began}  # fmt: skip
+            "weights": full if rank == 0 else {}, "scales": scales(model),
+            "seconds": time.perf_counter() - began}  # fmt: skip
+
+
+def scales(model: torch.nn.Module) -> dict[str, float | None]:
+    """The scale of each parameter that this rank holds (a piece of) as a ScaledTensor:
+    a number for one scale, None for a per-channel one."""
+    found = {}
+    for n, p in model.named_parameters():
+        t = local_tensor(p)
+        if isinstance(t, ScaledTensor):
+            found[n] = float(t.scale) if t.scale.numel() == 1 else None
+    return found
 
 
 @dataclass(frozen=True)
@@ -287,12 +321,75 @@ def probe_layouts(rank: int, world_size: int, cfg: LayoutProbe) -> dict:
                     "torch": torch_offsets(dt), "fallback": placement_offsets(dt),
                     "bits": global_bits(spec, words, piece, "cpu").reshape(-1).numpy(),
                 })  # fmt: skip
-    try:  # not supported yet: must be refused, not rounded by local index
-        fake_quantize(dt, Quant("binary8p4", "src", bits=cfg.bits), seed=cfg.seed)
-        refused = None
-    except TypeError as err:
-        refused = str(err)
-    return {"cases": cases, "fake_quantize": refused, "weights": {}}
+    return {"cases": cases, "weights": {}}
+
+
+@dataclass(frozen=True)
+class TensorParallelProbe:
+    """Fake quantisation of DTensor activations (tensor parallelism), for tests (``run``):
+    ``FakeQuantize(q, q, seed)`` on a tensor drawn from ``data_seed``, for each layout of
+    :data:`TP_CASES`, then the backward pass of a gradient drawn alike. Each rank
+    returns the full output and input gradient (gathered) per case, or the error."""
+
+    fmt: str = "binary8p4"
+    mode: str = "src"
+    bits: int = 3
+    seed: int = 5
+    data_seed: int = 1
+    shape: tuple[int, int] = (6, 10)
+
+
+#: name -> (mesh, format, shape or None for the probe's, x's placement, the gradient's):
+#: "tp" is one mesh of every rank (their pieces make one tensor); "dp x tp" a (2, W / 2)
+#: mesh whose rows are data-parallel replicas, each holding its own tensor on its "tp"
+#: row. A Partial gradient is the ranks' equal shares of it.
+TP_CASES = {
+    "shard0": ("tp", None, None, "S0", "S0"),
+    "shard1, gradient replicated": ("tp", None, None, "S1", "R"),
+    "replicated, gradient partial": ("tp", None, None, "R", "P"),
+    "replicated": ("tp", None, None, "R", "R"),
+    "data-parallel replicas": ("dp x tp", None, None, "S1", "S1"),
+    "mx blocks, shard0": ("tp", "mxfp8_e4m3", (4, 64), "S0", "S0"),
+    "mx blocks cut at 32, shard1": ("tp", "mxfp8_e4m3", (4, 64), "S1", "S1"),
+    "mx blocks straddling ranks": ("tp", "mxfp8_e4m3", (4, 32), "S1", "S1"),
+}
+
+
+def tp_data(cfg: TensorParallelProbe, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The probe's input and gradient of ``shape`` (the same in every process)."""
+    g = torch.Generator().manual_seed(cfg.data_seed)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+def probe_tensor_parallel(rank: int, world_size: int, cfg: TensorParallelProbe) -> dict:
+    """Each case of :data:`TP_CASES` on this rank (see :class:`TensorParallelProbe`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from ..nn import FakeQuantize
+
+    meshes = {"tp": init_device_mesh("cpu", (world_size,)),
+              "dp x tp": init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "tp"))["tp"]}
+    placement = {"S0": Shard(0), "S1": Shard(1), "R": Replicate(), "P": Partial()}
+    out = {}
+    for name, (mesh_name, fmt, shape, x_at, grad_at) in TP_CASES.items():
+        mesh = meshes[mesh_name]
+        x_full, g_full = tp_data(cfg, shape or cfg.shape)
+        q = Quant(fmt or cfg.fmt, cfg.mode, bits=cfg.bits)
+        x = distribute_tensor(x_full, mesh, [placement[x_at]]).requires_grad_()
+        if grad_at == "P":  # halves: exact, and their sum is the gradient
+            grad = DTensor.from_local(g_full / mesh.size(), mesh, [Partial()], run_check=False)
+        else:
+            grad = distribute_tensor(g_full, mesh, [placement[grad_at]])
+        try:
+            y = FakeQuantize(q, q, seed=cfg.seed)(x)
+        except ValueError as err:  # a layout fewbit refuses (alike on every rank)
+            out[name] = {"error": str(err)}
+            continue
+        y.backward(grad)
+        out[name] = {"y": y.detach().full_tensor().numpy(), "grad": x.grad.full_tensor().numpy(),
+                     "placements": (str(y.placements), str(x.grad.placements))}  # fmt: skip
+    return {"cases": out, "weights": {}}
 
 
 def _placements(mesh_dims: int, tensor_dims: int, shard, replicate) -> list[tuple]:
@@ -306,4 +403,6 @@ def run(rank: int, world_size: int, cfg) -> dict:
     """What ``launch`` runs on each rank: a training run or a layout probe."""
     if isinstance(cfg, LayoutProbe):
         return probe_layouts(rank, world_size, cfg)
+    if isinstance(cfg, TensorParallelProbe):
+        return probe_tensor_parallel(rank, world_size, cfg)
     return train_sharded(rank, world_size, cfg)

@@ -111,11 +111,21 @@ def _factory(func, x, args, kwargs, fill_scale: float):
     return wrap(out, fill_scale) if out.is_floating_point() else out
 
 
-@rule(aten.zeros_like, aten.new_zeros, aten.zero)
+@rule(aten.zeros_like, aten.zero)
 def _zeros(func, x, *args, **kwargs):
     """Zeros: scale 0, the zero array (optimizer state starts here and takes the scale
     of the first value written into it)."""
     return _factory(func, x, args, kwargs, 0.0)
+
+
+@rule(aten.new_zeros)
+def _new_zeros(func, x, *args, **kwargs):
+    """A zero buffer of another shape: zeros at x's scale (one scale: a per-channel one's
+    largest), to be filled with x's pieces, as FSDP2 builds a shard: ``x.new_zeros(n)``,
+    then a copy into a view of it. A view made by a rule has its own scale, so a zero
+    array's scale, taken by the first write, would move in the view only."""
+    s = parts(x)[1]
+    return _factory(func, x, args, kwargs, s.amax() if isinstance(s, torch.Tensor) and s.dim() else s)
 
 
 @rule(aten.ones_like, aten.new_ones, aten.empty_like, aten.new_empty, aten.new_empty_strided,

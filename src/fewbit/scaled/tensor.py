@@ -111,6 +111,20 @@ class ScaledTensor(torch.Tensor):
         s = self._static if self._scale is None else self._scale
         return f"ScaledTensor(unscaled={self._data!r}, scale={s!r})"
 
+    # FSDP2's extension points (fewbit.scaled.fsdp): the pieces' data are gathered, the
+    # scale comes along as metadata. Imported on call: only FSDP2 calls them.
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """FSDP2 hook: what to all-gather of this piece (``fewbit.scaled.fsdp``)."""
+        from .fsdp import pre_all_gather
+
+        return pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        """FSDP2 hook: the unsharded parameter from the gathered data (``fewbit.scaled.fsdp``)."""
+        from .fsdp import post_all_gather
+
+        return post_all_gather(self, outputs, metadata, param_dtype, out=out)
+
     def __tensor_flatten__(self) -> tuple[list[str], tuple]:
         inner = ["_data"] if self._scale is None else ["_data", "_scale"]
         return inner, (self._static,)

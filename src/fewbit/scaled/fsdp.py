@@ -1,0 +1,71 @@
+"""ScaledTensor parameters under FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+FSDP2 keeps each rank's piece of a parameter and all-gathers the pieces before a
+module's forward and backward. A ScaledTensor's value is ``data * scale``: the pieces'
+data are gathered, and the scale, one per tensor, travels beside them. FSDP2 calls
+:func:`pre_all_gather` and :func:`post_all_gather` through the ScaledTensor methods of
+the same names (its tensor-subclass extension points); this module also gives its
+gradient copy-in (``fsdp::chunk_cat``) a rule.
+
+The scale of a sharded ScaledTensor is the whole tensor's, the same on every rank:
+FSDP2 cuts the pieces with views (which keep the scale) and rules derive a result's
+scale from the operands' scales, never from the data, so optimizer steps on the pieces
+keep the ranks' scales equal (the reduced gradients FSDP2 hands the optimizer are plain
+tensors, scale 1). A rescale computed from a piece's own data
+(``dynamic_rescale_`` on ``to_local()``) would break this: it is not supported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed.fsdp  # noqa: F401  (defines the fsdp:: ops named below)
+
+from .tensor import ScaledTensor, parts, rule, value
+
+__all__ = ["post_all_gather", "pre_all_gather"]
+
+
+def pre_all_gather(t: ScaledTensor, mesh, outer_size: torch.Size, outer_stride, module, mp_policy):
+    """The all-gather inputs of this rank's piece ``t``: its data (in the mixed-precision
+    ``param_dtype`` if one is set), and as metadata its scale."""
+    d, s = parts(t)
+    if isinstance(s, torch.Tensor) and s.dim():
+        raise NotImplementedError("FSDP2 of a ScaledTensor with a per-channel scale: its scale would "
+                                  "have to be sharded with the data; rebalance it to one scale first")
+    dtype = getattr(mp_policy, "param_dtype", None)
+    if dtype is not None and dtype != d.dtype:
+        d = d.to(dtype)
+    # FSDP2 pads dim 0 to ceil(n / ranks) on every rank and gathers the padded pieces
+    # (it shards other dims only evenly): a short piece goes out padded with zeros.
+    rows = -(-outer_size[0] // mesh.size()) if len(outer_size) else 0
+    if d.dim() and tuple(d.shape[1:]) == tuple(outer_size[1:]) and d.shape[0] != rows:
+        padded = d.new_zeros((rows, *d.shape[1:]))
+        padded[: d.shape[0]].copy_(d)
+        d = padded
+    return (d,), s
+
+
+def post_all_gather(t: ScaledTensor, outputs: tuple[torch.Tensor, ...], scale: Any, param_dtype,
+                    *, out: torch.Tensor | None = None):  # fmt: skip
+    """The unsharded parameter: the gathered data with the scale. FSDP2 passes ``out``
+    from the second all-gather on: the parameter it made the first time, whose data
+    already views the buffer it gathered into again; only its scale is set."""
+    (data,) = outputs
+    if out is not None:
+        local = out._local_tensor if hasattr(out, "_local_tensor") else out
+        if parts(local)[0].untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
+            raise RuntimeError("FSDP2 gathered a ScaledTensor's data into a buffer its unsharded "
+                               "parameter does not view")  # fmt: skip
+        local._scale, local._static = (scale, None) if isinstance(scale, torch.Tensor) else (None, scale)
+        return None
+    # Nothing to free beyond the gathered buffer, which FSDP2 frees itself.
+    return ScaledTensor._make(data, scale), ()
+
+
+@rule(torch.ops.fsdp.chunk_cat)
+def _chunk_cat(func, tensors, dim, num_chunks, *, out):
+    """FSDP2's gradient copy-in before the reduce-scatter: the values, rounded to the
+    buffer's dtype (exact for a power-of-two scale in range), into that plain buffer."""
+    return func([value(x, out.dtype) for x in tensors], dim, num_chunks, out=parts(out)[0])
