@@ -29,7 +29,7 @@ constexpr uint32_t NAN_BITS = 0x7FC00000;
 // Argument layout of the int32 parameter array (native.py writes it in this order).
 enum Param {
   T, EMIN, BIAS, MIN_ULP_EXP, MAX, MAX_NEG, BEYOND_POS, BEYOND_NEG, SMALLEST_NORMAL, FLAGS,
-  LIMIT_RULE, BITS, SELECT_BELOW, K, CODE_OF_MAX, CODE_OF_NAN, EXP_FIELD_OF_EMIN, EMAX, N_PARAMS
+  LIMIT_RULE, BITS, SELECT_BELOW, K, CODE_OF_MAX, CODE_OF_NAN, EMAX, N_PARAMS
 };
 enum Flag { P_IS_1 = 1, HAS_NZ = 2, HAS_ZERO = 4, SAT = 8, HAS_NANS = 16, EXTENDED = 32, SIGNED = 64,
             TWOS_COMPLEMENT = 128 };
@@ -45,6 +45,8 @@ enum Dtype { F32, BF16, F16 };
 struct Fmt {
   int32_t p[N_PARAMS];
   int32_t p_is_1, has_nz, has_zero, sat, has_nans, stop_always, stop_negative, stop_positive;
+  uint32_t extended, is_signed, twos_complement;
+  float code_scale;  // 2^(-126 - emin)
 
   float tiny_scale;  // 2^min_ulp_exponent: a subnormal result is r times it
   float max;  // the largest finite value
@@ -57,6 +59,8 @@ struct Fmt {
     magic_scale[1] = std::ldexp(1.0f, 23 - p[T] - p[BITS]);
     p_is_1 = flag(P_IS_1), has_nz = flag(HAS_NZ), has_zero = flag(HAS_ZERO), sat = flag(SAT);
     has_nans = flag(HAS_NANS);
+    extended = flag(EXTENDED), is_signed = flag(SIGNED), twos_complement = flag(TWOS_COMPLEMENT);
+    code_scale = std::ldexp(1.0f, -126 - p[EMIN]);
     stop_always = p[LIMIT_RULE] == EVERYWHERE, stop_negative = p[LIMIT_RULE] == NEGATIVE;
     stop_positive = p[LIMIT_RULE] == POSITIVE;
   }
@@ -67,25 +71,32 @@ struct Fmt {
 inline uint32_t rotl(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
 inline float as_float(uint32_t u) { return __builtin_bit_cast(float, u); }
 
-#define FEWBIT_ROUND(r) x0 += x1; x1 = rotl(x1, r) ^ x0;
-#define FEWBIT_INJECT(i) x0 += ks[(i) % 3]; x1 += ks[((i) + 1) % 3] + (i);
-
-// Threefry-2x32-20 of blocks b0 .. b0 + LANES - 1: outputs 0 into w0, 1 into w1.
+// Threefry-2x32-20 of blocks b0 .. b0 + LANES - 1: outputs 0 into w0, 1 into w1. Lanes go
+// GROUP at a time through all rounds: a round is a chain of dependent operations, and
+// several vectors of lanes in flight keep the core busy while each waits on the last.
+constexpr int GROUP = 32;
+#define FEWBIT_ROUND(r) for (int j = 0; j < GROUP; ++j) { x0[j] += x1[j]; x1[j] = rotl(x1[j], r) ^ x0[j]; }
+#define FEWBIT_INJECT(i) for (int j = 0; j < GROUP; ++j) { x0[j] += ks[(i) % 3]; x1[j] += ks[((i) + 1) % 3] + (i); }
 void threefry_row(uint64_t b0, uint32_t k0, uint32_t k1, uint32_t* __restrict w0,
                   uint32_t* __restrict w1) {
   const uint32_t ks[3] = {k0, k1, PARITY ^ k0 ^ k1};
   // Counter (b mod 2^32, b / 2^32); b0 is a multiple of LANES, so the row shares b / 2^32.
   const uint32_t lo = uint32_t(b0), hi = uint32_t(b0 >> 32);
-  for (int h = 0; h < LANES; ++h) {
-    uint32_t x0 = lo + uint32_t(h) + ks[0];
-    uint32_t x1 = hi + ks[1];
+  for (int h = 0; h < LANES; h += GROUP) {
+    uint32_t x0[GROUP], x1[GROUP];
+    for (int j = 0; j < GROUP; ++j) {
+      x0[j] = lo + uint32_t(h + j) + ks[0];
+      x1[j] = hi + ks[1];
+    }
     FEWBIT_ROUND(13) FEWBIT_ROUND(15) FEWBIT_ROUND(26) FEWBIT_ROUND(6) FEWBIT_INJECT(1)
     FEWBIT_ROUND(17) FEWBIT_ROUND(29) FEWBIT_ROUND(16) FEWBIT_ROUND(24) FEWBIT_INJECT(2)
     FEWBIT_ROUND(13) FEWBIT_ROUND(15) FEWBIT_ROUND(26) FEWBIT_ROUND(6) FEWBIT_INJECT(3)
     FEWBIT_ROUND(17) FEWBIT_ROUND(29) FEWBIT_ROUND(16) FEWBIT_ROUND(24) FEWBIT_INJECT(4)
     FEWBIT_ROUND(13) FEWBIT_ROUND(15) FEWBIT_ROUND(26) FEWBIT_ROUND(6) FEWBIT_INJECT(5)
-    w0[h] = x0;
-    w1[h] = x1;
+    for (int j = 0; j < GROUP; ++j) {
+      w0[h + j] = x0[j];
+      w1[h + j] = x1[j];
+    }
   }
 }
 
@@ -217,30 +228,46 @@ inline uint32_t magic_one(uint32_t x, uint32_t n, const Fmt& f) {
   return (x & ~SIGN) > 0x7F800000u ? NAN_BITS : out;
 }
 
-// codec.codes_of for one float32 bit pattern that is a value of the format.
-inline uint32_t code_of(uint32_t bits_in, const Fmt& f) {
-  const bool negative = int32_t(bits_in) < 0;
-  const uint32_t a = bits_in & 0x7FFFFFFFu;
-  const bool is_inf = a == 0x7F800000u, is_nan = a > 0x7F800000u;
-  const int32_t e_field = int32_t(a >> 23);
-  const uint32_t mantissa = a & 0x7FFFFFu;
-  const uint32_t sig = e_field > 0 ? (mantissa | 0x800000u) : mantissa;
-  const int32_t e_x = std::max(e_field, 1) - 127;
-  const int32_t t = f[T];
-  // Unsigned arithmetic: values beyond the format's range (refused by the caller) wrap
-  // instead of overflowing.
-  const uint32_t normal = (uint32_t(e_x - f[EMIN] + f[EXP_FIELD_OF_EMIN]) << t) + (sig >> (23 - t)) - (1u << t);
-  const uint32_t subnormal = sig >> clampi(f[MIN_ULP_EXP] + 23 - e_x, 0, 24);
-  uint32_t mag = (e_x >= f[EMIN]) & (sig >= 0x800000u) ? normal : subnormal;
-  if (f.flag(EXTENDED)) mag = is_inf ? uint32_t(f[CODE_OF_MAX]) + 1 : mag;
-  if (f.flag(HAS_NANS)) mag = is_nan ? uint32_t(f[CODE_OF_NAN]) : mag;
-  const int k = f[K];
-  if (f.flag(TWOS_COMPLEMENT)) return (negative ? 0u - mag : mag) & ((1u << k) - 1);
-  if (!f.flag(SIGNED)) return mag;
-  const bool keep_sign = f.flag(HAS_NZ) ? negative & !is_nan : negative & (mag != 0) & !is_nan;
-  return keep_sign ? mag | (1u << (k - 1)) : mag;
+// SRC with N = 23 - t, classical SR from float32 (native.py's classical_sr_applies): in the
+// target's normal range the N discarded bits are the whole fraction, so adding n to the
+// magnitude's bits carries exactly when d + n 2^-N >= 1, into the exponent if need be.
+// Below 2^emin the float adder first rounds |x| + 2^emin to a multiple of ulp / 2^N, ties
+// to even (magic.py's argument with c = emin), and subtracting 2^emin again is exact.
+inline uint32_t classical_sr_one(uint32_t x, uint32_t n, const Fmt& f) {
+  constexpr uint32_t SIGN = 0x80000000u;
+  const uint32_t a = x & ~SIGN;
+  const uint32_t two_emin = uint32_t(f[EMIN] + 127) << 23;
+  const int32_t normal = a >= two_emin;  // Inf and NaN too
+  const uint32_t y = normal ? a : __builtin_bit_cast(uint32_t, as_float(a) + as_float(two_emin));
+  const uint32_t k = (y + n) & (0u - (1u << f[BITS]));
+  uint32_t mag = normal ? k : __builtin_bit_cast(uint32_t, as_float(k) - as_float(two_emin));
+  mag = as_float(mag) > f.max ? uint32_t(f.sat ? f[MAX] : f[BEYOND_POS]) : mag;
+  const uint32_t keep_sign = (x >> 31) & (uint32_t(f.has_nz) | (mag != 0));
+  return a > 0x7F800000u ? NAN_BITS : mag | (keep_sign << 31);
 }
 
+// codec.codes_of for one float32 bit pattern that is a value of the format. Scaled by
+// 2^(-126 - emin), a value's float32 bits are its code's magnitude bits shifted left by
+// 23 - t: the format's exponent field lands on float32's (field 1 at emin), and its
+// subnormals on float32's subnormals (the scaling is exact: they are multiples of 2^-149).
+inline uint32_t code_of(uint32_t bits_in, const Fmt& f) {
+  const uint32_t a = bits_in & 0x7FFFFFFFu;
+  const uint32_t is_inf = a == 0x7F800000u, is_nan = a > 0x7F800000u;
+  uint32_t mag = __builtin_bit_cast(uint32_t, as_float(a) * f.code_scale) >> (23 - f[T]);
+  mag = f.extended & is_inf ? uint32_t(f[CODE_OF_MAX]) + 1 : mag;
+  mag = f.has_nans & is_nan ? uint32_t(f[CODE_OF_NAN]) : mag;
+  const uint32_t negative = bits_in >> 31, k = f[K];
+  // Two's complement (OCP INT8): the negated magnitude; sign-magnitude: the sign bit, kept
+  // on a zero only with a negative zero, never on a NaN.
+  const uint32_t twos = ((mag ^ (0u - negative)) + negative) & ((1u << k) - 1);
+  const uint32_t keep_sign = negative & (is_nan ^ 1) & (f.has_nz | (mag != 0)) & f.is_signed;
+  return f.twos_complement ? twos : mag | (keep_sign << (k - 1));
+}
+
+inline int32_t not_a_value(uint32_t x, uint32_t rounded, const Fmt& f) {
+  const int32_t nan = (x & 0x7FFFFFFFu) > 0x7F800000u;
+  return nan ? (f.has_nans ^ 1) : int32_t(as_float(rounded) != as_float(x));
+}
 
 // What a call writes: values in the input's dtype, or codes.
 enum Output { VALUES, CODES_U8, CODES_I16, CODES_PACKED };
@@ -249,6 +276,10 @@ enum Output { VALUES, CODES_U8, CODES_I16, CODES_PACKED };
 constexpr int ENCODE = FRACTION + 1;
 // magic_one's RNE and SRC, for the calls where magic.magic_applies.
 constexpr int MAGIC_RNE = ENCODE + 1, MAGIC_SRC = ENCODE + 2;
+// classical_sr_one, for the calls where native.classical_sr_applies.
+constexpr int CLASSICAL_SR = ENCODE + 3;
+// encode with magic_one's RNE as the check, where magic.magic_applies.
+constexpr int ENCODE_MAGIC = ENCODE + 4;
 
 struct Job {
   const void* x;
@@ -261,7 +292,9 @@ struct Job {
   const int32_t* given;  // random bits given per element (or null: drawn from keys)
 };
 
-inline bool stochastic(int mode) { return (mode >= SRFF && mode <= FRACTION) || mode == MAGIC_SRC; }
+inline bool stochastic(int mode) {
+  return (mode >= SRFF && mode <= FRACTION) || mode == MAGIC_SRC || mode == CLASSICAL_SR;
+}
 
 // Elements offset .. offset + n lie in rows first_row .. ; each thread takes whole rows
 // and returns the position of its first element without a valid result (or -1).
@@ -274,7 +307,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
     streams.emplace_back(job.keys[0], job.keys[1], bits);
     if (MODE == FRACTION) streams.emplace_back(job.keys[2], job.keys[3], 16);
   }
-  alignas(64) uint32_t xbuf[LANES], nbuf[LANES], sbuf[LANES], rbuf[LANES];
+  alignas(64) uint32_t xbuf[LANES], nbuf[LANES], sbuf[LANES], rbuf[LANES], cbuf[LANES];
   const uint32_t mask = (1u << bits) - 1;
   int64_t bad = -1;
   for (int64_t row = row0; row < row1; ++row) {
@@ -312,20 +345,24 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
       }
     }
     uint32_t* rs = job.output == VALUES && job.dtype == F32 ? static_cast<uint32_t*>(job.out) + pos0 : rbuf;
-    if constexpr (MODE == ENCODE) {
-      for (int h = h0; h < h1; ++h) rs[h] = round_one<RNE>(xs[h], 0, 0, f);
-      for (int h = h0; h < h1 && bad < 0; ++h) {
-        const bool nan = (xs[h] & 0x7FFFFFFFu) > 0x7F800000u;
-        if (nan ? !f.has_nans : as_float(rs[h]) != as_float(xs[h])) bad = pos0 + h;
-      }
+    if constexpr (MODE == ENCODE || MODE == ENCODE_MAGIC) {
+      for (int h = h0; h < h1; ++h)
+        rs[h] = MODE == ENCODE_MAGIC ? magic_one<false>(xs[h], 0, f) : round_one<RNE>(xs[h], 0, 0, f);
+      // x is a value of the format iff rounding leaves it unchanged (a NaN iff it has NaNs).
+      int32_t any = 0;
+      for (int h = h0; h < h1; ++h) any |= not_a_value(xs[h], rs[h], f);
+      for (int h = h0; any && h < h1 && bad < 0; ++h)
+        if (not_a_value(xs[h], rs[h], f)) bad = pos0 + h;
     } else {
       if constexpr (MODE == MAGIC_RNE || MODE == MAGIC_SRC) {
         for (int h = h0; h < h1; ++h) rs[h] = magic_one<MODE == MAGIC_SRC>(xs[h], nbuf[h], f);
+      } else if constexpr (MODE == CLASSICAL_SR) {
+        for (int h = h0; h < h1; ++h) rs[h] = classical_sr_one(xs[h], nbuf[h], f);
       } else {
         for (int h = h0; h < h1; ++h) rs[h] = round_one<Mode(MODE)>(xs[h], nbuf[h], sbuf[h], f);
       }
       if (!f.has_nans) {  // NaN marks an element without a valid result
-        bool any = false;
+        int32_t any = 0;
         for (int h = h0; h < h1; ++h) any |= (rs[h] & 0x7FFFFFFFu) > 0x7F800000u;
         for (int h = h0; any && h < h1 && bad < 0; ++h)
           if ((rs[h] & 0x7FFFFFFFu) > 0x7F800000u) bad = pos0 + h;
@@ -349,21 +386,18 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
           }
         }
         break;
-      case CODES_U8: {
-        uint8_t* o = static_cast<uint8_t*>(job.out) + pos0;
-        for (int h = h0; h < h1; ++h) o[h] = uint8_t(code_of(rs[h], f));
-        break;
-      }
-      case CODES_I16: {
-        uint16_t* o = static_cast<uint16_t*>(job.out) + pos0;
-        for (int h = h0; h < h1; ++h) o[h] = uint16_t(code_of(rs[h], f));
-        break;
-      }
-      case CODES_PACKED: {  // offset and row starts are even: pairs lie within a row
-        uint8_t* o = static_cast<uint8_t*>(job.out) + pos0 / 2;
-        for (int h = h0 / 2; h < h1 / 2; ++h)
-          o[h] = uint8_t(code_of(rs[2 * h], f) | (code_of(rs[2 * h + 1], f) << 4));
-        break;
+      default: {  // codes: computed in 32 bits (GCC vectorises no mix of widths), then narrowed
+        for (int h = h0; h < h1; ++h) cbuf[h] = code_of(rs[h], f);
+        if (job.output == CODES_U8) {
+          uint8_t* o = static_cast<uint8_t*>(job.out) + pos0;
+          for (int h = h0; h < h1; ++h) o[h] = uint8_t(cbuf[h]);
+        } else if (job.output == CODES_I16) {
+          uint16_t* o = static_cast<uint16_t*>(job.out) + pos0;
+          for (int h = h0; h < h1; ++h) o[h] = uint16_t(cbuf[h]);
+        } else {  // packed: offset and row starts are even, so pairs lie within a row
+          uint8_t* o = static_cast<uint8_t*>(job.out) + pos0 / 2;
+          for (int h = h0 / 2; h < h1 / 2; ++h) o[h] = uint8_t(cbuf[2 * h] | (cbuf[2 * h + 1] << 4));
+        }
       }
     }
   }
@@ -375,6 +409,7 @@ constexpr RowsFn KERNELS[] = {
   run_rows<RNE>, run_rows<RNA>, run_rows<RTZ>, run_rows<RUP>, run_rows<RDN>, run_rows<RTO>,
   run_rows<SRFF>, run_rows<SRF>, run_rows<SRC>, run_rows<SRC_ODD>, run_rows<NEAR_ZERO>,
   run_rows<FRACTION>, run_rows<ENCODE>, run_rows<MAGIC_RNE>, run_rows<MAGIC_SRC>,
+  run_rows<CLASSICAL_SR>, run_rows<ENCODE_MAGIC>,
 };
 
 // Fewer rows than this per thread cost more to start a thread for than they save.

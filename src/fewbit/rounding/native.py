@@ -30,7 +30,7 @@ import torch
 
 from ..config import current
 from ..formats import FloatFormat
-from .checks import RoundSpec
+from .checks import RoundSpec, make_spec
 from .magic import magic_applies
 from .modes import MODES, SELECT_BITS, RoundMode
 
@@ -51,7 +51,7 @@ _DETERMINISTIC = {RoundMode.RNE: 0, RoundMode.RNA: 1, RoundMode.RTZ: 2, RoundMod
 _STOCHASTIC = {("truncate", "everywhere"): 6, ("up", "everywhere"): 7, ("even", "everywhere"): 8,
                ("odd", "everywhere"): 9, ("even", "near_zero"): 10,
                ("even", "selected"): 11}  # fmt: skip
-_ENCODE, _MAGIC_RNE, _MAGIC_SRC = 12, 13, 14
+_ENCODE, _MAGIC_RNE, _MAGIC_SRC, _CLASSICAL_SR, _ENCODE_MAGIC = 12, 13, 14, 15, 16
 _STOPS_AT_MAX = {"nowhere": 0, "everywhere": 1, "negative": 2, "positive": 3}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _VALUES, _CODES_U8, _CODES_I16, _CODES_PACKED = range(4)
@@ -69,8 +69,9 @@ def _bits32(value: float) -> int:
 
 def fits(fmt: FloatFormat) -> bool:
     """Whether the kernel's float32 arithmetic covers ``fmt``: its values are float32
-    normals or subnormals, with float32's exponent decomposition."""
-    return fmt.t <= 23 and fmt.emin >= -126 and fmt.emax <= 127 and fmt.k <= 32
+    normals or subnormals, with float32's exponent decomposition, and its exponent field 0
+    holds subnormals (codes are float32 bits scaled and shifted)."""
+    return fmt.t <= 23 and fmt.emin >= -126 and fmt.emax <= 127 and fmt.k <= 32 and fmt.has_subnormals
 
 
 def usable(x: torch.Tensor, fmt: FloatFormat) -> bool:
@@ -96,9 +97,18 @@ def _params(fmt: FloatFormat, mode: RoundMode, sat: bool, bits: int | None, sele
         fmt.t, fmt.emin, fmt.bias, fmt.min_ulp_exponent, _bits32(fmt.max),
         _bits32(fmt.max_negative_magnitude), beyond_pos, beyond_neg, _bits32(fmt.smallest_normal), flags,
         _STOPS_AT_MAX[MODES[mode].stops_at_max], bits or 0, select_below or 0, fmt.k, fmt.code_of_max,
-        fmt.code_of_nan if fmt.has_nans else 0, 1 if fmt.has_subnormals else 0, fmt.emax,
+        fmt.code_of_nan if fmt.has_nans else 0, fmt.emax,
     ]  # fmt: skip
     return (ctypes.c_int32 * len(values))(*values)
+
+
+def classical_sr_applies(spec: RoundSpec) -> bool:
+    """Whether native.cpp's ``classical_sr_one`` takes a call: SRC everywhere with N = 23 - t
+    (``sr`` from float32: N = D in the target's normal range), into the formats the
+    float-adder shortcut handles (magic.py), whatever t + N."""
+    fmt, info = spec.fmt, MODES[spec.mode]
+    return (info.tie == "even" and not info.composite and spec.bits == 23 - fmt.t and fmt.signed
+            and fmt.p >= 2 and fmt.has_subnormals and not fmt.twos_complement)  # fmt: skip
 
 
 def _mode_id(spec: RoundSpec) -> int:
@@ -106,6 +116,8 @@ def _mode_id(spec: RoundSpec) -> int:
     input is rounded from float32 here), else fast.round_fast's predicate for the mode."""
     if magic_applies(spec, torch.float32):
         return _MAGIC_RNE if spec.mode is RoundMode.RNE else _MAGIC_SRC
+    if classical_sr_applies(spec):
+        return _CLASSICAL_SR
     info = MODES[spec.mode]
     return _DETERMINISTIC[spec.mode] if not info.stochastic else _STOCHASTIC[(info.tie, info.where)]
 
@@ -138,7 +150,9 @@ def _call(x, fmt, mode, spec, words, random_bits, out, output, offset) -> int | 
     if library is None:
         return None
     if mode is None:  # encode: round to nearest, never saturating, must leave x unchanged
-        params, mode_id = _params(fmt, RoundMode.RNE, False, None, None), _ENCODE
+        check = make_spec(torch.float32, fmt, RoundMode.RNE, False, None, None)
+        params = _params(fmt, RoundMode.RNE, False, None, None)
+        mode_id = _ENCODE_MAGIC if magic_applies(check, torch.float32) else _ENCODE
     else:
         params, mode_id = _params(fmt, mode, spec.sat, spec.bits, spec.select_below), _mode_id(spec)
     keys = (ctypes.c_uint32 * 4)(*(words or ()))
