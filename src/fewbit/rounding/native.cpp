@@ -100,6 +100,14 @@ void threefry_row(uint64_t b0, uint32_t k0, uint32_t k1, uint32_t* __restrict w0
   }
 }
 
+// A row of random fields as the rounding loop reads them: lane h's is (w[h] >> shift) & mask
+// (w indexed by lane, like x).
+struct Fields {
+  const uint32_t* w;
+  uint32_t shift, mask;
+  uint32_t at(int h) const { return (w[h] >> shift) & mask; }
+};
+
 // One random stream: the element rows of a thread read its words through this cache
 // of the last row of blocks computed.
 struct Stream {
@@ -110,17 +118,14 @@ struct Stream {
 
   Stream(uint32_t k0, uint32_t k1, int bits) : k0(k0), k1(k1), bits(bits), per_word(32 / bits) {}
 
-  // The fields of element row `row`, lanes h0 .. h1, into out[h0 .. h1].
-  void fields(int64_t row, int h0, int h1, uint32_t* __restrict out) {
+  // Where element row `row` finds its fields: field f of lane h is (w[h] >> shift) & mask.
+  Fields fields(int64_t row) {
     const int64_t word_row = row / per_word;
     if (word_row / 2 != block_row) {
       block_row = word_row / 2;
       threefry_row(uint64_t(block_row) * LANES, k0, k1, words[0], words[1]);
     }
-    const uint32_t* __restrict w = words[word_row % 2];
-    const int shift = int(row % per_word) * bits;
-    const uint32_t mask = bits == 32 ? 0xFFFFFFFFu : (1u << bits) - 1;
-    for (int h = h0; h < h1; ++h) out[h] = (w[h] >> shift) & mask;
+    return {words[word_row % 2], uint32_t(row % per_word) * bits, bits == 32 ? ~0u : (1u << bits) - 1};
   }
 };
 
@@ -307,7 +312,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
     streams.emplace_back(job.keys[0], job.keys[1], bits);
     if (MODE == FRACTION) streams.emplace_back(job.keys[2], job.keys[3], 16);
   }
-  alignas(64) uint32_t xbuf[LANES], nbuf[LANES], sbuf[LANES], rbuf[LANES], cbuf[LANES];
+  alignas(64) uint32_t xbuf[LANES], rbuf[LANES], cbuf[LANES];
   const uint32_t mask = (1u << bits) - 1;
   int64_t bad = -1;
   for (int64_t row = row0; row < row1; ++row) {
@@ -332,16 +337,17 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
       }
       xs = xbuf;
     }
+    // The rounding loop reads its fields in place: from the stream's words, or the given bits
+    // (the N rounding bits low, sr_fraction's selection bits above them).
+    Fields n{xs, 0, 0}, sel{xs, 0, 0};  // deterministic modes read none
     if (stochastic(MODE)) {
       if (job.given != nullptr) {
-        const int32_t* g = job.given + pos0;
-        for (int h = h0; h < h1; ++h) {
-          nbuf[h] = uint32_t(g[h]) & mask;
-          sbuf[h] = uint32_t(g[h]) >> bits;
-        }
+        const uint32_t* g = reinterpret_cast<const uint32_t*>(job.given + pos0);
+        n = {g, 0, mask};
+        sel = {g, uint32_t(bits), ~0u};
       } else {
-        streams[0].fields(row, h0, h1, nbuf);
-        if (MODE == FRACTION) streams[1].fields(row, h0, h1, sbuf);
+        n = streams[0].fields(row);
+        if (MODE == FRACTION) sel = streams[1].fields(row);
       }
     }
     uint32_t* rs = job.output == VALUES && job.dtype == F32 ? static_cast<uint32_t*>(job.out) + pos0 : rbuf;
@@ -355,11 +361,11 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
         if (not_a_value(xs[h], rs[h], f)) bad = pos0 + h;
     } else {
       if constexpr (MODE == MAGIC_RNE || MODE == MAGIC_SRC) {
-        for (int h = h0; h < h1; ++h) rs[h] = magic_one<MODE == MAGIC_SRC>(xs[h], nbuf[h], f);
+        for (int h = h0; h < h1; ++h) rs[h] = magic_one<MODE == MAGIC_SRC>(xs[h], n.at(h), f);
       } else if constexpr (MODE == CLASSICAL_SR) {
-        for (int h = h0; h < h1; ++h) rs[h] = classical_sr_one(xs[h], nbuf[h], f);
+        for (int h = h0; h < h1; ++h) rs[h] = classical_sr_one(xs[h], n.at(h), f);
       } else {
-        for (int h = h0; h < h1; ++h) rs[h] = round_one<Mode(MODE)>(xs[h], nbuf[h], sbuf[h], f);
+        for (int h = h0; h < h1; ++h) rs[h] = round_one<Mode(MODE)>(xs[h], n.at(h), sel.at(h), f);
       }
       if (!f.has_nans) {  // NaN marks an element without a valid result
         int32_t any = 0;
