@@ -303,8 +303,16 @@ inline bool stochastic(int mode) {
 
 // Elements offset .. offset + n lie in rows first_row .. ; each thread takes whole rows
 // and returns the position of its first element without a valid result (or -1).
+// A result's float32 bits to bfloat16's. A bfloat16 input holds every value of the format
+// (checks.make_spec), so the result is one too and its low 16 bits are zero; NaN becomes
+// 0xFFFF as in torch's vector conversion (its scalar one, for a tensor's tail, gives 0x7FC0).
+inline uint16_t to_bfloat16(uint32_t u) { return (u & 0x7FFFFFFFu) > 0x7F800000u ? 0xFFFF : uint16_t(u >> 16); }
+
 template <int MODE>
 int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
+  // bfloat16 in and out of the float-adder kernels in one loop, into formats with NaN (no
+  // result to check).
+  constexpr bool FUSED_BF16 = MODE == MAGIC_RNE || MODE == MAGIC_SRC;
   const Fmt f = job.fmt;  // a local copy: stores through the output pointers cannot change it
   const int bits = f[BITS];
   std::vector<Stream> streams;  // on the heap: each holds a row of words of both outputs
@@ -314,6 +322,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
   }
   alignas(64) uint32_t xbuf[LANES], rbuf[LANES], cbuf[LANES];
   const uint32_t mask = (1u << bits) - 1;
+  const bool fused = FUSED_BF16 && job.dtype == BF16 && job.output == VALUES && f.has_nans;
   int64_t bad = -1;
   for (int64_t row = row0; row < row1; ++row) {
     const int64_t start = row * LANES;
@@ -326,7 +335,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
     } else {
       const uint16_t* x16 = static_cast<const uint16_t*>(job.x) + pos0;
       if (job.dtype == BF16) {
-        for (int h = h0; h < h1; ++h) xbuf[h] = uint32_t(x16[h]) << 16;
+        if (!fused) for (int h = h0; h < h1; ++h) xbuf[h] = uint32_t(x16[h]) << 16;
       } else {
         for (int h = h0; h < h1; ++h) {
           _Float16 v;
@@ -360,6 +369,15 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
       for (int h = h0; any && h < h1 && bad < 0; ++h)
         if (not_a_value(xs[h], rs[h], f)) bad = pos0 + h;
     } else {
+      if constexpr (FUSED_BF16) {
+        if (fused) {  // widen, round and narrow in one loop
+          const uint16_t* x16 = static_cast<const uint16_t*>(job.x) + pos0;
+          uint16_t* o = static_cast<uint16_t*>(job.out) + pos0;
+          for (int h = h0; h < h1; ++h)
+            o[h] = to_bfloat16(magic_one<MODE == MAGIC_SRC>(uint32_t(x16[h]) << 16, n.at(h), f));
+          continue;
+        }
+      }
       if constexpr (MODE == MAGIC_RNE || MODE == MAGIC_SRC) {
         for (int h = h0; h < h1; ++h) rs[h] = magic_one<MODE == MAGIC_SRC>(xs[h], n.at(h), f);
       } else if constexpr (MODE == CLASSICAL_SR) {
@@ -378,12 +396,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
       case VALUES:
         if (job.dtype == BF16) {
           uint16_t* o = static_cast<uint16_t*>(job.out) + pos0;
-          // Round to nearest even, as torch converts; NaN becomes 0xFFFF as in torch's vector
-          // conversion (its scalar one, used for the tail of a tensor, gives 0x7FC0).
-          for (int h = h0; h < h1; ++h) {
-            const uint32_t u = rs[h];
-            o[h] = (u & 0x7FFFFFFFu) > 0x7F800000u ? 0xFFFF : uint16_t((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
-          }
+          for (int h = h0; h < h1; ++h) o[h] = to_bfloat16(rs[h]);
         } else if (job.dtype == F16) {
           uint16_t* o = static_cast<uint16_t*>(job.out) + pos0;
           for (int h = h0; h < h1; ++h) {
