@@ -3,9 +3,10 @@
     python benchmarks/bench_round.py [--log2-size 24] [--repeat 5] [--threads 2]
 
 Reports million elements per second (Melem/s) and ratios for float32 -> binary8p4,
-RNE and SRC with N = 3 random bits per element, the bits generated beforehand.
-Eager fewbit (no compilation; both take the magic-number shortcut,
-``fewbit.rounding.magic``) against gfloat on numpy and on torch arrays.
+RNE and SRC with N = 3 random bits per element, the bits generated beforehand:
+fewbit as called (the native CPU kernel) and eager (no compiler; both take the
+magic-number shortcut, ``fewbit.rounding.magic``) against gfloat on numpy and on torch
+arrays.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from gfloat.formats import format_info_p3109
 
 import fewbit
-from fewbit.bench import best_time, eager_only
+from fewbit.bench import best_time
 
 
 def main() -> None:
@@ -36,8 +37,7 @@ def main() -> None:
     info = format_info_p3109(8, 4)
 
     rows = [("torch.clone", best_time(lambda: x.clone(), args.repeat))]
-    with eager_only():
-        rows += _fewbit_and_gfloat(x, bits, info, args)
+    rows += _fewbit_and_gfloat(x, bits, info, args)
     _report(rows, n)
 
 
@@ -50,6 +50,9 @@ def _fewbit_and_gfloat(x, bits, info, args):
     ]:
         rows.append((f"fewbit {label}", best_time(
             lambda: fewbit.round(x, "binary8p4", mode, **kw), args.repeat)))
+        with fewbit.configure(compile=False):
+            rows.append((f"fewbit eager {label}", best_time(
+                lambda: fewbit.round(x, "binary8p4", mode, **kw), args.repeat)))
         g_kw = {"srbits": bits_np, "srnumbits": 3} if kw else {}
         rows.append((f"gfloat numpy {label}", best_time(
             lambda: gfloat.round_ndarray(info, x_np, gmode, **g_kw), args.gfloat_repeat)))
@@ -68,7 +71,7 @@ def _report(rows, n):
     for name, t in rows:
         line = f"{name:24} {n / t / 1e6:>10.1f} {clone / t:>8.3f}"
         if name.startswith("fewbit"):
-            label = name.removeprefix("fewbit ")
+            label = name.removeprefix("fewbit ").removeprefix("eager ")
             line += f" {times[f'gfloat numpy {label}'] / t:>12.1f}"
             line += f" {times[f'gfloat torch {label}'] / t:>15.1f}"
         print(line)
