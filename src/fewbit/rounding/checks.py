@@ -154,8 +154,9 @@ def check_random_bits(
     if random_bits.device != x.device:
         raise ValueError(f"random_bits is on {random_bits.device}, x on {x.device}")
     # Unsigned dtypes lack min/max kernels: compare as int64, where a uint64 beyond 2^63
-    # wraps to a negative value and is refused like one.
-    wide = random_bits.to(torch.int64)
+    # wraps to a negative value and is refused like one. int32 bits, the common case, are
+    # compared and passed on as they are (no copy).
+    wide = random_bits if random_bits.dtype == torch.int32 else random_bits.to(torch.int64)
     if values and wide.numel():
         lo, hi = (int(v) for v in torch.aminmax(wide))
         if lo < 0 or hi >= spec.random_range:
@@ -164,4 +165,4 @@ def check_random_bits(
                 f"{' plus the selection bits' if 'select' in MODES[spec.mode].streams else ''};"
                 f" found values in [{lo}, {hi}]"
             )
-    return wide.to(torch.int32) if spec.random_range <= 1 << 31 else wide
+    return wide.to(torch.int32 if spec.random_range <= 1 << 31 else torch.int64)
