@@ -164,3 +164,13 @@ def test_build_failure_warns_and_falls_back(monkeypatch, tmp_path):
         got = fewbit.round(x, "binary8p4", "src", bits=3, seed=1)
     assert same_bits(got, expected)
     assert native._failed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_outputs_beyond_the_caches_stream_the_same_bits(dtype):
+    """Outputs of 16 MiB and more leave through non-temporal stores (native.cpp's
+    STREAM_BYTES): whole rows streamed, a partial last row stored plainly."""
+    x = (torch.randn((1 << 23) + 77, generator=torch.Generator().manual_seed(4)) * 8).to(dtype)
+    for mode, kw in (("rne", {}), ("src", {"bits": 3, "seed": 9}), ("sr", {"seed": 2})):
+        expected, got = eager_and_native(lambda: fewbit.round(x, "binary8p4", mode, **kw))
+        assert same_bits(got, expected), mode
