@@ -36,6 +36,7 @@ from .sharding import (
     local_tensor,
     piece_randomness,
     replica_count,
+    round_range,
 )  # fmt: skip
 
 __all__ = ["LowPrecisionWeights"]
@@ -238,6 +239,10 @@ class LowPrecisionWeights:
         blocks = []
         for i in sorted(set(range(len(pieces))) - set(batched)):
             t, key, at = pieces[i], keys[i], self._layouts[i]
+            done = None if block else round_range(t.to(self.via), self.spec, key, at)
+            if done is not None:  # a Shard(0) piece: its bits drawn inside the kernel
+                t.copy_(done)
+                continue
             random = piece_randomness(self.spec, key, at, t.device) if t.numel() else {}
             sr = {"bits": self.bits, **random, **extra} if random else {}
             if block and self.store_codes:  # the codes of this very rounding (NVFP4's

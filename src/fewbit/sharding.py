@@ -25,12 +25,13 @@ import torch
 from .block import BlockFormat
 from .block.kernel import BlockSpec
 from .random import Key
+from .rounding import native
 from .rounding.checks import RoundSpec
 from .rounding.compiled import index_bits, range_bits, stream_words
 
 __all__ = [
     "PairwiseReduceScatter", "ShardLayout", "check_whole_blocks", "global_amax", "global_bits", "is_dtensor",
-    "layout", "local_tensor", "map_piece", "pairwise_sum", "piece_key", "piece_randomness",
+    "layout", "local_tensor", "map_piece", "pairwise_sum", "piece_key", "piece_randomness", "round_range",
     "placement_offsets", "replica_count", "replica_rank", "torch_offsets",
 ]  # fmt: skip
 
@@ -173,6 +174,22 @@ def global_bits(spec: RoundSpec, words, piece: ShardLayout, device) -> torch.Ten
         else:
             flat = index_bits(spec, words, index)
     return flat.view(piece.local_shape)
+
+
+def round_range(x: torch.Tensor, spec: RoundSpec, key: Key | None, piece: ShardLayout) -> torch.Tensor | None:
+    """``x`` (a piece, in the dtype the rounding starts from) rounded stochastically by the
+    native kernel with the bits its elements have in the full tensor, drawn in the kernel,
+    where the piece is one contiguous range of the flattened full tensor (Shard(0): the
+    stream's elements ``start ..``). None where that does not apply, or where an element
+    has no value in the format (the caller's rounding then raises)."""
+    start = piece.flat_start()
+    if key is None or start is None or not native.applies(spec, x):
+        return None
+    flat = x.reshape(-1).contiguous()
+    out = torch.empty_like(flat)
+    if native.round_into(flat, spec, stream_words(spec, key), None, out, offset=start) != -1:
+        return None
+    return out.view(x.shape)
 
 
 def piece_randomness(spec: RoundSpec | BlockSpec | None, key: Key | torch.Tensor | None,

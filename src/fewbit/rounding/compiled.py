@@ -22,6 +22,7 @@ import torch
 
 from ..config import current
 from ..random import LANES, Key, bits_from_index, bits_from_range, bits_rows, fold_in, key_tensor
+from . import native
 from .checks import RoundSpec, dtype_format
 from .fast import round_fast, working_dtype
 from .magic import magic_applies, round_magic
@@ -215,6 +216,19 @@ def _foreach_kernel(tensors: list[torch.Tensor], keys: torch.Tensor, *, spec: Ro
         t.copy_(out.reshape(t.shape))
 
 
+def _foreach_native(
+    tensors: list[torch.Tensor], spec: RoundSpec, keys: torch.Tensor, via: torch.dtype
+) -> None:
+    """:func:`round_foreach_` through the native kernel, a call per tensor (a few
+    microseconds each): ``t.to(via)`` is torch's round to nearest even, as the compiled
+    kernel's own conversion is."""
+    for t, words in zip(tensors, keys.tolist(), strict=True):
+        x = t.reshape(-1).to(via).contiguous()
+        out = torch.empty_like(x)
+        native.round_into(x, spec, words, None, out)
+        t.copy_(out.view(t.shape))
+
+
 def round_foreach_(
     tensors: list[torch.Tensor], spec: RoundSpec, keys: torch.Tensor, via: torch.dtype
 ) -> None:
@@ -225,6 +239,8 @@ def round_foreach_(
     else the same code eager. The caller has checked the spec against ``via``, and
     ``spec.fmt`` has a NaN for anything without a value (nothing to raise)."""
     device = tensors[0].device
+    if native.applies(spec, tensors[0].new_empty(0, dtype=via)):
+        return _foreach_native(tensors, spec, keys, via)
     total = sum(t.numel() for t in tensors)
     cache_key = ("foreach", spec, via, tensors[0].dtype, device.type)
     if use_compiled(total) and cache_key not in _BROKEN:
