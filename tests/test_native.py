@@ -14,7 +14,7 @@ from fewbit.config import configure
 from fewbit.random import Key, random_bits
 from fewbit.rounding import native
 from fewbit.rounding.checks import make_spec
-from fewbit.rounding.compiled import stream_words
+from fewbit.rounding.compiled import round_foreach_, stream_words
 from fewbit.rounding.modes import RoundMode
 
 pytestmark = pytest.mark.skipif(native._load() is None, reason="no C++ compiler to build the native kernel")
@@ -164,6 +164,11 @@ def test_build_failure_warns_and_falls_back(monkeypatch, tmp_path):
         got = fewbit.round(x, "binary8p4", "src", bits=3, seed=1)
     assert same_bits(got, expected)
     assert native._failed
+    # The optimizer's write-back too: seed 1 is the key (1, 0).
+    weights = x.clone()
+    spec = make_spec(torch.float32, fewbit.format("binary8p4"), RoundMode.SRC, False, 3, None)
+    round_foreach_([weights], spec, torch.tensor([[1, 0]]), torch.float32)
+    assert same_bits(weights, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -105,11 +105,10 @@ def _encode(x: torch.Tensor, fmt: str, packed: bool) -> torch.Tensor:
     shape = _encode_checks(x, fmt, packed)
     if native.usable(x, fmt):
         out = torch.empty(shape, dtype=code_dtype(fmt))
-        bad = native.encode_into(x.contiguous().view(-1), fmt, out.view(-1), packed)
-        if bad is not None:
-            if bad >= 0:
-                _not_a_value(float(x.reshape(-1)[bad]), fmt)
-            return out
+        bad = native.encode_into(x.reshape(-1), fmt, out.view(-1), packed)
+        if bad >= 0:
+            _not_a_value(float(x.reshape(-1)[bad]), fmt)
+        return out
     work = x.to(working_dtype(x.dtype))
     code = codes_of(work, fmt)
 

@@ -239,17 +239,18 @@ class LowPrecisionWeights:
         blocks = []
         for i in sorted(set(range(len(pieces))) - set(batched)):
             t, key, at = pieces[i], keys[i], self._layouts[i]
-            done = None if block else round_range(t.to(self.via), self.spec, key, at)
-            if done is not None:  # a Shard(0) piece: its bits drawn inside the kernel
+            x = t.to(self.via)
+            done = None if block else round_range(x, self.spec, key, at)
+            if done is not None:  # one range of the full tensor: its bits drawn inside the kernel
                 t.copy_(done)
                 continue
             random = piece_randomness(self.spec, key, at, t.device) if t.numel() else {}
             sr = {"bits": self.bits, **random, **extra} if random else {}
             if block and self.store_codes:  # the codes of this very rounding (NVFP4's
                 # per-tensor scale would move if the rounded values were quantised again)
-                blocks.append(quantize(t.to(self.via), self.fmt, self.mode, sat=self.sat, **sr))
+                blocks.append(quantize(x, self.fmt, self.mode, sat=self.sat, **sr))
             else:
-                t.copy_(round_to(t.to(self.via), self.fmt, self.mode, sat=self.sat, **sr))
+                t.copy_(round_to(x, self.fmt, self.mode, sat=self.sat, **sr))
         if self.store_codes:
             self._codes = blocks if block else [encode(t, self.fmt) for t in pieces]
             # The size of the whole storage: a piece may be a view into a larger one (FSDP2

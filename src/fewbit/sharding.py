@@ -176,7 +176,9 @@ def global_bits(spec: RoundSpec, words, piece: ShardLayout, device) -> torch.Ten
     return flat.view(piece.local_shape)
 
 
-def round_range(x: torch.Tensor, spec: RoundSpec, key: Key | None, piece: ShardLayout) -> torch.Tensor | None:
+def round_range(
+    x: torch.Tensor, spec: RoundSpec, key: Key | None, piece: ShardLayout
+) -> torch.Tensor | None:
     """``x`` (a piece, in the dtype the rounding starts from) rounded stochastically by the
     native kernel with the bits its elements have in the full tensor, drawn in the kernel,
     where the piece is one contiguous range of the flattened full tensor (Shard(0): the
@@ -185,11 +187,7 @@ def round_range(x: torch.Tensor, spec: RoundSpec, key: Key | None, piece: ShardL
     start = piece.flat_start()
     if key is None or start is None or not native.applies(spec, x):
         return None
-    flat = x.reshape(-1).contiguous()
-    out = torch.empty_like(flat)
-    if native.round_into(flat, spec, stream_words(spec, key), None, out, offset=start) != -1:
-        return None
-    return out.view(x.shape)
+    return native.rounded(x, spec, stream_words(spec, key), offset=start)
 
 
 def piece_randomness(spec: RoundSpec | BlockSpec | None, key: Key | torch.Tensor | None,

@@ -221,12 +221,9 @@ def _foreach_native(
 ) -> None:
     """:func:`round_foreach_` through the native kernel, a call per tensor (a few
     microseconds each): ``t.to(via)`` is torch's round to nearest even, as the compiled
-    kernel's own conversion is."""
+    kernel's own conversion is. spec.fmt has a NaN: every element has a result."""
     for t, words in zip(tensors, keys.tolist(), strict=True):
-        x = t.reshape(-1).to(via).contiguous()
-        out = torch.empty_like(x)
-        native.round_into(x, spec, words, None, out)
-        t.copy_(out.view(t.shape))
+        t.copy_(native.rounded(t.to(via), spec, words))
 
 
 def round_foreach_(

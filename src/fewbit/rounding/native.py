@@ -34,7 +34,7 @@ from .checks import RoundSpec, make_spec
 from .magic import magic_applies
 from .modes import MODES, SELECT_BITS, RoundMode
 
-__all__ = ["applies", "encode_into", "fits", "round_into", "usable"]
+__all__ = ["applies", "encode_into", "fits", "round_into", "rounded", "usable"]
 
 SOURCE = Path(__file__).with_name("native.cpp")
 #: -fno-trapping-math lets the vectoriser compute both sides of a select (no float op here
@@ -75,9 +75,11 @@ def fits(fmt: FloatFormat) -> bool:
 
 
 def usable(x: torch.Tensor, fmt: FloatFormat) -> bool:
-    """Whether the configuration lets the kernel take ``x``, and it covers ``fmt``."""
+    """Whether the configuration lets the kernel take ``x``, it covers ``fmt`` and it is
+    built (building it at first use)."""
     config = current()
-    return config.compile and config.native and x.device.type == "cpu" and x.dtype in _DTYPES and fits(fmt)
+    return (config.compile and config.native and x.device.type == "cpu" and x.dtype in _DTYPES
+            and fits(fmt) and _load() is not None)  # fmt: skip
 
 
 def applies(spec: RoundSpec, x: torch.Tensor, random_bits: torch.Tensor | None = None) -> bool:
@@ -87,19 +89,25 @@ def applies(spec: RoundSpec, x: torch.Tensor, random_bits: torch.Tensor | None =
 
 
 @functools.lru_cache(maxsize=256)
-def _params(fmt: FloatFormat, mode: RoundMode, sat: bool, bits: int | None, select_below: int | None):
-    """native.cpp's ``Param`` array for a call."""
+def _kernel(spec: RoundSpec, encode: bool) -> tuple[ctypes.Array, int]:
+    """native.cpp's ``Param`` array and kernel id for a spec; ``encode``: the check of
+    :func:`encode_into` (``spec`` then RNE without saturation, which must leave x as it is)."""
+    fmt, mode = spec.fmt, spec.mode
     beyond_pos = _bits32(float("inf") if fmt.extended else float("nan"))
     beyond_neg = beyond_pos if fmt.signed else _bits32(float("nan"))
-    flags = ((fmt.p == 1) | fmt.has_nz << 1 | fmt.has_zero << 2 | sat << 3 | fmt.has_nans << 4
+    flags = ((fmt.p == 1) | fmt.has_nz << 1 | fmt.has_zero << 2 | spec.sat << 3 | fmt.has_nans << 4
              | fmt.extended << 5 | fmt.signed << 6 | fmt.twos_complement << 7)  # fmt: skip
     values = [
         fmt.t, fmt.emin, fmt.bias, fmt.min_ulp_exponent, _bits32(fmt.max),
         _bits32(fmt.max_negative_magnitude), beyond_pos, beyond_neg, _bits32(fmt.smallest_normal), flags,
-        _STOPS_AT_MAX[MODES[mode].stops_at_max], bits or 0, select_below or 0, fmt.k, fmt.code_of_max,
-        fmt.code_of_nan if fmt.has_nans else 0, fmt.emax,
+        _STOPS_AT_MAX[MODES[mode].stops_at_max], spec.bits or 0, spec.select_below or 0, fmt.k,
+        fmt.code_of_max, fmt.code_of_nan if fmt.has_nans else 0, fmt.emax,
     ]  # fmt: skip
-    return (ctypes.c_int32 * len(values))(*values)
+    if encode:
+        kernel = _ENCODE_MAGIC if magic_applies(spec, torch.float32) else _ENCODE
+    else:
+        kernel = _mode_id(spec)
+    return (ctypes.c_int32 * len(values))(*values), kernel
 
 
 def classical_sr_applies(spec: RoundSpec) -> bool:
@@ -125,40 +133,44 @@ def _mode_id(spec: RoundSpec) -> int:
 def round_into(
     x: torch.Tensor, spec: RoundSpec, words: list[int] | None, random_bits: torch.Tensor | None,
     out: torch.Tensor, offset: int = 0,
-) -> int | None:
-    """Round flat contiguous ``x`` into ``out`` (flat, contiguous, x's dtype), the bits
-    given (int32 ``random_bits``) or drawn with ``words`` (``compiled.stream_words``: Python
-    ints) for stream elements ``offset ..``. Returns the first position whose result is
-    not valid (a format without NaN: NaN input, or overflow without sat), else -1; None
-    when the kernel is unavailable (nothing written)."""
-    return _call(x, spec.fmt, spec.mode, spec, words, random_bits, out, _VALUES, offset)
+) -> int:
+    """Round flat ``x`` into ``out`` (flat, contiguous, x's dtype), the bits given (int32
+    ``random_bits``) or drawn with ``words`` (``compiled.stream_words``: Python ints) for
+    stream elements ``offset ..``; only where :func:`applies`. Returns the first position
+    whose result is not valid (a format without NaN: NaN input, or overflow without sat),
+    else -1."""
+    return _call(x, spec, False, words, random_bits, out, _VALUES, offset)
 
 
-def encode_into(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor, packed: bool) -> int | None:
-    """Codes of flat contiguous ``x`` (float32 or 16-bit) in ``fmt`` into ``out`` (uint8
-    or int16, or packed pairs in uint8). Returns the first position that holds no value
-    of fmt, else -1; None when the kernel is unavailable."""
-    return _call(x, fmt, None, None, None, None, out, _output(fmt, packed), 0)
+def rounded(
+    x: torch.Tensor, spec: RoundSpec, words: list[int] | None, offset: int = 0
+) -> torch.Tensor | None:
+    """:func:`round_into` a new tensor of x's shape; None where an element has no valid
+    result (the torch kernels then say which, with their error)."""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return out if round_into(x.reshape(-1), spec, words, None, out.view(-1), offset) == -1 else None
 
 
-def _output(fmt: FloatFormat, packed: bool) -> int:
-    return _CODES_PACKED if packed else _CODES_U8 if fmt.k <= 8 else _CODES_I16
+def encode_into(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor, packed: bool) -> int:
+    """Codes of flat ``x`` (float32 or 16-bit) in ``fmt`` into ``out`` (uint8 or int16, or
+    packed pairs in uint8); only where :func:`usable`. Returns the first position that
+    holds no value of fmt, else -1."""
+    check = make_spec(torch.float32, fmt, RoundMode.RNE, False, None, None)
+    output = _CODES_PACKED if packed else _CODES_U8 if fmt.k <= 8 else _CODES_I16
+    return _call(x, check, True, None, None, out, output, 0)
 
 
-def _call(x, fmt, mode, spec, words, random_bits, out, output, offset) -> int | None:
+def _call(x, spec: RoundSpec, encode: bool, words, random_bits, out: torch.Tensor, output: int,
+          offset: int) -> int:  # fmt: skip
     library = _load()
-    if library is None:
-        return None
-    if mode is None:  # encode: round to nearest, never saturating, must leave x unchanged
-        check = make_spec(torch.float32, fmt, RoundMode.RNE, False, None, None)
-        params = _params(fmt, RoundMode.RNE, False, None, None)
-        mode_id = _ENCODE_MAGIC if magic_applies(check, torch.float32) else _ENCODE
-    else:
-        params, mode_id = _params(fmt, mode, spec.sat, spec.bits, spec.select_below), _mode_id(spec)
+    assert library is not None, "the native kernel is called only where usable() found it built"
+    params, kernel = _kernel(spec, encode)
+    x = x.contiguous()  # the kernel reads flat memory
+    random_bits = None if random_bits is None else random_bits.contiguous()
     keys = (ctypes.c_uint32 * 4)(*(words or ()))
     given = None if random_bits is None else random_bits.data_ptr()
     return library.fewbit_round(x.data_ptr(), _DTYPES[x.dtype], out.data_ptr(), output, x.numel(), offset,
-                                params, mode_id, keys, given, torch.get_num_threads())
+                                 params, kernel, keys, given, torch.get_num_threads())
 
 
 def _load() -> ctypes.CDLL | None:

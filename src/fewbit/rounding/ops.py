@@ -98,23 +98,17 @@ def _round_into(x, spec: RoundSpec, key, random_bits, out: torch.Tensor) -> None
     flat_rand = None if rand is None else rand.reshape(-1)
     # On a CPU the key's words as Python ints: the native kernel and the eager generator take them.
     ints = Key(*key.tolist()) if key is not None and key.device.type == "cpu" else key
-    bad = _native(flat, spec, ints, flat_rand, result)
-    if bad is None:
+    if native.applies(spec, flat, flat_rand):
+        words = None if ints is None else stream_words(spec, ints)
+        invalid = native.round_into(flat, spec, words, flat_rand, result) >= 0
+    else:
         if not (use_compiled(flat.numel()) and compiled_round(flat, spec, key, flat_rand, result)):
             _in_chunks(flat, spec, ints, flat_rand, result)
-        bad = 0 if not spec.fmt.has_nans else -1  # 0: look
-    if bad >= 0:
+        invalid = not spec.fmt.has_nans  # found out by the check below
+    if invalid:
         _raise_on_invalid(flat, result, spec)
     if not direct:
         out.copy_(result.view(x.shape))
-
-
-def _native(flat, spec: RoundSpec, key: Key | None, rand, out: torch.Tensor) -> int | None:
-    """The native kernel's call (:func:`native.round_into`), or None where it does not apply."""
-    if not native.applies(spec, flat, rand):
-        return None
-    flat, rand = flat.contiguous(), None if rand is None else rand.contiguous()
-    return native.round_into(flat, spec, None if key is None else stream_words(spec, key), rand, out)
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
