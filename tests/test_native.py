@@ -179,3 +179,87 @@ def test_outputs_beyond_the_caches_stream_the_same_bits(dtype):
     for mode, kw in (("rne", {}), ("src", {"bits": 3, "seed": 9}), ("sr", {"seed": 2})):
         expected, got = eager_and_native(lambda: fewbit.round(x, "binary8p4", mode, **kw))
         assert same_bits(got, expected), mode
+
+
+# Block formats the kernel takes (power-of-two scales): each element family, blocks of 1 to 512.
+BLOCK_FORMATS = ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4", "mxint8", "hbfp4",
+                 "bfp6_b16", "mx_binary8p4", "mx_binary8p1", "bfp8_b1", "bfp3_b512"]  # fmt: skip
+
+
+def edge_blocks(blocks: int, size: int, seed: int) -> torch.Tensor:
+    """``blocks`` float32 blocks of ``size`` (flat), each at its own magnitude anywhere in
+    float32 (subnormal to near overflow) with random fraction bits, elements up to 2^-30
+    below the block's top; one in 8 elements zero, one in 64 Inf, one in 128 NaN; and
+    whole blocks of zeros, of subnormals, and at the top of float32."""
+    gen = torch.Generator().manual_seed(seed)
+    top = torch.randint(1, 255, (blocks, 1), generator=gen, dtype=torch.int32)
+    field = (top - torch.randint(0, 31, (blocks, size), generator=gen, dtype=torch.int32)).clamp(min=0)
+    fraction = torch.randint(0, 1 << 23, (blocks, size), generator=gen, dtype=torch.int32)
+    sign = torch.randint(0, 2, (blocks, size), generator=gen, dtype=torch.int32) << 31
+    bits = sign | (field << 23) | fraction
+    special = torch.randint(0, 128, (blocks, size), generator=gen)
+    bits = torch.where(special < 16, sign, bits)
+    bits = torch.where(special == 16, sign | 0x7F800000, bits)
+    bits = torch.where(special == 17, 0x7FC00000, bits)
+    bits[0] = 0
+    bits[1] = fraction[1] >> 4  # subnormals only
+    bits[2] = sign[2] | 0x7F7FFFFF  # float32's largest magnitude
+    return bits.view(torch.float32).reshape(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", BLOCK_FORMATS)
+def test_block_formats_same_bits_as_torch(name, dtype):
+    """block.round's values and block.quantize's codes and scales equal the torch kernel's
+    for every scale rule, deterministic and stochastic modes, generated and given bits."""
+    from fewbit import block
+
+    bfmt = block.format(name)
+    if not fewbit.rounding.dtype_format(dtype).contains(bfmt.element):
+        pytest.skip(f"{dtype} cannot hold {bfmt.element.name}")
+    x = edge_blocks(max(2048 // bfmt.block_size, 8), bfmt.block_size, seed=len(name)).to(dtype)
+    if not bfmt.element.has_nans:
+        x = torch.nan_to_num(x, nan=0.0, posinf=float("inf"), neginf=-float("inf"))
+    x = x.reshape(-1, 4 * bfmt.block_size) if x.numel() % (4 * bfmt.block_size) == 0 else x.reshape(1, -1)
+    given = torch.randint(0, 4, x.shape, generator=torch.Generator().manual_seed(5), dtype=torch.int32)
+    calls = [("rne", {}), ("rtz", {}), ("rup", {}), ("src", {"bits": 3, "seed": 4}), ("sr", {"seed": 2}),
+             ("srf", {"bits": 2, "random_bits": given})]
+    for rule in ("floor", "ceil", "rceil", "even"):
+        for mode, kw in calls if rule == "floor" else calls[:1] + calls[3:4]:
+            where = f"{name} {dtype} {rule} {mode}"
+            expected, got = eager_and_native(lambda: block.round(x, bfmt, mode, rule=rule, **kw))
+            assert not isinstance(expected, str), expected
+            assert same_bits(got, expected), where
+            expected, got = eager_and_native(lambda: block.quantize(x, bfmt, mode, rule=rule, **kw))
+            assert torch.equal(got.codes, expected.codes) and torch.equal(got.scales, expected.scales), where
+
+
+def test_block_overflow_error_and_threads():
+    """Without sat, an element beyond a format without Inf or NaN is refused as the torch
+    kernel refuses it; 1 and 2 threads give the same bits; every mode of the table."""
+    from fewbit import block
+
+    x = torch.tensor([[7.0, 1.0] * 16])
+    expected, got = eager_and_native(lambda: block.round(x, "mxfp4", sat=False))
+    assert isinstance(expected, str) and got == expected
+    x = edge_blocks(4096, 32, seed=3).reshape(-1, 256)
+    x = torch.nan_to_num(x, nan=0.0)
+    for mode, kw in MODE_ARGS.items():
+        expected, got = eager_and_native(lambda: block.round(x, "mxfp8_e4m3", mode, **kw))
+        assert same_bits(got, expected), mode
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = block.round(x, "mxfp4", "src", bits=3, seed=1)
+        torch.set_num_threads(2)
+        assert same_bits(block.round(x, "mxfp4", "src", bits=3, seed=1), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_block_outputs_beyond_the_caches_stream_the_same_bits():
+    from fewbit import block
+
+    x = torch.randn(1 << 12, (1 << 10) + 32, generator=torch.Generator().manual_seed(6)) * 100
+    expected, got = eager_and_native(lambda: block.round(x, "mxfp8_e4m3", "src", bits=3, seed=3))
+    assert same_bits(got, expected)

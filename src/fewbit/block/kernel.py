@@ -2,7 +2,8 @@
 elementwise pass that scales, rounds and (for ``round``) scales back.
 
 The same Python runs eager and under ``torch.compile`` (``ops`` compiles it once per
-spec), so both give the same bits. Layout: ``x`` with the block axis moved last, padded
+spec), so both give the same bits; native.cpp's block path computes it too, for power-of-two
+scales on a CPU (tests/test_native.py). Layout: ``x`` with the block axis moved last, padded
 with zeros to whole blocks and viewed as ``(rows, blocks, B)``; random bits are drawn for
 x's own flat indices and laid out the same way, so element ``i`` of x takes the bits
 ``fewbit.round`` would give it.

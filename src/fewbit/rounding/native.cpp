@@ -54,12 +54,15 @@ struct Fmt {
   float tiny_scale;  // 2^min_ulp_exponent: a subnormal result is r times it
   float max;  // the largest finite value
   float magic_scale[2];  // magic.py's 2^c / 2^e_t: for RNE (1.5 2^(23 - t)) and SRC (2^(23 - t - N))
+  double max_over_2emax, even_limit;  // block scale rules: max / 2^emax, and 2 - 2^-P
 
   explicit Fmt(const int32_t* params) : tiny_scale(std::ldexp(1.0f, params[MIN_ULP_EXP])) {
     std::memcpy(p, params, sizeof p);
     max = __builtin_bit_cast(float, p[MAX]);
     magic_scale[0] = std::ldexp(1.5f, 23 - p[T]);
     magic_scale[1] = std::ldexp(1.0f, 23 - p[T] - p[BITS]);
+    max_over_2emax = std::ldexp(double(max), -p[EMAX]);
+    even_limit = 2.0 - std::ldexp(1.0, -(p[T] + 1));
     p_is_1 = flag(P_IS_1), has_nz = flag(HAS_NZ), has_zero = flag(HAS_ZERO), sat = flag(SAT);
     has_nans = flag(HAS_NANS);
     extended = flag(EXTENDED), is_signed = flag(SIGNED), twos_complement = flag(TWOS_COMPLEMENT);
@@ -289,6 +292,17 @@ constexpr int CLASSICAL_SR = ENCODE + 3;
 // encode with magic_one's RNE as the check, where magic.magic_applies.
 constexpr int ENCODE_MAGIC = ENCODE + 4;
 
+// Block scaling (block/kernel.py, power-of-two scales): `size` consecutive elements share
+// a scale 2^e, e from their largest magnitude by `rule` (block.formats.SCALE_RULES), and
+// each is rounded as x / 2^e. Rows hold whole blocks: size divides LANES and the call
+// starts at element 0.
+enum Rule { FLOOR, CEIL, RCEIL, EVEN };
+struct Blocks {
+  int size;  // 0: no blocks
+  Rule rule;
+  uint8_t* scales;  // E8M0 codes of the scales (for codes output), or null
+};
+
 struct Job {
   const void* x;
   Dtype dtype;
@@ -299,6 +313,7 @@ struct Job {
   const uint32_t* keys;  // k0, k1 of the bits stream, then those of the selection stream
   const int32_t* given;  // random bits given per element (or null: drawn from keys)
   bool stream;  // write whole rows of values with non-temporal stores
+  Blocks blocks;
 };
 
 inline bool stochastic(int mode) {
@@ -325,6 +340,77 @@ inline void stream_out(const void* src, void* dst, int bytes) {
 // 0xFFFF as in torch's vector conversion (its scalar one, for a tensor's tail, gives 0x7FC0).
 inline uint16_t to_bfloat16(uint32_t u) { return (u & 0x7FFFFFFFu) > 0x7F800000u ? 0xFFFF : uint16_t(u >> 16); }
 
+// 2^e as float32 bits, e in [-127, 127] (2^-127 is a subnormal).
+inline uint32_t pow2_bits(int32_t e) { return e >= -126 ? uint32_t(e + 127) << 23 : 0x00400000u; }
+
+// block.kernel._exponent_of for a block whose largest magnitude is `amax` (not NaN), computed
+// as there on its float64 bits (exact for float32 subnormals; Inf gives log2 1024): the
+// scale's exponent by the rule, clamped to E8M0's [-127, 127].
+inline int32_t block_exponent(float amax, Rule rule, const Fmt& f) {
+  const uint64_t a = __builtin_bit_cast(uint64_t, double(amax));
+  const uint64_t frac = a & ((uint64_t(1) << 52) - 1);
+  const double m = __builtin_bit_cast(double, frac | (uint64_t(1023) << 52));  // amax / 2^floor(log2 amax)
+  int32_t e = int32_t(a >> 52) - 1023 - f[EMAX];
+  e += rule == CEIL ? frac != 0 : rule == RCEIL ? m > f.max_over_2emax : rule == EVEN ? m >= f.even_limit : 0;
+  return amax == 0 ? -127 : clampi(e, -127, 127);  // an all-zero block takes -127, as gfloat
+}
+
+// block.kernel.quantize_blocks up to the rounding, for the whole blocks of lanes 0 .. h1
+// (B elements each; FIXED_B: B known at compile time, 0: read from blocks): each block's
+// scale 2^e (`factor`: its float32 bits, NaN for a block holding a NaN; its E8M0 code into
+// blocks.scales), and the elements x / 2^e into `scaled`. A quotient below float32's
+// normal range becomes +-2^-126 (it rounds alike, and a zero would not), and a NaN block's
+// elements NaN, or 0 in an element format without NaN (the scale carries the NaN).
+template <int FIXED_B>
+void scale_blocks(const uint32_t* __restrict xs, int h0, int h1, int64_t start, const Blocks& blocks,
+                  const Fmt& f, uint32_t* __restrict scaled, uint32_t* __restrict factor) {
+  const int B = FIXED_B > 0 ? FIXED_B : blocks.size;
+  const int b1 = h1 / B;  // h0 is 0: calls start at element 0
+  const uint32_t fill = f.has_nans ? NAN_BITS : 0;
+  // In three passes, each over all the row's blocks, so that one block's chain (reduce,
+  // exponent, scale) overlaps the next block's instead of stalling on it.
+  alignas(64) uint32_t amax[LANES], inv[LANES];
+  for (int b = 0; b < b1; ++b) {
+    uint32_t m = 0;
+    for (int i = 0; i < B; ++i) m = std::max(m, xs[b * B + i] & 0x7FFFFFFFu);
+    amax[b] = m;
+  }
+  for (int b = 0; b < b1; ++b) {
+    const int32_t nan = amax[b] > 0x7F800000u;
+    const int32_t e = nan ? 0 : block_exponent(as_float(amax[b]), blocks.rule, f);
+    factor[b] = nan ? NAN_BITS : pow2_bits(e);
+    inv[b] = pow2_bits(-e);  // x * 2^-e is x / 2^e, correctly rounded alike
+    if (blocks.scales != nullptr) blocks.scales[start / B + b] = nan ? 0xFF : uint8_t(e + 127);  // E8M0
+  }
+  for (int b = 0; b < b1; ++b) {
+    const float s = as_float(inv[b]);
+    const int32_t nan = amax[b] > 0x7F800000u;
+    for (int i = 0; i < B; ++i) {
+      const uint32_t x = xs[b * B + i];
+      const uint32_t q = __builtin_bit_cast(uint32_t, as_float(x) * s);
+      const int32_t under = ((q & 0x7FFFFFFFu) < 0x00800000u) & ((x & 0x7FFFFFFFu) != 0);
+      const uint32_t kept = under ? (x & 0x80000000u) | 0x00800000u : q;
+      scaled[b * B + i] = nan ? fill : kept;
+    }
+  }
+}
+
+// Block values q * 2^e in place, in float32 as block.kernel (FIXED_B as for scale_blocks).
+template <int FIXED_B>
+void scale_back(uint32_t* __restrict rs, int h0, int h1, int B, const uint32_t* __restrict factor) {
+  if (FIXED_B > 0) B = FIXED_B;
+  for (int b = 0; b < h1 / B; ++b) {
+    const float s = as_float(factor[b]);
+    for (int i = 0; i < B; ++i) rs[b * B + i] = __builtin_bit_cast(uint32_t, as_float(rs[b * B + i]) * s);
+  }
+}
+
+// The block sizes of the registered formats get loops of a known length (unrolled, no
+// remainder); others the general one.
+#define FEWBIT_BY_BLOCK_SIZE(B, fn, args) \
+  switch (B) { case 16: fn<16> args; break; case 32: fn<32> args; break; case 64: fn<64> args; break; \
+               default: fn<0> args; }
+
 template <int MODE>
 int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
   // bfloat16 in and out of the float-adder kernels in one loop, into formats with NaN (no
@@ -339,7 +425,9 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
   }
   alignas(64) uint32_t xbuf[LANES], rbuf[LANES], cbuf[LANES];
   const uint32_t mask = (1u << bits) - 1;
-  const bool fused = FUSED_BF16 && job.dtype == BF16 && job.output == VALUES && f.has_nans;
+  const int B = job.blocks.size;
+  alignas(64) uint32_t sbuf[LANES], factor[LANES];  // blocks: the scaled elements, each block's 2^e
+  const bool fused = FUSED_BF16 && job.dtype == BF16 && job.output == VALUES && f.has_nans && B == 0;
   int64_t bad = -1;
   for (int64_t row = row0; row < row1; ++row) {
     const int64_t start = row * LANES;
@@ -363,6 +451,10 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
       }
       xs = xbuf;
     }
+    if (B > 0) {
+      FEWBIT_BY_BLOCK_SIZE(B, scale_blocks, (xs, h0, h1, start, job.blocks, f, sbuf, factor))
+      xs = sbuf;
+    }
     // The rounding loop reads its fields in place: from the stream's words, or the given bits
     // (the N rounding bits low, sr_fraction's selection bits above them).
     Fields n{xs, 0, 0}, sel{xs, 0, 0};  // deterministic modes read none
@@ -380,8 +472,9 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
     const int elem = job.dtype == F32 ? 4 : 2;
     const bool streamed = job.stream && h0 == 0 && h1 == LANES
                           && reinterpret_cast<uintptr_t>(static_cast<char*>(job.out) + pos0 * elem) % 32 == 0;
-    uint32_t* rs = job.output == VALUES && job.dtype == F32 && !streamed ? static_cast<uint32_t*>(job.out) + pos0
-                                                                          : rbuf;
+    // Results go straight out where nothing follows the rounding (not for blocks: q * 2^e).
+    const bool direct = job.output == VALUES && job.dtype == F32 && !streamed && B == 0;
+    uint32_t* rs = direct ? static_cast<uint32_t*>(job.out) + pos0 : rbuf;
     if constexpr (MODE == ENCODE || MODE == ENCODE_MAGIC) {
       for (int h = h0; h < h1; ++h)
         rs[h] = MODE == ENCODE_MAGIC ? magic_one<false>(xs[h], 0, f) : round_one<RNE>(xs[h], 0, 0, f);
@@ -415,10 +508,16 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
           if ((rs[h] & 0x7FFFFFFFu) > 0x7F800000u) bad = pos0 + h;
       }
     }
+    // Block values: q * 2^e, in float32 as block.kernel. From a bfloat16 x they are bfloat16
+    // values too: where q's grid times 2^e is finer than bfloat16's at x / 2^e, x / 2^e lies
+    // on it and q * 2^e = x; elsewhere q * 2^e is a multiple of bfloat16's step there.
+    if (B > 0 && job.output == VALUES) FEWBIT_BY_BLOCK_SIZE(B, scale_back, (rs, h0, h1, B, factor))
     switch (job.output) {
       case VALUES:
         if (job.dtype == F32 && streamed) {
           stream_out(rbuf, static_cast<uint32_t*>(job.out) + pos0, LANES * 4);
+        } else if (job.dtype == F32 && !direct) {
+          std::memcpy(static_cast<uint32_t*>(job.out) + pos0 + h0, rs + h0, size_t(h1 - h0) * 4);
         } else if (job.dtype == BF16) {
           uint16_t* o = static_cast<uint16_t*>(job.out) + pos0;
           for (int h = h0; h < h1; ++h) o[h] = to_bfloat16(rs[h]);
@@ -465,22 +564,12 @@ constexpr int64_t STREAM_BYTES = int64_t(16) << 20;
 // Fewer rows than this per thread cost more to start a thread for than they save.
 constexpr int64_t MIN_ROWS_PER_THREAD = 64;
 
-}  // namespace
-
-extern "C" {
-
-// Round (mode 0 .. FRACTION) or encode (mode ENCODE) x[0 .. n) of dtype into out, the
-// elements being offset .. offset + n of the random stream. Returns the first position
-// without a valid result, or -1.
-int64_t fewbit_round(const void* x, int dtype, void* out, int output, int64_t n, int64_t offset,
-                     const int32_t* params, int mode, const uint32_t* keys, const int32_t* given,
-                     int threads) {
-  if (n <= 0) return -1;
-  // Streaming pays where the output outgrows the caches.
-  const bool stream = output == VALUES && dtype != F16 && n * (dtype == F32 ? 4 : 2) >= STREAM_BYTES;
-  const Job job{x, Dtype(dtype), out, Output(output), n, offset, Fmt(params), keys, given, stream};
+// Run a job's rows on `threads` OpenMP threads; returns the first position without a valid
+// result, or -1.
+int64_t run(const Job& job, int mode, int threads) {
+  if (job.n <= 0) return -1;
   const RowsFn kernel = KERNELS[mode];
-  const int64_t first = offset / LANES, end = (offset + n + LANES - 1) / LANES;
+  const int64_t first = job.offset / LANES, end = (job.offset + job.n + LANES - 1) / LANES;
   const int64_t rows = end - first;
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, rows / MIN_ROWS_PER_THREAD));
   if (workers == 1) return kernel(job, first, end);
@@ -493,6 +582,38 @@ int64_t fewbit_round(const void* x, int dtype, void* out, int output, int64_t n,
   for (int64_t b : bad)
     if (b >= 0) return b;  // workers hold rows in order: the first one found is the first
   return -1;
+}
+
+// Streaming pays where the output outgrows the caches.
+bool streams(int dtype, int output, int64_t n) {
+  return output == VALUES && dtype != F16 && n * (dtype == F32 ? 4 : 2) >= STREAM_BYTES;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Round (mode 0 .. FRACTION) or encode (mode ENCODE) x[0 .. n) of dtype into out, the
+// elements being offset .. offset + n of the random stream. Returns the first position
+// without a valid result, or -1.
+int64_t fewbit_round(const void* x, int dtype, void* out, int output, int64_t n, int64_t offset,
+                     const int32_t* params, int mode, const uint32_t* keys, const int32_t* given,
+                     int threads) {
+  const Job job{x, Dtype(dtype), out, Output(output), n, offset, Fmt(params), keys, given,
+                streams(dtype, output, n), Blocks{0, FLOOR, nullptr}};
+  return run(job, mode, threads);
+}
+
+// Block-quantise x[0 .. n) (n a multiple of block_size, which divides LANES) with the
+// element rounding of params and mode: values q * 2^e in x's dtype into out, or element
+// codes into out and the blocks' E8M0 codes into scales. Random bits: those of elements
+// 0 .. n of the stream, as for fewbit_round.
+int64_t fewbit_block(const void* x, int dtype, void* out, int output, int64_t n, const int32_t* params,
+                     int mode, const uint32_t* keys, const int32_t* given, int threads, int block_size,
+                     int rule, uint8_t* scales) {
+  const Job job{x, Dtype(dtype), out, Output(output), n, 0, Fmt(params), keys, given,
+                streams(dtype, output, n), Blocks{block_size, Rule(rule), scales}};
+  return run(job, mode, threads);
 }
 
 }  // extern "C"

@@ -34,7 +34,7 @@ from .checks import RoundSpec, make_spec
 from .magic import magic_applies
 from .modes import MODES, SELECT_BITS, RoundMode
 
-__all__ = ["applies", "encode_into", "fits", "round_into", "rounded", "usable"]
+__all__ = ["applies", "block_applies", "block_into", "encode_into", "fits", "round_into", "rounded", "usable"]
 
 SOURCE = Path(__file__).with_name("native.cpp")
 #: -fno-trapping-math lets the vectoriser compute both sides of a select (no float op here
@@ -57,6 +57,10 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _VALUES, _CODES_U8, _CODES_I16, _CODES_PACKED = range(4)
 #: Few-bit SR sums d_N + n in int32.
 MAX_BITS = 30
+#: Elements per row of native.cpp: a block size that divides it keeps every block in a row.
+LANES = 512
+#: native.cpp's ``Rule`` enum: the power-of-two scale rules of block.formats.SCALE_RULES.
+_RULES = {"floor": 0, "ceil": 1, "rceil": 2, "even": 3}
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -160,8 +164,28 @@ def encode_into(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor, packed: bo
     return _call(x, check, True, None, None, out, output, 0)
 
 
+def block_applies(spec: RoundSpec, x: torch.Tensor, random_bits: torch.Tensor | None, block_size: int,
+                  rule: str) -> bool:  # fmt: skip
+    """Whether :func:`block_into` takes a block call whose elements round by ``spec``."""
+    return LANES % block_size == 0 and rule in _RULES and applies(spec, x, random_bits)
+
+
+def block_into(
+    x: torch.Tensor, spec: RoundSpec, words: list[int] | None, random_bits: torch.Tensor | None,
+    out: torch.Tensor, scales: torch.Tensor | None, *, block_size: int, rule: str, packed: bool = False,
+) -> int:
+    """Block-quantise flat ``x`` (whole blocks of ``block_size`` consecutive elements, a
+    power-of-two scale each by ``rule``), its elements rounded by ``spec`` with the bits
+    of stream elements ``0 ..`` (or given): into ``out`` the values ``q 2^e`` in x's dtype
+    (``scales`` None), or the element codes (uint8, ``packed`` pairs) and into ``scales``
+    the E8M0 codes; only where :func:`block_applies`. Returns :func:`round_into`'s answer."""
+    output = _VALUES if scales is None else _CODES_PACKED if packed else _CODES_U8
+    block = (block_size, _RULES[rule], None if scales is None else scales.data_ptr())
+    return _call(x, spec, False, words, random_bits, out, output, 0, block)
+
+
 def _call(x, spec: RoundSpec, encode: bool, words, random_bits, out: torch.Tensor, output: int,
-          offset: int) -> int:  # fmt: skip
+          offset: int, block: tuple | None = None) -> int:  # fmt: skip
     library = _load()
     assert library is not None, "the native kernel is called only where usable() found it built"
     params, kernel = _kernel(spec, encode)
@@ -169,8 +193,10 @@ def _call(x, spec: RoundSpec, encode: bool, words, random_bits, out: torch.Tenso
     random_bits = None if random_bits is None else random_bits.contiguous()
     keys = (ctypes.c_uint32 * 4)(*(words or ()))
     given = None if random_bits is None else random_bits.data_ptr()
-    return library.fewbit_round(x.data_ptr(), _DTYPES[x.dtype], out.data_ptr(), output, x.numel(), offset,
-                                 params, kernel, keys, given, torch.get_num_threads())
+    args = (x.data_ptr(), _DTYPES[x.dtype], out.data_ptr(), output, x.numel())
+    if block is None:
+        return library.fewbit_round(*args, offset, params, kernel, keys, given, torch.get_num_threads())
+    return library.fewbit_block(*args, params, kernel, keys, given, torch.get_num_threads(), *block)
 
 
 def _load() -> ctypes.CDLL | None:
@@ -231,6 +257,12 @@ def _open(path: Path) -> ctypes.CDLL:
     library.fewbit_round.argtypes = [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+    ]
+    library.fewbit_block.restype = ctypes.c_int64
+    library.fewbit_block.argtypes = [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+        ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
     ]
     return library
 
