@@ -181,9 +181,20 @@ def test_outputs_beyond_the_caches_stream_the_same_bits(dtype):
         assert same_bits(got, expected), mode
 
 
-# Block formats the kernel takes (power-of-two scales): each element family, blocks of 1 to 512.
+# Block formats the kernel takes: each element family, blocks of 1 to 512, E8M0 scales and
+# E4M3 ones (NVFP4, with and without its per-tensor scale).
 BLOCK_FORMATS = ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4", "mxint8", "hbfp4",
-                 "bfp6_b16", "mx_binary8p4", "mx_binary8p1", "bfp8_b1", "bfp3_b512"]  # fmt: skip
+                 "bfp6_b16", "mx_binary8p4", "mx_binary8p1", "bfp8_b1", "bfp3_b512", "nvfp4",
+                 "e4m3 scaled by e4m3"]  # fmt: skip
+
+
+def block_format(name: str):
+    from fewbit import block
+
+    if name == "e4m3 scaled by e4m3":
+        e4m3 = fewbit.format("ocp_e4m3")
+        return block.BlockFormat(name, e4m3, 32, e4m3, rule="nearest")
+    return block.format(name)
 
 
 def edge_blocks(blocks: int, size: int, seed: int) -> torch.Tensor:
@@ -211,27 +222,38 @@ def edge_blocks(blocks: int, size: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("name", BLOCK_FORMATS)
 def test_block_formats_same_bits_as_torch(name, dtype):
     """block.round's values and block.quantize's codes and scales equal the torch kernel's
-    for every scale rule, deterministic and stochastic modes, generated and given bits."""
+    for every scale rule, deterministic and stochastic modes, generated and given bits: on
+    blocks anywhere in float32's range (where a per-tensor scale zeroes most of them), and
+    on Gaussian blocks spread over 2^-20 .. 2^20."""
     from fewbit import block
 
-    bfmt = block.format(name)
+    bfmt = block_format(name)
     if not fewbit.rounding.dtype_format(dtype).contains(bfmt.element):
         pytest.skip(f"{dtype} cannot hold {bfmt.element.name}")
-    x = edge_blocks(max(2048 // bfmt.block_size, 8), bfmt.block_size, seed=len(name)).to(dtype)
-    if not bfmt.element.has_nans:
-        x = torch.nan_to_num(x, nan=0.0, posinf=float("inf"), neginf=-float("inf"))
-    x = x.reshape(-1, 4 * bfmt.block_size) if x.numel() % (4 * bfmt.block_size) == 0 else x.reshape(1, -1)
-    given = torch.randint(0, 4, x.shape, generator=torch.Generator().manual_seed(5), dtype=torch.int32)
+    size = bfmt.block_size
+    width = 4 * size if 2048 % (4 * size) == 0 else size
+    edges = edge_blocks(max(2048 // size, 8), size, seed=len(name)).reshape(-1, width)
+    gen = torch.Generator().manual_seed(5)
+    spread = 2.0 ** torch.randint(-20, 21, (edges.shape[0], 1), generator=gen)
+    given = torch.randint(0, 4, edges.shape, generator=gen, dtype=torch.int32)
     calls = [("rne", {}), ("rtz", {}), ("rup", {}), ("src", {"bits": 3, "seed": 4}), ("sr", {"seed": 2}),
              ("srf", {"bits": 2, "random_bits": given})]
-    for rule in ("floor", "ceil", "rceil", "even"):
-        for mode, kw in calls if rule == "floor" else calls[:1] + calls[3:4]:
-            where = f"{name} {dtype} {rule} {mode}"
-            expected, got = eager_and_native(lambda: block.round(x, bfmt, mode, rule=rule, **kw))
-            assert not isinstance(expected, str), expected
-            assert same_bits(got, expected), where
-            expected, got = eager_and_native(lambda: block.quantize(x, bfmt, mode, rule=rule, **kw))
-            assert torch.equal(got.codes, expected.codes) and torch.equal(got.scales, expected.scales), where
+    rules = [r for r, row in block.SCALE_RULES.items() if row.power_of_two == bfmt.power_of_two]
+    for x in (edges, torch.randn(edges.shape, generator=gen) * spread):
+        x = x.to(dtype)
+        if not bfmt.element.has_nans:
+            x = torch.nan_to_num(x, nan=0.0, posinf=float("inf"), neginf=-float("inf"))
+        for rule in rules:
+            for mode, kw in calls if rule == rules[0] else calls[:1] + calls[3:4]:
+                where = f"{name} {dtype} {rule} {mode}"
+                expected, got = eager_and_native(lambda: block.round(x, bfmt, mode, rule=rule, **kw))
+                assert not isinstance(expected, str), expected
+                assert same_bits(got, expected), where
+                expected, got = eager_and_native(lambda: block.quantize(x, bfmt, mode, rule=rule, **kw))
+                assert torch.equal(got.codes, expected.codes), where
+                assert torch.equal(got.scales, expected.scales), where
+                if bfmt.tensor_scale:
+                    assert torch.equal(got.tensor_scale, expected.tensor_scale), where
 
 
 def test_block_overflow_error_and_threads():
@@ -263,3 +285,16 @@ def test_block_outputs_beyond_the_caches_stream_the_same_bits():
     x = torch.randn(1 << 12, (1 << 10) + 32, generator=torch.Generator().manual_seed(6)) * 100
     expected, got = eager_and_native(lambda: block.round(x, "mxfp8_e4m3", "src", bits=3, seed=3))
     assert same_bits(got, expected)
+
+
+def test_block_e4m3_scale_ties_round_to_even():
+    """A block whose amax / M falls halfway between two E4M3 values takes the even one, in
+    the native kernel as in the torch kernel: 476 / 448 = 1.0625 lies between 1 and 1.125."""
+    from fewbit import block
+
+    bfmt = block_format("e4m3 scaled by e4m3")
+    x = torch.zeros(2, 64)
+    x[:, 0] = 476.0
+    expected, got = eager_and_native(lambda: block.quantize(x, bfmt))
+    assert got.scales.tolist() == [[0x38, 0], [0x38, 0]]  # E4M3 1.0: exponent field 7, fraction 0
+    assert torch.equal(got.scales, expected.scales) and torch.equal(got.codes, expected.codes)

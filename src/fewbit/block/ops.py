@@ -121,21 +121,21 @@ def _kernel(blocks, words, rand, tensor_scale, *, spec: BlockSpec, fused: bool):
     return codes.to(torch.uint8), codes_of(scale.squeeze(-1), spec.bfmt.scale).to(torch.uint8), invalid
 
 
-def _native(x: torch.Tensor, spec: BlockSpec, key: Key | None, rand: torch.Tensor | None,
-            fused: bool) -> tuple:
+def _native(x: torch.Tensor, spec: BlockSpec, key: Key | None, rand: torch.Tensor | None, fused: bool,
+            ts: torch.Tensor | None) -> tuple:  # fmt: skip
     """:func:`_run`'s answer from the native CPU kernel, for blocks in x's memory order."""
     size = spec.bfmt.block_size
     flat = x.reshape(-1)
     args = (flat, spec.spec, None if key is None else stream_words(spec.spec, key),
             None if rand is None else rand.reshape(-1))
+    kw = {"block_size": size, "rule": spec.rule, "tensor_scale": 1.0 if ts is None else float(ts)}
     if fused:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        return out, native.block_into(*args, out.view(-1), None, block_size=size, rule=spec.rule) >= 0
+        return out, native.block_into(*args, out.view(-1), None, **kw) >= 0
     rows, blocks = x.numel() // x.shape[-1], x.shape[-1] // size
     codes = x.new_empty((rows, blocks, size // 2 if spec.bfmt.packed else size), dtype=torch.uint8)
     scales = x.new_empty((rows, blocks), dtype=torch.uint8)
-    packed = spec.bfmt.packed
-    bad = native.block_into(*args, codes.view(-1), scales, block_size=size, rule=spec.rule, packed=packed)
+    bad = native.block_into(*args, codes.view(-1), scales, packed=spec.bfmt.packed, **kw)
     return codes, scales, bad >= 0
 
 
@@ -143,15 +143,15 @@ def _run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool, ts: torch
     """The kernel on x's blocks, laid out here (a view when the axis is last and its length
     a multiple of B): the kernel then sees a plain ``(n, B)`` tensor, which Inductor
     vectorises. Where the layout moves elements, their bits are drawn here, by x's own
-    flat indices, and laid out with them. On a CPU, blocks in x's memory order with
-    power-of-two scales go to the native kernel instead (:func:`_native`)."""
+    flat indices, and laid out with them. On a CPU, blocks in x's memory order go to the
+    native kernel instead (:func:`_native`)."""
     size = spec.bfmt.block_size
     rand = check_random_bits(x, spec.spec, random_bits) if key is None else None
     in_order = axis % x.dim() == x.dim() - 1 and x.shape[-1] % size == 0
     cpu_key = Key(*key.tolist()) if key is not None and key.device.type == "cpu" else key
-    if (in_order and spec.bfmt.power_of_two and spec.work_dtype == torch.float32
-            and native.block_applies(spec.spec, x, rand, size, spec.rule)):  # fmt: skip
-        return _native(x, spec, cpu_key, rand, fused)
+    if (in_order and spec.work_dtype == torch.float32
+            and native.block_applies(spec.spec, x, rand, size, spec.bfmt.scale)):  # fmt: skip
+        return _native(x, spec, cpu_key, rand, fused, ts)
     words = None
     if key is not None:
         if not in_order:

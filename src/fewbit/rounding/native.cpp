@@ -292,15 +292,17 @@ constexpr int CLASSICAL_SR = ENCODE + 3;
 // encode with magic_one's RNE as the check, where magic.magic_applies.
 constexpr int ENCODE_MAGIC = ENCODE + 4;
 
-// Block scaling (block/kernel.py, power-of-two scales): `size` consecutive elements share
-// a scale 2^e, e from their largest magnitude by `rule` (block.formats.SCALE_RULES), and
-// each is rounded as x / 2^e. Rows hold whole blocks: size divides LANES and the call
-// starts at element 0.
-enum Rule { FLOOR, CEIL, RCEIL, EVEN };
+// Block scaling (block/kernel.py): `size` consecutive elements share a scale S, set from
+// their largest magnitude by `rule` (block.formats.SCALE_RULES), and each is rounded as
+// x / S. S is 2^e (E8M0) for the first four rules, and for the last two a value of E4M3
+// times a per-tensor float32 scale (NVFP4). Rows hold whole blocks: size divides LANES
+// and the call starts at element 0.
+enum Rule { FLOOR, CEIL, RCEIL, EVEN, NEAREST, UP };
 struct Blocks {
   int size;  // 0: no blocks
   Rule rule;
-  uint8_t* scales;  // E8M0 codes of the scales (for codes output), or null
+  float tensor_scale;  // 1 where the format has none
+  uint8_t* scales;  // codes of the scales (for codes output), or null
 };
 
 struct Job {
@@ -340,6 +342,11 @@ inline void stream_out(const void* src, void* dst, int bytes) {
 // 0xFFFF as in torch's vector conversion (its scalar one, for a tensor's tail, gives 0x7FC0).
 inline uint16_t to_bfloat16(uint32_t u) { return (u & 0x7FFFFFFFu) > 0x7F800000u ? 0xFFFF : uint16_t(u >> 16); }
 
+// The same for any float32, rounded to nearest even as torch converts.
+inline uint16_t round_to_bfloat16(uint32_t u) {
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? 0xFFFF : uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 // 2^e as float32 bits, e in [-127, 127] (2^-127 is a subnormal).
 inline uint32_t pow2_bits(int32_t e) { return e >= -126 ? uint32_t(e + 127) << 23 : 0x00400000u; }
 
@@ -355,20 +362,36 @@ inline int32_t block_exponent(float amax, Rule rule, const Fmt& f) {
   return amax == 0 ? -127 : clampi(e, -127, 127);  // an all-zero block takes -127, as gfloat
 }
 
+// block.kernel.block_scales for an E4M3 scale: `target` (amax / M / tensor scale, in
+// float64) rounded to E4M3 (to nearest even, or up), saturating at its largest value 448.
+// Returns the scale and sets its code.
+inline double e4m3_scale(double target, bool up, uint8_t& code) {
+  if (target >= 448.0) {  // Inf too; beyond 448 both roundings saturate to it
+    code = 0x7E;
+    return 448.0;
+  }
+  const int e = std::max(std::ilogb(target), -6);  // E4M3: emin -6, 3 fraction bits
+  const double r = up ? std::ceil(std::ldexp(target, 3 - e)) : std::nearbyint(std::ldexp(target, 3 - e));
+  code = uint8_t(8 * (e + 6) + int(r));  // r 2^(e-3), r <= 16; subnormals (e = -6, r < 8) too
+  return std::ldexp(r, e - 3);
+}
+
 // block.kernel.quantize_blocks up to the rounding, for the whole blocks of lanes 0 .. h1
 // (B elements each; FIXED_B: B known at compile time, 0: read from blocks): each block's
-// scale 2^e (`factor`: its float32 bits, NaN for a block holding a NaN; its E8M0 code into
-// blocks.scales), and the elements x / 2^e into `scaled`. A quotient below float32's
-// normal range becomes +-2^-126 (it rounds alike, and a zero would not), and a NaN block's
-// elements NaN, or 0 in an element format without NaN (the scale carries the NaN).
+// factor S (its float32 bits; NaN for a block holding a NaN) and its scale's code into
+// blocks.scales, and the elements x / S into `scaled`. A quotient below float32's normal
+// range becomes +-2^-126 (it rounds alike, and a zero would not); a block whose S is 0
+// holds zeros, and a NaN block's elements are NaN, or 0 in an element format without NaN
+// (the scale carries the NaN).
 template <int FIXED_B>
 void scale_blocks(const uint32_t* __restrict xs, int h0, int h1, int64_t start, const Blocks& blocks,
                   const Fmt& f, uint32_t* __restrict scaled, uint32_t* __restrict factor) {
   const int B = FIXED_B > 0 ? FIXED_B : blocks.size;
   const int b1 = h1 / B;  // h0 is 0: calls start at element 0
   const uint32_t fill = f.has_nans ? NAN_BITS : 0;
+  const bool pow2 = blocks.rule < NEAREST;
   // In three passes, each over all the row's blocks, so that one block's chain (reduce,
-  // exponent, scale) overlaps the next block's instead of stalling on it.
+  // scale, divide) overlaps the next block's instead of stalling on it.
   alignas(64) uint32_t amax[LANES], inv[LANES];
   for (int b = 0; b < b1; ++b) {
     uint32_t m = 0;
@@ -377,25 +400,34 @@ void scale_blocks(const uint32_t* __restrict xs, int h0, int h1, int64_t start, 
   }
   for (int b = 0; b < b1; ++b) {
     const int32_t nan = amax[b] > 0x7F800000u;
-    const int32_t e = nan ? 0 : block_exponent(as_float(amax[b]), blocks.rule, f);
-    factor[b] = nan ? NAN_BITS : pow2_bits(e);
-    inv[b] = pow2_bits(-e);  // x * 2^-e is x / 2^e, correctly rounded alike
-    if (blocks.scales != nullptr) blocks.scales[start / B + b] = nan ? 0xFF : uint8_t(e + 127);  // E8M0
+    uint8_t code;
+    if (pow2) {
+      const int32_t e = nan ? 0 : block_exponent(as_float(amax[b]), blocks.rule, f);
+      factor[b] = pow2_bits(e);
+      inv[b] = pow2_bits(-e);  // x * 2^-e is x / 2^e, correctly rounded alike
+      code = uint8_t(e + 127);  // E8M0
+    } else {
+      const double target = double(as_float(amax[b])) / double(f.max) / double(blocks.tensor_scale);
+      const float scale = float(e4m3_scale(target, blocks.rule == UP, code));
+      factor[b] = __builtin_bit_cast(uint32_t, scale * blocks.tensor_scale);
+    }
+    factor[b] = nan ? NAN_BITS : factor[b];
+    if (blocks.scales != nullptr) blocks.scales[start / B + b] = nan ? 0xFF : code;  // E8M0's and E4M3's NaN
   }
   for (int b = 0; b < b1; ++b) {
-    const float s = as_float(inv[b]);
-    const int32_t nan = amax[b] > 0x7F800000u;
+    const float s = as_float(pow2 ? inv[b] : factor[b]);
+    const int32_t nan = amax[b] > 0x7F800000u, zero = as_float(factor[b]) == 0.0f;
     for (int i = 0; i < B; ++i) {
       const uint32_t x = xs[b * B + i];
-      const uint32_t q = __builtin_bit_cast(uint32_t, as_float(x) * s);
+      const uint32_t q = __builtin_bit_cast(uint32_t, pow2 ? as_float(x) * s : as_float(x) / s);
       const int32_t under = ((q & 0x7FFFFFFFu) < 0x00800000u) & ((x & 0x7FFFFFFFu) != 0);
       const uint32_t kept = under ? (x & 0x80000000u) | 0x00800000u : q;
-      scaled[b * B + i] = nan ? fill : kept;
+      scaled[b * B + i] = nan ? fill : zero ? 0 : kept;
     }
   }
 }
 
-// Block values q * 2^e in place, in float32 as block.kernel (FIXED_B as for scale_blocks).
+// Block values q * S in place, in float32 as block.kernel (FIXED_B as for scale_blocks).
 template <int FIXED_B>
 void scale_back(uint32_t* __restrict rs, int h0, int h1, int B, const uint32_t* __restrict factor) {
   if (FIXED_B > 0) B = FIXED_B;
@@ -426,7 +458,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
   alignas(64) uint32_t xbuf[LANES], rbuf[LANES], cbuf[LANES];
   const uint32_t mask = (1u << bits) - 1;
   const int B = job.blocks.size;
-  alignas(64) uint32_t sbuf[LANES], factor[LANES];  // blocks: the scaled elements, each block's 2^e
+  alignas(64) uint32_t sbuf[LANES], factor[LANES];  // blocks: the scaled elements, each block's S
   const bool fused = FUSED_BF16 && job.dtype == BF16 && job.output == VALUES && f.has_nans && B == 0;
   int64_t bad = -1;
   for (int64_t row = row0; row < row1; ++row) {
@@ -472,7 +504,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
     const int elem = job.dtype == F32 ? 4 : 2;
     const bool streamed = job.stream && h0 == 0 && h1 == LANES
                           && reinterpret_cast<uintptr_t>(static_cast<char*>(job.out) + pos0 * elem) % 32 == 0;
-    // Results go straight out where nothing follows the rounding (not for blocks: q * 2^e).
+    // Results go straight out where nothing follows the rounding (not for blocks: q * S).
     const bool direct = job.output == VALUES && job.dtype == F32 && !streamed && B == 0;
     uint32_t* rs = direct ? static_cast<uint32_t*>(job.out) + pos0 : rbuf;
     if constexpr (MODE == ENCODE || MODE == ENCODE_MAGIC) {
@@ -508,19 +540,24 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
           if ((rs[h] & 0x7FFFFFFFu) > 0x7F800000u) bad = pos0 + h;
       }
     }
-    // Block values: q * 2^e, in float32 as block.kernel. From a bfloat16 x they are bfloat16
-    // values too: where q's grid times 2^e is finer than bfloat16's at x / 2^e, x / 2^e lies
-    // on it and q * 2^e = x; elsewhere q * 2^e is a multiple of bfloat16's step there.
+    // Block values: q * S, in float32 as block.kernel. From a bfloat16 x with S = 2^e they are
+    // bfloat16 values too: where q's grid times 2^e is finer than bfloat16's at x / 2^e,
+    // x / 2^e lies on it and q * 2^e = x; elsewhere q * 2^e is a multiple of bfloat16's step
+    // there. Other scales need the rounding.
     if (B > 0 && job.output == VALUES) FEWBIT_BY_BLOCK_SIZE(B, scale_back, (rs, h0, h1, B, factor))
+    const bool exact_bf16 = B == 0 || job.blocks.rule < NEAREST;
     switch (job.output) {
       case VALUES:
         if (job.dtype == F32 && streamed) {
           stream_out(rbuf, static_cast<uint32_t*>(job.out) + pos0, LANES * 4);
         } else if (job.dtype == F32 && !direct) {
           std::memcpy(static_cast<uint32_t*>(job.out) + pos0 + h0, rs + h0, size_t(h1 - h0) * 4);
-        } else if (job.dtype == BF16) {
+        } else if (job.dtype == BF16 && exact_bf16) {
           uint16_t* o = static_cast<uint16_t*>(job.out) + pos0;
           for (int h = h0; h < h1; ++h) o[h] = to_bfloat16(rs[h]);
+        } else if (job.dtype == BF16) {
+          uint16_t* o = static_cast<uint16_t*>(job.out) + pos0;
+          for (int h = h0; h < h1; ++h) o[h] = round_to_bfloat16(rs[h]);
         } else if (job.dtype == F16) {
           uint16_t* o = static_cast<uint16_t*>(job.out) + pos0;
           for (int h = h0; h < h1; ++h) {
@@ -600,19 +637,19 @@ int64_t fewbit_round(const void* x, int dtype, void* out, int output, int64_t n,
                      const int32_t* params, int mode, const uint32_t* keys, const int32_t* given,
                      int threads) {
   const Job job{x, Dtype(dtype), out, Output(output), n, offset, Fmt(params), keys, given,
-                streams(dtype, output, n), Blocks{0, FLOOR, nullptr}};
+                streams(dtype, output, n), Blocks{0, FLOOR, 1.0f, nullptr}};
   return run(job, mode, threads);
 }
 
 // Block-quantise x[0 .. n) (n a multiple of block_size, which divides LANES) with the
-// element rounding of params and mode: values q * 2^e in x's dtype into out, or element
-// codes into out and the blocks' E8M0 codes into scales. Random bits: those of elements
+// element rounding of params and mode: values q * S in x's dtype into out, or element
+// codes into out and the codes of the blocks' scales (E8M0 or E4M3) into scales. Random bits: those of elements
 // 0 .. n of the stream, as for fewbit_round.
 int64_t fewbit_block(const void* x, int dtype, void* out, int output, int64_t n, const int32_t* params,
                      int mode, const uint32_t* keys, const int32_t* given, int threads, int block_size,
-                     int rule, uint8_t* scales) {
+                     int rule, float tensor_scale, uint8_t* scales) {
   const Job job{x, Dtype(dtype), out, Output(output), n, 0, Fmt(params), keys, given,
-                streams(dtype, output, n), Blocks{block_size, Rule(rule), scales}};
+                streams(dtype, output, n), Blocks{block_size, Rule(rule), tensor_scale, scales}};
   return run(job, mode, threads);
 }
 

@@ -59,8 +59,8 @@ _VALUES, _CODES_U8, _CODES_I16, _CODES_PACKED = range(4)
 MAX_BITS = 30
 #: Elements per row of native.cpp: a block size that divides it keeps every block in a row.
 LANES = 512
-#: native.cpp's ``Rule`` enum: the power-of-two scale rules of block.formats.SCALE_RULES.
-_RULES = {"floor": 0, "ceil": 1, "rceil": 2, "even": 3}
+#: native.cpp's ``Rule`` enum: block.formats.SCALE_RULES, power-of-two (E8M0) scales then E4M3 ones.
+_RULES = {"floor": 0, "ceil": 1, "rceil": 2, "even": 3, "nearest": 4, "up": 5}
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -165,22 +165,26 @@ def encode_into(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor, packed: bo
 
 
 def block_applies(spec: RoundSpec, x: torch.Tensor, random_bits: torch.Tensor | None, block_size: int,
-                  rule: str) -> bool:  # fmt: skip
-    """Whether :func:`block_into` takes a block call whose elements round by ``spec``."""
-    return LANES % block_size == 0 and rule in _RULES and applies(spec, x, random_bits)
+                  scale: FloatFormat) -> bool:  # fmt: skip
+    """Whether :func:`block_into` takes a block call whose elements round by ``spec``, with
+    scales of ``scale`` (E8M0, or E4M3)."""
+    return (LANES % block_size == 0 and scale.name in ("ocp_e8m0", "ocp_e4m3")
+            and applies(spec, x, random_bits))  # fmt: skip
 
 
 def block_into(
     x: torch.Tensor, spec: RoundSpec, words: list[int] | None, random_bits: torch.Tensor | None,
-    out: torch.Tensor, scales: torch.Tensor | None, *, block_size: int, rule: str, packed: bool = False,
+    out: torch.Tensor, scales: torch.Tensor | None, *, block_size: int, rule: str, tensor_scale: float = 1.0,
+    packed: bool = False,
 ) -> int:
     """Block-quantise flat ``x`` (whole blocks of ``block_size`` consecutive elements, a
-    power-of-two scale each by ``rule``), its elements rounded by ``spec`` with the bits
-    of stream elements ``0 ..`` (or given): into ``out`` the values ``q 2^e`` in x's dtype
-    (``scales`` None), or the element codes (uint8, ``packed`` pairs) and into ``scales``
-    the E8M0 codes; only where :func:`block_applies`. Returns :func:`round_into`'s answer."""
+    scale S each by ``rule``: a power of two, or E4M3 times ``tensor_scale``), its elements
+    rounded by ``spec`` with the bits of stream elements ``0 ..`` (or given): into ``out``
+    the values ``q S`` in x's dtype (``scales`` None), or the element codes (uint8,
+    ``packed`` pairs) and into ``scales`` the scale codes; only where
+    :func:`block_applies`. Returns :func:`round_into`'s answer."""
     output = _VALUES if scales is None else _CODES_PACKED if packed else _CODES_U8
-    block = (block_size, _RULES[rule], None if scales is None else scales.data_ptr())
+    block = (block_size, _RULES[rule], tensor_scale, None if scales is None else scales.data_ptr())
     return _call(x, spec, False, words, random_bits, out, output, 0, block)
 
 
@@ -262,7 +266,7 @@ def _open(path: Path) -> ctypes.CDLL:
     library.fewbit_block.argtypes = [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-        ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+        ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
     ]
     return library
 
