@@ -128,40 +128,67 @@ def _simplest(a: float, b: float) -> Fraction:
 Step = tuple[Fraction, Fraction, Fraction]
 
 
-@cache
-def scale_steps(bfmt: BlockFormat | str, rule: str | None = None) -> tuple[Step, ...]:
-    """The block scale ``S`` as a step function of ``amax`` on ``[1, 2)``: rows
-    ``(from, to, S)``, read off ``fewbit.block``'s kernel (the rules are stated there once).
+#: Points each bracket of a scale jump is cut into per kernel call while searching for it.
+_SPLIT = 32
 
-    Every rule's ``S`` is non-decreasing in ``amax``; bisection on float64 ``amax`` brackets
-    each jump between two neighbouring floats, and the threshold is the shorter of them:
-    thresholds are short dyadic numbers (``2^j``, ``M 2^j``, ``(2 - 2^-P) 2^j``, ``M`` times
-    an E4M3 value or midpoint). Which side the threshold itself falls on does not matter
-    for a continuous distribution. NVFP4: per-tensor scale 1.
+
+@cache
+def scale_steps(bfmt: BlockFormat | str, rule: str | None = None, lo: Fraction = Fraction(1),
+                hi: Fraction = Fraction(2)) -> tuple[Step, ...]:
+    """The block scale ``S`` as a step function of ``amax`` on ``[lo, hi)`` (default the
+    binade ``[1, 2)``; ends that are floats): rows ``(from, to, S)``, read off
+    ``fewbit.block``'s kernel (the rules are stated there once).
+
+    Every rule's ``S`` is non-decreasing in ``amax``, so a bracket of float64 ``amax`` whose
+    ends have the same ``S`` holds no jump; each bracket whose ends differ is cut in
+    :data:`_SPLIT` (every bracket in one kernel call) until each jump lies between two
+    neighbouring floats, and the threshold is the shorter of them: thresholds are short
+    dyadic numbers (``2^j``, ``M 2^j``, ``(2 - 2^-P) 2^j``, ``M`` times an E4M3 value or
+    midpoint). Which side the threshold itself falls on does not matter for a continuous
+    distribution. NVFP4: per-tensor scale 1.
     """
     bfmt = block_format(bfmt)
     rule = check_rule(bfmt.rule if rule is None else rule, bfmt.scale)
+    lo, hi = Fraction(lo), Fraction(hi)
+    if not (0 < lo < hi and Fraction(float(lo)) == lo and Fraction(float(hi)) == hi):
+        raise ValueError(f"need 0 < lo < hi, both floats, got lo = {lo}, hi = {hi}")
     spec = make_block_spec(torch.float64, bfmt, rule, RoundMode.RNE, True, None, None)
 
-    def scale_at(a: float) -> Fraction:
-        _, factor = block_scales(torch.tensor([[a]], dtype=torch.float64), spec, None)
-        return Fraction(factor.item())
+    def scale_at(amax: torch.Tensor) -> torch.Tensor:
+        return block_scales(amax.reshape(-1, 1), spec, None)[1].view(amax.shape)
 
+    def broken(where: str) -> RuntimeError:
+        return RuntimeError(f"{bfmt.name}, rule {rule}: the scale is not a step function of amax with "
+                            f"short thresholds ({where})")
+
+    cuts = torch.arange(1, _SPLIT, dtype=torch.float64) / _SPLIT
+    left = torch.tensor([float(lo)], dtype=torch.float64)
+    right = torch.tensor([math.nextafter(float(hi), 0.0)], dtype=torch.float64)
+    while True:
+        # Interior points rounded to floats stay within the bracket and in order; once the
+        # ends are neighbouring floats the bracket comes back unchanged.
+        inner = torch.minimum(left[:, None] + (right - left)[:, None] * cuts, right[:, None])
+        points = torch.cat([left[:, None], inner, right[:, None]], dim=1)
+        scales = scale_at(points)
+        if (scales[:, 1:] < scales[:, :-1]).any():
+            raise broken("it decreases")
+        jump = scales[:, 1:] != scales[:, :-1]
+        new_left, new_right = points[:, :-1][jump], points[:, 1:][jump]
+        if torch.equal(new_left, left) and torch.equal(new_right, right):
+            break
+        left, right = new_left, new_right
     steps = []
-    start, left, end = Fraction(1), 1.0, math.nextafter(2.0, 0.0)
-    while (s := scale_at(left)) != scale_at(end):
-        right = end  # scale_at(left) == s != scale_at(right)
-        while math.nextafter(left, math.inf) != right:
-            mid = left + (right - left) / 2
-            left, right = (mid, right) if scale_at(mid) == s else (left, mid)
-        threshold = _simplest(left, right)
-        if scale_at(right) < s or _significand_bits(threshold) > 40:
-            raise RuntimeError(f"{bfmt.name}, rule {rule}: the scale is not a step function of amax with "
-                               f"short thresholds near {threshold}")
-        if threshold > start:  # not the single amax = 1 that ceil still scales down
+    start, s = lo, Fraction(scale_at(torch.tensor(float(lo), dtype=torch.float64)).item())
+    for a, b in zip(left.tolist(), right.tolist(), strict=True):
+        if math.nextafter(a, math.inf) != b:
+            raise broken(f"stuck between {a} and {b}")
+        threshold = _simplest(a, b)
+        if _significand_bits(threshold) > 40:
+            raise broken(f"near {threshold}")
+        if threshold > start:  # not the single amax = lo that ceil still scales down
             steps.append((start, threshold, s))
-        start, left = threshold, right
-    steps.append((start, Fraction(2), s))
+        start, s = threshold, Fraction(scale_at(torch.tensor(b, dtype=torch.float64)).item())
+    steps.append((start, hi, s))
     return tuple(steps)
 
 
