@@ -172,3 +172,22 @@ def test_bias_integral_equals_a_midpoint_sum(mode, bits):
         assert bias.bias_integral(mode, bits, j0 * h, j1 * h) == cells, (j0, j1)
     with pytest.raises(ValueError, match="d0 <= d1"):
         bias.bias_integral(mode, bits, Fraction(1, 2), Fraction(1, 4))
+
+
+@pytest.mark.parametrize("mode, bits", [("srff", 3), ("srf", 1), ("src", 2), ("src_odd", 3), ("rne", None),
+                                        ("rtz", None)])
+def test_away_steps_are_bias_at_plus_d(mode, bits):
+    steps = bias.away_steps(mode, bits)
+    starts = [d for d, _ in steps]
+    assert starts[0] == 0 and starts == sorted(set(starts))
+    assert all(p0 != p1 for (_, p0), (_, p1) in zip(steps, steps[1:], strict=False))
+    # On cells of width 2^-(N+3), finer than every jump, P(away) = bias_at + d is the step's.
+    h = Fraction(1, 1 << ((bits or 1) + 3))
+    for j in range(int(1 / h)):
+        for d in (j * h, (j + Fraction(1, 2)) * h):
+            p_away = next(p for start, p in reversed(steps) if start <= d)
+            assert bias.bias_at(mode, bits, d) + d == p_away or d in starts, (d, p_away)
+    if mode == "srff":  # P(away) = floor(d 2^N) / 2^N
+        assert steps == tuple((Fraction(k, 1 << bits), Fraction(k, 1 << bits)) for k in range(1 << bits))
+    with pytest.raises(ValueError, match="not a step function"):
+        bias.away_steps("sr", None)

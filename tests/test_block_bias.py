@@ -2,15 +2,17 @@
 fewbit.block.round, against figures derived by hand, and against sampling."""
 
 import itertools
+import math
 from fractions import Fraction
 
 import pytest
 import torch
 
 import fewbit
-from fewbit.bias import block_bias
+import fewbit.block.bias as block_bias_module
+from fewbit.bias import bias_at, block_bias
 from fewbit.block import BlockFormat
-from fewbit.block.bias import scale_steps
+from fewbit.block.bias import MAX_GAUSSIAN_BITS, scale_steps
 from fewbit.cli import main
 from fewbit.formats import format as element_format
 
@@ -141,20 +143,158 @@ def test_sampled_uniform_agrees_with_exact(bfmt, mode, bits, rule):
         assert abs(sampled.clipped - float(exact.clipped)) <= 4 * sampled.clipped_stderr, (sampled, exact)
 
 
-def test_gaussian_estimate_where_it_must_match_the_uniform_figure():
-    # Unbiased element rounding and a rule that never clips: zero error whatever the
-    # distribution, as the exact uniform figure says.
-    # (Few-bit SR is unbiased only over whole periods of its per-d bias: for nvfp4 the
-    # scale changes at amax that are not on them, so that check takes sr.)
-    for bfmt, mode, bits, rule in [("mxfp4", "src", 3, "rceil"), ("mxfp4", "srf", 2, "ceil"),
-                                   ("nvfp4", "sr", None, "up")]:
-        exact = block_bias(bfmt, mode, bits, rule)
-        gauss = block_bias(bfmt, mode, bits, rule, "gaussian", samples=2048, seed=1)
-        assert exact.mean_error == 0 and exact.clipped == 0 == gauss.clipped
-        assert not gauss.exact and abs(gauss.mean_error) <= 4 * gauss.stderr, (bfmt, rule, gauss)
-    # Floor clips Gaussian blocks too; SRFF's loss shows in both.
-    gauss = block_bias("mxfp4", "srff", 1, "floor", "gaussian", samples=2048, seed=2)
-    assert gauss.clipped > 10 * gauss.clipped_stderr and gauss.mean_error < -10 * gauss.stderr
+# --- Gaussian blocks ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bfmt, mode, bits, rule", [
+    ("nvfp4", "src", 2, "nearest"), ("nvfp4", "rne", None, "up"), ("mxfp4", "srff", 1, "floor"),
+    ("mxfp4", "rne", None, "even"), ("mxfp8_e4m3", "src", 3, "even"), ("mxfp8_e4m3", "rne", None, "floor"),
+    ("hbfp8", "srff", 3, "floor"), ("hbfp4", "srf", 2, "floor"),
+])
+def test_computed_gaussian_agrees_with_sampled(bfmt, mode, bits, rule):
+    computed = block_bias(bfmt, mode, bits, rule, "gaussian")
+    sampled = block_bias(bfmt, mode, bits, rule, "gaussian", samples=4096, seed=5)
+    assert computed.exact and computed.samples is None and computed.stderr == 0
+    assert isinstance(computed.mean_error, float) and not sampled.exact
+    assert abs(sampled.mean_error - computed.mean_error) <= 5 * sampled.stderr, (sampled, computed)
+    if computed.clipped == 0:
+        assert sampled.clipped == 0
+    else:
+        assert abs(sampled.clipped - computed.clipped) <= 5 * sampled.clipped_stderr, (sampled, computed)
+
+
+def gaussian_brute_force(bfmt: BlockFormat, mode: str, bits: int | None, rule: str, per_binade: int = 512,
+                         sigmas: int = 8) -> tuple[float, float]:
+    """Mean error / sigma and clipped share of element 1 of blocks of two i.i.d. N(0, sigma^2)
+    values, sigma = 2^u, by midpoint rules, rounding through fewbit.block.round with every
+    random integer.
+
+    Magnitudes on cells of equal width, ``per_binade`` to a binade, from 2^-12 to 32 (outside
+    them lies less than 1e-7 of the figure), so that every point where the scale changes or
+    the error jumps is a cell edge: on a cell the scale is then fixed and the expected error
+    affine, and the midpoint rule errs by O(width^2). Element 1 takes the midpoint rule; the
+    other element only sets the scale when it is the larger, so it takes each cell's exact
+    probability. u: the midpoint rule, which for a periodic function (E8M0 scales make the
+    figure one in u) converges faster than any power."""
+    edges = torch.cat([2.0 ** j * (1 + torch.arange(per_binade, dtype=torch.float64) / per_binade)
+                       for j in range(-12, 5)] + [torch.tensor([32.0], dtype=torch.float64)])
+    mid = (edges[:-1] + edges[1:]) / 2
+    n = mid.numel()
+    ns = range(1 << bits) if bits else [None]
+
+    def rounded(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Element 1's mean error over the random integer and whether it clips."""
+        x = block.repeat(len(ns), 1)
+        rand = torch.arange(len(ns)).repeat_interleave(block.shape[0])[:, None].repeat(1, 2) if bits else None
+        with fewbit.configure(compile=False):
+            r = fewbit.block.round(x, bfmt, mode, bits=bits, random_bits=rand, rule=rule)
+            scale = fewbit.block.quantize(x, bfmt, mode, bits=bits, random_bits=rand,
+                                          rule=rule).block_scales(torch.float64)
+        err = (r[:, 0].double() - x[:, 0]).view(len(ns), -1).mean(0)
+        return err, (x[:, 0] > bfmt.element.max * scale.view(-1))[: block.shape[0]].double()
+
+    # The scale when a cell holds amax, and for each scale the largest midpoint it holds.
+    zeros = torch.zeros_like(mid)
+    with fewbit.configure(compile=False):
+        cell_scale = fewbit.block.quantize(torch.stack([mid, zeros], 1), bfmt, rule=rule).block_scales(
+            torch.float64).view(-1)
+    scales, which = cell_scale.unique(return_inverse=True)
+    rep = torch.stack([mid[which == k].max() for k in range(scales.numel())])
+    self_err, self_clip = rounded(torch.stack([mid, zeros], 1))
+    i, k = torch.meshgrid(torch.arange(n), torch.arange(scales.numel()), indexing="ij")
+    needed = rep[k] >= mid[i]  # element 2 in a higher cell of scale k: amax is element 2
+    pair_err = torch.zeros(n, scales.numel(), dtype=torch.float64)
+    pair_clip = torch.zeros_like(pair_err)
+    pair_err[needed], pair_clip[needed] = rounded(torch.stack([mid[i[needed]], rep[k[needed]]], 1))
+    err = clip = 0.0
+    for u in (torch.arange(sigmas, dtype=torch.float64) + 0.5) / sigmas:
+        sigma = 2.0 ** u
+        cdf = torch.special.erf(edges / (sigma * 2 ** 0.5))  # P(|x| < edge)
+        cell = torch.diff(cdf)
+        density = (2 / torch.pi) ** 0.5 / sigma * torch.exp(-(mid / sigma) ** 2 / 2) * torch.diff(edges)
+        # P(element 2 lies in a higher cell of scale k), for each cell of element 1.
+        higher = torch.zeros(scales.numel(), n, dtype=torch.float64)
+        higher[which, torch.arange(n)] = cell
+        higher = higher.flip(1).cumsum(1).flip(1) - higher
+        lower = cdf[1:]  # element 2 below the top of element 1's cell
+        err += (density * (self_err * lower + (pair_err * higher.T).sum(1))).sum().item() / sigma.item()
+        clip += (density * (self_clip * lower + (pair_clip * higher.T).sum(1))).sum().item()
+    return err / sigmas, clip / sigmas
+
+
+@pytest.mark.parametrize("rule", ["floor", "even", "rceil"])
+def test_computed_gaussian_equals_brute_force_block_of_two(rule):
+    for mode, bits in [("rne", None), ("srff", 2), ("src", 3)]:
+        computed = block_bias(MXFP4_B2, mode, bits, rule, "gaussian")
+        err, clip = gaussian_brute_force(MXFP4_B2, mode, bits, rule)
+        assert abs(computed.mean_error - err) < 1e-6 and abs(computed.clipped - clip) < 1e-6, \
+            (mode, bits, computed, err, clip)
+
+
+def test_gaussian_quadrature_has_converged(monkeypatch):
+    cases = [("mxfp4", "rne", None, "floor"), ("mxfp4", "src", 3, "rceil"), ("nvfp4", "src", 2, "nearest"),
+             ("hbfp8", "srff", 3, "floor"), ("mxfp8_e4m3", "src", 4, "even"), (E4M3_B1, "srff", 2, "floor")]
+    figures = [block_bias(f, m, n, r, "gaussian") for f, m, n, r in cases]
+    monkeypatch.setattr(block_bias_module, "GAUSS_NODES", 2 * block_bias_module.GAUSS_NODES)
+    for (f, m, n, r), before in zip(cases, figures, strict=True):
+        after = block_bias(f, m, n, r, "gaussian")
+        assert after.mean_error == pytest.approx(before.mean_error, rel=1e-12, abs=0), (f, m, n, r)
+        assert after.clipped == pytest.approx(before.clipped, rel=1e-12, abs=0), (f, m, n, r)
+
+
+E4M3_B1 = BlockFormat("e4m3_b1", element_format("ocp_e4m3"), 1, E8M0)
+
+
+@pytest.mark.parametrize("bfmt", [E4M3_B1, "bfp8_b1"], ids=["e4m3", "int8"])
+def test_gaussian_blocks_of_one_by_hand(bfmt):
+    # One element per block, floor rule: y = |x| / S lies in the element's top binade
+    # [2^E, 2^(E+1)), and with sigma = 2^u, u uniform, log2(y) - E = frac(u + log2|z|) is
+    # uniform whatever z = x / sigma: y is log-uniform and independent of |z|, and the error
+    # over sigma is |z| e(y) / y. So the figure is E|z| E[e(y) / y] = sqrt(2/pi) / ln 2 times
+    # the integral of e(y) / y^2 over the binade, e(y) the expected error of rounding y (M - y
+    # above M), and the clipped share is P(y > M) = log2(2^(E+1) / M).
+    bfmt = fewbit.block.format(bfmt)
+    element = bfmt.element
+    low = 2.0 ** math.floor(math.log2(element.max))
+
+    def figure(mode: str, bits: int | None, negative: bool) -> tuple[float, float]:
+        top = element.max_negative_magnitude if negative else element.max
+        side = {-v if negative else v for v in element.values()}
+        grid = sorted(Fraction(m) for m in side if low <= m <= top)
+        total = 0.0
+        split = 1 << ((bits or 0) + 2)  # pieces finer than every jump of the per-d bias
+        for v, w in zip(grid, grid[1:], strict=False):
+            if mode == "sr":
+                break  # ideal SR: no error below M
+            for j in range(split):
+                p_away = bias_at(mode, bits, (j + Fraction(1, 2)) / split) + (j + Fraction(1, 2)) / split
+                y0, y1 = float(v + (w - v) * j / split), float(v + (w - v) * (j + 1) / split)
+                rounded = float(v + (w - v) * p_away)  # constant on the piece
+                total += rounded * (1 / y0 - 1 / y1) - math.log(y1 / y0)  # ∫ (R - y) / y^2 dy
+        total += top * (1 / top - 1 / (2 * low)) - math.log(2 * low / top)  # above M: R = M
+        return math.sqrt(2 / math.pi) / math.log(2) * total, math.log2(2 * low / top)
+
+    for mode, bits in [("sr", None), ("rne", None), ("srff", 2), ("src", 3), ("rtz", None)]:
+        computed = block_bias(bfmt, mode, bits, "floor", "gaussian")
+        sides = [figure(mode, bits, negative) for negative in (False, True)]
+        err, clip = (sum(side[i] for side in sides) / 2 for i in range(2))
+        assert computed.mean_error == pytest.approx(err, rel=1e-12), (mode, bits)
+        assert computed.clipped == pytest.approx(clip, rel=1e-12, abs=1e-16), (mode, bits)
+
+
+def test_gaussian_figures_where_theory_says():
+    # Ideal SR under a rule that never clips: no error at all, exactly.
+    for bfmt, rule in [("mxfp4", "ceil"), ("mxfp4", "rceil"), ("nvfp4", "up"), ("hbfp8", "rceil")]:
+        b = block_bias(bfmt, "sr", None, rule, "gaussian")
+        assert (b.mean_error, b.clipped) == (0.0, 0.0), (bfmt, rule)
+    # Few-bit SRC is unbiased over whole periods of its per-d bias, not under a density that
+    # falls across them: its bias toward zero is the next term, and shrinks 4x per bit.
+    errors = [block_bias("mxfp4", "src", n, "rceil", "gaussian").mean_error for n in range(2, 9)]
+    assert all(e < 0 for e in errors)
+    assert all(3.9 < a / b < 4.01 for a, b in zip(errors, errors[1:], strict=False)), errors
+    # Floor clips Gaussian blocks too, RNE's share the same as SRFF's.
+    rne, srff = (block_bias("mxfp4", m, n, "floor", "gaussian") for m, n in [("rne", None), ("srff", 1)])
+    assert rne.clipped == srff.clipped > 0.02 and srff.mean_error < rne.mean_error < 0
 
 
 def test_bad_arguments():
@@ -172,6 +312,9 @@ def test_bad_arguments():
         block_bias("mxfp4", "rne", distribution="laplace")
     with pytest.raises(ValueError, match="samples"):
         block_bias("mxfp4", "rne", distribution="gaussian", samples=1)
+    with pytest.raises(ValueError, match=f"N <= {MAX_GAUSSIAN_BITS}"):
+        block_bias("mxfp4", "srff", MAX_GAUSSIAN_BITS + 1, distribution="gaussian")
+    assert not block_bias("mxfp4", "srff", MAX_GAUSSIAN_BITS + 1, distribution="gaussian", samples=16).exact
 
 
 def test_cli_block_table(capsys):
@@ -183,8 +326,17 @@ def test_cli_block_table(capsys):
     # loses 2^-(N+2) = 1/16.
     assert rows[("rne", "floor")][2:5] == ["-1/8", "-0.125000", "1/2"]
     assert rows[("srff", "ceil")][2:5] == ["-1/16", "-0.062500", "0"]
+    assert len(rows[("rne", "floor")]) == 9  # sampled: each Gaussian figure with its +-
     assert main(["bias", "--block", "mxfp4", "--mode", "src", "--rule", "ceil", "--samples", "256"]) == 0
     assert len([line for line in capsys.readouterr().out.splitlines() if line.startswith("src")]) == 1
+    # Without --samples the Gaussian figures are computed: no +- columns, six digits.
+    assert main(["bias", "--block", "mxfp4", "--bits", "2", "--mode", "srff", "--rule", "floor"]) == 0
+    out = capsys.readouterr().out
+    row = next(line.split() for line in out.splitlines() if line.startswith("srff"))
+    computed = block_bias("mxfp4", "srff", 2, "floor", "gaussian")
+    assert "computed" in out and row[5:] == [f"{computed.mean_error:.6g}", f"{computed.clipped:.6g}"]
+    assert main(["bias", "--block", "mxfp4", "--bits", str(MAX_GAUSSIAN_BITS + 1), "--table"]) == 2
+    assert "--samples" in capsys.readouterr().err
     assert main(["bias", "--block", "mxfp5", "--table"]) == 2
     assert "closest: mxfp4" in capsys.readouterr().err
     assert main(["bias", "--block", "mxfp4", "--rule", "nearest"]) == 2

@@ -12,13 +12,15 @@ arithmetic.
 
 Block formats (a scale shared by a block of elements): ``block_bias`` and ``block_table``
 give the mean error and the clipped share per mode, N and scale rule, exact for blocks
-uniform within their largest binade and sampled for Gaussian blocks (``fewbit.block.bias``).
+uniform within their largest binade and computed in float64 for Gaussian blocks
+(``fewbit.block.bias``).
 """
 
 from __future__ import annotations
 
 import os
 from fractions import Fraction
+from functools import cache
 
 import torch
 
@@ -29,8 +31,8 @@ from .rounding import round as fewbit_round
 from .rounding.modes import MODES, parse_mode
 from .rounding.reference import probability_away, round_away
 
-__all__ = ["FIGURES", "bias_at", "bias_integral", "check_mode", "closed_form", "exact", "excess_bits",
-           "figure", "measure"]
+__all__ = ["FIGURES", "away_steps", "bias_at", "bias_integral", "check_mode", "closed_form", "exact",
+           "excess_bits", "figure", "measure"]
 
 #: Block formats' bias lives in the block layer (``fewbit.block.bias``), which builds on
 #: this module; it is answered here too, imported on first use (so not in ``__all__``).
@@ -134,19 +136,47 @@ def exact(mode: RoundMode | str, bits: int | None = None, excess: int | None = N
     return total / points
 
 
-def _from_period_start(mode: RoundMode, bits: int | None, r: Fraction) -> Fraction:
-    """``∫ bias_at(d) dd`` over ``[0, r]``, ``0 <= r <= period``: on each open piece
-    between jumps P(away) is constant (its value at the piece's midpoint) and the bias
-    is that minus d."""
+@cache
+def _pieces(mode: RoundMode, bits: int | None) -> tuple[tuple[Fraction, Fraction, Fraction], ...]:
+    """One period of P(away | d): rows ``(from, to, P)``; on each open piece between
+    jumps P(away) is constant, its value at the piece's midpoint."""
     period, jumps = _period(mode, bits)
+    return tuple((a, b, _bias_at(mode, bits, (a + b) / 2) + (a + b) / 2)
+                 for a, b in zip(jumps, [*jumps[1:], period], strict=True))
+
+
+def _from_period_start(mode: RoundMode, bits: int | None, r: Fraction) -> Fraction:
+    """``∫ bias_at(d) dd`` over ``[0, r]``, ``0 <= r <= period``: P(away) minus d on each piece."""
     total = Fraction(0)
-    for a, b in zip(jumps, [*jumps[1:], period], strict=True):
+    for a, b, p_away in _pieces(mode, bits):
         if a >= r:
             break
-        hi, mid = min(b, r), (a + b) / 2
-        p_away = _bias_at(mode, bits, mid) + mid
+        hi = min(b, r)
         total += p_away * (hi - a) - (hi * hi - a * a) / 2
     return total
+
+
+def away_steps(mode: RoundMode | str, bits: int | None) -> tuple[tuple[Fraction, Fraction], ...]:
+    """P(away | d) on ``[0, 1)`` as a step function: rows ``(d, P)``, P(away) = P from d to
+    the next row's d (the last row's to 1), no two neighbours equal. What the bias of a
+    distribution with a density that is not flat over an ulp is made of (Gaussian blocks,
+    ``fewbit.block.bias``). Few-bit SR has up to ``2^(N+1)`` rows; ideal SR (``P = d``) is no
+    step function and raises."""
+    mode, bits = _check(mode, bits, None)
+    if mode.is_stochastic and bits is None:
+        raise ValueError("ideal SR has P(away | d) = d, not a step function")
+    return _away_steps(mode, bits)
+
+
+@cache
+def _away_steps(mode: RoundMode, bits: int | None) -> tuple[tuple[Fraction, Fraction], ...]:
+    period, _ = _period(mode, bits)
+    rows: list[tuple[Fraction, Fraction]] = []
+    for k in range(int(1 / period)):  # each period adds the period to P(away) (see _period)
+        for a, _, p_away in _pieces(mode, bits):
+            if not rows or rows[-1][1] != p_away + k * period:
+                rows.append((a + k * period, p_away + k * period))
+    return tuple(rows)
 
 
 def bias_integral(mode: RoundMode | str, bits: int | None, d0: Fraction, d1: Fraction) -> Fraction:

@@ -185,7 +185,7 @@ def _exact_cell(value: Fraction, notes: list[str], label: str, width: int = 12) 
 
 def _block_bias(args: argparse.Namespace) -> int:
     from .block import format as block_format
-    from .block.bias import DEFAULT_SAMPLES, TABLE_MODES, block_table, rules_for
+    from .block.bias import TABLE_MODES, block_table, rules_for
 
     others = (("--excess", args.excess), ("--format", args.format), ("--from", args.source),
               ("--figure", args.figure))
@@ -193,26 +193,33 @@ def _block_bias(args: argparse.Namespace) -> int:
     if given:
         raise ValueError(f"--block takes no {', '.join(given)}")
     bfmt = block_format(args.block)
-    samples = DEFAULT_SAMPLES if args.samples is None else args.samples
     modes = (args.mode,) if args.mode else TABLE_MODES
     rules = (args.rule,) if args.rule else tuple(rules_for(bfmt))
-    rows = block_table(bfmt, args.bits, modes, rules, samples=samples)  # checks every row first
+    rows = block_table(bfmt, args.bits, modes, rules, samples=args.samples)  # checks every row first
+    sampled = args.samples is not None
     scale = "E8M0 scale" if bfmt.power_of_two else f"{bfmt.scale.name} scale (per-tensor scale 1)"
     print(f"{bfmt.name}: {bfmt.element.name} elements, blocks of {bfmt.block_size}, {scale}; "
-          f"N = {args.bits} (sr: ideal SR exact, N = min(D, 32) on float32 when sampled)")
+          f"N = {args.bits} (sr: ideal SR{', N = min(D, 32) on float32 when sampled' if sampled else ''})")
     print("mean error of |x| per element (negative: toward zero) and share of elements clipped to the "
           "element max")
     print("  uniform: magnitudes i.i.d. uniform in [1, 2), exact; units of 2^k for [2^k, 2^(k+1))")
-    print(f"  gaussian: i.i.d. N(0, s^2), s = 2^U[0,1) per block; sampled, {samples} blocks, +- one standard "
-          "error; units of s")
-    table = [["mode", "rule", "uniform error", "decimal", "clipped", "gaussian error", "+-", "clipped", "+-"]]
+    how = (f"sampled, {args.samples} blocks, +- one standard error" if sampled
+           else "computed (closed forms, Gauss-Legendre over U), to about 1e-15")
+    print(f"  gaussian: i.i.d. N(0, s^2), s = 2^U[0,1) per block; {how}; units of s")
+    spread = ["+-"] if sampled else []
+    table = [["mode", "rule", "uniform error", "decimal", "clipped", "gaussian error", *spread, "clipped",
+              *spread]]
     notes: list[str] = []
     for exact, gauss in rows:
         label = f"{exact.mode} {exact.rule}"
+        if sampled:  # digits as far as the standard error goes
+            gauss_err = [f"{gauss.mean_error:.6f}", f"{gauss.stderr:.6f}"]
+            gauss_clip = [f"{gauss.clipped:.6f}", f"{gauss.clipped_stderr:.6f}"]
+        else:  # computed: six significant digits, however small
+            gauss_err, gauss_clip = [f"{gauss.mean_error:.6g}"], [f"{gauss.clipped:.6g}"]
         table.append([exact.mode, exact.rule, _exact_cell(exact.mean_error, notes, f"{label} error"),
                       f"{float(exact.mean_error):.6f}", _exact_cell(exact.clipped, notes, f"{label} clipped"),
-                      f"{gauss.mean_error:.6f}", f"{gauss.stderr:.6f}", f"{gauss.clipped:.6f}",
-                      f"{gauss.clipped_stderr:.6f}"])
+                      *gauss_err, *gauss_clip])
     print(_table(table))
     print("\n".join(notes))
     return 0
@@ -422,7 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--figure", type=int, choices=[1, 2], help="draw the paper's Figure 1 or 2")
     p.add_argument("--out", default="docs", help="folder for --figure's PNG")
     p.add_argument("--samples", type=_int_in(2),
-                   help="samples per X for --figure (default: the paper's); Gaussian blocks for --block")
+                   help="samples per X for --figure (default: the paper's); with --block, Gaussian blocks "
+                        "to sample (default: computed, not sampled)")
     p.add_argument("--block", help="a block format (mxfp4, nvfp4, hbfp8, ...): bias per mode and scale rule")
     p.add_argument("--rule", help="with --block: one scale rule (default: every rule for its scale)")
     p.set_defaults(run=cmd_bias)
