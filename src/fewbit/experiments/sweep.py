@@ -23,11 +23,7 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
-import selectors
 import shutil
-import signal
-import subprocess
 import sys
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -37,6 +33,7 @@ from pathlib import Path
 import torch
 
 from .data import write_atomically
+from .processes import Child, Children, how_it_ended
 from .train import TrainConfig
 from .worker import CHECKPOINT, RESULT
 
@@ -131,18 +128,12 @@ def claim_folders(configs: list[TrainConfig], out_dir: Path, restart: bool) -> l
     return folders
 
 
-class _Worker:
-    """A worker process, what it has written of an unfinished line, and its run."""
+class _Worker(Child):
+    """A worker process (:mod:`.worker`) and the run it trains."""
 
     def __init__(self, data_file: Path):
-        # A warning made an error here (python -W error ...) is one in the workers too.
-        flags = [f"-W{w}" for w in sys.warnoptions]
-        self.proc = subprocess.Popen(
-            [sys.executable, *flags, "-m", "fewbit.experiments.worker", str(data_file), str(os.getpid())],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, process_group=0,
-        )  # fmt: skip
+        super().__init__("fewbit.experiments.worker", str(data_file))
         self.task: int | None = None
-        self.partial = {self.proc.stdout.fileno(): b"", self.proc.stderr.fileno(): b""}
 
     def send(self, task: int, cfg: TrainConfig, folder: Path) -> None:
         self.task = task
@@ -152,33 +143,6 @@ class _Worker:
             self.proc.stdin.flush()
         except BrokenPipeError:  # it has died: its end of output reports the run
             pass
-
-    def lines(self, fd: int, chunk: bytes) -> list[str]:
-        """The whole lines that ``chunk`` completes on stream ``fd``."""
-        *whole, self.partial[fd] = (self.partial[fd] + chunk).split(b"\n")
-        return [line.decode(errors="replace") for line in whole]
-
-    def close(self) -> int:
-        """Wait for the worker to end; its exit status."""
-        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            try:
-                stream.close()
-            except BrokenPipeError:  # stdin, holding a run the worker died before reading
-                pass
-        return self.proc.wait()
-
-    def signal_group(self, sig: int) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:  # the whole group has exited
-            pass
-
-
-def _how_it_ended(code: int) -> str:
-    if code < 0:
-        name = signal.Signals(-code).name
-        return f"killed by {name}" + (" (out of memory?)" if -code == signal.SIGKILL else "")
-    return f"exited with status {code}"
 
 
 @dataclass
@@ -216,19 +180,6 @@ def run_many(
                disable=not progress_bar, smoothing=0.05)  # fmt: skip
     bar.set_postfix_str("starting (a mode's first run compiles its kernels)")
     latest: dict[str, str] = {}
-    pool: list[_Worker] = []
-    selector = selectors.DefaultSelector()
-    stop: list[int] = []
-    # The handler only takes note, and wakes the loop through a pipe: stopping in the
-    # middle of starting a worker could leave one running that nothing knows of.
-    wake_r, wake_w = os.pipe()
-    selector.register(wake_r, selectors.EVENT_READ, None)
-
-    def on_signal(signum, frame) -> None:
-        stop.append(signum)
-        os.write(wake_w, b"!")
-
-    previous = {s: signal.signal(s, on_signal) for s in _STOP_SIGNALS}
 
     def handle(w: _Worker, message: dict) -> None:
         i = message["task"]
@@ -244,64 +195,38 @@ def run_many(
             bar.set_postfix_str(" ".join(f"{k}: {v}" for k, v in list(latest.items())[-2:]))
 
     def ended(w: _Worker) -> None:
-        pool.remove(w)
-        code = w.close()
+        code = children.close(w)
         if w.task is not None:
             cfg = configs[w.task]
-            how = _how_it_ended(code)
+            how = how_it_ended(code)
             outcome.failed.append((cfg, how))
             bar.write(f"fewbit: the worker training {cfg.label!r} seed {cfg.seed} {how}; "
                       "the other runs go on", file=sys.stderr)  # fmt: skip
 
-    try:
-        while (pending or pool) and not stop:
-            while pending and len(pool) < workers:
-                w = _Worker(data_file)
-                pool.append(w)
-                for stream in (w.proc.stdout, w.proc.stderr):
-                    selector.register(stream, selectors.EVENT_READ, w)
-            for w in pool:
+    # Leaving the block (a stop signal, an error, or the end) stops every worker still running.
+    with bar, Children() as children:
+        while (pending or children.live) and not children.stopped:
+            while pending and len(children.live) < workers:
+                children.add(_Worker(data_file))
+            for w in children.live:
                 if w.task is None and pending:
                     i = pending.popleft()
                     w.send(i, configs[i], folders[i])
                 elif w.task is None and not w.proc.stdin.closed:
                     w.proc.stdin.close()  # no more runs: the worker exits
-            for key, _ in selector.select(timeout=1.0):
-                w = key.data
-                chunk = os.read(key.fd, 1 << 16)
-                if w is None:  # a stop signal
-                    continue
+            for w, fd, chunk in children.read(timeout=1.0):
                 if not chunk:
-                    selector.unregister(key.fileobj)
-                    if not any(k.data is w for k in selector.get_map().values()):
+                    if not children.reading(w):
                         ended(w)
                     continue
-                for line in w.lines(key.fd, chunk):
-                    if key.fileobj is w.proc.stdout and line.startswith("{"):
+                for line in w.lines(fd, chunk):
+                    if fd == w.proc.stdout.fileno() and line.startswith("{"):
                         handle(w, json.loads(line))
                     else:  # the worker's warnings and errors, above the bar
                         bar.write(line, file=sys.stderr)
-    finally:
-        for w in pool:
-            w.signal_group(signal.SIGTERM)
-        for w in pool:
-            try:
-                w.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                w.signal_group(signal.SIGKILL)
-            w.close()
-        selector.close()
-        os.close(wake_r)
-        os.close(wake_w)
-        bar.close()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    outcome.stopped = stop[0] if stop else None
+    outcome.stopped = children.stopped
     outcome.results = [finished[i] for i in sorted(finished)]
     return outcome
-
-
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _write_csv(path: Path, header: list[str], rows: list[list]) -> None:
