@@ -349,8 +349,18 @@ def cmd_replicas_fsdp(args: argparse.Namespace) -> int:
 
 
 def cmd_replicas(args: argparse.Namespace) -> int:
-    if args.fsdp:
-        return cmd_replicas_fsdp(args)
+    from .experiments.processes import Stopped
+
+    try:
+        return cmd_replicas_fsdp(args) if args.fsdp else cmd_replicas_ddp(args)
+    except Stopped as stop:
+        print(f"fewbit: {stop}: the {args.nproc} replica processes have ended and nothing was saved "
+              "(the command keeps no checkpoints); run the same command to start again",
+              file=sys.stderr)  # fmt: skip
+        return 128 + stop.signum
+
+
+def cmd_replicas_ddp(args: argparse.Namespace) -> int:
     from .experiments.replicas import ReplicaRun, launch
 
     cfg = ReplicaRun(steps=args.steps, policy=args.policy, seed=args.seed)

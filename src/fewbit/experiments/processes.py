@@ -25,6 +25,14 @@ from collections.abc import Iterator
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+class Stopped(Exception):
+    """A run that SIGINT or SIGTERM stopped, its children ended."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
 class Child:
     """``python -m MODULE ARGS... PARENT_PID`` leading a process group of its own, with
     pipes to its stdin, stdout and stderr unless told otherwise; a warning made an error
