@@ -453,7 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-interval", type=int)
     p.add_argument("--device", help="cpu or cuda")
     p.add_argument("--workers", type=int, default=2, help="runs side by side (one thread each)")
-    p.add_argument("--out", help="output directory (default runs/<sweep or mode>)")
+    p.add_argument("--out", help="output directory (default runs/<sweep or mode>); one sweep at a time: "
+                                 "while one runs there, another is refused, naming its pid")  # fmt: skip
     p.add_argument("--restart", action="store_true",
                    help="discard the runs --out holds; without it, a sweep continues from their checkpoints")
     _add_data_args(p)

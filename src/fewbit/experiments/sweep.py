@@ -15,18 +15,22 @@ interrupted and continued sweep writes the same bytes as an uninterrupted one.
 
 A sweep survives interruption: SIGINT (Ctrl-C) or SIGTERM stops every worker, and the
 same call again continues each run from its last checkpoint. A worker that dies (killed,
-out of memory) costs its run alone, which is reported; the others go on.
+out of memory) costs its run alone, which is reported; the others go on. One sweep at a
+time holds an output directory (:func:`hold`): another is refused before it writes.
 """
 
 from __future__ import annotations
 
 import csv
+import fcntl
 import io
 import json
+import os
 import shutil
 import sys
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -103,6 +107,34 @@ def read_result(cfg: TrainConfig, folder: Path) -> RunResult | None:
         return None
     saved = json.loads(path.read_text())
     return RunResult(cfg, saved["iters"], saved["train"], saved["val"], saved["seconds"])
+
+
+#: The file in an output directory that a sweep holds locked while it runs (:func:`hold`).
+LOCK = ".lock"
+
+
+@contextmanager
+def hold(out_dir: Path) -> Iterator[None]:
+    """Hold ``out_dir`` for one sweep: an exclusive OS advisory lock (``flock``) on
+    ``out_dir/.lock``, which names the holder's pid. The OS releases it when the holder
+    ends, however it ends, so a crashed or killed sweep leaves no stale lock (the file
+    stays; the next sweep takes it). A directory held by another process is a ValueError
+    naming it and that pid, raised before anything is written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)  # an existing file is left as it is
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.read(fd, 32).decode().strip()  # empty while the holder is writing it
+            holder = f"pid {pid}" if pid else "a process that has just taken it"
+            raise ValueError(f"{out_dir} is in use by another sweep ({holder}): wait for it to end or stop "
+                             "it, or pass another --out") from None  # fmt: skip
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        os.close(fd)  # the lock goes with the last descriptor of its open file
 
 
 def claim_folders(configs: list[TrainConfig], out_dir: Path, restart: bool) -> list[Path]:
@@ -341,24 +373,25 @@ def run_sweep(
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     configs = arm_configs(sweep, base, seeds)
-    folders = claim_folders(configs, out_dir, restart)
-    finished = sum((f / RESULT).exists() for f in folders)
-    if finished or _checkpointed(folders):
-        print(f"fewbit: continuing in {out_dir}: {finished} of {len(configs)} runs finished, "
-              f"{_checkpointed(folders)} resume from their last evaluation (--restart starts over)",
-              file=sys.stderr)  # fmt: skip
-    name, title = sweep or "losses", f"{sweep or base.label}: char GPT on Shakespeare"
-    written: list[Path] = []
+    with hold(out_dir):  # until the sweep ends: no other writes here meanwhile
+        folders = claim_folders(configs, out_dir, restart)
+        finished = sum((f / RESULT).exists() for f in folders)
+        if finished or _checkpointed(folders):
+            print(f"fewbit: continuing in {out_dir}: {finished} of {len(configs)} runs finished, "
+                  f"{_checkpointed(folders)} resume from their last evaluation (--restart starts over)",
+                  file=sys.stderr)  # fmt: skip
+        name, title = sweep or "losses", f"{sweep or base.label}: char GPT on Shakespeare"
+        written: list[Path] = []
 
-    def write(results: list[RunResult]) -> None:
-        written[:] = write_outputs(results, out_dir, name, title)
+        def write(results: list[RunResult]) -> None:
+            written[:] = write_outputs(results, out_dir, name, title)
 
-    outcome = run_many(configs, folders, data_file, workers, progress_bar, on_finish=write)
-    if not written:  # no run ended in this call: the results of earlier ones, written again
-        write(outcome.results)
-    outcome.written = written
-    outcome.checkpointed = _checkpointed(folders)
-    return outcome
+        outcome = run_many(configs, folders, data_file, workers, progress_bar, on_finish=write)
+        if not written:  # no run ended in this call: the results of earlier ones, written again
+            write(outcome.results)
+        outcome.written = written
+        outcome.checkpointed = _checkpointed(folders)
+        return outcome
 
 
 def _checkpointed(folders: list[Path]) -> int:
