@@ -34,9 +34,9 @@ class Stopped(Exception):
 
 
 class Child:
-    """``python -m MODULE ARGS... PARENT_PID`` leading a process group of its own, with
-    pipes to its stdin, stdout and stderr unless told otherwise; a warning made an error
-    here (``python -W error ...``) is one in the child too."""
+    """``python -m MODULE ARGS... PARENT_PID`` leading a process group of its own, its
+    stdout and stderr piped, its stdin too unless ``stdin`` says otherwise; a warning made
+    an error here (``python -W error ...``) is one in the child too."""
 
     def __init__(self, module: str, *args: str, stdin: int | None = subprocess.PIPE):
         flags = [f"-W{w}" for w in sys.warnoptions]
