@@ -1,8 +1,15 @@
-"""Replicas: seed policies, the sync verifier, and real multi-process gloo training runs."""
+"""Replicas: seed policies, the sync verifier, real multi-process gloo training runs, and
+`fewbit replicas` stopped by signals."""
 
 from __future__ import annotations
 
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +24,7 @@ from fewbit.replicas import (
     drift_report,
     replica_key,
 )
+from test_sweep import ENV, session
 
 KEY = Key.from_seed(1)
 
@@ -138,3 +146,54 @@ def test_resume_on_all_ranks_equals_the_uninterrupted_run(runs):
     for a, b in zip(whole, resumed, strict=True):
         for name, w in a["weights"].items():
             assert torch.equal(bits(w), bits(b["weights"][name])), name
+
+
+# ---------------------------------------------------------------------------------
+# `fewbit replicas` stopped mid-run: a Ctrl-C signals the terminal's whole foreground
+# process group, `kill` the command alone. Either way every rank ends, none prints a
+# traceback, and the command says in one line what happened.
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+@pytest.mark.parametrize("sig, to_group", [(signal.SIGINT, True), (signal.SIGTERM, False)],
+                         ids=["ctrl-c", "kill"])  # fmt: skip
+def test_replicas_command_stopped_by_a_signal_ends_every_rank_quietly(tmp_path, sig, to_group):
+    # The ranks' temporary folder, with their rendezvous file, lands in tmp_path.
+    env = {**ENV, "TMPDIR": str(tmp_path)}
+    cmd = [sys.executable, "-m", "fewbit.cli", "replicas", "--nproc", "2", "--steps", "1000000"]
+    # A session of its own: its pid is its process group's id, as a shell's job has.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("*/rendezvous")):  # a rank has started torch.distributed
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no rank started within 120 s"
+            time.sleep(0.05)
+        ranks = [pid for pid in session(proc.pid) if pid != proc.pid]
+        assert len(ranks) == 2
+        if to_group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 128 + sig, err
+    assert "Traceback" not in out + err
+    assert out == ""
+    assert err.splitlines() == [
+        f"fewbit: stopped by {sig.name}: the 2 replica processes have ended and nothing was saved "
+        "(the command keeps no checkpoints); run the same command to start again"
+    ]
+    assert not [pid for pid in ranks if alive(pid)]
+    assert session(proc.pid) == {}

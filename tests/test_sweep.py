@@ -3,8 +3,10 @@
 Each test starts ``python -m fewbit.cli train --sweep figure3`` (tiny preset, one seed: five
 arms) in a session of its own, signals it while a run is mid-way, checks that no process
 of that session is left, and compares what the sweep writes (CSVs and PNG) with an
-uninterrupted sweep's files, byte for byte. Rounding runs eager (FEWBIT_EAGER=1): these
-tests are about processes and files, and five first compilations would take minutes.
+uninterrupted sweep's files, byte for byte. Two sweeps on one folder: the second is
+refused while the first runs, and a killed sweep leaves no lock behind. Rounding runs
+eager (FEWBIT_EAGER=1): these tests are about processes and files, and five first
+compilations would take minutes.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import fewbit
 from fewbit.cli import main
 from fewbit.experiments.data import prepare_shakespeare
+from fewbit.experiments.sweep import LOCK, hold
 from fewbit.experiments.train import TrainConfig
 from test_train import fake_tarball
 
@@ -177,3 +180,70 @@ def test_training_warns_of_nothing(data_dir, tmp_path):
            "--data-dir", str(data_dir), "--out", str(tmp_path), "--quiet"]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "Warning" not in done.stderr, done.stderr
+
+
+# ---------------------------------------------------------------------------------
+# One sweep at a time on a folder.
+
+
+def holder(out: Path) -> int | None:
+    """The pid in ``out``'s lock file: the sweep that holds it, or held it last."""
+    try:
+        text = (out / LOCK).read_text().strip()
+    except FileNotFoundError:
+        return None
+    return int(text) if text else None
+
+
+def await_lock(proc: subprocess.Popen, out: Path) -> None:
+    """Wait until the sweep ``proc`` holds ``out``."""
+    deadline = time.monotonic() + 120
+    while holder(out) != proc.pid:
+        assert proc.poll() is None, f"the sweep ended first: {finish(proc)}"
+        assert time.monotonic() < deadline, "the sweep took no lock within 120 s"
+        time.sleep(0.02)
+
+
+def in_use(out: Path, pid: int) -> str:
+    """The refused command's stderr."""
+    return (f"fewbit: error: {out} is in use by another sweep (pid {pid}): wait for it to end or stop it, or "
+            "pass another --out\n")  # fmt: skip
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_held_folder_is_refused_before_anything_is_written(data_dir, tmp_path, capsys):
+    run = tmp_path / "binary16-s0"  # what --restart would discard, were the command to go on
+    run.mkdir()
+    (run / "checkpoint.pt").write_bytes(b"an earlier run")
+    # A second open file of the lock is refused as another process's would be.
+    with hold(tmp_path):
+        before = files(tmp_path)
+        code = main([*SWEEP, "--data-dir", str(data_dir), "--out", str(tmp_path), "--restart"])
+        assert files(tmp_path) == before
+    assert code == 2
+    assert capsys.readouterr().err == in_use(tmp_path, os.getpid())
+
+
+def test_a_second_sweep_on_the_folder_fails_at_once_and_the_first_goes_on(data_dir, reference, tmp_path):
+    first = start(data_dir, tmp_path)
+    await_lock(first, tmp_path)
+    # Refused, not queued: waiting for the lock, it would run once the first ends, and succeed.
+    assert finish(start(data_dir, tmp_path)) == (2, in_use(tmp_path, first.pid))
+    code, err = finish(first)
+    assert code == 0, err
+    assert_same_outputs(tmp_path, reference)
+
+
+def test_a_killed_sweep_leaves_no_lock_behind(data_dir, tmp_path):
+    first = start(data_dir, tmp_path)
+    await_lock(first, tmp_path)
+    first.kill()
+    finish(first)
+    assert holder(tmp_path) == first.pid  # the file stays, naming a process that is gone
+    # The next sweep's first step, without its training: the lock is free at once (its
+    # workers, should it have started any, end on their own).
+    with hold(tmp_path):
+        assert holder(tmp_path) == os.getpid()

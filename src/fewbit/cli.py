@@ -356,8 +356,18 @@ def cmd_replicas_fsdp(args: argparse.Namespace) -> int:
 
 
 def cmd_replicas(args: argparse.Namespace) -> int:
-    if args.fsdp:
-        return cmd_replicas_fsdp(args)
+    from .experiments.processes import Stopped
+
+    try:
+        return cmd_replicas_fsdp(args) if args.fsdp else cmd_replicas_ddp(args)
+    except Stopped as stop:
+        print(f"fewbit: {stop}: the {args.nproc} replica processes have ended and nothing was saved "
+              "(the command keeps no checkpoints); run the same command to start again",
+              file=sys.stderr)  # fmt: skip
+        return 128 + stop.signum
+
+
+def cmd_replicas_ddp(args: argparse.Namespace) -> int:
     from .experiments.replicas import ReplicaRun, launch
 
     cfg = ReplicaRun(steps=args.steps, policy=args.policy, seed=args.seed)
@@ -451,7 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-interval", type=int)
     p.add_argument("--device", help="cpu or cuda")
     p.add_argument("--workers", type=int, default=2, help="runs side by side (one thread each)")
-    p.add_argument("--out", help="output directory (default runs/<sweep or mode>)")
+    p.add_argument("--out", help="output directory (default runs/<sweep or mode>); one sweep at a time: "
+                                 "while one runs there, another is refused, naming its pid")  # fmt: skip
     p.add_argument("--restart", action="store_true",
                    help="discard the runs --out holds; without it, a sweep continues from their checkpoints")
     _add_data_args(p)

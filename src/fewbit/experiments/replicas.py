@@ -6,25 +6,31 @@ fake quantisation of activations and gradients (fewbit.nn, DIFFERING) and SR wei
 same bits. Options break it on purpose, as users do by accident: the update keyed with
 the rank, an extra random draw on one rank feeding a stateful (torch.randint) SR, one
 gradient left out of the all-reduce.
+
+Each rank is a process of its own (``python -m fewbit.experiments.replicas``, started by
+:func:`launch` through :mod:`.processes`): a Ctrl-C or SIGTERM stops them all, quietly.
 """
 
 from __future__ import annotations
 
 import os
-import queue
+import pickle
+import subprocess
+import sys
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from .. import round as fewbit_round
 from ..nn import Quant, quantize_outputs
 from ..optim import LowPrecisionWeights
 from ..replicas import ReplicaDriftError, check_in_sync, drift_report, rank_order_mean_hook
+from .processes import Child, Children, Stopped, end_with_parent, how_it_ended
 
 #: Policies the command offers: seed 000's default, and the update keyed with the rank.
 POLICIES = ("default", "differing-update")
@@ -83,7 +89,7 @@ def forward_sr_disagreement(cfg: ReplicaRun, world_size: int) -> float:
     return float((mine != everyone[0]).float().mean())
 
 
-def _worker(rank: int, world_size: int, init_file: str, cfgs: list, results, train) -> None:
+def _worker(rank: int, world_size: int, init_file: str, cfgs: list, train) -> list[dict]:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     out = []
@@ -97,7 +103,7 @@ def _worker(rank: int, world_size: int, init_file: str, cfgs: list, results, tra
         out.append({"crash": traceback.format_exc()})
     finally:
         dist.destroy_process_group()
-    results.put((rank, out))
+    return out
 
 
 def _train(rank: int, world_size: int, cfg: ReplicaRun) -> dict:
@@ -144,7 +150,7 @@ def _train(rank: int, world_size: int, cfg: ReplicaRun) -> dict:
             entry["max_ulps"] = max(drift_report(dict(named), fmt=cfg.fmt).values())
         log.append(entry)
     return {"log": log, "disagreement": disagreement,
-            # numpy, not tensors: torch would pass tensors through shared memory that dies with the worker
+            # numpy arrays, as launch() expects of every train function
             "weights": {n: p.detach().numpy().copy() for n, p in model.state_dict().items()}}  # fmt: skip
 
 
@@ -157,35 +163,70 @@ def _randint_sr_step(opt: torch.optim.Optimizer, named, fmt: str) -> None:
         p.copy_(fewbit_round(p, fmt, "src", bits=3, random_bits=bits, sat=True))
 
 
+#: The file, in the ranks' temporary folder, that brings them their configurations.
+JOB = "job.pkl"
+
+
 def launch(cfgs, nproc: int, timeout: float = 600, train=None) -> list[list[dict]]:
     """Run each configuration in turn on the same ``nproc`` gloo processes (one start-up
     for all); ``result[i][rank]`` is configuration i's result on that rank.
-    ``train(rank, world_size, cfg)`` (a module-level function; default: the DDP run of
-    a :class:`ReplicaRun`) returns a dict, whose ``weights`` are numpy arrays."""
+    ``train(rank, world_size, cfg)`` (a function the ranks import by name: defined at the
+    top level of a module, not of the script ``__main__``; default: the DDP run of a
+    :class:`ReplicaRun`) returns a dict, whose ``weights`` are numpy arrays.
+
+    SIGINT or SIGTERM stops every rank and raises :class:`~.processes.Stopped`."""
     cfgs = list(cfgs) if isinstance(cfgs, list | tuple) else [cfgs]
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        args = (nproc, init_file, cfgs, results, train or _train)
-        procs = [ctx.Process(target=_worker, args=(r, *args)) for r in range(nproc)]
-        for p in procs:
-            p.start()
-        try:
-            out = dict(results.get(timeout=timeout) for _ in procs)
-        except queue.Empty:
-            raise RuntimeError(f"replica processes gave no result within {timeout} s") from None
-        finally:
-            for p in procs:
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
-    crashed = [f"rank {r}:\n{res[-1]['crash']}" for r, res in sorted(out.items()) if "crash" in res[-1]]
-    if crashed:
-        raise RuntimeError("replica processes failed:\n" + "\n".join(crashed))
+    # Leaving the block stops every rank still running, before their folder goes.
+    with tempfile.TemporaryDirectory() as tmp, Children() as children:
+        (Path(tmp) / JOB).write_bytes(pickle.dumps((cfgs, train or _train)))
+        ranks = [children.add(Child(__name__, tmp, str(r), str(nproc), stdin=subprocess.DEVNULL))
+                 for r in range(nproc)]  # fmt: skip
+        results = {rank: b"" for rank in ranks}
+        deadline = time.monotonic() + timeout
+        while any(map(children.reading, ranks)) and not children.stopped:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"replica processes gave no result within {timeout} s")
+            for rank, fd, chunk in children.read(timeout=left):
+                if fd == rank.proc.stdout.fileno():
+                    results[rank] += chunk
+                else:  # its warnings and errors
+                    for line in rank.lines(fd, chunk):
+                        print(line, file=sys.stderr)
+        if children.stopped:
+            raise Stopped(children.stopped)
+        codes = [children.close(rank) for rank in ranks]
+    out, failed = {}, []
+    for r, (rank, code) in enumerate(zip(ranks, codes, strict=True)):
+        if code != 0:
+            failed.append(f"rank {r} {how_it_ended(code)}")
+            continue
+        out[r] = pickle.loads(results[rank])
+        if "crash" in out[r][-1]:
+            failed.append(f"rank {r}:\n{out[r][-1]['crash']}")
+    if failed:
+        raise RuntimeError("replica processes failed:\n" + "\n".join(failed))
     for per_rank in out.values():
         for res in per_rank:
             res["weights"] = {n: torch.from_numpy(a) for n, a in res.get("weights", {}).items()}
     return [[out[r][i] for r in range(nproc)] for i in range(len(cfgs))]
+
+
+def main(argv: list[str]) -> None:
+    """One rank: ``python -m fewbit.experiments.replicas FOLDER RANK WORLD_SIZE PARENT_PID``.
+    Its configurations and train function come pickled in FOLDER/job.pkl; its results
+    leave pickled on stdout."""
+    folder, rank, world_size, parent = argv
+    end_with_parent(int(parent))
+    results = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # stdout carries the results alone: anything else printed goes to stderr
+    cfgs, train = pickle.loads((Path(folder) / JOB).read_bytes())
+    out = _worker(int(rank), int(world_size), os.path.join(folder, "rendezvous"), cfgs, train)
+    with results:
+        pickle.dump(out, results)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -15,28 +15,29 @@ interrupted and continued sweep writes the same bytes as an uninterrupted one.
 
 A sweep survives interruption: SIGINT (Ctrl-C) or SIGTERM stops every worker, and the
 same call again continues each run from its last checkpoint. A worker that dies (killed,
-out of memory) costs its run alone, which is reported; the others go on.
+out of memory) costs its run alone, which is reported; the others go on. One sweep at a
+time holds an output directory (:func:`hold`): another is refused before it writes.
 """
 
 from __future__ import annotations
 
 import csv
+import fcntl
 import io
 import json
 import os
-import selectors
 import shutil
-import signal
-import subprocess
 import sys
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from .data import write_atomically
+from .processes import Child, Children, how_it_ended
 from .train import TrainConfig
 from .worker import CHECKPOINT, RESULT
 
@@ -108,6 +109,34 @@ def read_result(cfg: TrainConfig, folder: Path) -> RunResult | None:
     return RunResult(cfg, saved["iters"], saved["train"], saved["val"], saved["seconds"])
 
 
+#: The file in an output directory that a sweep holds locked while it runs (:func:`hold`).
+LOCK = ".lock"
+
+
+@contextmanager
+def hold(out_dir: Path) -> Iterator[None]:
+    """Hold ``out_dir`` for one sweep: an exclusive OS advisory lock (``flock``) on
+    ``out_dir/.lock``, which names the holder's pid. The OS releases it when the holder
+    ends, however it ends, so a crashed or killed sweep leaves no stale lock (the file
+    stays; the next sweep takes it). A directory held by another process is a ValueError
+    naming it and that pid, raised before anything is written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)  # an existing file is left as it is
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.read(fd, 32).decode().strip()  # empty while the holder is writing it
+            holder = f"pid {pid}" if pid else "a process that has just taken it"
+            raise ValueError(f"{out_dir} is in use by another sweep ({holder}): wait for it to end or stop "
+                             "it, or pass another --out") from None  # fmt: skip
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        os.close(fd)  # the lock goes with the last descriptor of its open file
+
+
 def claim_folders(configs: list[TrainConfig], out_dir: Path, restart: bool) -> list[Path]:
     """Each run's folder, made or found; with ``restart``, emptied first. A folder that
     holds a run of another configuration is an error, named before anything starts."""
@@ -131,18 +160,12 @@ def claim_folders(configs: list[TrainConfig], out_dir: Path, restart: bool) -> l
     return folders
 
 
-class _Worker:
-    """A worker process, what it has written of an unfinished line, and its run."""
+class _Worker(Child):
+    """A worker process (:mod:`.worker`) and the run it trains."""
 
     def __init__(self, data_file: Path):
-        # A warning made an error here (python -W error ...) is one in the workers too.
-        flags = [f"-W{w}" for w in sys.warnoptions]
-        self.proc = subprocess.Popen(
-            [sys.executable, *flags, "-m", "fewbit.experiments.worker", str(data_file), str(os.getpid())],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, process_group=0,
-        )  # fmt: skip
+        super().__init__("fewbit.experiments.worker", str(data_file))
         self.task: int | None = None
-        self.partial = {self.proc.stdout.fileno(): b"", self.proc.stderr.fileno(): b""}
 
     def send(self, task: int, cfg: TrainConfig, folder: Path) -> None:
         self.task = task
@@ -152,33 +175,6 @@ class _Worker:
             self.proc.stdin.flush()
         except BrokenPipeError:  # it has died: its end of output reports the run
             pass
-
-    def lines(self, fd: int, chunk: bytes) -> list[str]:
-        """The whole lines that ``chunk`` completes on stream ``fd``."""
-        *whole, self.partial[fd] = (self.partial[fd] + chunk).split(b"\n")
-        return [line.decode(errors="replace") for line in whole]
-
-    def close(self) -> int:
-        """Wait for the worker to end; its exit status."""
-        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            try:
-                stream.close()
-            except BrokenPipeError:  # stdin, holding a run the worker died before reading
-                pass
-        return self.proc.wait()
-
-    def signal_group(self, sig: int) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:  # the whole group has exited
-            pass
-
-
-def _how_it_ended(code: int) -> str:
-    if code < 0:
-        name = signal.Signals(-code).name
-        return f"killed by {name}" + (" (out of memory?)" if -code == signal.SIGKILL else "")
-    return f"exited with status {code}"
 
 
 @dataclass
@@ -216,19 +212,6 @@ def run_many(
                disable=not progress_bar, smoothing=0.05)  # fmt: skip
     bar.set_postfix_str("starting (a mode's first run compiles its kernels)")
     latest: dict[str, str] = {}
-    pool: list[_Worker] = []
-    selector = selectors.DefaultSelector()
-    stop: list[int] = []
-    # The handler only takes note, and wakes the loop through a pipe: stopping in the
-    # middle of starting a worker could leave one running that nothing knows of.
-    wake_r, wake_w = os.pipe()
-    selector.register(wake_r, selectors.EVENT_READ, None)
-
-    def on_signal(signum, frame) -> None:
-        stop.append(signum)
-        os.write(wake_w, b"!")
-
-    previous = {s: signal.signal(s, on_signal) for s in _STOP_SIGNALS}
 
     def handle(w: _Worker, message: dict) -> None:
         i = message["task"]
@@ -244,64 +227,38 @@ def run_many(
             bar.set_postfix_str(" ".join(f"{k}: {v}" for k, v in list(latest.items())[-2:]))
 
     def ended(w: _Worker) -> None:
-        pool.remove(w)
-        code = w.close()
+        code = children.close(w)
         if w.task is not None:
             cfg = configs[w.task]
-            how = _how_it_ended(code)
+            how = how_it_ended(code)
             outcome.failed.append((cfg, how))
             bar.write(f"fewbit: the worker training {cfg.label!r} seed {cfg.seed} {how}; "
                       "the other runs go on", file=sys.stderr)  # fmt: skip
 
-    try:
-        while (pending or pool) and not stop:
-            while pending and len(pool) < workers:
-                w = _Worker(data_file)
-                pool.append(w)
-                for stream in (w.proc.stdout, w.proc.stderr):
-                    selector.register(stream, selectors.EVENT_READ, w)
-            for w in pool:
+    # Leaving the block (a stop signal, an error, or the end) stops every worker still running.
+    with bar, Children() as children:
+        while (pending or children.live) and not children.stopped:
+            while pending and len(children.live) < workers:
+                children.add(_Worker(data_file))
+            for w in children.live:
                 if w.task is None and pending:
                     i = pending.popleft()
                     w.send(i, configs[i], folders[i])
                 elif w.task is None and not w.proc.stdin.closed:
                     w.proc.stdin.close()  # no more runs: the worker exits
-            for key, _ in selector.select(timeout=1.0):
-                w = key.data
-                chunk = os.read(key.fd, 1 << 16)
-                if w is None:  # a stop signal
-                    continue
+            for w, fd, chunk in children.read(timeout=1.0):
                 if not chunk:
-                    selector.unregister(key.fileobj)
-                    if not any(k.data is w for k in selector.get_map().values()):
+                    if not children.reading(w):
                         ended(w)
                     continue
-                for line in w.lines(key.fd, chunk):
-                    if key.fileobj is w.proc.stdout and line.startswith("{"):
+                for line in w.lines(fd, chunk):
+                    if fd == w.proc.stdout.fileno() and line.startswith("{"):
                         handle(w, json.loads(line))
                     else:  # the worker's warnings and errors, above the bar
                         bar.write(line, file=sys.stderr)
-    finally:
-        for w in pool:
-            w.signal_group(signal.SIGTERM)
-        for w in pool:
-            try:
-                w.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                w.signal_group(signal.SIGKILL)
-            w.close()
-        selector.close()
-        os.close(wake_r)
-        os.close(wake_w)
-        bar.close()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    outcome.stopped = stop[0] if stop else None
+    outcome.stopped = children.stopped
     outcome.results = [finished[i] for i in sorted(finished)]
     return outcome
-
-
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _write_csv(path: Path, header: list[str], rows: list[list]) -> None:
@@ -416,24 +373,25 @@ def run_sweep(
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     configs = arm_configs(sweep, base, seeds)
-    folders = claim_folders(configs, out_dir, restart)
-    finished = sum((f / RESULT).exists() for f in folders)
-    if finished or _checkpointed(folders):
-        print(f"fewbit: continuing in {out_dir}: {finished} of {len(configs)} runs finished, "
-              f"{_checkpointed(folders)} resume from their last evaluation (--restart starts over)",
-              file=sys.stderr)  # fmt: skip
-    name, title = sweep or "losses", f"{sweep or base.label}: char GPT on Shakespeare"
-    written: list[Path] = []
+    with hold(out_dir):  # until the sweep ends: no other writes here meanwhile
+        folders = claim_folders(configs, out_dir, restart)
+        finished = sum((f / RESULT).exists() for f in folders)
+        if finished or _checkpointed(folders):
+            print(f"fewbit: continuing in {out_dir}: {finished} of {len(configs)} runs finished, "
+                  f"{_checkpointed(folders)} resume from their last evaluation (--restart starts over)",
+                  file=sys.stderr)  # fmt: skip
+        name, title = sweep or "losses", f"{sweep or base.label}: char GPT on Shakespeare"
+        written: list[Path] = []
 
-    def write(results: list[RunResult]) -> None:
-        written[:] = write_outputs(results, out_dir, name, title)
+        def write(results: list[RunResult]) -> None:
+            written[:] = write_outputs(results, out_dir, name, title)
 
-    outcome = run_many(configs, folders, data_file, workers, progress_bar, on_finish=write)
-    if not written:  # no run ended in this call: the results of earlier ones, written again
-        write(outcome.results)
-    outcome.written = written
-    outcome.checkpointed = _checkpointed(folders)
-    return outcome
+        outcome = run_many(configs, folders, data_file, workers, progress_bar, on_finish=write)
+        if not written:  # no run ended in this call: the results of earlier ones, written again
+            write(outcome.results)
+        outcome.written = written
+        outcome.checkpointed = _checkpointed(folders)
+        return outcome
 
 
 def _checkpointed(folders: list[Path]) -> int:

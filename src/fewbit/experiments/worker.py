@@ -10,17 +10,14 @@ checkpoint continues from it, bit for bit.
 
 The parent starts each worker as the leader of a process group of its own, so that a
 Ctrl-C at the terminal reaches the parent alone, and the parent stops a worker by
-signalling its group (compiler subprocesses included). Should the parent die without
-doing so (kill -9), the worker notices within a second and ends its group.
+signalling its group (compiler subprocesses included); should the parent die without
+doing so (kill -9), the worker ends its group (:mod:`.processes`).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sys
-import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -28,6 +25,7 @@ from pathlib import Path
 import torch
 
 from .data import CharDataset, write_atomically
+from .processes import end_with_parent
 from .train import Run, TrainConfig
 
 CHECKPOINT = "checkpoint.pt"
@@ -67,15 +65,9 @@ def train_run(task: dict, data: CharDataset) -> None:
     send(task=task["task"], done=True)
 
 
-def _end_with_parent(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os.killpg(0, signal.SIGKILL)
-
-
 def main(argv: list[str]) -> None:
     data_file, parent = argv
-    threading.Thread(target=_end_with_parent, args=(int(parent),), daemon=True).start()
+    end_with_parent(int(parent))
     torch.set_num_threads(1)  # small models train faster side by side than sharing threads
     data = CharDataset.load(Path(data_file))
     for line in sys.stdin:  # until the parent closes stdin: no more runs
