@@ -261,18 +261,34 @@ inline uint32_t classical_sr_one(uint32_t x, uint32_t n, const Fmt& f) {
 // 2^(-126 - emin), a value's float32 bits are its code's magnitude bits shifted left by
 // 23 - t: the format's exponent field lands on float32's (field 1 at emin), and its
 // subnormals on float32's subnormals (the scaling is exact: they are multiples of 2^-149).
+template <bool EXTENDED, bool HAS_NANS, bool TWOS_COMPLEMENT>
 inline uint32_t code_of(uint32_t bits_in, const Fmt& f) {
   const uint32_t a = bits_in & 0x7FFFFFFFu;
   const uint32_t is_inf = a == 0x7F800000u, is_nan = a > 0x7F800000u;
   uint32_t mag = __builtin_bit_cast(uint32_t, as_float(a) * f.code_scale) >> (23 - f[T]);
-  mag = f.extended & is_inf ? uint32_t(f[CODE_OF_MAX]) + 1 : mag;
-  mag = f.has_nans & is_nan ? uint32_t(f[CODE_OF_NAN]) : mag;
+  if (EXTENDED) mag = is_inf ? uint32_t(f[CODE_OF_MAX]) + 1 : mag;
+  if (HAS_NANS) mag = is_nan ? uint32_t(f[CODE_OF_NAN]) : mag;
   const uint32_t negative = bits_in >> 31, k = f[K];
   // Two's complement (OCP INT8): the negated magnitude; sign-magnitude: the sign bit, kept
   // on a zero only with a negative zero, never on a NaN.
-  const uint32_t twos = ((mag ^ (0u - negative)) + negative) & ((1u << k) - 1);
+  if (TWOS_COMPLEMENT) return ((mag ^ (0u - negative)) + negative) & ((1u << k) - 1);
   const uint32_t keep_sign = negative & (is_nan ^ 1) & (f.has_nz | (mag != 0)) & f.is_signed;
-  return f.twos_complement ? twos : mag | (keep_sign << (k - 1));
+  return mag | (keep_sign << (k - 1));
+}
+
+// code_of over lanes h0 .. h1, with the format's kind known to the compiler in each loop.
+inline void codes_of(const uint32_t* __restrict rs, uint32_t* __restrict codes, int h0, int h1, const Fmt& f) {
+  if (f.twos_complement) {
+    for (int h = h0; h < h1; ++h) codes[h] = code_of<false, false, true>(rs[h], f);
+  } else if (f.has_nans && f.extended) {
+    for (int h = h0; h < h1; ++h) codes[h] = code_of<true, true, false>(rs[h], f);
+  } else if (f.has_nans) {
+    for (int h = h0; h < h1; ++h) codes[h] = code_of<false, true, false>(rs[h], f);
+  } else if (f.extended) {
+    for (int h = h0; h < h1; ++h) codes[h] = code_of<true, false, false>(rs[h], f);
+  } else {
+    for (int h = h0; h < h1; ++h) codes[h] = code_of<false, false, false>(rs[h], f);
+  }
 }
 
 inline int32_t not_a_value(uint32_t x, uint32_t rounded, const Fmt& f) {
@@ -303,6 +319,11 @@ struct Blocks {
   Rule rule;
   float tensor_scale;  // 1 where the format has none
   uint8_t* scales;  // codes of the scales (for codes output), or null
+  // Whether the element rounding tells a quotient that underflowed to 0 from +-2^-126: only
+  // the modes that round away by sign or parity (rup, rdn, rto). The others round every
+  // magnitude below 2^-125 to 0: no N <= 30 random bits reach it from an element ulp of at
+  // least 2^-92 (block.kernel).
+  int zero_is_not_tiny;
 };
 
 struct Job {
@@ -416,13 +437,19 @@ void scale_blocks(const uint32_t* __restrict xs, int h0, int h1, int64_t start, 
   }
   for (int b = 0; b < b1; ++b) {
     const float s = as_float(pow2 ? inv[b] : factor[b]);
-    const int32_t nan = amax[b] > 0x7F800000u, zero = as_float(factor[b]) == 0.0f;
-    for (int i = 0; i < B; ++i) {
-      const uint32_t x = xs[b * B + i];
-      const uint32_t q = __builtin_bit_cast(uint32_t, pow2 ? as_float(x) * s : as_float(x) / s);
-      const int32_t under = ((q & 0x7FFFFFFFu) < 0x00800000u) & ((x & 0x7FFFFFFFu) != 0);
-      const uint32_t kept = under ? (x & 0x80000000u) | 0x00800000u : q;
-      scaled[b * B + i] = nan ? fill : zero ? 0 : kept;
+    const uint32_t* x = xs + b * B;
+    uint32_t* out = scaled + b * B;
+    if (amax[b] > 0x7F800000u || as_float(factor[b]) == 0.0f) {  // a NaN block, or S = 0
+      for (int i = 0; i < B; ++i) out[i] = amax[b] > 0x7F800000u ? fill : 0;
+    } else if (pow2 && !blocks.zero_is_not_tiny) {
+      // Here x / 2^e rounds as +-2^-126 wherever it lies below it, 0 included.
+      for (int i = 0; i < B; ++i) out[i] = __builtin_bit_cast(uint32_t, as_float(x[i]) * s);
+    } else {
+      for (int i = 0; i < B; ++i) {
+        const uint32_t q = __builtin_bit_cast(uint32_t, pow2 ? as_float(x[i]) * s : as_float(x[i]) / s);
+        const int32_t under = ((q & 0x7FFFFFFFu) < 0x00800000u) & ((x[i] & 0x7FFFFFFFu) != 0);
+        out[i] = under ? (x[i] & 0x80000000u) | 0x00800000u : q;
+      }
     }
   }
 }
@@ -567,7 +594,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
         }
         break;
       default: {  // codes: computed in 32 bits (GCC vectorises no mix of widths), then narrowed
-        for (int h = h0; h < h1; ++h) cbuf[h] = code_of(rs[h], f);
+        codes_of(rs, cbuf, h0, h1, f);
         if (job.output == CODES_U8) {
           uint8_t* o = static_cast<uint8_t*>(job.out) + pos0;
           for (int h = h0; h < h1; ++h) o[h] = uint8_t(cbuf[h]);
@@ -637,7 +664,7 @@ int64_t fewbit_round(const void* x, int dtype, void* out, int output, int64_t n,
                      const int32_t* params, int mode, const uint32_t* keys, const int32_t* given,
                      int threads) {
   const Job job{x, Dtype(dtype), out, Output(output), n, offset, Fmt(params), keys, given,
-                streams(dtype, output, n), Blocks{0, FLOOR, 1.0f, nullptr}};
+                streams(dtype, output, n), Blocks{0, FLOOR, 1.0f, nullptr, 0}};
   return run(job, mode, threads);
 }
 
@@ -649,7 +676,8 @@ int64_t fewbit_block(const void* x, int dtype, void* out, int output, int64_t n,
                      int mode, const uint32_t* keys, const int32_t* given, int threads, int block_size,
                      int rule, float tensor_scale, uint8_t* scales) {
   const Job job{x, Dtype(dtype), out, Output(output), n, 0, Fmt(params), keys, given,
-                streams(dtype, output, n), Blocks{block_size, Rule(rule), tensor_scale, scales}};
+                streams(dtype, output, n),
+                Blocks{block_size, Rule(rule), tensor_scale, scales, mode == RUP || mode == RDN || mode == RTO}};
   return run(job, mode, threads);
 }
 
