@@ -315,3 +315,71 @@ def test_compiled_kernel_gives_the_eager_bits():
         assert torch.equal(block.round(x, "mxfp4", "src", bits=3, seed=7), eager)
         compiled = block.quantize(x, "nvfp4", "srf", bits=3, random_bits=rb)
     assert torch.equal(compiled.codes, stored.codes) and torch.equal(compiled.scales, stored.scales)
+
+
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp4", "nvfp4", "hbfp4"])
+def test_out_holds_the_same_result_in_the_callers_memory(name):
+    """quantize(out=) and round(out=) write what the allocating calls return, into the
+    given memory: blocks along the last axis, along another, padded, bfloat16, strided out."""
+    g = torch.Generator().manual_seed(stable_seed("block-out", name))
+    for shape, axis, dtype in [((8, 128), -1, torch.float32), ((8, 128), 0, torch.float32),
+                               ((6, 70), -1, torch.float32), ((4, 64), -1, torch.bfloat16)]:
+        x = (torch.randn(shape, generator=g) * 4).to(dtype)
+        kw = {"axis": axis, "bits": 3, "seed": 11}
+        want = block.quantize(x, name, "src", **kw)
+        stored = block.quantize(torch.zeros(shape, dtype=dtype), name, axis=axis)
+        assert block.quantize(x, name, "src", out=stored, **kw) is stored
+        assert torch.equal(stored.codes, want.codes) and torch.equal(stored.scales, want.scales)
+        assert torch.equal(stored.dequantize(), want.dequantize())
+        out = torch.full_like(x, 7.0)
+        assert block.round(x, name, "src", out=out, **kw) is out
+        assert torch.equal(out, block.round(x, name, "src", **kw))
+        wide = torch.zeros(*shape, 2, dtype=dtype)
+        block.round(x, name, "src", out=wide[..., 1], **kw)
+        assert torch.equal(wide[..., 1], out) and not wide[..., 0].any()
+        y = x.clone()
+        block.round(y, name, "src", out=y, **kw)  # in place
+        assert torch.equal(y, out)
+
+
+def test_out_is_refused_before_anything_is_written():
+    x = torch.tensor([[7.0, 1.0] * 16])  # 7 is beyond e2m1's 6 at the block's scale
+    out = torch.full_like(x, 3.0)
+    with pytest.raises(ValueError, match="use sat=True"):
+        block.round(x, "mxfp4", sat=False, out=out)
+    assert bool((out == 3.0).all())
+    stored = block.quantize(torch.ones_like(x), "mxfp4")
+    before = stored.codes.clone(), stored.scales.clone()
+    with pytest.raises(ValueError, match="use sat=True"):
+        block.quantize(x, "mxfp4", sat=False, out=stored)
+    assert torch.equal(stored.codes, before[0]) and torch.equal(stored.scales, before[1])
+    with pytest.raises(ValueError, match="out holds mxfp4_e2m1 along axis 1; this call makes mxfp8_e4m3"):
+        block.quantize(x, "mxfp8_e4m3", out=stored)
+    with pytest.raises(ValueError, match="out holds"):
+        block.quantize(x, "mxfp4", axis=0, out=stored)
+    bad = block.BlockTensor(stored.codes[:, :, :8], stored.scales, None, stored.format, x.shape, 1)
+    with pytest.raises(ValueError, match="out's codes must be uint8"):
+        block.quantize(x, "mxfp4", out=bad)
+    with pytest.raises(ValueError, match="out must match x"):
+        block.round(x, "mxfp4", out=torch.empty(2, 32))
+    with pytest.raises(RuntimeError, match="automatic differentiation"):
+        block.round(x.requires_grad_(), "mxfp4", out=torch.empty_like(x))
+
+
+@pytest.mark.filterwarnings("error::UserWarning")  # Dynamo's warning on tracing a registry's cache
+def test_quantize_and_out_under_torch_compile():
+    """quantize, and the writing ops, under the user's torch.compile(fullgraph=True) with a
+    tensor seed; a format named for the first time inside the compiled function."""
+    x = torch.randn(4, 64)
+    buf = torch.empty_like(x)
+    stored = block.quantize(x, "mxfp8_e4m3")
+
+    def step(x, seed):
+        block.round(x, "mxfp4", "src", bits=3, seed=seed, out=buf)
+        block.quantize(x, "mxfp8_e4m3", "src", bits=3, seed=seed, out=stored)
+        return block.quantize(x, "bfp5_b16", "src", bits=3, seed=seed).dequantize()
+
+    values = torch.compile(step, fullgraph=True)(x, torch.tensor(5))
+    assert torch.equal(buf, block.round(x, "mxfp4", "src", bits=3, seed=5))
+    assert torch.equal(stored.codes, block.quantize(x, "mxfp8_e4m3", "src", bits=3, seed=5).codes)
+    assert torch.equal(values, block.round(x, "bfp5_b16", "src", bits=3, seed=5))

@@ -17,6 +17,7 @@ elements, where the per-call overhead is all there is.
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
@@ -172,8 +173,9 @@ BLOCK_FORMATS = ["mxfp8_e4m3", "mxfp4", "nvfp4"]
 def block_rows(log2_size: int, device: str, repeat: int, sync: Callable[[], None],
                progress: Callable[[str], None] | None = None) -> list[dict]:
     """``fewbit.block.quantize`` (to codes) and ``fewbit.block.round`` (quantise-dequantise)
-    on float32 rows of 4096, blocks along them, RNE and SRC N=3. Both return new tensors;
-    ``x copy`` still times ``copy_`` of the input into a preallocated tensor."""
+    on float32 rows of 4096, blocks along them, RNE and SRC N=3: ``x copy`` into
+    preallocated outputs (``out=``) against ``copy_`` of the input, ``x clone`` returning
+    new tensors against ``clone``, as the element rows."""
     from . import block
 
     n = max(1 << log2_size, 4096)
@@ -181,17 +183,18 @@ def block_rows(log2_size: int, device: str, repeat: int, sync: Callable[[], None
     out = torch.empty_like(x)
     rows = []
     for name in BLOCK_FORMATS:
+        stored = block.quantize(x, name)
         for mode, bits in (("rne", None), ("src", 3)):
             kw = {"bits": bits, **({"seed": 1} if bits else {})}
-            for what, fn in (("quantize", block.quantize), ("round", block.round)):
+            for what, fn, into in (("quantize", block.quantize, stored), ("round", block.round, out)):
                 label = f"float32 -> {name} {what} {mode}"
                 if progress:
                     progress(label)
 
-                def call(fn=fn, name=name, mode=mode, kw=kw):
-                    return fn(x, name, mode, **kw)
+                def call(fn=fn, name=name, mode=mode, kw=kw, into=None):
+                    return fn(x, name, mode, out=into, **kw)
 
-                t, x_copy = paired(call, lambda: out.copy_(x), repeat, sync)
+                t, x_copy = paired(functools.partial(call, into=into), lambda: out.copy_(x), repeat, sync)
                 rows.append({"input": "torch.float32", "format": f"{name} {what}", "mode": mode, "bits": bits,
                              "melem_per_s": n / t / 1e6, "x_copy": x_copy,
                              "x_clone": paired(call, x.clone, repeat, sync)[1]})

@@ -91,6 +91,7 @@ def quantize(
     fraction: float | None = None,
     rule: str | None = None,
     sat: bool = True,
+    out: BlockTensor | None = None,
 ) -> BlockTensor:
     """Quantise ``x`` to block format ``bfmt``: codes, scale codes and the per-tensor scale.
 
@@ -103,14 +104,24 @@ def quantize(
         rule: the scale rule (default: the format's; ``fewbit.block.SCALE_RULES``).
         sat: elements beyond the element format's largest value saturate (the OCP rule);
             False gives Inf/NaN where the element format has them, else a ValueError.
+        out: a BlockTensor of the same format, shape and axis (an earlier ``quantize`` of a
+            tensor like x) whose codes, scales and per-tensor scale take the result: no new
+            memory, as a training loop that re-quantises its weights wants.
 
     Raises TypeError/ValueError, before anything is written, for a bad argument.
     """
     args = block_args(x, bfmt, mode, sat, bits, fraction, seed, random_bits, axis, rule)
-    codes, scales, ts = torch.ops.fewbit.block_quantize(*args)
-    fmt = lookup(args[1])
-    axis = fmt.axis if args[8] is None else args[8]
-    return BlockTensor(codes, scales, ts if fmt.tensor_scale else None, fmt, x.shape, axis % x.dim())
+    name, axis = args[1], args[8]
+    if out is None:
+        codes, scales, ts = torch.ops.fewbit.block_quantize(*args)
+        fmt = lookup(name)  # after the op, whose checks looked the name up (see lookup)
+        axis = (fmt.axis if axis is None else axis) % x.dim()
+        return BlockTensor(codes, scales, ts if fmt.tensor_scale else None, fmt, x.shape, axis)
+    if out.shape != x.shape:
+        raise ValueError(f"out holds a tensor of shape {tuple(out.shape)}, x has {tuple(x.shape)}")
+    ts = out.tensor_scale if out.tensor_scale is not None else x.new_ones((), dtype=torch.float32)
+    torch.ops.fewbit.block_quantize_into(*args, out.format.name, out.axis, out.codes, out.scales, ts)
+    return out
 
 
 def round(
@@ -125,13 +136,21 @@ def round(
     fraction: float | None = None,
     rule: str | None = None,
     sat: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Quantise and dequantise in one pass: ``x``'s dtype and shape, holding values of the
     block format (``quantize(...).dequantize(x.dtype)``, without storing codes). What
-    fake quantisation and training call. Arguments as :func:`quantize`. Gradient:
-    straight-through (the identity), as ``fewbit.round``'s."""
-    return torch.ops.fewbit.block_round(*block_args(x, bfmt, mode, sat, bits, fraction, seed, random_bits,
-                                                    axis, rule))
+    fake quantisation and training call. Arguments as :func:`quantize`; ``out``: a tensor
+    of x's shape, dtype and device to hold the result (as ``fewbit.round``'s: no autograd
+    through it). Gradient: straight-through (the identity), as ``fewbit.round``'s."""
+    args = block_args(x, bfmt, mode, sat, bits, fraction, seed, random_bits, axis, rule)
+    if out is None:
+        return torch.ops.fewbit.block_round(*args)
+    if torch.is_grad_enabled() and (x.requires_grad or out.requires_grad):
+        raise RuntimeError("fewbit.block.round(..., out=...) does not support automatic differentiation, "
+                           "and an argument requires grad; call it without out=")
+    torch.ops.fewbit.block_round_into(*args, out)
+    return out
 
 
 # Layers that take either kind of format (fewbit.nn, fewbit.optim) go through these three,

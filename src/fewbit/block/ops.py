@@ -28,7 +28,7 @@ from ..rounding.compiled import (
     word_tensors,
 )
 from ..rounding.modes import parse_mode
-from ..rounding.ops import check_key, name_for_op
+from ..rounding.ops import _check_out, _overlaps, check_key, name_for_op
 from .formats import BlockFormat, check_rule
 from .formats import format as block_format
 from .kernel import (
@@ -43,6 +43,7 @@ from .kernel import (
 __all__ = ["block_args", "block_spec_of", "format_name", "lookup"]
 
 _UNREGISTERED: dict[str, BlockFormat] = {}
+_KNOWN: dict[str, BlockFormat] = {}
 _CACHE: dict[tuple, object] = {}
 _BROKEN: set[tuple] = set()
 
@@ -53,7 +54,13 @@ def format_name(bfmt: BlockFormat | str) -> str:
 
 
 def lookup(name: str) -> BlockFormat:
-    return _UNREGISTERED.get(name) or block_format(name)
+    """The block format an op's name stands for. Kept in a plain dict: a traced caller
+    (``quantize`` under torch.compile, once the op's checks have looked the name up) reads
+    it there instead of tracing the registry's cache."""
+    fmt = _KNOWN.get(name)
+    if fmt is None:
+        fmt = _KNOWN[name] = _UNREGISTERED.get(name) or block_format(name)
+    return fmt
 
 
 def block_args(x, bfmt, mode, sat, bits, fraction, seed, random_bits, axis, rule) -> tuple:
@@ -122,36 +129,37 @@ def _kernel(blocks, words, rand, tensor_scale, *, spec: BlockSpec, fused: bool):
 
 
 def _native(x: torch.Tensor, spec: BlockSpec, key: Key | None, rand: torch.Tensor | None, fused: bool,
-            ts: torch.Tensor | None) -> tuple:  # fmt: skip
-    """:func:`_run`'s answer from the native CPU kernel, for blocks in x's memory order."""
+            ts: torch.Tensor | None, into: tuple | None) -> tuple:  # fmt: skip
+    """:func:`_run`'s answer from the native CPU kernel, for blocks in x's memory order,
+    written into ``into`` where given (contiguous tensors shaped as the results)."""
     size = spec.bfmt.block_size
     flat = x.reshape(-1)
     args = (flat, spec.spec, None if key is None else stream_words(spec.spec, key),
             None if rand is None else rand.reshape(-1))
     kw = {"block_size": size, "rule": spec.rule, "tensor_scale": 1.0 if ts is None else float(ts)}
     if fused:
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        (out,) = into or (torch.empty_like(x, memory_format=torch.contiguous_format),)
         return out, native.block_into(*args, out.view(-1), None, **kw) >= 0
-    rows, blocks = x.numel() // x.shape[-1], x.shape[-1] // size
-    codes = x.new_empty((rows, blocks, size // 2 if spec.bfmt.packed else size), dtype=torch.uint8)
-    scales = x.new_empty((rows, blocks), dtype=torch.uint8)
+    codes, scales = into or _empty_codes(x, spec, x.dim() - 1)
     bad = native.block_into(*args, codes.view(-1), scales, packed=spec.bfmt.packed, **kw)
     return codes, scales, bad >= 0
 
 
-def _run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool, ts: torch.Tensor | None):
+def _run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool, ts: torch.Tensor | None,
+         into: tuple | None = None):
     """The kernel on x's blocks, laid out here (a view when the axis is last and its length
     a multiple of B): the kernel then sees a plain ``(n, B)`` tensor, which Inductor
     vectorises. Where the layout moves elements, their bits are drawn here, by x's own
     flat indices, and laid out with them. On a CPU, blocks in x's memory order go to the
-    native kernel instead (:func:`_native`)."""
+    native kernel instead (:func:`_native`, which writes ``into`` where given; the torch
+    kernels ignore it)."""
     size = spec.bfmt.block_size
     rand = check_random_bits(x, spec.spec, random_bits) if key is None else None
     in_order = axis % x.dim() == x.dim() - 1 and x.shape[-1] % size == 0
     cpu_key = Key(*key.tolist()) if key is not None and key.device.type == "cpu" else key
     if (in_order and spec.work_dtype == torch.float32
             and native.block_applies(spec.spec, x, rand, size, spec.bfmt.scale)):  # fmt: skip
-        return _native(x, spec, cpu_key, rand, fused, ts)
+        return _native(x, spec, cpu_key, rand, fused, ts, into)
     words = None
     if key is not None:
         if not in_order:
@@ -191,22 +199,37 @@ def _run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool, ts: torch
     return codes.view(*shape3[:2], -1), scales.view(shape3[:2]), invalid
 
 
-def _checked_run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool, ts) -> tuple:
-    *result, invalid = _run(x, spec, key, random_bits, axis, fused, ts)
+def _checked_run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool, ts, into: tuple | None = None
+                 ) -> tuple:  # fmt: skip
+    """The results, or ValueError where an element has no value. ``into``: tensors to hold
+    them (round's ``out``; quantize's codes and scales). The kernel writes them directly
+    only where nothing can be refused after it starts (sat, or elements with NaN), they
+    are contiguous and apart from x; else they are copied once the call is valid."""
+    direct = (into is not None and (spec.spec.sat or spec.spec.fmt.has_nans)
+              and all(t.is_contiguous() and not _overlaps(t, x) for t in into))  # fmt: skip
+    *result, invalid = _run(x, spec, key, random_bits, axis, fused, ts, into if direct else None)
     if invalid is not None and bool(invalid):
         raise ValueError(f"{spec.spec.fmt.name} has no Inf or NaN for a value beyond its range; use sat=True")
-    return tuple(result)
+    if into is None:
+        return tuple(result)
+    for t, r in zip(into, result, strict=True):
+        if r is not t:
+            t.copy_(r.view(t.shape))
+    return into
 
 
-def _empty_codes(x: torch.Tensor, spec: BlockSpec, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty tensors shaped as :func:`_kernel`'s codes for ``x``."""
+def _code_shapes(x: torch.Tensor, spec: BlockSpec, axis: int) -> tuple[tuple, tuple]:
+    """Shapes of :func:`_kernel`'s codes and scale codes for ``x``."""
     size = spec.bfmt.block_size
     length = x.shape[axis]
     blocks = -(-length // size)
     rows = x.numel() // length if length else 0
-    width = size // 2 if spec.bfmt.packed else size
-    codes = x.new_empty((rows, blocks, width), dtype=torch.uint8)
-    return codes, x.new_empty((rows, blocks), dtype=torch.uint8)
+    return (rows, blocks, size // 2 if spec.bfmt.packed else size), (rows, blocks)
+
+
+def _empty_codes(x: torch.Tensor, spec: BlockSpec, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty tensors shaped as :func:`_kernel`'s codes for ``x``."""
+    return tuple(x.new_empty(shape, dtype=torch.uint8) for shape in _code_shapes(x, spec, axis))
 
 
 @torch.library.custom_op("fewbit::block_round", mutates_args=())
@@ -235,6 +258,25 @@ def _straight_through(ctx, grad: torch.Tensor):
 torch.library.register_autograd("fewbit::block_round", _straight_through)
 
 
+@torch.library.custom_op("fewbit::block_round_into", mutates_args=("out",))
+def block_round_into_op(
+    x: torch.Tensor, bfmt: str, rounding: str, sat: bool, bits: int | None, fraction: float | None,
+    key: torch.Tensor | None, random_bits: torch.Tensor | None, axis: int | None, rule: str | None,
+    out: torch.Tensor,
+) -> None:
+    """``fewbit.block.round(..., out=out)`` as an operator."""
+    spec, axis = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
+    _check_out(x, out)
+    if x.numel():
+        _checked_run(x, spec, key, random_bits, axis, True, tensor_scale_of(x, spec.bfmt), (out,))
+
+
+@block_round_into_op.register_fake
+def _(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule, out):
+    _fake_checks(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
+    _check_out(x, out)
+
+
 @torch.library.custom_op("fewbit::block_quantize", mutates_args=())
 def block_quantize_op(
     x: torch.Tensor, bfmt: str, rounding: str, sat: bool, bits: int | None, fraction: float | None,
@@ -256,3 +298,48 @@ def block_quantize_op(
 def _(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule):
     spec, axis = _fake_checks(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
     return (*_empty_codes(x, spec, axis), x.new_empty((), dtype=torch.float32))
+
+
+def _check_codes(x: torch.Tensor, spec: BlockSpec, axis: int, stored_format: str, stored_axis: int,
+                 codes: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor) -> None:  # fmt: skip
+    """Raise ValueError unless the BlockTensor's format and axis are the call's and its
+    buffers are shaped as quantize's results for ``x``."""
+    axis = axis % x.dim()
+    if stored_format != spec.bfmt.name or stored_axis != axis:  # a name is one format
+        raise ValueError(f"out holds {stored_format} along axis {stored_axis}; this call makes "
+                         f"{spec.bfmt.name} along axis {axis}")
+    shapes = _code_shapes(x, spec, axis)
+    for what, shape, got in zip(("codes", "scales"), shapes, (codes, scales), strict=True):
+        if got.shape != shape or got.dtype != torch.uint8 or got.device != x.device:
+            raise ValueError(f"out's {what} must be uint8 {shape} on {x.device} for this x, not {got.dtype} "
+                             f"{tuple(got.shape)} on {got.device}")
+    if tensor_scale.shape != () or tensor_scale.dtype != torch.float32 or tensor_scale.device != x.device:
+        raise ValueError(f"out's tensor scale must be a 0-d float32 tensor on {x.device}")
+
+
+@torch.library.custom_op("fewbit::block_quantize_into", mutates_args=("codes", "scales", "tensor_scale"))
+def block_quantize_into_op(
+    x: torch.Tensor, bfmt: str, rounding: str, sat: bool, bits: int | None, fraction: float | None,
+    key: torch.Tensor | None, random_bits: torch.Tensor | None, axis: int | None, rule: str | None,
+    stored_format: str, stored_axis: int, codes: torch.Tensor, scales: torch.Tensor,
+    tensor_scale: torch.Tensor,
+) -> None:
+    """``fewbit.block.quantize(..., out=stored)`` as an operator: :func:`block_quantize_op`'s
+    results written into ``codes``, ``scales`` and ``tensor_scale`` (1 for formats without
+    one) of a BlockTensor of ``stored_format`` along ``stored_axis``."""
+    spec, axis = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
+    _check_codes(x, spec, axis, stored_format, stored_axis, codes, scales, tensor_scale)
+    ts = tensor_scale_of(x, spec.bfmt)
+    if x.numel():
+        _checked_run(x, spec, key, random_bits, axis, False, ts, (codes, scales))
+    if ts is None:
+        tensor_scale.fill_(1.0)
+    else:
+        tensor_scale.copy_(ts)
+
+
+@block_quantize_into_op.register_fake
+def _(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule, stored_format, stored_axis, codes,
+      scales, tensor_scale):  # fmt: skip
+    spec, axis = _fake_checks(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
+    _check_codes(x, spec, axis, stored_format, stored_axis, codes, scales, tensor_scale)
