@@ -298,3 +298,16 @@ def test_block_e4m3_scale_ties_round_to_even():
     expected, got = eager_and_native(lambda: block.quantize(x, bfmt))
     assert got.scales.tolist() == [[0x38, 0], [0x38, 0]]  # E4M3 1.0: exponent field 7, fraction 0
     assert torch.equal(got.scales, expected.scales) and torch.equal(got.codes, expected.codes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_finite_amax_is_torchs(dtype):
+    """NVFP4's per-tensor amax in one read: the largest finite magnitude, Inf and NaN
+    skipped, over one thread's share or two (3M elements)."""
+    x = (torch.randn(3 << 20, generator=torch.Generator().manual_seed(8)) * 100).to(dtype)
+    x[[5, 2_000_000]] = float("inf")
+    x[7] = float("nan")
+    x[2_500_000] = -24576.0  # the largest finite magnitude, negative, in the second thread's half
+    want = torch.where(torch.isfinite(x), x, 0).abs().amax().float().item()
+    assert native.finite_amax(x) == want == 24576.0
+    assert native.finite_amax(torch.full((10,), float("nan"), dtype=dtype)) == 0.0

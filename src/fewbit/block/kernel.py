@@ -117,15 +117,20 @@ def block_scales(
     return scale, factor
 
 
-def tensor_scale_of(x: torch.Tensor, bfmt: BlockFormat) -> torch.Tensor | None:
+def tensor_scale_of(x: torch.Tensor, bfmt: BlockFormat, amax: float | None = None) -> torch.Tensor | None:
     """NVFP4's per-tensor float32 scale: the finite amax over the largest value a block
     can hold (``M * scale max``), so the largest block scale lands on the scale format's
-    maximum; 1 for a tensor without a finite nonzero value."""
+    maximum; 1 for a tensor without a finite nonzero value. ``amax``: x's largest finite
+    magnitude where the caller has it (the native kernel finds it in one read)."""
     if not bfmt.tensor_scale:
         return None
-    finite = torch.where(torch.isfinite(x), x, 0)
-    amax = finite.abs().amax().to(torch.float32) if x.numel() else torch.zeros((), device=x.device)
-    ts = amax / (bfmt.element.max * bfmt.scale.max)
+    if amax is not None:
+        found = torch.tensor(amax, dtype=torch.float32, device=x.device)
+    elif x.numel():
+        found = torch.where(torch.isfinite(x), x, 0).abs().amax().to(torch.float32)
+    else:
+        found = torch.zeros((), device=x.device)
+    ts = found / (bfmt.element.max * bfmt.scale.max)
     return torch.where(ts > 0, ts, 1.0)
 
 

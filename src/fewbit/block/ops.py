@@ -218,6 +218,12 @@ def _checked_run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool, t
     return into
 
 
+def _tensor_scale(x: torch.Tensor, bfmt: BlockFormat) -> torch.Tensor | None:
+    """:func:`tensor_scale_of`, its amax found by the native kernel where it takes x."""
+    fast = bfmt.tensor_scale and x.numel() and native.usable(x, bfmt.element)
+    return tensor_scale_of(x, bfmt, native.finite_amax(x) if fast else None)
+
+
 def _code_shapes(x: torch.Tensor, spec: BlockSpec, axis: int) -> tuple[tuple, tuple]:
     """Shapes of :func:`_kernel`'s codes and scale codes for ``x``."""
     size = spec.bfmt.block_size
@@ -241,7 +247,7 @@ def block_round_op(
     spec, axis = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
     if x.numel() == 0:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
-    (out,) = _checked_run(x, spec, key, random_bits, axis, True, tensor_scale_of(x, spec.bfmt))
+    (out,) = _checked_run(x, spec, key, random_bits, axis, True, _tensor_scale(x, spec.bfmt))
     return out.contiguous()
 
 
@@ -268,7 +274,7 @@ def block_round_into_op(
     spec, axis = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
     _check_out(x, out)
     if x.numel():
-        _checked_run(x, spec, key, random_bits, axis, True, tensor_scale_of(x, spec.bfmt), (out,))
+        _checked_run(x, spec, key, random_bits, axis, True, _tensor_scale(x, spec.bfmt), (out,))
 
 
 @block_round_into_op.register_fake
@@ -286,7 +292,7 @@ def block_quantize_op(
     (``B / 2`` bytes when packed), scale codes ``(rows, blocks)`` and the per-tensor
     scale (float32, 1 for formats without one)."""
     spec, axis = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
-    ts = tensor_scale_of(x, spec.bfmt)
+    ts = _tensor_scale(x, spec.bfmt)
     if x.numel() == 0:
         codes, scales = _empty_codes(x, spec, axis)
     else:
@@ -329,7 +335,7 @@ def block_quantize_into_op(
     one) of a BlockTensor of ``stored_format`` along ``stored_axis``."""
     spec, axis = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
     _check_codes(x, spec, axis, stored_format, stored_axis, codes, scales, tensor_scale)
-    ts = tensor_scale_of(x, spec.bfmt)
+    ts = _tensor_scale(x, spec.bfmt)
     if x.numel():
         _checked_run(x, spec, key, random_bits, axis, False, ts, (codes, scales))
     if ts is None:

@@ -34,7 +34,10 @@ from .checks import RoundSpec, make_spec
 from .magic import magic_applies
 from .modes import MODES, SELECT_BITS, RoundMode
 
-__all__ = ["applies", "block_applies", "block_into", "encode_into", "fits", "round_into", "rounded", "usable"]
+__all__ = [
+    "applies", "block_applies", "block_into", "encode_into", "finite_amax", "fits", "round_into", "rounded",
+    "usable",
+]  # fmt: skip
 
 SOURCE = Path(__file__).with_name("native.cpp")
 #: -fno-trapping-math lets the vectoriser compute both sides of a select (no float op here
@@ -188,6 +191,15 @@ def block_into(
     return _call(x, spec, False, words, random_bits, out, output, 0, block)
 
 
+def finite_amax(x: torch.Tensor) -> float:
+    """The largest finite magnitude of ``x`` (0 if none), in one read; only where the
+    configuration and dtype let the kernel take x (:func:`usable` with any format)."""
+    library = _load()
+    assert library is not None, "the native kernel is called only where usable() found it built"
+    x = x.contiguous()
+    return library.fewbit_finite_amax(x.data_ptr(), _DTYPES[x.dtype], x.numel(), torch.get_num_threads())
+
+
 def _call(x, spec: RoundSpec, encode: bool, words, random_bits, out: torch.Tensor, output: int,
           offset: int, block: tuple | None = None) -> int:  # fmt: skip
     library = _load()
@@ -262,6 +274,8 @@ def _open(path: Path) -> ctypes.CDLL:
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
     ]
+    library.fewbit_finite_amax.restype = ctypes.c_float
+    library.fewbit_finite_amax.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int]
     library.fewbit_block.restype = ctypes.c_int64
     library.fewbit_block.argtypes = [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
