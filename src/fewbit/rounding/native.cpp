@@ -391,10 +391,14 @@ inline double e4m3_scale(double target, bool up, uint8_t& code) {
     code = 0x7E;
     return 448.0;
   }
-  const int e = std::max(std::ilogb(target), -6);  // E4M3: emin -6, 3 fraction bits
-  const double r = up ? std::ceil(std::ldexp(target, 3 - e)) : std::nearbyint(std::ldexp(target, 3 - e));
+  // E4M3: emin -6, 3 fraction bits. Powers of two built from their bits (std::ilogb and
+  // std::ldexp are calls); target is 0 or at least 2^-1022 here, and e - 3 >= -9.
+  const auto pow2 = [](int k) { return __builtin_bit_cast(double, uint64_t(k + 1023) << 52); };
+  const int e = std::max(int(__builtin_bit_cast(uint64_t, target) >> 52) - 1023, -6);
+  const double q = target * pow2(3 - e);  // exact
+  const double r = up ? std::ceil(q) : std::nearbyint(q);
   code = uint8_t(8 * (e + 6) + int(r));  // r 2^(e-3), r <= 16; subnormals (e = -6, r < 8) too
-  return std::ldexp(r, e - 3);
+  return r * pow2(e - 3);
 }
 
 // block.kernel.quantize_blocks up to the rounding, for the whole blocks of lanes 0 .. h1
