@@ -26,6 +26,7 @@ from ..formats import format as element_format
 from ..random import Key
 from ..rounding import RoundMode
 from ..rounding.checks import check_round_args
+from ..rounding.ops import call_with_out
 from .formats import SCALE_RULES, BlockFormat, ScaleRule, format, names
 from .kernel import from_block_layout
 from .ops import block_args, block_spec_of, lookup
@@ -144,13 +145,8 @@ def round(
     of x's shape, dtype and device to hold the result (as ``fewbit.round``'s: no autograd
     through it). Gradient: straight-through (the identity), as ``fewbit.round``'s."""
     args = block_args(x, bfmt, mode, sat, bits, fraction, seed, random_bits, axis, rule)
-    if out is None:
-        return torch.ops.fewbit.block_round(*args)
-    if torch.is_grad_enabled() and (x.requires_grad or out.requires_grad):
-        raise RuntimeError("fewbit.block.round(..., out=...) does not support automatic differentiation, "
-                           "and an argument requires grad; call it without out=")
-    torch.ops.fewbit.block_round_into(*args, out)
-    return out
+    ops = torch.ops.fewbit
+    return call_with_out(ops.block_round, ops.block_round_into, args, x, out, "fewbit.block.round")
 
 
 # Layers that take either kind of format (fewbit.nn, fewbit.optim) go through these three,

@@ -14,7 +14,7 @@ from ..formats import FloatFormat
 from ..random import Key, key_of
 from .checks import RoundSpec, dtype_format, scalar_args
 from .modes import MODES, SELECT_BITS, ModeInfo, RoundMode, natural_sr_bits
-from .ops import format_name
+from .ops import call_with_out, format_name
 from .reference import round_reference
 
 __all__ = [
@@ -63,13 +63,7 @@ def round(
         (NaN input, or overflow without ``sat``).
     """
     args = _op_args(x, fmt, mode, sat, bits, fraction, seed, random_bits)
-    if out is None:
-        return torch.ops.fewbit.round(*args)
-    if torch.is_grad_enabled() and (x.requires_grad or out.requires_grad):
-        raise RuntimeError("fewbit.round(..., out=...) does not support automatic differentiation, "
-                           "and an argument requires grad; call it without out=")
-    torch.ops.fewbit.round_into(*args, out)
-    return out
+    return call_with_out(torch.ops.fewbit.round, torch.ops.fewbit.round_into, args, x, out, "fewbit.round")
 
 
 def round_(x: torch.Tensor, fmt: FloatFormat | str, mode: RoundMode | str = "rne", **kwargs) -> torch.Tensor:

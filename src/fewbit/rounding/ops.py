@@ -198,6 +198,19 @@ def _(x, fmt, rounding, sat, bits, fraction, key, random_bits, out):
     _check_out(x, out)
 
 
+def call_with_out(functional, into, args: tuple, x: torch.Tensor, out: torch.Tensor | None,
+                  name: str) -> torch.Tensor:  # fmt: skip
+    """``functional(*args)``, or with ``out`` the writing op ``into(*args, out)``, returning
+    out; refused where autograd would be asked to go through it, as torch's ``out=`` is."""
+    if out is None:
+        return functional(*args)
+    if torch.is_grad_enabled() and (x.requires_grad or out.requires_grad):
+        raise RuntimeError(f"{name}(..., out=...) does not support automatic differentiation, "
+                           "and an argument requires grad; call it without out=")
+    into(*args, out)
+    return out
+
+
 def _check_out(x: torch.Tensor, out: torch.Tensor) -> None:
     if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
         raise ValueError(f"out must match x: x is {x.dtype} {tuple(x.shape)} on {x.device}, "
