@@ -364,6 +364,13 @@ def test_out_is_refused_before_anything_is_written():
         block.round(x, "mxfp4", out=torch.empty(2, 32))
     with pytest.raises(RuntimeError, match="automatic differentiation"):
         block.round(x.requires_grad_(), "mxfp4", out=torch.empty_like(x))
+    # A weight that requires grad: codes carry no gradient, and round(out=) runs under no_grad.
+    w = torch.randn(2, 32, requires_grad=True)
+    stored = block.quantize(torch.zeros(2, 32), "mxfp4")
+    assert block.quantize(w, "mxfp4", out=stored) is stored
+    assert torch.equal(stored.codes, block.quantize(w.detach(), "mxfp4").codes)
+    with torch.no_grad():
+        assert torch.equal(block.round(w, "mxfp4", out=torch.empty(2, 32)), block.round(w.detach(), "mxfp4"))
 
 
 @pytest.mark.filterwarnings("error::UserWarning")  # Dynamo's warning on tracing a registry's cache

@@ -2,11 +2,11 @@
 elementwise pass that scales, rounds and (for ``round``) scales back.
 
 The same Python runs eager and under ``torch.compile`` (``ops`` compiles it once per
-spec), so both give the same bits; native.cpp's block path computes it too, for power-of-two
-scales on a CPU (tests/test_native.py). Layout: ``x`` with the block axis moved last, padded
-with zeros to whole blocks and viewed as ``(rows, blocks, B)``; random bits are drawn for
-x's own flat indices and laid out the same way, so element ``i`` of x takes the bits
-``fewbit.round`` would give it.
+spec), so both give the same bits; native.cpp's block path computes it too, on a CPU for
+blocks along the last axis with E8M0 or E4M3 scales (tests/test_native.py). Layout:
+``x`` with the block axis moved last, padded with zeros to whole blocks and viewed as
+``(rows, blocks, B)``; random bits are drawn for x's own flat indices and laid out the
+same way, so element ``i`` of x takes the bits ``fewbit.round`` would give it.
 
 Scaled values ``x / S``: exact for power-of-two scales, one correctly rounded division for
 NVFP4's. Where the quotient falls below the working float's normal range it is replaced by

@@ -402,17 +402,17 @@ inline double e4m3_scale(double target, bool up, uint8_t& code) {
 }
 
 // block.kernel.quantize_blocks up to the rounding, for the whole blocks of lanes 0 .. h1
-// (B elements each; FIXED_B: B known at compile time, 0: read from blocks): each block's
+// (a block call starts at element 0, so every row starts at a block; B elements each; FIXED_B: B known at compile time, 0: read from blocks): each block's
 // factor S (its float32 bits; NaN for a block holding a NaN) and its scale's code into
 // blocks.scales, and the elements x / S into `scaled`. A quotient below float32's normal
 // range becomes +-2^-126 (it rounds alike, and a zero would not); a block whose S is 0
 // holds zeros, and a NaN block's elements are NaN, or 0 in an element format without NaN
 // (the scale carries the NaN).
 template <int FIXED_B>
-void scale_blocks(const uint32_t* __restrict xs, int h0, int h1, int64_t start, const Blocks& blocks,
-                  const Fmt& f, uint32_t* __restrict scaled, uint32_t* __restrict factor) {
+void scale_blocks(const uint32_t* __restrict xs, int h1, int64_t start, const Blocks& blocks, const Fmt& f,
+                  uint32_t* __restrict scaled, uint32_t* __restrict factor) {
   const int B = FIXED_B > 0 ? FIXED_B : blocks.size;
-  const int b1 = h1 / B;  // h0 is 0: calls start at element 0
+  const int b1 = h1 / B;
   const uint32_t fill = f.has_nans ? NAN_BITS : 0;
   const bool pow2 = blocks.rule < NEAREST;
   // In three passes, each over all the row's blocks, so that one block's chain (reduce,
@@ -460,7 +460,7 @@ void scale_blocks(const uint32_t* __restrict xs, int h0, int h1, int64_t start, 
 
 // Block values q * S in place, in float32 as block.kernel (FIXED_B as for scale_blocks).
 template <int FIXED_B>
-void scale_back(uint32_t* __restrict rs, int h0, int h1, int B, const uint32_t* __restrict factor) {
+void scale_back(uint32_t* __restrict rs, int h1, int B, const uint32_t* __restrict factor) {
   if (FIXED_B > 0) B = FIXED_B;
   for (int b = 0; b < h1 / B; ++b) {
     const float s = as_float(factor[b]);
@@ -515,7 +515,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
       xs = xbuf;
     }
     if (B > 0) {
-      FEWBIT_BY_BLOCK_SIZE(B, scale_blocks, (xs, h0, h1, start, job.blocks, f, sbuf, factor))
+      FEWBIT_BY_BLOCK_SIZE(B, scale_blocks, (xs, h1, start, job.blocks, f, sbuf, factor))
       xs = sbuf;
     }
     // The rounding loop reads its fields in place: from the stream's words, or the given bits
@@ -575,7 +575,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
     // bfloat16 values too: where q's grid times 2^e is finer than bfloat16's at x / 2^e,
     // x / 2^e lies on it and q * 2^e = x; elsewhere q * 2^e is a multiple of bfloat16's step
     // there. Other scales need the rounding.
-    if (B > 0 && job.output == VALUES) FEWBIT_BY_BLOCK_SIZE(B, scale_back, (rs, h0, h1, B, factor))
+    if (B > 0 && job.output == VALUES) FEWBIT_BY_BLOCK_SIZE(B, scale_back, (rs, h1, B, factor))
     const bool exact_bf16 = B == 0 || job.blocks.rule < NEAREST;
     switch (job.output) {
       case VALUES:
@@ -674,8 +674,8 @@ int64_t fewbit_round(const void* x, int dtype, void* out, int output, int64_t n,
 
 // Block-quantise x[0 .. n) (n a multiple of block_size, which divides LANES) with the
 // element rounding of params and mode: values q * S in x's dtype into out, or element
-// codes into out and the codes of the blocks' scales (E8M0 or E4M3) into scales. Random bits: those of elements
-// 0 .. n of the stream, as for fewbit_round.
+// codes into out and the codes of the blocks' scales (E8M0 or E4M3) into scales. Random
+// bits: those of elements 0 .. n of the stream, as for fewbit_round.
 int64_t fewbit_block(const void* x, int dtype, void* out, int output, int64_t n, const int32_t* params,
                      int mode, const uint32_t* keys, const int32_t* given, int threads, int block_size,
                      int rule, float tensor_scale, uint8_t* scales) {
