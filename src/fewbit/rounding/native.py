@@ -13,6 +13,7 @@ or eager, whose bits it reproduces (tests/test_native.py).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -234,14 +235,12 @@ def _load() -> ctypes.CDLL | None:
 
 def _build() -> Path:
     """Path of the shared library, compiled into the cache unless it is there already."""
-    compiler = shutil.which("c++")
-    if compiler is None:
-        raise OSError("no C++ compiler (c++) on PATH")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    tag = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu()]).encode()).hexdigest()[:16]
+    compiler = _compiler()
     cache = Path(current().native_cache)
-    target = cache / f"native-{tag}.so"
+    target = cache / _file_name()
     if target.exists():
+        with contextlib.suppress(OSError):  # marked used now, which _prune goes by (unless read-only)
+            os.utime(target)
         return target
     cache.mkdir(parents=True, exist_ok=True)
     # Built beside its final name and moved there in one step: processes building at the
@@ -255,7 +254,38 @@ def _build() -> Path:
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
+    _prune(cache)
     return target
+
+
+#: Builds a cache keeps: every edit of the source, new flags, compiler or CPU make another,
+#: and a few let versions of fewbit that share the cache each find their own.
+KEEP_BUILDS = 4
+
+
+def _prune(cache: Path) -> None:
+    """Delete all but the ``KEEP_BUILDS`` builds in ``cache`` used last (built, or found by
+    :func:`_build`). A process that has one loaded keeps its mapping."""
+    used = {}
+    for path in cache.glob("native-*.so"):
+        with contextlib.suppress(FileNotFoundError):  # another process pruning too
+            used[path] = path.stat().st_mtime
+    for old in sorted(used, key=used.get, reverse=True)[KEEP_BUILDS:]:
+        old.unlink(missing_ok=True)
+
+
+def _compiler() -> str:
+    compiler = shutil.which("c++")
+    if compiler is None:
+        raise OSError("no C++ compiler (c++) on PATH")
+    return compiler
+
+
+def _file_name() -> str:
+    """The build's name in the cache: a hash of what the library depends on."""
+    version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True).stdout
+    tag = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu()]).encode()).hexdigest()[:16]
+    return f"native-{tag}.so"
 
 
 def _cpu() -> str:
