@@ -271,11 +271,36 @@ def test_block_formats_same_bits_as_torch(name, dtype):
                 expected, got = eager_and_native(lambda: block.round(x, bfmt, mode, rule=rule, **kw))
                 assert not isinstance(expected, str), expected
                 assert same_bits(got, expected), where
-                expected, got = eager_and_native(lambda: block.quantize(x, bfmt, mode, rule=rule, **kw))
-                assert torch.equal(got.codes, expected.codes), where
-                assert torch.equal(got.scales, expected.scales), where
-                if bfmt.tensor_scale:
-                    assert torch.equal(got.tensor_scale, expected.tensor_scale), where
+                # Without sat, values beyond the element's range take Inf's or NaN's code.
+                for sat in (True, False) if bfmt.element.has_nans and rule == rules[0] else (True,):
+                    expected, got = eager_and_native(lambda: block.quantize(x, bfmt, mode, rule=rule, sat=sat,
+                                                                            **kw))  # fmt: skip
+                    assert torch.equal(got.codes, expected.codes), f"{where} sat={sat}"
+                    assert torch.equal(got.scales, expected.scales), where
+                    if bfmt.tensor_scale:
+                        assert torch.equal(got.tensor_scale, expected.tensor_scale), where
+
+
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp6_e2m3", "mxfp4", "mxint8", "mx_binary8p4"])
+def test_block_scale_rules_at_their_thresholds(name):
+    """Power-of-two scales where each rule changes its mind: a block's largest magnitude at
+    a significand of 1 (ceil), of max / 2^emax (rceil) and of 2 - 2^-P (even), and one
+    float32 ulp either side, in normal and subnormal binades: the native kernel's integer
+    tests give the torch kernel's scales and codes."""
+    from fewbit import block
+
+    element = block.format(name).element
+    thresholds = torch.tensor([1.0, element.max / 2.0**element.emax, 2 - 2.0**-element.p])
+    bits = thresholds.view(torch.int32)
+    bits = torch.cat([bits - 1, bits, bits + 1]).view(torch.float32)
+    amax = bits[(bits >= 1) & (bits < 2)]
+    amax = torch.cat([amax * 2.0**k for k in (-140, -130, -3, 0, 7, 100)])  # -140, -130: subnormal
+    x = torch.rand(amax.numel(), 32, generator=torch.Generator().manual_seed(1)) * amax[:, None] / 2
+    x[:, 5] = amax
+    for rule in [r for r, row in block.SCALE_RULES.items() if row.power_of_two]:
+        expected, got = eager_and_native(lambda: block.quantize(x, name, rule=rule))
+        assert torch.equal(got.scales, expected.scales), rule
+        assert torch.equal(got.codes, expected.codes), rule
 
 
 def test_block_overflow_error_and_threads():

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #ifdef __AVX__
 #include <immintrin.h>
 #endif
@@ -54,15 +55,15 @@ struct Fmt {
   float tiny_scale;  // 2^min_ulp_exponent: a subnormal result is r times it
   float max;  // the largest finite value
   float magic_scale[2];  // magic.py's 2^c / 2^e_t: for RNE (1.5 2^(23 - t)) and SRC (2^(23 - t - N))
-  double max_over_2emax, even_limit;  // block scale rules: max / 2^emax, and 2 - 2^-P
+  uint32_t rceil_fraction, even_fraction;  // block scale rules (block_exponent)
 
   explicit Fmt(const int32_t* params) : tiny_scale(std::ldexp(1.0f, params[MIN_ULP_EXP])) {
     std::memcpy(p, params, sizeof p);
     max = __builtin_bit_cast(float, p[MAX]);
     magic_scale[0] = std::ldexp(1.5f, 23 - p[T]);
     magic_scale[1] = std::ldexp(1.0f, 23 - p[T] - p[BITS]);
-    max_over_2emax = std::ldexp(double(max), -p[EMAX]);
-    even_limit = 2.0 - std::ldexp(1.0, -(p[T] + 1));
+    rceil_fraction = uint32_t(p[MAX]) & 0x7FFFFFu;
+    even_fraction = p[T] < 23 ? 0x800000u - (1u << (22 - p[T])) : 0x800000u;  // never reached at t = 23
     p_is_1 = flag(P_IS_1), has_nz = flag(HAS_NZ), has_zero = flag(HAS_ZERO), sat = flag(SAT);
     has_nans = flag(HAS_NANS);
     extended = flag(EXTENDED), is_signed = flag(SIGNED), twos_complement = flag(TWOS_COMPLEMENT);
@@ -371,16 +372,22 @@ inline uint16_t round_to_bfloat16(uint32_t u) {
 // 2^e as float32 bits, e in [-127, 127] (2^-127 is a subnormal).
 inline uint32_t pow2_bits(int32_t e) { return e >= -126 ? uint32_t(e + 127) << 23 : 0x00400000u; }
 
-// block.kernel._exponent_of for a block whose largest magnitude is `amax` (not NaN), computed
-// as there on its float64 bits (exact for float32 subnormals; Inf gives log2 1024): the
-// scale's exponent by the rule, clamped to E8M0's [-127, 127].
-inline int32_t block_exponent(float amax, Rule rule, const Fmt& f) {
-  const uint64_t a = __builtin_bit_cast(uint64_t, double(amax));
-  const uint64_t frac = a & ((uint64_t(1) << 52) - 1);
-  const double m = __builtin_bit_cast(double, frac | (uint64_t(1023) << 52));  // amax / 2^floor(log2 amax)
-  int32_t e = int32_t(a >> 52) - 1023 - f[EMAX];
-  e += rule == CEIL ? frac != 0 : rule == RCEIL ? m > f.max_over_2emax : rule == EVEN ? m >= f.even_limit : 0;
-  return amax == 0 ? -127 : clampi(e, -127, 127);  // an all-zero block takes -127, as gfloat
+// block.kernel._exponent_of for a block whose largest magnitude has float32 bits `amax`
+// (not NaN): floor(log2 amax) - emax, plus 1 where the rule (up: 1 for its own rule, else 0)
+// rounds up, clamped to E8M0's [-127, 127]. amax = m 2^E, m in [1, 2), with m's 23 fraction
+// bits F: a subnormal amax, an integer below 2^23, is normalised exactly by converting it
+// to float. Rounding up: ceil where F != 0; rceil where m > max / 2^emax (F above max's
+// fraction bits); even where m rounded to P bits is 2 (F >= 2^23 - 2^(22 - t)). Plain
+// integer selects, so that a loop over a row's blocks vectorises.
+inline int32_t block_exponent(uint32_t amax, int32_t ceil, int32_t rceil, int32_t even, const Fmt& f) {
+  const int32_t normal = amax >= 0x00800000u;
+  const uint32_t g = normal ? amax : __builtin_bit_cast(uint32_t, float(int32_t(amax)));
+  const int32_t E = int32_t(g >> 23) - (normal ? 127 : 127 + 149);
+  const uint32_t F = g & 0x7FFFFFu;
+  const int32_t up = (ceil & (F != 0)) | (rceil & (F > f.rceil_fraction)) | (even & (F >= f.even_fraction));
+  int32_t e = E - f[EMAX] + up;
+  e = clampi(e, -127, 127);
+  return amax == 0x7F800000u ? 127 : amax == 0 ? -127 : e;  // Inf: log2 is 1024; zeros take -127, as gfloat
 }
 
 // block.kernel.block_scales for an E4M3 scale: `target` (amax / M / tensor scale, in
@@ -402,43 +409,52 @@ inline double e4m3_scale(double target, bool up, uint8_t& code) {
 }
 
 // block.kernel.quantize_blocks up to the rounding, for the whole blocks of lanes 0 .. h1
-// (a block call starts at element 0, so every row starts at a block; B elements each; FIXED_B: B known at compile time, 0: read from blocks): each block's
-// factor S (its float32 bits; NaN for a block holding a NaN) and its scale's code into
-// blocks.scales, and the elements x / S into `scaled`. A quotient below float32's normal
-// range becomes +-2^-126 (it rounds alike, and a zero would not); a block whose S is 0
-// holds zeros, and a NaN block's elements are NaN, or 0 in an element format without NaN
-// (the scale carries the NaN).
+// (a block call starts at element 0, so every row starts at a block; B elements each;
+// FIXED_B: B known at compile time, 0: read from blocks): each block's largest magnitude
+// (its float32 bits) into amax, its factor S (NaN for a block holding a NaN) into factor
+// and 1 / S into inv where S is a power of two, its scale's code into blocks.scales, and,
+// unless `scaled` is null, the elements x / S into `scaled`. A quotient below float32's
+// normal range becomes +-2^-126 (it rounds alike, and a zero would not); a block whose S
+// is 0 holds zeros, and a NaN block's elements are NaN, or 0 in an element format without
+// NaN (the scale carries the NaN).
 template <int FIXED_B>
 void scale_blocks(const uint32_t* __restrict xs, int h1, int64_t start, const Blocks& blocks, const Fmt& f,
-                  uint32_t* __restrict scaled, uint32_t* __restrict factor) {
+                  uint32_t* __restrict scaled, uint32_t* __restrict amax, uint32_t* __restrict factor,
+                  uint32_t* __restrict inv) {
   const int B = FIXED_B > 0 ? FIXED_B : blocks.size;
   const int b1 = h1 / B;
   const uint32_t fill = f.has_nans ? NAN_BITS : 0;
   const bool pow2 = blocks.rule < NEAREST;
-  // In three passes, each over all the row's blocks, so that one block's chain (reduce,
-  // scale, divide) overlaps the next block's instead of stalling on it.
-  alignas(64) uint32_t amax[LANES], inv[LANES];
+  // In passes each over all the row's blocks, so that one block's chain (reduce, scale,
+  // divide) overlaps the next block's instead of stalling on it.
   for (int b = 0; b < b1; ++b) {
     uint32_t m = 0;
     for (int i = 0; i < B; ++i) m = std::max(m, xs[b * B + i] & 0x7FFFFFFFu);
     amax[b] = m;
   }
-  for (int b = 0; b < b1; ++b) {
-    const int32_t nan = amax[b] > 0x7F800000u;
-    uint8_t code;
-    if (pow2) {
-      const int32_t e = nan ? 0 : block_exponent(as_float(amax[b]), blocks.rule, f);
-      factor[b] = pow2_bits(e);
+  alignas(64) uint32_t code[LANES];
+  if (pow2) {
+    const int32_t ceil = blocks.rule == CEIL, rceil = blocks.rule == RCEIL, even = blocks.rule == EVEN;
+    for (int b = 0; b < b1; ++b) {
+      const int32_t nan = amax[b] > 0x7F800000u;
+      const int32_t e = block_exponent(amax[b], ceil, rceil, even, f);
+      factor[b] = nan ? NAN_BITS : pow2_bits(e);
       inv[b] = pow2_bits(-e);  // x * 2^-e is x / 2^e, correctly rounded alike
-      code = uint8_t(e + 127);  // E8M0
-    } else {
-      const double target = double(as_float(amax[b])) / double(f.max) / double(blocks.tensor_scale);
-      const float scale = float(e4m3_scale(target, blocks.rule == UP, code));
-      factor[b] = __builtin_bit_cast(uint32_t, scale * blocks.tensor_scale);
+      code[b] = nan ? 0xFF : uint32_t(e + 127);  // E8M0, whose NaN is 0xFF
     }
-    factor[b] = nan ? NAN_BITS : factor[b];
-    if (blocks.scales != nullptr) blocks.scales[start / B + b] = nan ? 0xFF : code;  // E8M0's and E4M3's NaN
+  } else {
+    for (int b = 0; b < b1; ++b) {
+      const double target = double(as_float(amax[b])) / double(f.max) / double(blocks.tensor_scale);
+      uint8_t c;
+      const float scale = float(e4m3_scale(target, blocks.rule == UP, c));
+      const int32_t nan = amax[b] > 0x7F800000u;
+      factor[b] = nan ? NAN_BITS : __builtin_bit_cast(uint32_t, scale * blocks.tensor_scale);
+      code[b] = nan ? 0xFF : c;  // E4M3's NaN code, as E8M0's
+    }
   }
+  if (blocks.scales != nullptr)
+    for (int b = 0; b < b1; ++b) blocks.scales[start / B + b] = uint8_t(code[b]);
+  if (scaled == nullptr) return;
   for (int b = 0; b < b1; ++b) {
     const float s = as_float(pow2 ? inv[b] : factor[b]);
     const uint32_t* x = xs + b * B;
@@ -458,6 +474,47 @@ void scale_blocks(const uint32_t* __restrict xs, int h1, int64_t start, const Bl
   }
 }
 
+// Codes of the magic modes (magic_one's RNE and SRC) on blocks with power-of-two scales,
+// where no element can be refused (sat, or a format with NaN), in one loop per block:
+// x * 2^-e is rounded and encoded as it is scaled. The code comes from the float adder's
+// sum y = |v| + C, whose low bits count the rounded magnitude in ulps of the binade e_t:
+// code_of's result without computing the value. NaN blocks hold the codes that
+// scale_blocks's NaN elements get. (For values, a fused loop measured no faster than
+// scale_blocks's pass, magic_one and scale_back.)
+template <bool SR, int FIXED_B>
+void magic_codes(const uint32_t* __restrict xs, int h1, int B, const uint32_t* __restrict amax,
+                 const uint32_t* __restrict inv, Fields n, const Fmt& f, uint32_t* __restrict codes) {
+  if (FIXED_B > 0) B = FIXED_B;
+  constexpr uint32_t SIGN = 0x80000000u;
+  const int32_t lo = (f[EMIN] + 127) << 23, hi = (f[EMAX] + 127) << 23;
+  const uint32_t ulp_shift = 23 - f[T], bits = SR ? f[BITS] : 0, sign_at = f[K] - 1;
+  const uint32_t max_code = f[CODE_OF_MAX], nan_code = f[CODE_OF_NAN];
+  // Beyond the largest value: its code (sat), Inf's, or NaN's (whose code holds the sign bit).
+  const uint32_t beyond = f.sat ? max_code : f.extended ? max_code + 1 : nan_code;
+  const uint32_t nz = f.has_nz, fill = f.has_nans ? nan_code : 0;
+  for (int b = 0; b < h1 / B; ++b) {
+    if (amax[b] > 0x7F800000u) {
+      for (int i = 0; i < B; ++i) codes[b * B + i] = fill;
+      continue;
+    }
+    const float s = as_float(inv[b]);
+    for (int i = 0; i < B; ++i) {
+      const int h = b * B + i;
+      const uint32_t v = __builtin_bit_cast(uint32_t, as_float(xs[h]) * s);
+      const uint32_t a = v & ~SIGN;
+      const uint32_t c = uint32_t(clampi(int32_t(a & 0x7F800000u), lo, hi));
+      const float big = as_float(c) * f.magic_scale[SR];
+      // SRC: y's low N bits hold the fraction below the rounded magnitude; adding n carries
+      // out of them where it rounds away (C's low bits are zero; the shift drops them).
+      const uint32_t y = __builtin_bit_cast(uint32_t, as_float(a) + big) + (SR ? n.at(h) : 0);
+      uint32_t mag = ((y - __builtin_bit_cast(uint32_t, big)) >> bits) + ((c - lo) >> ulp_shift);
+      mag = mag > max_code ? beyond : mag;
+      const uint32_t keep_sign = (v >> 31) & (nz | (mag != 0));
+      codes[h] = mag | (keep_sign << sign_at);  // no NaN here: x * 2^-e is one only in a NaN block
+    }
+  }
+}
+
 // Block values q * S in place, in float32 as block.kernel (FIXED_B as for scale_blocks).
 template <int FIXED_B>
 void scale_back(uint32_t* __restrict rs, int h1, int B, const uint32_t* __restrict factor) {
@@ -469,10 +526,20 @@ void scale_back(uint32_t* __restrict rs, int h1, int B, const uint32_t* __restri
 }
 
 // The block sizes of the registered formats get loops of a known length (unrolled, no
-// remainder); others the general one.
-#define FEWBIT_BY_BLOCK_SIZE(B, fn, args) \
-  switch (B) { case 16: fn<16> args; break; case 32: fn<32> args; break; case 64: fn<64> args; break; \
-               default: fn<0> args; }
+// remainder); others the general one: call(size) with size an std::integral_constant of
+// the block size, or of 0.
+template <typename Call>
+inline void by_block_size(int B, Call&& call) {
+  switch (B) {
+    case 16: call(std::integral_constant<int, 16>{}); break;
+    case 32: call(std::integral_constant<int, 32>{}); break;
+    case 64: call(std::integral_constant<int, 64>{}); break;
+    default: call(std::integral_constant<int, 0>{});
+  }
+}
+
+// How far ahead run_rows prefetches x, in rows.
+constexpr int PREFETCH_ROWS = 2;
 
 template <int MODE>
 int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
@@ -489,14 +556,27 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
   alignas(64) uint32_t xbuf[LANES], rbuf[LANES], cbuf[LANES];
   const uint32_t mask = (1u << bits) - 1;
   const int B = job.blocks.size;
-  alignas(64) uint32_t sbuf[LANES], factor[LANES];  // blocks: the scaled elements, each block's S
+  // Blocks: the scaled elements, and each block's largest magnitude, S and 1 / S.
+  alignas(64) uint32_t sbuf[LANES], amax[LANES], factor[LANES], inv[LANES];
   const bool fused = FUSED_BF16 && job.dtype == BF16 && job.output == VALUES && f.has_nans && B == 0;
+  constexpr bool MAGIC = MODE == MAGIC_RNE || MODE == MAGIC_SRC;
+  const bool magic_coded = MAGIC && B > 0 && job.blocks.rule < NEAREST && job.output != VALUES
+                           && (f.sat || f.has_nans);
   int64_t bad = -1;
   for (int64_t row = row0; row < row1; ++row) {
     const int64_t start = row * LANES;
     const int h0 = int(std::max<int64_t>(job.offset - start, 0));
     const int h1 = int(std::min<int64_t>(job.offset + job.n - start, LANES));
     const int64_t pos0 = start - job.offset;  // position of lane 0 in x (may be negative)
+    // Ask for x's row after next now: the hardware prefetchers stop at 4 KiB pages, two rows
+    // of float32, and a block row's work is long enough to wait on memory otherwise (block
+    // codes went from 0.79 to 0.86 of a copy's speed at 2^24 elements; element rows gained
+    // nothing and lost nothing).
+    const int elem = job.dtype == F32 ? 4 : 2;
+    if (row + PREFETCH_ROWS < row1) {
+      const char* ahead = static_cast<const char*>(job.x) + (pos0 + PREFETCH_ROWS * LANES) * elem;
+      for (int i = 0; i < LANES * elem; i += 64) __builtin_prefetch(ahead + i);
+    }
     const uint32_t* xs;
     if (job.dtype == F32) {
       xs = static_cast<const uint32_t*>(job.x) + pos0;
@@ -515,8 +595,11 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
       xs = xbuf;
     }
     if (B > 0) {
-      FEWBIT_BY_BLOCK_SIZE(B, scale_blocks, (xs, h1, start, job.blocks, f, sbuf, factor))
-      xs = sbuf;
+      uint32_t* scaled = magic_coded ? nullptr : sbuf;  // magic_codes scales as it goes
+      by_block_size(B, [&](auto size) {
+        scale_blocks<size()>(xs, h1, start, job.blocks, f, scaled, amax, factor, inv);
+      });
+      if (scaled != nullptr) xs = scaled;
     }
     // The rounding loop reads its fields in place: from the stream's words, or the given bits
     // (the N rounding bits low, sr_fraction's selection bits above them).
@@ -532,7 +615,6 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
       }
     }
     // Whole rows of values go out through stream_out when the call streams.
-    const int elem = job.dtype == F32 ? 4 : 2;
     const bool streamed = job.stream && h0 == 0 && h1 == LANES
                           && reinterpret_cast<uintptr_t>(static_cast<char*>(job.out) + pos0 * elem) % 32 == 0;
     // Results go straight out where nothing follows the rounding (not for blocks: q * S).
@@ -557,14 +639,19 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
           continue;
         }
       }
-      if constexpr (MODE == MAGIC_RNE || MODE == MAGIC_SRC) {
-        for (int h = h0; h < h1; ++h) rs[h] = magic_one<MODE == MAGIC_SRC>(xs[h], n.at(h), f);
+      if constexpr (MAGIC) {
+        constexpr bool SR = MODE == MAGIC_SRC;
+        if (magic_coded) {
+          by_block_size(B, [&](auto size) { magic_codes<SR, size()>(xs, h1, B, amax, inv, n, f, cbuf); });
+        } else {
+          for (int h = h0; h < h1; ++h) rs[h] = magic_one<SR>(xs[h], n.at(h), f);
+        }
       } else if constexpr (MODE == CLASSICAL_SR) {
         for (int h = h0; h < h1; ++h) rs[h] = classical_sr_one(xs[h], n.at(h), f);
       } else {
         for (int h = h0; h < h1; ++h) rs[h] = round_one<Mode(MODE)>(xs[h], n.at(h), sel.at(h), f);
       }
-      if (!f.has_nans) {  // NaN marks an element without a valid result
+      if (!f.has_nans && !magic_coded) {  // NaN marks an element without a valid result
         int32_t any = 0;
         for (int h = h0; h < h1; ++h) any |= (rs[h] & 0x7FFFFFFFu) > 0x7F800000u;
         for (int h = h0; any && h < h1 && bad < 0; ++h)
@@ -575,7 +662,8 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
     // bfloat16 values too: where q's grid times 2^e is finer than bfloat16's at x / 2^e,
     // x / 2^e lies on it and q * 2^e = x; elsewhere q * 2^e is a multiple of bfloat16's step
     // there. Other scales need the rounding.
-    if (B > 0 && job.output == VALUES) FEWBIT_BY_BLOCK_SIZE(B, scale_back, (rs, h1, B, factor))
+    if (B > 0 && job.output == VALUES)
+      by_block_size(B, [&](auto size) { scale_back<size()>(rs, h1, B, factor); });
     const bool exact_bf16 = B == 0 || job.blocks.rule < NEAREST;
     switch (job.output) {
       case VALUES:
@@ -598,7 +686,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
         }
         break;
       default: {  // codes: computed in 32 bits (GCC vectorises no mix of widths), then narrowed
-        codes_of(rs, cbuf, h0, h1, f);
+        if (!magic_coded) codes_of(rs, cbuf, h0, h1, f);
         if (job.output == CODES_U8) {
           uint8_t* o = static_cast<uint8_t*>(job.out) + pos0;
           for (int h = h0; h < h1; ++h) o[h] = uint8_t(cbuf[h]);
