@@ -538,7 +538,7 @@ inline void by_block_size(int B, Call&& call) {
   }
 }
 
-// How far ahead run_rows prefetches x, in rows.
+// How far ahead run_rows prefetches x for block calls, in rows.
 constexpr int PREFETCH_ROWS = 2;
 
 template <int MODE>
@@ -568,12 +568,12 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
     const int h0 = int(std::max<int64_t>(job.offset - start, 0));
     const int h1 = int(std::min<int64_t>(job.offset + job.n - start, LANES));
     const int64_t pos0 = start - job.offset;  // position of lane 0 in x (may be negative)
-    // Ask for x's row after next now: the hardware prefetchers stop at 4 KiB pages, two rows
-    // of float32, and a block row's work is long enough to wait on memory otherwise (block
-    // codes went from 0.79 to 0.86 of a copy's speed at 2^24 elements; element rows gained
-    // nothing and lost nothing).
+    // Block rows ask for x's row after next now: the hardware prefetchers stop at 4 KiB
+    // pages, two rows of float32, and a block row's work is long enough to wait on memory
+    // otherwise (block codes went from 0.79 to 0.86 of a copy's speed at 2^24 elements;
+    // element rows gained nothing).
     const int elem = job.dtype == F32 ? 4 : 2;
-    if (row + PREFETCH_ROWS < row1) {
+    if (B > 0 && row + PREFETCH_ROWS < row1) {
       const char* ahead = static_cast<const char*>(job.x) + (pos0 + PREFETCH_ROWS * LANES) * elem;
       for (int i = 0; i < LANES * elem; i += 64) __builtin_prefetch(ahead + i);
     }
