@@ -373,12 +373,13 @@ inline uint16_t round_to_bfloat16(uint32_t u) {
 inline uint32_t pow2_bits(int32_t e) { return e >= -126 ? uint32_t(e + 127) << 23 : 0x00400000u; }
 
 // block.kernel._exponent_of for a block whose largest magnitude has float32 bits `amax`
-// (not NaN): floor(log2 amax) - emax, plus 1 where the rule (up: 1 for its own rule, else 0)
-// rounds up, clamped to E8M0's [-127, 127]. amax = m 2^E, m in [1, 2), with m's 23 fraction
-// bits F: a subnormal amax, an integer below 2^23, is normalised exactly by converting it
-// to float. Rounding up: ceil where F != 0; rceil where m > max / 2^emax (F above max's
-// fraction bits); even where m rounded to P bits is 2 (F >= 2^23 - 2^(22 - t)). Plain
-// integer selects, so that a loop over a row's blocks vectorises.
+// (not NaN): floor(log2 amax) - emax, plus 1 where the call's rule rounds up (ceil, rceil,
+// even: 1 for that rule, else 0), clamped to E8M0's [-127, 127]. amax = m 2^E, m in
+// [1, 2), with m's 23 fraction bits F (a subnormal amax, an integer below 2^23 times
+// 2^-149, is normalised exactly by converting that integer to float). The rules round up:
+// ceil where F != 0; rceil where m > max / 2^emax (F above max's fraction bits); even
+// where m rounded to P bits is 2 (F >= 2^23 - 2^(22 - t)). Plain integer selects, so that
+// a loop over a row's blocks vectorises.
 inline int32_t block_exponent(uint32_t amax, int32_t ceil, int32_t rceil, int32_t even, const Fmt& f) {
   const int32_t normal = amax >= 0x00800000u;
   const uint32_t g = normal ? amax : __builtin_bit_cast(uint32_t, float(int32_t(amax)));
