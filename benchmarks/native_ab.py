@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from fewbit.block.ops import _spec
+from fewbit.block.ops import _spec, _tensor_scale
 from fewbit.random import Key
 from fewbit.rounding import native
 from fewbit.rounding.compiled import stream_words
@@ -61,6 +61,9 @@ def main() -> None:
         for mode, bits in (("rne", None), ("src", 3)):
             spec = _spec(torch.float32, args.format, mode, True, bits, None, None)
             size, packed = spec.bfmt.block_size, spec.bfmt.packed
+            rule = native._RULES[spec.rule]
+            tensor_scale = _tensor_scale(x, spec.bfmt)  # NVFP4's, found as block.quantize finds it
+            tensor_scale = 1.0 if tensor_scale is None else float(tensor_scale)
             codes = torch.empty(n // 2 if packed else n, dtype=torch.uint8)
             scales = torch.empty(n // size, dtype=torch.uint8)
             params, kernel = native._kernel(spec.spec, False)
@@ -72,7 +75,7 @@ def main() -> None:
                 for what, out, output, scale_codes in outputs:
                     calls[f"{name} {what}"] = functools.partial(
                         library.fewbit_block, x.data_ptr(), 0, out.data_ptr(), output, n, params, kernel,
-                        keys, None, args.threads, size, 0, 1.0, scale_codes)  # fmt: skip
+                        keys, None, args.threads, size, rule, tensor_scale, scale_codes)  # fmt: skip
             ratios = {label: [] for label in calls}
             best = dict.fromkeys(calls, float("inf"))
             for _ in range(3):  # warm-up: fault in the outputs

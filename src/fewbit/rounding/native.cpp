@@ -475,13 +475,15 @@ void scale_blocks(const uint32_t* __restrict xs, int h1, int64_t start, const Bl
   }
 }
 
-// Codes of the magic modes (magic_one's RNE and SRC) on blocks with power-of-two scales,
-// where no element can be refused (sat, or a format with NaN), in one loop per block:
-// x * 2^-e is rounded and encoded as it is scaled. The code comes from the float adder's
-// sum y = |v| + C, whose low bits count the rounded magnitude in ulps of the binade e_t:
-// code_of's result without computing the value. NaN blocks hold the codes that
-// scale_blocks's NaN elements get. (For values, a fused loop measured no faster than
-// scale_blocks's pass, magic_one and scale_back.)
+// Codes of the magic modes (magic_one's RNE and SRC) on blocks, where no element can be
+// refused (sat, or a format with NaN), in one loop per block: with power-of-two scales,
+// x * 2^-e is rounded and encoded as it is scaled (inv: each block's 2^-e); with others,
+// scale_blocks's quotients are (inv null). The code comes from the float adder's sum
+// y = |v| + C, whose low bits count the rounded magnitude in ulps of the binade e_t:
+// code_of's result without computing the value (nor its float32 subnormals, which cost
+// a microcode assist each for e2m1's 0.5). NaN blocks hold the codes that scale_blocks's
+// NaN elements get. (For values, a fused loop measured no faster than scale_blocks's
+// pass, magic_one and scale_back.)
 template <bool SR, int FIXED_B>
 void magic_codes(const uint32_t* __restrict xs, int h1, int B, const uint32_t* __restrict amax,
                  const uint32_t* __restrict inv, Fields n, const Fmt& f, uint32_t* __restrict codes) {
@@ -498,7 +500,7 @@ void magic_codes(const uint32_t* __restrict xs, int h1, int B, const uint32_t* _
       for (int i = 0; i < B; ++i) codes[b * B + i] = fill;
       continue;
     }
-    const float s = as_float(inv[b]);
+    const float s = inv == nullptr ? 1.0f : as_float(inv[b]);
     for (int i = 0; i < B; ++i) {
       const int h = b * B + i;
       const uint32_t v = __builtin_bit_cast(uint32_t, as_float(xs[h]) * s);
@@ -561,8 +563,8 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
   alignas(64) uint32_t sbuf[LANES], amax[LANES], factor[LANES], inv[LANES];
   const bool fused = FUSED_BF16 && job.dtype == BF16 && job.output == VALUES && f.has_nans && B == 0;
   constexpr bool MAGIC = MODE == MAGIC_RNE || MODE == MAGIC_SRC;
-  const bool magic_coded = MAGIC && B > 0 && job.blocks.rule < NEAREST && job.output != VALUES
-                           && (f.sat || f.has_nans);
+  const bool magic_coded = MAGIC && B > 0 && job.output != VALUES && (f.sat || f.has_nans);
+  const bool pow2 = job.blocks.rule < NEAREST;
   int64_t bad = -1;
   for (int64_t row = row0; row < row1; ++row) {
     const int64_t start = row * LANES;
@@ -596,7 +598,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
       xs = xbuf;
     }
     if (B > 0) {
-      uint32_t* scaled = magic_coded ? nullptr : sbuf;  // magic_codes scales as it goes
+      uint32_t* scaled = magic_coded && pow2 ? nullptr : sbuf;  // magic_codes scales by 2^-e as it goes
       by_block_size(B, [&](auto size) {
         scale_blocks<size()>(xs, h1, start, job.blocks, f, scaled, amax, factor, inv);
       });
@@ -643,7 +645,8 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
       if constexpr (MAGIC) {
         constexpr bool SR = MODE == MAGIC_SRC;
         if (magic_coded) {
-          by_block_size(B, [&](auto size) { magic_codes<SR, size()>(xs, h1, B, amax, inv, n, f, cbuf); });
+          const uint32_t* by = pow2 ? inv : nullptr;
+          by_block_size(B, [&](auto size) { magic_codes<SR, size()>(xs, h1, B, amax, by, n, f, cbuf); });
         } else {
           for (int h = h0; h < h1; ++h) rs[h] = magic_one<SR>(xs[h], n.at(h), f);
         }
