@@ -186,7 +186,7 @@ def test_the_cache_keeps_the_builds_used_last(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("native-*.so")) == names[: native.KEEP_BUILDS]
     assert other.exists()
     # The oldest kept, found by _build: returned as it is (no compiler run), now newer than all.
-    found = tmp_path / native._file_name()
+    found = tmp_path / native._file_name(native._compiler())
     os.replace(tmp_path / names[native.KEEP_BUILDS - 1], found)
     with configure(native_cache=str(tmp_path)):
         assert native._build() == found

@@ -224,11 +224,16 @@ inline uint32_t round_one(uint32_t bits_in, uint32_t n, uint32_t s, const Fmt& f
 // magic.round_magic for one float32 bit pattern (RNE, or SRC with N = BITS): the float
 // adder rounds x to a multiple of ulp / 2^N; for SRC the N random bits are added to that
 // multiple's low bits, and a carry out of them rounds away. Only where magic_applies.
+// 2^e_t as float32 bits for float32 bits x: x's binade, clamped to the format's emin ..
+// emax (magic.py's C is this times magic_scale).
+inline uint32_t binade_of(uint32_t x, const Fmt& f) {
+  return uint32_t(clampi(int32_t(x & 0x7F800000u), (f[EMIN] + 127) << 23, (f[EMAX] + 127) << 23));
+}
+
 template <bool SR>
 inline uint32_t magic_one(uint32_t x, uint32_t n, const Fmt& f) {
   constexpr uint32_t SIGN = 0x80000000u;
-  const int32_t lo = (f[EMIN] + 127) << 23, hi = (f[EMAX] + 127) << 23;
-  uint32_t c = uint32_t(clampi(int32_t(x & 0x7F800000u), lo, hi));  // 2^e_t, e_t capped at emax
+  uint32_t c = binade_of(x, f);
   if (SR) c |= x & SIGN;
   const float big = as_float(c) * f.magic_scale[SR];  // exact: a power of two times 1 or 1.5
   float y = as_float(x) + big;
@@ -489,7 +494,7 @@ void magic_codes(const uint32_t* __restrict xs, int h1, int B, const uint32_t* _
                  const uint32_t* __restrict inv, Fields n, const Fmt& f, uint32_t* __restrict codes) {
   if (FIXED_B > 0) B = FIXED_B;
   constexpr uint32_t SIGN = 0x80000000u;
-  const int32_t lo = (f[EMIN] + 127) << 23, hi = (f[EMAX] + 127) << 23;
+  const uint32_t emin_binade = uint32_t(f[EMIN] + 127) << 23;
   const uint32_t ulp_shift = 23 - f[T], bits = SR ? f[BITS] : 0, sign_at = f[K] - 1;
   const uint32_t max_code = f[CODE_OF_MAX], nan_code = f[CODE_OF_NAN];
   // Beyond the largest value: its code (sat), Inf's, or NaN's (whose code holds the sign bit).
@@ -505,12 +510,12 @@ void magic_codes(const uint32_t* __restrict xs, int h1, int B, const uint32_t* _
       const int h = b * B + i;
       const uint32_t v = __builtin_bit_cast(uint32_t, as_float(xs[h]) * s);
       const uint32_t a = v & ~SIGN;
-      const uint32_t c = uint32_t(clampi(int32_t(a & 0x7F800000u), lo, hi));
+      const uint32_t c = binade_of(a, f);
       const float big = as_float(c) * f.magic_scale[SR];
       // SRC: y's low N bits hold the fraction below the rounded magnitude; adding n carries
       // out of them where it rounds away (C's low bits are zero; the shift drops them).
       const uint32_t y = __builtin_bit_cast(uint32_t, as_float(a) + big) + (SR ? n.at(h) : 0);
-      uint32_t mag = ((y - __builtin_bit_cast(uint32_t, big)) >> bits) + ((c - lo) >> ulp_shift);
+      uint32_t mag = ((y - __builtin_bit_cast(uint32_t, big)) >> bits) + ((c - emin_binade) >> ulp_shift);
       mag = mag > max_code ? beyond : mag;
       const uint32_t keep_sign = (v >> 31) & (nz | (mag != 0));
       codes[h] = mag | (keep_sign << sign_at);  // no NaN here: x * 2^-e is one only in a NaN block
@@ -668,7 +673,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
     // there. Other scales need the rounding.
     if (B > 0 && job.output == VALUES)
       by_block_size(B, [&](auto size) { scale_back<size()>(rs, h1, B, factor); });
-    const bool exact_bf16 = B == 0 || job.blocks.rule < NEAREST;
+    const bool exact_bf16 = B == 0 || pow2;
     switch (job.output) {
       case VALUES:
         if (job.dtype == F32 && streamed) {

@@ -237,7 +237,7 @@ def _build() -> Path:
     """Path of the shared library, compiled into the cache unless it is there already."""
     compiler = _compiler()
     cache = Path(current().native_cache)
-    target = cache / _file_name()
+    target = cache / _file_name(compiler)
     if target.exists():
         with contextlib.suppress(OSError):  # marked used now, which _prune goes by (unless read-only)
             os.utime(target)
@@ -281,9 +281,9 @@ def _compiler() -> str:
     return compiler
 
 
-def _file_name() -> str:
+def _file_name(compiler: str) -> str:
     """The build's name in the cache: a hash of what the library depends on."""
-    version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True).stdout
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     tag = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu()]).encode()).hexdigest()[:16]
     return f"native-{tag}.so"
 
