@@ -1,14 +1,17 @@
-"""A/B of native.cpp builds on block calls: each build's kernel against ``copy_``, in one process.
+"""A/B of native.cpp builds: each build's kernel against ``copy_``, in one process.
 
     python benchmarks/native_ab.py 5fa61c8 HEAD                  # git revisions, or paths
     python benchmarks/native_ab.py 5fa61c8 HEAD --log2-size 16 --threads 1   # input in L2
+    python benchmarks/native_ab.py 5fa61c8 HEAD --elements       # fewbit bench --quick's rows
 
-Each build is compiled with the library's flags and called directly (``fewbit_block``,
-no operator around it), so the figures are the kernel's. The builds take turns, each
-call paired with a ``copy_`` of the input into a preallocated output just before it:
-on a machine whose speed drifts, every build sees the same conditions. Printed per
-build: the median (and quartiles) of copy time / call time, and the best ns per
-element. Codes (quantize) and values (round) of RNE and SRC N=3.
+Each build is compiled with the library's flags and called directly (``fewbit_block``
+or ``fewbit_round``, no operator around it), so the figures are the kernel's. The builds
+take turns, each call paired with a ``copy_`` of the input into a preallocated output
+just before it: on a machine whose speed drifts, every build sees the same conditions.
+Printed per build: the median (and quartiles) of copy time / call time, and the best ns
+per element. Block calls (``--format``): codes (quantize) and values (round) of RNE and
+SRC N=3. ``--elements``: float32 and bfloat16 rounded to binary8p4 in RNE, SRC N=3 and
+``sr``, and encoded to uint8, as ``fewbit bench --quick``.
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ from pathlib import Path
 
 import torch
 
+import fewbit
 from fewbit.block.ops import _spec, _tensor_scale
+from fewbit.formats import format
 from fewbit.random import Key
-from fewbit.rounding import native
+from fewbit.rounding import RoundMode, native
+from fewbit.rounding.checks import make_spec
 from fewbit.rounding.compiled import stream_words
 
 SOURCE = "src/fewbit/rounding/native.cpp"
@@ -47,7 +53,8 @@ def build(which: str, folder: Path, index: int) -> ctypes.CDLL:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("builds", nargs="+", help="git revisions or paths of native.cpp")
-    parser.add_argument("--format", default="mxfp8_e4m3")
+    parser.add_argument("--format", default="mxfp8_e4m3", help="the block format of block calls")
+    parser.add_argument("--elements", action="store_true", help="element calls instead of block calls")
     parser.add_argument("--log2-size", type=int, default=24)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--pairs", type=int, default=25)
@@ -57,43 +64,84 @@ def main() -> None:
         libraries = [build(b, Path(folder), i) for i, b in enumerate(args.builds)]
         n = 1 << args.log2_size
         x = torch.randn(n, generator=torch.Generator().manual_seed(0))
-        copied, values = torch.empty_like(x), torch.empty_like(x)
-        for mode, bits in (("rne", None), ("src", 3)):
-            spec = _spec(torch.float32, args.format, mode, True, bits, None, None)
-            size, packed = spec.bfmt.block_size, spec.bfmt.packed
-            rule = native._RULES[spec.rule]
-            tensor_scale = _tensor_scale(x, spec.bfmt)  # NVFP4's, found as block.quantize finds it
-            tensor_scale = 1.0 if tensor_scale is None else float(tensor_scale)
-            codes = torch.empty(n // 2 if packed else n, dtype=torch.uint8)
-            scales = torch.empty(n // size, dtype=torch.uint8)
-            params, kernel = native._kernel(spec.spec, False)
-            keys = (ctypes.c_uint32 * 4)(*(stream_words(spec.spec, Key(1, 0)) if bits else ()))
-            # Codes (and the scales' codes; native.py's output kinds 1 and 3), or values (0).
-            outputs = (("codes", codes, 3 if packed else 1, scales.data_ptr()), ("values", values, 0, None))
-            calls = {}
-            for name, library in zip(args.builds, libraries, strict=True):
-                for what, out, output, scale_codes in outputs:
-                    calls[f"{name} {what}"] = functools.partial(
-                        library.fewbit_block, x.data_ptr(), 0, out.data_ptr(), output, n, params, kernel,
-                        keys, None, args.threads, size, rule, tensor_scale, scale_codes)  # fmt: skip
-            ratios = {label: [] for label in calls}
-            best = dict.fromkeys(calls, float("inf"))
-            for _ in range(3):  # warm-up: fault in the outputs
-                for call in calls.values():
-                    call()
-            for _ in range(args.pairs):
-                for label, call in calls.items():
-                    start = time.perf_counter()
-                    copied.copy_(x)
-                    middle = time.perf_counter()
-                    call()
-                    end = time.perf_counter()
-                    ratios[label].append((middle - start) / (end - middle))
-                    best[label] = min(best[label], end - middle)
-            for label, r in ratios.items():
-                q = statistics.quantiles(r, n=4)
-                print(f"{args.format} {mode:3} {label:24} x copy {statistics.median(r):.3f} "
-                      f"[{q[0]:.2f}-{q[2]:.2f}]  best {best[label] / n * 1e9:.3f} ns/element")  # fmt: skip
+        if args.elements:
+            for dtype in (torch.float32, torch.bfloat16):
+                xd = (x * 8).to(dtype)
+                for label, calls in element_calls(xd, args.builds, libraries, args.threads).items():
+                    compare(f"{str(dtype).removeprefix('torch.')} {label}", calls, xd, args.pairs)
+        else:
+            for mode, bits in (("rne", None), ("src", 3)):
+                compare(f"{args.format} {mode}", block_calls(x, args, mode, bits, libraries), x, args.pairs)
+
+
+def element_calls(x: torch.Tensor, names: list[str], libraries: list, threads: int) -> dict[str, dict]:
+    """fewbit_round of each build on x, by row of ``fewbit bench --quick``: {row: {build: call}}."""
+    n, dtype = x.numel(), native._DTYPES[x.dtype]
+    out = torch.empty_like(x)
+    codes = torch.empty(n, dtype=torch.uint8)
+    rounded = fewbit.round(x, "binary8p4", sat=True)  # encode takes values of the format
+    rows = {}
+    for mode, bits in (("rne", None), ("src", 3), ("sr", None), ("encode", None)):
+        encode = mode == "encode"
+        # encode's check is RNE from float32 (as native.encode_into)
+        source = torch.float32 if encode else x.dtype
+        spec = make_spec(source, format("binary8p4"), RoundMode("rne" if encode else mode), False, bits, None)
+        params, kernel = native._kernel(spec, encode)
+        keys = (ctypes.c_uint32 * 4)(*(stream_words(spec, Key(1, 0)) if spec.bits else ()))
+        src, into, output = (rounded, codes, 1) if encode else (x, out, 0)
+        rows[f"{mode} N={spec.bits}" if spec.bits else mode] = {
+            name: functools.partial(library.fewbit_round, src.data_ptr(), dtype, into.data_ptr(), output,
+                                    n, 0, params, kernel, keys, None, threads)  # fmt: skip
+            for name, library in zip(names, libraries, strict=True)
+        }
+    return rows
+
+
+def block_calls(x: torch.Tensor, args, mode: str, bits: int | None, libraries: list) -> dict:
+    """fewbit_block of each build on x, codes and values: {label: call}."""
+    n = x.numel()
+    spec = _spec(torch.float32, args.format, mode, True, bits, None, None)
+    size, packed = spec.bfmt.block_size, spec.bfmt.packed
+    rule = native._RULES[spec.rule]
+    tensor_scale = _tensor_scale(x, spec.bfmt)  # NVFP4's, found as block.quantize finds it
+    tensor_scale = 1.0 if tensor_scale is None else float(tensor_scale)
+    codes = torch.empty(n // 2 if packed else n, dtype=torch.uint8)
+    scales = torch.empty(n // size, dtype=torch.uint8)
+    values = torch.empty_like(x)
+    params, kernel = native._kernel(spec.spec, False)
+    keys = (ctypes.c_uint32 * 4)(*(stream_words(spec.spec, Key(1, 0)) if bits else ()))
+    # Codes (and the scales' codes; native.py's output kinds 1 and 3), or values (0).
+    outputs = (("codes", codes, 3 if packed else 1, scales.data_ptr()), ("values", values, 0, None))
+    calls = {}
+    for name, library in zip(args.builds, libraries, strict=True):
+        for what, out, output, scale_codes in outputs:
+            calls[f"{name} {what}"] = functools.partial(
+                library.fewbit_block, x.data_ptr(), 0, out.data_ptr(), output, n, params, kernel,
+                keys, None, args.threads, size, rule, tensor_scale, scale_codes)  # fmt: skip
+    return calls
+
+
+def compare(title: str, calls: dict, x: torch.Tensor, pairs: int) -> None:
+    """Time the calls in turns, each after a copy_ of x, and print their ratios."""
+    copied, n = torch.empty_like(x), x.numel()
+    ratios = {label: [] for label in calls}
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(3):  # warm-up: fault in the outputs
+        for call in calls.values():
+            call()
+    for _ in range(pairs):
+        for label, call in calls.items():
+            start = time.perf_counter()
+            copied.copy_(x)
+            middle = time.perf_counter()
+            call()
+            end = time.perf_counter()
+            ratios[label].append((middle - start) / (end - middle))
+            best[label] = min(best[label], end - middle)
+    for label, r in ratios.items():
+        q = statistics.quantiles(r, n=4)
+        print(f"{title:22} {label:24} x copy {statistics.median(r):.3f} [{q[0]:.2f}-{q[2]:.2f}]  "
+              f"best {best[label] / n * 1e9:.3f} ns/element")
 
 
 if __name__ == "__main__":

@@ -150,6 +150,38 @@ def test_out_refuses_before_writing():
         fewbit.round(torch.ones(2, requires_grad=True), "e4m3", out=torch.empty(2))
 
 
+def test_writing_ops_tell_autograd_they_wrote():
+    """A tensor autograd saved, then written by fewbit's writing ops: the backward refuses
+    it, as after any in-place op of torch (the ops bump the version counter)."""
+    from fewbit import block
+
+    writes = [
+        lambda t: fewbit.round(torch.randn(64), "e4m3", out=t),
+        lambda t: fewbit.round_(t, "e4m3", "src", bits=3, seed=1),
+        lambda t: block.round(torch.randn(64), "mxfp8_e4m3", out=t),
+    ]
+    for write in writes:
+        w = torch.randn(64, requires_grad=True)
+        t = torch.randn(64)
+        loss = (w * t).sum()  # saves t for w's gradient
+        write(t)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+    # block.quantize(out=) writes the stored tensor scale too
+    stored = block.quantize(torch.randn(2, 32), "nvfp4")
+    w = torch.randn(2, requires_grad=True)
+    loss = (w * stored.tensor_scale).sum()
+    block.quantize(torch.randn(2, 32) * 3, "nvfp4", out=stored)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    # Ops without a gradient record none, even where torch ops inside read an input that
+    # requires grad (NVFP4's tensor scale from x's amax, by torch ops without the native kernel).
+    for native in (True, False):
+        with fewbit.configure(native=native):
+            q = block.quantize(torch.randn(2, 32, requires_grad=True), "nvfp4")
+        assert q.tensor_scale.grad_fn is None and not q.tensor_scale.requires_grad
+
+
 def test_empty_tensors():
     for threshold in (0, 1 << 16):
         with fewbit.configure(compile_threshold=threshold):

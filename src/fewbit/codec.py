@@ -18,6 +18,7 @@ from functools import lru_cache
 import torch
 
 from .formats import FloatFormat, format
+from .operators import operator
 from .rounding import native
 from .rounding.checks import dtype_format
 from .rounding.fast import _LAYOUT, decompose, working_dtype
@@ -99,7 +100,7 @@ def pack_pairs(code: torch.Tensor) -> torch.Tensor:
     return code[..., 0::2] | (code[..., 1::2] << 4)
 
 
-@torch.library.custom_op("fewbit::encode", mutates_args=())
+@operator("fewbit::encode")
 def _encode(x: torch.Tensor, fmt: str, packed: bool) -> torch.Tensor:
     fmt = lookup_format(fmt)
     shape = _encode_checks(x, fmt, packed)
@@ -149,7 +150,7 @@ def _decode_checks(codes: torch.Tensor, fmt: FloatFormat, dtype: torch.dtype, pa
     return (*codes.shape[:-1], codes.shape[-1] * 2)
 
 
-@torch.library.custom_op("fewbit::decode", mutates_args=())
+@operator("fewbit::decode")
 def _decode(codes: torch.Tensor, fmt: str, dtype: torch.dtype, packed: bool) -> torch.Tensor:
     fmt = lookup_format(fmt)
     _decode_checks(codes, fmt, dtype, packed)

@@ -102,7 +102,8 @@ KeyInt = int | torch.Tensor
 
 def _is_int(x: object) -> bool:
     """True for Python/numpy integers, False for bool (a common mistake)."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+    # An int first: the abstract-class check costs a microsecond, and keys are made per call.
+    return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
 
 
 def _check_uint(x: object, limit: int, what: str) -> int:

@@ -15,6 +15,7 @@ import functools
 import torch
 
 from ..codec import codes_of, pack_pairs
+from ..operators import operator
 from ..random import Key, key_of
 from ..rounding import native
 from ..rounding.checks import check_random_bits, scalar_args
@@ -238,7 +239,11 @@ def _empty_codes(x: torch.Tensor, spec: BlockSpec, axis: int) -> tuple[torch.Ten
     return tuple(x.new_empty(shape, dtype=torch.uint8) for shape in _code_shapes(x, spec, axis))
 
 
-@torch.library.custom_op("fewbit::block_round", mutates_args=())
+def _straight_through(ctx, grad: torch.Tensor):
+    return (grad,) + (None,) * 9
+
+
+@operator("fewbit::block_round", backward=_straight_through)
 def block_round_op(
     x: torch.Tensor, bfmt: str, rounding: str, sat: bool, bits: int | None, fraction: float | None,
     key: torch.Tensor | None, random_bits: torch.Tensor | None, axis: int | None, rule: str | None,
@@ -257,14 +262,8 @@ def _(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _straight_through(ctx, grad: torch.Tensor):
-    return (grad,) + (None,) * 9
 
-
-torch.library.register_autograd("fewbit::block_round", _straight_through)
-
-
-@torch.library.custom_op("fewbit::block_round_into", mutates_args=("out",))
+@operator("fewbit::block_round_into", mutates_args=("out",))
 def block_round_into_op(
     x: torch.Tensor, bfmt: str, rounding: str, sat: bool, bits: int | None, fraction: float | None,
     key: torch.Tensor | None, random_bits: torch.Tensor | None, axis: int | None, rule: str | None,
@@ -283,7 +282,7 @@ def _(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule, out)
     _check_out(x, out)
 
 
-@torch.library.custom_op("fewbit::block_quantize", mutates_args=())
+@operator("fewbit::block_quantize")
 def block_quantize_op(
     x: torch.Tensor, bfmt: str, rounding: str, sat: bool, bits: int | None, fraction: float | None,
     key: torch.Tensor | None, random_bits: torch.Tensor | None, axis: int | None, rule: str | None,
@@ -323,7 +322,7 @@ def _check_codes(x: torch.Tensor, spec: BlockSpec, axis: int, stored_format: str
         raise ValueError(f"out's tensor scale must be a 0-d float32 tensor on {x.device}")
 
 
-@torch.library.custom_op("fewbit::block_quantize_into", mutates_args=("codes", "scales", "tensor_scale"))
+@operator("fewbit::block_quantize_into", mutates_args=("codes", "scales", "tensor_scale"))
 def block_quantize_into_op(
     x: torch.Tensor, bfmt: str, rounding: str, sat: bool, bits: int | None, fraction: float | None,
     key: torch.Tensor | None, random_bits: torch.Tensor | None, axis: int | None, rule: str | None,

@@ -61,6 +61,8 @@ class RoundSpec:
 def scalar_args(sat, bits, fraction) -> tuple[bool, int | None, float | None]:
     """``sat``, ``bits`` and ``fraction`` as Python scalars: numpy bools, integers and
     floats are accepted as their Python kinds; a bool is not a number here."""
+    if type(sat) is bool and type(bits) in (int, type(None)) and type(fraction) in (float, type(None)):
+        return sat, bits, fraction  # Python scalars already: every call passes here first
     if not isinstance(sat, (bool, np.bool_)):
         raise TypeError(f"sat must be a bool, not {type(sat).__name__}")
     if bits is not None:

@@ -75,6 +75,7 @@ def _bits32(value: float) -> int:
     return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
+@functools.cache
 def fits(fmt: FloatFormat) -> bool:
     """Whether the kernel's float32 arithmetic covers ``fmt``: its values are float32
     normals or subnormals, with float32's exponent decomposition, and its exponent field 0
@@ -142,11 +143,11 @@ def round_into(
     x: torch.Tensor, spec: RoundSpec, words: list[int] | None, random_bits: torch.Tensor | None,
     out: torch.Tensor, offset: int = 0,
 ) -> int:
-    """Round flat ``x`` into ``out`` (flat, contiguous, x's dtype), the bits given (int32
-    ``random_bits``) or drawn with ``words`` (``compiled.stream_words``: Python ints) for
-    stream elements ``offset ..``; only where :func:`applies`. Returns the first position
-    whose result is not valid (a format without NaN: NaN input, or overflow without sat),
-    else -1."""
+    """Round ``x`` into ``out`` (contiguous, x's dtype and size; element i is the i-th in
+    row-major order), the bits given (int32 ``random_bits`` of x's shape) or drawn with
+    ``words`` (``compiled.stream_words``: Python ints) for stream elements ``offset ..``;
+    only where :func:`applies`. Returns the first position whose result is not valid (a
+    format without NaN: NaN input, or overflow without sat), else -1."""
     return _call(x, spec, False, words, random_bits, out, _VALUES, offset)
 
 

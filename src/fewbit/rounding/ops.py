@@ -18,10 +18,13 @@ gradient there would pin a value at the format's maximum.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..config import current
 from ..formats import FloatFormat, format
+from ..operators import operator
 from ..random import Key
 from . import native
 from .checks import RoundSpec, check_random_bits, make_spec
@@ -70,7 +73,15 @@ def spec_of(
     """The validated spec of an op call (cached by its arguments)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, not {type(x).__name__}")
-    return make_spec(x.dtype, lookup_format(fmt), parse_mode(rounding), sat, bits, fraction)
+    return _named_spec(x.dtype, fmt, rounding, sat, bits, fraction)
+
+
+@functools.lru_cache(maxsize=1024)
+def _named_spec(dtype: torch.dtype, fmt: str, rounding: str, sat: bool, bits: int | None,
+                fraction: float | None) -> RoundSpec:  # fmt: skip
+    # Keyed by the op's arguments as they come (strings hash once): a name always means one
+    # format (lookup_format), and every call looks its spec up.
+    return make_spec(dtype, lookup_format(fmt), parse_mode(rounding), sat, bits, fraction)
 
 
 def check_key(spec: RoundSpec, x: torch.Tensor, key: torch.Tensor | None, random_bits) -> None:
@@ -89,26 +100,26 @@ def check_key(spec: RoundSpec, x: torch.Tensor, key: torch.Tensor | None, random
 def _round_into(x, spec: RoundSpec, key, random_bits, out: torch.Tensor) -> None:
     """Round x into out (x's shape and dtype). Nothing is written on an error."""
     rand = check_random_bits(x, spec, random_bits) if key is None else None
-    flat = x.reshape(-1)
-    # The kernels write a flat contiguous tensor. out is one unless it is strided, or
-    # overlaps x (an in-place call), or a format without NaN may still refuse the call
-    # once rounded: then a temporary takes the result first.
+    # The kernels write contiguous memory. out is that unless it is strided, or overlaps x
+    # (an in-place call), or a format without NaN may still refuse the call once rounded:
+    # then a temporary takes the result first.
     direct = out.is_contiguous() and spec.fmt.has_nans and not _overlaps(out, x)
-    result = out.view(-1) if direct else torch.empty_like(flat)
-    flat_rand = None if rand is None else rand.reshape(-1)
+    result = out if direct else torch.empty_like(x, memory_format=torch.contiguous_format)
     # On a CPU the key's words as Python ints: the native kernel and the eager generator take them.
     ints = Key(*key.tolist()) if key is not None and key.device.type == "cpu" else key
-    if native.applies(spec, flat, flat_rand):
+    if native.applies(spec, x, rand):  # it reads x in memory order, any shape
         words = None if ints is None else stream_words(spec, ints)
-        invalid = native.round_into(flat, spec, words, flat_rand, result) >= 0
+        invalid = native.round_into(x, spec, words, rand, result) >= 0
     else:
-        if not (use_compiled(flat.numel()) and compiled_round(flat, spec, key, flat_rand, result)):
-            _in_chunks(flat, spec, ints, flat_rand, result)
+        flat, flat_result = x.reshape(-1), result.view(-1)
+        flat_rand = None if rand is None else rand.reshape(-1)
+        if not (use_compiled(flat.numel()) and compiled_round(flat, spec, key, flat_rand, flat_result)):
+            _in_chunks(flat, spec, ints, flat_rand, flat_result)
         invalid = not spec.fmt.has_nans  # found out by the check below
     if invalid:
-        _raise_on_invalid(flat, result, spec)
+        _raise_on_invalid(x, result, spec)
     if not direct:
-        out.copy_(result.view(x.shape))
+        out.copy_(result)
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -156,7 +167,11 @@ def _fake_checks(x, fmt, rounding, sat, bits, fraction, key, random_bits) -> Non
         check_random_bits(x, spec, random_bits, values=False)
 
 
-@torch.library.custom_op("fewbit::round", mutates_args=())
+def _straight_through(ctx, grad: torch.Tensor):
+    return grad, None, None, None, None, None, None, None
+
+
+@operator("fewbit::round", backward=_straight_through)
 def round_op(
     x: torch.Tensor, fmt: str, rounding: str, sat: bool, bits: int | None, fraction: float | None,
     key: torch.Tensor | None, random_bits: torch.Tensor | None,
@@ -174,14 +189,8 @@ def _(x, fmt, rounding, sat, bits, fraction, key, random_bits):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _straight_through(ctx, grad: torch.Tensor):
-    return grad, None, None, None, None, None, None, None
 
-
-torch.library.register_autograd("fewbit::round", _straight_through)
-
-
-@torch.library.custom_op("fewbit::round_into", mutates_args=("out",))
+@operator("fewbit::round_into", mutates_args=("out",))
 def round_into_op(
     x: torch.Tensor, fmt: str, rounding: str, sat: bool, bits: int | None, fraction: float | None,
     key: torch.Tensor | None, random_bits: torch.Tensor | None, out: torch.Tensor,
