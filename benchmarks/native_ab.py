@@ -90,8 +90,8 @@ def element_calls(x: torch.Tensor, names: list[str], libraries: list, threads: i
         keys = (ctypes.c_uint32 * 4)(*(stream_words(spec, Key(1, 0)) if spec.bits else ()))
         src, into, output = (rounded, codes, 1) if encode else (x, out, 0)
         rows[f"{mode} N={spec.bits}" if spec.bits else mode] = {
-            name: functools.partial(library.fewbit_round, src.data_ptr(), dtype, into.data_ptr(), output,
-                                    n, 0, params, kernel, keys, None, threads)  # fmt: skip
+            name: functools.partial(call_round, library, src, into, dtype, output, params, kernel, keys,
+                                    threads)  # fmt: skip
             for name, library in zip(names, libraries, strict=True)
         }
     return rows
@@ -111,14 +111,25 @@ def block_calls(x: torch.Tensor, args, mode: str, bits: int | None, libraries: l
     params, kernel = native._kernel(spec.spec, False)
     keys = (ctypes.c_uint32 * 4)(*(stream_words(spec.spec, Key(1, 0)) if bits else ()))
     # Codes (and the scales' codes; native.py's output kinds 1 and 3), or values (0).
-    outputs = (("codes", codes, 3 if packed else 1, scales.data_ptr()), ("values", values, 0, None))
+    outputs = (("codes", codes, 3 if packed else 1, scales), ("values", values, 0, None))
     calls = {}
     for name, library in zip(args.builds, libraries, strict=True):
         for what, out, output, scale_codes in outputs:
-            calls[f"{name} {what}"] = functools.partial(
-                library.fewbit_block, x.data_ptr(), 0, out.data_ptr(), output, n, params, kernel,
-                keys, None, args.threads, size, rule, tensor_scale, scale_codes)  # fmt: skip
+            rest = (output, params, kernel, keys, None, args.threads, size, rule, tensor_scale)
+            calls[f"{name} {what}"] = functools.partial(call_block, library, x, out, scale_codes, *rest)
     return calls
+
+
+# The calls hold the tensors whose memory the kernels read and write (a pointer alone would
+# let them be freed).
+def call_round(library, x, out, dtype, output, params, kernel, keys, threads):
+    x_at, out_at, n = x.data_ptr(), out.data_ptr(), x.numel()
+    library.fewbit_round(x_at, dtype, out_at, output, n, 0, params, kernel, keys, None, threads)
+
+
+def call_block(library, x, out, scales, output, *args):
+    scales = None if scales is None else scales.data_ptr()
+    library.fewbit_block(x.data_ptr(), 0, out.data_ptr(), output, x.numel(), *args, scales)
 
 
 def compare(title: str, calls: dict, x: torch.Tensor, pairs: int) -> None:

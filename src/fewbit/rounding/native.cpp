@@ -4,7 +4,8 @@
 //
 // It computes what fast.round_fast computes, on float32 bit patterns (inputs of 16
 // bits are widened exactly and the result narrowed by round-to-nearest-even, as torch
-// converts), and draws the bits of fewbit.random's stream layout: element i = row * LANES
+// converts; bfloat16 in the float-adder modes runs on its own 16 bits, magic_bf16), and
+// draws the bits of fewbit.random's stream layout: element i = row * LANES
 // + lane takes field (row % per_word) of word `lane` of word row (row / per_word), and
 // word row p holds output p % 2 of Threefry-2x32-20 blocks (p / 2) * LANES + lane.
 // tests/test_native.py holds it to the torch kernels bit for bit.
@@ -75,34 +76,55 @@ struct Fmt {
   bool flag(Flag f) const { return p[FLAGS] & f; }
 };
 
-inline uint32_t rotl(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
 inline float as_float(uint32_t u) { return __builtin_bit_cast(float, u); }
+
+// Eight 32-bit lanes (GCC's vector extensions, which Clang shares): Threefry is written on
+// these, so that a rotation by whole bytes can be one byte shuffle.
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+template <int R>
+inline u32x8 rotl(u32x8 x) {
+#ifdef __AVX2__
+  if constexpr (R == 16 || R == 24) {
+    // Byte j of each lane takes byte (j - R / 8) mod 4: one vpshufb, where the two shifts
+    // and an or of any other rotation wait on the vector shift units, Threefry's bottleneck
+    // without AVX-512's rotate (GCC does not make this substitution itself). The indices
+    // count within each 128-bit half, as vpshufb does.
+    const __m256i base = _mm256_set1_epi32(R == 16 ? 0x01000302 : 0x00030201);
+    const __m256i lane = _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C,
+                                           0, 0x04040404, 0x08080808, 0x0C0C0C0C);
+    return (u32x8)_mm256_shuffle_epi8((__m256i)x, _mm256_add_epi8(base, lane));
+  }
+#endif
+  return (x << R) | (x >> (32 - R));
+}
 
 // Threefry-2x32-20 of blocks b0 .. b0 + LANES - 1: outputs 0 into w0, 1 into w1. Lanes go
 // GROUP at a time through all rounds: a round is a chain of dependent operations, and
 // several vectors of lanes in flight keep the core busy while each waits on the last.
-constexpr int GROUP = 32;
-#define FEWBIT_ROUND(r) for (int j = 0; j < GROUP; ++j) { x0[j] += x1[j]; x1[j] = rotl(x1[j], r) ^ x0[j]; }
-#define FEWBIT_INJECT(i) for (int j = 0; j < GROUP; ++j) { x0[j] += ks[(i) % 3]; x1[j] += ks[((i) + 1) % 3] + (i); }
+constexpr int GROUP = 32, VECTORS = GROUP / 8;
+#define FEWBIT_ROUND(r) for (int v = 0; v < VECTORS; ++v) { x0[v] += x1[v]; x1[v] = rotl<r>(x1[v]) ^ x0[v]; }
+#define FEWBIT_INJECT(i) for (int v = 0; v < VECTORS; ++v) { x0[v] += ks[(i) % 3]; x1[v] += ks[((i) + 1) % 3] + (i); }
 void threefry_row(uint64_t b0, uint32_t k0, uint32_t k1, uint32_t* __restrict w0,
                   uint32_t* __restrict w1) {
   const uint32_t ks[3] = {k0, k1, PARITY ^ k0 ^ k1};
   // Counter (b mod 2^32, b / 2^32); b0 is a multiple of LANES, so the row shares b / 2^32.
   const uint32_t lo = uint32_t(b0), hi = uint32_t(b0 >> 32);
+  const u32x8 iota = {0, 1, 2, 3, 4, 5, 6, 7};
   for (int h = 0; h < LANES; h += GROUP) {
-    uint32_t x0[GROUP], x1[GROUP];
-    for (int j = 0; j < GROUP; ++j) {
-      x0[j] = lo + uint32_t(h + j) + ks[0];
-      x1[j] = hi + ks[1];
+    u32x8 x0[VECTORS], x1[VECTORS];
+    for (int v = 0; v < VECTORS; ++v) {
+      x0[v] = iota + (lo + uint32_t(h + 8 * v) + ks[0]);
+      x1[v] = u32x8{} + (hi + ks[1]);
     }
     FEWBIT_ROUND(13) FEWBIT_ROUND(15) FEWBIT_ROUND(26) FEWBIT_ROUND(6) FEWBIT_INJECT(1)
     FEWBIT_ROUND(17) FEWBIT_ROUND(29) FEWBIT_ROUND(16) FEWBIT_ROUND(24) FEWBIT_INJECT(2)
     FEWBIT_ROUND(13) FEWBIT_ROUND(15) FEWBIT_ROUND(26) FEWBIT_ROUND(6) FEWBIT_INJECT(3)
     FEWBIT_ROUND(17) FEWBIT_ROUND(29) FEWBIT_ROUND(16) FEWBIT_ROUND(24) FEWBIT_INJECT(4)
     FEWBIT_ROUND(13) FEWBIT_ROUND(15) FEWBIT_ROUND(26) FEWBIT_ROUND(6) FEWBIT_INJECT(5)
-    for (int j = 0; j < GROUP; ++j) {
-      w0[h + j] = x0[j];
-      w1[h + j] = x1[j];
+    for (int v = 0; v < VECTORS; ++v) {
+      std::memcpy(w0 + h + 8 * v, &x0[v], 32);
+      std::memcpy(w1 + h + 8 * v, &x1[v], 32);
     }
   }
 }
@@ -243,6 +265,57 @@ inline uint32_t magic_one(uint32_t x, uint32_t n, const Fmt& f) {
   const uint32_t beyond = uint32_t(f.sat ? f[MAX] : f[BEYOND_POS]) | (x & SIGN);
   out = as_float(out & ~SIGN) > f.max ? beyond : out;
   return (x & ~SIGN) > 0x7F800000u ? NAN_BITS : out;
+}
+
+// magic_one for a bfloat16 x, on its 16 bits (where Bf16Magic::applies): in the target's
+// normal range a bfloat16 carries 7 fraction bits, d = 7 - t more than the target, so the
+// float adder's rounding there is integer arithmetic on x's magnitude bits (a carry runs into
+// the exponent as the sum's would): round to nearest even to a multiple of 2^pre, pre = d
+// (RNE) or d - N (SRC), then for SRC add n 2^pre and clear the low d bits. Below 2^emin the
+// float adder runs with the constant of emin's binade, as in magic_one; above emax both ways
+// give a value beyond max. On magnitudes, the sign put back after: x's, on a zero only where
+// the format has -0, as magic_one's sum gives. Half the bits of magic_one's lanes, so twice
+// the elements per instruction: bfloat16 has twice the elements per byte of float32.
+struct Bf16Magic {
+  // int16_t: magnitudes are below 2^15, and AVX2 compares 16-bit lanes only as signed.
+  int16_t pre_half, pre_lsb, pre_unit, pre_keep, keep, emin, max, beyond, nz;
+  float big;  // magic.py's C for 2^emin's binade
+  uint32_t sr_keep;  // clears the N low bits of the float32 sum, as magic_one
+
+  Bf16Magic(const Fmt& f, bool sr) {
+    // Clamped: every call builds one, and only those where applies() use it.
+    const int d = std::clamp(7 - f[T], 0, 7), p = std::clamp(sr ? d - f[BITS] : d, 0, 7);
+    // The first rounding's 2^(pre-1) - 1 and its kept lsb 2^pre (none at pre = 0); n's unit 2^pre.
+    pre_half = int16_t(p > 0 ? (1 << (p - 1)) - 1 : 0), pre_lsb = int16_t(p > 0 ? 1 << p : 0);
+    pre_unit = int16_t(1 << p);
+    pre_keep = int16_t(~((1 << p) - 1)), keep = int16_t(sr ? ~((1 << d) - 1) : -1);
+    emin = int16_t((f[EMIN] + 127) << 7), max = int16_t(uint32_t(f[MAX]) >> 16);
+    // beyond max: max (sat), Inf, or NaN, whose bfloat16 is 0xFFFF whatever the sign
+    const uint32_t beyond_bits = uint32_t(f.sat ? f[MAX] : f[BEYOND_POS]);
+    beyond = (beyond_bits & 0x7FFFFFFFu) > 0x7F800000u ? int16_t(-1) : int16_t(beyond_bits >> 16);
+    nz = int16_t(f.has_nz ? -1 : 0);
+    big = as_float(uint32_t(f[EMIN] + 127) << 23) * f.magic_scale[sr];
+    sr_keep = 0u - (1u << f[BITS]);
+  }
+  // The calls it takes: for SRC, N <= d (n's bits then lie within x's fraction).
+  static bool applies(const Fmt& f, bool sr) { return !sr || f[BITS] <= 7 - f[T]; }
+};
+
+template <bool SR>
+inline uint16_t magic_bf16(uint16_t v, uint32_t n, const Bf16Magic& g) {
+  const int16_t a = int16_t(v & 0x7FFF);
+  // The kept lsb, 0 or 1 (a min, not a shift: C++ would shift in 32 bits). The sum wraps
+  // below zero only for a NaN, whose result the last line sets.
+  const int16_t lsb = std::min<int16_t>(a & g.pre_lsb, 1);
+  int16_t r = int16_t((a + g.pre_half + lsb) & g.pre_keep);
+  if (SR) r = int16_t((r + int16_t(n) * g.pre_unit) & g.keep);  // a 16-bit multiply: no 32-bit shift
+  float y = as_float(uint32_t(a) << 16) + g.big;
+  if (SR) y = as_float((__builtin_bit_cast(uint32_t, y) + n) & g.sr_keep);
+  const int16_t tiny = int16_t(__builtin_bit_cast(int32_t, y - g.big) >> 16);  // a positive float
+  int16_t mag = a < g.emin ? tiny : r;
+  mag = mag > g.max ? g.beyond : mag;
+  const int16_t sign = int16_t(v & 0x8000) & (mag != 0 ? int16_t(-1) : g.nz);
+  return a > 0x7F80 ? 0xFFFF : uint16_t(mag | sign);  // NaN as to_bfloat16's
 }
 
 // SRC with N = 23 - t, classical SR from float32 (native.py's classical_sr_applies): in the
@@ -567,6 +640,8 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
   // Blocks: the scaled elements, and each block's largest magnitude, S and 1 / S.
   alignas(64) uint32_t sbuf[LANES], amax[LANES], factor[LANES], inv[LANES];
   const bool fused = FUSED_BF16 && job.dtype == BF16 && job.output == VALUES && f.has_nans && B == 0;
+  const bool bf16_magic = fused && Bf16Magic::applies(f, MODE == MAGIC_SRC);
+  const Bf16Magic g16(f, MODE == MAGIC_SRC);
   constexpr bool MAGIC = MODE == MAGIC_RNE || MODE == MAGIC_SRC;
   const bool magic_coded = MAGIC && B > 0 && job.output != VALUES && (f.sat || f.has_nans);
   const bool pow2 = job.blocks.rule < NEAREST;
@@ -641,8 +716,12 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
         if (fused) {  // widen, round and narrow in one loop
           const uint16_t* x16 = static_cast<const uint16_t*>(job.x) + pos0;
           uint16_t* o = streamed ? reinterpret_cast<uint16_t*>(rbuf) : static_cast<uint16_t*>(job.out) + pos0;
-          for (int h = h0; h < h1; ++h)
-            o[h] = to_bfloat16(magic_one<MODE == MAGIC_SRC>(uint32_t(x16[h]) << 16, n.at(h), f));
+          if (bf16_magic) {
+            for (int h = h0; h < h1; ++h) o[h] = magic_bf16<MODE == MAGIC_SRC>(x16[h], n.at(h), g16);
+          } else {
+            for (int h = h0; h < h1; ++h)
+              o[h] = to_bfloat16(magic_one<MODE == MAGIC_SRC>(uint32_t(x16[h]) << 16, n.at(h), f));
+          }
           if (streamed) stream_out(rbuf, static_cast<uint16_t*>(job.out) + pos0, LANES * 2);
           continue;
         }
