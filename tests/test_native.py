@@ -122,6 +122,32 @@ def test_any_offset_and_thread_count_draws_the_streams_bits(bits):
             assert same_bits(out, expected), (offset, threads)
 
 
+@pytest.mark.parametrize("mode", ["rne", "src", "sr"])
+def test_bfloat16_rows_of_any_length_and_offset(mode):
+    """bfloat16 rounds 16 lanes at a time and the rest of a row one by one: every bfloat16
+    pattern, in pieces of 1 to 40 elements at their stream positions (so each lane goes
+    both ways across the pieces' lengths), gives the torch kernels' bits, for formats with
+    and without negative zero."""
+    x = every_bfloat16(torch.bfloat16)
+    for name in ("binary8p4", "ocp_e4m3", "ocp_e5m2"):
+        fmt = fewbit.format(name)
+        for sat in (False, True):
+            spec = make_spec(torch.bfloat16, fmt, RoundMode(mode), sat, 3 if mode == "src" else None, None)
+            key, offset = Key(7, 8), 517
+            given = None if spec.bits is None else random_bits(x.shape, spec.bits, key, offset=offset)
+            with configure(compile=False):
+                expected = fewbit.round(x, fmt, mode, sat=sat, bits=spec.bits if mode == "src" else None,
+                                        random_bits=given)  # fmt: skip
+            words = None if spec.bits is None else stream_words(spec, key)
+            out = torch.empty_like(x)
+            start, length = 0, 1
+            while start < x.numel():
+                piece, into = x[start : start + length], out[start : start + length]
+                assert native.round_into(piece, spec, words, None, into, offset + start) == -1
+                start, length = start + length, length % 40 + 1
+            assert same_bits(out, expected), (name, sat)
+
+
 def test_first_invalid_element_is_reported_and_nothing_reaches_out():
     x = torch.linspace(-6, 6, 3000)  # within ocp_e2m1's range
     x[2500] = 100.0  # beyond ocp_e2m1's range, which has no Inf or NaN
