@@ -262,7 +262,6 @@ def _(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-
 @operator("fewbit::block_round_into", mutates_args=("out",))
 def block_round_into_op(
     x: torch.Tensor, bfmt: str, rounding: str, sat: bool, bits: int | None, fraction: float | None,

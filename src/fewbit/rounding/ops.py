@@ -189,7 +189,6 @@ def _(x, fmt, rounding, sat, bits, fraction, key, random_bits):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-
 @operator("fewbit::round_into", mutates_args=("out",))
 def round_into_op(
     x: torch.Tensor, fmt: str, rounding: str, sat: bool, bits: int | None, fraction: float | None,
