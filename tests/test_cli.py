@@ -70,10 +70,13 @@ def test_bench_json_rows(capsys):
     assert all(r["us_per_call"] > 0 for r in per_call)
     rows = [r for r in rows if "us_per_call" not in r]
     f32 = {(r["mode"], r["bits"]): r for r in rows if r["input"] == "torch.float32"}
-    assert set(f32) == {("rne", None), ("src", 3), ("sr", None), ("encode to uint8", None)}
+    assert set(f32) == {("copy_", None), ("rne", None), ("src", 3), ("sr", None), ("encode to uint8", None)}
     assert {r["input"] for r in rows} == {"torch.float32", "torch.bfloat16"}
     for r in rows:
-        assert r["melem_per_s"] > 0 and r["x_copy"] > 0 and r["x_clone"] > 0
+        assert r["melem_per_s"] > 0 and r["gb_per_s"] > 0
+        assert r["mode"] == "copy_" or r["x_copy"] > 0 and r["x_clone"] > 0
+    # GB/s counts the bytes read and written: float32 in and out, 8 per element.
+    assert f32[("rne", None)]["gb_per_s"] == pytest.approx(f32[("rne", None)]["melem_per_s"] * 8e-3)
     # Beside fewbit: eager, a torch.randint-fed SR, and gfloat on the key rows.
     assert {"eager_x_copy", "x_gfloat"} <= set(f32[("rne", None)])
     assert {"eager_x_copy", "x_gfloat", "randint_fed_x_copy"} <= set(f32[("src", 3)])

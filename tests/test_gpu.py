@@ -1,4 +1,5 @@
-"""CUDA against CPU, bit for bit, for every mode, eager and compiled (skipped without a GPU).
+"""CUDA against CPU, bit for bit, for every mode, eager and with fewbit's kernels (the
+Triton kernel, or torch.compile's where it does not apply); skipped without a GPU.
 
 The CPU kernels are checked against gfloat elsewhere; here the GPU must reproduce them
 exactly. The inputs cover every bfloat16 and float16 pattern (as float32: subnormals of
@@ -40,8 +41,10 @@ def x() -> torch.Tensor:
     return inputs()
 
 
-#: Each (format, mode, sat) compiles its own GPU kernel (seconds each), so fewer formats.
-COMPILED = ("binary8p4", "ocp_e5m2")
+#: Each (format, mode, sat) compiles its own GPU kernel, so fewer formats: the Triton
+#: kernel's kinds (P > 1, P = 1, no NaN, a bfloat16 target with float32 subnormal results)
+#: and one beyond it (E8M0: torch.compile's kernel).
+COMPILED = ("binary8p4", "binary8p1", "ocp_e2m1", "bfloat16", "ocp_e8m0")
 
 
 @pytest.mark.parametrize(
@@ -70,3 +73,43 @@ def test_gpu_equals_cpu(x, name, compiled):
                 gpu = fewbit.round(xs.cuda(), fmt, mode, sat=sat, **kw)
             assert gpu.device.type == "cuda"
             assert_bitwise_equal(gpu.cpu(), cpu, xs, f"{name} {mode} sat={sat} compiled={compiled}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode, kw", [("rne", {}), ("src", {"bits": 3, "seed": 5}), ("sr", {"seed": 6}),
+                                      ("sr_fraction", {"seed": 7, "fraction": 0.5})])  # fmt: skip
+def test_16_bit_inputs_gpu_equals_cpu(dtype, mode, kw):
+    """Every bfloat16 and float16 pattern, read and written in its own width."""
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
+    x = torch.cat([every.view(torch.bfloat16).to(dtype), every.view(torch.float16).to(dtype)])
+    for name in ("binary8p4", "ocp_e5m2"):
+        cpu = fewbit.round(x, name, mode, sat=True, **kw)
+        gpu = fewbit.round(x.cuda(), name, mode, sat=True, **kw)
+        assert_bitwise_equal(gpu.cpu(), cpu, x, f"{name} {mode} {dtype}")
+
+
+def test_given_bits_and_out_gpu_equals_cpu(x):
+    bits = torch.randint(0, 8, x.shape, generator=torch.Generator().manual_seed(4), dtype=torch.int32)
+    cpu = fewbit.round(x, "ocp_e4m3", "src", bits=3, sat=True, random_bits=bits)
+    out = torch.empty_like(x, device="cuda")
+    fewbit.round(x.cuda(), "ocp_e4m3", "src", bits=3, sat=True, random_bits=bits.cuda(), out=out)
+    assert_bitwise_equal(out.cpu(), cpu, x, "given bits")
+
+
+def test_triton_kernel_takes_the_calls():
+    """The GPU runs fewbit's Triton kernel (Triton comes with CUDA builds of torch), not a fallback."""
+    from fewbit.rounding import gpu
+
+    assert gpu.usable(torch.empty(1, device="cuda"), fewbit.format("binary8p4"))
+
+
+@pytest.mark.parametrize("name", ["binary8p4", "ocp_e4m3", "ocp_e2m1", "binary8p1"])
+def test_encode_gpu_equals_cpu(name):
+    fmt = fewbit.format(name)
+    codes = torch.arange(1 << fmt.k, dtype=torch.int32).to(fewbit.codec.code_dtype(fmt))
+    values = fewbit.decode(codes, fmt)
+    packed = fmt.k <= 4
+    expected = fewbit.encode(values, fmt, packed=packed)
+    assert torch.equal(fewbit.encode(values.cuda(), fmt, packed=packed).cpu(), expected)
+    with pytest.raises(ValueError, match="is not a value of"):
+        fewbit.encode(torch.cat([values, torch.tensor([float(fmt.max) * 1.5])]).cuda(), fmt)

@@ -11,8 +11,10 @@ back to back: on a shared machine whose speed drifts by tens of percent, both si
 a pair see the same conditions. ``x copy`` is the yardstick of a memory-bound op:
 ``fewbit.round(x, ..., out=y)`` against ``y.copy_(x)``, both into a preallocated
 output. ``x clone`` compares a call that returns a new tensor with ``torch.clone``,
-where both also pay for fresh memory. The last rows give the time of one call on 4096
-elements, where the per-call overhead is all there is.
+where both also pay for fresh memory. ``GB/s`` counts the bytes each call reads and
+writes; the ``copy_`` row of each dtype gives the device's copy speed measured in the
+same run (on a GPU, its achievable memory bandwidth). The last rows give the time of
+one call on 4096 elements, where the per-call overhead is all there is.
 """
 
 from __future__ import annotations
@@ -112,6 +114,9 @@ def run(
         def copy():
             return out.copy_(x)
 
+        t = best_time(copy, repeat, sync)  # the device's copy speed: the GB/s column's yardstick
+        rows.append({"input": str(dtype), "format": "memory", "mode": "copy_", "bits": None,
+                     "melem_per_s": n / t / 1e6, "gb_per_s": 2 * x.nbytes / t / 1e9})
         targets = TARGETS[:1] if quick else TARGETS
         for fmt in targets:
             if fmt == "bfloat16" and dtype == torch.bfloat16:
@@ -135,7 +140,7 @@ def run(
 
                 t, x_copy = paired(call_out, copy, repeat, sync)
                 row = {"input": str(dtype), "format": fmt, "mode": mode, "bits": bits,
-                       "melem_per_s": n / t / 1e6, "x_copy": x_copy,
+                       "melem_per_s": n / t / 1e6, "gb_per_s": 2 * x.nbytes / t / 1e9, "x_copy": x_copy,
                        "x_clone": paired(call, clone, repeat, sync)[1]}
                 if mode != "rne":
                     width = bits or natural_sr_bits(dtype_format(dtype), format(fmt))
@@ -159,7 +164,8 @@ def run(
 
         t, x_copy = paired(encode_call, copy, repeat, sync)
         rows.append({"input": str(dtype), "format": "binary8p4", "mode": "encode to uint8",
-                     "bits": None, "melem_per_s": n / t / 1e6, "x_copy": x_copy,
+                     "bits": None, "melem_per_s": n / t / 1e6, "gb_per_s": (x.nbytes + n) / t / 1e9,
+                     "x_copy": x_copy,
                      "x_clone": paired(encode_call, clone, repeat, sync)[1]})
     if block:
         rows += block_rows(log2_size, device, repeat, sync, progress)
@@ -195,8 +201,9 @@ def block_rows(log2_size: int, device: str, repeat: int, sync: Callable[[], None
                     return fn(x, name, mode, out=into, **kw)
 
                 t, x_copy = paired(functools.partial(call, into=into), lambda: out.copy_(x), repeat, sync)
+                moved = x.nbytes + into.nbytes  # a stored tensor's: its codes and scales
                 rows.append({"input": "torch.float32", "format": f"{name} {what}", "mode": mode, "bits": bits,
-                             "melem_per_s": n / t / 1e6, "x_copy": x_copy,
+                             "melem_per_s": n / t / 1e6, "gb_per_s": moved / t / 1e9, "x_copy": x_copy,
                              "x_clone": paired(call, x.clone, repeat, sync)[1]})
     return rows
 
@@ -224,9 +231,10 @@ def _per_call(device: str, sync: Callable[[], None]) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'configuration':42} {'Melem/s':>9} {'x copy':>7} {'x clone':>8} {'eager':>7} "
+    head = (f"{'configuration':42} {'Melem/s':>9} {'GB/s':>7} {'x copy':>7} {'x clone':>8} {'eager':>7} "
             f"{'randint-fed':>11} {'x gfloat':>9}")
-    lines = [head, "(ratios: copy_ or clone time / fewbit time, into a preallocated output or a new one)"]
+    lines = [head, "(ratios: copy_ or clone time / fewbit time, into a preallocated output or a new one;"
+                   " GB/s: bytes read and written)"]  # fmt: skip
     for r in rows:
         label = f"{r['input'].removeprefix('torch.')} -> {r['format']} {r['mode']}"
         label += f" N={r['bits']}" if r["bits"] else ""
@@ -237,8 +245,8 @@ def format_table(rows: list[dict]) -> str:
         def col(key, width, fmt=".3f"):
             return f"{r[key]:>{width}{fmt}}" if key in r else " " * width
 
-        lines.append(f"{label:42} {r['melem_per_s']:>9.1f} {r['x_copy']:>7.3f} {r['x_clone']:>8.3f} "
-                     f"{col('eager_x_copy', 7)} {col('randint_fed_x_copy', 11)} "
+        lines.append(f"{label:42} {r['melem_per_s']:>9.1f} {r['gb_per_s']:>7.1f} {col('x_copy', 7)} "
+                     f"{col('x_clone', 8)} {col('eager_x_copy', 7)} {col('randint_fed_x_copy', 11)} "
                      f"{col('x_gfloat', 9, '.0f')}")
     return "\n".join(lines)
 

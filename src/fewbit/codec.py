@@ -19,7 +19,7 @@ import torch
 
 from .formats import FloatFormat, format
 from .operators import operator
-from .rounding import native
+from .rounding import gpu, native
 from .rounding.checks import dtype_format
 from .rounding.fast import _LAYOUT, decompose, working_dtype
 from .rounding.ops import format_name, lookup_format
@@ -104,9 +104,10 @@ def pack_pairs(code: torch.Tensor) -> torch.Tensor:
 def _encode(x: torch.Tensor, fmt: str, packed: bool) -> torch.Tensor:
     fmt = lookup_format(fmt)
     shape = _encode_checks(x, fmt, packed)
-    if native.usable(x, fmt):
-        out = torch.empty(shape, dtype=code_dtype(fmt))
-        bad = native.encode_into(x.reshape(-1), fmt, out.view(-1), packed)
+    kernel = native.encode_into if native.usable(x, fmt) else gpu.encode_into if gpu.usable(x, fmt) else None
+    if kernel is not None:
+        out = torch.empty(shape, dtype=code_dtype(fmt), device=x.device)
+        bad = kernel(x.reshape(-1), fmt, out.view(-1), packed)
         if bad >= 0:
             _not_a_value(float(x.reshape(-1)[bad]), fmt)
         return out

@@ -87,31 +87,53 @@ def usable(x: torch.Tensor, fmt: FloatFormat) -> bool:
     """Whether the configuration lets the kernel take ``x``, it covers ``fmt`` and it is
     built (building it at first use)."""
     config = current()
-    return (config.compile and config.native and x.device.type == "cpu" and x.dtype in _DTYPES
-            and fits(fmt) and _load() is not None)  # fmt: skip
+    return (config.compile and config.native and x.device.type == "cpu" and takes(x, fmt)
+            and _load() is not None)  # fmt: skip
+
+
+def takes(x: torch.Tensor, fmt: FloatFormat) -> bool:
+    """Whether the kernel's arithmetic (and gpu.py's, the same) covers x's dtype and ``fmt``."""
+    return x.dtype in _DTYPES and fits(fmt)
+
+
+def takes_bits(spec: RoundSpec, random_bits: torch.Tensor | None) -> bool:
+    """Whether the kernels (this and gpu.py's) take a spec's N and the given bits' dtype."""
+    return (spec.bits is None or spec.bits <= MAX_BITS) and (random_bits is None
+                                                             or random_bits.dtype == torch.int32)  # fmt: skip
 
 
 def applies(spec: RoundSpec, x: torch.Tensor, random_bits: torch.Tensor | None = None) -> bool:
     """Whether :func:`round_into` takes this call."""
-    return (usable(x, spec.fmt) and (spec.bits is None or spec.bits <= MAX_BITS)
-            and (random_bits is None or random_bits.dtype == torch.int32))  # fmt: skip
+    return usable(x, spec.fmt) and takes_bits(spec, random_bits)
+
+
+#: Names of native.cpp's ``Param`` array, in its order (gpu.py takes them as constants).
+PARAM_NAMES = ("T", "EMIN", "BIAS", "MIN_ULP_EXP", "MAX", "MAX_NEG", "BEYOND_POS", "BEYOND_NEG",
+               "SMALLEST_NORMAL", "FLAGS", "LIMIT_RULE", "BITS", "SELECT_BELOW", "K", "CODE_OF_MAX",
+               "CODE_OF_NAN", "EMAX")  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def kernel_params(spec: RoundSpec) -> tuple[int, ...]:
+    """The values of native.cpp's ``Param`` array for a spec (:data:`PARAM_NAMES`)."""
+    fmt, mode = spec.fmt, spec.mode
+    beyond_pos = _bits32(float("inf") if fmt.extended else float("nan"))
+    beyond_neg = beyond_pos if fmt.signed else _bits32(float("nan"))
+    flags = ((fmt.p == 1) | fmt.has_nz << 1 | fmt.has_zero << 2 | spec.sat << 3 | fmt.has_nans << 4
+             | fmt.extended << 5 | fmt.signed << 6 | fmt.twos_complement << 7)  # fmt: skip
+    return (
+        fmt.t, fmt.emin, fmt.bias, fmt.min_ulp_exponent, _bits32(fmt.max),
+        _bits32(fmt.max_negative_magnitude), beyond_pos, beyond_neg, _bits32(fmt.smallest_normal), flags,
+        _STOPS_AT_MAX[MODES[mode].stops_at_max], spec.bits or 0, spec.select_below or 0, fmt.k,
+        fmt.code_of_max, fmt.code_of_nan if fmt.has_nans else 0, fmt.emax,
+    )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)
 def _kernel(spec: RoundSpec, encode: bool) -> tuple[ctypes.Array, int]:
     """native.cpp's ``Param`` array and kernel id for a spec; ``encode``: the check of
     :func:`encode_into` (``spec`` then RNE without saturation, which must leave x as it is)."""
-    fmt, mode = spec.fmt, spec.mode
-    beyond_pos = _bits32(float("inf") if fmt.extended else float("nan"))
-    beyond_neg = beyond_pos if fmt.signed else _bits32(float("nan"))
-    flags = ((fmt.p == 1) | fmt.has_nz << 1 | fmt.has_zero << 2 | spec.sat << 3 | fmt.has_nans << 4
-             | fmt.extended << 5 | fmt.signed << 6 | fmt.twos_complement << 7)  # fmt: skip
-    values = [
-        fmt.t, fmt.emin, fmt.bias, fmt.min_ulp_exponent, _bits32(fmt.max),
-        _bits32(fmt.max_negative_magnitude), beyond_pos, beyond_neg, _bits32(fmt.smallest_normal), flags,
-        _STOPS_AT_MAX[MODES[mode].stops_at_max], spec.bits or 0, spec.select_below or 0, fmt.k,
-        fmt.code_of_max, fmt.code_of_nan if fmt.has_nans else 0, fmt.emax,
-    ]  # fmt: skip
+    values = kernel_params(spec)
     if encode:
         kernel = _ENCODE_MAGIC if magic_applies(spec, torch.float32) else _ENCODE
     else:
@@ -135,6 +157,12 @@ def _mode_id(spec: RoundSpec) -> int:
         return _MAGIC_RNE if spec.mode is RoundMode.RNE else _MAGIC_SRC
     if classical_sr_applies(spec):
         return _CLASSICAL_SR
+    return predicate_id(spec)
+
+
+def predicate_id(spec: RoundSpec) -> int:
+    """native.cpp's ``Mode`` of fast.round_fast's predicate for the spec's mode (the
+    kernel for every spec, with no shortcut)."""
     info = MODES[spec.mode]
     return _DETERMINISTIC[spec.mode] if not info.stochastic else _STOCHASTIC[(info.tie, info.where)]
 

@@ -26,7 +26,7 @@ from ..config import current
 from ..formats import FloatFormat, format
 from ..operators import operator
 from ..random import Key
-from . import native
+from . import gpu, native
 from .checks import RoundSpec, check_random_bits, make_spec
 from .compiled import compiled_round, range_bits, round_body, stream_words, use_compiled
 from .modes import parse_mode
@@ -107,7 +107,10 @@ def _round_into(x, spec: RoundSpec, key, random_bits, out: torch.Tensor) -> None
     result = out if direct else torch.empty_like(x, memory_format=torch.contiguous_format)
     # On a CPU the key's words as Python ints: the native kernel and the eager generator take them.
     ints = Key(*key.tolist()) if key is not None and key.device.type == "cpu" else key
-    if native.applies(spec, x, rand):  # it reads x in memory order, any shape
+    if gpu.applies(spec, x, rand):  # as native, on a GPU (the key stays there)
+        gpu.round_into(x, spec, key, rand, result)
+        invalid = not spec.fmt.has_nans
+    elif native.applies(spec, x, rand):  # it reads x in memory order, any shape
         words = None if ints is None else stream_words(spec, ints)
         invalid = native.round_into(x, spec, words, rand, result) >= 0
     else:

@@ -1,0 +1,144 @@
+"""fewbit's GPU kernel (Triton, ``triton_kernels.py``): rounding in one pass over memory,
+the random words generated once per ``floor(32/N)`` elements inside it.
+
+It takes the calls native.cpp takes on a CPU (formats within float32's range, N <= 30,
+float32 and 16-bit inputs) and computes their bits (tests/test_gpu_kernel.py runs it in
+Triton's interpreter against the native kernel; tests/test_gpu.py on a GPU). The key
+stays on the device, read by the kernel, so a call neither waits for the GPU nor copies
+to the host: it can be captured in a CUDA graph. Where Triton is missing the torch
+kernels run instead, compiled or eager, with the same bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from types import ModuleType
+
+import torch
+
+from ..config import current
+from ..formats import FloatFormat
+from ..random import LANES
+from .checks import RoundSpec, make_spec
+from .compiled import stream_words
+from .modes import MODES, RoundMode
+from .native import PARAM_NAMES, kernel_params, predicate_id, takes, takes_bits
+
+__all__ = ["applies", "encode_into", "round_into", "usable"]
+
+#: Rows per program where no words are drawn: 4096 elements.
+_PLAIN_ROWS = 8
+#: Codes (or pairs) per program of encode_kernel.
+_ENCODE_BLOCK = 2048
+
+
+@functools.cache
+def kernels() -> ModuleType | None:
+    """``triton_kernels``, or None (with one warning) where Triton cannot be imported."""
+    try:
+        from . import triton_kernels
+    except ImportError as err:
+        warnings.warn(f"fewbit: Triton is not available ({err}); GPU calls run the torch kernels "
+                      "(same bits, slower)", RuntimeWarning, stacklevel=3)  # fmt: skip
+        return None
+    return triton_kernels
+
+
+def usable(x: torch.Tensor, fmt: FloatFormat) -> bool:
+    """Whether the kernel takes ``x`` (on a CUDA device) and ``fmt``, where ``fewbit.config``'s
+    ``native`` and ``compile`` let it: what native.cpp would take on a CPU."""
+    config = current()
+    return (config.compile and config.native and x.device.type == "cuda" and takes(x, fmt)
+            and kernels() is not None)  # fmt: skip
+
+
+def applies(spec: RoundSpec, x: torch.Tensor, random_bits: torch.Tensor | None = None) -> bool:
+    """Whether :func:`round_into` takes this call."""
+    return usable(x, spec.fmt) and takes_bits(spec, random_bits)
+
+
+def _format_constants(spec: RoundSpec) -> dict:
+    """The compile-time constants of round_bits that describe the format: native.cpp's
+    parameters, decoded."""
+    p = dict(zip(PARAM_NAMES, kernel_params(spec), strict=True))
+    names = ("T", "EMIN", "BIAS", "MIN_ULP_EXP", "MAX", "MAX_NEG", "BEYOND_POS", "BEYOND_NEG",
+             "SMALLEST_NORMAL")  # fmt: skip
+    flags = p["FLAGS"]
+    return {**{name: p[name] for name in names}, "SUBNORMAL_BELOW": 1 << max(-126 - p["MIN_ULP_EXP"], 0),
+            "P_IS_1": bool(flags & 1), "HAS_NZ": bool(flags & 2), "HAS_ZERO": bool(flags & 4)}  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def _constants(spec: RoundSpec) -> dict:
+    """round_kernel's compile-time constants for a spec."""
+    p = dict(zip(PARAM_NAMES, kernel_params(spec), strict=True))
+    return {**_format_constants(spec), "MODE": predicate_id(spec), "SAT": spec.sat,
+            "LIMIT_RULE": p["LIMIT_RULE"], "BITS": p["BITS"], "SELECT_BELOW": p["SELECT_BELOW"]}  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def _encode_constants(fmt: FloatFormat) -> dict:
+    """encode_kernel's compile-time constants: the format's, as RNE without saturation
+    (the check that x is a value) sees them, and its codes'."""
+    check = make_spec(torch.float32, fmt, RoundMode.RNE, False, None, None)
+    p = dict(zip(PARAM_NAMES, kernel_params(check), strict=True))
+    return {**_format_constants(check), "K": fmt.k, "CODE_OF_MAX": p["CODE_OF_MAX"],
+            "CODE_OF_NAN": p["CODE_OF_NAN"], "HAS_NANS": fmt.has_nans, "EXTENDED": fmt.extended,
+            "SIGNED": fmt.signed, "TWOS_COMPLEMENT": fmt.twos_complement}  # fmt: skip
+
+
+def round_into(
+    x: torch.Tensor,
+    spec: RoundSpec,
+    key: torch.Tensor | None,
+    random_bits: torch.Tensor | None,
+    out: torch.Tensor,
+    offset: int = 0,
+) -> None:
+    """Round ``x`` into ``out`` (contiguous, x's dtype and size; element i is the i-th in
+    row-major order), the bits given (int32 ``random_bits`` of x's shape) or drawn with
+    the key tensor ``key`` (int64 ``(k0, k1)`` on x's device) for stream elements
+    ``offset ..``; only where :func:`applies` (or, for tests, on CPU tensors under
+    ``TRITON_INTERPRET=1``). In a format without NaN, NaN marks an element without a
+    valid result, as in the torch kernels."""
+    triton_kernels = kernels()
+    assert triton_kernels is not None, "the GPU kernel is called only where applies() found Triton"
+    x = x.contiguous()
+    n = x.numel()
+    if n == 0:
+        return
+    drawn = key is not None and MODES[spec.mode].stochastic
+    given = None if random_bits is None else random_bits.contiguous()
+    words = None  # k0, k1 (and the selection stream's), on the device: nothing waits for them
+    if drawn:
+        select = "select" in MODES[spec.mode].streams
+        words = torch.stack(stream_words(spec, key)) if select else key.contiguous()
+    rows = 2 * (32 // spec.bits) if drawn else _PLAIN_ROWS
+    # Programs start at a multiple of `rows` rows, the first at the one holding element offset.
+    first_row = offset // LANES // rows * rows
+    end_row = -(-(offset + n) // LANES)
+    programs = -(-(end_row - first_row) // rows)
+    triton_kernels.round_kernel[(programs,)](
+        x, out, given, words, n, offset, first_row, ROWS=rows, DRAWN=drawn, GIVEN=given is not None,
+        PER_WORD=32 // spec.bits if spec.bits else 1, **_constants(spec),
+    )  # fmt: skip
+
+
+def encode_into(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor, packed: bool) -> int:
+    """Codes of flat ``x`` (float32 or 16-bit) in ``fmt`` into ``out`` (uint8 or int16, or
+    packed pairs in uint8); only where :func:`usable`. Returns the first position that
+    holds no value of fmt, else -1: reading it waits for the kernel, as any check of
+    data that raises must."""
+    triton_kernels = kernels()
+    assert triton_kernels is not None, "the GPU kernel is called only where usable() found Triton"
+    x = x.contiguous()
+    n = x.numel()
+    bad = torch.full((1,), n, dtype=torch.int64, device=x.device)
+    if n > 0:
+        count = n // 2 if packed else n
+        triton_kernels.encode_kernel[(-(-count // _ENCODE_BLOCK),)](
+            x, out, bad, n, BLOCK=_ENCODE_BLOCK, PACKED=packed, **_encode_constants(fmt)
+        )
+    first = int(bad.item())
+    return first if first < n else -1

@@ -1,0 +1,329 @@
+"""The Triton code of fewbit's GPU kernel (``gpu.py`` launches it; importing this module
+needs Triton).
+
+One program rounds ``ROWS`` rows of ``LANES`` elements of the stream's layout
+(``fewbit.random``). With drawn bits, ``ROWS = 2 * per_word``: the rows that read one row
+of Threefry blocks, whose words the program computes once, for ``LANES`` blocks, and then
+splits into fields row by row, as native.cpp's ``Stream`` does; so a word is generated
+once per ``per_word`` elements instead of once per element. The rounding is native.cpp's
+``round_one`` (fast.round_fast on float32 bits) for every mode, with the format's
+parameters as compile-time constants; a 16-bit input is widened and the result narrowed
+in the same pass, so each element is read and written once, in its own width.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..random import LANES as _LANES
+from ..random import SKEIN_KS_PARITY32
+from .modes import SELECT_BITS as _SELECT_BITS
+
+LANES = tl.constexpr(_LANES)
+PARITY = tl.constexpr(SKEIN_KS_PARITY32)
+SELECT_BITS = tl.constexpr(_SELECT_BITS)
+NAN_BITS = tl.constexpr(0x7FC00000)
+SIGN_BIT = tl.constexpr(-(1 << 31))  # 0x80000000 as an int32
+
+
+@triton.jit
+def _mix(x0, x1, R: tl.constexpr):
+    """One Threefry round: x0 += x1, x1 = rotl(x1, R) ^ x0 (uint32)."""
+    x0 = x0 + x1
+    x1 = ((x1 << R) | (x1 >> (32 - R))) ^ x0
+    return x0, x1
+
+
+@triton.jit
+def _four(x0, x1, ka, kb, i: tl.constexpr, R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
+          R3: tl.constexpr):  # fmt: skip
+    """Four rounds, then key injection ``i`` (ka, kb: ks[i % 3], ks[(i + 1) % 3])."""
+    x0, x1 = _mix(x0, x1, R0)
+    x0, x1 = _mix(x0, x1, R1)
+    x0, x1 = _mix(x0, x1, R2)
+    x0, x1 = _mix(x0, x1, R3)
+    return x0 + ka, x1 + kb + i
+
+
+@triton.jit
+def threefry(block, k0, k1):
+    """Threefry-2x32-20 of int64 block numbers ``block`` (counter ``(block mod 2^32,
+    block / 2^32)``) under key ``(k0, k1)`` (uint32): its two output words (uint32)."""
+    k2 = k0 ^ k1 ^ PARITY
+    x0 = (block & 0xFFFFFFFF).to(tl.uint32) + k0
+    x1 = (block >> 32).to(tl.uint32) + k1
+    x0, x1 = _four(x0, x1, k1, k2, 1, 13, 15, 26, 6)
+    x0, x1 = _four(x0, x1, k2, k0, 2, 17, 29, 16, 24)
+    x0, x1 = _four(x0, x1, k0, k1, 3, 13, 15, 26, 6)
+    x0, x1 = _four(x0, x1, k1, k2, 4, 17, 29, 16, 24)
+    x0, x1 = _four(x0, x1, k2, k0, 5, 13, 15, 26, 6)
+    return x0, x1
+
+
+@triton.jit
+def _select_bits(row, lanes, s0, s1):
+    """The selection stream's 16-bit fields of element row ``row`` (sr_fraction), drawn
+    per row: word row row / 2, block row row / 4."""
+    x0, x1 = threefry((row // 4) * LANES + lanes, s0, s1)
+    word = tl.where((row // 2) % 2 == 0, x0, x1)
+    return ((word >> ((row % 2) * SELECT_BITS).to(tl.uint32)) & 0xFFFF).to(tl.int32)
+
+
+@triton.jit
+def _few_bit_away(rem, D, n, BITS: tl.constexpr, TIE: tl.constexpr):
+    """native.cpp's few_bit_away: d_N = d 2^N by the tie rule (TIE 0: truncate, 1: up,
+    2: even, 3: odd), and away iff n > 2^N - 1 - d_N."""
+    shift = D - BITS
+    right = tl.minimum(tl.maximum(shift, 0), 25)
+    left = tl.minimum(tl.maximum(-shift, 0), BITS)
+    q = rem >> right
+    if TIE == 0:
+        d_n = tl.where(shift > 0, q, rem << left)
+    else:
+        one = tl.full(rem.shape, 1, tl.int32)
+        low2 = (rem & ((one << right) - 1)) << 1
+        half2 = one << right
+        if TIE == 1:
+            up = low2 >= half2
+        else:
+            tie_up = (q & 1) == (3 - TIE)  # even: q odd; odd: q even
+            up = (low2 > half2) | ((low2 == half2) & tie_up)
+        d_n = tl.where(shift > 0, q + up.to(tl.int32), rem << left)
+    return n > ((1 << BITS) - 1) - d_n
+
+
+@triton.jit
+def round_bits(b, n, s, MODE: tl.constexpr, T: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr,
+               MIN_ULP_EXP: tl.constexpr, SUBNORMAL_BELOW: tl.constexpr, MAX: tl.constexpr,
+               MAX_NEG: tl.constexpr, BEYOND_POS: tl.constexpr, BEYOND_NEG: tl.constexpr,
+               SMALLEST_NORMAL: tl.constexpr, P_IS_1: tl.constexpr, HAS_NZ: tl.constexpr,
+               HAS_ZERO: tl.constexpr, SAT: tl.constexpr, LIMIT_RULE: tl.constexpr, BITS: tl.constexpr,
+               SELECT_BELOW: tl.constexpr):  # fmt: skip
+    """native.cpp's round_one on int32 float32 bits ``b``: n the N random bits, s the
+    selection bits (MODE: native.cpp's ``Mode``)."""
+    negative = b < 0
+    a = b & 0x7FFFFFFF
+    is_inf = a == 0x7F800000
+    is_nan = a > 0x7F800000
+    e_field = a >> 23
+    mantissa = a & 0x7FFFFF
+    sig = tl.where(e_field > 0, mantissa | 0x800000, mantissa)
+    e_x = tl.maximum(e_field, 1) - 127
+    e_t = tl.maximum(e_x, EMIN)
+    D = (23 - T) + (e_t - e_x)
+    Dc = tl.minimum(D, 25)
+    r = sig >> Dc
+    one = tl.full(b.shape, 1, tl.int32) << Dc
+    rem = sig & (one - 1)
+    rem2 = rem << 1
+    if P_IS_1:  # P = 1: the code's last bit is the exponent field's
+        odd = (r != 0) & (((e_t + BIAS) & 1) == 1)
+    else:
+        odd = (r & 1) == 1
+    nearest_even = (rem2 > one) | ((rem2 == one) & odd)
+    if MODE == 0:  # RNE
+        away = nearest_even
+    elif MODE == 1:  # RNA
+        away = rem2 >= one
+    elif MODE == 2:  # RTZ
+        away = rem < 0
+    elif MODE == 3:  # RUP
+        away = (rem != 0) & ~negative
+    elif MODE == 4:  # RDN
+        away = (rem != 0) & negative
+    elif MODE == 5:  # RTO
+        away = (rem != 0) & ~odd
+    elif MODE == 6:  # SRFF
+        away = _few_bit_away(rem, D, n, BITS, 0)
+    elif MODE == 7:  # SRF
+        away = _few_bit_away(rem, D, n, BITS, 1)
+    elif MODE == 9:  # SRC with ties to odd
+        away = _few_bit_away(rem, D, n, BITS, 3)
+    elif MODE == 10:  # SR near zero, RNE elsewhere
+        stochastic = _few_bit_away(rem, D, n, BITS, 2)
+        away = tl.where((r == 0) & ~nearest_even, stochastic, nearest_even)
+    elif MODE == 11:  # SR on the selected fraction of elements, RNE elsewhere
+        stochastic = _few_bit_away(rem, D, n, BITS, 2)
+        away = tl.where(s < SELECT_BELOW, stochastic, nearest_even)
+    else:  # SRC
+        away = _few_bit_away(rem, D, n, BITS, 2)
+    r = r + away.to(tl.int32)
+
+    normal = ((e_t + 126) << 23) + (r << (23 - T))
+    # r 2^MIN_ULP_EXP in integer arithmetic, where a float multiply might flush a float32
+    # subnormal to zero: those (r below SUBNORMAL_BELOW, 2^-126 / 2^MIN_ULP_EXP or 1) are r
+    # shifted into place, the others float(r) (exact, r < 2^24) with MIN_ULP_EXP added to
+    # its exponent.
+    scaled = r.to(tl.float32).to(tl.int32, bitcast=True) + (MIN_ULP_EXP << 23)
+    tiny = tl.where(r < SUBNORMAL_BELOW, r << (MIN_ULP_EXP + 149), scaled)
+    mag = tl.where(r >= (1 << T), normal, tiny)
+
+    limit = tl.where(negative, MAX_NEG, MAX)
+    over = (mag > limit) | is_inf
+    mag = tl.where(over, tl.where(negative, BEYOND_NEG, BEYOND_POS), mag)
+    if SAT:
+        mag = tl.where(over, limit, mag)
+    elif LIMIT_RULE == 1:  # directed modes stop at the limit: everywhere
+        mag = tl.where(over & ~is_inf, limit, mag)
+    elif LIMIT_RULE == 2:  # below zero
+        mag = tl.where(over & ~is_inf & negative, limit, mag)
+    elif LIMIT_RULE == 3:  # above zero
+        mag = tl.where(over & ~is_inf & ~negative, limit, mag)
+    if HAS_NZ:
+        keep_sign = negative
+    else:
+        keep_sign = negative & (mag != 0)
+    if not HAS_ZERO:
+        mag = tl.where(mag == 0, SMALLEST_NORMAL, mag)
+    out = tl.where(keep_sign, mag | SIGN_BIT, mag)
+    return tl.where(is_nan, NAN_BITS, out)
+
+
+@triton.jit
+def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n, offset, first_row, ROWS: tl.constexpr,
+                 DRAWN: tl.constexpr, GIVEN: tl.constexpr, PER_WORD: tl.constexpr, MODE: tl.constexpr,
+                 T: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr, MIN_ULP_EXP: tl.constexpr,
+                 SUBNORMAL_BELOW: tl.constexpr, MAX: tl.constexpr, MAX_NEG: tl.constexpr,
+                 BEYOND_POS: tl.constexpr, BEYOND_NEG: tl.constexpr, SMALLEST_NORMAL: tl.constexpr,
+                 P_IS_1: tl.constexpr, HAS_NZ: tl.constexpr, HAS_ZERO: tl.constexpr, SAT: tl.constexpr,
+                 LIMIT_RULE: tl.constexpr, BITS: tl.constexpr, SELECT_BELOW: tl.constexpr):  # fmt: skip
+    """Round stream elements ``offset .. offset + n`` (x and out hold them from 0) of rows
+    ``first_row + program * ROWS ..``: bits drawn with the words at key_ptr (``DRAWN``:
+    k0, k1, then the selection stream's for MODE 11), or given at given_ptr (``GIVEN``:
+    the N bits low, the selection bits above them), or none."""
+    lanes = tl.arange(0, LANES)
+    row0 = first_row + tl.program_id(0).to(tl.int64) * ROWS
+    if DRAWN:  # the program's row of blocks, whose words its ROWS = 2 * PER_WORD rows read
+        k0 = tl.load(key_ptr).to(tl.uint32)
+        k1 = tl.load(key_ptr + 1).to(tl.uint32)
+        w0, w1 = threefry((row0 // ROWS) * LANES + lanes, k0, k1)
+        if MODE == 11:
+            s0 = tl.load(key_ptr + 2).to(tl.uint32)
+            s1 = tl.load(key_ptr + 3).to(tl.uint32)
+    # Only the rows that hold elements: a small tensor need not fill the program's rows.
+    first = tl.maximum(offset // LANES - row0, 0)
+    end = tl.minimum((offset + n + LANES - 1) // LANES - row0, ROWS)
+    for r in range(first, end):
+        row = row0 + r
+        i = row * LANES + lanes - offset
+        inside = (i >= 0) & (i < n)
+        b = _load_bits(x_ptr, i, inside)
+        bits = b  # read by the stochastic modes only
+        select = b
+        if DRAWN:
+            word = tl.where(r < PER_WORD, w0, w1)
+            bits = ((word >> tl.cast((r % PER_WORD) * BITS, tl.uint32)) & ((1 << BITS) - 1)).to(tl.int32)
+            if MODE == 11:
+                select = _select_bits(row, lanes, s0, s1)
+        if GIVEN:
+            g = tl.load(given_ptr + i, mask=inside, other=0)
+            bits = g & ((1 << BITS) - 1)
+            select = (g.to(tl.uint32) >> BITS).to(tl.int32)
+        y = round_bits(b, bits, select, MODE, T, EMIN, BIAS, MIN_ULP_EXP, SUBNORMAL_BELOW, MAX, MAX_NEG,
+                       BEYOND_POS, BEYOND_NEG, SMALLEST_NORMAL, P_IS_1, HAS_NZ, HAS_ZERO, SAT, LIMIT_RULE,
+                       BITS, SELECT_BELOW)  # fmt: skip
+        if out_ptr.dtype.element_ty == tl.bfloat16:  # a value of the format: its low half is 0
+            y = (y >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        else:
+            y = y.to(tl.float32, bitcast=True).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + i, y, mask=inside)
+
+
+@triton.jit
+def _load_bits(x_ptr, i, inside):
+    """Elements i of x (float32 or 16-bit) as the int32 bits of their float32 values."""
+    x = tl.load(x_ptr + i, mask=inside, other=0.0)
+    if x_ptr.dtype.element_ty == tl.bfloat16:  # float32's high half: no conversion to trust
+        return x.to(tl.int16, bitcast=True).to(tl.int32) << 16
+    return x.to(tl.float32).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _code_of(b, T: tl.constexpr, EMIN: tl.constexpr, MIN_ULP_EXP: tl.constexpr, K: tl.constexpr,
+             CODE_OF_MAX: tl.constexpr, CODE_OF_NAN: tl.constexpr, HAS_NZ: tl.constexpr,
+             HAS_NANS: tl.constexpr, EXTENDED: tl.constexpr, SIGNED: tl.constexpr,
+             TWOS_COMPLEMENT: tl.constexpr):  # fmt: skip
+    """codec.codes_of for float32 bits ``b`` that hold a value of the format (exponent
+    field 1 at emin: formats with subnormals), in integer arithmetic."""
+    negative = b < 0
+    a = b & 0x7FFFFFFF
+    is_inf = a == 0x7F800000
+    is_nan = a > 0x7F800000
+    e_field = a >> 23
+    sig = tl.where(e_field > 0, (a & 0x7FFFFF) | 0x800000, a & 0x7FFFFF)
+    e_x = tl.maximum(e_field, 1) - 127
+    normal = ((e_x - EMIN + 1) << T) + (sig >> (23 - T)) - (1 << T)
+    subnormal = sig >> tl.minimum(tl.maximum(MIN_ULP_EXP + 23 - e_x, 0), 24)  # |x| / ulp
+    mag = tl.where((e_x >= EMIN) & (sig >= 0x800000), normal, subnormal)
+    if EXTENDED:
+        mag = tl.where(is_inf, CODE_OF_MAX + 1, mag)
+    if HAS_NANS:
+        mag = tl.where(is_nan, CODE_OF_NAN, mag)
+    if TWOS_COMPLEMENT:
+        return tl.where(negative, -mag, mag) & ((1 << K) - 1)
+    if not SIGNED:
+        return mag
+    if HAS_NZ:
+        keep_sign = negative & ~is_nan
+    else:
+        keep_sign = negative & (mag != 0) & ~is_nan
+    return tl.where(keep_sign, mag | (1 << (K - 1)), mag)
+
+
+@triton.jit
+def _encode_one(b, T: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr, MIN_ULP_EXP: tl.constexpr,
+                SUBNORMAL_BELOW: tl.constexpr, MAX: tl.constexpr, MAX_NEG: tl.constexpr,
+                BEYOND_POS: tl.constexpr, BEYOND_NEG: tl.constexpr, SMALLEST_NORMAL: tl.constexpr,
+                P_IS_1: tl.constexpr, HAS_NZ: tl.constexpr, HAS_ZERO: tl.constexpr, K: tl.constexpr,
+                CODE_OF_MAX: tl.constexpr, CODE_OF_NAN: tl.constexpr, HAS_NANS: tl.constexpr,
+                EXTENDED: tl.constexpr, SIGNED: tl.constexpr, TWOS_COMPLEMENT: tl.constexpr):  # fmt: skip
+    """The code of float32 bits ``b``, and whether b is no value of the format: RNE
+    without saturation (native.cpp's encode check) changes it, or it is a NaN and the
+    format has none. A zero is a value whatever its sign (-0 encodes as +0 without -0)."""
+    y = round_bits(b, b, b, 0, T, EMIN, BIAS, MIN_ULP_EXP, SUBNORMAL_BELOW, MAX, MAX_NEG, BEYOND_POS,
+                   BEYOND_NEG, SMALLEST_NORMAL, P_IS_1, HAS_NZ, HAS_ZERO, False, 0, 0, 0)  # fmt: skip
+    a = b & 0x7FFFFFFF
+    if HAS_NANS:
+        bad = (a <= 0x7F800000) & (y != b) & ((a != 0) | ((y & 0x7FFFFFFF) != 0))
+    else:
+        bad = (a > 0x7F800000) | ((y != b) & ((a != 0) | ((y & 0x7FFFFFFF) != 0)))
+    code = _code_of(b, T, EMIN, MIN_ULP_EXP, K, CODE_OF_MAX, CODE_OF_NAN, HAS_NZ, HAS_NANS, EXTENDED,
+                    SIGNED, TWOS_COMPLEMENT)  # fmt: skip
+    return code, bad
+
+
+@triton.jit
+def encode_kernel(x_ptr, out_ptr, bad_ptr, n, BLOCK: tl.constexpr, PACKED: tl.constexpr,
+                  T: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr, MIN_ULP_EXP: tl.constexpr,
+                  SUBNORMAL_BELOW: tl.constexpr, MAX: tl.constexpr, MAX_NEG: tl.constexpr,
+                  BEYOND_POS: tl.constexpr, BEYOND_NEG: tl.constexpr, SMALLEST_NORMAL: tl.constexpr,
+                  P_IS_1: tl.constexpr, HAS_NZ: tl.constexpr, HAS_ZERO: tl.constexpr, K: tl.constexpr,
+                  CODE_OF_MAX: tl.constexpr, CODE_OF_NAN: tl.constexpr, HAS_NANS: tl.constexpr,
+                  EXTENDED: tl.constexpr, SIGNED: tl.constexpr, TWOS_COMPLEMENT: tl.constexpr):  # fmt: skip
+    """Codes of x[0 .. n) into out (PACKED: pairs of 4-bit codes a byte, the even one low;
+    n even), and into bad_ptr (an int64 holding n) the least position holding no value of
+    the format, if any (atomic min: one per program that finds one)."""
+    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if PACKED:  # j counts pairs
+        inside = j < n // 2
+        lo, bad_lo = _encode_one(_load_bits(x_ptr, 2 * j, inside), T, EMIN, BIAS, MIN_ULP_EXP,
+                                 SUBNORMAL_BELOW, MAX, MAX_NEG, BEYOND_POS, BEYOND_NEG, SMALLEST_NORMAL,
+                                 P_IS_1, HAS_NZ, HAS_ZERO, K, CODE_OF_MAX, CODE_OF_NAN, HAS_NANS, EXTENDED,
+                                 SIGNED, TWOS_COMPLEMENT)  # fmt: skip
+        hi, bad_hi = _encode_one(_load_bits(x_ptr, 2 * j + 1, inside), T, EMIN, BIAS, MIN_ULP_EXP,
+                                 SUBNORMAL_BELOW, MAX, MAX_NEG, BEYOND_POS, BEYOND_NEG, SMALLEST_NORMAL,
+                                 P_IS_1, HAS_NZ, HAS_ZERO, K, CODE_OF_MAX, CODE_OF_NAN, HAS_NANS, EXTENDED,
+                                 SIGNED, TWOS_COMPLEMENT)  # fmt: skip
+        tl.store(out_ptr + j, (lo | (hi << 4)).to(tl.uint8), mask=inside)
+        first = tl.min(tl.where(inside & bad_lo, 2 * j, tl.where(inside & bad_hi, 2 * j + 1, n)))
+    else:
+        inside = j < n
+        code, bad = _encode_one(_load_bits(x_ptr, j, inside), T, EMIN, BIAS, MIN_ULP_EXP, SUBNORMAL_BELOW,
+                                MAX, MAX_NEG, BEYOND_POS, BEYOND_NEG, SMALLEST_NORMAL, P_IS_1, HAS_NZ,
+                                HAS_ZERO, K, CODE_OF_MAX, CODE_OF_NAN, HAS_NANS, EXTENDED, SIGNED,
+                                TWOS_COMPLEMENT)  # fmt: skip
+        tl.store(out_ptr + j, code.to(out_ptr.dtype.element_ty), mask=inside)
+        first = tl.min(tl.where(inside & bad, j, n))
+    if first < n:
+        tl.atomic_min(bad_ptr, first)

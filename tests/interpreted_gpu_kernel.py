@@ -1,0 +1,151 @@
+"""The Triton GPU kernel (rounding/triton_kernels.py) run by Triton's interpreter on the
+CPU, against the eager torch kernels: the same bits for every mode, format family, input
+dtype and random stream (drawn, given, at any offset), and the same codes and errors for
+encode. The interpreter runs the kernel's code as numpy, so this checks its arithmetic
+and its reading of the stream layout on any machine with Triton; tests/test_gpu.py
+checks the compiled kernel on a GPU.
+
+Triton reads ``TRITON_INTERPRET`` as it is imported, so these run in a process of their
+own that sets it first: tests/test_gpu_kernel.py starts it (the file name keeps pytest
+from collecting them in the main run).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import fewbit
+from conftest import assert_bitwise_equal
+from fewbit.config import configure
+from fewbit.random import Key, key_of, random_bits
+from fewbit.rounding import gpu
+from fewbit.rounding.checks import dtype_format, make_spec
+from fewbit.rounding.modes import RoundMode
+from test_native import FORMATS, MODE_ARGS, every_bfloat16
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 before Triton is imported (tests/test_gpu_kernel.py)",
+                allow_module_level=True)  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def interpreted(monkeypatch):
+    """gpu.py's kernels on CPU tensors: applies() looks for a CUDA tensor, round_into does not."""
+    assert gpu.kernels() is not None
+
+
+def kernel(x, fmt, mode, *, sat=False, bits=None, fraction=None, seed=None, random_bits=None, offset=0):
+    """The kernel's result for what ``fewbit.round`` takes (seed: drawn bits)."""
+    spec = make_spec(x.dtype, fewbit.format(fmt), RoundMode(mode), sat, bits, fraction)
+    out = torch.empty_like(x)
+    gpu.round_into(x, spec, None if seed is None else key_of(seed), random_bits, out, offset)
+    return out
+
+
+def eager(x, fmt, mode, **kw):
+    with configure(compile=False):
+        return fewbit.round(x, fmt, mode, **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(MODE_ARGS))
+def test_every_format_same_bits_as_torch(mode):
+    """Every 16th bfloat16 pattern (every exponent, Inf, NaN) with random low bits."""
+    x = every_bfloat16(torch.float32)[::16]
+    for name in FORMATS:
+        for sat in (False, True):
+            kw = {"sat": sat, **MODE_ARGS[mode]}
+            got = kernel(x, name, mode, **kw)
+            try:
+                expected = eager(x, name, mode, **kw)
+            except ValueError:  # no NaN to hold a NaN, or no value beyond the range: NaN marks them
+                assert torch.isnan(got).any(), f"{mode} {name} sat={sat}"
+                xs = x[~torch.isnan(x)]
+                kw["sat"] = True
+                got, expected = kernel(xs, name, mode, **kw), eager(xs, name, mode, **kw)
+            assert_bitwise_equal(got, expected, x, f"{mode} {name} sat={sat}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", ["rne", "src", "sr", "rup"])
+def test_16_bit_inputs_same_bits_as_torch(mode, dtype):
+    """Read and written in their own width: every bfloat16 pattern."""
+    x = every_bfloat16(dtype)
+    held = dtype_format(dtype)
+    names = [n for n in ("binary8p4", "ocp_e5m2", "binary8p1") if held.contains(fewbit.format(n))]
+    assert len(names) >= 2
+    for name in names:
+        kw = {"sat": True, **MODE_ARGS[mode]}
+        assert_bitwise_equal(kernel(x, name, mode, **kw), eager(x, name, mode, **kw), x, f"{name} {mode}")
+
+
+@pytest.mark.parametrize("mode, bits", [("src", 3), ("srff", 30), ("sr_fraction", 8)])
+def test_given_bits_same_as_torch(mode, bits):
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(1)) * 4
+    fraction = 0.3 if mode == "sr_fraction" else None
+    spec = make_spec(x.dtype, fewbit.format("ocp_e4m3"), RoundMode(mode), True, bits, fraction)
+    rb = torch.randint(0, spec.random_range, x.shape, generator=torch.Generator().manual_seed(2),
+                       dtype=torch.int32)  # fmt: skip
+    kw = {"sat": True, "bits": bits, "fraction": fraction, "random_bits": rb}
+    assert_bitwise_equal(kernel(x, "ocp_e4m3", mode, **kw), eager(x, "ocp_e4m3", mode, **kw), x, mode)
+
+
+@pytest.mark.parametrize("bits", [3, 7, 20])
+def test_any_offset_draws_the_streams_bits(bits):
+    """Elements offset .. offset + n get the stream's bits of their indices, whatever row
+    of blocks the first one falls in, far out too (block counters past 2^32)."""
+    x = torch.randn(3 * 512 * 2 * (32 // bits) + 77, generator=torch.Generator().manual_seed(3))
+    key = Key.from_seed(11)
+    for offset in (0, 333, 512 * 2 * (32 // bits) * (1 << 23) + 5):  # the last: block 2^32 onwards
+        given = random_bits(x.shape, bits, key, offset=offset)
+        expected = eager(x, "binary8p4", "src", bits=bits, random_bits=given)
+        got = kernel(x, "binary8p4", "src", bits=bits, seed=11, offset=offset)
+        assert_bitwise_equal(got, expected, x, f"offset {offset}")
+
+
+def encoded(x, fmt, packed=False):
+    """The kernel's codes, or the message of the error fewbit.encode raises with them."""
+    fmt = fewbit.format(fmt)
+    codes = torch.empty(x.shape[:-1] + (x.shape[-1] // 2 if packed else x.shape[-1],),
+                        dtype=fewbit.codec.code_dtype(fmt))  # fmt: skip
+    bad = gpu.encode_into(x.reshape(-1), fmt, codes.view(-1), packed)
+    return codes if bad < 0 else f"{x.reshape(-1)[bad].item()!r} is not a value of {fmt.name}"
+
+
+def encode_as_torch(x, fmt, packed):
+    """The torch path's codes, or the first part of its error message."""
+    with configure(compile=False):
+        try:
+            return fewbit.encode(x, fmt, packed=packed)
+        except ValueError as err:
+            return str(err).split(";")[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_encode_same_codes_and_errors_as_torch(dtype):
+    """Every value of each format (both zeros, Inf and NaN where it has them) gives the
+    torch path's code; with a value beyond the range, off the grid, or a NaN, the same
+    codes or the same error, naming the first such element."""
+    refused = 0
+    for name in FORMATS:
+        fmt = fewbit.format(name)
+        if not dtype_format(dtype).contains(fmt):
+            continue
+        codes = torch.arange(1 << fmt.k, dtype=torch.int32).to(fewbit.codec.code_dtype(fmt))
+        values = fewbit.decode(codes, fmt).to(dtype)
+        packed = fmt.k <= 4
+        expected = encode_as_torch(values, fmt, packed)
+        assert not isinstance(expected, str), expected
+        assert torch.equal(encoded(values, fmt, packed), expected), name
+        for odd in (float(fmt.max) * 1.5, float("nan"), float(values[values > 0].min()) * 1.5):
+            x = torch.cat([values, torch.tensor([odd, 0.0], dtype=dtype)])
+            expected, got = encode_as_torch(x, fmt, packed), encoded(x, fmt, packed)
+            if isinstance(expected, str):
+                assert got == expected, name
+                refused += 1
+            else:
+                assert torch.equal(got, expected), name
+    assert refused >= 20
