@@ -10,10 +10,10 @@ setting                environment (import)   meaning
 ``compile_threshold``  ``FEWBIT_COMPILE_      tensors of at least this many elements take the
                        THRESHOLD``            compiled kernel; smaller ones run eager (the
                                               native kernel takes every size)
-``native``             ``FEWBIT_NATIVE=0``    on a CPU, fewbit's own C++ kernel
-                       sets it False          (``rounding/native.cpp``, built at first use) where
-                                              it applies; False: torch.compile'd kernels.
-                                              Needs ``compile``
+``native``             ``FEWBIT_NATIVE=0``    fewbit's own kernels where they apply: on a CPU
+                       sets it False          C++ (``rounding/native.cpp``, built at first use),
+                                              on a GPU Triton (``rounding/triton_kernels.py``);
+                                              False: torch.compile'd kernels. Needs ``compile``
 ``native_cache``       ``FEWBIT_CACHE``       folder of the built native kernel (default
                                               ``$XDG_CACHE_HOME/fewbit`` or ``~/.cache/fewbit``)
 ``eager_chunk``                               elements per chunk of an eager CPU run (chunks

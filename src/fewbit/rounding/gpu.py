@@ -23,7 +23,7 @@ from ..random import LANES
 from .checks import RoundSpec, make_spec
 from .compiled import stream_words
 from .modes import MODES, RoundMode
-from .native import PARAM_NAMES, kernel_params, predicate_id, takes, takes_bits
+from .native import PARAM_NAMES, kernel_params, mode_id, takes, takes_bits
 
 __all__ = ["applies", "encode_into", "round_into", "usable"]
 
@@ -73,8 +73,11 @@ def _format_constants(spec: RoundSpec) -> dict:
 def _constants(spec: RoundSpec) -> dict:
     """round_kernel's compile-time constants for a spec."""
     p = dict(zip(PARAM_NAMES, kernel_params(spec), strict=True))
-    return {**_format_constants(spec), "MODE": predicate_id(spec), "SAT": spec.sat,
-            "LIMIT_RULE": p["LIMIT_RULE"], "BITS": p["BITS"], "SELECT_BELOW": p["SELECT_BELOW"]}  # fmt: skip
+    # magic.py's C / 2^e_t: 1.5 2^(23 - t) for RNE, 2^(23 - t - N) for SRC
+    magic_scale = 2.0 ** (23 - spec.fmt.t - (spec.bits or 0)) * (1.5 if spec.bits is None else 1.0)
+    return {**_format_constants(spec), "MODE": mode_id(spec), "SAT": spec.sat, "LIMIT_RULE": p["LIMIT_RULE"],
+            "BITS": p["BITS"], "SELECT_BELOW": p["SELECT_BELOW"], "EMAX": p["EMAX"],
+            "MAGIC_SCALE": magic_scale, "BEYOND": p["MAX"] if spec.sat else p["BEYOND_POS"]}  # fmt: skip
 
 
 @functools.lru_cache(maxsize=64)

@@ -7,8 +7,9 @@ at first use with the system compiler (``c++``, about 5 s) into
 ``fewbit.config``'s ``native_cache`` under a name that hashes the source, the flags,
 the compiler and the CPU, and loaded with ``ctypes`` (which releases the GIL).
 Where it cannot be built, or does not apply (float64 inputs, formats beyond float32's
-range, N > 30, a GPU), the torch kernels run instead: ``fast.round_fast`` compiled
-or eager, whose bits it reproduces (tests/test_native.py).
+range, N > 30), the torch kernels run instead: ``fast.round_fast`` compiled or eager,
+whose bits it reproduces (tests/test_native.py). On a GPU, gpu.py's Triton kernel
+takes the same calls with the same arithmetic.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def _kernel(spec: RoundSpec, encode: bool) -> tuple[ctypes.Array, int]:
     if encode:
         kernel = _ENCODE_MAGIC if magic_applies(spec, torch.float32) else _ENCODE
     else:
-        kernel = _mode_id(spec)
+        kernel = mode_id(spec)
     return (ctypes.c_int32 * len(values))(*values), kernel
 
 
@@ -150,19 +151,13 @@ def classical_sr_applies(spec: RoundSpec) -> bool:
             and fmt.p >= 2 and fmt.has_subnormals and not fmt.twos_complement)  # fmt: skip
 
 
-def _mode_id(spec: RoundSpec) -> int:
+def mode_id(spec: RoundSpec) -> int:
     """The kernel for a spec: magic.py's float-adder shortcut where it applies (every
     input is rounded from float32 here), else fast.round_fast's predicate for the mode."""
     if magic_applies(spec, torch.float32):
         return _MAGIC_RNE if spec.mode is RoundMode.RNE else _MAGIC_SRC
     if classical_sr_applies(spec):
         return _CLASSICAL_SR
-    return predicate_id(spec)
-
-
-def predicate_id(spec: RoundSpec) -> int:
-    """native.cpp's ``Mode`` of fast.round_fast's predicate for the spec's mode (the
-    kernel for every spec, with no shortcut)."""
     info = MODES[spec.mode]
     return _DETERMINISTIC[spec.mode] if not info.stochastic else _STOCHASTIC[(info.tie, info.where)]
 

@@ -5,9 +5,11 @@ One program rounds ``ROWS`` rows of ``LANES`` elements of the stream's layout
 (``fewbit.random``). With drawn bits, ``ROWS = 2 * per_word``: the rows that read one row
 of Threefry blocks, whose words the program computes once, for ``LANES`` blocks, and then
 splits into fields row by row, as native.cpp's ``Stream`` does; so a word is generated
-once per ``per_word`` elements instead of once per element. The rounding is native.cpp's
-``round_one`` (fast.round_fast on float32 bits) for every mode, with the format's
-parameters as compile-time constants; a 16-bit input is widened and the result narrowed
+once per ``per_word`` elements instead of once per element. The rounding is native.cpp's, path
+for path: ``round_one`` (fast.round_fast on float32 bits) for every mode, and the
+float-adder RNE and SRC (magic.py) and classical SR where native.py takes them, a few
+instructions an element instead of some forty, with the format's parameters as
+compile-time constants; a 16-bit input is widened and the result narrowed
 in the same pass, so each element is read and written once, in its own width.
 """
 
@@ -156,7 +158,10 @@ def round_bits(b, n, s, MODE: tl.constexpr, T: tl.constexpr, EMIN: tl.constexpr,
     # shifted into place, the others float(r) (exact, r < 2^24) with MIN_ULP_EXP added to
     # its exponent.
     scaled = r.to(tl.float32).to(tl.int32, bitcast=True) + (MIN_ULP_EXP << 23)
-    tiny = tl.where(r < SUBNORMAL_BELOW, r << (MIN_ULP_EXP + 149), scaled)
+    if SUBNORMAL_BELOW > 1:
+        tiny = tl.where(r < SUBNORMAL_BELOW, r << (MIN_ULP_EXP + 149), scaled)
+    else:  # (and no shift by 32 or more, which LLVM leaves undefined)
+        tiny = tl.where(r == 0, 0, scaled)
     mag = tl.where(r >= (1 << T), normal, tiny)
 
     limit = tl.where(negative, MAX_NEG, MAX)
@@ -181,17 +186,60 @@ def round_bits(b, n, s, MODE: tl.constexpr, T: tl.constexpr, EMIN: tl.constexpr,
 
 
 @triton.jit
+def _magic_bits(b, n, SR: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr, MAGIC_SCALE: tl.constexpr,
+                BITS: tl.constexpr, MAX: tl.constexpr, BEYOND: tl.constexpr,
+                HAS_NZ: tl.constexpr):  # fmt: skip
+    """native.cpp's magic_one (magic.round_magic): RNE, or SRC with N = BITS, by the float
+    adder, where magic.magic_applies. BEYOND: what lies beyond MAX (MAX itself with sat)."""
+    sign = b & SIGN_BIT
+    c = tl.minimum(tl.maximum(b & 0x7F800000, (EMIN + 127) << 23), (EMAX + 127) << 23)  # 2^e_t
+    if SR:
+        c = c | sign
+    big = c.to(tl.float32, bitcast=True) * MAGIC_SCALE  # exact: a power of two times 1 or 1.5
+    y = b.to(tl.float32, bitcast=True) + big
+    if SR:
+        y = ((y.to(tl.int32, bitcast=True) + n) & -(1 << BITS)).to(tl.float32, bitcast=True)
+    out = (y - big).to(tl.int32, bitcast=True)
+    if HAS_NZ:
+        out = out | sign  # -0 where the subtraction gave +0
+    out = tl.where((out & 0x7FFFFFFF) > MAX, BEYOND | sign, out)
+    return tl.where((b & 0x7FFFFFFF) > 0x7F800000, NAN_BITS, out)
+
+
+@triton.jit
+def _classical_sr_bits(b, n, EMIN: tl.constexpr, BITS: tl.constexpr, MAX: tl.constexpr, BEYOND: tl.constexpr,
+                       HAS_NZ: tl.constexpr):  # fmt: skip
+    """native.cpp's classical_sr_one: SRC with N = 23 - t, where native.classical_sr_applies."""
+    a = b & 0x7FFFFFFF
+    two_emin = tl.full(b.shape, (EMIN + 127) << 23, tl.int32)
+    normal = a >= two_emin
+    tiny = (a.to(tl.float32, bitcast=True) + two_emin.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+    k = (tl.where(normal, a, tiny) + n) & -(1 << BITS)
+    back = (k.to(tl.float32, bitcast=True) - two_emin.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+    mag = tl.where(normal, k, back)
+    mag = tl.where(mag > MAX, BEYOND, mag)
+    if HAS_NZ:
+        keep_sign = b < 0
+    else:
+        keep_sign = (b < 0) & (mag != 0)
+    out = tl.where(keep_sign, mag | SIGN_BIT, mag)
+    return tl.where(a > 0x7F800000, NAN_BITS, out)
+
+
+@triton.jit
 def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n, offset, first_row, ROWS: tl.constexpr,
                  DRAWN: tl.constexpr, GIVEN: tl.constexpr, PER_WORD: tl.constexpr, MODE: tl.constexpr,
                  T: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr, MIN_ULP_EXP: tl.constexpr,
                  SUBNORMAL_BELOW: tl.constexpr, MAX: tl.constexpr, MAX_NEG: tl.constexpr,
                  BEYOND_POS: tl.constexpr, BEYOND_NEG: tl.constexpr, SMALLEST_NORMAL: tl.constexpr,
                  P_IS_1: tl.constexpr, HAS_NZ: tl.constexpr, HAS_ZERO: tl.constexpr, SAT: tl.constexpr,
-                 LIMIT_RULE: tl.constexpr, BITS: tl.constexpr, SELECT_BELOW: tl.constexpr):  # fmt: skip
+                 LIMIT_RULE: tl.constexpr, BITS: tl.constexpr, SELECT_BELOW: tl.constexpr, EMAX: tl.constexpr,
+                 MAGIC_SCALE: tl.constexpr, BEYOND: tl.constexpr):  # fmt: skip
     """Round stream elements ``offset .. offset + n`` (x and out hold them from 0) of rows
     ``first_row + program * ROWS ..``: bits drawn with the words at key_ptr (``DRAWN``:
     k0, k1, then the selection stream's for MODE 11), or given at given_ptr (``GIVEN``:
-    the N bits low, the selection bits above them), or none."""
+    the N bits low, the selection bits above them), or none. MODE: native.py's kernel
+    ids, native.cpp's ``Mode`` and its float-adder (13, 14) and classical SR (15) paths."""
     lanes = tl.arange(0, LANES)
     row0 = first_row + tl.program_id(0).to(tl.int64) * ROWS
     if DRAWN:  # the program's row of blocks, whose words its ROWS = 2 * PER_WORD rows read
@@ -220,9 +268,14 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n, offset, first_row, ROWS:
             g = tl.load(given_ptr + i, mask=inside, other=0)
             bits = g & ((1 << BITS) - 1)
             select = (g.to(tl.uint32) >> BITS).to(tl.int32)
-        y = round_bits(b, bits, select, MODE, T, EMIN, BIAS, MIN_ULP_EXP, SUBNORMAL_BELOW, MAX, MAX_NEG,
-                       BEYOND_POS, BEYOND_NEG, SMALLEST_NORMAL, P_IS_1, HAS_NZ, HAS_ZERO, SAT, LIMIT_RULE,
-                       BITS, SELECT_BELOW)  # fmt: skip
+        if MODE < 13:
+            y = round_bits(b, bits, select, MODE, T, EMIN, BIAS, MIN_ULP_EXP, SUBNORMAL_BELOW, MAX, MAX_NEG,
+                           BEYOND_POS, BEYOND_NEG, SMALLEST_NORMAL, P_IS_1, HAS_NZ, HAS_ZERO, SAT, LIMIT_RULE,
+                           BITS, SELECT_BELOW)  # fmt: skip
+        elif MODE == 15:
+            y = _classical_sr_bits(b, bits, EMIN, BITS, MAX, BEYOND, HAS_NZ)
+        else:
+            y = _magic_bits(b, bits, MODE == 14, EMIN, EMAX, MAGIC_SCALE, BITS, MAX, BEYOND, HAS_NZ)
         if out_ptr.dtype.element_ty == tl.bfloat16:  # a value of the format: its low half is 0
             y = (y >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
         else:
@@ -235,8 +288,10 @@ def _load_bits(x_ptr, i, inside):
     """Elements i of x (float32 or 16-bit) as the int32 bits of their float32 values."""
     x = tl.load(x_ptr + i, mask=inside, other=0.0)
     if x_ptr.dtype.element_ty == tl.bfloat16:  # float32's high half: no conversion to trust
-        return x.to(tl.int16, bitcast=True).to(tl.int32) << 16
-    return x.to(tl.float32).to(tl.int32, bitcast=True)
+        b = x.to(tl.int16, bitcast=True).to(tl.int32) << 16
+    else:
+        b = x.to(tl.float32).to(tl.int32, bitcast=True)
+    return b
 
 
 @triton.jit
@@ -261,14 +316,16 @@ def _code_of(b, T: tl.constexpr, EMIN: tl.constexpr, MIN_ULP_EXP: tl.constexpr, 
     if HAS_NANS:
         mag = tl.where(is_nan, CODE_OF_NAN, mag)
     if TWOS_COMPLEMENT:
-        return tl.where(negative, -mag, mag) & ((1 << K) - 1)
-    if not SIGNED:
-        return mag
-    if HAS_NZ:
-        keep_sign = negative & ~is_nan
+        code = tl.where(negative, -mag, mag) & ((1 << K) - 1)
+    elif not SIGNED:
+        code = mag
     else:
-        keep_sign = negative & (mag != 0) & ~is_nan
-    return tl.where(keep_sign, mag | (1 << (K - 1)), mag)
+        if HAS_NZ:
+            keep_sign = negative & ~is_nan
+        else:
+            keep_sign = negative & (mag != 0) & ~is_nan
+        code = tl.where(keep_sign, mag | (1 << (K - 1)), mag)
+    return code
 
 
 @triton.jit
