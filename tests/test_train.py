@@ -256,7 +256,9 @@ def test_cli_sweep_writes_csv_and_png(tmp_path, capsys, monkeypatch):
     assert (out / "figure3.png").stat().st_size > 10_000
     assert len(list(csv.DictReader(open(out / "summary.csv")))) == 5
     times = list(csv.DictReader(open(out / "times.csv")))
-    assert len(times) == 5 and all(float(t["seconds"]) > 0 for t in times)
+    # Written to 0.1 s: the binary16 arm of 4 tiny steps may take less than 0.05 s.
+    seconds = [float(t["seconds"]) for t in times]
+    assert len(times) == 5 and min(seconds) >= 0 and sum(seconds) > 0
     # The same call again finds every run finished: it trains nothing, writes the same.
     losses = (out / "losses.csv").read_bytes()
     assert main(args) == 0
