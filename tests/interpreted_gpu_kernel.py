@@ -21,8 +21,9 @@ import fewbit
 from conftest import assert_bitwise_equal
 from fewbit.config import configure
 from fewbit.random import Key, key_of, random_bits
-from fewbit.rounding import gpu
+from fewbit.rounding import gpu, native
 from fewbit.rounding.checks import dtype_format, make_spec
+from fewbit.rounding.compiled import stream_words
 from fewbit.rounding.modes import RoundMode
 from test_native import FORMATS, MODE_ARGS, every_bfloat16
 
@@ -103,6 +104,15 @@ def test_any_offset_draws_the_streams_bits(bits):
         expected = eager(x, "binary8p4", "src", bits=bits, random_bits=given)
         got = kernel(x, "binary8p4", "src", bits=bits, seed=11, offset=offset)
         assert_bitwise_equal(got, expected, x, f"offset {offset}")
+    # As sharding.round_range calls it for a piece of a tensor: a new tensor of x's shape, or
+    # None where an element has no value in a format without NaN.
+    spec = make_spec(x.dtype, fewbit.format("ocp_e2m1"), RoundMode.SRC, False, bits, None)
+    piece = x[: x.numel() // 7 * 7].view(-1, 7)
+    got = gpu.rounded(piece, spec, key_of(11), offset=5)
+    assert got.shape == piece.shape
+    expected = native.rounded(piece, spec, stream_words(spec, key), offset=5)
+    assert_bitwise_equal(got, expected, piece, "rounded")
+    assert gpu.rounded(piece * 1e9, spec, key_of(11), offset=5) is None  # beyond e2m1 without sat
 
 
 def encoded(x, fmt, packed=False):

@@ -132,3 +132,18 @@ def test_block_formats_gpu_equals_cpu(name, mode, kw):
     assert torch.equal(gpu.codes.cpu(), cpu.codes) and torch.equal(gpu.scales.cpu(), cpu.scales), name
     assert_bitwise_equal(block.round(x.cuda(), name, mode, **kw).cpu(), block.round(x, name, mode, **kw), x,
                          f"{name} {mode}")  # fmt: skip
+
+
+def test_shard_rounding_gpu_equals_cpu():
+    """A Shard(0) piece's write-back rounding (sharding.round_range: the kernel draws the
+    bits of the piece's elements in the full tensor), on the GPU as on the CPU."""
+    from fewbit.random import Key
+    from fewbit.rounding.checks import make_spec
+    from fewbit.sharding import ShardLayout, round_range
+
+    x = torch.randn(300, 64, generator=torch.Generator().manual_seed(8))
+    piece = ShardLayout((1000, 64), (300, 64), (400, 0))
+    spec = make_spec(x.dtype, fewbit.format("binary8p4"), RoundMode.SRC, False, 3, None)
+    cpu, gpu = round_range(x, spec, Key(3, 4), piece), round_range(x.cuda(), spec, Key(3, 4), piece)
+    assert cpu is not None and gpu is not None
+    assert_bitwise_equal(gpu.cpu(), cpu, x, "Shard(0) piece")

@@ -24,8 +24,8 @@ import torch
 
 from .block import BlockFormat
 from .block.kernel import BlockSpec
-from .random import Key
-from .rounding import native
+from .random import Key, key_of
+from .rounding import gpu, native
 from .rounding.checks import RoundSpec
 from .rounding.compiled import index_bits, range_bits, stream_words
 
@@ -179,15 +179,20 @@ def global_bits(spec: RoundSpec, words, piece: ShardLayout, device) -> torch.Ten
 def round_range(
     x: torch.Tensor, spec: RoundSpec, key: Key | None, piece: ShardLayout
 ) -> torch.Tensor | None:
-    """``x`` (a piece, in the dtype the rounding starts from) rounded stochastically by the
-    native kernel with the bits its elements have in the full tensor, drawn in the kernel,
-    where the piece is one contiguous range of the flattened full tensor (Shard(0): the
-    stream's elements ``start ..``). None where that does not apply, or where an element
-    has no value in the format (the caller's rounding then raises)."""
+    """``x`` (a piece, in the dtype the rounding starts from) rounded stochastically by
+    fewbit's kernel (native on a CPU, Triton on a GPU) with the bits its elements have in
+    the full tensor, drawn in the kernel, where the piece is one contiguous range of the
+    flattened full tensor (Shard(0): the stream's elements ``start ..``). None where that
+    does not apply, or where an element has no value in the format (the caller's rounding
+    then raises)."""
     start = piece.flat_start()
-    if key is None or start is None or not native.applies(spec, x):
+    if key is None or start is None:
         return None
-    return native.rounded(x, spec, stream_words(spec, key), offset=start)
+    if native.applies(spec, x):
+        return native.rounded(x, spec, stream_words(spec, key), offset=start)
+    if gpu.applies(spec, x):
+        return gpu.rounded(x, spec, key_of(key, x.device), offset=start)
+    return None
 
 
 def piece_randomness(spec: RoundSpec | BlockSpec | None, key: Key | torch.Tensor | None,

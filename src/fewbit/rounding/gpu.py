@@ -25,7 +25,7 @@ from .compiled import stream_words
 from .modes import MODES, RoundMode
 from .native import PARAM_NAMES, kernel_params, mode_id, takes, takes_bits
 
-__all__ = ["applies", "encode_into", "round_into", "usable"]
+__all__ = ["applies", "encode_into", "round_into", "rounded", "usable"]
 
 #: Rows per program where no words are drawn: 4096 elements.
 _PLAIN_ROWS = 8
@@ -126,6 +126,15 @@ def round_into(
         x, out, given, words, n, offset, first_row, ROWS=rows, DRAWN=drawn, GIVEN=given is not None,
         PER_WORD=32 // spec.bits if spec.bits else 1, **_constants(spec),
     )  # fmt: skip
+
+
+def rounded(x: torch.Tensor, spec: RoundSpec, key: torch.Tensor, offset: int = 0) -> torch.Tensor | None:
+    """:func:`round_into` a new tensor of x's shape, the bits drawn with ``key`` for stream
+    elements ``offset ..``; None where an element has no valid result (the torch kernels
+    then say which, with their error; finding out waits for the kernel)."""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    round_into(x.reshape(-1), spec, key, None, out.view(-1), offset)
+    return None if not spec.fmt.has_nans and bool(torch.isnan(out).any()) else out
 
 
 def encode_into(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor, packed: bool) -> int:
