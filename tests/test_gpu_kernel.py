@@ -1,5 +1,7 @@
-"""The Triton GPU kernel under Triton's interpreter, on the CPU: tests/interpreted_gpu_kernel.py
-in a process of its own with ``TRITON_INTERPRET=1`` (Triton reads it as it is imported)."""
+"""The Triton GPU kernel without a GPU: compiled by Triton's own compiler for NVIDIA
+targets (what the GPU would run, short of running it), and run under Triton's
+interpreter on the CPU (tests/interpreted_gpu_kernel.py, in a process of its own with
+``TRITON_INTERPRET=1``, which Triton reads as it is imported)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,69 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
+
+import fewbit  # noqa: E402
+from fewbit.rounding import gpu  # noqa: E402
+from fewbit.rounding.checks import make_spec  # noqa: E402
+from fewbit.rounding.modes import RoundMode  # noqa: E402
+
+#: Triton's names of x's dtypes.
+_TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def compiled(kernel, args: dict, constants: dict, arch: int):
+    """``kernel`` compiled for CUDA compute capability ``arch`` (no GPU needed): ``args``
+    maps each runtime argument to its Triton type; pointers and integers are taken as
+    multiples of 16, as Triton specialises them at a launch on aligned tensors."""
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    signature = {**args, **dict.fromkeys(constants, "constexpr")}
+    aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in args}
+    source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constants.items()}, aligned)
+    return triton_compile(source, target=GPUTarget("cuda", arch, 32), options=gpu._OPTIONS)
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("dtype, fmt, mode, bits, sat, given", [
+    (torch.float32, "binary8p4", "rne", None, False, False),  # the float adder
+    (torch.float32, "binary8p4", "src", 3, False, False),
+    (torch.float32, "binary8p4", "sr", None, False, False),  # classical SR
+    (torch.bfloat16, "binary8p4", "src", 3, True, False),
+    (torch.float16, "ocp_e5m2", "rtz", None, False, False),  # round_one from here on
+    (torch.float32, "ocp_e2m1", "src_odd", 5, True, True),
+    (torch.float32, "binary8p1", "sr_fraction", 4, False, False),
+    (torch.float32, "bfloat16", "srff", 2, False, False),
+])  # fmt: skip
+def test_round_kernel_compiles_for_the_gpu(arch, dtype, fmt, mode, bits, sat, given):
+    """Each path of round_kernel compiles for an A100's and an H100's architecture, and its
+    PTX flushes no float32 subnormal (no .ftz), as the float-adder paths need."""
+    fraction = 0.5 if mode == "sr_fraction" else None
+    spec = make_spec(dtype, fewbit.format(fmt), RoundMode(mode), sat, bits, fraction)
+    drawn = spec.bits is not None and not given
+    constants = {**gpu.round_constants(spec, drawn, given), **({} if given else {"given_ptr": None}),
+                 **({} if drawn else {"key_ptr": None})}  # fmt: skip
+    args = {"x_ptr": f"*{_TRITON_DTYPES[dtype]}", "out_ptr": f"*{_TRITON_DTYPES[dtype]}", "n": "i32",
+            "offset": "i32", "first_row": "i32", **({"given_ptr": "*i32"} if given else {}),
+            **({"key_ptr": "*i64"} if drawn else {})}  # fmt: skip
+    ptx = compiled(gpu.kernels().round_kernel, args, constants, arch).asm["ptx"]
+    assert "ld.global" in ptx and "st.global" in ptx
+    assert ".ftz" not in ptx
+
+
+@pytest.mark.parametrize("fmt, packed", [("ocp_e4m3", False), ("ocp_e2m1", True), ("binary16", False)])
+def test_encode_kernel_compiles_for_the_gpu(fmt, packed):
+    fmt = fewbit.format(fmt)
+    out = {8: "*u8", 16: "*i16"}[8 if fmt.k <= 8 else 16]
+    constants = {**gpu.encode_constants(fmt), "BLOCK": 2048, "PACKED": packed}
+    args = {"x_ptr": "*fp32", "out_ptr": out, "bad_ptr": "*i64", "n": "i32"}
+    ptx = compiled(gpu.kernels().encode_kernel, args, constants, 90).asm["ptx"]
+    assert "atom.global" in ptx and ".ftz" not in ptx
 
 
 def test_gpu_kernel_under_the_interpreter():

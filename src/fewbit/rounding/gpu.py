@@ -31,6 +31,10 @@ __all__ = ["applies", "encode_into", "round_into", "rounded", "usable"]
 _PLAIN_ROWS = 8
 #: Codes (or pairs) per program of encode_kernel.
 _ENCODE_BLOCK = 2048
+#: Compiler options. A float multiply here is exact (magic.py's constant: a power of two
+#: times 1 or 1.5), so fusing it with the add that follows changes no result and saves an
+#: instruction; said, rather than left to Triton's default, which changes in Triton 3.10.
+_OPTIONS = {"enable_fp_fusion": True}
 
 
 @functools.cache
@@ -70,18 +74,22 @@ def _format_constants(spec: RoundSpec) -> dict:
 
 
 @functools.lru_cache(maxsize=256)
-def _constants(spec: RoundSpec) -> dict:
-    """round_kernel's compile-time constants for a spec."""
+def round_constants(spec: RoundSpec, drawn: bool, given: bool) -> dict:
+    """round_kernel's compile-time constants for a spec, its bits drawn in the kernel or
+    given (or neither)."""
     p = dict(zip(PARAM_NAMES, kernel_params(spec), strict=True))
+    per_word = 32 // spec.bits if spec.bits else 1
+    rows = 2 * per_word if drawn else _PLAIN_ROWS
     # magic.py's C / 2^e_t: 1.5 2^(23 - t) for RNE, 2^(23 - t - N) for SRC
     magic_scale = 2.0 ** (23 - spec.fmt.t - (spec.bits or 0)) * (1.5 if spec.bits is None else 1.0)
     return {**_format_constants(spec), "MODE": mode_id(spec), "SAT": spec.sat, "LIMIT_RULE": p["LIMIT_RULE"],
             "BITS": p["BITS"], "SELECT_BELOW": p["SELECT_BELOW"], "EMAX": p["EMAX"],
-            "MAGIC_SCALE": magic_scale, "BEYOND": p["MAX"] if spec.sat else p["BEYOND_POS"]}  # fmt: skip
+            "MAGIC_SCALE": magic_scale, "BEYOND": p["MAX"] if spec.sat else p["BEYOND_POS"], "ROWS": rows,
+            "DRAWN": drawn, "GIVEN": given, "PER_WORD": per_word}  # fmt: skip
 
 
 @functools.lru_cache(maxsize=64)
-def _encode_constants(fmt: FloatFormat) -> dict:
+def encode_constants(fmt: FloatFormat) -> dict:
     """encode_kernel's compile-time constants: the format's, as RNE without saturation
     (the check that x is a value) sees them, and its codes'."""
     check = make_spec(torch.float32, fmt, RoundMode.RNE, False, None, None)
@@ -117,15 +125,14 @@ def round_into(
     if drawn:
         select = "select" in MODES[spec.mode].streams
         words = torch.stack(stream_words(spec, key)) if select else key.contiguous()
-    rows = 2 * (32 // spec.bits) if drawn else _PLAIN_ROWS
+    constants = round_constants(spec, drawn, given is not None)
+    rows = constants["ROWS"]
     # Programs start at a multiple of `rows` rows, the first at the one holding element offset.
     first_row = offset // LANES // rows * rows
     end_row = -(-(offset + n) // LANES)
     programs = -(-(end_row - first_row) // rows)
-    triton_kernels.round_kernel[(programs,)](
-        x, out, given, words, n, offset, first_row, ROWS=rows, DRAWN=drawn, GIVEN=given is not None,
-        PER_WORD=32 // spec.bits if spec.bits else 1, **_constants(spec),
-    )  # fmt: skip
+    kernel = triton_kernels.round_kernel[(programs,)]
+    kernel(x, out, given, words, n, offset, first_row, **constants, **_OPTIONS)
 
 
 def rounded(x: torch.Tensor, spec: RoundSpec, key: torch.Tensor, offset: int = 0) -> torch.Tensor | None:
@@ -150,7 +157,7 @@ def encode_into(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor, packed: bo
     if n > 0:
         count = n // 2 if packed else n
         triton_kernels.encode_kernel[(-(-count // _ENCODE_BLOCK),)](
-            x, out, bad, n, BLOCK=_ENCODE_BLOCK, PACKED=packed, **_encode_constants(fmt)
+            x, out, bad, n, BLOCK=_ENCODE_BLOCK, PACKED=packed, **encode_constants(fmt), **_OPTIONS
         )
     first = int(bad.item())
     return first if first < n else -1

@@ -254,9 +254,14 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n, offset, first_row, ROWS:
     end = tl.minimum((offset + n + LANES - 1) // LANES - row0, ROWS)
     for r in range(first, end):
         row = row0 + r
-        i = row * LANES + lanes - offset
-        inside = (i >= 0) & (i < n)
-        b = _load_bits(x_ptr, i, inside)
+        # Element index of lane 0, and the lanes that hold elements: the bounds as scalars, so
+        # that each lane compares 32-bit lane numbers (and loads vectorise where offset is
+        # a multiple of 16).
+        base = row * LANES - offset
+        lo, hi = tl.maximum(-base, 0).to(tl.int32), tl.minimum(n - base, LANES).to(tl.int32)
+        inside = (lanes >= lo) & (lanes < hi)
+        x_row, out_row = x_ptr + base, out_ptr + base
+        b = _load_bits(x_row, lanes, inside)
         bits = b  # read by the stochastic modes only
         select = b
         if DRAWN:
@@ -265,7 +270,7 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n, offset, first_row, ROWS:
             if MODE == 11:
                 select = _select_bits(row, lanes, s0, s1)
         if GIVEN:
-            g = tl.load(given_ptr + i, mask=inside, other=0)
+            g = tl.load(given_ptr + base + lanes, mask=inside, other=0)
             bits = g & ((1 << BITS) - 1)
             select = (g.to(tl.uint32) >> BITS).to(tl.int32)
         if MODE < 13:
@@ -280,7 +285,7 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n, offset, first_row, ROWS:
             y = (y >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
         else:
             y = y.to(tl.float32, bitcast=True).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + i, y, mask=inside)
+        tl.store(out_row + lanes, y, mask=inside)
 
 
 @triton.jit
