@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,34 @@ def test_encode_kernel_compiles_for_the_gpu(fmt, packed):
     args = {"x_ptr": "*fp32", "out_ptr": out, "bad_ptr": "*i64", "n": "i32"}
     ptx = compiled(gpu.kernels().encode_kernel, args, constants, 90).asm["ptx"]
     assert "atom.global" in ptx and ".ftz" not in ptx
+
+
+def test_a_kernel_triton_cannot_compile_leaves_the_call_to_torch(monkeypatch):
+    """Where Triton fails to compile a kernel (a GPU or Triton version it was not tried
+    on), the call writes nothing and says it did not run, with one warning per kernel."""
+
+    class Failing:
+        launches = 0
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                Failing.launches += 1
+                raise RuntimeError("ptxas fatal: no such instruction")
+
+            return launch
+
+    failing = types.SimpleNamespace(round_kernel=Failing(), encode_kernel=Failing())
+    monkeypatch.setattr(gpu, "kernels", lambda: failing)
+    monkeypatch.setattr(gpu, "_BROKEN", set())
+    x = torch.randn(1000)
+    spec = make_spec(x.dtype, fewbit.format("binary8p4"), RoundMode.RNE, False, None, None)
+    out = torch.full_like(x, 7.0)
+    with pytest.warns(RuntimeWarning, match="ptxas fatal"):
+        assert gpu.round_into(x, spec, None, None, out) is False
+        codes = torch.empty(1000, dtype=torch.uint8)
+        assert gpu.encode_into(x, fewbit.format("binary8p4"), codes, False) is None
+    assert gpu.round_into(x, spec, None, None, out) is False  # no second try, no second warning
+    assert Failing.launches == 2 and torch.equal(out, torch.full_like(x, 7.0))
 
 
 def test_gpu_kernel_under_the_interpreter():

@@ -108,9 +108,10 @@ def _encode(x: torch.Tensor, fmt: str, packed: bool) -> torch.Tensor:
     if kernel is not None:
         out = torch.empty(shape, dtype=code_dtype(fmt), device=x.device)
         bad = kernel(x.reshape(-1), fmt, out.view(-1), packed)
-        if bad >= 0:
-            _not_a_value(float(x.reshape(-1)[bad]), fmt)
-        return out
+        if bad is not None:  # None: the GPU kernel did not compile, and the torch path takes the call
+            if bad >= 0:
+                _not_a_value(float(x.reshape(-1)[bad]), fmt)
+            return out
     work = x.to(working_dtype(x.dtype))
     code = codes_of(work, fmt)
 

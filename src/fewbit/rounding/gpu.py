@@ -106,19 +106,18 @@ def round_into(
     random_bits: torch.Tensor | None,
     out: torch.Tensor,
     offset: int = 0,
-) -> None:
+) -> bool:
     """Round ``x`` into ``out`` (contiguous, x's dtype and size; element i is the i-th in
     row-major order), the bits given (int32 ``random_bits`` of x's shape) or drawn with
     the key tensor ``key`` (int64 ``(k0, k1)`` on x's device) for stream elements
     ``offset ..``; only where :func:`applies` (or, for tests, on CPU tensors under
     ``TRITON_INTERPRET=1``). In a format without NaN, NaN marks an element without a
-    valid result, as in the torch kernels."""
-    triton_kernels = kernels()
-    assert triton_kernels is not None, "the GPU kernel is called only where applies() found Triton"
+    valid result, as in the torch kernels. False (nothing written) where Triton could
+    not compile the kernel: the torch kernels then take the call."""
     x = x.contiguous()
     n = x.numel()
     if n == 0:
-        return
+        return True
     drawn = key is not None and MODES[spec.mode].stochastic
     given = None if random_bits is None else random_bits.contiguous()
     words = None  # k0, k1 (and the selection stream's), on the device: nothing waits for them
@@ -131,8 +130,7 @@ def round_into(
     first_row = offset // LANES // rows * rows
     end_row = -(-(offset + n) // LANES)
     programs = -(-(end_row - first_row) // rows)
-    kernel = triton_kernels.round_kernel[(programs,)]
-    kernel(x, out, given, words, n, offset, first_row, **constants, **_OPTIONS)
+    return _launch("round_kernel", programs, (x, out, given, words, n, offset, first_row), constants)
 
 
 def rounded(x: torch.Tensor, spec: RoundSpec, key: torch.Tensor, offset: int = 0) -> torch.Tensor | None:
@@ -140,24 +138,44 @@ def rounded(x: torch.Tensor, spec: RoundSpec, key: torch.Tensor, offset: int = 0
     elements ``offset ..``; None where an element has no valid result (the torch kernels
     then say which, with their error; finding out waits for the kernel)."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    round_into(x.reshape(-1), spec, key, None, out.view(-1), offset)
+    if not round_into(x.reshape(-1), spec, key, None, out.view(-1), offset):
+        return None
     return None if not spec.fmt.has_nans and bool(torch.isnan(out).any()) else out
 
 
-def encode_into(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor, packed: bool) -> int:
+def encode_into(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor, packed: bool) -> int | None:
     """Codes of flat ``x`` (float32 or 16-bit) in ``fmt`` into ``out`` (uint8 or int16, or
     packed pairs in uint8); only where :func:`usable`. Returns the first position that
-    holds no value of fmt, else -1: reading it waits for the kernel, as any check of
-    data that raises must."""
-    triton_kernels = kernels()
-    assert triton_kernels is not None, "the GPU kernel is called only where usable() found Triton"
+    holds no value of fmt, else -1 (reading it waits for the kernel, as any check of data
+    that raises must); None where Triton could not compile the kernel."""
     x = x.contiguous()
     n = x.numel()
     bad = torch.full((1,), n, dtype=torch.int64, device=x.device)
     if n > 0:
-        count = n // 2 if packed else n
-        triton_kernels.encode_kernel[(-(-count // _ENCODE_BLOCK),)](
-            x, out, bad, n, BLOCK=_ENCODE_BLOCK, PACKED=packed, **encode_constants(fmt), **_OPTIONS
-        )
+        constants = {**encode_constants(fmt), "BLOCK": _ENCODE_BLOCK, "PACKED": packed}
+        programs = -(-(n // 2 if packed else n) // _ENCODE_BLOCK)
+        if not _launch("encode_kernel", programs, (x, out, bad, n), constants):
+            return None
     first = int(bad.item())
     return first if first < n else -1
+
+
+#: Kernels (name, argument dtypes, constants) that Triton failed to compile once.
+_BROKEN: set[tuple] = set()
+
+
+def _launch(name: str, programs: int, args: tuple, constants: dict) -> bool:
+    """Launch kernel ``name`` on ``programs`` programs; False, with one warning per
+    kernel, where Triton cannot compile it (it has not run on every GPU and Triton
+    version): compilation comes before the launch, so nothing is written."""
+    key = (name, tuple(getattr(a, "dtype", None) for a in args), tuple(sorted(constants.items())))
+    if key in _BROKEN:
+        return False
+    try:
+        getattr(kernels(), name)[(programs,)](*args, **constants, **_OPTIONS)
+    except Exception as err:  # a compiler or ptxas error, Triton's or the driver's
+        _BROKEN.add(key)
+        warnings.warn(f"fewbit: the Triton kernel did not compile ({err!s:.300}); the torch kernels "
+                      "take these calls (same bits, slower)", RuntimeWarning, stacklevel=4)  # fmt: skip
+        return False
+    return True

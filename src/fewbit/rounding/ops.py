@@ -107,8 +107,7 @@ def _round_into(x, spec: RoundSpec, key, random_bits, out: torch.Tensor) -> None
     result = out if direct else torch.empty_like(x, memory_format=torch.contiguous_format)
     # On a CPU the key's words as Python ints: the native kernel and the eager generator take them.
     ints = Key(*key.tolist()) if key is not None and key.device.type == "cpu" else key
-    if gpu.applies(spec, x, rand):  # as native, on a GPU (the key stays there)
-        gpu.round_into(x, spec, key, rand, result)
+    if gpu.applies(spec, x, rand) and gpu.round_into(x, spec, key, rand, result):  # as native, on a GPU
         invalid = not spec.fmt.has_nans
     elif native.applies(spec, x, rand):  # it reads x in memory order, any shape
         words = None if ints is None else stream_words(spec, ints)
