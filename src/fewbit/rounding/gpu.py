@@ -11,6 +11,7 @@ kernels run instead, compiled or eager, with the same bits.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from types import ModuleType
@@ -171,8 +172,10 @@ def _launch(name: str, programs: int, args: tuple, constants: dict) -> bool:
     key = (name, tuple(getattr(a, "dtype", None) for a in args), tuple(sorted(constants.items())))
     if key in _BROKEN:
         return False
+    device = args[0].device  # Triton launches on the current device: make it x's
     try:
-        getattr(kernels(), name)[(programs,)](*args, **constants, **_OPTIONS)
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            getattr(kernels(), name)[(programs,)](*args, **constants, **_OPTIONS)
     except Exception as err:  # a compiler or ptxas error, Triton's or the driver's
         _BROKEN.add(key)
         warnings.warn(f"fewbit: the Triton kernel did not compile ({err!s:.300}); the torch kernels "
