@@ -35,7 +35,11 @@ _ENCODE_BLOCK = 2048
 #: Compiler options. A float multiply here is exact (magic.py's constant: a power of two
 #: times 1 or 1.5), so fusing it with the add that follows changes no result and saves an
 #: instruction; said, rather than left to Triton's default, which changes in Triton 3.10.
-_OPTIONS = {"enable_fp_fusion": True}
+#: Two warps a program give each thread 8 lanes of a row: the row's bounds, addresses and
+#: loop count are shared by 8 elements instead of 4 (sm_90 SASS of an aligned call: float32
+#: RNE 17 instructions an element instead of 20, bfloat16 SRC N=3 26 instead of 31), and 32
+#: programs of 2 warps still fill an H100 SM.
+_OPTIONS = {"enable_fp_fusion": True, "num_warps": 2}
 
 
 @functools.cache
