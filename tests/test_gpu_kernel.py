@@ -71,7 +71,7 @@ def test_round_kernel_compiles_for_the_gpu(arch, dtype, fmt, mode, bits, sat, gi
 def test_encode_kernel_compiles_for_the_gpu(fmt, packed):
     fmt = fewbit.format(fmt)
     out = {8: "*u8", 16: "*i16"}[8 if fmt.k <= 8 else 16]
-    constants = {**gpu.encode_constants(fmt), "BLOCK": 2048, "PACKED": packed}
+    constants = {**gpu.encode_constants(fmt), "BLOCK": gpu._ENCODE_BLOCK, "PACKED": packed}
     args = {"x_ptr": "*fp32", "out_ptr": out, "bad_ptr": "*i64", "n": "i32"}
     ptx = compiled(gpu.kernels().encode_kernel, args, constants, 90).asm["ptx"]
     assert "atom.global" in ptx and ".ftz" not in ptx

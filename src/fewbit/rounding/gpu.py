@@ -23,6 +23,7 @@ from ..formats import FloatFormat
 from ..random import LANES
 from .checks import RoundSpec, make_spec
 from .compiled import stream_words
+from .magic import magic_applies
 from .modes import MODES, RoundMode
 from .native import PARAM_NAMES, kernel_params, mode_id, takes, takes_bits
 
@@ -31,7 +32,7 @@ __all__ = ["applies", "encode_into", "round_into", "rounded", "usable"]
 #: Rows per program where no words are drawn: 4096 elements.
 _PLAIN_ROWS = 8
 #: Codes (or pairs) per program of encode_kernel.
-_ENCODE_BLOCK = 2048
+_ENCODE_BLOCK = 1024
 #: Compiler options. A float multiply here is exact (magic.py's constant: a power of two
 #: times 1 or 1.5), so fusing it with the add that follows changes no result and saves an
 #: instruction; said, rather than left to Triton's default, which changes in Triton 3.10.
@@ -78,6 +79,11 @@ def _format_constants(spec: RoundSpec) -> dict:
             "P_IS_1": bool(flags & 1), "HAS_NZ": bool(flags & 2), "HAS_ZERO": bool(flags & 4)}  # fmt: skip
 
 
+def _magic_scale(spec: RoundSpec) -> float:
+    """magic.py's constant C over 2^e_t: 1.5 2^(23 - t) for RNE, 2^(23 - t - N) for SRC."""
+    return 2.0 ** (23 - spec.fmt.t - (spec.bits or 0)) * (1.5 if spec.bits is None else 1.0)
+
+
 @functools.lru_cache(maxsize=256)
 def round_constants(spec: RoundSpec, drawn: bool, given: bool) -> dict:
     """round_kernel's compile-time constants for a spec, its bits drawn in the kernel or
@@ -85,12 +91,10 @@ def round_constants(spec: RoundSpec, drawn: bool, given: bool) -> dict:
     p = dict(zip(PARAM_NAMES, kernel_params(spec), strict=True))
     per_word = 32 // spec.bits if spec.bits else 1
     rows = 2 * per_word if drawn else _PLAIN_ROWS
-    # magic.py's C / 2^e_t: 1.5 2^(23 - t) for RNE, 2^(23 - t - N) for SRC
-    magic_scale = 2.0 ** (23 - spec.fmt.t - (spec.bits or 0)) * (1.5 if spec.bits is None else 1.0)
     return {**_format_constants(spec), "MODE": mode_id(spec), "SAT": spec.sat, "LIMIT_RULE": p["LIMIT_RULE"],
             "BITS": p["BITS"], "SELECT_BELOW": p["SELECT_BELOW"], "EMAX": p["EMAX"],
-            "MAGIC_SCALE": magic_scale, "BEYOND": p["MAX"] if spec.sat else p["BEYOND_POS"], "ROWS": rows,
-            "DRAWN": drawn, "GIVEN": given, "PER_WORD": per_word}  # fmt: skip
+            "MAGIC_SCALE": _magic_scale(spec), "BEYOND": p["MAX"] if spec.sat else p["BEYOND_POS"],
+            "ROWS": rows, "DRAWN": drawn, "GIVEN": given, "PER_WORD": per_word}  # fmt: skip
 
 
 @functools.lru_cache(maxsize=64)
@@ -101,7 +105,8 @@ def encode_constants(fmt: FloatFormat) -> dict:
     p = dict(zip(PARAM_NAMES, kernel_params(check), strict=True))
     return {**_format_constants(check), "K": fmt.k, "CODE_OF_MAX": p["CODE_OF_MAX"],
             "CODE_OF_NAN": p["CODE_OF_NAN"], "HAS_NANS": fmt.has_nans, "EXTENDED": fmt.extended,
-            "SIGNED": fmt.signed, "TWOS_COMPLEMENT": fmt.twos_complement}  # fmt: skip
+            "SIGNED": fmt.signed, "TWOS_COMPLEMENT": fmt.twos_complement, "EMAX": p["EMAX"],
+            "MAGIC": magic_applies(check, torch.float32), "MAGIC_SCALE": _magic_scale(check)}  # fmt: skip
 
 
 def round_into(

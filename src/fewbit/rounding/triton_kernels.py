@@ -300,35 +300,27 @@ def _load_bits(x_ptr, i, inside):
 
 
 @triton.jit
-def _code_of(b, T: tl.constexpr, EMIN: tl.constexpr, MIN_ULP_EXP: tl.constexpr, K: tl.constexpr,
-             CODE_OF_MAX: tl.constexpr, CODE_OF_NAN: tl.constexpr, HAS_NZ: tl.constexpr,
-             HAS_NANS: tl.constexpr, EXTENDED: tl.constexpr, SIGNED: tl.constexpr,
-             TWOS_COMPLEMENT: tl.constexpr):  # fmt: skip
-    """codec.codes_of for float32 bits ``b`` that hold a value of the format (exponent
-    field 1 at emin: formats with subnormals), in integer arithmetic."""
+def _code_of(b, T: tl.constexpr, EMIN: tl.constexpr, K: tl.constexpr, CODE_OF_MAX: tl.constexpr,
+             CODE_OF_NAN: tl.constexpr, HAS_NZ: tl.constexpr, HAS_NANS: tl.constexpr, EXTENDED: tl.constexpr,
+             SIGNED: tl.constexpr, TWOS_COMPLEMENT: tl.constexpr):  # fmt: skip
+    """native.cpp's code_of for float32 bits ``b`` that hold a value of the format: scaled
+    by 2^(-126 - emin) (exact, into float32's subnormals for the format's), a value's
+    float32 bits are its code's magnitude shifted left by 23 - t."""
     negative = b < 0
     a = b & 0x7FFFFFFF
-    is_inf = a == 0x7F800000
-    is_nan = a > 0x7F800000
-    e_field = a >> 23
-    sig = tl.where(e_field > 0, (a & 0x7FFFFF) | 0x800000, a & 0x7FFFFF)
-    e_x = tl.maximum(e_field, 1) - 127
-    normal = ((e_x - EMIN + 1) << T) + (sig >> (23 - T)) - (1 << T)
-    subnormal = sig >> tl.minimum(tl.maximum(MIN_ULP_EXP + 23 - e_x, 0), 24)  # |x| / ulp
-    mag = tl.where((e_x >= EMIN) & (sig >= 0x800000), normal, subnormal)
+    mag = (a.to(tl.float32, bitcast=True) * (2.0 ** (-126 - EMIN))).to(tl.int32, bitcast=True) >> (23 - T)
     if EXTENDED:
-        mag = tl.where(is_inf, CODE_OF_MAX + 1, mag)
+        mag = tl.where(a == 0x7F800000, CODE_OF_MAX + 1, mag)
     if HAS_NANS:
-        mag = tl.where(is_nan, CODE_OF_NAN, mag)
+        mag = tl.where(a > 0x7F800000, CODE_OF_NAN, mag)
     if TWOS_COMPLEMENT:
         code = tl.where(negative, -mag, mag) & ((1 << K) - 1)
     elif not SIGNED:
         code = mag
     else:
-        if HAS_NZ:
-            keep_sign = negative & ~is_nan
-        else:
-            keep_sign = negative & (mag != 0) & ~is_nan
+        keep_sign = negative & (a <= 0x7F800000)
+        if not HAS_NZ:
+            keep_sign = keep_sign & (mag != 0)
         code = tl.where(keep_sign, mag | (1 << (K - 1)), mag)
     return code
 
@@ -339,19 +331,33 @@ def _encode_one(b, T: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr, MIN_
                 BEYOND_POS: tl.constexpr, BEYOND_NEG: tl.constexpr, SMALLEST_NORMAL: tl.constexpr,
                 P_IS_1: tl.constexpr, HAS_NZ: tl.constexpr, HAS_ZERO: tl.constexpr, K: tl.constexpr,
                 CODE_OF_MAX: tl.constexpr, CODE_OF_NAN: tl.constexpr, HAS_NANS: tl.constexpr,
-                EXTENDED: tl.constexpr, SIGNED: tl.constexpr, TWOS_COMPLEMENT: tl.constexpr):  # fmt: skip
+                EXTENDED: tl.constexpr, SIGNED: tl.constexpr, TWOS_COMPLEMENT: tl.constexpr,
+                MAGIC: tl.constexpr, EMAX: tl.constexpr, MAGIC_SCALE: tl.constexpr):  # fmt: skip
     """The code of float32 bits ``b``, and whether b is no value of the format: RNE
-    without saturation (native.cpp's encode check) changes it, or it is a NaN and the
-    format has none. A zero is a value whatever its sign (-0 encodes as +0 without -0)."""
-    y = round_bits(b, b, b, 0, T, EMIN, BIAS, MIN_ULP_EXP, SUBNORMAL_BELOW, MAX, MAX_NEG, BEYOND_POS,
-                   BEYOND_NEG, SMALLEST_NORMAL, P_IS_1, HAS_NZ, HAS_ZERO, False, 0, 0, 0)  # fmt: skip
+    without saturation (native.cpp's encode check; the float adder's where MAGIC) changes
+    it, or it is a NaN and the format has none. A zero is a value whatever its sign (-0
+    encodes as +0 without -0)."""
     a = b & 0x7FFFFFFF
-    if HAS_NANS:
-        bad = (a <= 0x7F800000) & (y != b) & ((a != 0) | ((y & 0x7FFFFFFF) != 0))
+    if MAGIC:
+        # magic.py's formats (signed, symmetric, with subnormals): the magnitude is a value
+        # iff the float adder's RNE leaves it as it is and it lies within max, Inf where
+        # the format has it; on magnitudes, so that -0 needs no case of its own.
+        c = tl.minimum(tl.maximum(a & 0x7F800000, (EMIN + 127) << 23), (EMAX + 127) << 23)
+        big = c.to(tl.float32, bitcast=True) * MAGIC_SCALE
+        y = ((a.to(tl.float32, bitcast=True) + big) - big).to(tl.int32, bitcast=True)
+        off = (y != a) | (a > MAX)
+        if EXTENDED:
+            off = off & (a != 0x7F800000)
     else:
-        bad = (a > 0x7F800000) | ((y != b) & ((a != 0) | ((y & 0x7FFFFFFF) != 0)))
-    code = _code_of(b, T, EMIN, MIN_ULP_EXP, K, CODE_OF_MAX, CODE_OF_NAN, HAS_NZ, HAS_NANS, EXTENDED,
-                    SIGNED, TWOS_COMPLEMENT)  # fmt: skip
+        y = round_bits(b, b, b, 0, T, EMIN, BIAS, MIN_ULP_EXP, SUBNORMAL_BELOW, MAX, MAX_NEG, BEYOND_POS,
+                       BEYOND_NEG, SMALLEST_NORMAL, P_IS_1, HAS_NZ, HAS_ZERO, False, 0, 0, 0)  # fmt: skip
+        off = (y != b) & ((a != 0) | ((y & 0x7FFFFFFF) != 0))  # +0 for -0 is no change
+    if HAS_NANS:
+        bad = off & (a <= 0x7F800000)
+    else:
+        bad = off | (a > 0x7F800000)
+    code = _code_of(b, T, EMIN, K, CODE_OF_MAX, CODE_OF_NAN, HAS_NZ, HAS_NANS, EXTENDED, SIGNED,
+                    TWOS_COMPLEMENT)  # fmt: skip
     return code, bad
 
 
@@ -362,30 +368,35 @@ def encode_kernel(x_ptr, out_ptr, bad_ptr, n, BLOCK: tl.constexpr, PACKED: tl.co
                   BEYOND_POS: tl.constexpr, BEYOND_NEG: tl.constexpr, SMALLEST_NORMAL: tl.constexpr,
                   P_IS_1: tl.constexpr, HAS_NZ: tl.constexpr, HAS_ZERO: tl.constexpr, K: tl.constexpr,
                   CODE_OF_MAX: tl.constexpr, CODE_OF_NAN: tl.constexpr, HAS_NANS: tl.constexpr,
-                  EXTENDED: tl.constexpr, SIGNED: tl.constexpr, TWOS_COMPLEMENT: tl.constexpr):  # fmt: skip
-    """Codes of x[0 .. n) into out (PACKED: pairs of 4-bit codes a byte, the even one low;
-    n even), and into bad_ptr (an int64 holding n) the least position holding no value of
-    the format, if any (atomic min: one per program that finds one)."""
-    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    if PACKED:  # j counts pairs
-        inside = j < n // 2
-        lo, bad_lo = _encode_one(_load_bits(x_ptr, 2 * j, inside), T, EMIN, BIAS, MIN_ULP_EXP,
-                                 SUBNORMAL_BELOW, MAX, MAX_NEG, BEYOND_POS, BEYOND_NEG, SMALLEST_NORMAL,
-                                 P_IS_1, HAS_NZ, HAS_ZERO, K, CODE_OF_MAX, CODE_OF_NAN, HAS_NANS, EXTENDED,
-                                 SIGNED, TWOS_COMPLEMENT)  # fmt: skip
-        hi, bad_hi = _encode_one(_load_bits(x_ptr, 2 * j + 1, inside), T, EMIN, BIAS, MIN_ULP_EXP,
-                                 SUBNORMAL_BELOW, MAX, MAX_NEG, BEYOND_POS, BEYOND_NEG, SMALLEST_NORMAL,
-                                 P_IS_1, HAS_NZ, HAS_ZERO, K, CODE_OF_MAX, CODE_OF_NAN, HAS_NANS, EXTENDED,
-                                 SIGNED, TWOS_COMPLEMENT)  # fmt: skip
-        tl.store(out_ptr + j, (lo | (hi << 4)).to(tl.uint8), mask=inside)
-        first = tl.min(tl.where(inside & bad_lo, 2 * j, tl.where(inside & bad_hi, 2 * j + 1, n)))
+                  EXTENDED: tl.constexpr, SIGNED: tl.constexpr, TWOS_COMPLEMENT: tl.constexpr,
+                  MAGIC: tl.constexpr, EMAX: tl.constexpr, MAGIC_SCALE: tl.constexpr):  # fmt: skip
+    """Codes of x[0 .. n) into out, BLOCK codes a program (PACKED: BLOCK bytes of two 4-bit
+    codes, the even element's low; n even), and into bad_ptr (an int64 holding n) the
+    least position holding no value of the format, if any (an atomic min from each
+    program that finds one). Bounds as scalars, as in round_kernel."""
+    base = tl.program_id(0).to(tl.int64) * BLOCK  # the program's first code (or byte)
+    lanes = tl.arange(0, BLOCK)
+    if PACKED:  # [BLOCK, 2]: each byte's two elements, adjacent in memory
+        index = 2 * lanes[:, None] + tl.arange(0, 2)[None, :]
+        inside = index < tl.minimum(n - 2 * base, 2 * BLOCK).to(tl.int32)
+        b = _load_bits(x_ptr + 2 * base, index, inside)
+        code, bad = _encode_one(b, T, EMIN, BIAS, MIN_ULP_EXP, SUBNORMAL_BELOW, MAX, MAX_NEG, BEYOND_POS,
+                                BEYOND_NEG, SMALLEST_NORMAL, P_IS_1, HAS_NZ, HAS_ZERO, K, CODE_OF_MAX,
+                                CODE_OF_NAN, HAS_NANS, EXTENDED, SIGNED, TWOS_COMPLEMENT, MAGIC, EMAX,
+                                MAGIC_SCALE)  # fmt: skip
+        byte = tl.sum(code << (4 * tl.arange(0, 2))[None, :], axis=1)  # disjoint bits: the sum is an or
+        tl.store(out_ptr + base + lanes, byte.to(tl.uint8), mask=lanes < tl.minimum(n // 2 - base, BLOCK))
+        first = tl.min(tl.where(inside & bad, index, 2 * BLOCK))  # 2 BLOCK: none
+        found, at = first < 2 * BLOCK, 2 * base + first
     else:
-        inside = j < n
-        code, bad = _encode_one(_load_bits(x_ptr, j, inside), T, EMIN, BIAS, MIN_ULP_EXP, SUBNORMAL_BELOW,
-                                MAX, MAX_NEG, BEYOND_POS, BEYOND_NEG, SMALLEST_NORMAL, P_IS_1, HAS_NZ,
-                                HAS_ZERO, K, CODE_OF_MAX, CODE_OF_NAN, HAS_NANS, EXTENDED, SIGNED,
-                                TWOS_COMPLEMENT)  # fmt: skip
-        tl.store(out_ptr + j, code.to(out_ptr.dtype.element_ty), mask=inside)
-        first = tl.min(tl.where(inside & bad, j, n))
-    if first < n:
-        tl.atomic_min(bad_ptr, first)
+        inside = lanes < tl.minimum(n - base, BLOCK).to(tl.int32)
+        b = _load_bits(x_ptr + base, lanes, inside)
+        code, bad = _encode_one(b, T, EMIN, BIAS, MIN_ULP_EXP, SUBNORMAL_BELOW, MAX, MAX_NEG, BEYOND_POS,
+                                BEYOND_NEG, SMALLEST_NORMAL, P_IS_1, HAS_NZ, HAS_ZERO, K, CODE_OF_MAX,
+                                CODE_OF_NAN, HAS_NANS, EXTENDED, SIGNED, TWOS_COMPLEMENT, MAGIC, EMAX,
+                                MAGIC_SCALE)  # fmt: skip
+        tl.store(out_ptr + base + lanes, code.to(out_ptr.dtype.element_ty), mask=inside)
+        first = tl.min(tl.where(inside & bad, lanes, BLOCK))  # BLOCK: none
+        found, at = first < BLOCK, base + first
+    if found:
+        tl.atomic_min(bad_ptr, at)
