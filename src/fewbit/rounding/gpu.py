@@ -174,19 +174,23 @@ def encode_into(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor, packed: bo
 _BROKEN: set[tuple] = set()
 
 
+def _kernel_key(name: str, args: tuple, constants: dict) -> tuple:
+    """What Triton compiles a kernel for: its constants and its arguments' dtypes."""
+    return name, tuple(getattr(a, "dtype", None) for a in args), tuple(sorted(constants.items()))
+
+
 def _launch(name: str, programs: int, args: tuple, constants: dict) -> bool:
     """Launch kernel ``name`` on ``programs`` programs; False, with one warning per
     kernel, where Triton cannot compile it (it has not run on every GPU and Triton
     version): compilation comes before the launch, so nothing is written."""
-    key = (name, tuple(getattr(a, "dtype", None) for a in args), tuple(sorted(constants.items())))
-    if key in _BROKEN:
+    if _BROKEN and _kernel_key(name, args, constants) in _BROKEN:  # (the key only once one broke)
         return False
     device = args[0].device  # Triton launches on the current device: make it x's
     try:
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             getattr(kernels(), name)[(programs,)](*args, **constants, **_OPTIONS)
     except Exception as err:  # a compiler or ptxas error, Triton's or the driver's
-        _BROKEN.add(key)
+        _BROKEN.add(_kernel_key(name, args, constants))
         warnings.warn(f"fewbit: the Triton kernel did not compile ({err!s:.300}); the torch kernels "
                       "take these calls (same bits, slower)", RuntimeWarning, stacklevel=4)  # fmt: skip
         return False
