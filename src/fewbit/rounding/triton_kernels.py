@@ -326,17 +326,30 @@ def _code_of(b, T: tl.constexpr, EMIN: tl.constexpr, K: tl.constexpr, CODE_OF_MA
 
 
 @triton.jit
-def _encode_one(b, T: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr, MIN_ULP_EXP: tl.constexpr,
-                SUBNORMAL_BELOW: tl.constexpr, MAX: tl.constexpr, MAX_NEG: tl.constexpr,
-                BEYOND_POS: tl.constexpr, BEYOND_NEG: tl.constexpr, SMALLEST_NORMAL: tl.constexpr,
-                P_IS_1: tl.constexpr, HAS_NZ: tl.constexpr, HAS_ZERO: tl.constexpr, K: tl.constexpr,
-                CODE_OF_MAX: tl.constexpr, CODE_OF_NAN: tl.constexpr, HAS_NANS: tl.constexpr,
-                EXTENDED: tl.constexpr, SIGNED: tl.constexpr, TWOS_COMPLEMENT: tl.constexpr,
-                MAGIC: tl.constexpr, EMAX: tl.constexpr, MAGIC_SCALE: tl.constexpr):  # fmt: skip
-    """The code of float32 bits ``b``, and whether b is no value of the format: RNE
-    without saturation (native.cpp's encode check; the float adder's where MAGIC) changes
-    it, or it is a NaN and the format has none. A zero is a value whatever its sign (-0
-    encodes as +0 without -0)."""
+def encode_kernel(x_ptr, out_ptr, bad_ptr, n, BLOCK: tl.constexpr, PACKED: tl.constexpr,
+                  T: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr, MIN_ULP_EXP: tl.constexpr,
+                  SUBNORMAL_BELOW: tl.constexpr, MAX: tl.constexpr, MAX_NEG: tl.constexpr,
+                  BEYOND_POS: tl.constexpr, BEYOND_NEG: tl.constexpr, SMALLEST_NORMAL: tl.constexpr,
+                  P_IS_1: tl.constexpr, HAS_NZ: tl.constexpr, HAS_ZERO: tl.constexpr, K: tl.constexpr,
+                  CODE_OF_MAX: tl.constexpr, CODE_OF_NAN: tl.constexpr, HAS_NANS: tl.constexpr,
+                  EXTENDED: tl.constexpr, SIGNED: tl.constexpr, TWOS_COMPLEMENT: tl.constexpr,
+                  MAGIC: tl.constexpr, EMAX: tl.constexpr, MAGIC_SCALE: tl.constexpr):  # fmt: skip
+    """Codes of x[0 .. n) into out, BLOCK codes a program (PACKED: BLOCK bytes of two 4-bit
+    codes, the even element's low; n even), and into bad_ptr (an int64 holding n) the
+    least position holding no value of the format, if any (an atomic min from each
+    program that finds one): one whose RNE without saturation (native.cpp's encode check;
+    the float adder's where MAGIC) changes it, or a NaN where the format has none. A zero
+    is a value whatever its sign (-0 encodes as +0 without -0). Bounds as scalars, as in
+    round_kernel; the branches on PACKED are resolved when the kernel compiles."""
+    base = tl.program_id(0).to(tl.int64) * BLOCK  # the program's first code (or byte)
+    lanes = tl.arange(0, BLOCK)
+    if PACKED:  # [BLOCK, 2]: each byte's two elements, adjacent in memory
+        index = 2 * lanes[:, None] + tl.arange(0, 2)[None, :]
+        inside = index < tl.minimum(n - 2 * base, 2 * BLOCK).to(tl.int32)
+        b = _load_bits(x_ptr + 2 * base, index, inside)
+    else:
+        inside = lanes < tl.minimum(n - base, BLOCK).to(tl.int32)
+        b = _load_bits(x_ptr + base, lanes, inside)
     a = b & 0x7FFFFFFF
     if MAGIC:
         # magic.py's formats (signed, symmetric, with subnormals): the magnitude is a value
@@ -358,43 +371,12 @@ def _encode_one(b, T: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr, MIN_
         bad = off | (a > 0x7F800000)
     code = _code_of(b, T, EMIN, K, CODE_OF_MAX, CODE_OF_NAN, HAS_NZ, HAS_NANS, EXTENDED, SIGNED,
                     TWOS_COMPLEMENT)  # fmt: skip
-    return code, bad
-
-
-@triton.jit
-def encode_kernel(x_ptr, out_ptr, bad_ptr, n, BLOCK: tl.constexpr, PACKED: tl.constexpr,
-                  T: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr, MIN_ULP_EXP: tl.constexpr,
-                  SUBNORMAL_BELOW: tl.constexpr, MAX: tl.constexpr, MAX_NEG: tl.constexpr,
-                  BEYOND_POS: tl.constexpr, BEYOND_NEG: tl.constexpr, SMALLEST_NORMAL: tl.constexpr,
-                  P_IS_1: tl.constexpr, HAS_NZ: tl.constexpr, HAS_ZERO: tl.constexpr, K: tl.constexpr,
-                  CODE_OF_MAX: tl.constexpr, CODE_OF_NAN: tl.constexpr, HAS_NANS: tl.constexpr,
-                  EXTENDED: tl.constexpr, SIGNED: tl.constexpr, TWOS_COMPLEMENT: tl.constexpr,
-                  MAGIC: tl.constexpr, EMAX: tl.constexpr, MAGIC_SCALE: tl.constexpr):  # fmt: skip
-    """Codes of x[0 .. n) into out, BLOCK codes a program (PACKED: BLOCK bytes of two 4-bit
-    codes, the even element's low; n even), and into bad_ptr (an int64 holding n) the
-    least position holding no value of the format, if any (an atomic min from each
-    program that finds one). Bounds as scalars, as in round_kernel."""
-    base = tl.program_id(0).to(tl.int64) * BLOCK  # the program's first code (or byte)
-    lanes = tl.arange(0, BLOCK)
-    if PACKED:  # [BLOCK, 2]: each byte's two elements, adjacent in memory
-        index = 2 * lanes[:, None] + tl.arange(0, 2)[None, :]
-        inside = index < tl.minimum(n - 2 * base, 2 * BLOCK).to(tl.int32)
-        b = _load_bits(x_ptr + 2 * base, index, inside)
-        code, bad = _encode_one(b, T, EMIN, BIAS, MIN_ULP_EXP, SUBNORMAL_BELOW, MAX, MAX_NEG, BEYOND_POS,
-                                BEYOND_NEG, SMALLEST_NORMAL, P_IS_1, HAS_NZ, HAS_ZERO, K, CODE_OF_MAX,
-                                CODE_OF_NAN, HAS_NANS, EXTENDED, SIGNED, TWOS_COMPLEMENT, MAGIC, EMAX,
-                                MAGIC_SCALE)  # fmt: skip
+    if PACKED:
         byte = tl.sum(code << (4 * tl.arange(0, 2))[None, :], axis=1)  # disjoint bits: the sum is an or
         tl.store(out_ptr + base + lanes, byte.to(tl.uint8), mask=lanes < tl.minimum(n // 2 - base, BLOCK))
         first = tl.min(tl.where(inside & bad, index, 2 * BLOCK))  # 2 BLOCK: none
         found, at = first < 2 * BLOCK, 2 * base + first
     else:
-        inside = lanes < tl.minimum(n - base, BLOCK).to(tl.int32)
-        b = _load_bits(x_ptr + base, lanes, inside)
-        code, bad = _encode_one(b, T, EMIN, BIAS, MIN_ULP_EXP, SUBNORMAL_BELOW, MAX, MAX_NEG, BEYOND_POS,
-                                BEYOND_NEG, SMALLEST_NORMAL, P_IS_1, HAS_NZ, HAS_ZERO, K, CODE_OF_MAX,
-                                CODE_OF_NAN, HAS_NANS, EXTENDED, SIGNED, TWOS_COMPLEMENT, MAGIC, EMAX,
-                                MAGIC_SCALE)  # fmt: skip
         tl.store(out_ptr + base + lanes, code.to(out_ptr.dtype.element_ty), mask=inside)
         first = tl.min(tl.where(inside & bad, lanes, BLOCK))  # BLOCK: none
         found, at = first < BLOCK, base + first
