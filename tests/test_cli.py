@@ -42,6 +42,18 @@ def test_round_prints_neighbours_results_and_sr_probabilities(capsys):
                                        / Fraction(0.03125)), abs=1e-4)
 
 
+def test_round_one_result_has_probability_one_or_zero(capsys):
+    """d = 15/16 of a Binary8P4 ulp (bfloat16 1.1171875, 1/16 ulp below 1.125): with
+    N = 3, SRF and SRC round 7.5 up to 8 of 8 and always land on 1.125, away from zero;
+    the next value down is never taken. 1/16 ulp above 1.125, SRC rounds 0.5 to 0."""
+    _, out, _ = run(capsys, "round", "1.1171875", "-f", "binary8p4", "--dtype", "bfloat16")
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[3:]}
+    assert rows["srf"][2:4] == ["1.125", "1"] and rows["src"][2:4] == ["1.125", "1"]
+    _, out, _ = run(capsys, "round", "1.1328125", "-f", "binary8p4", "--dtype", "bfloat16")
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[3:]}
+    assert rows["src"][2:4] == ["1.125", "0"] and rows["srf"][2:6] == ["1.125", "or", "1.25", "1/8"]
+
+
 def test_round_single_mode_and_dtype(capsys):
     code, out, _ = run(capsys, "round", "1.3", "-f", "e4m3", "--mode", "src", "--bits", "2",
                        "--dtype", "bfloat16")

@@ -88,8 +88,9 @@ def _outcomes(x: torch.Tensor, mode: RoundMode, sat: bool, bits: int | None, fmt
         return rounded.double().item()
 
     first, last = at(0), at(spec.random_range - 1)
-    if _same(first, last):
-        return spec, first, last, Fraction(0)
+    if _same(first, last):  # one result: away from zero with certainty, or never
+        away = abs(first) > abs(x.double().item())
+        return spec, first, last, Fraction(int(away))
     lo, hi = 0, spec.random_range - 1  # at(lo) is first, at(hi) is last
     while hi - lo > 1:
         mid = (lo + hi) // 2
