@@ -40,7 +40,7 @@ ENV = {
     # The processes import this fewbit, wherever the tests found it.
     "PYTHONPATH": os.pathsep.join([str(Path(fewbit.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
 }
-OUTPUTS = ("losses.csv", "summary.csv", "figure3.png")
+OUTPUTS = ("losses.csv", "summary.csv", "diagnostics.csv", "figure3.png", "figure3_diagnostics.png")
 
 
 @pytest.fixture(scope="module")

@@ -225,6 +225,12 @@ def test_sweeps_have_the_papers_arms():
         "binary16", "binary8p4 RNE", "binary8p4 SRFF N=3", "binary8p4 SRF N=3", "binary8p4 SRC N=3",
     ]  # fmt: skip
     assert [c.seed for c in fig3] == [0, 1] * 5
+    fig4 = arm_configs("figure4", config_from("gpt2-medium"), [0])
+    labels = ["binary16", "binary8p4 SRFF N=3", "binary8p4 SRF N=3", "binary8p4 SRC N=3"]
+    assert [c.label for c in fig4] == labels
+    assert (fig4[0].n_layer, fig4[0].n_head, fig4[0].n_embd) == (24, 16, 1024)  # GPT-2 medium's shape
+    paper = config_from("paper")
+    assert paper.autocast and paper.compile_model and paper.fused_adamw and paper.update_dtype == "bf16"
     stag = [c.label for c in arm_configs("stagnation", TINY, [0])]
     assert "binary8p4 SR_FRACTION N=3 p=0.2" in stag and "binary8p4 SR_NEAR_ZERO N=3" in stag
     base = replace(TINY, **SWEEP_DEFAULTS["hbfp"])

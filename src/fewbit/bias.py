@@ -32,7 +32,7 @@ from .rounding.modes import MODES, parse_mode
 from .rounding.reference import probability_away, round_away
 
 __all__ = ["FIGURES", "away_steps", "bias_at", "bias_integral", "check_mode", "closed_form", "exact",
-           "excess_bits", "figure", "measure"]
+           "excess_bits", "figure", "measure", "outward_error"]
 
 #: Block formats' bias lives in the block layer (``fewbit.block.bias``), which builds on
 #: this module; it is answered here too, imported on first use (so not in ``__all__``).
@@ -245,19 +245,33 @@ def measure(
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 2:
         raise ValueError(f"samples must be an int >= 2, got {samples!r}")
     key = as_key(seed)
-    lo = fewbit_round(x.abs(), fmt, "rtz", sat=True).double()
-    ulp = fewbit_round(x.abs(), fmt, "rup", sat=True).double() - lo
-    ulp = torch.where(ulp > 0, ulp, torch.ones_like(ulp))  # exact inputs: error 0
+    ulp = _ulp_at(x, fmt)
     total = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
     total_sq = torch.zeros_like(total)
     for s in range(samples):
-        r = fewbit_round(x, fmt, mode, bits=bits, seed=fold_in(key, s)).double()
-        err = (r.abs() - x.double().abs()) / ulp
+        r = fewbit_round(x, fmt, mode, bits=bits, seed=fold_in(key, s))
+        err = (r.double().abs() - x.double().abs()) / ulp
         total += err
         total_sq += err * err
     mean = total / samples
     var = (total_sq / samples - mean * mean).clamp(min=0) * samples / (samples - 1)
     return mean, (var / samples).sqrt()
+
+
+def outward_error(x: torch.Tensor, rounded: torch.Tensor, fmt: FloatFormat | str) -> torch.Tensor:
+    """``|rounded| - |x|`` in ulps of ``fmt`` at ``x`` (float64, x's shape): the error of
+    a rounding of ``x`` to ``fmt``, positive where it moved the magnitude away from zero,
+    the sign of the bias. Where ``x`` is a value of ``fmt`` (or lies beyond its largest)
+    the ulp is taken as 1, so a rounding that keeps such a value has error 0."""
+    return (rounded.double().abs() - x.double().abs()) / _ulp_at(x, fmt)
+
+
+def _ulp_at(x: torch.Tensor, fmt: FloatFormat | str) -> torch.Tensor:
+    """The gap between the values of ``fmt`` around each ``|x|`` (float64); 1 where
+    ``|x|`` is a value or lies beyond the largest (no gap: errors there are 0)."""
+    a = x.abs()
+    ulp = fewbit_round(a, fmt, "rup", sat=True).double() - fewbit_round(a, fmt, "rtz", sat=True).double()
+    return torch.where(ulp > 0, ulp, torch.ones_like(ulp))
 
 
 #: The paper's two bias figures, set up so that its printed biases follow from the

@@ -272,9 +272,10 @@ def cmd_bias(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     import signal
+    import time
     from pathlib import Path
 
-    from .experiments.sweep import SWEEP_DEFAULTS, format_summary, run_sweep, summarise
+    from .experiments.sweep import SWEEP_DEFAULTS, format_diagnostics, format_summary, run_sweep, summarise
     from .experiments.train import config_from
 
     given = dict(
@@ -283,18 +284,29 @@ def cmd_train(args: argparse.Namespace) -> int:
         grad_bits=args.grad_bits, grad_fraction=args.grad_fraction, iters=args.iters,
         eval_interval=args.eval_interval, device=args.device,
     )  # fmt: skip
+    if args.fast is not None:
+        given.update(autocast=args.fast, compile_model=args.fast, fused_adamw=args.fast)
     given = {k: v for k, v in given.items() if v is not None}
     base = config_from(args.preset, **{**SWEEP_DEFAULTS.get(args.sweep, {}), **given})
+    if base.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--preset {args.preset} trains on a GPU ({base.device}) and there is none here; "
+                         "--device cpu runs it on the CPU")  # fmt: skip
     data_file = _shakespeare(args)
     if data_file is None:
         return 2
+    if args.time_steps:
+        return _time_steps(base, data_file, args.time_steps)
+    start = time.perf_counter()
     out = Path(args.out or Path("runs") / (args.sweep or base.mode))
     seeds = args.seeds if args.seeds is not None else ([0, 1] if args.sweep else [0])
     outcome = run_sweep(args.sweep, base, data_file, seeds, out, workers=args.workers,
                         progress_bar=not args.quiet, restart=args.restart)  # fmt: skip
     if outcome.results:
         print(format_summary(summarise(outcome.results)))
+        print()
+        print(format_diagnostics(outcome.results))
         print("wrote " + ", ".join(str(p) for p in outcome.written))
+        print(f"{time.perf_counter() - start:.0f} s wall")
     if outcome.stopped is not None:
         print(f"fewbit: stopped by {signal.Signals(outcome.stopped).name}: {len(outcome.results)} of "
               f"{outcome.total} runs finished, {outcome.checkpointed} more saved at their last evaluation "
@@ -306,6 +318,23 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"fewbit: {len(outcome.failed)} of {outcome.total} runs did not finish: {lost}; run the "
               "same command to continue them from their last checkpoint", file=sys.stderr)  # fmt: skip
         return 1
+    return 0
+
+
+def _time_steps(cfg, data_file, steps: int) -> int:
+    import torch
+
+    from .experiments.data import CharDataset
+    from .experiments.train import time_steps
+
+    t = time_steps(cfg, CharDataset.load(data_file), steps=steps)
+    fast = ", ".join(k for k in ("autocast", "compile_model", "fused_adamw") if getattr(cfg, k)) or "none"
+    print(f"{cfg.label} on {cfg.device} ({torch.get_num_threads()} threads; speed options: {fast}), "
+          f"median of 5 x {steps} steps:")  # fmt: skip
+    print(f"  step with the write-back      {t['with'] * 1e3:9.3f} ms")
+    print(f"  step with float32 weights     {t['without'] * 1e3:9.3f} ms")
+    print(f"  the write-back alone          {t['write_back'] * 1e3:9.3f} ms  "
+          f"({t['write_back'] / t['with']:.1%} of the step with it)")  # fmt: skip
     return 0
 
 
@@ -397,6 +426,29 @@ def _add_scaled_demo(sub) -> None:
     p.set_defaults(run=cmd_scaled_demo)
 
 
+def cmd_ratchet(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from .experiments import ratchet
+
+    torch.set_num_threads(1)  # 8192 weights: threads cost more than they give
+    results = ratchet.run_all(args.seeds, iters=args.iters, progress_bar=not args.quiet)
+    print(ratchet.format_summary(ratchet.summarise(results)))
+    print("wrote " + ", ".join(map(str, ratchet.write_outputs(results, Path(args.out)))))
+    return 0
+
+
+def _add_ratchet(sub) -> None:
+    p = sub.add_parser("ratchet", help="SRF's outward drift on a noisy quadratic (seconds, any CPU)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--iters", type=int, default=5000, help="AdamW steps (the paper preset's 5000)")
+    p.add_argument("--out", default="docs", help="folder for ratchet.png and its CSVs")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=cmd_ratchet)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fewbit", description="Low-precision floating point: formats, rounding, bias, speed, training."
@@ -446,8 +498,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rule", help="with --block: one scale rule (default: every rule for its scale)")
     p.set_defaults(run=cmd_bias)
     p = sub.add_parser("train", help="char GPT on Shakespeare with low-precision weights")
-    p.add_argument("--preset", default="cpu-small", help="cpu-small (2 CPU cores), paper (GPU) or tiny")
-    p.add_argument("--sweep", choices=["figure3", "stagnation", "hbfp"], help="run every arm of a study")
+    p.add_argument("--preset", default="cpu-small",
+                   help="cpu-small (2 CPU cores), paper or gpt2-medium (GPU), or tiny")
+    p.add_argument("--sweep", choices=["figure3", "stagnation", "hbfp", "srf", "figure4"],
+                   help="run every arm of a study")
     p.add_argument("--mode", help="fp32, fp16 (binary16 baseline) or a rounding mode (src, srff, rne, ...)")
     p.add_argument("--format", help="weight format (default binary8p4)")
     p.add_argument("--bits", type=int, help="N, random bits per SR (default 3)")
@@ -461,6 +515,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int)
     p.add_argument("--eval-interval", type=int)
     p.add_argument("--device", help="cpu or cuda")
+    p.add_argument("--fast", action=argparse.BooleanOptionalAction,
+                   help="bfloat16 autocast, compiled model, fused AdamW (default: on for --preset paper)")
+    p.add_argument("--time-steps", type=int, metavar="STEPS",
+                   help="no training: time STEPS steps (5 times, median) with the write-back and with "
+                        "float32 weights, and print the write-back's share")  # fmt: skip
     p.add_argument("--workers", type=int, default=2, help="runs side by side (one thread each)")
     p.add_argument("--out", help="output directory (default runs/<sweep or mode>); one sweep at a time: "
                                  "while one runs there, another is refused, naming its pid")  # fmt: skip
@@ -484,6 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_replicas)
 
     _add_scaled_demo(sub)
+    _add_ratchet(sub)
     return parser
 
 

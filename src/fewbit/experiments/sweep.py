@@ -1,6 +1,6 @@
 """Sweeps of training runs: the paper's Figure 3 and seed 002's stagnation study, on the
 weights' write-back (``stagnation``) and, as the seed ran it, on gradients in block floating
-point (``hbfp``).
+point (``hbfp``); ``srf`` tests why SRF can fall behind SRC (docs/bias.md).
 
 Each (arm, seed) is one run, trained by a worker process (:mod:`.worker`, one thread
 each: small models train faster side by side than sharing threads) in a folder of its
@@ -8,8 +8,11 @@ own under the output directory, ``<arm>-s<seed>/``: ``config.json``, ``checkpoin
 (model, optimizer, history and RNG states, rewritten at every evaluation) and, once the
 run is over, ``result.json``. Results: ``losses.csv`` (every run's evaluations),
 ``summary.csv`` (final and best validation loss per arm, mean and spread over seeds), a
-PNG of validation loss with the spread over seeds shaded, and ``times.csv`` (each run's
-wall-clock seconds in its workers, building the model and compiling included). They are
+PNG of validation loss with the spread over seeds shaded, ``diagnostics.csv`` and
+``<sweep>_diagnostics.png`` (at each evaluation, per weight matrix: mean |w|, the share
+of weights the last step changed, the write-back's mean error in ulps), and
+``times.csv`` (each run's wall-clock seconds in its workers, building the model and
+compiling included). They are
 rewritten as runs finish; all but ``times.csv`` depend on the finished runs alone, so an
 interrupted and continued sweep writes the same bytes as an uninterrupted one.
 
@@ -33,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from statistics import fmean as mean
 
 import torch
 
@@ -67,6 +71,22 @@ SWEEPS: dict[str, list[dict]] = {
         {"grad_mode": "sr_near_zero"},
         {"grad_mode": "src"},
     ],
+    # Figure 4's arms (run with --preset gpt2-medium).
+    "figure4": [
+        {"mode": "fp16"},
+        {"mode": "srff"},
+        {"mode": "srf"},
+        {"mode": "src"},
+    ],
+    # Why SRF may trail SRC: with bfloat16 updates (D = 4) and N = 3 SRF's bias is
+    # 2^-(D+1) ulp outward; float32 updates (D large) and N = 4 = D remove it.
+    "srf": [
+        {"mode": "src"},
+        {"mode": "srf"},
+        {"mode": "srf", "update_dtype": "fp32"},
+        {"mode": "srf", "bits": 4},
+        {"mode": "src", "bits": 4},
+    ],
 }
 
 #: A sweep's defaults below the command line's options (``fewbit train --sweep hbfp
@@ -82,6 +102,7 @@ class RunResult:
     train: list[float]
     val: list[float]
     seconds: float
+    diagnostics: list[dict] = field(default_factory=list)
 
 
 def arm_configs(sweep: str | None, base: TrainConfig, seeds: Sequence[int]) -> list[TrainConfig]:
@@ -106,7 +127,8 @@ def read_result(cfg: TrainConfig, folder: Path) -> RunResult | None:
     if not path.exists():
         return None
     saved = json.loads(path.read_text())
-    return RunResult(cfg, saved["iters"], saved["train"], saved["val"], saved["seconds"])
+    return RunResult(cfg, saved["iters"], saved["train"], saved["val"], saved["seconds"],
+                     saved.get("diagnostics", []))  # fmt: skip
 
 
 #: The file in an output directory that a sweep holds locked while it runs (:func:`hold`).
@@ -261,7 +283,8 @@ def run_many(
     return outcome
 
 
-def _write_csv(path: Path, header: list[str], rows: list[list]) -> None:
+def write_csv(path: Path, header: list[str], rows: list[list]) -> None:
+    """``rows`` under ``header``, replacing ``path`` atomically (None: an empty field)."""
     text = io.StringIO(newline="")
     w = csv.writer(text)
     w.writerow(header)
@@ -272,12 +295,51 @@ def _write_csv(path: Path, header: list[str], rows: list[list]) -> None:
 def write_losses(results: list[RunResult], path: Path) -> None:
     rows = [[r.cfg.label, r.cfg.seed, *evaluation] for r in results
             for evaluation in zip(r.iters, r.train, r.val, strict=True)]  # fmt: skip
-    _write_csv(path, ["arm", "seed", "iter", "train_loss", "val_loss"], rows)
+    write_csv(path, ["arm", "seed", "iter", "train_loss", "val_loss"], rows)
+
+
+_DIAGNOSTICS = ("numel", "mean_abs", "changed", "outward_ulp")
+
+
+def write_diagnostics(results: list[RunResult], path: Path) -> None:
+    # A measure a row lacks (None: no step before iteration 0, no format for float32
+    # weights) is an empty field.
+    rows = [[r.cfg.label, r.cfg.seed, d["iter"], d["param"], *(d[k] for k in _DIAGNOSTICS)]
+            for r in results for d in r.diagnostics]  # fmt: skip
+    write_csv(path, ["arm", "seed", "iter", "param", *_DIAGNOSTICS], rows)
+
+
+def _totals(run: RunResult, measure: str) -> tuple[list[int], list[float]]:
+    """One measure of the whole model (the ``all`` rows) at each evaluation that has it."""
+    rows = [d for d in run.diagnostics if d["param"] == "all" and d[measure] is not None]
+    return [d["iter"] for d in rows], [d[measure] for d in rows]
+
+
+def format_diagnostics(results: list[RunResult]) -> str:
+    """Per arm, means over seeds: mean |w| at the end, the share of weights the last step
+    changed, and the write-back's error in ulps (outward positive), at the end and
+    averaged over every evaluation."""
+    arms = by_arm(results)
+    width = max(28, *map(len, arms))
+    lines = [f"{'arm':<{width}} {'mean |w|':>9} {'changed':>8} {'error ulp':>10} {'mean error':>11}"]
+    for label, runs in arms.items():
+        if not all(_totals(r, "mean_abs")[1] for r in runs):
+            continue  # runs from before the diagnostics
+        w = mean([_totals(r, "mean_abs")[1][-1] for r in runs])
+        changed = mean([_totals(r, "changed")[1][-1] for r in runs])
+        errors = [_totals(r, "outward_ulp")[1] for r in runs]
+        if all(errors):
+            last, overall = mean([e[-1] for e in errors]), mean([mean(e) for e in errors])
+            last, overall = f"{last:+10.5f}", f"{overall:+11.5f}"
+        else:  # float32 weights: no write-back
+            last, overall = f"{'-':>10}", f"{'-':>11}"
+        lines.append(f"{label:<{width}} {w:9.6f} {changed:8.4f} {last} {overall}")
+    return "\n".join(lines)
 
 
 def write_times(results: list[RunResult], path: Path) -> None:
     rows = [[r.cfg.label, r.cfg.seed, f"{r.seconds:.1f}"] for r in results]
-    _write_csv(path, ["arm", "seed", "seconds"], rows)
+    write_csv(path, ["arm", "seed", "seconds"], rows)
 
 
 def by_arm(results: list[RunResult]) -> dict[str, list[RunResult]]:
@@ -303,14 +365,15 @@ def summarise(results: list[RunResult]) -> list[dict]:
 
 
 def write_summary(rows: list[dict], path: Path) -> None:
-    _write_csv(path, list(rows[0]), [list(r.values()) for r in rows])
+    write_csv(path, list(rows[0]), [list(r.values()) for r in rows])
 
 
 def format_summary(rows: list[dict]) -> str:
-    lines = [f"{'arm':<28} {'final val loss':>22} {'best val':>9}"]
+    width = max(28, *(len(r["arm"]) for r in rows))
+    lines = [f"{'arm':<{width}} {'final val loss':>22} {'best val':>9}"]
     for r in rows:
         spread = f"{r['final_val']:.3f} [{r['final_min']:.3f}, {r['final_max']:.3f}]"
-        lines.append(f"{r['arm']:<28} {spread:>22} {r['best_val']:>9.3f}")
+        lines.append(f"{r['arm']:<{width}} {spread:>22} {r['best_val']:>9.3f}")
     return "\n".join(lines)
 
 
@@ -343,17 +406,52 @@ def plot(results: list[RunResult], path: Path, title: str) -> bool:
     return True
 
 
+def plot_diagnostics(results: list[RunResult], path: Path, title: str) -> bool:
+    """Mean |w|, the share of weights changed by the step before each evaluation and the
+    write-back's error in ulps, per arm (mean over seeds), against iteration. False, and
+    no file, without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measures = {"mean_abs": "mean |w|", "changed": "share changed by the step",
+                "outward_ulp": "write-back error (ulps, outward +)"}  # fmt: skip
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.6))
+    for label, runs in by_arm(results).items():
+        for ax, measure in zip(axes, measures, strict=True):
+            series = [_totals(r, measure) for r in runs]
+            if all(values for _, values in series):
+                per_seed = zip(*(values for _, values in series), strict=True)
+                ax.plot(series[0][0], [mean(v) for v in per_seed], label=label)
+    for ax, name in zip(axes, measures.values(), strict=True):
+        ax.set_xlabel("iteration")
+        ax.set_title(name, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[2].axhline(0.0, color="black", lw=0.8)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))  # room for the legend below
+    write_atomically(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    plt.close(fig)
+    return True
+
+
 def write_outputs(results: list[RunResult], out_dir: Path, name: str, title: str) -> list[Path]:
-    """losses.csv, summary.csv, times.csv and ``name``.png of the finished runs; the
-    files written."""
+    """losses.csv, summary.csv, diagnostics.csv, times.csv, ``name``.png and
+    ``name``_diagnostics.png of the finished runs; the files written."""
     if not results:
         return []
-    written = [out_dir / "losses.csv", out_dir / "summary.csv", out_dir / "times.csv"]
+    written = [out_dir / f for f in ("losses.csv", "summary.csv", "diagnostics.csv", "times.csv")]
     write_losses(results, written[0])
     write_summary(summarise(results), written[1])
-    write_times(results, written[2])
-    if plot(results, out_dir / f"{name}.png", title):
-        written.append(out_dir / f"{name}.png")
+    write_diagnostics(results, written[2])
+    write_times(results, written[3])
+    for draw, png in ((plot, f"{name}.png"), (plot_diagnostics, f"{name}_diagnostics.png")):
+        if draw(results, out_dir / png, title):
+            written.append(out_dir / png)
     return written
 
 

@@ -1,17 +1,21 @@
 """Train the character GPT with low-precision weights (the paper's Figure 3 experiment).
 
-One run is a :class:`TrainConfig`: model size, optimisation, how the weights are kept
+One run is a :class:`TrainConfig`: model size, optimisation (and, for speed on a GPU,
+bfloat16 autocast, a compiled model and fused AdamW), how the weights are kept
 (``mode``: ``"fp32"`` for plain training, ``"fp16"`` for the binary16 baseline, or a
 rounding mode with ``weight_format`` and ``bits``) and, optionally, how the gradients are
 rounded (``grad_format``, an element or block format, with ``grad_mode``: seed 002's
 study of SR on gradients in block floating point). Batches are a pure function of
 (seed, iteration), so every arm of a sweep sees the same data, and a resumed run the
-same batches as an uninterrupted one.
+same batches as an uninterrupted one. Each evaluation also logs the diagnostics of the
+step before it (:mod:`.probe`): mean |w| per weight matrix, the fraction of weights the
+step changed, the write-back's mean error in ulps.
 """
 
 from __future__ import annotations
 
 import math
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -26,6 +30,7 @@ from ..rounding.checks import check_round_args
 from ..rounding.modes import parse_mode
 from .data import CharDataset
 from .gpt import GPT, GPTConfig
+from .probe import StepProbe, mean_abs
 
 #: Modes of the weights beside fewbit's rounding modes.
 PLAIN_MODES = ("fp32", "fp16")
@@ -50,6 +55,11 @@ class TrainConfig:
     warmup: int = 50
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    # speed (other bits, same experiment): the forward pass in bfloat16 autocast, the model
+    # through torch.compile, torch's fused AdamW
+    autocast: bool = False
+    compile_model: bool = False
+    fused_adamw: bool = False
     # evaluation
     eval_interval: int = 100
     eval_iters: int = 10
@@ -99,26 +109,40 @@ class TrainConfig:
     def label(self) -> str:
         """A short name for plots: the weight format and mode, then the gradients'."""
         weights = {"fp32": "binary32", "fp16": "binary16"}.get(self.mode)
-        weights = weights or _rounding_label(self.weight_format, self.mode, self.bits, self.fraction)
+        if weights is None:
+            weights = rounding_label(self.weight_format, self.mode, self.bits, self.fraction,
+                                     self.update_dtype)  # fmt: skip
         if self.grad_format is None:
             return weights
-        grads = _rounding_label(self.grad_format, self.grad_mode, self.grad_bits, self.grad_fraction)
+        grads = rounding_label(self.grad_format, self.grad_mode, self.grad_bits, self.grad_fraction)
         return f"{grads} grads" if self.mode == "fp32" else f"{weights}, {grads} grads"
 
 
-def _rounding_label(fmt: str, mode: str, bits: int | None, fraction: float | None) -> str:
+def rounding_label(fmt: str, mode: str, bits: int | None, fraction: float | None = None,
+                   update_dtype: str = "bf16") -> str:  # fmt: skip
+    """``binary8p4 SRF N=3``: a rounding's name in tables and plots; updates in another
+    dtype than the paper's bfloat16 are named (``... fp32 updates``)."""
     extra = f" p={fraction:g}" if mode == "sr_fraction" else ""
     n = f" N={bits}" if parse_mode(mode).takes_bits else ""
-    return f"{fmt} {mode.upper()}{n}{extra}"
+    updates = "" if update_dtype == "bf16" else f" {update_dtype} updates"
+    return f"{fmt} {mode.upper()}{n}{extra}{updates}"
 
 
 PRESETS: dict[str, TrainConfig] = {
     # Minutes on 2 CPU cores (see the README for what it shows).
     "cpu-small": TrainConfig(),
     # nanoGPT's shakespeare-char model, as the paper ran it: for a GPU.
+    # bfloat16 autocast, compiled, fused AdamW: the update dtype and the write-back stay the paper's.
     "paper": TrainConfig(n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.2, batch_size=64,
                          iters=5000, lr=1e-3, min_lr=1e-4, warmup=100, eval_interval=250, eval_iters=200,
-                         device="cuda"),  # fmt: skip
+                         autocast=True, compile_model=True, fused_adamw=True, device="cuda"),  # fmt: skip
+    # The paper's Figure 4 model shape (GPT-2 medium: 24 layers, 16 heads, 1024 wide, about
+    # 300M parameters with this vocabulary) on the same text, for as many steps as a GPU
+    # budget allows (the paper ran 30,000 on its own data): for a GPU.
+    "gpt2-medium": TrainConfig(n_layer=24, n_head=16, n_embd=1024, block_size=256, batch_size=32,
+                               iters=2000, lr=3e-4, min_lr=3e-5, warmup=100, eval_interval=100,
+                               eval_iters=40, autocast=True, compile_model=True, fused_adamw=True,
+                               device="cuda"),  # fmt: skip
     # Seconds: for tests and smoke checks.
     "tiny": TrainConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8, iters=20,
                         warmup=2, eval_interval=10, eval_iters=2),  # fmt: skip
@@ -127,11 +151,14 @@ PRESETS: dict[str, TrainConfig] = {
 
 @dataclass
 class History:
-    """Losses at each evaluation: train is the mean minibatch loss since the last one."""
+    """Losses at each evaluation: train is the mean minibatch loss since the last one;
+    ``diagnostics``: at each evaluation, the rows of :mod:`.probe` for the step before
+    it (each with its ``iter``)."""
 
     iters: list[int] = field(default_factory=list)
     train: list[float] = field(default_factory=list)
     val: list[float] = field(default_factory=list)
+    diagnostics: list[dict] = field(default_factory=list)
 
     def add(self, it: int, train: float, val: float) -> None:
         self.iters.append(it)
@@ -145,6 +172,7 @@ def batch_generator(seed: int, it: int) -> torch.Generator:
 
 
 def learning_rate(cfg: TrainConfig, it: int) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_lr`` (nanoGPT's)."""
     if it < cfg.warmup:
         return cfg.lr * (it + 1) / cfg.warmup
     progress = min(1.0, (it - cfg.warmup) / max(1, cfg.iters - cfg.warmup))
@@ -159,13 +187,19 @@ class Run:
         torch.manual_seed(cfg.seed)
         self.model = GPT(GPTConfig(len(data.vocab), cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd,
                                    cfg.dropout)).to(cfg.device)  # fmt: skip
-        matrices = [p for p in self.model.parameters() if p.dim() >= 2]
+        if cfg.compile_model:
+            self.model.compile()  # in place: the state_dict keeps its keys
+        self.device = torch.device(cfg.device)
+        self.matrices = [(n, p) for n, p in self.model.named_parameters() if p.dim() >= 2]
         others = [p for p in self.model.parameters() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
-            [{"params": matrices, "weight_decay": cfg.weight_decay}, {"params": others, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(0.9, 0.99),
+            [{"params": [p for _, p in self.matrices], "weight_decay": cfg.weight_decay},
+             {"params": others, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(0.9, 0.99), fused=cfg.fused_adamw or None,
         )  # fmt: skip
         self.weights = self._wrap()
+        written_to = {"fp32": None, "fp16": "binary16"}.get(cfg.mode, cfg.weight_format)
+        self.probe = StepProbe(self.optimizer, self.matrices, written_to)
         self.grad_quant = cfg.grad_quant
         if self.grad_quant is not None:
             key = as_key(cfg.seed)
@@ -176,16 +210,16 @@ class Run:
         self.it = 0
         self.history = History()
         self._since_eval: list[float] = []
+        self._losses: list[torch.Tensor] = []  # on the device until an evaluation reads them
 
     def _wrap(self) -> LowPrecisionWeights | None:
         cfg = self.cfg
         if cfg.mode == "fp32":
             return None
-        named = [(n, p) for n, p in self.model.named_parameters() if p.dim() >= 2]
         if cfg.mode == "fp16":
-            return LowPrecisionWeights(self.optimizer, "binary16", "rne", bits=None, params=named)
+            return LowPrecisionWeights(self.optimizer, "binary16", "rne", bits=None, params=self.matrices)
         return LowPrecisionWeights(
-            self.optimizer, cfg.weight_format, cfg.mode, bits=cfg.bits, seed=cfg.seed, params=named,
+            self.optimizer, cfg.weight_format, cfg.mode, bits=cfg.bits, seed=cfg.seed, params=self.matrices,
             fraction=cfg.fraction, update_dtype=UPDATE_DTYPES[cfg.update_dtype],
         )  # fmt: skip
 
@@ -193,22 +227,34 @@ class Run:
     def stepper(self):
         return self.weights or self.optimizer
 
-    def train_step(self) -> float:
+    def train_step(self) -> torch.Tensor:
+        """One step; its minibatch loss (a tensor on the device: a step waits for nothing
+        on the GPU, the losses are read at the next evaluation)."""
         cfg = self.cfg
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(cfg, self.it)
         x, y = self.data.batch("train", cfg.batch_size, cfg.block_size, batch_generator(cfg.seed, self.it))
         self.model.train()
-        _, loss = self.model(x.to(cfg.device), y.to(cfg.device))
+        loss = self._loss(x, y)
         self.stepper.zero_grad(set_to_none=True)
         loss.backward()
         self._round_weight_grads()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.stepper.step()
         self.it += 1
-        value = loss.item()
-        self._since_eval.append(value)
-        return value
+        self._losses.append(loss.detach())
+        return self._losses[-1]
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        pinned = self.device.type == "cuda"  # to the GPU from pinned memory, without waiting for it
+        x, y = ((t.pin_memory() if pinned else t).to(self.device, non_blocking=pinned) for t in (x, y))
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.cfg.autocast):
+            return self.model(x, y)[1]
+
+    def _read_losses(self) -> None:
+        if self._losses:
+            self._since_eval += torch.stack(self._losses).tolist()
+            self._losses.clear()
 
     @torch.no_grad()
     def _round_weight_grads(self) -> None:
@@ -230,25 +276,34 @@ class Run:
         losses = []
         for i in range(cfg.eval_iters):
             x, y = self.data.batch("val", cfg.batch_size, cfg.block_size, batch_generator(-1, i))
-            losses.append(self.model(x.to(cfg.device), y.to(cfg.device))[1].item())
+            losses.append(self._loss(x, y).item())
         return sum(losses) / len(losses)
+
+    def _evaluates_at(self, it: int) -> bool:
+        return it % self.cfg.eval_interval == 0 or it == self.cfg.iters
 
     def run(self, until: int | None = None, on_eval: Callable[[Run], None] | None = None) -> History:
         """Train to iteration ``until`` (default: cfg.iters), evaluating every eval_interval."""
         until = self.cfg.iters if until is None else until
         if self.it == 0 and not self.history.iters:
             self.history.add(0, float("nan"), self.evaluate())
+            self.history.diagnostics += [{"iter": 0, **row} for row in mean_abs(self.matrices)]
             on_eval and on_eval(self)
         while self.it < until:
+            if self._evaluates_at(self.it + 1):
+                self.probe.arm()
             self.train_step()
-            if self.it % self.cfg.eval_interval == 0 or self.it == self.cfg.iters:
+            if self._evaluates_at(self.it):
+                self._read_losses()
                 train = sum(self._since_eval) / len(self._since_eval)
                 self._since_eval.clear()
                 self.history.add(self.it, train, self.evaluate())
+                self.history.diagnostics += [{"iter": self.it, **row} for row in self.probe.read()]
                 on_eval and on_eval(self)
         return self.history
 
     def state_dict(self) -> dict:
+        self._read_losses()
         return {
             "config": asdict(self.cfg),
             "it": self.it,
@@ -271,6 +326,53 @@ class Run:
         torch.set_rng_state(state["torch_rng"])
         if state["cuda_rng"]:
             torch.cuda.set_rng_state_all(state["cuda_rng"])
+
+
+def time_steps(cfg: TrainConfig, data: CharDataset, steps: int = 20, rounds: int = 5,
+               warmup: int = 3) -> dict[str, float]:  # fmt: skip
+    """Seconds per training step of ``cfg`` (``"with"``: its write-back) and of the same
+    run with float32 weights and no ``LowPrecisionWeights`` (``"without"``), and seconds of
+    the write-back alone (``"write_back"``: from the end of the inner optimizer's step to
+    the end of the step, the device synchronised at both ends, in steps of their own so
+    that the syncs do not slow the others). Each is the median of ``rounds`` timings of
+    ``steps`` steps, taking turns so that all see the same machine; ``warmup`` steps first
+    (compilation)."""
+    runs = {"with": Run(cfg, data), "without": Run(replace(cfg, mode="fp32"), data)}
+    device = torch.device(cfg.device)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    inner_done: list[float] = []
+
+    def stamp(*_) -> None:
+        if inner_done:  # armed: an empty list is not
+            sync()
+            inner_done[:] = [time.perf_counter()]
+
+    runs["with"].optimizer.register_step_post_hook(stamp)
+    for run in runs.values():
+        for _ in range(warmup):
+            run.train_step()
+    seconds: dict[str, list[float]] = {"with": [], "without": [], "write_back": []}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            sync()
+            start = time.perf_counter()
+            for _ in range(steps):
+                run.train_step()
+            sync()
+            seconds[name].append((time.perf_counter() - start) / steps)
+        total = 0.0
+        for _ in range(steps):
+            inner_done[:] = [0.0]
+            runs["with"].train_step()
+            sync()
+            total += time.perf_counter() - inner_done[0]
+        inner_done.clear()
+        seconds["write_back"].append(total / steps)
+    return {k: sorted(v)[len(v) // 2] for k, v in seconds.items()}
 
 
 def config_from(preset: str, **overrides) -> TrainConfig:
