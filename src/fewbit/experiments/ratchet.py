@@ -40,6 +40,9 @@ SCALE = 0.02
 
 @dataclass(frozen=True)
 class RatchetConfig:
+    """One arm and seed: the write-back (as ``fewbit train``'s), the problem's size and
+    length, how often it is measured."""
+
     mode: str = "srf"  # "fp32": float32 weights, no write-back
     bits: int | None = 3
     update_dtype: str = "bf16"
@@ -71,6 +74,8 @@ ARMS: list[dict] = [
 
 @dataclass
 class RatchetHistory:
+    """One run's measurements, at steps ``iters``."""
+
     seed: int
     iters: list[int] = field(default_factory=list)
     growth: list[float] = field(default_factory=list)  #: mean |w| / mean |w*|
