@@ -16,7 +16,7 @@ import argparse
 import torch
 
 from fewbit.experiments.data import CharDataset
-from fewbit.experiments.train import config_from, time_steps
+from fewbit.experiments.train import SPEED_OPTIONS, config_from, time_steps
 
 
 def sample_text(n: int = 200_000) -> str:
@@ -36,7 +36,7 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    fast = {} if args.fast is None else dict.fromkeys(("autocast", "compile_model", "fused_adamw"), args.fast)
+    fast = {} if args.fast is None else dict.fromkeys(SPEED_OPTIONS, args.fast)
     cfg = config_from(args.preset, device=args.device, mode="src", bits=3, update_dtype="bf16", **fast)
     t = time_steps(cfg, CharDataset.from_text(sample_text()), steps=args.steps)
     plain, lpw, alone = t["without"], t["with"], t["write_back"]

@@ -276,7 +276,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .experiments.sweep import SWEEP_DEFAULTS, format_diagnostics, format_summary, run_sweep, summarise
-    from .experiments.train import config_from
+    from .experiments.train import SPEED_OPTIONS, config_from
 
     given = dict(
         mode=args.mode, weight_format=args.format, bits=args.bits, fraction=args.fraction,
@@ -285,7 +285,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         eval_interval=args.eval_interval, device=args.device,
     )  # fmt: skip
     if args.fast is not None:
-        given.update(autocast=args.fast, compile_model=args.fast, fused_adamw=args.fast)
+        given.update(dict.fromkeys(SPEED_OPTIONS, args.fast))
     given = {k: v for k, v in given.items() if v is not None}
     base = config_from(args.preset, **{**SWEEP_DEFAULTS.get(args.sweep, {}), **given})
     if base.device.startswith("cuda") and not torch.cuda.is_available():
@@ -322,13 +322,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _time_steps(cfg, data_file, steps: int) -> int:
-    import torch
-
     from .experiments.data import CharDataset
-    from .experiments.train import time_steps
+    from .experiments.train import SPEED_OPTIONS, time_steps
 
     t = time_steps(cfg, CharDataset.load(data_file), steps=steps)
-    fast = ", ".join(k for k in ("autocast", "compile_model", "fused_adamw") if getattr(cfg, k)) or "none"
+    fast = ", ".join(k for k in SPEED_OPTIONS if getattr(cfg, k)) or "none"
     print(f"{cfg.label} on {cfg.device} ({torch.get_num_threads()} threads; speed options: {fast}), "
           f"median of 5 x {steps} steps:")  # fmt: skip
     print(f"  step with the write-back      {t['with'] * 1e3:9.3f} ms")
@@ -428,8 +426,6 @@ def _add_scaled_demo(sub) -> None:
 
 def cmd_ratchet(args: argparse.Namespace) -> int:
     from pathlib import Path
-
-    import torch
 
     from .experiments import ratchet
 

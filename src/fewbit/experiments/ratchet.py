@@ -31,7 +31,7 @@ import torch
 from ..optim import LowPrecisionWeights
 from .data import write_atomically
 from .probe import StepProbe
-from .sweep import write_csv
+from .sweep import pyplot, write_csv, write_summary
 from .train import PRESETS, UPDATE_DTYPES, learning_rate, rounding_label
 
 #: The weights' (and the noise's) scale: GPT-2's initialisation.
@@ -161,20 +161,15 @@ def write_outputs(results: Results, out_dir: Path) -> list[Path]:
     rows = [[label, h.seed, *values] for label, runs in results.items() for h in runs
             for values in zip(h.iters, h.growth, h.distance, h.error_ulp, strict=True)]  # fmt: skip
     write_csv(written[0], ["arm", "seed", "iter", "growth", "distance", "error_ulp"], rows)
-    summary = summarise(results)
-    write_csv(written[1], list(summary[0]), [list(r.values()) for r in summary])
+    write_summary(summarise(results), written[1])
     if _plot(results, out_dir / "ratchet.png"):
         written.append(out_dir / "ratchet.png")
     return written
 
 
 def _plot(results: Results, path: Path) -> bool:
-    try:
-        import matplotlib
-    except ImportError:
+    if (plt := pyplot()) is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
     for label, runs in results.items():

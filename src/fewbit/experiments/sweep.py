@@ -377,15 +377,24 @@ def format_summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[RunResult], path: Path, title: str) -> bool:
-    """Validation loss per arm: mean over seeds, the min-max band shaded. False, and no
-    file, without matplotlib (an optional dependency)."""
+def pyplot():
+    """matplotlib's pyplot drawing to files (the Agg backend), or None without matplotlib
+    (an optional dependency)."""
     try:
         import matplotlib
     except ImportError:
-        return False
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(results: list[RunResult], path: Path, title: str) -> bool:
+    """Validation loss per arm: mean over seeds, the min-max band shaded. False, and no
+    file, without matplotlib (an optional dependency)."""
+    if (plt := pyplot()) is None:
+        return False
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for label, runs in by_arm(results).items():
@@ -410,12 +419,8 @@ def plot_diagnostics(results: list[RunResult], path: Path, title: str) -> bool:
     """Mean |w|, the share of weights changed by the step before each evaluation and the
     write-back's error in ulps, per arm (mean over seeds), against iteration. False, and
     no file, without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
+    if (plt := pyplot()) is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     measures = {"mean_abs": "mean |w|", "changed": "share changed by the step",
                 "outward_ulp": "write-back error (ulps, outward +)"}  # fmt: skip

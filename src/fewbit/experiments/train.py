@@ -32,6 +32,8 @@ from .data import CharDataset
 from .gpt import GPT, GPTConfig
 from .probe import StepProbe, mean_abs
 
+#: TrainConfig's speed options (``fewbit train --fast`` sets them all).
+SPEED_OPTIONS = ("autocast", "compile_model", "fused_adamw")
 #: Modes of the weights beside fewbit's rounding modes.
 PLAIN_MODES = ("fp32", "fp16")
 UPDATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
