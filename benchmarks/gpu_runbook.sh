@@ -12,8 +12,10 @@
 #   benchmarks/gpu_runbook.sh check             #18: GPU tests, kernel benchmarks at 2^27 (~3 min)
 #   benchmarks/gpu_runbook.sh time              #19.1: paper preset step, with and without the write-back
 #   benchmarks/gpu_runbook.sh sweep NAME PRESET [fewbit train options...]
-#       a whole sweep in this call, e.g. `sweep figure3 paper --seeds 0 --workers 5`; its
-#       CSVs and PNGs come back (checkpoints stay: too large to return)
+#       a sweep in this call, e.g. `sweep figure3 paper --seeds 0 --workers 5`; its CSVs and
+#       PNGs come back (checkpoints stay: too large to return). Stopped 40 s before the
+#       call's limit (STAGE_SECONDS, default 570) if unfinished: the unfinished runs'
+#       evaluations so far come back as unfinished_*.csv and a PNG
 set -euo pipefail
 export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1
 out="${OUT:-gpu-out}"
@@ -38,9 +40,37 @@ case "${1:-}" in
     name="$2" preset="$3"
     shift 3
     runs="/tmp/runs/$name-$preset"
-    fewbit train --sweep "$name" --preset "$preset" --out "$runs" --quiet "${data[@]}" "$@" \
-      | tee "$out/$name-$preset.txt"
-    for f in "$runs"/*.csv "$runs"/*.png; do cp "$f" "$out/"; done
+    # Stopped (SIGTERM: every run checkpoints at each evaluation) in time to send back what
+    # it has: the call is killed at its limit, and its checkpoints cannot travel.
+    status=0
+    timeout --signal=TERM --kill-after=20 "$((${STAGE_SECONDS:-570} - SECONDS - 40))" \
+      python3 -m fewbit.cli train --sweep "$name" --preset "$preset" --out "$runs" --quiet \
+      "${data[@]}" "$@" > >(tee "$out/$name-$preset.txt") || status=$?
+    cp "$runs"/*.csv "$runs"/*.png "$out/" 2>/dev/null || true
+    # The unfinished runs' evaluations so far, from their checkpoints.
+    python3 - "$runs" "$out" "$name-$preset" <<'EOF'
+import sys
+from pathlib import Path
+
+import torch
+
+from fewbit.experiments import sweep, train, worker
+
+runs, out, name = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+results = []
+for folder in sorted(runs.iterdir()):
+    if (folder / worker.CHECKPOINT).exists() and not (folder / worker.RESULT).exists():
+        state = torch.load(folder / worker.CHECKPOINT, map_location="cpu")
+        h, cfg = state["run"]["history"], train.TrainConfig(**state["run"]["config"])
+        results.append(sweep.RunResult(cfg, h["iters"], h["train"], h["val"], state["seconds"],
+                                       h["diagnostics"]))
+if results:
+    sweep.write_losses(results, out / "unfinished_losses.csv")
+    sweep.write_diagnostics(results, out / "unfinished_diagnostics.csv")
+    sweep.plot(results, out / f"{name}_unfinished.png", f"{name}: unfinished runs so far")
+    print(f"{len(results)} unfinished runs, up to iteration {max(r.iters[-1] for r in results)}")
+EOF
+    exit "$status"
     ;;
   *)
     sed -n '2,/^set -euo/p' "$0" | sed '$d'

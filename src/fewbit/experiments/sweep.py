@@ -400,7 +400,7 @@ def plot(results: list[RunResult], path: Path, title: str) -> bool:
     for label, runs in by_arm(results).items():
         its = torch.tensor(runs[0].iters)
         vals = torch.tensor([r.val for r in runs])
-        (line,) = ax.plot(its, vals.mean(0), label=f"{label} ({len(runs)} seeds)")
+        (line,) = ax.plot(its, vals.mean(0), label=f"{label} ({len(runs)} seed{'s' * (len(runs) > 1)})")
         ax.fill_between(its, vals.min(0).values, vals.max(0).values, color=line.get_color(), alpha=0.25)
     ax.set_xlabel("iteration")
     ax.set_ylabel("validation loss (nats/char)")
