@@ -527,21 +527,21 @@ inline int32_t block_exponent(uint32_t amax, int32_t ceil, int32_t rceil, int32_
 }
 
 // block.kernel.block_scales for an E4M3 scale: `target` (amax / M / tensor scale, in
-// float64) rounded to E4M3 (to nearest even, or up), saturating at its largest value 448.
-// Returns the scale and sets its code.
-inline double e4m3_scale(double target, bool up, uint8_t& code) {
-  if (target >= 448.0) {  // Inf too; beyond 448 both roundings saturate to it
-    code = 0x7E;
-    return 448.0;
-  }
+// float64, not negative; NaN for a NaN block, whose results the caller replaces) rounded
+// to E4M3 (to nearest even, or up), saturating at its largest value 448. Returns the
+// scale and sets its code. Without branches, so that a loop over a row's blocks
+// vectorises: a scalar call per block cost as much as the rest of the block's work.
+inline double e4m3_scale(double target, bool up, uint32_t& code) {
   // E4M3: emin -6, 3 fraction bits. Powers of two built from their bits (std::ilogb and
-  // std::ldexp are calls); target is 0 or at least 2^-1022 here, and e - 3 >= -9.
-  const auto pow2 = [](int k) { return __builtin_bit_cast(double, uint64_t(k + 1023) << 52); };
-  const int e = std::max(int(__builtin_bit_cast(uint64_t, target) >> 52) - 1023, -6);
-  const double q = target * pow2(3 - e);  // exact
-  const double r = up ? std::ceil(q) : std::nearbyint(q);
-  code = uint8_t(8 * (e + 6) + int(r));  // r 2^(e-3), r <= 16; subnormals (e = -6, r < 8) too
-  return r * pow2(e - 3);
+  // std::ldexp are calls); k + 1023 stays in 1 .. 2046 for every e below.
+  const auto pow2 = [](int64_t k) { return __builtin_bit_cast(double, uint64_t(k + 1023) << 52); };
+  const int64_t e = std::max<int64_t>(int64_t(__builtin_bit_cast(uint64_t, target) >> 52) - 1023, -6);
+  const double q = target * pow2(3 - e);  // exact; at most 16 below 448 (a bound for Inf and NaN)
+  const double bounded = q < 16.0 ? q : 16.0;
+  const double r = up ? std::ceil(bounded) : std::nearbyint(bounded);
+  const bool sat = !(target < 448.0);  // beyond 448 (Inf too) both roundings saturate to it
+  code = sat ? 0x7Eu : uint32_t(8 * (e + 6) + int64_t(r));  // r 2^(e-3), r <= 16; subnormals (e = -6, r < 8) too
+  return sat ? 448.0 : r * pow2(e - 3);
 }
 
 // block.kernel.quantize_blocks up to the rounding, for the whole blocks of lanes 0 .. h1
@@ -579,10 +579,11 @@ void scale_blocks(const uint32_t* __restrict xs, int h1, int64_t start, const Bl
       code[b] = nan ? 0xFF : uint32_t(e + 127);  // E8M0, whose NaN is 0xFF
     }
   } else {
+    const bool up = blocks.rule == UP;
     for (int b = 0; b < b1; ++b) {
       const double target = double(as_float(amax[b])) / double(f.max) / double(blocks.tensor_scale);
-      uint8_t c;
-      const float scale = float(e4m3_scale(target, blocks.rule == UP, c));
+      uint32_t c;
+      const float scale = float(e4m3_scale(target, up, c));
       const int32_t nan = amax[b] > 0x7F800000u;
       factor[b] = nan ? NAN_BITS : __builtin_bit_cast(uint32_t, scale * blocks.tensor_scale);
       code[b] = nan ? 0xFF : c;  // E4M3's NaN code, as E8M0's
@@ -921,23 +922,33 @@ int64_t fewbit_block(const void* x, int dtype, void* out, int output, int64_t n,
 // The largest finite magnitude in x[0 .. n) (0 if none), for NVFP4's per-tensor scale
 // (block.kernel.tensor_scale_of): one read of x instead of torch's three temporaries.
 float fewbit_finite_amax(const void* x, int dtype, int64_t n, int threads) {
-  uint32_t best = 0;  // magnitudes compare as their float32 bits
-#pragma omp parallel for num_threads(std::max<int64_t>(1, std::min<int64_t>(threads, n >> 20))) \
-    reduction(max : best) schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t a;
-    if (dtype == F32) {
-      a = static_cast<const uint32_t*>(x)[i] & 0x7FFFFFFFu;
-    } else if (dtype == BF16) {
-      a = (uint32_t(static_cast<const uint16_t*>(x)[i]) << 16) & 0x7FFFFFFFu;
-    } else {
-      _Float16 v;
-      std::memcpy(&v, static_cast<const uint16_t*>(x) + i, 2);
-      a = __builtin_bit_cast(uint32_t, float(v)) & 0x7FFFFFFFu;
+  // Magnitudes compare as their float32 bits, in int32 (below 2^31: AVX2 has no unsigned
+  // compare); Inf and NaN count as 0. One loop per dtype, each of which vectorises (a
+  // dtype test per element kept the loop scalar, slower than the quantisation it serves).
+  const auto finite = [](int32_t bits) {
+    const int32_t a = bits & 0x7FFFFFFF;
+    return a < 0x7F800000 ? a : 0;
+  };
+  int32_t best = 0;
+  const int workers = int(std::max<int64_t>(1, std::min<int64_t>(threads, n >> 20)));
+  if (dtype == F32) {
+    const int32_t* v = static_cast<const int32_t*>(x);
+#pragma omp parallel for num_threads(workers) reduction(max : best) schedule(static)
+    for (int64_t i = 0; i < n; ++i) best = std::max(best, finite(v[i]));
+  } else if (dtype == BF16) {
+    const uint16_t* v = static_cast<const uint16_t*>(x);
+#pragma omp parallel for num_threads(workers) reduction(max : best) schedule(static)
+    for (int64_t i = 0; i < n; ++i) best = std::max(best, finite(int32_t(uint32_t(v[i]) << 16)));
+  } else {  // float16 magnitudes compare as their bits too: the largest is widened once
+    const uint16_t* v = static_cast<const uint16_t*>(x);
+#pragma omp parallel for num_threads(workers) reduction(max : best) schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t a = v[i] & 0x7FFF;
+      best = std::max(best, a < 0x7C00 ? a : 0);
     }
-    best = std::max(best, a < 0x7F800000u ? a : 0u);
+    return float(__builtin_bit_cast(_Float16, uint16_t(best)));
   }
-  return as_float(best);
+  return as_float(uint32_t(best));
 }
 
 }  // extern "C"
