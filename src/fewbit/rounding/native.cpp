@@ -612,17 +612,19 @@ void scale_blocks(const uint32_t* __restrict xs, int h1, int64_t start, const Bl
 }
 
 // Codes of the magic modes (magic_one's RNE and SRC) on blocks, where no element can be
-// refused (sat, or a format with NaN), in one loop per block: with power-of-two scales,
-// x * 2^-e is rounded and encoded as it is scaled (inv: each block's 2^-e); with others,
-// scale_blocks's quotients are (inv null). The code comes from the float adder's sum
+// refused (sat, or a format with NaN), in one loop per block: each element is scaled, then
+// rounded and encoded, x * 2^-e with power-of-two scales (by: each block's 2^-e), x / S
+// with others (DIVIDE; by: each block's S). A quotient below float32's normal range needs
+// none of scale_blocks's care: these modes round it to 0, as they would +-2^-126. A block
+// whose S is 0 holds zeros. The code comes from the float adder's sum
 // y = |v| + C, whose low bits count the rounded magnitude in ulps of the binade e_t:
 // code_of's result without computing the value (nor its float32 subnormals, which cost
 // a microcode assist each for e2m1's 0.5). NaN blocks hold the codes that scale_blocks's
 // NaN elements get. (For values, a fused loop measured no faster than scale_blocks's
 // pass, magic_one and scale_back.)
-template <bool SR, int FIXED_B>
+template <bool SR, bool DIVIDE, int FIXED_B>
 void magic_codes(const uint32_t* __restrict xs, int h1, int B, const uint32_t* __restrict amax,
-                 const uint32_t* __restrict inv, Fields n, const Fmt& f, uint32_t* __restrict codes) {
+                 const uint32_t* __restrict by, Fields n, const Fmt& f, uint32_t* __restrict codes) {
   if (FIXED_B > 0) B = FIXED_B;
   constexpr uint32_t SIGN = 0x80000000u;
   const uint32_t emin_binade = uint32_t(f[EMIN] + 127) << 23;
@@ -632,14 +634,14 @@ void magic_codes(const uint32_t* __restrict xs, int h1, int B, const uint32_t* _
   const uint32_t beyond = f.sat ? max_code : f.extended ? max_code + 1 : nan_code;
   const uint32_t nz = f.has_nz, fill = f.has_nans ? nan_code : 0;
   for (int b = 0; b < h1 / B; ++b) {
-    if (amax[b] > 0x7F800000u) {
-      for (int i = 0; i < B; ++i) codes[b * B + i] = fill;
+    const float s = as_float(by[b]);
+    if (amax[b] > 0x7F800000u || (DIVIDE && s == 0.0f)) {  // 2^-e is never 0
+      for (int i = 0; i < B; ++i) codes[b * B + i] = amax[b] > 0x7F800000u ? fill : 0;
       continue;
     }
-    const float s = inv == nullptr ? 1.0f : as_float(inv[b]);
     for (int i = 0; i < B; ++i) {
       const int h = b * B + i;
-      const uint32_t v = __builtin_bit_cast(uint32_t, as_float(xs[h]) * s);
+      const uint32_t v = __builtin_bit_cast(uint32_t, DIVIDE ? as_float(xs[h]) / s : as_float(xs[h]) * s);
       const uint32_t a = v & ~SIGN;
       const uint32_t c = binade_of(a, f);
       const float big = as_float(c) * f.magic_scale[SR];
@@ -736,7 +738,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
       xs = xbuf;
     }
     if (B > 0) {
-      uint32_t* scaled = magic_coded && pow2 ? nullptr : sbuf;  // magic_codes scales by 2^-e as it goes
+      uint32_t* scaled = magic_coded ? nullptr : sbuf;  // magic_codes scales as it goes
       by_block_size(B, [&](auto size) {
         scale_blocks<size()>(xs, h1, start, job.blocks, f, scaled, amax, factor, inv);
       });
@@ -787,8 +789,13 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
       if constexpr (MAGIC) {
         constexpr bool SR = MODE == MAGIC_SRC;
         if (magic_coded) {
-          const uint32_t* by = pow2 ? inv : nullptr;
-          by_block_size(B, [&](auto size) { magic_codes<SR, size()>(xs, h1, B, amax, by, n, f, cbuf); });
+          by_block_size(B, [&](auto size) {
+            if (pow2) {
+              magic_codes<SR, false, size()>(xs, h1, B, amax, inv, n, f, cbuf);
+            } else {
+              magic_codes<SR, true, size()>(xs, h1, B, amax, factor, n, f, cbuf);
+            }
+          });
         } else {
           for (int h = h0; h < h1; ++h) rs[h] = magic_one<SR>(xs[h], n.at(h), f);
         }
