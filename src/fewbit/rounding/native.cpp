@@ -319,42 +319,34 @@ inline uint16_t magic_bf16(uint16_t v, uint32_t n, const Bf16Magic& g) {
   return a > 0x7F80 ? 0xFFFF : uint16_t(mag | sign);  // NaN as to_bfloat16's
 }
 
-// magic_bf16 over lanes h0 .. h1 of a row. With AVX2, 16 lanes at a time by hand: for the
-// float adder's lanes, x's 16-bit halves unpacked under zeros are its float32 bits, and
-// packing the results back undoes the unpacking's order within each 128-bit half, where
-// GCC's code for the same loop widens, shifts, masks and permutes.
-template <bool SR>
-inline void magic_bf16_row(const uint16_t* x16, Fields n, uint16_t* o, int h0, int h1,
-                           const Bf16Magic& g) {
-  int h = h0;
 #ifdef __AVX2__
-  const __m256i magnitude = _mm256_set1_epi16(0x7FFF), sign_bit = _mm256_set1_epi16(int16_t(0x8000));
-  const __m256i one = _mm256_set1_epi16(1), nan_below = _mm256_set1_epi16(0x7F80);
-  const __m256i zero = _mm256_setzero_si256();
-  const __m256i pre_lsb = _mm256_set1_epi16(g.pre_lsb), pre_half = _mm256_set1_epi16(g.pre_half);
-  const __m256i pre_keep = _mm256_set1_epi16(g.pre_keep), keep = _mm256_set1_epi16(g.keep);
-  const __m256i pre_unit = _mm256_set1_epi16(g.pre_unit), emin = _mm256_set1_epi16(g.emin);
-  const __m256i max = _mm256_set1_epi16(g.max), beyond = _mm256_set1_epi16(g.beyond);
-  const __m256i no_nz = _mm256_set1_epi16(int16_t(~g.nz)), sr_keep = _mm256_set1_epi32(int32_t(g.sr_keep));
-  const __m256i field = _mm256_set1_epi32(int32_t(n.mask));
-  const __m128i shift = _mm_cvtsi32_si128(int(n.shift));
-  const __m256 big = _mm256_set1_ps(g.big);
-  for (; h + 16 <= h1; h += 16) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + h));
+// magic_bf16 on 16 lanes at a time, by hand: for the float adder's lanes, x's 16-bit halves
+// unpacked under zeros are its float32 bits, and packing the results back undoes the
+// unpacking's order within each 128-bit half, where GCC's code for the same loop widens,
+// shifts, masks and permutes.
+struct Bf16x16 {
+  __m256i magnitude = _mm256_set1_epi16(0x7FFF), sign_bit = _mm256_set1_epi16(int16_t(0x8000));
+  __m256i one = _mm256_set1_epi16(1), nan_below = _mm256_set1_epi16(0x7F80), zero = _mm256_setzero_si256();
+  __m256i pre_lsb, pre_half, pre_keep, keep, pre_unit, emin, max, beyond, no_nz, sr_keep;
+  __m256 big;
+
+  explicit Bf16x16(const Bf16Magic& g)
+      : pre_lsb(_mm256_set1_epi16(g.pre_lsb)), pre_half(_mm256_set1_epi16(g.pre_half)),
+        pre_keep(_mm256_set1_epi16(g.pre_keep)), keep(_mm256_set1_epi16(g.keep)),
+        pre_unit(_mm256_set1_epi16(g.pre_unit)), emin(_mm256_set1_epi16(g.emin)), max(_mm256_set1_epi16(g.max)),
+        beyond(_mm256_set1_epi16(g.beyond)), no_nz(_mm256_set1_epi16(int16_t(~g.nz))),
+        sr_keep(_mm256_set1_epi32(int32_t(g.sr_keep))), big(_mm256_set1_ps(g.big)) {}
+
+  // The results of bfloat16 lanes v. SR: n16 holds n in lane order, nlo and nhi in the
+  // unpacking's (lanes 0-3 and 8-11, 4-7 and 12-15). ylo, yhi: the float adder's sums.
+  template <bool SR>
+  __m256i round(__m256i v, __m256i n16, __m256i nlo, __m256i nhi, __m256& ylo, __m256& yhi) const {
     const __m256i a = _mm256_and_si256(v, magnitude);
     const __m256i lsb = _mm256_min_epi16(_mm256_and_si256(a, pre_lsb), one);
     __m256i r = _mm256_and_si256(_mm256_add_epi16(_mm256_add_epi16(a, pre_half), lsb), pre_keep);
-    __m256i nlo = zero, nhi = zero;  // n of lanes 0-3 and 8-11, and of 4-7 and 12-15, as the unpacking
-    if (SR) {
-      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(n.w + h));
-      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(n.w + h + 8));
-      nlo = _mm256_and_si256(_mm256_srl_epi32(_mm256_permute2x128_si256(w0, w1, 0x20), shift), field);
-      nhi = _mm256_and_si256(_mm256_srl_epi32(_mm256_permute2x128_si256(w0, w1, 0x31), shift), field);
-      const __m256i n16 = _mm256_packus_epi32(nlo, nhi);  // lanes 0-15 in order
-      r = _mm256_and_si256(_mm256_add_epi16(r, _mm256_mullo_epi16(n16, pre_unit)), keep);
-    }
-    __m256 ylo = _mm256_add_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, a)), big);
-    __m256 yhi = _mm256_add_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, a)), big);
+    if (SR) r = _mm256_and_si256(_mm256_add_epi16(r, _mm256_mullo_epi16(n16, pre_unit)), keep);
+    ylo = _mm256_add_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, a)), big);
+    yhi = _mm256_add_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, a)), big);
     if (SR) {
       ylo = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(_mm256_castps_si256(ylo), nlo), sr_keep));
       yhi = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(_mm256_castps_si256(yhi), nhi), sr_keep));
@@ -367,13 +359,89 @@ inline void magic_bf16_row(const uint16_t* x16, Fields n, uint16_t* o, int h0, i
     // x's sign, off a zero where the format has no -0
     const __m256i drop = _mm256_and_si256(_mm256_cmpeq_epi16(mag, zero), no_nz);
     const __m256i out = _mm256_or_si256(mag, _mm256_andnot_si256(drop, _mm256_and_si256(v, sign_bit)));
-    // a NaN: 0xFFFF
-    const __m256i nan = _mm256_cmpgt_epi16(a, nan_below);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + h), _mm256_or_si256(out, nan));
+    return _mm256_or_si256(out, _mm256_cmpgt_epi16(a, nan_below));  // a NaN: 0xFFFF
+  }
+};
+#endif
+
+// magic_bf16 over lanes h0 .. h1 of a row (with AVX2, Bf16x16's 16 at a time).
+template <bool SR>
+inline void magic_bf16_row(const uint16_t* x16, Fields n, uint16_t* o, int h0, int h1,
+                           const Bf16Magic& g) {
+  int h = h0;
+#ifdef __AVX2__
+  const Bf16x16 c(g);
+  const __m256i field = _mm256_set1_epi32(int32_t(n.mask));
+  const __m128i shift = _mm_cvtsi32_si128(int(n.shift));
+  for (; h + 16 <= h1; h += 16) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + h));
+    __m256i n16 = c.zero, nlo = c.zero, nhi = c.zero;
+    if (SR) {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(n.w + h));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(n.w + h + 8));
+      nlo = _mm256_and_si256(_mm256_srl_epi32(_mm256_permute2x128_si256(w0, w1, 0x20), shift), field);
+      nhi = _mm256_and_si256(_mm256_srl_epi32(_mm256_permute2x128_si256(w0, w1, 0x31), shift), field);
+      n16 = _mm256_packus_epi32(nlo, nhi);
+    }
+    __m256 ylo, yhi;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + h), c.round<SR>(v, n16, nlo, nhi, ylo, yhi));
   }
 #endif
   for (; h < h1; ++h) o[h] = magic_bf16<SR>(x16[h], n.at(h), g);
 }
+
+#ifdef __AVX2__
+// encode (its check, magic_one's RNE, and code_of) for a whole row of bfloat16 into uint8
+// codes, where encode's kernel is ENCODE_MAGIC: 16 lanes at a time on their 16 bits, as
+// magic_bf16_row rounds. A value in the format's normal range has the code magnitude
+// (a - 2^7 (emin + 126)) >> (7 - t) (the format's exponent field lands where bfloat16's
+// was, 1 at emin); one below 2^emin, |x| / 2^(emin - t), which the float adder's sum |x| + C
+// holds in its low bits (magic_codes's argument). Returns whether every lane held a value
+// of the format; where one did not, the caller redoes the row the general way, which
+// finds it.
+inline bool encode_bf16_row(const uint16_t* x16, uint8_t* o, const Bf16x16& c, const Fmt& f) {
+  const __m256i code_base = _mm256_set1_epi16(int16_t(((f[EMIN] + 126) << 7)));
+  const __m128i ulp_shift = _mm_cvtsi32_si128(7 - f[T]);
+  const __m256i big_bits = _mm256_castps_si256(c.big), inf = _mm256_set1_epi16(0x7F80);
+  const __m256i inf_code = _mm256_set1_epi16(int16_t(f[CODE_OF_MAX] + 1));
+  const __m256i nan_code = _mm256_set1_epi16(int16_t(f[CODE_OF_NAN]));
+  const __m256i sign_code = _mm256_set1_epi16(int16_t(1 << (f[K] - 1)));
+  const __m256i nz = _mm256_set1_epi16(int16_t(f.has_nz ? -1 : 0));
+  const __m256i nan_bad = _mm256_set1_epi16(int16_t(f.has_nans ? 0 : -1));  // a NaN is no value
+  __m256i bad = c.zero;
+  const auto codes = [&](__m256i v) {
+    __m256 ylo, yhi;
+    const __m256i rounded = c.round<false>(v, c.zero, c.zero, c.zero, ylo, yhi);
+    const __m256i a = _mm256_and_si256(v, c.magnitude);
+    const __m256i normal = _mm256_srl_epi16(_mm256_sub_epi16(a, code_base), ulp_shift);
+    const __m256i tiny = _mm256_packus_epi32(_mm256_sub_epi32(_mm256_castps_si256(ylo), big_bits),
+                                             _mm256_sub_epi32(_mm256_castps_si256(yhi), big_bits));
+    __m256i code = _mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi16(c.emin, a));
+    const __m256i nan = _mm256_cmpgt_epi16(a, c.nan_below);
+    code = _mm256_blendv_epi8(code, inf_code, _mm256_cmpeq_epi16(a, inf));  // extended formats' Inf
+    code = _mm256_blendv_epi8(code, nan_code, nan);
+    // code_of's sign: on a negative x that is no NaN, and on a zero only where the format has -0
+    const __m256i dropped = _mm256_or_si256(nan, _mm256_andnot_si256(nz, _mm256_cmpeq_epi16(code, c.zero)));
+    const __m256i keep = _mm256_andnot_si256(dropped, _mm256_cmpgt_epi16(c.zero, v));
+    code = _mm256_or_si256(code, _mm256_and_si256(keep, sign_code));
+    // not_a_value: rounding changed x (as float32s: -0 and +0 alike), or a NaN without NaNs
+    const __m256i same = _mm256_or_si256(
+        _mm256_cmpeq_epi16(rounded, v),
+        _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_or_si256(rounded, v), c.magnitude), c.zero));
+    bad = _mm256_or_si256(bad, _mm256_blendv_epi8(_mm256_xor_si256(same, _mm256_cmpeq_epi16(c.zero, c.zero)),
+                                                  nan_bad, nan));
+    return code;
+  };
+  for (int h = 0; h < LANES; h += 32) {
+    const __m256i lo = codes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + h)));
+    const __m256i hi = codes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + h + 16)));
+    // packus interleaves the 128-bit halves: lanes 0-7, 16-23, 8-15, 24-31; the permute restores them
+    const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packus_epi16(lo, hi), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + h), bytes);
+  }
+  return _mm256_testz_si256(bad, bad);
+}
+#endif
 
 // SRC with N = 23 - t, classical SR from float32 (native.py's classical_sr_applies): in the
 // target's normal range the N discarded bits are the whole fraction, so adding n to the
@@ -702,6 +770,11 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
   const bool fused = FUSED_BF16 && job.dtype == BF16 && job.output == VALUES && f.has_nans && B == 0;
   const bool bf16_magic = fused && Bf16Magic::applies(f, MODE == MAGIC_SRC);
   const Bf16Magic g16(f, MODE == MAGIC_SRC);
+#ifdef __AVX2__
+  // encode from bfloat16 to uint8 codes: whole rows on their 16 bits (encode_bf16_row)
+  const bool bf16_codes = MODE == ENCODE_MAGIC && job.dtype == BF16 && job.output == CODES_U8 && B == 0;
+  const Bf16x16 c16(g16);
+#endif
   constexpr bool MAGIC = MODE == MAGIC_RNE || MODE == MAGIC_SRC;
   const bool magic_coded = MAGIC && B > 0 && job.output != VALUES && (f.sat || f.has_nans);
   const bool pow2 = job.blocks.rule < NEAREST;
@@ -720,6 +793,12 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
       const char* ahead = static_cast<const char*>(job.x) + (pos0 + PREFETCH_ROWS * LANES) * elem;
       for (int i = 0; i < LANES * elem; i += 64) __builtin_prefetch(ahead + i);
     }
+#ifdef __AVX2__
+    if (bf16_codes && h0 == 0 && h1 == LANES
+        && encode_bf16_row(static_cast<const uint16_t*>(job.x) + pos0, static_cast<uint8_t*>(job.out) + pos0,
+                           c16, f))
+      continue;
+#endif
     const uint32_t* xs;
     if (job.dtype == F32) {
       xs = static_cast<const uint32_t*>(job.x) + pos0;
