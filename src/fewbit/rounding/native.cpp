@@ -688,8 +688,7 @@ void scale_blocks(const uint32_t* __restrict xs, int h1, int64_t start, const Bl
 // y = |v| + C, whose low bits count the rounded magnitude in ulps of the binade e_t:
 // code_of's result without computing the value (nor its float32 subnormals, which cost
 // a microcode assist each for e2m1's 0.5). NaN blocks hold the codes that scale_blocks's
-// NaN elements get. (For values, a fused loop measured no faster than scale_blocks's
-// pass, magic_one and scale_back.)
+// NaN elements get. (magic_values does the same for values.)
 template <bool SR, bool DIVIDE, int FIXED_B>
 void magic_codes(const uint32_t* __restrict xs, int h1, int B, const uint32_t* __restrict amax,
                  const uint32_t* __restrict by, Fields n, const Fmt& f, uint32_t* __restrict codes) {
@@ -720,6 +719,30 @@ void magic_codes(const uint32_t* __restrict xs, int h1, int B, const uint32_t* _
       mag = mag > max_code ? beyond : mag;
       const uint32_t keep_sign = (v >> 31) & (nz | (mag != 0));
       codes[h] = mag | (keep_sign << sign_at);  // no NaN here: x * 2^-e is one only in a NaN block
+    }
+  }
+}
+
+// Block values of the magic modes where no element can be refused, in one loop per block
+// as magic_codes: each element scaled (x * 2^-e, or x / S: DIVIDE; by as there), rounded by
+// magic_one, and multiplied by S (factor). A NaN block's values are NaN and a block whose S
+// is 0 holds zeros, as scale_blocks, magic_one and scale_back give them.
+template <bool SR, bool DIVIDE, int FIXED_B>
+void magic_values(const uint32_t* __restrict xs, int h1, int B, const uint32_t* __restrict amax,
+                  const uint32_t* __restrict by, const uint32_t* __restrict factor, Fields n, const Fmt& f,
+                  uint32_t* __restrict rs) {
+  if (FIXED_B > 0) B = FIXED_B;
+  for (int b = 0; b < h1 / B; ++b) {
+    const float s = as_float(by[b]), back = as_float(factor[b]);
+    if (amax[b] > 0x7F800000u || (DIVIDE && s == 0.0f)) {
+      for (int i = 0; i < B; ++i) rs[b * B + i] = amax[b] > 0x7F800000u ? NAN_BITS : 0;
+      continue;
+    }
+    for (int i = 0; i < B; ++i) {
+      const int h = b * B + i;
+      const float v = DIVIDE ? as_float(xs[h]) / s : as_float(xs[h]) * s;
+      const uint32_t r = magic_one<SR>(__builtin_bit_cast(uint32_t, v), SR ? n.at(h) : 0, f);
+      rs[h] = __builtin_bit_cast(uint32_t, as_float(r) * back);
     }
   }
 }
@@ -777,6 +800,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
 #endif
   constexpr bool MAGIC = MODE == MAGIC_RNE || MODE == MAGIC_SRC;
   const bool magic_coded = MAGIC && B > 0 && job.output != VALUES && (f.sat || f.has_nans);
+  const bool magic_valued = MAGIC && B > 0 && job.output == VALUES && (f.sat || f.has_nans);
   const bool pow2 = job.blocks.rule < NEAREST;
   int64_t bad = -1;
   for (int64_t row = row0; row < row1; ++row) {
@@ -817,7 +841,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
       xs = xbuf;
     }
     if (B > 0) {
-      uint32_t* scaled = magic_coded ? nullptr : sbuf;  // magic_codes scales as it goes
+      uint32_t* scaled = magic_coded || magic_valued ? nullptr : sbuf;  // they scale as they go
       by_block_size(B, [&](auto size) {
         scale_blocks<size()>(xs, h1, start, job.blocks, f, scaled, amax, factor, inv);
       });
@@ -875,6 +899,14 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
               magic_codes<SR, true, size()>(xs, h1, B, amax, factor, n, f, cbuf);
             }
           });
+        } else if (magic_valued) {
+          by_block_size(B, [&](auto size) {
+            if (pow2) {
+              magic_values<SR, false, size()>(xs, h1, B, amax, inv, factor, n, f, rs);
+            } else {
+              magic_values<SR, true, size()>(xs, h1, B, amax, factor, factor, n, f, rs);
+            }
+          });
         } else {
           for (int h = h0; h < h1; ++h) rs[h] = magic_one<SR>(xs[h], n.at(h), f);
         }
@@ -883,7 +915,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
       } else {
         for (int h = h0; h < h1; ++h) rs[h] = round_one<Mode(MODE)>(xs[h], n.at(h), sel.at(h), f);
       }
-      if (!f.has_nans && !magic_coded) {  // NaN marks an element without a valid result
+      if (!f.has_nans && !magic_coded && !magic_valued) {  // NaN marks an element without a valid result
         int32_t any = 0;
         for (int h = h0; h < h1; ++h) any |= (rs[h] & 0x7FFFFFFFu) > 0x7F800000u;
         for (int h = h0; any && h < h1 && bad < 0; ++h)
@@ -894,7 +926,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
     // bfloat16 values too: where q's grid times 2^e is finer than bfloat16's at x / 2^e,
     // x / 2^e lies on it and q * 2^e = x; elsewhere q * 2^e is a multiple of bfloat16's step
     // there. Other scales need the rounding.
-    if (B > 0 && job.output == VALUES)
+    if (B > 0 && job.output == VALUES && !magic_valued)
       by_block_size(B, [&](auto size) { scale_back<size()>(rs, h1, B, factor); });
     const bool exact_bf16 = B == 0 || pow2;
     switch (job.output) {
