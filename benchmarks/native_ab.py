@@ -10,7 +10,7 @@ take turns, each call paired with a ``copy_`` of the input into a preallocated o
 just before it: on a machine whose speed drifts, every build sees the same conditions.
 Printed per build: the median (and quartiles) of copy time / call time, and the best ns
 per element. Block calls (``--format``): codes (quantize) and values (round) of RNE and
-SRC N=3. ``--elements``: float32 and bfloat16 rounded to binary8p4 in RNE, SRC N=3 and
+SRC N=3. ``--elements``: float32, bfloat16 and float16 rounded to binary8p4 in RNE, SRC N=3 and
 ``sr``, and encoded to uint8, as ``fewbit bench --quick``.
 """
 
@@ -65,7 +65,7 @@ def main() -> None:
         n = 1 << args.log2_size
         x = torch.randn(n, generator=torch.Generator().manual_seed(0))
         if args.elements:
-            for dtype in (torch.float32, torch.bfloat16):
+            for dtype in (torch.float32, torch.bfloat16, torch.float16):
                 xd = (x * 8).to(dtype)
                 for label, calls in element_calls(xd, args.builds, libraries, args.threads).items():
                     compare(f"{str(dtype).removeprefix('torch.')} {label}", calls, xd, args.pairs)

@@ -83,7 +83,7 @@ def test_bench_json_rows(capsys):
     rows = [r for r in rows if "us_per_call" not in r]
     f32 = {(r["mode"], r["bits"]): r for r in rows if r["input"] == "torch.float32"}
     assert set(f32) == {("copy_", None), ("rne", None), ("src", 3), ("sr", None), ("encode to uint8", None)}
-    assert {r["input"] for r in rows} == {"torch.float32", "torch.bfloat16"}
+    assert {r["input"] for r in rows} == {"torch.float32", "torch.bfloat16", "torch.float16"}
     for r in rows:
         assert r["melem_per_s"] > 0 and r["gb_per_s"] > 0
         assert r["mode"] == "copy_" or r["x_copy"] > 0 and r["x_clone"] > 0

@@ -104,7 +104,7 @@ def run(
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     rows = []
     gen = torch.Generator(device=device).manual_seed(0)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x = (torch.randn(n, generator=gen, device=device) * 8).to(dtype)
         out = torch.empty_like(x)
 
@@ -119,7 +119,7 @@ def run(
                      "melem_per_s": n / t / 1e6, "gb_per_s": 2 * x.nbytes / t / 1e9})
         targets = TARGETS[:1] if quick else TARGETS
         for fmt in targets:
-            if fmt == "bfloat16" and dtype == torch.bfloat16:
+            if fmt == "bfloat16" and dtype != torch.float32:  # bfloat16 itself; float16 cannot hold it
                 continue
             configs = [("rne", None)]
             for mode in (["src"] if quick else SR_MODES):

@@ -572,6 +572,33 @@ inline uint16_t round_to_bfloat16(uint32_t u) {
   return (u & 0x7FFFFFFFu) > 0x7F800000u ? 0xFFFF : uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+// float16 lanes h0 .. h1 widened to float32 bits, and float32 bits narrowed to float16
+// (to nearest even, as torch converts), eight at a time with F16C: GCC leaves a loop of
+// _Float16 conversions scalar, which held float16 calls to a fifth of bfloat16's speed.
+inline void widen_f16(const uint16_t* x16, uint32_t* out, int h0, int h1) {
+  int h = h0;
+#ifdef __F16C__
+  for (; h + 8 <= h1; h += 8)
+    _mm256_storeu_ps(reinterpret_cast<float*>(out + h),
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x16 + h))));
+#endif
+  for (; h < h1; ++h) {
+    const float w = float(__builtin_bit_cast(_Float16, x16[h]));
+    std::memcpy(out + h, &w, 4);
+  }
+}
+
+inline void narrow_f16(const uint32_t* rs, uint16_t* o, int h0, int h1) {
+  int h = h0;
+#ifdef __F16C__
+  for (; h + 8 <= h1; h += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(o + h),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(reinterpret_cast<const float*>(rs + h)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; h < h1; ++h) o[h] = __builtin_bit_cast(uint16_t, _Float16(as_float(rs[h])));
+}
+
 // 2^e as float32 bits, e in [-127, 127] (2^-127 is a subnormal).
 inline uint32_t pow2_bits(int32_t e) { return e >= -126 ? uint32_t(e + 127) << 23 : 0x00400000u; }
 
@@ -831,12 +858,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
       if (job.dtype == BF16) {
         if (!fused) for (int h = h0; h < h1; ++h) xbuf[h] = uint32_t(x16[h]) << 16;
       } else {
-        for (int h = h0; h < h1; ++h) {
-          _Float16 v;
-          std::memcpy(&v, x16 + h, 2);
-          const float w = float(v);
-          std::memcpy(xbuf + h, &w, 4);
-        }
+        widen_f16(x16, xbuf, h0, h1);
       }
       xs = xbuf;
     }
@@ -942,11 +964,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
           uint16_t* o = static_cast<uint16_t*>(job.out) + pos0;
           for (int h = h0; h < h1; ++h) o[h] = round_to_bfloat16(rs[h]);
         } else if (job.dtype == F16) {
-          uint16_t* o = static_cast<uint16_t*>(job.out) + pos0;
-          for (int h = h0; h < h1; ++h) {
-            const _Float16 v = _Float16(as_float(rs[h]));
-            std::memcpy(o + h, &v, 2);
-          }
+          narrow_f16(rs, static_cast<uint16_t*>(job.out) + pos0, h0, h1);
         }
         break;
       default: {  // codes: computed in 32 bits (GCC vectorises no mix of widths), then narrowed
