@@ -178,24 +178,33 @@ def test_encode_same_codes_and_errors_as_torch(name, dtype):
     assert isinstance(expected, str) and got == expected
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", ["binary8p4", "ocp_e4m3", "ocp_e5m2", "ocp_e2m1"])
-def test_bfloat16_encode_in_whole_rows(name):
-    """bfloat16 encodes whole rows of 512 on its 16 bits: every bfloat16 pattern rounded to
-    the format (every code, zeros of both signs, Inf and NaN where it has them, below and
-    above 2^emin) gives the torch kernel's codes; of two values of none of its, in rows of
-    their own, the first is reported, as is a NaN in a format without one."""
+def test_16_bit_encode_in_whole_rows(name, dtype):
+    """bfloat16, and float16 that converts to it exactly, encode whole rows of 512 on 16
+    bits: every bit pattern of the dtype rounded to the format (every code, zeros of both
+    signs, Inf and NaN where it has them, below and above 2^emin) gives the torch kernel's
+    codes; of two values of none of its, in rows of their own, the first is reported, as
+    is a NaN in a format without one and a float16 whose leading 16 bits are a value."""
     fmt = fewbit.format(name)
-    x = every_bfloat16(torch.bfloat16)
+    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
     if not fmt.has_nans:
         x = torch.nan_to_num(x, nan=0.0)
     values = fewbit.round(x, fmt, sat=not fmt.has_nans)
+    # shuffled, so that neighbouring lanes hold different codes
+    values = values[torch.randperm(values.numel(), generator=torch.Generator().manual_seed(1))]
     expected, got = eager_and_native(lambda: fewbit.encode(values, fmt))
     assert torch.equal(got, expected)
     assert len(set(expected.tolist())) == len([v for v in fmt.values() if v == v]) + fmt.has_nans
     off = values.clone()
-    off[40_000], off[1_000] = 0.7, 0.3  # 0.30078125 and 0.69921875 in bfloat16: no values of fmt
+    off[40_000], off[1_000] = 0.69921875, 0.30078125  # bfloat16 and float16 values, of no 8-bit format
     expected, got = eager_and_native(lambda: fewbit.encode(off, fmt))
     assert got == expected == f"0.30078125 is not a value of {name}; round it first (fewbit.round)"
+    if dtype == torch.float16:  # 1 + 2^-10: no bfloat16, though its leading 16 bits are 1.0's
+        off = values.clone()
+        off[2_000] = 1 + 2**-10
+        expected, got = eager_and_native(lambda: fewbit.encode(off, fmt))
+        assert got == expected == f"1.0009765625 is not a value of {name}; round it first (fewbit.round)"
     if not fmt.has_nans:
         off = values.clone()
         off[3_000] = float("nan")
