@@ -95,15 +95,17 @@ def test_bench_json_rows(capsys):
 
 
 def test_bench_block_rows(capsys):
-    """`fewbit bench --block`: quantize and round rows for mxfp8_e4m3, mxfp4, nvfp4 with RNE and SRC N=3."""
+    """`fewbit bench --block`: quantize and round rows for mxfp8_e4m3, mxfp4, nvfp4 with RNE and SRC N=3,
+    from float32 and bfloat16."""
     import json
 
     code, out, _ = run(capsys, "bench", "--quick", "--block", "--log2-size", "12", "--repeat", "1", "--json")
     assert code == 0
     rows = [r for r in json.loads(out[out.index("[") :]) if " " in r["format"] and "us_per_call" not in r]
-    assert {(r["format"], r["mode"], r["bits"]) for r in rows} == {
-        (f"{name} {what}", mode, bits) for name in ("mxfp8_e4m3", "mxfp4", "nvfp4")
-        for what in ("quantize", "round") for mode, bits in (("rne", None), ("src", 3))}
+    assert sorted((r["input"], r["format"], r["mode"], r["bits"] or 0) for r in rows) == sorted(
+        (dtype, f"{name} {what}", mode, bits) for dtype in ("torch.float32", "torch.bfloat16")
+        for name in ("mxfp8_e4m3", "mxfp4", "nvfp4") for what in ("quantize", "round")
+        for mode, bits in (("rne", 0), ("src", 3)))
     assert all(r["x_copy"] > 0 and r["x_clone"] > 0 for r in rows)
 
 

@@ -20,6 +20,7 @@ one call on 4096 elements, where the per-call overhead is all there is.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import statistics
 import time
@@ -179,30 +180,32 @@ BLOCK_FORMATS = ["mxfp8_e4m3", "mxfp4", "nvfp4"]
 def block_rows(log2_size: int, device: str, repeat: int, sync: Callable[[], None],
                progress: Callable[[str], None] | None = None) -> list[dict]:
     """``fewbit.block.quantize`` (to codes) and ``fewbit.block.round`` (quantise-dequantise)
-    on float32 rows of 4096, blocks along them, RNE and SRC N=3: ``x copy`` into
-    preallocated outputs (``out=``) against ``copy_`` of the input, ``x clone`` returning
-    new tensors against ``clone``, as the element rows."""
+    on float32 and bfloat16 rows of 4096, blocks along them, RNE and SRC N=3: ``x copy``
+    into preallocated outputs (``out=``) against ``copy_`` of the input, ``x clone``
+    returning new tensors against ``clone``, as the element rows."""
     from . import block
 
     n = max(1 << log2_size, 4096)
-    x = torch.randn(n // 4096, 4096, generator=torch.Generator(device=device).manual_seed(0), device=device)
-    out = torch.empty_like(x)
+    x32 = torch.randn(n // 4096, 4096, generator=torch.Generator(device=device).manual_seed(0), device=device)
     rows = []
-    for name in BLOCK_FORMATS:
-        stored = block.quantize(x, name)
-        for mode, bits in (("rne", None), ("src", 3)):
-            kw = {"bits": bits, **({"seed": 1} if bits else {})}
-            for what, fn, into in (("quantize", block.quantize, stored), ("round", block.round, out)):
-                label = f"float32 -> {name} {what} {mode}"
+    for x in (x32, x32.to(torch.bfloat16)):
+        out = torch.empty_like(x)
+        for name in BLOCK_FORMATS:
+            stored = block.quantize(x, name)
+            calls = (("quantize", block.quantize, stored), ("round", block.round, out))
+            for (mode, bits), (what, fn, into) in itertools.product((("rne", None), ("src", 3)), calls):
+                kw = {"bits": bits, **({"seed": 1} if bits else {})}
+                label = f"{str(x.dtype).removeprefix('torch.')} -> {name} {what} {mode}"
                 if progress:
                     progress(label)
 
-                def call(fn=fn, name=name, mode=mode, kw=kw, into=None):
+                def call(fn=fn, name=name, mode=mode, kw=kw, into=None, x=x):
                     return fn(x, name, mode, out=into, **kw)
 
-                t, x_copy = paired(functools.partial(call, into=into), lambda: out.copy_(x), repeat, sync)
+                copy = functools.partial(out.copy_, x)
+                t, x_copy = paired(functools.partial(call, into=into), copy, repeat, sync)
                 moved = x.nbytes + into.nbytes  # a stored tensor's: its codes and scales
-                rows.append({"input": "torch.float32", "format": f"{name} {what}", "mode": mode, "bits": bits,
+                rows.append({"input": str(x.dtype), "format": f"{name} {what}", "mode": mode, "bits": bits,
                              "melem_per_s": n / t / 1e6, "gb_per_s": moved / t / 1e9, "x_copy": x_copy,
                              "x_clone": paired(call, x.clone, repeat, sync)[1]})
     return rows
