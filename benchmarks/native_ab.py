@@ -10,7 +10,8 @@ take turns, each call paired with a ``copy_`` of the input into a preallocated o
 just before it: on a machine whose speed drifts, every build sees the same conditions.
 Printed per build: the median (and quartiles) of copy time / call time, and the best ns
 per element. Block calls (``--format``): codes (quantize) and values (round) of RNE and
-SRC N=3. ``--elements``: float32, bfloat16 and float16 rounded to binary8p4 in RNE, SRC N=3 and
+SRC N=3, from float32 or (``--dtype bfloat16``) bfloat16. ``--elements``: float32,
+bfloat16 and float16 rounded to binary8p4 in RNE, SRC N=3 and
 ``sr``, and encoded to uint8, as ``fewbit bench --quick``.
 """
 
@@ -54,6 +55,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("builds", nargs="+", help="git revisions or paths of native.cpp")
     parser.add_argument("--format", default="mxfp8_e4m3", help="the block format of block calls")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="x's dtype in block calls")
     parser.add_argument("--elements", action="store_true", help="element calls instead of block calls")
     parser.add_argument("--log2-size", type=int, default=24)
     parser.add_argument("--threads", type=int, default=2)
@@ -70,8 +73,9 @@ def main() -> None:
                 for label, calls in element_calls(xd, args.builds, libraries, args.threads).items():
                     compare(f"{str(dtype).removeprefix('torch.')} {label}", calls, xd, args.pairs)
         else:
+            xd = x.to(getattr(torch, args.dtype))
             for mode, bits in (("rne", None), ("src", 3)):
-                compare(f"{args.format} {mode}", block_calls(x, args, mode, bits, libraries), x, args.pairs)
+                compare(f"{args.format} {mode}", block_calls(xd, args, mode, bits, libraries), xd, args.pairs)
 
 
 def element_calls(x: torch.Tensor, names: list[str], libraries: list, threads: int) -> dict[str, dict]:
@@ -100,7 +104,7 @@ def element_calls(x: torch.Tensor, names: list[str], libraries: list, threads: i
 def block_calls(x: torch.Tensor, args, mode: str, bits: int | None, libraries: list) -> dict:
     """fewbit_block of each build on x, codes and values: {label: call}."""
     n = x.numel()
-    spec = _spec(torch.float32, args.format, mode, True, bits, None, None)
+    spec = _spec(x.dtype, args.format, mode, True, bits, None, None)
     size, packed = spec.bfmt.block_size, spec.bfmt.packed
     rule = native._RULES[spec.rule]
     tensor_scale = _tensor_scale(x, spec.bfmt)  # NVFP4's, found as block.quantize finds it
@@ -129,7 +133,8 @@ def call_round(library, x, out, dtype, output, params, kernel, keys, threads):
 
 def call_block(library, x, out, scales, output, *args):
     scales = None if scales is None else scales.data_ptr()
-    library.fewbit_block(x.data_ptr(), 0, out.data_ptr(), output, x.numel(), *args, scales)
+    dtype = native._DTYPES[x.dtype]
+    library.fewbit_block(x.data_ptr(), dtype, out.data_ptr(), output, x.numel(), *args, scales)
 
 
 def compare(title: str, calls: dict, x: torch.Tensor, pairs: int) -> None:
