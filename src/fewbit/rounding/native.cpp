@@ -326,7 +326,7 @@ inline uint16_t magic_bf16(uint16_t v, uint32_t n, const Bf16Magic& g) {
 // shifts, masks and permutes.
 struct Bf16x16 {
   __m256i magnitude = _mm256_set1_epi16(0x7FFF), sign_bit = _mm256_set1_epi16(int16_t(0x8000));
-  __m256i one = _mm256_set1_epi16(1), nan_below = _mm256_set1_epi16(0x7F80), zero = _mm256_setzero_si256();
+  __m256i one = _mm256_set1_epi16(1), inf = _mm256_set1_epi16(0x7F80), zero = _mm256_setzero_si256();  // inf: above, NaN
   __m256i pre_lsb, pre_half, pre_keep, keep, pre_unit, emin, max, beyond, no_nz, sr_keep;
   __m256 big;
 
@@ -359,7 +359,7 @@ struct Bf16x16 {
     // x's sign, off a zero where the format has no -0
     const __m256i drop = _mm256_and_si256(_mm256_cmpeq_epi16(mag, zero), no_nz);
     const __m256i out = _mm256_or_si256(mag, _mm256_andnot_si256(drop, _mm256_and_si256(v, sign_bit)));
-    return _mm256_or_si256(out, _mm256_cmpgt_epi16(a, nan_below));  // a NaN: 0xFFFF
+    return _mm256_or_si256(out, _mm256_cmpgt_epi16(a, inf));  // a NaN: 0xFFFF
   }
 };
 #endif
@@ -402,7 +402,7 @@ inline void magic_bf16_row(const uint16_t* x16, Fields n, uint16_t* o, int h0, i
 inline bool encode_bf16_row(const uint16_t* x16, uint8_t* o, const Bf16x16& c, const Fmt& f) {
   const __m256i code_base = _mm256_set1_epi16(int16_t(((f[EMIN] + 126) << 7)));
   const __m128i ulp_shift = _mm_cvtsi32_si128(7 - f[T]);
-  const __m256i big_bits = _mm256_castps_si256(c.big), inf = _mm256_set1_epi16(0x7F80);
+  const __m256i big_bits = _mm256_castps_si256(c.big);
   const __m256i inf_code = _mm256_set1_epi16(int16_t(f[CODE_OF_MAX] + 1));
   const __m256i nan_code = _mm256_set1_epi16(int16_t(f[CODE_OF_NAN]));
   const __m256i sign_code = _mm256_set1_epi16(int16_t(1 << (f[K] - 1)));
@@ -417,8 +417,8 @@ inline bool encode_bf16_row(const uint16_t* x16, uint8_t* o, const Bf16x16& c, c
     const __m256i tiny = _mm256_packus_epi32(_mm256_sub_epi32(_mm256_castps_si256(ylo), big_bits),
                                              _mm256_sub_epi32(_mm256_castps_si256(yhi), big_bits));
     __m256i code = _mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi16(c.emin, a));
-    const __m256i nan = _mm256_cmpgt_epi16(a, c.nan_below);
-    code = _mm256_blendv_epi8(code, inf_code, _mm256_cmpeq_epi16(a, inf));  // extended formats' Inf
+    const __m256i nan = _mm256_cmpgt_epi16(a, c.inf);
+    code = _mm256_blendv_epi8(code, inf_code, _mm256_cmpeq_epi16(a, c.inf));  // extended formats' Inf
     code = _mm256_blendv_epi8(code, nan_code, nan);
     // code_of's sign: on a negative x that is no NaN, and on a zero only where the format has -0
     const __m256i dropped = _mm256_or_si256(nan, _mm256_andnot_si256(nz, _mm256_cmpeq_epi16(code, c.zero)));
@@ -441,12 +441,6 @@ inline bool encode_bf16_row(const uint16_t* x16, uint8_t* o, const Bf16x16& c, c
   }
   return _mm256_testz_si256(bad, bad);
 }
-#endif
-
-#ifdef __F16C__
-constexpr bool HAS_F16C = true;
-#else
-constexpr bool HAS_F16C = false;
 #endif
 
 #if defined(__AVX2__) && defined(__F16C__)
@@ -735,6 +729,13 @@ void scale_blocks(const uint32_t* __restrict xs, int h1, int64_t start, const Bl
   }
 }
 
+// magic_codes's and magic_values's scaling of an element: x * 2^-e, or x / S (DIVIDE);
+// and the blocks they do not scale: a NaN block, or one whose S is 0 (2^-e never is).
+template <bool DIVIDE>
+inline float scale_by(float x, float by) { return DIVIDE ? x / by : x * by; }
+template <bool DIVIDE>
+inline bool unscaled(uint32_t amax, float by) { return amax > 0x7F800000u || (DIVIDE && by == 0.0f); }
+
 // Codes of the magic modes (magic_one's RNE and SRC) on blocks, where no element can be
 // refused (sat, or a format with NaN), in one loop per block: each element is scaled, then
 // rounded and encoded, x * 2^-e with power-of-two scales (by: each block's 2^-e), x / S
@@ -758,13 +759,13 @@ void magic_codes(const uint32_t* __restrict xs, int h1, int B, const uint32_t* _
   const uint32_t nz = f.has_nz, fill = f.has_nans ? nan_code : 0;
   for (int b = 0; b < h1 / B; ++b) {
     const float s = as_float(by[b]);
-    if (amax[b] > 0x7F800000u || (DIVIDE && s == 0.0f)) {  // 2^-e is never 0
+    if (unscaled<DIVIDE>(amax[b], s)) {
       for (int i = 0; i < B; ++i) codes[b * B + i] = amax[b] > 0x7F800000u ? fill : 0;
       continue;
     }
     for (int i = 0; i < B; ++i) {
       const int h = b * B + i;
-      const uint32_t v = __builtin_bit_cast(uint32_t, DIVIDE ? as_float(xs[h]) / s : as_float(xs[h]) * s);
+      const uint32_t v = __builtin_bit_cast(uint32_t, scale_by<DIVIDE>(as_float(xs[h]), s));
       const uint32_t a = v & ~SIGN;
       const uint32_t c = binade_of(a, f);
       const float big = as_float(c) * f.magic_scale[SR];
@@ -790,13 +791,13 @@ void magic_values(const uint32_t* __restrict xs, int h1, int B, const uint32_t* 
   if (FIXED_B > 0) B = FIXED_B;
   for (int b = 0; b < h1 / B; ++b) {
     const float s = as_float(by[b]), back = as_float(factor[b]);
-    if (amax[b] > 0x7F800000u || (DIVIDE && s == 0.0f)) {
+    if (unscaled<DIVIDE>(amax[b], s)) {
       for (int i = 0; i < B; ++i) rs[b * B + i] = amax[b] > 0x7F800000u ? NAN_BITS : 0;
       continue;
     }
     for (int i = 0; i < B; ++i) {
       const int h = b * B + i;
-      const float v = DIVIDE ? as_float(xs[h]) / s : as_float(xs[h]) * s;
+      const float v = scale_by<DIVIDE>(as_float(xs[h]), s);
       const uint32_t r = magic_one<SR>(__builtin_bit_cast(uint32_t, v), SR ? n.at(h) : 0, f);
       rs[h] = __builtin_bit_cast(uint32_t, as_float(r) * back);
     }
@@ -851,9 +852,8 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
   const Bf16Magic g16(f, MODE == MAGIC_SRC);
 #ifdef __AVX2__
   // encode to uint8 codes: whole rows of bfloat16 on their 16 bits (encode_bf16_row), and
-  // of float16 that way where they convert to bfloat16 exactly
-  const bool bf16_codes = MODE == ENCODE_MAGIC && job.output == CODES_U8 && B == 0
-                          && (job.dtype == BF16 || (job.dtype == F16 && HAS_F16C));
+  // of float16 that way where they convert to bfloat16 exactly (with F16C)
+  const bool bf16_codes = MODE == ENCODE_MAGIC && job.output == CODES_U8 && B == 0 && job.dtype != F32;
   const Bf16x16 c16(g16);
 #endif
   constexpr bool MAGIC = MODE == MAGIC_RNE || MODE == MAGIC_SRC;
