@@ -58,6 +58,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="x's dtype in block calls")
     parser.add_argument("--elements", action="store_true", help="element calls instead of block calls")
+    parser.add_argument("--scale", type=float, default=8.0,
+                        help="element calls round randn times this (8: fewbit bench's data)")
     parser.add_argument("--log2-size", type=int, default=24)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--pairs", type=int, default=25)
@@ -69,7 +71,7 @@ def main() -> None:
         x = torch.randn(n, generator=torch.Generator().manual_seed(0))
         if args.elements:
             for dtype in (torch.float32, torch.bfloat16, torch.float16):
-                xd = (x * 8).to(dtype)
+                xd = (x * args.scale).to(dtype)
                 for label, calls in element_calls(xd, args.builds, libraries, args.threads).items():
                     compare(f"{str(dtype).removeprefix('torch.')} {label}", calls, xd, args.pairs)
         else:

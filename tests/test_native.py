@@ -6,6 +6,7 @@ reference and to gfloat."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -210,6 +211,30 @@ def test_16_bit_encode_in_whole_rows(name, dtype):
         off[3_000] = float("nan")
         expected, got = eager_and_native(lambda: fewbit.encode(off, fmt))
         assert got == expected and "nan" in got
+
+
+@pytest.mark.parametrize("name", ["binary8p4", "ocp_e4m3"])
+def test_bfloat16_rows_skip_the_float_adder_only_where_nothing_lies_below_emin(name):
+    """bfloat16 rows leave out the float adder's lanes in groups of 64 with nothing below
+    2^emin, up to the first group with such a value: rows with none, with one in a row's
+    first, middle or last lane, or in the last lane of a group, round (RNE, SRC N=3, sr)
+    and encode as the torch kernels."""
+    fmt = fewbit.format(name)
+    gen = torch.Generator().manual_seed(2)
+    rows = (torch.rand(6, 512, generator=gen) + 1) * 2.0 ** (fmt.emin + 1)  # in the normal range
+    rows *= torch.where(torch.rand(rows.shape, generator=gen) < 0.5, -1.0, 1.0)
+    tiny = 2.0 ** (fmt.emin - 1) * 1.375  # below 2^emin, between two of the format's values
+    for row, lane in ((1, 0), (2, 63), (3, 64 * 5 + 17), (4, 511)):
+        rows[row, lane] = -tiny if lane % 2 else tiny
+    x = rows.flatten().to(torch.bfloat16)
+    for mode, args in (("rne", {}), ("src", {"bits": 3, "seed": 4}), ("sr", {"seed": 5})):
+        call = functools.partial(fewbit.round, x, fmt, mode, sat=True, **args)
+        expected, got = eager_and_native(call)
+        assert same_bits(got, expected), mode
+        assert (expected.abs() < 2.0**fmt.emin).sum() > 0  # values below 2^emin remain: x holds some
+    values = fewbit.round(x, fmt, sat=True)
+    expected, got = eager_and_native(lambda: fewbit.encode(values, fmt))
+    assert torch.equal(got, expected)
 
 
 def test_build_failure_warns_and_falls_back(monkeypatch, tmp_path):
