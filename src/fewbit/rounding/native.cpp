@@ -362,9 +362,10 @@ struct Bf16x16 {
       mag = _mm256_blendv_epi8(r, _mm256_packus_epi32(tlo, thi), _mm256_cmpgt_epi16(emin, a));
     }
     mag = _mm256_blendv_epi8(mag, beyond, _mm256_cmpgt_epi16(mag, max));
-    // x's sign, off a zero where the format has no -0
-    const __m256i drop = _mm256_and_si256(_mm256_cmpeq_epi16(mag, zero), no_nz);
-    const __m256i out = _mm256_or_si256(mag, _mm256_andnot_si256(drop, _mm256_and_si256(v, sign_bit)));
+    // x's sign, off a zero where the format has no -0 (only a lane below 2^emin rounds to zero)
+    __m256i sign = _mm256_and_si256(v, sign_bit);
+    if (TINY) sign = _mm256_andnot_si256(_mm256_and_si256(_mm256_cmpeq_epi16(mag, zero), no_nz), sign);
+    const __m256i out = _mm256_or_si256(mag, sign);
     return _mm256_or_si256(out, _mm256_cmpgt_epi16(a, inf));  // a NaN: 0xFFFF
   }
 };
