@@ -57,6 +57,9 @@ struct Fmt {
   float max;  // the largest finite value
   float magic_scale[2];  // magic.py's 2^c / 2^e_t: for RNE (1.5 2^(23 - t)) and SRC (2^(23 - t - N))
   uint32_t rceil_fraction, even_fraction;  // block scale rules (block_exponent)
+  // The code beyond the largest value in the magic modes: max's (sat), Inf's, or NaN's
+  // (whose code holds the sign bit).
+  uint32_t beyond_code;
 
   explicit Fmt(const int32_t* params) : tiny_scale(std::ldexp(1.0f, params[MIN_ULP_EXP])) {
     std::memcpy(p, params, sizeof p);
@@ -71,6 +74,7 @@ struct Fmt {
     code_scale = std::ldexp(1.0f, -126 - p[EMIN]);
     stop_always = p[LIMIT_RULE] == EVERYWHERE, stop_negative = p[LIMIT_RULE] == NEGATIVE;
     stop_positive = p[LIMIT_RULE] == POSITIVE;
+    beyond_code = uint32_t(sat ? p[CODE_OF_MAX] : extended ? p[CODE_OF_MAX] + 1 : p[CODE_OF_NAN]);
   }
   int32_t operator[](Param i) const { return p[i]; }
   bool flag(Flag f) const { return p[FLAGS] & f; }
@@ -337,6 +341,15 @@ struct Bf16x16 {
         beyond(_mm256_set1_epi16(g.beyond)), no_nz(_mm256_set1_epi16(int16_t(~g.nz))),
         sr_keep(_mm256_set1_epi32(int32_t(g.sr_keep))), big(_mm256_set1_ps(g.big)) {}
 
+  // Magnitudes a in the target's normal range rounded on their 16 bits, as magic_bf16: to
+  // nearest even at 2^pre, then for SR plus n 2^pre, the low d bits cleared.
+  template <bool SR>
+  __m256i nearest(__m256i a, __m256i n16) const {
+    const __m256i lsb = _mm256_min_epi16(_mm256_and_si256(a, pre_lsb), one);
+    const __m256i r = _mm256_and_si256(_mm256_add_epi16(_mm256_add_epi16(a, pre_half), lsb), pre_keep);
+    return SR ? _mm256_and_si256(_mm256_add_epi16(r, _mm256_mullo_epi16(n16, pre_unit)), keep) : r;
+  }
+
   // Where lanes v lie below 2^emin (all ones), as magnitudes (a NaN does not).
   __m256i below(__m256i v) const { return _mm256_cmpgt_epi16(emin, _mm256_and_si256(v, magnitude)); }
 
@@ -346,9 +359,7 @@ struct Bf16x16 {
   template <bool SR, bool TINY>
   __m256i round(__m256i v, __m256i n16, __m256i nlo, __m256i nhi, __m256& ylo, __m256& yhi) const {
     const __m256i a = _mm256_and_si256(v, magnitude);
-    const __m256i lsb = _mm256_min_epi16(_mm256_and_si256(a, pre_lsb), one);
-    __m256i r = _mm256_and_si256(_mm256_add_epi16(_mm256_add_epi16(a, pre_half), lsb), pre_keep);
-    if (SR) r = _mm256_and_si256(_mm256_add_epi16(r, _mm256_mullo_epi16(n16, pre_unit)), keep);
+    const __m256i r = nearest<SR>(a, n16);
     __m256i mag = r;
     if (TINY) {
       ylo = _mm256_add_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, a)), big);
@@ -367,6 +378,25 @@ struct Bf16x16 {
     if (TINY) sign = _mm256_andnot_si256(_mm256_and_si256(_mm256_cmpeq_epi16(mag, zero), no_nz), sign);
     const __m256i out = _mm256_or_si256(mag, sign);
     return _mm256_or_si256(out, _mm256_cmpgt_epi16(a, inf));  // a NaN: 0xFFFF
+  }
+};
+
+// A Fields row's n, 16 lanes at a time: n16 in lane order, and nlo, nhi in the order of
+// Bf16x16's float adder lanes.
+struct Fields16 {
+  const uint32_t* w;
+  __m256i field;
+  __m128i shift;
+
+  explicit Fields16(Fields n)
+      : w(n.w), field(_mm256_set1_epi32(int32_t(n.mask))), shift(_mm_cvtsi32_si128(int(n.shift))) {}
+
+  __m256i at(int h, __m256i& nlo, __m256i& nhi) const {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + h));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + h + 8));
+    nlo = _mm256_and_si256(_mm256_srl_epi32(_mm256_permute2x128_si256(w0, w1, 0x20), shift), field);
+    nhi = _mm256_and_si256(_mm256_srl_epi32(_mm256_permute2x128_si256(w0, w1, 0x31), shift), field);
+    return _mm256_packus_epi32(nlo, nhi);
   }
 };
 #endif
@@ -407,17 +437,10 @@ __attribute__((noinline)) void magic_bf16_row(const uint16_t* x16, Fields n, uin
   int h = h0;
 #ifdef __AVX2__
   const Bf16x16 c(g);
-  const __m256i field = _mm256_set1_epi32(int32_t(n.mask));
-  const __m128i shift = _mm_cvtsi32_si128(int(n.shift));
+  const Fields16 n16s(n);
   const auto chunk = [&](int k, __m256i v, auto tiny) {
     __m256i n16 = c.zero, nlo = c.zero, nhi = c.zero;
-    if (SR) {
-      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(n.w + k));
-      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(n.w + k + 8));
-      nlo = _mm256_and_si256(_mm256_srl_epi32(_mm256_permute2x128_si256(w0, w1, 0x20), shift), field);
-      nhi = _mm256_and_si256(_mm256_srl_epi32(_mm256_permute2x128_si256(w0, w1, 0x31), shift), field);
-      n16 = _mm256_packus_epi32(nlo, nhi);
-    }
+    if (SR) n16 = n16s.at(k, nlo, nhi);
     __m256 ylo, yhi;
     const __m256i r = c.round<SR, decltype(tiny)::value>(v, n16, nlo, nhi, ylo, yhi);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k), r);
@@ -713,18 +736,32 @@ inline double e4m3_scale(double target, bool up, uint32_t& code) {
   return sat ? 448.0 : r * pow2(e - 3);
 }
 
+// Each block's largest magnitude, as float32 bits, into amax: the whole blocks of lanes
+// 0 .. h1 of float32 bits or bfloat16 (FIXED_B as for scale_blocks).
+template <int FIXED_B, typename T>
+void block_maxima(const T* __restrict xs, int h1, int B, uint32_t* __restrict amax) {
+  if (FIXED_B > 0) B = FIXED_B;
+  constexpr int WIDEN = 32 - 8 * int(sizeof(T));  // bfloat16: the high half of a float32
+  constexpr T MAGNITUDE = T(~T(0)) >> 1;
+  for (int b = 0; b < h1 / B; ++b) {
+    T m = 0;
+    for (int i = 0; i < B; ++i) m = std::max<T>(m, xs[b * B + i] & MAGNITUDE);
+    amax[b] = uint32_t(m) << WIDEN;
+  }
+}
+
 // block.kernel.quantize_blocks up to the rounding, for the whole blocks of lanes 0 .. h1
 // (a block call starts at element 0, so every row starts at a block; B elements each;
-// FIXED_B: B known at compile time, 0: read from blocks): each block's largest magnitude
-// (its float32 bits) into amax, its factor S (NaN for a block holding a NaN) into factor
-// and 1 / S into inv where S is a power of two, its scale's code into blocks.scales, and,
-// unless `scaled` is null, the elements x / S into `scaled`. A quotient below float32's
+// FIXED_B: B known at compile time, 0: read from blocks), from each block's largest
+// magnitude in amax (block_maxima): its factor S (NaN for a block holding a NaN) into
+// factor and 1 / S into inv where S is a power of two, its scale's code into
+// blocks.scales, and, unless `scaled` is null, the elements x / S into `scaled`. A quotient below float32's
 // normal range becomes +-2^-126 (it rounds alike, and a zero would not); a block whose S
 // is 0 holds zeros, and a NaN block's elements are NaN, or 0 in an element format without
 // NaN (the scale carries the NaN).
 template <int FIXED_B>
 void scale_blocks(const uint32_t* __restrict xs, int h1, int64_t start, const Blocks& blocks, const Fmt& f,
-                  uint32_t* __restrict scaled, uint32_t* __restrict amax, uint32_t* __restrict factor,
+                  uint32_t* __restrict scaled, const uint32_t* __restrict amax, uint32_t* __restrict factor,
                   uint32_t* __restrict inv) {
   const int B = FIXED_B > 0 ? FIXED_B : blocks.size;
   const int b1 = h1 / B;
@@ -732,11 +769,6 @@ void scale_blocks(const uint32_t* __restrict xs, int h1, int64_t start, const Bl
   const bool pow2 = blocks.rule < NEAREST;
   // In passes each over all the row's blocks, so that one block's chain (reduce, scale,
   // divide) overlaps the next block's instead of stalling on it.
-  for (int b = 0; b < b1; ++b) {
-    uint32_t m = 0;
-    for (int i = 0; i < B; ++i) m = std::max(m, xs[b * B + i] & 0x7FFFFFFFu);
-    amax[b] = m;
-  }
   alignas(64) uint32_t code[LANES];
   if (pow2) {
     const int32_t ceil = blocks.rule == CEIL, rceil = blocks.rule == RCEIL, even = blocks.rule == EVEN;
@@ -796,19 +828,17 @@ inline bool unscaled(uint32_t amax, float by) { return amax > 0x7F800000u || (DI
 // y = |v| + C, whose low bits count the rounded magnitude in ulps of the binade e_t:
 // code_of's result without computing the value (nor its float32 subnormals, which cost
 // a microcode assist each for e2m1's 0.5). NaN blocks hold the codes that scale_blocks's
-// NaN elements get. (magic_values does the same for values.)
+// NaN elements get. (magic_values does the same for values.) Blocks b0 .. h1 / B.
 template <bool SR, bool DIVIDE, int FIXED_B>
-void magic_codes(const uint32_t* __restrict xs, int h1, int B, const uint32_t* __restrict amax,
+void magic_codes(const uint32_t* __restrict xs, int b0, int h1, int B, const uint32_t* __restrict amax,
                  const uint32_t* __restrict by, Fields n, const Fmt& f, uint32_t* __restrict codes) {
   if (FIXED_B > 0) B = FIXED_B;
   constexpr uint32_t SIGN = 0x80000000u;
   const uint32_t emin_binade = uint32_t(f[EMIN] + 127) << 23;
   const uint32_t ulp_shift = 23 - f[T], bits = SR ? f[BITS] : 0, sign_at = f[K] - 1;
-  const uint32_t max_code = f[CODE_OF_MAX], nan_code = f[CODE_OF_NAN];
-  // Beyond the largest value: its code (sat), Inf's, or NaN's (whose code holds the sign bit).
-  const uint32_t beyond = f.sat ? max_code : f.extended ? max_code + 1 : nan_code;
-  const uint32_t nz = f.has_nz, fill = f.has_nans ? nan_code : 0;
-  for (int b = 0; b < h1 / B; ++b) {
+  const uint32_t max_code = f[CODE_OF_MAX], beyond = f.beyond_code;
+  const uint32_t nz = f.has_nz, fill = f.has_nans ? uint32_t(f[CODE_OF_NAN]) : 0;
+  for (int b = b0; b < h1 / B; ++b) {
     const float s = as_float(by[b]);
     if (unscaled<DIVIDE>(amax[b], s)) {
       for (int i = 0; i < B; ++i) codes[b * B + i] = amax[b] > 0x7F800000u ? fill : 0;
@@ -830,6 +860,60 @@ void magic_codes(const uint32_t* __restrict xs, int h1, int B, const uint32_t* _
     }
   }
 }
+
+#ifdef __AVX2__
+// magic_codes for bfloat16 blocks with power-of-two scales 2^e, on their 16 bits (B a
+// multiple of 16, so that no vector straddles two blocks; SR where Bf16Magic::applies).
+// Where x is normal and finite and its quotient q = x 2^-e is at or above 2^emin, q's bits
+// are x's with e taken off the exponent field (exact, as the float product x * 2^-e is).
+// q is then rounded as magic_bf16 rounds in the normal range, and its code is encode_bf16_row's
+// shift of it, or the code beyond max; its sign is x's (no such q rounds to zero).
+// Groups of TINY_TEST lanes from lane 0, up to the first holding a lane for which this fails
+// (x zero, subnormal, Inf or NaN, or q below 2^emin: the float adder's cases): returns its
+// first lane, from whose block on the caller runs magic_codes. by: each block's 2^-e. The
+// codes go to `bytes` where it is not null (uint8 codes), else to `codes`.
+template <bool SR>
+int bf16_block_codes(const uint16_t* x16, int h1, int B, const uint32_t* by, Fields n, const Bf16x16& c,
+                     const Fmt& f, uint32_t* codes, uint8_t* bytes) {
+  const Fields16 n16s(n);
+  const __m256i smallest = _mm256_set1_epi16(0x80), largest = _mm256_set1_epi16(0x7F7F);  // normal, finite
+  const __m256i code_base = _mm256_set1_epi16(int16_t(((f[EMIN] + 126) << 7)));
+  const __m128i ulp_shift = _mm_cvtsi32_si128(7 - f[T]), sign_shift = _mm_cvtsi32_si128(16 - f[K]);
+  const __m256i max_code = _mm256_set1_epi16(int16_t(f[CODE_OF_MAX]));
+  const __m256i beyond = _mm256_set1_epi16(int16_t(f.beyond_code));
+  int h = 0;
+  for (; h + TINY_TEST <= h1; h += TINY_TEST) {
+    __m256i v[PER_TEST], q[PER_TEST], slow = c.zero;
+    for (int j = 0; j < PER_TEST; ++j) {
+      const int k = h + 16 * j;
+      // 2^-e's exponent field is 127 - e (0 for e = 127, whose 2^-127 is a subnormal)
+      const int e = 127 - int(by[k / B] >> 23);
+      v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + k));
+      const __m256i a = _mm256_and_si256(v[j], c.magnitude);
+      q[j] = _mm256_sub_epi16(a, _mm256_set1_epi16(int16_t(e * 128)));
+      slow = _mm256_or_si256(slow, _mm256_or_si256(_mm256_cmpgt_epi16(smallest, a), _mm256_cmpgt_epi16(a, largest)));
+      slow = _mm256_or_si256(slow, _mm256_cmpgt_epi16(c.emin, q[j]));
+    }
+    if (!_mm256_testz_si256(slow, slow)) break;
+    for (int j = 0; j < PER_TEST; ++j) {
+      const int k = h + 16 * j;
+      __m256i nlo, nhi;
+      const __m256i r = c.nearest<SR>(q[j], SR ? n16s.at(k, nlo, nhi) : c.zero);
+      __m256i code = _mm256_srl_epi16(_mm256_sub_epi16(r, code_base), ulp_shift);
+      code = _mm256_blendv_epi8(code, beyond, _mm256_cmpgt_epi16(code, max_code));
+      code = _mm256_or_si256(code, _mm256_srl_epi16(_mm256_and_si256(v[j], c.sign_bit), sign_shift));
+      const __m128i lo = _mm256_castsi256_si128(code), hi = _mm256_extracti128_si256(code, 1);
+      if (bytes != nullptr) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(bytes + k), _mm_packus_epi16(lo, hi));
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + k), _mm256_cvtepu16_epi32(lo));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + k + 8), _mm256_cvtepu16_epi32(hi));
+      }
+    }
+  }
+  return h;
+}
+#endif
 
 // Block values of the magic modes where no element can be refused, in one loop per block
 // as magic_codes: each element scaled (x * 2^-e, or x / S: DIVIDE; by as there), rounded by
@@ -911,12 +995,20 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
   const bool magic_coded = MAGIC && B > 0 && job.output != VALUES && (f.sat || f.has_nans);
   const bool magic_valued = MAGIC && B > 0 && job.output == VALUES && (f.sat || f.has_nans);
   const bool pow2 = job.blocks.rule < NEAREST;
+#ifdef __AVX2__
+  // bfloat16 codes of power-of-two blocks on their 16 bits where they can (bf16_block_codes)
+  const bool bf16_blocks = magic_coded && pow2 && job.dtype == BF16 && B % 16 == 0
+                           && Bf16Magic::applies(f, MODE == MAGIC_SRC);
+#else
+  constexpr bool bf16_blocks = false;
+#endif
   int64_t bad = -1;
   for (int64_t row = row0; row < row1; ++row) {
     const int64_t start = row * LANES;
     const int h0 = int(std::max<int64_t>(job.offset - start, 0));
     const int h1 = int(std::min<int64_t>(job.offset + job.n - start, LANES));
     const int64_t pos0 = start - job.offset;  // position of lane 0 in x (may be negative)
+    int coded = h0;  // lanes from which the codes still go out from cbuf
     // Block rows ask for x's row after next now: the hardware prefetchers stop at 4 KiB
     // pages, two rows of float32, and a block row's work is long enough to wait on memory
     // otherwise (block codes went from 0.79 to 0.86 of a copy's speed at 2^24 elements;
@@ -944,8 +1036,8 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
       xs = static_cast<const uint32_t*>(job.x) + pos0;
     } else {
       const uint16_t* x16 = static_cast<const uint16_t*>(job.x) + pos0;
-      if (job.dtype == BF16) {
-        if (!fused) for (int h = h0; h < h1; ++h) xbuf[h] = uint32_t(x16[h]) << 16;
+      if (job.dtype == BF16) {  // bf16_blocks widens the lanes it leaves, below
+        if (!fused && !bf16_blocks) for (int h = h0; h < h1; ++h) xbuf[h] = uint32_t(x16[h]) << 16;
       } else {
         widen_f16(x16, xbuf, h0, h1);
       }
@@ -954,6 +1046,11 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
     if (B > 0) {
       uint32_t* scaled = magic_coded || magic_valued ? nullptr : sbuf;  // they scale as they go
       by_block_size(B, [&](auto size) {
+        if (bf16_blocks) {
+          block_maxima<size()>(static_cast<const uint16_t*>(job.x) + pos0, h1, B, amax);
+        } else {
+          block_maxima<size()>(xs, h1, B, amax);
+        }
         scale_blocks<size()>(xs, h1, start, job.blocks, f, scaled, amax, factor, inv);
       });
       if (scaled != nullptr) xs = scaled;
@@ -1003,11 +1100,21 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
       if constexpr (MAGIC) {
         constexpr bool SR = MODE == MAGIC_SRC;
         if (magic_coded) {
+          int b0 = 0;  // the first block left to magic_codes
+#ifdef __AVX2__
+          if (bf16_blocks) {
+            const uint16_t* x16 = static_cast<const uint16_t*>(job.x) + pos0;
+            uint8_t* bytes = job.output == CODES_U8 ? static_cast<uint8_t*>(job.out) + pos0 : nullptr;
+            b0 = bf16_block_codes<SR>(x16, h1, B, inv, n, c16, f, cbuf, bytes) / B;
+            if (bytes != nullptr) coded = b0 * B;
+            for (int h = b0 * B; h < h1; ++h) xbuf[h] = uint32_t(x16[h]) << 16;
+          }
+#endif
           by_block_size(B, [&](auto size) {
             if (pow2) {
-              magic_codes<SR, false, size()>(xs, h1, B, amax, inv, n, f, cbuf);
+              magic_codes<SR, false, size()>(xs, b0, h1, B, amax, inv, n, f, cbuf);
             } else {
-              magic_codes<SR, true, size()>(xs, h1, B, amax, factor, n, f, cbuf);
+              magic_codes<SR, true, size()>(xs, b0, h1, B, amax, factor, n, f, cbuf);
             }
           });
         } else if (magic_valued) {
@@ -1060,7 +1167,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
         if (!magic_coded) codes_of(rs, cbuf, h0, h1, f);
         if (job.output == CODES_U8) {
           uint8_t* o = static_cast<uint8_t*>(job.out) + pos0;
-          for (int h = h0; h < h1; ++h) o[h] = uint8_t(cbuf[h]);
+          for (int h = coded; h < h1; ++h) o[h] = uint8_t(cbuf[h]);
         } else if (job.output == CODES_I16) {
           uint16_t* o = static_cast<uint16_t*>(job.out) + pos0;
           for (int h = h0; h < h1; ++h) o[h] = uint16_t(cbuf[h]);
