@@ -862,69 +862,95 @@ void magic_codes(const uint32_t* __restrict xs, int b0, int h1, int B, const uin
 }
 
 #ifdef __AVX2__
-// magic_codes for bfloat16 blocks with power-of-two scales 2^e, on their 16 bits (B a
+// bfloat16 blocks with power-of-two scales 2^e on their 16 bits, for the magic modes (B a
 // multiple of 16, so that no vector straddles two blocks; SR where Bf16Magic::applies).
 // Where x is normal and finite and its quotient q = x 2^-e is at or above 2^emin, q's bits
-// are x's with e taken off the exponent field (exact, as the float product x * 2^-e is).
-// q is then rounded as magic_bf16 rounds in the normal range, and its code is encode_bf16_row's
-// shift of it, or the code beyond max; its sign is x's (no such q rounds to zero).
-// Groups of TINY_TEST lanes from lane 0, up to the first holding a lane for which this fails
-// (x zero, subnormal, Inf or NaN, or q below 2^emin: the float adder's cases): returns its
-// first lane, from whose block on the caller runs magic_codes. by: each block's 2^-e. The
-// codes go to `bytes` where it is not null (uint8 codes), else to `codes`.
+// are x's with e taken off the exponent field (exact, as the float product x * 2^-e is),
+// and q rounds as magic_bf16 rounds in the normal range (to r, no zero). Groups of
+// TINY_TEST lanes from lane 0, each passed to out(h, v, r, e) one vector at a time, up to
+// the first group holding a lane for which this fails (x zero, subnormal, Inf or NaN, or q
+// below 2^emin: the float adder's cases): returns its first lane. by: each block's 2^-e.
+template <bool SR, typename Out>
+int bf16_blocks(const uint16_t* x16, int h1, int B, const uint32_t* by, Fields n, const Bf16x16& c, Out&& out) {
+  const Fields16 n16s(n);
+  const __m256i smallest = _mm256_set1_epi16(0x80), largest = _mm256_set1_epi16(0x7F7F);  // normal, finite
+  int h = 0;
+  for (; h + TINY_TEST <= h1; h += TINY_TEST) {
+    __m256i v[PER_TEST], q[PER_TEST], slow = c.zero;
+    int e[PER_TEST];
+    for (int j = 0; j < PER_TEST; ++j) {
+      const int k = h + 16 * j;
+      e[j] = 127 - int(by[k / B] >> 23);  // 2^-e's exponent field (0 for e = 127: 2^-127 is subnormal)
+      v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + k));
+      const __m256i a = _mm256_and_si256(v[j], c.magnitude);
+      q[j] = _mm256_sub_epi16(a, _mm256_set1_epi16(int16_t(e[j] * 128)));
+      const __m256i odd = _mm256_or_si256(_mm256_cmpgt_epi16(smallest, a), _mm256_cmpgt_epi16(a, largest));
+      slow = _mm256_or_si256(slow, _mm256_or_si256(odd, _mm256_cmpgt_epi16(c.emin, q[j])));
+    }
+    if (!_mm256_testz_si256(slow, slow)) break;
+    for (int j = 0; j < PER_TEST; ++j) {
+      __m256i nlo, nhi;
+      out(h + 16 * j, v[j], c.nearest<SR>(q[j], SR ? n16s.at(h + 16 * j, nlo, nhi) : c.zero), e[j]);
+    }
+  }
+  return h;
+}
+
+// magic_codes through bf16_blocks: a code is encode_bf16_row's shift of r, or the code
+// beyond max, with x's sign. Codes go to `bytes` where it is not null (uint8 codes), else
+// to `codes`. Returns the first lane left to magic_codes.
 template <bool SR>
 int bf16_block_codes(const uint16_t* x16, int h1, int B, const uint32_t* by, Fields n, const Bf16x16& c,
                      const Fmt& f, uint32_t* codes, uint8_t* bytes) {
-  const Fields16 n16s(n);
-  const __m256i smallest = _mm256_set1_epi16(0x80), largest = _mm256_set1_epi16(0x7F7F);  // normal, finite
   const __m256i code_base = _mm256_set1_epi16(int16_t(((f[EMIN] + 126) << 7)));
   const __m128i ulp_shift = _mm_cvtsi32_si128(7 - f[T]), sign_shift = _mm_cvtsi32_si128(16 - f[K]);
   const __m256i max_code = _mm256_set1_epi16(int16_t(f[CODE_OF_MAX]));
   const __m256i beyond = _mm256_set1_epi16(int16_t(f.beyond_code));
-  int h = 0;
-  for (; h + TINY_TEST <= h1; h += TINY_TEST) {
-    __m256i v[PER_TEST], q[PER_TEST], slow = c.zero;
-    for (int j = 0; j < PER_TEST; ++j) {
-      const int k = h + 16 * j;
-      // 2^-e's exponent field is 127 - e (0 for e = 127, whose 2^-127 is a subnormal)
-      const int e = 127 - int(by[k / B] >> 23);
-      v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + k));
-      const __m256i a = _mm256_and_si256(v[j], c.magnitude);
-      q[j] = _mm256_sub_epi16(a, _mm256_set1_epi16(int16_t(e * 128)));
-      slow = _mm256_or_si256(slow, _mm256_or_si256(_mm256_cmpgt_epi16(smallest, a), _mm256_cmpgt_epi16(a, largest)));
-      slow = _mm256_or_si256(slow, _mm256_cmpgt_epi16(c.emin, q[j]));
+  return bf16_blocks<SR>(x16, h1, B, by, n, c, [&](int k, __m256i v, __m256i r, int) {
+    __m256i code = _mm256_srl_epi16(_mm256_sub_epi16(r, code_base), ulp_shift);
+    code = _mm256_blendv_epi8(code, beyond, _mm256_cmpgt_epi16(code, max_code));
+    code = _mm256_or_si256(code, _mm256_srl_epi16(_mm256_and_si256(v, c.sign_bit), sign_shift));
+    const __m128i lo = _mm256_castsi256_si128(code), hi = _mm256_extracti128_si256(code, 1);
+    if (bytes != nullptr) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(bytes + k), _mm_packus_epi16(lo, hi));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + k), _mm256_cvtepu16_epi32(lo));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + k + 8), _mm256_cvtepu16_epi32(hi));
     }
-    if (!_mm256_testz_si256(slow, slow)) break;
-    for (int j = 0; j < PER_TEST; ++j) {
-      const int k = h + 16 * j;
-      __m256i nlo, nhi;
-      const __m256i r = c.nearest<SR>(q[j], SR ? n16s.at(k, nlo, nhi) : c.zero);
-      __m256i code = _mm256_srl_epi16(_mm256_sub_epi16(r, code_base), ulp_shift);
-      code = _mm256_blendv_epi8(code, beyond, _mm256_cmpgt_epi16(code, max_code));
-      code = _mm256_or_si256(code, _mm256_srl_epi16(_mm256_and_si256(v[j], c.sign_bit), sign_shift));
-      const __m128i lo = _mm256_castsi256_si128(code), hi = _mm256_extracti128_si256(code, 1);
-      if (bytes != nullptr) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(bytes + k), _mm_packus_epi16(lo, hi));
-      } else {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + k), _mm256_cvtepu16_epi32(lo));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + k + 8), _mm256_cvtepu16_epi32(hi));
-      }
-    }
-  }
-  return h;
+  });
+}
+
+// magic_values through bf16_blocks, into bfloat16 `out`: r, or the value beyond max (max,
+// Inf or NaN), times 2^e, with x's sign (NaN as 0xFFFF). A finite r 2^e is r's bits with e
+// put back on the exponent field, as float32's product gives it: it is x rounded on the
+// grid of x's binade (normal: at least 2^-126), or max 2^e below |x| (r exceeds max only
+// where q does); past float32's largest value lies only 2^128, a power of two, whose bits
+// so put are Inf's. Returns the first lane left to magic_values.
+template <bool SR>
+int bf16_block_values(const uint16_t* x16, int h1, int B, const uint32_t* by, Fields n, const Bf16x16& c,
+                      const Fmt& f, uint16_t* out) {
+  const bool special = !f.sat;  // beyond max lies Inf or NaN (magic_valued: sat, or a format with NaN)
+  return bf16_blocks<SR>(x16, h1, B, by, n, c, [&](int k, __m256i v, __m256i r, int e) {
+    const __m256i over = _mm256_cmpgt_epi16(r, c.max);
+    const __m256i mag = _mm256_blendv_epi8(r, c.beyond, over);
+    __m256i value = _mm256_add_epi16(mag, _mm256_set1_epi16(int16_t(e * 128)));
+    if (special) value = _mm256_blendv_epi8(value, mag, over);
+    value = _mm256_or_si256(value, _mm256_and_si256(v, c.sign_bit));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), value);
+  });
 }
 #endif
 
 // Block values of the magic modes where no element can be refused, in one loop per block
 // as magic_codes: each element scaled (x * 2^-e, or x / S: DIVIDE; by as there), rounded by
 // magic_one, and multiplied by S (factor). A NaN block's values are NaN and a block whose S
-// is 0 holds zeros, as scale_blocks, magic_one and scale_back give them.
+// is 0 holds zeros, as scale_blocks, magic_one and scale_back give them. Blocks b0 .. h1 / B.
 template <bool SR, bool DIVIDE, int FIXED_B>
-void magic_values(const uint32_t* __restrict xs, int h1, int B, const uint32_t* __restrict amax,
+void magic_values(const uint32_t* __restrict xs, int b0, int h1, int B, const uint32_t* __restrict amax,
                   const uint32_t* __restrict by, const uint32_t* __restrict factor, Fields n, const Fmt& f,
                   uint32_t* __restrict rs) {
   if (FIXED_B > 0) B = FIXED_B;
-  for (int b = 0; b < h1 / B; ++b) {
+  for (int b = b0; b < h1 / B; ++b) {
     const float s = as_float(by[b]), back = as_float(factor[b]);
     if (unscaled<DIVIDE>(amax[b], s)) {
       for (int i = 0; i < B; ++i) rs[b * B + i] = amax[b] > 0x7F800000u ? NAN_BITS : 0;
@@ -996,8 +1022,9 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
   const bool magic_valued = MAGIC && B > 0 && job.output == VALUES && (f.sat || f.has_nans);
   const bool pow2 = job.blocks.rule < NEAREST;
 #ifdef __AVX2__
-  // bfloat16 codes of power-of-two blocks on their 16 bits where they can (bf16_block_codes)
-  const bool bf16_blocks = magic_coded && pow2 && job.dtype == BF16 && B % 16 == 0
+  // bfloat16 codes and values of power-of-two blocks on their 16 bits where they can
+  // (bf16_block_codes, bf16_block_values)
+  const bool bf16_blocks = (magic_coded || magic_valued) && pow2 && job.dtype == BF16 && B % 16 == 0
                            && Bf16Magic::applies(f, MODE == MAGIC_SRC);
 #else
   constexpr bool bf16_blocks = false;
@@ -1008,7 +1035,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
     const int h0 = int(std::max<int64_t>(job.offset - start, 0));
     const int h1 = int(std::min<int64_t>(job.offset + job.n - start, LANES));
     const int64_t pos0 = start - job.offset;  // position of lane 0 in x (may be negative)
-    int coded = h0;  // lanes from which the codes still go out from cbuf
+    int buffered = h0;  // the first lane whose result goes out from the buffers below
     // Block rows ask for x's row after next now: the hardware prefetchers stop at 4 KiB
     // pages, two rows of float32, and a block row's work is long enough to wait on memory
     // otherwise (block codes went from 0.79 to 0.86 of a copy's speed at 2^24 elements;
@@ -1106,7 +1133,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
             const uint16_t* x16 = static_cast<const uint16_t*>(job.x) + pos0;
             uint8_t* bytes = job.output == CODES_U8 ? static_cast<uint8_t*>(job.out) + pos0 : nullptr;
             b0 = bf16_block_codes<SR>(x16, h1, B, inv, n, c16, f, cbuf, bytes) / B;
-            if (bytes != nullptr) coded = b0 * B;
+            if (bytes != nullptr) buffered = b0 * B;
             for (int h = b0 * B; h < h1; ++h) xbuf[h] = uint32_t(x16[h]) << 16;
           }
 #endif
@@ -1118,11 +1145,21 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
             }
           });
         } else if (magic_valued) {
+          int b0 = 0;  // the first block left to magic_values
+#ifdef __AVX2__
+          if (bf16_blocks) {
+            const uint16_t* x16 = static_cast<const uint16_t*>(job.x) + pos0;
+            uint16_t* o = static_cast<uint16_t*>(job.out) + pos0;
+            b0 = bf16_block_values<SR>(x16, h1, B, inv, n, c16, f, o) / B;
+            buffered = b0 * B;
+            for (int h = b0 * B; h < h1; ++h) xbuf[h] = uint32_t(x16[h]) << 16;
+          }
+#endif
           by_block_size(B, [&](auto size) {
             if (pow2) {
-              magic_values<SR, false, size()>(xs, h1, B, amax, inv, factor, n, f, rs);
+              magic_values<SR, false, size()>(xs, b0, h1, B, amax, inv, factor, n, f, rs);
             } else {
-              magic_values<SR, true, size()>(xs, h1, B, amax, factor, factor, n, f, rs);
+              magic_values<SR, true, size()>(xs, b0, h1, B, amax, factor, factor, n, f, rs);
             }
           });
         } else {
@@ -1155,7 +1192,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
           std::memcpy(static_cast<uint32_t*>(job.out) + pos0 + h0, rs + h0, size_t(h1 - h0) * 4);
         } else if (job.dtype == BF16 && exact_bf16) {
           uint16_t* o = static_cast<uint16_t*>(job.out) + pos0;
-          for (int h = h0; h < h1; ++h) o[h] = to_bfloat16(rs[h]);
+          for (int h = buffered; h < h1; ++h) o[h] = to_bfloat16(rs[h]);
         } else if (job.dtype == BF16) {
           uint16_t* o = static_cast<uint16_t*>(job.out) + pos0;
           for (int h = h0; h < h1; ++h) o[h] = round_to_bfloat16(rs[h]);
@@ -1167,7 +1204,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
         if (!magic_coded) codes_of(rs, cbuf, h0, h1, f);
         if (job.output == CODES_U8) {
           uint8_t* o = static_cast<uint8_t*>(job.out) + pos0;
-          for (int h = coded; h < h1; ++h) o[h] = uint8_t(cbuf[h]);
+          for (int h = buffered; h < h1; ++h) o[h] = uint8_t(cbuf[h]);
         } else if (job.output == CODES_I16) {
           uint16_t* o = static_cast<uint16_t*>(job.out) + pos0;
           for (int h = h0; h < h1; ++h) o[h] = uint16_t(cbuf[h]);
