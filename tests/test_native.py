@@ -422,18 +422,18 @@ def test_block_outputs_beyond_the_caches_stream_the_same_bits():
 @pytest.mark.parametrize("name", ["mxfp8_e4m3", "mx_binary8p4"])
 def test_bfloat16_blocks_on_16_bits_up_to_a_lane_that_needs_float32(name):
     """bfloat16 codes and values of power-of-two blocks run on 16 bits up to the first group
-    of 64 lanes holding a lane that needs the float adder (zero, subnormal, Inf, NaN, a
-    quotient below 2^emin), at a row's first lane, in its middle, or at its last, or a
-    block whose values 2^e would leave float32's normal range (blocks near 2^-118 and
-    2^127): the same codes, scales and values as the torch kernels, in RNE and SRC N=3,
-    every power-of-two rule, saturating or not."""
+    of 64 lanes holding a lane that needs the float adder (a zero, of either sign; a
+    subnormal, Inf, NaN, or a quotient below 2^emin), at a row's first lane, in its middle,
+    or at its last, and in blocks near 2^-118 and 2^127, whose values r 2^e sit at float32's
+    ends: the same codes, scales and values as the torch kernels, in RNE and SRC N=3, every
+    power-of-two rule, saturating or not."""
     from fewbit import block
 
     gen = torch.Generator().manual_seed(3)
     rows = torch.randn(8, 512, generator=gen) * 2.0 ** torch.randint(-20, 21, (8, 1), generator=gen)
     rows[6:] = (torch.rand(2, 512, generator=gen) + 1) * torch.tensor([[2.0**-118], [2.0**127]])
     small = rows[4, 0].abs() * 2.0**-40  # its quotient lies below 2^emin of every MX element format
-    specials = [0.0, 2.0**-130, float("inf"), float("nan"), small.item()]
+    specials = [-0.0, 2.0**-130, float("inf"), float("nan"), -small.item()]
     for row, (lane, value) in enumerate(zip((0, 200, 511, 300, 64), specials, strict=True), start=1):
         rows[row, lane] = value
     x = rows.flatten().to(torch.bfloat16)
