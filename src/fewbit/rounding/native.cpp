@@ -27,6 +27,11 @@
 
 namespace {
 
+// A function of one lane, called in the loops over a row's lanes: always inlined, since a
+// call keeps such a loop scalar. GCC inlines by a budget per caller, and run_rows outgrew
+// it once: float32 SRC ran ten times slower, calling magic_one per element.
+#define FEWBIT_LANE __attribute__((always_inline)) inline
+
 constexpr int LANES = 512;
 constexpr uint32_t PARITY = 0x1BD11BDA;  // Skein's key schedule parity
 constexpr uint32_t NAN_BITS = 0x7FC00000;
@@ -80,7 +85,7 @@ struct Fmt {
   bool flag(Flag f) const { return p[FLAGS] & f; }
 };
 
-inline float as_float(uint32_t u) { return __builtin_bit_cast(float, u); }
+FEWBIT_LANE float as_float(uint32_t u) { return __builtin_bit_cast(float, u); }
 
 // Eight 32-bit lanes (GCC's vector extensions, which Clang shares): Threefry is written on
 // these, so that a rotation by whole bytes can be one byte shuffle.
@@ -163,11 +168,11 @@ struct Stream {
 };
 
 // As max then min, which vectorise to one instruction each (a select chain took three).
-inline int32_t clampi(int32_t v, int32_t lo, int32_t hi) { return std::min(std::max(v, lo), hi); }
+FEWBIT_LANE int32_t clampi(int32_t v, int32_t lo, int32_t hi) { return std::min(std::max(v, lo), hi); }
 
 // fast._fraction_to_bits then fast._few_bit_away (N <= 30, so int32 holds every sum).
 template <Mode M>
-inline int32_t few_bit_away(int32_t rem, int32_t D, int32_t n, int bits) {
+FEWBIT_LANE int32_t few_bit_away(int32_t rem, int32_t D, int32_t n, int bits) {
   const int32_t shift = D - bits;
   const int32_t right = clampi(shift, 0, 25), left = clampi(-shift, 0, bits);
   const int32_t q = rem >> right;
@@ -191,7 +196,7 @@ inline int32_t few_bit_away(int32_t rem, int32_t D, int32_t n, int bits) {
 
 // fast.round_fast for one float32 bit pattern. n: the N random bits, s: the selection bits.
 template <Mode M>
-inline uint32_t round_one(uint32_t bits_in, uint32_t n, uint32_t s, const Fmt& f) {
+FEWBIT_LANE uint32_t round_one(uint32_t bits_in, uint32_t n, uint32_t s, const Fmt& f) {
   const int32_t b = int32_t(bits_in);
   const int32_t negative = (b >> 31) & 1;
   const int32_t a = b & 0x7FFFFFFF;
@@ -253,12 +258,12 @@ inline uint32_t round_one(uint32_t bits_in, uint32_t n, uint32_t s, const Fmt& f
 // multiple's low bits, and a carry out of them rounds away. Only where magic_applies.
 // 2^e_t as float32 bits for float32 bits x: x's binade, clamped to the format's emin ..
 // emax (magic.py's C is this times magic_scale).
-inline uint32_t binade_of(uint32_t x, const Fmt& f) {
+FEWBIT_LANE uint32_t binade_of(uint32_t x, const Fmt& f) {
   return uint32_t(clampi(int32_t(x & 0x7F800000u), (f[EMIN] + 127) << 23, (f[EMAX] + 127) << 23));
 }
 
 template <bool SR>
-inline uint32_t magic_one(uint32_t x, uint32_t n, const Fmt& f) {
+FEWBIT_LANE uint32_t magic_one(uint32_t x, uint32_t n, const Fmt& f) {
   constexpr uint32_t SIGN = 0x80000000u;
   uint32_t c = binade_of(x, f);
   if (SR) c |= x & SIGN;
@@ -307,7 +312,7 @@ struct Bf16Magic {
 };
 
 template <bool SR>
-inline uint16_t magic_bf16(uint16_t v, uint32_t n, const Bf16Magic& g) {
+FEWBIT_LANE uint16_t magic_bf16(uint16_t v, uint32_t n, const Bf16Magic& g) {
   const int16_t a = int16_t(v & 0x7FFF);
   // The kept lsb, 0 or 1 (a min, not a shift: C++ would shift in 32 bits). The sum wraps
   // below zero only for a NaN, whose result the last line sets.
@@ -545,7 +550,7 @@ __attribute__((noinline)) bool float16_as_bfloat16(const uint16_t* x16, uint16_t
 // magnitude's bits carries exactly when d + n 2^-N >= 1, into the exponent if need be.
 // Below 2^emin the float adder first rounds |x| + 2^emin to a multiple of ulp / 2^N, ties
 // to even (magic.py's argument with c = emin), and subtracting 2^emin again is exact.
-inline uint32_t classical_sr_one(uint32_t x, uint32_t n, const Fmt& f) {
+FEWBIT_LANE uint32_t classical_sr_one(uint32_t x, uint32_t n, const Fmt& f) {
   constexpr uint32_t SIGN = 0x80000000u;
   const uint32_t a = x & ~SIGN;
   const uint32_t two_emin = uint32_t(f[EMIN] + 127) << 23;
@@ -563,7 +568,7 @@ inline uint32_t classical_sr_one(uint32_t x, uint32_t n, const Fmt& f) {
 // 23 - t: the format's exponent field lands on float32's (field 1 at emin), and its
 // subnormals on float32's subnormals (the scaling is exact: they are multiples of 2^-149).
 template <bool EXTENDED, bool HAS_NANS, bool TWOS_COMPLEMENT>
-inline uint32_t code_of(uint32_t bits_in, const Fmt& f) {
+FEWBIT_LANE uint32_t code_of(uint32_t bits_in, const Fmt& f) {
   const uint32_t a = bits_in & 0x7FFFFFFFu;
   const uint32_t is_inf = a == 0x7F800000u, is_nan = a > 0x7F800000u;
   uint32_t mag = __builtin_bit_cast(uint32_t, as_float(a) * f.code_scale) >> (23 - f[T]);
@@ -592,7 +597,7 @@ inline void codes_of(const uint32_t* __restrict rs, uint32_t* __restrict codes, 
   }
 }
 
-inline int32_t not_a_value(uint32_t x, uint32_t rounded, const Fmt& f) {
+FEWBIT_LANE int32_t not_a_value(uint32_t x, uint32_t rounded, const Fmt& f) {
   const int32_t nan = (x & 0x7FFFFFFFu) > 0x7F800000u;
   return nan ? (f.has_nans ^ 1) : int32_t(as_float(rounded) != as_float(x));
 }
@@ -662,10 +667,10 @@ inline void stream_out(const void* src, void* dst, int bytes) {
 // A result's float32 bits to bfloat16's. A bfloat16 input holds every value of the format
 // (checks.make_spec), so the result is one too and its low 16 bits are zero; NaN becomes
 // 0xFFFF as in torch's vector conversion (its scalar one, for a tensor's tail, gives 0x7FC0).
-inline uint16_t to_bfloat16(uint32_t u) { return (u & 0x7FFFFFFFu) > 0x7F800000u ? 0xFFFF : uint16_t(u >> 16); }
+FEWBIT_LANE uint16_t to_bfloat16(uint32_t u) { return (u & 0x7FFFFFFFu) > 0x7F800000u ? 0xFFFF : uint16_t(u >> 16); }
 
 // The same for any float32, rounded to nearest even as torch converts.
-inline uint16_t round_to_bfloat16(uint32_t u) {
+FEWBIT_LANE uint16_t round_to_bfloat16(uint32_t u) {
   return (u & 0x7FFFFFFFu) > 0x7F800000u ? 0xFFFF : uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
@@ -697,7 +702,7 @@ inline void narrow_f16(const uint32_t* rs, uint16_t* o, int h0, int h1) {
 }
 
 // 2^e as float32 bits, e in [-127, 127] (2^-127 is a subnormal).
-inline uint32_t pow2_bits(int32_t e) { return e >= -126 ? uint32_t(e + 127) << 23 : 0x00400000u; }
+FEWBIT_LANE uint32_t pow2_bits(int32_t e) { return e >= -126 ? uint32_t(e + 127) << 23 : 0x00400000u; }
 
 // block.kernel._exponent_of for a block whose largest magnitude has float32 bits `amax`
 // (not NaN): floor(log2 amax) - emax, plus 1 where the call's rule rounds up (ceil, rceil,
@@ -707,7 +712,7 @@ inline uint32_t pow2_bits(int32_t e) { return e >= -126 ? uint32_t(e + 127) << 2
 // ceil where F != 0; rceil where m > max / 2^emax (F above max's fraction bits); even
 // where m rounded to P bits is 2 (F >= 2^23 - 2^(22 - t)). Plain integer selects, so that
 // a loop over a row's blocks vectorises.
-inline int32_t block_exponent(uint32_t amax, int32_t ceil, int32_t rceil, int32_t even, const Fmt& f) {
+FEWBIT_LANE int32_t block_exponent(uint32_t amax, int32_t ceil, int32_t rceil, int32_t even, const Fmt& f) {
   const int32_t normal = amax >= 0x00800000u;
   const uint32_t g = normal ? amax : __builtin_bit_cast(uint32_t, float(int32_t(amax)));
   const int32_t E = int32_t(g >> 23) - (normal ? 127 : 127 + 149);
@@ -723,7 +728,7 @@ inline int32_t block_exponent(uint32_t amax, int32_t ceil, int32_t rceil, int32_
 // to E4M3 (to nearest even, or up), saturating at its largest value 448. Returns the
 // scale and sets its code. Without branches, so that a loop over a row's blocks
 // vectorises: a scalar call per block cost as much as the rest of the block's work.
-inline double e4m3_scale(double target, bool up, uint32_t& code) {
+FEWBIT_LANE double e4m3_scale(double target, bool up, uint32_t& code) {
   // E4M3: emin -6, 3 fraction bits. Powers of two built from their bits (std::ilogb and
   // std::ldexp are calls); k + 1023 stays in 1 .. 2046 for every e below.
   const auto pow2 = [](int64_t k) { return __builtin_bit_cast(double, uint64_t(k + 1023) << 52); };
@@ -815,9 +820,9 @@ void scale_blocks(const uint32_t* __restrict xs, int h1, int64_t start, const Bl
 // magic_codes's and magic_values's scaling of an element: x * 2^-e, or x / S (DIVIDE);
 // and the blocks they do not scale: a NaN block, or one whose S is 0 (2^-e never is).
 template <bool DIVIDE>
-inline float scale_by(float x, float by) { return DIVIDE ? x / by : x * by; }
+FEWBIT_LANE float scale_by(float x, float by) { return DIVIDE ? x / by : x * by; }
 template <bool DIVIDE>
-inline bool unscaled(uint32_t amax, float by) { return amax > 0x7F800000u || (DIVIDE && by == 0.0f); }
+FEWBIT_LANE bool unscaled(uint32_t amax, float by) { return amax > 0x7F800000u || (DIVIDE && by == 0.0f); }
 
 // Codes of the magic modes (magic_one's RNE and SRC) on blocks, where no element can be
 // refused (sat, or a format with NaN), in one loop per block: each element is scaled, then
@@ -898,9 +903,10 @@ int bf16_blocks(const uint16_t* x16, int h1, int B, const uint32_t* by, Fields n
 
 // magic_codes through bf16_blocks: a code is encode_bf16_row's shift of r, or the code
 // beyond max, with x's sign. Codes go to `bytes` where it is not null (uint8 codes), else
-// to `codes`. Returns the first lane left to magic_codes.
+// to `codes`. Returns the first lane left to magic_codes. (Not inlined, as the value one:
+// run_rows is big enough.)
 template <bool SR>
-int bf16_block_codes(const uint16_t* x16, int h1, int B, const uint32_t* by, Fields n, const Bf16x16& c,
+__attribute__((noinline)) int bf16_block_codes(const uint16_t* x16, int h1, int B, const uint32_t* by, Fields n, const Bf16x16& c,
                      const Fmt& f, uint32_t* codes, uint8_t* bytes) {
   const __m256i code_base = _mm256_set1_epi16(int16_t(((f[EMIN] + 126) << 7)));
   const __m128i ulp_shift = _mm_cvtsi32_si128(7 - f[T]), sign_shift = _mm_cvtsi32_si128(16 - f[K]);
@@ -927,9 +933,9 @@ int bf16_block_codes(const uint16_t* x16, int h1, int B, const uint32_t* by, Fie
 // where q does); past float32's largest value lies only 2^128, a power of two, whose bits
 // so put are Inf's. Returns the first lane left to magic_values.
 template <bool SR>
-int bf16_block_values(const uint16_t* x16, int h1, int B, const uint32_t* by, Fields n, const Bf16x16& c,
-                      const Fmt& f, uint16_t* out) {
-  const bool special = !f.sat;  // beyond max lies Inf or NaN (magic_valued: sat, or a format with NaN)
+__attribute__((noinline)) int bf16_block_values(const uint16_t* x16, int h1, int B, const uint32_t* by, Fields n, const Bf16x16& c,
+                      bool sat, uint16_t* out) {
+  const bool special = !sat;  // beyond max lies Inf or NaN (magic_valued: sat, or a format with NaN)
   return bf16_blocks<SR>(x16, h1, B, by, n, c, [&](int k, __m256i v, __m256i r, int e) {
     const __m256i over = _mm256_cmpgt_epi16(r, c.max);
     const __m256i mag = _mm256_blendv_epi8(r, c.beyond, over);
@@ -1023,9 +1029,12 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
   const bool pow2 = job.blocks.rule < NEAREST;
 #ifdef __AVX2__
   // bfloat16 codes and values of power-of-two blocks on their 16 bits where they can
-  // (bf16_block_codes, bf16_block_values)
+  // (bf16_block_codes, bf16_block_values). Not into element formats whose normal range
+  // spans 4 binades or fewer (e2m1, e2m3: 2): most quotients of a Gaussian block lie below
+  // their 2^emin, so the first group nearly always hands the row over, and the test alone
+  // cost mxfp4 5-12%.
   const bool bf16_blocks = (magic_coded || magic_valued) && pow2 && job.dtype == BF16 && B % 16 == 0
-                           && Bf16Magic::applies(f, MODE == MAGIC_SRC);
+                           && Bf16Magic::applies(f, MODE == MAGIC_SRC) && f[EMAX] - f[EMIN] > 4;
 #else
   constexpr bool bf16_blocks = false;
 #endif
@@ -1150,7 +1159,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
           if (bf16_blocks) {
             const uint16_t* x16 = static_cast<const uint16_t*>(job.x) + pos0;
             uint16_t* o = static_cast<uint16_t*>(job.out) + pos0;
-            b0 = bf16_block_values<SR>(x16, h1, B, inv, n, c16, f, o) / B;
+            b0 = bf16_block_values<SR>(x16, h1, B, inv, n, c16, f.sat, o) / B;
             buffered = b0 * B;
             for (int h = b0 * B; h < h1; ++h) xbuf[h] = uint32_t(x16[h]) << 16;
           }
