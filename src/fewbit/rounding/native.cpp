@@ -4,7 +4,8 @@
 //
 // It computes what fast.round_fast computes, on float32 bit patterns (inputs of 16
 // bits are widened exactly and the result narrowed by round-to-nearest-even, as torch
-// converts; bfloat16 in the float-adder modes runs on its own 16 bits, magic_bf16), and
+// converts; bfloat16 in the float-adder modes runs on its own 16 bits, magic_bf16 and
+// bf16_blocks, wherever those give the float32 way's bits), and
 // draws the bits of fewbit.random's stream layout: element i = row * LANES
 // + lane takes field (row % per_word) of word `lane` of word row (row / per_word), and
 // word row p holds output p % 2 of Threefry-2x32-20 blocks (p / 2) * LANES + lane.
@@ -760,10 +761,10 @@ void block_maxima(const T* __restrict xs, int h1, int B, uint32_t* __restrict am
 // FIXED_B: B known at compile time, 0: read from blocks), from each block's largest
 // magnitude in amax (block_maxima): its factor S (NaN for a block holding a NaN) into
 // factor and 1 / S into inv where S is a power of two, its scale's code into
-// blocks.scales, and, unless `scaled` is null, the elements x / S into `scaled`. A quotient below float32's
-// normal range becomes +-2^-126 (it rounds alike, and a zero would not); a block whose S
-// is 0 holds zeros, and a NaN block's elements are NaN, or 0 in an element format without
-// NaN (the scale carries the NaN).
+// blocks.scales, and, unless `scaled` is null, the elements x / S into `scaled`. A
+// quotient below float32's normal range becomes +-2^-126 (it rounds alike, and a zero
+// would not); a block whose S is 0 holds zeros, and a NaN block's elements are NaN, or 0
+// in an element format without NaN (the scale carries the NaN).
 template <int FIXED_B>
 void scale_blocks(const uint32_t* __restrict xs, int h1, int64_t start, const Blocks& blocks, const Fmt& f,
                   uint32_t* __restrict scaled, const uint32_t* __restrict amax, uint32_t* __restrict factor,
