@@ -3,6 +3,7 @@
     python benchmarks/native_ab.py 5fa61c8 HEAD                  # git revisions, or paths
     python benchmarks/native_ab.py 5fa61c8 HEAD --log2-size 16 --threads 1   # input in L2
     python benchmarks/native_ab.py 5fa61c8 HEAD --elements       # fewbit bench --quick's rows
+    python benchmarks/native_ab.py 5fa61c8 HEAD --elements --scale 0.01   # mostly below 2^emin
 
 Each build is compiled with the library's flags and called directly (``fewbit_block``
 or ``fewbit_round``, no operator around it), so the figures are the kernel's. The builds
