@@ -115,18 +115,20 @@ def test_encode_gpu_equals_cpu(name):
         fewbit.encode(torch.cat([values, torch.tensor([float(fmt.max) * 1.5])]).cuda(), fmt)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp4", "nvfp4", "hbfp8"])
 @pytest.mark.parametrize("mode, kw", [("rne", {}), ("src", {"bits": 3, "seed": 9})])
-def test_block_formats_gpu_equals_cpu(name, mode, kw):
+def test_block_formats_gpu_equals_cpu(name, mode, kw, dtype):
     """Codes, scales and values of block formats: the GPU's (torch.compile's kernels) and
-    the CPU's (the native kernel), bit for bit, with blocks holding NaN, Inf, zeros and
-    float32 subnormals among random values."""
+    the CPU's (the native kernel; from bfloat16 its 16-bit block path where it applies),
+    bit for bit, with blocks holding NaN, Inf, zeros and subnormals among random values."""
     from fewbit import block
 
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(64, 256, generator=gen) * torch.logspace(-30, 30, 256)
     x[0, :8] = torch.tensor([float("nan"), 1.0, float("inf"), -2.0, 0.0, -0.0, 1e-40, -3e-39])
     x[1, :32] = 0.0
+    x = x.to(dtype)
     cpu = block.quantize(x, name, mode, **kw)
     gpu = block.quantize(x.cuda(), name, mode, **kw)
     assert torch.equal(gpu.codes.cpu(), cpu.codes) and torch.equal(gpu.scales.cpu(), cpu.scales), name
