@@ -339,18 +339,20 @@ struct Bf16x16 {
   __m256i one = _mm256_set1_epi16(1), inf = _mm256_set1_epi16(0x7F80), zero = _mm256_setzero_si256();  // inf: above, NaN
   __m256i pre_lsb, pre_half, pre_keep, keep, pre_unit, emin, max, beyond, no_nz, sr_keep;
   __m256 big;
+  bool whole;  // pre = 0 (SR with N = d, as classical SR): nothing to round before adding n
 
   explicit Bf16x16(const Bf16Magic& g)
       : pre_lsb(_mm256_set1_epi16(g.pre_lsb)), pre_half(_mm256_set1_epi16(g.pre_half)),
         pre_keep(_mm256_set1_epi16(g.pre_keep)), keep(_mm256_set1_epi16(g.keep)),
         pre_unit(_mm256_set1_epi16(g.pre_unit)), emin(_mm256_set1_epi16(g.emin)), max(_mm256_set1_epi16(g.max)),
         beyond(_mm256_set1_epi16(g.beyond)), no_nz(_mm256_set1_epi16(int16_t(~g.nz))),
-        sr_keep(_mm256_set1_epi32(int32_t(g.sr_keep))), big(_mm256_set1_ps(g.big)) {}
+        sr_keep(_mm256_set1_epi32(int32_t(g.sr_keep))), big(_mm256_set1_ps(g.big)), whole(g.pre_unit == 1) {}
 
   // Magnitudes a in the target's normal range rounded on their 16 bits, as magic_bf16: to
   // nearest even at 2^pre, then for SR plus n 2^pre, the low d bits cleared.
   template <bool SR>
   __m256i nearest(__m256i a, __m256i n16) const {
+    if (SR && whole) return _mm256_and_si256(_mm256_add_epi16(a, n16), keep);  // no finer bits to round first
     const __m256i lsb = _mm256_min_epi16(_mm256_and_si256(a, pre_lsb), one);
     const __m256i r = _mm256_and_si256(_mm256_add_epi16(_mm256_add_epi16(a, pre_half), lsb), pre_keep);
     return SR ? _mm256_and_si256(_mm256_add_epi16(r, _mm256_mullo_epi16(n16, pre_unit)), keep) : r;
@@ -877,7 +879,8 @@ void magic_codes(const uint32_t* __restrict xs, int b0, int h1, int B, const uin
 // the first group holding a lane for which this fails (x zero, subnormal, Inf or NaN, or q
 // below 2^emin: the float adder's cases): returns its first lane. by: each block's 2^-e.
 template <bool SR, typename Out>
-int bf16_blocks(const uint16_t* x16, int h1, int B, const uint32_t* by, Fields n, const Bf16x16& c, Out&& out) {
+int bf16_blocks(const uint16_t* x16, int h1, int B, const uint32_t* by, Fields n, const Bf16x16& c,
+                Out&& out) {
   const Fields16 n16s(n);
   const __m256i smallest = _mm256_set1_epi16(0x80), largest = _mm256_set1_epi16(0x7F7F);  // normal, finite
   int h = 0;
@@ -907,8 +910,8 @@ int bf16_blocks(const uint16_t* x16, int h1, int B, const uint32_t* by, Fields n
 // to `codes`. Returns the first lane left to magic_codes. (Not inlined, as the value one:
 // run_rows is big enough.)
 template <bool SR>
-__attribute__((noinline)) int bf16_block_codes(const uint16_t* x16, int h1, int B, const uint32_t* by, Fields n, const Bf16x16& c,
-                     const Fmt& f, uint32_t* codes, uint8_t* bytes) {
+__attribute__((noinline)) int bf16_block_codes(const uint16_t* x16, int h1, int B, const uint32_t* by, Fields n,
+                                               const Bf16x16& c, const Fmt& f, uint32_t* codes, uint8_t* bytes) {
   const __m256i code_base = _mm256_set1_epi16(int16_t(((f[EMIN] + 126) << 7)));
   const __m128i ulp_shift = _mm_cvtsi32_si128(7 - f[T]), sign_shift = _mm_cvtsi32_si128(16 - f[K]);
   const __m256i max_code = _mm256_set1_epi16(int16_t(f[CODE_OF_MAX]));
@@ -934,8 +937,8 @@ __attribute__((noinline)) int bf16_block_codes(const uint16_t* x16, int h1, int 
 // where q does); past float32's largest value lies only 2^128, a power of two, whose bits
 // so put are Inf's. Returns the first lane left to magic_values.
 template <bool SR>
-__attribute__((noinline)) int bf16_block_values(const uint16_t* x16, int h1, int B, const uint32_t* by, Fields n, const Bf16x16& c,
-                      bool sat, uint16_t* out) {
+__attribute__((noinline)) int bf16_block_values(const uint16_t* x16, int h1, int B, const uint32_t* by, Fields n,
+                                                const Bf16x16& c, bool sat, uint16_t* out) {
   const bool special = !sat;  // beyond max lies Inf or NaN (magic_valued: sat, or a format with NaN)
   return bf16_blocks<SR>(x16, h1, B, by, n, c, [&](int k, __m256i v, __m256i r, int e) {
     const __m256i over = _mm256_cmpgt_epi16(r, c.max);
