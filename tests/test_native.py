@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
 
 import pytest
 import torch
@@ -473,3 +474,47 @@ def test_finite_amax_is_torchs(dtype):
     want = torch.where(torch.isfinite(x), x, 0).abs().amax().float().item()
     assert native.finite_amax(x) == want == 24576.0
     assert native.finite_amax(torch.full((10,), float("nan"), dtype=dtype)) == 0.0
+
+
+# Builds for CPUs with less than this one: -march=native takes the paths of the CPU at hand
+# (AVX-512, AVX2, F16C), and the others would go untested on it.
+LESSER_CPUS = {"avx2": ["-mno-avx512f"], "sse": ["-mno-avx"]}
+
+
+@pytest.fixture(scope="module", params=list(LESSER_CPUS))
+def lesser_build(request, tmp_path_factory):
+    if "avx512f" not in native._cpu() and request.param == "avx2":
+        pytest.skip("this CPU takes the AVX2 paths already")
+    path = tmp_path_factory.mktemp("isa") / "native.so"
+    subprocess.run(["c++", *native.FLAGS, *LESSER_CPUS[request.param], "-o", str(path), str(native.SOURCE)],
+                   check=True, capture_output=True)  # fmt: skip
+    return native._open(path)
+
+
+@pytest.mark.slow
+def test_builds_for_lesser_cpus_give_the_same_bits(lesser_build, monkeypatch):
+    """native.cpp built without AVX-512, or without AVX (SSE only), gives this CPU's build's
+    bits (which the tests above hold to the torch kernels): every bfloat16 pattern, and
+    Gaussian data scaled to the format (16-bit fast paths), from each dtype, in RNE, SRC,
+    sr, SRFF and sr_fraction, encoded, and in power-of-two and NVFP4 blocks."""
+    from fewbit import block
+
+    gen = torch.Generator().manual_seed(9)
+    calls = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for x in (every_bfloat16(dtype), (torch.randn(1 << 16, generator=gen) * 8).to(dtype)):
+            finite = torch.nan_to_num(x, nan=0.0)
+            for name in ("binary8p4", "ocp_e4m3", "ocp_e2m1"):
+                for mode in ("rne", "src", "sr", "srff", "sr_fraction"):
+                    kw = MODE_ARGS[mode]
+                    calls.append(functools.partial(fewbit.round, finite, name, mode, sat=True, **kw))
+                calls.append(lambda n=name, v=finite: fewbit.encode(fewbit.round(v, n, sat=True), n))
+            for name in ("mxfp8_e4m3", "mxfp4", "nvfp4"):
+                for mode, kw in (("rne", {}), ("src", {"bits": 3, "seed": 4})):
+                    calls.append(functools.partial(block.round, x, name, mode, **kw))
+                    calls.append(lambda n=name, v=x, m=mode, k=kw: block.quantize(v, n, m, **k).codes)
+    expected = [call() for call in calls]
+    monkeypatch.setattr(native, "_library", lesser_build)
+    for i, call in enumerate(calls):
+        got = call()
+        assert same_bits(got, expected[i]) if got.is_floating_point() else torch.equal(got, expected[i]), i
