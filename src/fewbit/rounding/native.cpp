@@ -339,6 +339,8 @@ struct Bf16x16 {
   __m256i one = _mm256_set1_epi16(1), inf = _mm256_set1_epi16(0x7F80), zero = _mm256_setzero_si256();  // inf: above, NaN
   __m256i pre_lsb, pre_half, pre_keep, keep, pre_unit, emin, max, beyond, no_nz, sr_keep;
   __m256 big;
+  int pre_bits;  // pre
+  __m128i pre;  // pre, as a shift count
   bool whole;  // pre = 0 (SR with N = d, as classical SR): nothing to round before adding n
 
   explicit Bf16x16(const Bf16Magic& g)
@@ -346,33 +348,38 @@ struct Bf16x16 {
         pre_keep(_mm256_set1_epi16(g.pre_keep)), keep(_mm256_set1_epi16(g.keep)),
         pre_unit(_mm256_set1_epi16(g.pre_unit)), emin(_mm256_set1_epi16(g.emin)), max(_mm256_set1_epi16(g.max)),
         beyond(_mm256_set1_epi16(g.beyond)), no_nz(_mm256_set1_epi16(int16_t(~g.nz))),
-        sr_keep(_mm256_set1_epi32(int32_t(g.sr_keep))), big(_mm256_set1_ps(g.big)), whole(g.pre_unit == 1) {}
+        sr_keep(_mm256_set1_epi32(int32_t(g.sr_keep))), big(_mm256_set1_ps(g.big)),
+        pre_bits(__builtin_ctz(uint32_t(g.pre_unit))), pre(_mm_cvtsi32_si128(pre_bits)), whole(g.pre_unit == 1) {}
 
   // Magnitudes a in the target's normal range rounded on their 16 bits, as magic_bf16: to
-  // nearest even at 2^pre, then for SR plus n 2^pre, the low d bits cleared.
+  // nearest even at 2^pre, then for SR plus n16 = n 2^pre (Fields16), the low d bits
+  // cleared. For SR the bits below 2^pre that the first rounding would clear need no and:
+  // less than 2^pre, they carry nowhere when n 2^pre is added, and keep clears them.
   template <bool SR>
   __m256i nearest(__m256i a, __m256i n16) const {
     if (SR && whole) return _mm256_and_si256(_mm256_add_epi16(a, n16), keep);  // no finer bits to round first
     const __m256i lsb = _mm256_min_epi16(_mm256_and_si256(a, pre_lsb), one);
-    const __m256i r = _mm256_and_si256(_mm256_add_epi16(_mm256_add_epi16(a, pre_half), lsb), pre_keep);
-    return SR ? _mm256_and_si256(_mm256_add_epi16(r, _mm256_mullo_epi16(n16, pre_unit)), keep) : r;
+    const __m256i r = _mm256_add_epi16(_mm256_add_epi16(a, pre_half), lsb);
+    return SR ? _mm256_and_si256(_mm256_add_epi16(r, n16), keep) : _mm256_and_si256(r, pre_keep);
   }
 
   // Where lanes v lie below 2^emin (all ones), as magnitudes (a NaN does not).
   __m256i below(__m256i v) const { return _mm256_cmpgt_epi16(emin, _mm256_and_si256(v, magnitude)); }
 
-  // The results of bfloat16 lanes v. SR: n16 holds n in lane order, nlo and nhi in the
-  // unpacking's (lanes 0-3 and 8-11, 4-7 and 12-15). TINY: whether any lane may lie below
-  // 2^emin; only then does it run the float adder's lanes, and set ylo, yhi to their sums.
+  // The results of bfloat16 lanes v. SR: n16 holds n 2^pre in lane order. TINY: whether
+  // any lane may lie below 2^emin; only then does it run the float adder's lanes, and set
+  // ylo, yhi to their sums.
   template <bool SR, bool TINY>
-  __m256i round(__m256i v, __m256i n16, __m256i nlo, __m256i nhi, __m256& ylo, __m256& yhi) const {
+  __m256i round(__m256i v, __m256i n16, __m256& ylo, __m256& yhi) const {
     const __m256i a = _mm256_and_si256(v, magnitude);
     const __m256i r = nearest<SR>(a, n16);
     __m256i mag = r;
     if (TINY) {
       ylo = _mm256_add_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, a)), big);
       yhi = _mm256_add_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, a)), big);
-      if (SR) {
+      if (SR) {  // n in the unpacking's lane order (lanes 0-3 and 8-11, 4-7 and 12-15)
+        const __m256i nlo = _mm256_srl_epi32(_mm256_unpacklo_epi16(n16, zero), pre);
+        const __m256i nhi = _mm256_srl_epi32(_mm256_unpackhi_epi16(n16, zero), pre);
         ylo = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(_mm256_castps_si256(ylo), nlo), sr_keep));
         yhi = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(_mm256_castps_si256(yhi), nhi), sr_keep));
       }
@@ -389,23 +396,41 @@ struct Bf16x16 {
   }
 };
 
-// A Fields row's n, 16 lanes at a time: n16 in lane order, and nlo, nhi in the order of
-// Bf16x16's float adder lanes.
+// A Fields row's n 2^pre (Bf16x16's pre), 16 lanes at a time in lane order. With AVX-512,
+// a rotation right by shift - pre puts the field at bit pre (a rotation, not a shift: the
+// field may lie below bit pre; what wraps around lands below pre, where the mask clears it),
+// and vpmovdw narrows 16 words in one instruction: bfloat16 SRC 6% faster in L2.
 struct Fields16 {
   const uint32_t* w;
-  __m256i field;
+#ifdef __AVX512F__
+  __m512i turn;
+  __m256i field;  // the mask at bit pre
+
+  Fields16(Fields n, const Bf16x16& c)
+      : w(n.w), turn(_mm512_set1_epi32(int32_t((n.shift - c.pre_bits) & 31))),
+        field(_mm256_set1_epi16(int16_t(n.mask << c.pre_bits))) {}
+
+  __m256i at(int h) const {
+    const __m512i words = _mm512_rorv_epi32(_mm512_loadu_si512(w + h), turn);
+    return _mm256_and_si256(_mm512_cvtepi32_epi16(words), field);
+  }
+#else
+  __m256i field, unit;  // the mask, 2^pre
   __m128i shift;
 
-  explicit Fields16(Fields n)
-      : w(n.w), field(_mm256_set1_epi32(int32_t(n.mask))), shift(_mm_cvtsi32_si128(int(n.shift))) {}
+  Fields16(Fields n, const Bf16x16& c)
+      : w(n.w), field(_mm256_set1_epi32(int32_t(n.mask))), unit(c.pre_unit), shift(_mm_cvtsi32_si128(int(n.shift))) {}
 
-  __m256i at(int h, __m256i& nlo, __m256i& nhi) const {
+  __m256i at(int h) const {
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + h));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + h + 8));
-    nlo = _mm256_and_si256(_mm256_srl_epi32(_mm256_permute2x128_si256(w0, w1, 0x20), shift), field);
-    nhi = _mm256_and_si256(_mm256_srl_epi32(_mm256_permute2x128_si256(w0, w1, 0x31), shift), field);
-    return _mm256_packus_epi32(nlo, nhi);
+    // packus interleaves 128-bit halves: from lanes 0-3 and 8-11, then 4-7 and 12-15, it
+    // packs them in order
+    const __m256i lo = _mm256_and_si256(_mm256_srl_epi32(_mm256_permute2x128_si256(w0, w1, 0x20), shift), field);
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi32(_mm256_permute2x128_si256(w0, w1, 0x31), shift), field);
+    return _mm256_mullo_epi16(_mm256_packus_epi32(lo, hi), unit);
   }
+#endif
 };
 #endif
 
@@ -445,12 +470,10 @@ __attribute__((noinline)) void magic_bf16_row(const uint16_t* x16, Fields n, uin
   int h = h0;
 #ifdef __AVX2__
   const Bf16x16 c(g);
-  const Fields16 n16s(n);
+  const Fields16 n16s(n, c);
   const auto chunk = [&](int k, __m256i v, auto tiny) {
-    __m256i n16 = c.zero, nlo = c.zero, nhi = c.zero;
-    if (SR) n16 = n16s.at(k, nlo, nhi);
     __m256 ylo, yhi;
-    const __m256i r = c.round<SR, decltype(tiny)::value>(v, n16, nlo, nhi, ylo, yhi);
+    const __m256i r = c.round<SR, decltype(tiny)::value>(v, SR ? n16s.at(k) : c.zero, ylo, yhi);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k), r);
   };
   h = bf16_fast_groups(x16, h, h1, c, [&](int k, const __m256i* v) {
@@ -483,7 +506,7 @@ inline bool encode_bf16_row(const uint16_t* x16, uint8_t* o, const Bf16x16& c, c
   __m256i bad = c.zero;
   const auto codes = [&](__m256i v, auto tiny) {
     __m256 ylo, yhi;
-    const __m256i rounded = c.round<false, decltype(tiny)::value>(v, c.zero, c.zero, c.zero, ylo, yhi);
+    const __m256i rounded = c.round<false, decltype(tiny)::value>(v, c.zero, ylo, yhi);
     const __m256i a = _mm256_and_si256(v, c.magnitude);
     __m256i code = _mm256_srl_epi16(_mm256_sub_epi16(a, code_base), ulp_shift);
     if (tiny) {
@@ -881,7 +904,7 @@ void magic_codes(const uint32_t* __restrict xs, int b0, int h1, int B, const uin
 template <bool SR, typename Out>
 int bf16_blocks(const uint16_t* x16, int h1, int B, const uint32_t* by, Fields n, const Bf16x16& c,
                 Out&& out) {
-  const Fields16 n16s(n);
+  const Fields16 n16s(n, c);
   const __m256i smallest = _mm256_set1_epi16(0x80), largest = _mm256_set1_epi16(0x7F7F);  // normal, finite
   int h = 0;
   for (; h + TINY_TEST <= h1; h += TINY_TEST) {
@@ -898,8 +921,7 @@ int bf16_blocks(const uint16_t* x16, int h1, int B, const uint32_t* by, Fields n
     }
     if (!_mm256_testz_si256(slow, slow)) break;
     for (int j = 0; j < PER_TEST; ++j) {
-      __m256i nlo, nhi;
-      out(h + 16 * j, v[j], c.nearest<SR>(q[j], SR ? n16s.at(h + 16 * j, nlo, nhi) : c.zero), e[j]);
+      out(h + 16 * j, v[j], c.nearest<SR>(q[j], SR ? n16s.at(h + 16 * j) : c.zero), e[j]);
     }
   }
   return h;
