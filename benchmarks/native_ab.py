@@ -4,6 +4,7 @@
     python benchmarks/native_ab.py 5fa61c8 HEAD --log2-size 16 --threads 1   # input in L2
     python benchmarks/native_ab.py 5fa61c8 HEAD --elements       # fewbit bench --quick's rows
     python benchmarks/native_ab.py 5fa61c8 HEAD --elements --scale 0.01   # mostly below 2^emin
+    python benchmarks/native_ab.py HEAD "HEAD -falign-loops=64"   # a build with flags of its own
 
 Each build is compiled with the library's flags and called directly (``fewbit_block``
 or ``fewbit_round``, no operator around it), so the figures are the kernel's. The builds
@@ -41,14 +42,16 @@ SOURCE = "src/fewbit/rounding/native.cpp"
 
 
 def build(which: str, folder: Path, index: int) -> ctypes.CDLL:
-    """Compile ``which`` (a path, else a git revision of native.cpp) and load it."""
+    """Compile ``which`` (a path, else a git revision of native.cpp, then any flags of its
+    own after a space) and load it."""
+    which, *flags = which.split()
     source = Path(which)
     if not source.exists():
         source = folder / f"native-{index}.cpp"
         source.write_text(subprocess.run(["git", "show", f"{which}:{SOURCE}"], capture_output=True, text=True,
                                          check=True).stdout)  # fmt: skip
     library = folder / f"native-{index}.so"
-    subprocess.run(["c++", *native.FLAGS, "-o", str(library), str(source)], check=True)
+    subprocess.run(["c++", *native.FLAGS, *flags, "-o", str(library), str(source)], check=True)
     return native._open(library)
 
 
