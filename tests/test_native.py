@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -21,7 +22,13 @@ from fewbit.rounding.checks import make_spec
 from fewbit.rounding.compiled import round_foreach_, stream_words
 from fewbit.rounding.modes import RoundMode
 
-pytestmark = pytest.mark.skipif(native._load() is None, reason="no C++ compiler to build the native kernel")
+# Skipped without a compiler only: where there is one, a source that fails to build fails
+# here (not skips), though the library falls back to the torch kernels.
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler for the native kernel")
+
+
+def test_the_kernel_builds():
+    assert native._load() is not None
 
 # One of each kind the kernel treats differently: P3109 (P = 1 and P > 1, signed, unsigned
 # extended/finite), OCP (NaN-only, no Inf/NaN, two's complement), IEEE-like 16-bit ones.
