@@ -157,8 +157,9 @@ def test_bfloat16_rows_of_any_length_and_offset(mode):
             assert same_bits(out, expected), (name, sat)
 
 
-def test_first_invalid_element_is_reported_and_nothing_reaches_out():
-    x = torch.linspace(-6, 6, 3000)  # within ocp_e2m1's range
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_first_invalid_element_is_reported_and_nothing_reaches_out(dtype):
+    x = torch.linspace(-6, 6, 3000, dtype=dtype)  # within ocp_e2m1's range
     x[2500] = 100.0  # beyond ocp_e2m1's range, which has no Inf or NaN
     out = torch.full_like(x, 7.0)
     with pytest.raises(ValueError, match="use sat=True"):
@@ -221,25 +222,33 @@ def test_16_bit_encode_in_whole_rows(name, dtype):
         assert got == expected and "nan" in got
 
 
-@pytest.mark.parametrize("name", ["binary8p4", "ocp_e4m3"])
-def test_bfloat16_rows_skip_the_float_adder_only_where_nothing_lies_below_emin(name):
-    """bfloat16 rows leave out the float adder's lanes in groups of 64 with nothing below
-    2^emin, up to the first group with such a value: rows with none, with one in a row's
-    first, middle or last lane, or in the last lane of a group, round (RNE, SRC N=3, sr)
-    and encode as the torch kernels."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["binary8p4", "ocp_e4m3", "ocp_e5m2"])
+def test_16_bit_rows_skip_the_float_adder_only_where_nothing_lies_below_emin(name, dtype):
+    """bfloat16 and float16 rows round on their 16 bits in groups of 64 with nothing below
+    2^emin (float16: nor Inf nor NaN), up to the first group with such a value (float16:
+    from there in float32): rows with none, with one in a row's first, middle or last lane,
+    or in the last lane of a group, and rows beyond max (to max, Inf, or NaN of either
+    sign), round (RNE, SRC N=3, sr) and encode as the torch kernels, saturating or not."""
     fmt = fewbit.format(name)
+    if not fewbit.rounding.dtype_format(dtype).contains(fmt):
+        pytest.skip(f"{dtype} cannot hold {name}")
     gen = torch.Generator().manual_seed(2)
-    rows = (torch.rand(6, 512, generator=gen) + 1) * 2.0 ** (fmt.emin + 1)  # in the normal range
+    rows = (torch.rand(9, 512, generator=gen) + 1) * 2.0 ** (fmt.emin + 1)  # in the normal range
+    rows[7:] = (torch.rand(2, 512, generator=gen) + 1) * 2.0**fmt.emax  # a third of them beyond max
     rows *= torch.where(torch.rand(rows.shape, generator=gen) < 0.5, -1.0, 1.0)
     tiny = 2.0 ** (fmt.emin - 1) * 1.375  # below 2^emin, between two of the format's values
-    for row, lane in ((1, 0), (2, 63), (3, 64 * 5 + 17), (4, 511)):
-        rows[row, lane] = -tiny if lane % 2 else tiny
-    x = rows.flatten().to(torch.bfloat16)
+    specials = {0: tiny, 63: -tiny, 64 * 5 + 17: tiny, 511: -tiny, 100: float("inf"), 200: float("nan")}
+    for row, (lane, value) in enumerate(specials.items(), start=1):
+        rows[row, lane] = value
+    x = rows.flatten().to(dtype)
     for mode, args in (("rne", {}), ("src", {"bits": 3, "seed": 4}), ("sr", {"seed": 5})):
-        call = functools.partial(fewbit.round, x, fmt, mode, sat=True, **args)
-        expected, got = eager_and_native(call)
-        assert same_bits(got, expected), mode
-        assert (expected.abs() < 2.0**fmt.emin).sum() > 0  # values below 2^emin remain: x holds some
+        for sat in (True, False):
+            call = functools.partial(fewbit.round, x, fmt, mode, sat=sat, **args)
+            expected, got = eager_and_native(call)
+            assert same_bits(got, expected), (mode, sat)
+            assert (expected.abs() < 2.0**fmt.emin).sum() > 0  # values below 2^emin remain: x holds some
+            assert (~(expected.abs() < fmt.max)).sum() > 200  # and at max or beyond (NaN, Inf)
     values = fewbit.round(x, fmt, sat=True)
     expected, got = eager_and_native(lambda: fewbit.encode(values, fmt))
     assert torch.equal(got, expected)

@@ -287,29 +287,42 @@ FEWBIT_LANE uint32_t magic_one(uint32_t x, uint32_t n, const Fmt& f) {
 // give a value beyond max. On magnitudes, the sign put back after: x's, on a zero only where
 // the format has -0, as magic_one's sum gives. Half the bits of magic_one's lanes, so twice
 // the elements per instruction: bfloat16 has twice the elements per byte of float32.
+// F16: the constants for a float16 x (10 fraction bits, bias 15) in the target's normal
+// range, where the same arithmetic rounds it (float16_row); the float adder's are bfloat16's.
 struct Bf16Magic {
   // int16_t: magnitudes are below 2^15, and AVX2 compares 16-bit lanes only as signed.
   int16_t pre_half, pre_lsb, pre_unit, pre_keep, keep, emin, max, beyond, nz;
   float big;  // magic.py's C for 2^emin's binade
   uint32_t sr_keep;  // clears the N low bits of the float32 sum, as magic_one
 
-  Bf16Magic(const Fmt& f, bool sr) {
+  Bf16Magic(const Fmt& f, bool sr, bool f16 = false) {
+    const int fraction = f16 ? 10 : 7, bias = f16 ? 15 : 127;
     // Clamped: every call builds one, and only those where applies() use it.
-    const int d = std::clamp(7 - f[T], 0, 7), p = std::clamp(sr ? d - f[BITS] : d, 0, 7);
+    const int d = std::clamp(fraction - f[T], 0, fraction), p = std::clamp(sr ? d - f[BITS] : d, 0, fraction);
     // The first rounding's 2^(pre-1) - 1 and its kept lsb 2^pre (none at pre = 0); n's unit 2^pre.
     pre_half = int16_t(p > 0 ? (1 << (p - 1)) - 1 : 0), pre_lsb = int16_t(p > 0 ? 1 << p : 0);
     pre_unit = int16_t(1 << p);
     pre_keep = int16_t(~((1 << p) - 1)), keep = int16_t(sr ? ~((1 << d) - 1) : -1);
-    emin = int16_t((f[EMIN] + 127) << 7), max = int16_t(uint32_t(f[MAX]) >> 16);
-    // beyond max: max (sat), Inf, or NaN, whose bfloat16 is 0xFFFF whatever the sign
-    const uint32_t beyond_bits = uint32_t(f.sat ? f[MAX] : f[BEYOND_POS]);
-    beyond = (beyond_bits & 0x7FFFFFFFu) > 0x7F800000u ? int16_t(-1) : int16_t(beyond_bits >> 16);
+    emin = int16_t((f[EMIN] + bias) << fraction), max = bits16(uint32_t(f[MAX]), f16);
+    beyond = bits16(uint32_t(f.sat ? f[MAX] : f[BEYOND_POS]), f16);  // max (sat), Inf or NaN
     nz = int16_t(f.has_nz ? -1 : 0);
     big = as_float(uint32_t(f[EMIN] + 127) << 23) * f.magic_scale[sr];
     sr_keep = 0u - (1u << f[BITS]);
   }
-  // The calls it takes: for SRC, N <= d (n's bits then lie within x's fraction).
-  static bool applies(const Fmt& f, bool sr) { return !sr || f[BITS] <= 7 - f[T]; }
+  // The calls it takes: for SRC, N <= d (n's bits then lie within x's fraction). From
+  // float16: where 2^emin is a normal float16, and no finite x at or above it can lack a
+  // result (sat, or NaN for a value beyond max is one of the format's).
+  static bool applies(const Fmt& f, bool sr, bool f16 = false) {
+    return (!sr || f[BITS] <= (f16 ? 10 : 7) - f[T]) && (!f16 || (f[EMIN] >= -14 && (f.sat || f.has_nans)));
+  }
+
+  // A float32 value of the format (its bits u, no sign; max, Inf, NaN) as a 16-bit float's
+  // bits: bfloat16's top half, NaN 0xFFFF whatever the sign (to_bfloat16); float16's as
+  // narrow_f16 converts.
+  static int16_t bits16(uint32_t u, bool f16) {
+    if (f16) return int16_t(__builtin_bit_cast(uint16_t, _Float16(as_float(u))));
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? int16_t(-1) : int16_t(u >> 16);
+  }
 };
 
 template <bool SR>
@@ -727,6 +740,47 @@ inline void narrow_f16(const uint32_t* rs, uint16_t* o, int h0, int h1) {
   for (; h < h1; ++h) o[h] = __builtin_bit_cast(uint16_t, _Float16(as_float(rs[h])));
 }
 
+#if defined(__AVX2__) && defined(__F16C__)
+// magic_one over float16 lanes h0 .. h1 into o, where Bf16Magic::applies(f, SR, true): in
+// groups of TINY_TEST on their 16 bits, up to the first holding a lane below 2^emin, Inf or
+// NaN; from there widened, in float32, and narrowed. In the target's normal range a
+// float16's magnitude rounds as a bfloat16's does (Bf16x16::nearest with Bf16Magic's F16
+// constants, g), and x's sign goes back on whatever it rounds to (F16C: narrow_f16's NaN
+// beyond max). Returns the first lane without a valid result (NaN in a format without
+// one), or -1. A function of its own, not inlined: written into run_rows's loop, it changed
+// how all of run_rows compiles, and float32 block codes lost up to 12% (as a call, 5-9%).
+template <bool SR>
+__attribute__((noinline)) int float16_row(const uint16_t* x16, Fields n, uint16_t* o, int h0, int h1,
+                                          const Bf16Magic& g, const Fmt f, uint32_t* __restrict xbuf,
+                                          uint32_t* __restrict rbuf) {
+  const Bf16x16 c(g);
+  const Fields16 n16s(n, c);
+  const __m256i largest = _mm256_set1_epi16(0x7BFF);  // float16's largest finite magnitude
+  int h = h0;
+  for (; h + TINY_TEST <= h1; h += TINY_TEST) {
+    __m256i v[PER_TEST], slow = c.zero;
+    for (int j = 0; j < PER_TEST; ++j) {
+      v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + h + 16 * j));
+      const __m256i a = _mm256_and_si256(v[j], c.magnitude);
+      slow = _mm256_or_si256(slow, _mm256_or_si256(_mm256_cmpgt_epi16(c.emin, a), _mm256_cmpgt_epi16(a, largest)));
+    }
+    if (!_mm256_testz_si256(slow, slow)) break;
+    for (int j = 0; j < PER_TEST; ++j) {
+      const int k = h + 16 * j;
+      __m256i mag = c.nearest<SR>(_mm256_and_si256(v[j], c.magnitude), SR ? n16s.at(k) : c.zero);
+      mag = _mm256_blendv_epi8(mag, c.beyond, _mm256_cmpgt_epi16(mag, c.max));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k), _mm256_or_si256(mag, _mm256_and_si256(v[j], c.sign_bit)));
+    }
+  }
+  widen_f16(x16, xbuf, h, h1);
+  for (int k = h; k < h1; ++k) rbuf[k] = magic_one<SR>(xbuf[k], n.at(k), f);
+  narrow_f16(rbuf, o, h, h1);
+  for (int k = h; !f.has_nans && k < h1; ++k)
+    if ((rbuf[k] & 0x7FFFFFFFu) > 0x7F800000u) return k;
+  return -1;
+}
+#endif
+
 // 2^e as float32 bits, e in [-127, 127] (2^-127 is a subnormal).
 FEWBIT_LANE uint32_t pow2_bits(int32_t e) { return e >= -126 ? uint32_t(e + 127) << 23 : 0x00400000u; }
 
@@ -1064,6 +1118,14 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
 #else
   constexpr bool bf16_blocks = false;
 #endif
+#if defined(__AVX2__) && defined(__F16C__)
+  // float16 element rows on their 16 bits where they can (float16_row)
+  const bool f16_rows = MAGIC && job.dtype == F16 && job.output == VALUES && B == 0
+                        && Bf16Magic::applies(f, MODE == MAGIC_SRC, true);
+  const Bf16Magic g_f16(f, MODE == MAGIC_SRC, true);
+#else
+  constexpr bool f16_rows = false;
+#endif
   int64_t bad = -1;
   for (int64_t row = row0; row < row1; ++row) {
     const int64_t start = row * LANES;
@@ -1100,7 +1162,7 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
       const uint16_t* x16 = static_cast<const uint16_t*>(job.x) + pos0;
       if (job.dtype == BF16) {  // bf16_blocks widens the lanes it leaves, below
         if (!fused && !bf16_blocks) for (int h = h0; h < h1; ++h) xbuf[h] = uint32_t(x16[h]) << 16;
-      } else {
+      } else if (!f16_rows) {  // float16_row widens the lanes it leaves
         widen_f16(x16, xbuf, h0, h1);
       }
       xs = xbuf;
@@ -1158,6 +1220,15 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
           if (streamed) stream_out(rbuf, static_cast<uint16_t*>(job.out) + pos0, LANES * 2);
           continue;
         }
+#if defined(__AVX2__) && defined(__F16C__)
+        if (f16_rows) {
+          const uint16_t* x16 = static_cast<const uint16_t*>(job.x) + pos0;
+          const int lane = float16_row<MODE == MAGIC_SRC>(x16, n, static_cast<uint16_t*>(job.out) + pos0, h0, h1,
+                                                          g_f16, f, xbuf, rbuf);
+          if (lane >= 0 && bad < 0) bad = pos0 + lane;
+          continue;
+        }
+#endif
       }
       if constexpr (MAGIC) {
         constexpr bool SR = MODE == MAGIC_SRC;
