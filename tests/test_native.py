@@ -131,17 +131,20 @@ def test_any_offset_and_thread_count_draws_the_streams_bits(bits):
             assert same_bits(out, expected), (offset, threads)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mode", ["rne", "src", "sr"])
-def test_bfloat16_rows_of_any_length_and_offset(mode):
-    """bfloat16 rounds 16 lanes at a time and the rest of a row one by one: every bfloat16
-    pattern, in pieces of 1 to 40 elements at their stream positions (so each lane goes
-    both ways across the pieces' lengths), gives the torch kernels' bits, for formats with
-    and without negative zero."""
-    x = every_bfloat16(torch.bfloat16)
+def test_16_bit_rows_of_any_length_and_offset(mode, dtype):
+    """bfloat16 and float16 round 16 lanes at a time, in groups of 64 where they can, and
+    the rest of a row one by one: every bfloat16 pattern (in float16, as it converts), in
+    pieces of 1 to 40 elements and some of 64 to 300, at their stream positions (so each
+    lane goes every way across the pieces' lengths, and groups start at any lane), gives
+    the torch kernels' bits, for formats with and without negative zero."""
+    x = every_bfloat16(dtype)
+    lengths = [*range(1, 41), 64, 100, 130, 200, 300]
     for name in ("binary8p4", "ocp_e4m3", "ocp_e5m2"):
         fmt = fewbit.format(name)
         for sat in (False, True):
-            spec = make_spec(torch.bfloat16, fmt, RoundMode(mode), sat, 3 if mode == "src" else None, None)
+            spec = make_spec(dtype, fmt, RoundMode(mode), sat, 3 if mode == "src" else None, None)
             key, offset = Key(7, 8), 517
             given = None if spec.bits is None else random_bits(x.shape, spec.bits, key, offset=offset)
             with configure(compile=False):
@@ -149,11 +152,12 @@ def test_bfloat16_rows_of_any_length_and_offset(mode):
                                         random_bits=given)  # fmt: skip
             words = None if spec.bits is None else stream_words(spec, key)
             out = torch.empty_like(x)
-            start, length = 0, 1
+            start, i = 0, 0
             while start < x.numel():
+                length = lengths[i % len(lengths)]
                 piece, into = x[start : start + length], out[start : start + length]
                 assert native.round_into(piece, spec, words, None, into, offset + start) == -1
-                start, length = start + length, length % 40 + 1
+                start, i = start + length, i + 1
             assert same_bits(out, expected), (name, sat)
 
 
