@@ -278,6 +278,11 @@ FEWBIT_LANE uint32_t magic_one(uint32_t x, uint32_t n, const Fmt& f) {
   return int32_t(x & ~SIGN) > 0x7F800000 ? NAN_BITS : out;  // signed: AVX2 compares no unsigned lanes
 }
 
+// A result's float32 bits to bfloat16's. A bfloat16 input holds every value of the format
+// (checks.make_spec), so the result is one too and its low 16 bits are zero; NaN becomes
+// 0xFFFF as in torch's vector conversion (its scalar one, for a tensor's tail, gives 0x7FC0).
+FEWBIT_LANE uint16_t to_bfloat16(uint32_t u) { return (u & 0x7FFFFFFFu) > 0x7F800000u ? 0xFFFF : uint16_t(u >> 16); }
+
 // magic_one for a bfloat16 x, on its 16 bits (where Bf16Magic::applies): in the target's
 // normal range a bfloat16 carries 7 fraction bits, d = 7 - t more than the target, so the
 // float adder's rounding there is integer arithmetic on x's magnitude bits (a carry runs into
@@ -316,12 +321,10 @@ struct Bf16Magic {
     return (!sr || f[BITS] <= (f16 ? 10 : 7) - f[T]) && (!f16 || (f[EMIN] >= -14 && (f.sat || f.has_nans)));
   }
 
-  // A float32 value of the format (its bits u, no sign; max, Inf, NaN) as a 16-bit float's
-  // bits: bfloat16's top half, NaN 0xFFFF whatever the sign (to_bfloat16); float16's as
-  // narrow_f16 converts.
+  // A float32 value of the format (its bits u; max, Inf, NaN) as a 16-bit float's bits:
+  // bfloat16's as to_bfloat16 gives them, float16's as narrow_f16 converts.
   static int16_t bits16(uint32_t u, bool f16) {
-    if (f16) return int16_t(__builtin_bit_cast(uint16_t, _Float16(as_float(u))));
-    return (u & 0x7FFFFFFFu) > 0x7F800000u ? int16_t(-1) : int16_t(u >> 16);
+    return int16_t(f16 ? __builtin_bit_cast(uint16_t, _Float16(as_float(u))) : to_bfloat16(u));
   }
 };
 
@@ -456,16 +459,16 @@ struct Fields16 {
 // 0.01), its branch mispredicted half the time: 2.5x slower than no test.
 constexpr int TINY_TEST = 64, PER_TEST = TINY_TEST / 16;  // lanes, vectors
 
-// Calls fast(h, v) for the groups of TINY_TEST bfloat16 lanes v (16 to a vector) at
-// x16 + h, from h on, up to the first that holds a value below 2^emin or reaches past h1;
-// returns its h.
-template <typename Fast>
-inline int bf16_fast_groups(const uint16_t* x16, int h, int h1, const Bf16x16& c, Fast&& fast) {
+// Calls fast(h, v) for the groups of TINY_TEST 16-bit lanes v (16 to a vector) at x16 + h,
+// from h on, up to the first that holds a lane slow(v) marks (all ones) or reaches past
+// h1; returns its h.
+template <typename Slow, typename Fast>
+inline int fast_groups(const uint16_t* x16, int h, int h1, Slow&& slow, Fast&& fast) {
   for (; h + TINY_TEST <= h1; h += TINY_TEST) {
-    __m256i v[PER_TEST], any = c.zero;
+    __m256i v[PER_TEST], any = _mm256_setzero_si256();
     for (int j = 0; j < PER_TEST; ++j) {
       v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + h + 16 * j));
-      any = _mm256_or_si256(any, c.below(v[j]));
+      any = _mm256_or_si256(any, slow(v[j]));
     }
     if (!_mm256_testz_si256(any, any)) break;
     fast(h, v);
@@ -489,7 +492,8 @@ __attribute__((noinline)) void magic_bf16_row(const uint16_t* x16, Fields n, uin
     const __m256i r = c.round<SR, decltype(tiny)::value>(v, SR ? n16s.at(k) : c.zero, ylo, yhi);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k), r);
   };
-  h = bf16_fast_groups(x16, h, h1, c, [&](int k, const __m256i* v) {
+  const auto below = [&](__m256i v) { return c.below(v); };
+  h = fast_groups(x16, h, h1, below, [&](int k, const __m256i* v) {
     for (int j = 0; j < PER_TEST; ++j) chunk(k + 16 * j, v[j], std::false_type{});
   });
   for (; h + 16 <= h1; h += 16)
@@ -548,7 +552,8 @@ inline bool encode_bf16_row(const uint16_t* x16, uint8_t* o, const Bf16x16& c, c
     const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packus_epi16(lo, hi), 0xD8);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + h), bytes);
   };
-  int h = bf16_fast_groups(x16, 0, LANES, c, [&](int k, const __m256i* v) {
+  const auto below = [&](__m256i v) { return c.below(v); };
+  int h = fast_groups(x16, 0, LANES, below, [&](int k, const __m256i* v) {
     for (int j = 0; j < PER_TEST; j += 2)
       store(k + 16 * j, codes(v[j], std::false_type{}), codes(v[j + 1], std::false_type{}));
   });
@@ -703,11 +708,6 @@ inline void stream_out(const void* src, void* dst, int bytes) {
 #endif
 }
 
-// A result's float32 bits to bfloat16's. A bfloat16 input holds every value of the format
-// (checks.make_spec), so the result is one too and its low 16 bits are zero; NaN becomes
-// 0xFFFF as in torch's vector conversion (its scalar one, for a tensor's tail, gives 0x7FC0).
-FEWBIT_LANE uint16_t to_bfloat16(uint32_t u) { return (u & 0x7FFFFFFFu) > 0x7F800000u ? 0xFFFF : uint16_t(u >> 16); }
-
 // The same for any float32, rounded to nearest even as torch converts.
 FEWBIT_LANE uint16_t round_to_bfloat16(uint32_t u) {
   return (u & 0x7FFFFFFFu) > 0x7F800000u ? 0xFFFF : uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
@@ -756,22 +756,18 @@ __attribute__((noinline)) int float16_row(const uint16_t* x16, Fields n, uint16_
   const Bf16x16 c(g);
   const Fields16 n16s(n, c);
   const __m256i largest = _mm256_set1_epi16(0x7BFF);  // float16's largest finite magnitude
-  int h = h0;
-  for (; h + TINY_TEST <= h1; h += TINY_TEST) {
-    __m256i v[PER_TEST], slow = c.zero;
+  const auto slow = [&](__m256i v) {  // below 2^emin, Inf or NaN
+    const __m256i a = _mm256_and_si256(v, c.magnitude);
+    return _mm256_or_si256(_mm256_cmpgt_epi16(c.emin, a), _mm256_cmpgt_epi16(a, largest));
+  };
+  const int h = fast_groups(x16, h0, h1, slow, [&](int k, const __m256i* v) {
     for (int j = 0; j < PER_TEST; ++j) {
-      v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + h + 16 * j));
-      const __m256i a = _mm256_and_si256(v[j], c.magnitude);
-      slow = _mm256_or_si256(slow, _mm256_or_si256(_mm256_cmpgt_epi16(c.emin, a), _mm256_cmpgt_epi16(a, largest)));
-    }
-    if (!_mm256_testz_si256(slow, slow)) break;
-    for (int j = 0; j < PER_TEST; ++j) {
-      const int k = h + 16 * j;
-      __m256i mag = c.nearest<SR>(_mm256_and_si256(v[j], c.magnitude), SR ? n16s.at(k) : c.zero);
+      __m256i mag = c.nearest<SR>(_mm256_and_si256(v[j], c.magnitude), SR ? n16s.at(k + 16 * j) : c.zero);
       mag = _mm256_blendv_epi8(mag, c.beyond, _mm256_cmpgt_epi16(mag, c.max));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k), _mm256_or_si256(mag, _mm256_and_si256(v[j], c.sign_bit)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k + 16 * j),
+                          _mm256_or_si256(mag, _mm256_and_si256(v[j], c.sign_bit)));
     }
-  }
+  });
   widen_f16(x16, xbuf, h, h1);
   for (int k = h; k < h1; ++k) rbuf[k] = magic_one<SR>(xbuf[k], n.at(k), f);
   narrow_f16(rbuf, o, h, h1);
