@@ -109,6 +109,25 @@ def test_given_bits_same_as_torch(mode):
     assert same_bits(got, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_given_bits_are_read_by_position_in_x_at_any_offset(dtype):
+    """Given bits belong to x's elements: a call's stream offset (which places generated
+    bits) does not move them, in any row kind or rounding loop."""
+    x = (torch.randn(5000, generator=torch.Generator().manual_seed(4)) * 4).to(dtype)
+    fmt = fewbit.format("ocp_e4m3")
+    for mode, bits in (("src", 3), ("srff", 3), ("sr_fraction", 8)):
+        kw = {k: v for k, v in MODE_ARGS[mode].items() if k != "seed"} | {"bits": bits}
+        spec = make_spec(dtype, fmt, RoundMode(mode), True, bits, kw.get("fraction"))
+        rb = torch.randint(0, spec.random_range, x.shape, generator=torch.Generator().manual_seed(5),
+                           dtype=torch.int32)  # fmt: skip
+        with configure(compile=False):
+            expected = fewbit.round(x, fmt, mode, random_bits=rb, sat=True, **kw)
+        for offset in (0, 333):
+            out = torch.empty_like(x)
+            assert native.round_into(x, spec, None, rb, out, offset) == -1
+            assert same_bits(out, expected), (mode, offset)
+
+
 @pytest.mark.parametrize("bits", [3, 16, 20])
 def test_any_offset_and_thread_count_draws_the_streams_bits(bits):
     """Elements offset .. offset + n get the stream's bits of their indices (fewbit.random,

@@ -1,6 +1,6 @@
 // fewbit's CPU kernel: rounding (and rounding to codes) with the random bits generated
 // in the same pass. Built at first use by native.py with the system C++ compiler and
-// loaded with ctypes; no torch headers, so it builds in about a second.
+// loaded with ctypes; no torch headers (it builds in about 15 s on one core).
 //
 // It computes what fast.round_fast computes, on float32 bit patterns (inputs of 16
 // bits are widened exactly and the result narrowed by round-to-nearest-even, as torch
@@ -29,7 +29,7 @@
 namespace {
 
 // A function of one lane, called in the loops over a row's lanes: always inlined, since a
-// call keeps such a loop scalar. GCC inlines by a budget per caller, and run_rows outgrew
+// call keeps such a loop scalar. GCC inlines by a budget per caller, and the row loop outgrew
 // it once: float32 SRC ran ten times slower, calling magic_one per element.
 #define FEWBIT_LANE __attribute__((always_inline)) inline
 
@@ -478,7 +478,7 @@ inline int fast_groups(const uint16_t* x16, int h, int h1, Slow&& slow, Fast&& f
 #endif
 
 // magic_bf16 over lanes h0 .. h1 of a row (with AVX2, Bf16x16's 16 at a time). Not inlined:
-// where GCC inlined it, the float16 loops of run_rows compiled around it lost 7-10%
+// where GCC inlined it, the float16 loops compiled around it lost 7-10%
 // (native_ab in L2).
 template <bool SR>
 __attribute__((noinline)) void magic_bf16_row(const uint16_t* x16, Fields n, uint16_t* o, int h0, int h1,
@@ -747,8 +747,8 @@ inline void narrow_f16(const uint32_t* rs, uint16_t* o, int h0, int h1) {
 // float16's magnitude rounds as a bfloat16's does (Bf16x16::nearest with Bf16Magic's F16
 // constants, g), and x's sign goes back on whatever it rounds to (F16C: narrow_f16's NaN
 // beyond max). Returns the first lane without a valid result (NaN in a format without
-// one), or -1. A function of its own, not inlined: written into run_rows's loop, it changed
-// how all of run_rows compiles, and float32 block codes lost up to 12% (as a call, 5-9%).
+// one), or -1. A function of its own, not inlined: written into the row loop (when one
+// function held every kind of row), it cost float32 block codes up to 12%.
 template <bool SR>
 __attribute__((noinline)) int float16_row(const uint16_t* x16, Fields n, uint16_t* o, int h0, int h1,
                                           const Bf16Magic& g, const Fmt f, uint32_t* __restrict xbuf,
@@ -980,7 +980,7 @@ int bf16_blocks(const uint16_t* x16, int h1, int B, const uint32_t* by, Fields n
 // magic_codes through bf16_blocks: a code is encode_bf16_row's shift of r, or the code
 // beyond max, with x's sign. Codes go to `bytes` where it is not null (uint8 codes), else
 // to `codes`. Returns the first lane left to magic_codes. (Not inlined, as the value one:
-// run_rows is big enough.)
+// block_rows is big enough.)
 template <bool SR>
 __attribute__((noinline)) int bf16_block_codes(const uint16_t* x16, int h1, int B, const uint32_t* by, Fields n,
                                                const Bf16x16& c, const Fmt& f, uint32_t* codes, uint8_t* bytes) {
@@ -1070,38 +1070,249 @@ inline void by_block_size(int B, Call&& call) {
   }
 }
 
-// How far ahead run_rows prefetches x for block calls, in rows.
-constexpr int PREFETCH_ROWS = 2;
+// Where a row lies in the call: lanes h0 .. h1 of elements start .. start + LANES are the
+// call's, and lane 0 lies at position pos0 of x (negative in an offset call's first row).
+struct Row {
+  int64_t start, pos0;
+  int h0, h1;
+  Row(const Job& job, int64_t row)
+      : start(row * LANES), pos0(start - job.offset), h0(int(std::max<int64_t>(job.offset - start, 0))),
+        h1(int(std::min<int64_t>(job.offset + job.n - start, LANES))) {}
+  bool whole() const { return h0 == 0 && h1 == LANES; }
+};
+
+// The random fields of each row: from a stream's words, or the given bits (the N rounding
+// bits low, sr_fraction's selection bits above them). Deterministic modes read none.
+template <int MODE>
+struct RowBits {
+  std::vector<Stream> streams;  // on the heap: each holds a row of words of both outputs
+  const int32_t* given;
+  int bits;
+
+  explicit RowBits(const Job& job) : given(job.given), bits(job.fmt[BITS]) {
+    if (stochastic(MODE) && given == nullptr) {
+      streams.emplace_back(job.keys[0], job.keys[1], bits);
+      if (MODE == FRACTION) streams.emplace_back(job.keys[2], job.keys[3], 16);
+    }
+  }
+
+  // n and sel of element row `row` (lane 0 at pos0); `xs` stands in for deterministic modes.
+  void at(int64_t row, int64_t pos0, const uint32_t* xs, Fields& n, Fields& sel) {
+    n = sel = {xs, 0, 0};
+    if (!stochastic(MODE)) return;
+    if (given != nullptr) {
+      const uint32_t* g = reinterpret_cast<const uint32_t*>(given + pos0);
+      n = {g, 0, (1u << bits) - 1};
+      sel = {g, uint32_t(bits), ~0u};
+    } else {
+      n = streams[0].fields(row);
+      if (MODE == FRACTION) sel = streams[1].fields(row);
+    }
+  }
+};
+
+// Lanes h0 .. h1 of xs rounded into rs as MODE rounds them (encode: to nearest, to check
+// them). Returns the first lane without a valid result (not a value of the format, for
+// encode; NaN in a format without NaN, for the others), or -1.
+template <int MODE>
+__attribute__((noinline)) int round_lanes(const uint32_t* xs, uint32_t* rs, Fields n, Fields sel, int h0, int h1,
+                                          const Fmt& fmt) {
+  const Fmt f = fmt;  // a local copy: stores through rs cannot change it, and the loops vectorise
+  if constexpr (MODE == ENCODE || MODE == ENCODE_MAGIC) {
+    for (int h = h0; h < h1; ++h)
+      rs[h] = MODE == ENCODE_MAGIC ? magic_one<false>(xs[h], 0, f) : round_one<RNE>(xs[h], 0, 0, f);
+    // x is a value of the format iff rounding leaves it unchanged (a NaN iff it has NaNs).
+    int32_t any = 0;
+    for (int h = h0; h < h1; ++h) any |= not_a_value(xs[h], rs[h], f);
+    for (int h = h0; any && h < h1; ++h)
+      if (not_a_value(xs[h], rs[h], f)) return h;
+    return -1;
+  } else {
+    if constexpr (MODE == MAGIC_RNE || MODE == MAGIC_SRC) {
+      for (int h = h0; h < h1; ++h) rs[h] = magic_one<MODE == MAGIC_SRC>(xs[h], n.at(h), f);
+    } else if constexpr (MODE == CLASSICAL_SR) {
+      for (int h = h0; h < h1; ++h) rs[h] = classical_sr_one(xs[h], n.at(h), f);
+    } else {
+      for (int h = h0; h < h1; ++h) rs[h] = round_one<Mode(MODE)>(xs[h], n.at(h), sel.at(h), f);
+    }
+    if (f.has_nans) return -1;  // NaN marks an element without a valid result
+    int32_t any = 0;
+    for (int h = h0; h < h1; ++h) any |= (rs[h] & 0x7FFFFFFFu) > 0x7F800000u;
+    for (int h = h0; any && h < h1; ++h)
+      if ((rs[h] & 0x7FFFFFFFu) > 0x7F800000u) return h;
+    return -1;
+  }
+}
+
+// Whether a row of values goes out through stream_out: a whole row, where the call streams.
+inline bool streamed(const Job& job, const Row& r) {
+  const int elem = job.dtype == F32 ? 4 : 2;
+  return job.stream && r.whole() && reinterpret_cast<uintptr_t>(static_cast<char*>(job.out) + r.pos0 * elem) % 32 == 0;
+}
+
+// A row's values (float32 bits, lanes from .. h1) written out in x's dtype. bfloat16 takes
+// their top halves where they are bfloat16 values already (`exact`), else rounds to nearest.
+inline void write_values(const Job& job, const Row r, const uint32_t* rs, int from, bool exact, bool stream) {
+  if (job.dtype == F32) {
+    if (stream) {
+      stream_out(rs, static_cast<uint32_t*>(job.out) + r.pos0, LANES * 4);
+    } else {
+      std::memcpy(static_cast<uint32_t*>(job.out) + r.pos0 + from, rs + from, size_t(r.h1 - from) * 4);
+    }
+  } else if (job.dtype == BF16) {
+    uint16_t* o = static_cast<uint16_t*>(job.out) + r.pos0;
+    if (exact) {
+      for (int h = from; h < r.h1; ++h) o[h] = to_bfloat16(rs[h]);
+    } else {
+      for (int h = from; h < r.h1; ++h) o[h] = round_to_bfloat16(rs[h]);
+    }
+  } else {
+    narrow_f16(rs, static_cast<uint16_t*>(job.out) + r.pos0, from, r.h1);
+  }
+}
+
+// A row's codes (32 bits each, lanes from .. h1) narrowed into the call's output: computed in
+// 32 bits because GCC vectorises no mix of widths. (r by value: a byte store may alias
+// anything, and a loop bound read through a reference would keep the loop scalar.)
+inline void write_codes(const Job& job, const Row r, const uint32_t* codes, int from) {
+  if (job.output == CODES_U8) {
+    uint8_t* o = static_cast<uint8_t*>(job.out) + r.pos0;
+    for (int h = from; h < r.h1; ++h) o[h] = uint8_t(codes[h]);
+  } else if (job.output == CODES_I16) {
+    uint16_t* o = static_cast<uint16_t*>(job.out) + r.pos0;
+    for (int h = from; h < r.h1; ++h) o[h] = uint16_t(codes[h]);
+  } else {  // packed: offset and row starts are even, so pairs lie within a row
+    uint8_t* o = static_cast<uint8_t*>(job.out) + r.pos0 / 2;
+    for (int h = from / 2; h < r.h1 / 2; ++h) o[h] = uint8_t(codes[2 * h] | (codes[2 * h + 1] << 4));
+  }
+}
+
+// The rows of a call, one function per kind of row (float32 elements, 16-bit elements,
+// blocks), each with its own loop and buffers. Not inlined into run_rows: in one function
+// the three compiled as one frame, and any edit of one moved the others' speed by 5-12%.
+// Each returns the first position without a valid result, or -1.
 
 template <int MODE>
-int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
-  // bfloat16 in and out of the float-adder kernels in one loop, into formats with NaN (no
-  // result to check).
-  constexpr bool FUSED_BF16 = MODE == MAGIC_RNE || MODE == MAGIC_SRC;
+__attribute__((noinline)) int64_t float32_rows(const Job& job, int64_t row0, int64_t row1) {
   const Fmt f = job.fmt;  // a local copy: stores through the output pointers cannot change it
-  const int bits = f[BITS];
-  std::vector<Stream> streams;  // on the heap: each holds a row of words of both outputs
-  if (stochastic(MODE) && job.given == nullptr) {
-    streams.emplace_back(job.keys[0], job.keys[1], bits);
-    if (MODE == FRACTION) streams.emplace_back(job.keys[2], job.keys[3], 16);
+  RowBits<MODE> bits(job);
+  alignas(64) uint32_t rbuf[LANES], cbuf[LANES];
+  int64_t bad = -1;
+  for (int64_t row = row0; row < row1; ++row) {
+    const Row r(job, row);
+    const uint32_t* xs = static_cast<const uint32_t*>(job.x) + r.pos0;
+    Fields n, sel;
+    bits.at(row, r.pos0, xs, n, sel);
+    const bool values = job.output == VALUES, stream = values && streamed(job, r);
+    // Values go straight out where they do not stream.
+    uint32_t* rs = values && !stream ? static_cast<uint32_t*>(job.out) + r.pos0 : rbuf;
+    const int lane = round_lanes<MODE>(xs, rs, n, sel, r.h0, r.h1, f);
+    if (lane >= 0 && bad < 0) bad = r.pos0 + lane;
+    if (stream) {
+      stream_out(rbuf, static_cast<uint32_t*>(job.out) + r.pos0, LANES * 4);
+    } else if (!values) {
+      codes_of(rs, cbuf, r.h0, r.h1, f);
+      write_codes(job, r, cbuf, r.h0);
+    }
   }
+  return bad;
+}
+
+template <int MODE>
+__attribute__((noinline)) int64_t half_rows(const Job& job, int64_t row0, int64_t row1) {
+  constexpr bool MAGIC = MODE == MAGIC_RNE || MODE == MAGIC_SRC, SR = MODE == MAGIC_SRC;
+  const Fmt f = job.fmt;
+  RowBits<MODE> bits(job);
   alignas(64) uint32_t xbuf[LANES], rbuf[LANES], cbuf[LANES];
-  const uint32_t mask = (1u << bits) - 1;
-  const int B = job.blocks.size;
-  // Blocks: the scaled elements, and each block's largest magnitude, S and 1 / S.
-  alignas(64) uint32_t sbuf[LANES], amax[LANES], factor[LANES], inv[LANES];
-  const bool fused = FUSED_BF16 && job.dtype == BF16 && job.output == VALUES && f.has_nans && B == 0;
-  const bool bf16_magic = fused && Bf16Magic::applies(f, MODE == MAGIC_SRC);
-  const Bf16Magic g16(f, MODE == MAGIC_SRC);
+  const bool values = job.output == VALUES;
+  // bfloat16 values of the magic modes into formats with NaN (no result to check): widened,
+  // rounded and narrowed in one loop, on their 16 bits where Bf16Magic applies.
+  const bool fused = MAGIC && job.dtype == BF16 && values && f.has_nans;
+  const Bf16Magic g16(f, SR);
+  const bool bf16_magic = fused && Bf16Magic::applies(f, SR);
 #ifdef __AVX2__
   // encode to uint8 codes: whole rows of bfloat16 on their 16 bits (encode_bf16_row), and
   // of float16 that way where they convert to bfloat16 exactly (with F16C)
-  const bool bf16_codes = MODE == ENCODE_MAGIC && job.output == CODES_U8 && B == 0 && job.dtype != F32;
+  const bool bf16_codes = MODE == ENCODE_MAGIC && job.output == CODES_U8;
   const Bf16x16 c16(g16);
 #endif
-  constexpr bool MAGIC = MODE == MAGIC_RNE || MODE == MAGIC_SRC;
-  const bool magic_coded = MAGIC && B > 0 && job.output != VALUES && (f.sat || f.has_nans);
-  const bool magic_valued = MAGIC && B > 0 && job.output == VALUES && (f.sat || f.has_nans);
+#if defined(__AVX2__) && defined(__F16C__)
+  // float16 values on their 16 bits where they can (float16_row)
+  const bool f16_rows = MAGIC && job.dtype == F16 && values && Bf16Magic::applies(f, SR, true);
+  const Bf16Magic g_f16(f, SR, true);
+#endif
+  int64_t bad = -1;
+  for (int64_t row = row0; row < row1; ++row) {
+    const Row r(job, row);
+    const uint16_t* x16 = static_cast<const uint16_t*>(job.x) + r.pos0;
+#ifdef __AVX2__
+    if (bf16_codes && r.whole()) {
+      uint16_t* b16 = reinterpret_cast<uint16_t*>(xbuf);  // widened again below if need be
+#ifdef __F16C__
+      const bool exact = job.dtype == BF16 || float16_as_bfloat16(x16, b16);
+#else
+      const bool exact = job.dtype == BF16;
+#endif
+      if (exact && encode_bf16_row(job.dtype == BF16 ? x16 : b16, static_cast<uint8_t*>(job.out) + r.pos0, c16, f))
+        continue;
+    }
+#endif
+    Fields n, sel;
+    bits.at(row, r.pos0, xbuf, n, sel);
+    if constexpr (MAGIC) {
+      if (fused) {
+        const bool stream = streamed(job, r);
+        uint16_t* o = stream ? reinterpret_cast<uint16_t*>(rbuf) : static_cast<uint16_t*>(job.out) + r.pos0;
+        if (bf16_magic) {
+          magic_bf16_row<SR>(x16, n, o, r.h0, r.h1, g16);
+        } else {
+          for (int h = r.h0; h < r.h1; ++h) o[h] = to_bfloat16(magic_one<SR>(uint32_t(x16[h]) << 16, n.at(h), f));
+        }
+        if (stream) stream_out(rbuf, static_cast<uint16_t*>(job.out) + r.pos0, LANES * 2);
+        continue;
+      }
+#if defined(__AVX2__) && defined(__F16C__)
+      if (f16_rows) {
+        const int lane = float16_row<SR>(x16, n, static_cast<uint16_t*>(job.out) + r.pos0, r.h0, r.h1, g_f16, f,
+                                         xbuf, rbuf);
+        if (lane >= 0 && bad < 0) bad = r.pos0 + lane;
+        continue;
+      }
+#endif
+    }
+    if (job.dtype == BF16) {
+      for (int h = r.h0; h < r.h1; ++h) xbuf[h] = uint32_t(x16[h]) << 16;
+    } else {
+      widen_f16(x16, xbuf, r.h0, r.h1);
+    }
+    const int lane = round_lanes<MODE>(xbuf, rbuf, n, sel, r.h0, r.h1, f);
+    if (lane >= 0 && bad < 0) bad = r.pos0 + lane;
+    if (values) {
+      write_values(job, r, rbuf, r.h0, true, false);
+    } else {
+      codes_of(rbuf, cbuf, r.h0, r.h1, f);
+      write_codes(job, r, cbuf, r.h0);
+    }
+  }
+  return bad;
+}
+
+// How far ahead block_rows prefetches x, in rows.
+constexpr int PREFETCH_ROWS = 2;
+
+template <int MODE>
+__attribute__((noinline)) int64_t block_rows(const Job& job, int64_t row0, int64_t row1) {
+  constexpr bool MAGIC = MODE == MAGIC_RNE || MODE == MAGIC_SRC, SR = MODE == MAGIC_SRC;
+  const Fmt f = job.fmt;
+  RowBits<MODE> bits(job);
+  const int B = job.blocks.size;
+  // The scaled elements, each block's largest magnitude, S and 1 / S; the row's values or codes.
+  alignas(64) uint32_t xbuf[LANES], sbuf[LANES], amax[LANES], factor[LANES], inv[LANES];
+  alignas(64) uint32_t rbuf[LANES], cbuf[LANES];
+  const bool values = job.output == VALUES;
+  // The magic modes scale, round and encode (or scale back) in one loop per block where no
+  // element can be refused.
+  const bool magic = MAGIC && (f.sat || f.has_nans);
   const bool pow2 = job.blocks.rule < NEAREST;
 #ifdef __AVX2__
   // bfloat16 codes and values of power-of-two blocks on their 16 bits where they can
@@ -1109,214 +1320,101 @@ int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
   // spans 4 binades or fewer (e2m1, e2m3: 2): most quotients of a Gaussian block lie below
   // their 2^emin, so the first group nearly always hands the row over, and the test alone
   // cost mxfp4 5-12%.
-  const bool bf16_blocks = (magic_coded || magic_valued) && pow2 && job.dtype == BF16 && B % 16 == 0
-                           && Bf16Magic::applies(f, MODE == MAGIC_SRC) && f[EMAX] - f[EMIN] > 4;
+  const bool bf16_blocks = magic && pow2 && job.dtype == BF16 && B % 16 == 0 && Bf16Magic::applies(f, SR)
+                           && f[EMAX] - f[EMIN] > 4;
+  const Bf16x16 c16(Bf16Magic(f, SR));
 #else
   constexpr bool bf16_blocks = false;
 #endif
-#if defined(__AVX2__) && defined(__F16C__)
-  // float16 element rows on their 16 bits where they can (float16_row)
-  const bool f16_rows = MAGIC && job.dtype == F16 && job.output == VALUES && B == 0
-                        && Bf16Magic::applies(f, MODE == MAGIC_SRC, true);
-  const Bf16Magic g_f16(f, MODE == MAGIC_SRC, true);
-#else
-  constexpr bool f16_rows = false;
-#endif
+  const int elem = job.dtype == F32 ? 4 : 2;
   int64_t bad = -1;
   for (int64_t row = row0; row < row1; ++row) {
-    const int64_t start = row * LANES;
-    const int h0 = int(std::max<int64_t>(job.offset - start, 0));
-    const int h1 = int(std::min<int64_t>(job.offset + job.n - start, LANES));
-    const int64_t pos0 = start - job.offset;  // position of lane 0 in x (may be negative)
-    int buffered = h0;  // the first lane whose result goes out from the buffers below
-    // Block rows ask for x's row after next now: the hardware prefetchers stop at 4 KiB
-    // pages, two rows of float32, and a block row's work is long enough to wait on memory
-    // otherwise (block codes went from 0.79 to 0.86 of a copy's speed at 2^24 elements;
-    // element rows gained nothing).
-    const int elem = job.dtype == F32 ? 4 : 2;
-    if (B > 0 && row + PREFETCH_ROWS < row1) {
-      const char* ahead = static_cast<const char*>(job.x) + (pos0 + PREFETCH_ROWS * LANES) * elem;
+    const Row r(job, row);
+    int done = 0;  // the lanes before this one went out already
+    // Ask for x's row after next now: the hardware prefetchers stop at 4 KiB pages, two
+    // rows of float32, and a block row's work is long enough to wait on memory otherwise
+    // (block codes went from 0.79 to 0.86 of a copy's speed at 2^24 elements).
+    if (row + PREFETCH_ROWS < row1) {
+      const char* ahead = static_cast<const char*>(job.x) + (r.pos0 + PREFETCH_ROWS * LANES) * elem;
       for (int i = 0; i < LANES * elem; i += 64) __builtin_prefetch(ahead + i);
     }
-#ifdef __AVX2__
-    if (bf16_codes && h0 == 0 && h1 == LANES) {
-      const uint16_t* x16 = static_cast<const uint16_t*>(job.x) + pos0;
-      uint16_t* b16 = reinterpret_cast<uint16_t*>(xbuf);  // widened again below if need be
-#ifdef __F16C__
-      const bool exact = job.dtype == BF16 || float16_as_bfloat16(x16, b16);
-#else
-      const bool exact = job.dtype == BF16;
-#endif
-      if (exact && encode_bf16_row(job.dtype == BF16 ? x16 : b16, static_cast<uint8_t*>(job.out) + pos0, c16, f))
-        continue;
-    }
-#endif
-    const uint32_t* xs;
+    const uint16_t* x16 = static_cast<const uint16_t*>(job.x) + r.pos0;
+    const uint32_t* xs = xbuf;
     if (job.dtype == F32) {
-      xs = static_cast<const uint32_t*>(job.x) + pos0;
+      xs = static_cast<const uint32_t*>(job.x) + r.pos0;
+    } else if (job.dtype == BF16) {
+      if (!bf16_blocks) for (int h = 0; h < r.h1; ++h) xbuf[h] = uint32_t(x16[h]) << 16;  // else below
     } else {
-      const uint16_t* x16 = static_cast<const uint16_t*>(job.x) + pos0;
-      if (job.dtype == BF16) {  // bf16_blocks widens the lanes it leaves, below
-        if (!fused && !bf16_blocks) for (int h = h0; h < h1; ++h) xbuf[h] = uint32_t(x16[h]) << 16;
-      } else if (!f16_rows) {  // float16_row widens the lanes it leaves
-        widen_f16(x16, xbuf, h0, h1);
-      }
-      xs = xbuf;
+      widen_f16(x16, xbuf, 0, r.h1);
     }
-    if (B > 0) {
-      uint32_t* scaled = magic_coded || magic_valued ? nullptr : sbuf;  // they scale as they go
-      by_block_size(B, [&](auto size) {
+    uint32_t* scaled = magic ? nullptr : sbuf;  // the magic loops scale as they go
+    by_block_size(B, [&](auto size) {
+      if (bf16_blocks) {
+        block_maxima<size()>(x16, r.h1, B, amax);
+      } else {
+        block_maxima<size()>(xs, r.h1, B, amax);
+      }
+      scale_blocks<size()>(xs, r.h1, r.start, job.blocks, f, scaled, amax, factor, inv);
+    });
+    Fields n, sel;
+    bits.at(row, r.pos0, xs, n, sel);
+    if constexpr (MAGIC) {
+      if (magic) {
+        int b0 = 0;  // the first block left to magic_codes or magic_values
+#ifdef __AVX2__
         if (bf16_blocks) {
-          block_maxima<size()>(static_cast<const uint16_t*>(job.x) + pos0, h1, B, amax);
-        } else {
-          block_maxima<size()>(xs, h1, B, amax);
-        }
-        scale_blocks<size()>(xs, h1, start, job.blocks, f, scaled, amax, factor, inv);
-      });
-      if (scaled != nullptr) xs = scaled;
-    }
-    // The rounding loop reads its fields in place: from the stream's words, or the given bits
-    // (the N rounding bits low, sr_fraction's selection bits above them).
-    Fields n{xs, 0, 0}, sel{xs, 0, 0};  // deterministic modes read none
-    if (stochastic(MODE)) {
-      if (job.given != nullptr) {
-        const uint32_t* g = reinterpret_cast<const uint32_t*>(job.given + pos0);
-        n = {g, 0, mask};
-        sel = {g, uint32_t(bits), ~0u};
-      } else {
-        n = streams[0].fields(row);
-        if (MODE == FRACTION) sel = streams[1].fields(row);
-      }
-    }
-    // Whole rows of values go out through stream_out when the call streams.
-    const bool streamed = job.stream && h0 == 0 && h1 == LANES
-                          && reinterpret_cast<uintptr_t>(static_cast<char*>(job.out) + pos0 * elem) % 32 == 0;
-    // Results go straight out where nothing follows the rounding (not for blocks: q * S).
-    const bool direct = job.output == VALUES && job.dtype == F32 && !streamed && B == 0;
-    uint32_t* rs = direct ? static_cast<uint32_t*>(job.out) + pos0 : rbuf;
-    if constexpr (MODE == ENCODE || MODE == ENCODE_MAGIC) {
-      for (int h = h0; h < h1; ++h)
-        rs[h] = MODE == ENCODE_MAGIC ? magic_one<false>(xs[h], 0, f) : round_one<RNE>(xs[h], 0, 0, f);
-      // x is a value of the format iff rounding leaves it unchanged (a NaN iff it has NaNs).
-      int32_t any = 0;
-      for (int h = h0; h < h1; ++h) any |= not_a_value(xs[h], rs[h], f);
-      for (int h = h0; any && h < h1 && bad < 0; ++h)
-        if (not_a_value(xs[h], rs[h], f)) bad = pos0 + h;
-    } else {
-      if constexpr (FUSED_BF16) {
-        if (fused) {  // widen, round and narrow in one loop
-          const uint16_t* x16 = static_cast<const uint16_t*>(job.x) + pos0;
-          uint16_t* o = streamed ? reinterpret_cast<uint16_t*>(rbuf) : static_cast<uint16_t*>(job.out) + pos0;
-          if (bf16_magic) {
-            magic_bf16_row<MODE == MAGIC_SRC>(x16, n, o, h0, h1, g16);
+          if (values) {
+            b0 = bf16_block_values<SR>(x16, r.h1, B, inv, n, c16, f.sat, static_cast<uint16_t*>(job.out) + r.pos0) / B;
+            done = b0 * B;
           } else {
-            for (int h = h0; h < h1; ++h)
-              o[h] = to_bfloat16(magic_one<MODE == MAGIC_SRC>(uint32_t(x16[h]) << 16, n.at(h), f));
+            uint8_t* bytes = job.output == CODES_U8 ? static_cast<uint8_t*>(job.out) + r.pos0 : nullptr;
+            b0 = bf16_block_codes<SR>(x16, r.h1, B, inv, n, c16, f, cbuf, bytes) / B;
+            if (bytes != nullptr) done = b0 * B;
           }
-          if (streamed) stream_out(rbuf, static_cast<uint16_t*>(job.out) + pos0, LANES * 2);
-          continue;
-        }
-#if defined(__AVX2__) && defined(__F16C__)
-        if (f16_rows) {
-          const uint16_t* x16 = static_cast<const uint16_t*>(job.x) + pos0;
-          const int lane = float16_row<MODE == MAGIC_SRC>(x16, n, static_cast<uint16_t*>(job.out) + pos0, h0, h1,
-                                                          g_f16, f, xbuf, rbuf);
-          if (lane >= 0 && bad < 0) bad = pos0 + lane;
-          continue;
+          for (int h = b0 * B; h < r.h1; ++h) xbuf[h] = uint32_t(x16[h]) << 16;
         }
 #endif
-      }
-      if constexpr (MAGIC) {
-        constexpr bool SR = MODE == MAGIC_SRC;
-        if (magic_coded) {
-          int b0 = 0;  // the first block left to magic_codes
-#ifdef __AVX2__
-          if (bf16_blocks) {
-            const uint16_t* x16 = static_cast<const uint16_t*>(job.x) + pos0;
-            uint8_t* bytes = job.output == CODES_U8 ? static_cast<uint8_t*>(job.out) + pos0 : nullptr;
-            b0 = bf16_block_codes<SR>(x16, h1, B, inv, n, c16, f, cbuf, bytes) / B;
-            if (bytes != nullptr) buffered = b0 * B;
-            for (int h = b0 * B; h < h1; ++h) xbuf[h] = uint32_t(x16[h]) << 16;
+        by_block_size(B, [&](auto size) {
+          if (values && pow2) {
+            magic_values<SR, false, size()>(xs, b0, r.h1, B, amax, inv, factor, n, f, rbuf);
+          } else if (values) {
+            magic_values<SR, true, size()>(xs, b0, r.h1, B, amax, factor, factor, n, f, rbuf);
+          } else if (pow2) {
+            magic_codes<SR, false, size()>(xs, b0, r.h1, B, amax, inv, n, f, cbuf);
+          } else {
+            magic_codes<SR, true, size()>(xs, b0, r.h1, B, amax, factor, n, f, cbuf);
           }
-#endif
-          by_block_size(B, [&](auto size) {
-            if (pow2) {
-              magic_codes<SR, false, size()>(xs, b0, h1, B, amax, inv, n, f, cbuf);
-            } else {
-              magic_codes<SR, true, size()>(xs, b0, h1, B, amax, factor, n, f, cbuf);
-            }
-          });
-        } else if (magic_valued) {
-          int b0 = 0;  // the first block left to magic_values
-#ifdef __AVX2__
-          if (bf16_blocks) {
-            const uint16_t* x16 = static_cast<const uint16_t*>(job.x) + pos0;
-            uint16_t* o = static_cast<uint16_t*>(job.out) + pos0;
-            b0 = bf16_block_values<SR>(x16, h1, B, inv, n, c16, f.sat, o) / B;
-            buffered = b0 * B;
-            for (int h = b0 * B; h < h1; ++h) xbuf[h] = uint32_t(x16[h]) << 16;
-          }
-#endif
-          by_block_size(B, [&](auto size) {
-            if (pow2) {
-              magic_values<SR, false, size()>(xs, b0, h1, B, amax, inv, factor, n, f, rs);
-            } else {
-              magic_values<SR, true, size()>(xs, b0, h1, B, amax, factor, factor, n, f, rs);
-            }
-          });
+        });
+        if (values) {
+          write_values(job, r, rbuf, done, pow2, streamed(job, r));
         } else {
-          for (int h = h0; h < h1; ++h) rs[h] = magic_one<SR>(xs[h], n.at(h), f);
+          write_codes(job, r, cbuf, done);
         }
-      } else if constexpr (MODE == CLASSICAL_SR) {
-        for (int h = h0; h < h1; ++h) rs[h] = classical_sr_one(xs[h], n.at(h), f);
-      } else {
-        for (int h = h0; h < h1; ++h) rs[h] = round_one<Mode(MODE)>(xs[h], n.at(h), sel.at(h), f);
-      }
-      if (!f.has_nans && !magic_coded && !magic_valued) {  // NaN marks an element without a valid result
-        int32_t any = 0;
-        for (int h = h0; h < h1; ++h) any |= (rs[h] & 0x7FFFFFFFu) > 0x7F800000u;
-        for (int h = h0; any && h < h1 && bad < 0; ++h)
-          if ((rs[h] & 0x7FFFFFFFu) > 0x7F800000u) bad = pos0 + h;
+        continue;
       }
     }
-    // Block values: q * S, in float32 as block.kernel. From a bfloat16 x with S = 2^e they are
-    // bfloat16 values too: where q's grid times 2^e is finer than bfloat16's at x / 2^e,
-    // x / 2^e lies on it and q * 2^e = x; elsewhere q * 2^e is a multiple of bfloat16's step
-    // there. Other scales need the rounding.
-    if (B > 0 && job.output == VALUES && !magic_valued)
-      by_block_size(B, [&](auto size) { scale_back<size()>(rs, h1, B, factor); });
-    const bool exact_bf16 = B == 0 || pow2;
-    switch (job.output) {
-      case VALUES:
-        if (job.dtype == F32 && streamed) {
-          stream_out(rbuf, static_cast<uint32_t*>(job.out) + pos0, LANES * 4);
-        } else if (job.dtype == F32 && !direct) {
-          std::memcpy(static_cast<uint32_t*>(job.out) + pos0 + h0, rs + h0, size_t(h1 - h0) * 4);
-        } else if (job.dtype == BF16 && exact_bf16) {
-          uint16_t* o = static_cast<uint16_t*>(job.out) + pos0;
-          for (int h = buffered; h < h1; ++h) o[h] = to_bfloat16(rs[h]);
-        } else if (job.dtype == BF16) {
-          uint16_t* o = static_cast<uint16_t*>(job.out) + pos0;
-          for (int h = h0; h < h1; ++h) o[h] = round_to_bfloat16(rs[h]);
-        } else if (job.dtype == F16) {
-          narrow_f16(rs, static_cast<uint16_t*>(job.out) + pos0, h0, h1);
-        }
-        break;
-      default: {  // codes: computed in 32 bits (GCC vectorises no mix of widths), then narrowed
-        if (!magic_coded) codes_of(rs, cbuf, h0, h1, f);
-        if (job.output == CODES_U8) {
-          uint8_t* o = static_cast<uint8_t*>(job.out) + pos0;
-          for (int h = buffered; h < h1; ++h) o[h] = uint8_t(cbuf[h]);
-        } else if (job.output == CODES_I16) {
-          uint16_t* o = static_cast<uint16_t*>(job.out) + pos0;
-          for (int h = h0; h < h1; ++h) o[h] = uint16_t(cbuf[h]);
-        } else {  // packed: offset and row starts are even, so pairs lie within a row
-          uint8_t* o = static_cast<uint8_t*>(job.out) + pos0 / 2;
-          for (int h = h0 / 2; h < h1 / 2; ++h) o[h] = uint8_t(cbuf[2 * h] | (cbuf[2 * h + 1] << 4));
-        }
-      }
+    const int lane = round_lanes<MODE>(sbuf, rbuf, n, sel, 0, r.h1, f);
+    if (lane >= 0 && bad < 0) bad = r.pos0 + lane;
+    if (values) {
+      // q * S, in float32 as block.kernel. From a bfloat16 x with S = 2^e they are bfloat16
+      // values too: where q's grid times 2^e is finer than bfloat16's at x / 2^e, x / 2^e
+      // lies on it and q * 2^e = x; elsewhere q * 2^e is a multiple of bfloat16's step
+      // there. Other scales need the rounding.
+      by_block_size(B, [&](auto size) { scale_back<size()>(rbuf, r.h1, B, factor); });
+      write_values(job, r, rbuf, 0, pow2, streamed(job, r));
+    } else {
+      codes_of(rbuf, cbuf, 0, r.h1, f);
+      write_codes(job, r, cbuf, 0);
     }
   }
+  return bad;
+}
+
+template <int MODE>
+int64_t run_rows(const Job& job, int64_t row0, int64_t row1) {
+  const int64_t bad = job.blocks.size > 0 ? block_rows<MODE>(job, row0, row1)
+                      : job.dtype == F32  ? float32_rows<MODE>(job, row0, row1)
+                                          : half_rows<MODE>(job, row0, row1);
 #ifdef __AVX__
   if (job.stream) _mm_sfence();  // the streamed stores are seen before the call returns
 #endif

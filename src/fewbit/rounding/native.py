@@ -3,7 +3,7 @@ over memory with the random bits drawn inside.
 
 Inductor's C++ loops did not overlap Threefry with the memory traffic, and every
 16-bit input took three passes; this kernel is plain C++ without torch headers, built
-at first use with the system compiler (``c++``, about 5 s) into
+at first use with the system compiler (``c++``, about 15 s on one core) into
 ``fewbit.config``'s ``native_cache`` under a name that hashes the source, the flags,
 the compiler and the CPU, and loaded with ``ctypes`` (which releases the GIL).
 Where it cannot be built, or does not apply (float64 inputs, formats beyond float32's
