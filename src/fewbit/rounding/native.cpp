@@ -293,7 +293,7 @@ FEWBIT_LANE uint16_t to_bfloat16(uint32_t u) { return (u & 0x7FFFFFFFu) > 0x7F80
 // the format has -0, as magic_one's sum gives. Half the bits of magic_one's lanes, so twice
 // the elements per instruction: bfloat16 has twice the elements per byte of float32.
 // F16: the constants for a float16 x (10 fraction bits, bias 15) in the target's normal
-// range, where the same arithmetic rounds it (float16_row); the float adder's are bfloat16's.
+// range, where the same arithmetic rounds it (float16_groups); the float adder's are bfloat16's.
 struct Bf16Magic {
   // int16_t: magnitudes are below 2^15, and AVX2 compares 16-bit lanes only as signed.
   int16_t pre_half, pre_lsb, pre_unit, pre_keep, keep, emin, max, beyond, nz;
@@ -729,6 +729,12 @@ inline void widen_f16(const uint16_t* x16, uint32_t* out, int h0, int h1) {
   }
 }
 
+// 16-bit lanes h0 .. h1 widened to float32 bits: bfloat16's are the high half.
+inline void widen(Dtype dtype, const uint16_t* x16, uint32_t* out, int h0, int h1) {
+  if (dtype == F16) return widen_f16(x16, out, h0, h1);
+  for (int h = h0; h < h1; ++h) out[h] = uint32_t(x16[h]) << 16;
+}
+
 inline void narrow_f16(const uint32_t* rs, uint16_t* o, int h0, int h1) {
   int h = h0;
 #ifdef __F16C__
@@ -741,18 +747,17 @@ inline void narrow_f16(const uint32_t* rs, uint16_t* o, int h0, int h1) {
 }
 
 #if defined(__AVX2__) && defined(__F16C__)
-// magic_one over float16 lanes h0 .. h1 into o, where Bf16Magic::applies(f, SR, true): in
+// magic_one over float16 lanes h0 .. into o, where Bf16Magic::applies(f, SR, true): in
 // groups of TINY_TEST on their 16 bits, up to the first holding a lane below 2^emin, Inf or
-// NaN; from there widened, in float32, and narrowed. In the target's normal range a
-// float16's magnitude rounds as a bfloat16's does (Bf16x16::nearest with Bf16Magic's F16
-// constants, g), and x's sign goes back on whatever it rounds to (F16C: narrow_f16's NaN
-// beyond max). Returns the first lane without a valid result (NaN in a format without
-// one), or -1. A function of its own, not inlined: written into the row loop (when one
-// function held every kind of row), it cost float32 block codes up to 12%.
+// NaN, or reaching past h1; returns its first lane, from which half_rows takes the row in
+// float32. In the target's normal range a float16's magnitude rounds as a bfloat16's does
+// (Bf16x16::nearest with Bf16Magic's F16 constants, g), and x's sign goes back on whatever
+// it rounds to (F16C: narrow_f16's NaN beyond max). A function of its own, not inlined:
+// written into the row loop (when one function held every kind of row), it cost float32
+// block codes up to 12%.
 template <bool SR>
-__attribute__((noinline)) int float16_row(const uint16_t* x16, Fields n, uint16_t* o, int h0, int h1,
-                                          const Bf16Magic& g, const Fmt f, uint32_t* __restrict xbuf,
-                                          uint32_t* __restrict rbuf) {
+__attribute__((noinline)) int float16_groups(const uint16_t* x16, Fields n, uint16_t* o, int h0, int h1,
+                                             const Bf16Magic& g) {
   const Bf16x16 c(g);
   const Fields16 n16s(n, c);
   const __m256i largest = _mm256_set1_epi16(0x7BFF);  // float16's largest finite magnitude
@@ -760,7 +765,7 @@ __attribute__((noinline)) int float16_row(const uint16_t* x16, Fields n, uint16_
     const __m256i a = _mm256_and_si256(v, c.magnitude);
     return _mm256_or_si256(_mm256_cmpgt_epi16(c.emin, a), _mm256_cmpgt_epi16(a, largest));
   };
-  const int h = fast_groups(x16, h0, h1, slow, [&](int k, const __m256i* v) {
+  return fast_groups(x16, h0, h1, slow, [&](int k, const __m256i* v) {
     for (int j = 0; j < PER_TEST; ++j) {
       __m256i mag = c.nearest<SR>(_mm256_and_si256(v[j], c.magnitude), SR ? n16s.at(k + 16 * j) : c.zero);
       mag = _mm256_blendv_epi8(mag, c.beyond, _mm256_cmpgt_epi16(mag, c.max));
@@ -768,12 +773,6 @@ __attribute__((noinline)) int float16_row(const uint16_t* x16, Fields n, uint16_
                           _mm256_or_si256(mag, _mm256_and_si256(v[j], c.sign_bit)));
     }
   });
-  widen_f16(x16, xbuf, h, h1);
-  for (int k = h; k < h1; ++k) rbuf[k] = magic_one<SR>(xbuf[k], n.at(k), f);
-  narrow_f16(rbuf, o, h, h1);
-  for (int k = h; !f.has_nans && k < h1; ++k)
-    if ((rbuf[k] & 0x7FFFFFFFu) > 0x7F800000u) return k;
-  return -1;
 }
 #endif
 
@@ -1237,7 +1236,7 @@ __attribute__((noinline)) int64_t half_rows(const Job& job, int64_t row0, int64_
   const Bf16x16 c16(g16);
 #endif
 #if defined(__AVX2__) && defined(__F16C__)
-  // float16 values on their 16 bits where they can (float16_row)
+  // float16 values on their 16 bits where they can (float16_groups)
   const bool f16_rows = MAGIC && job.dtype == F16 && values && Bf16Magic::applies(f, SR, true);
   const Bf16Magic g_f16(f, SR, true);
 #endif
@@ -1259,6 +1258,7 @@ __attribute__((noinline)) int64_t half_rows(const Job& job, int64_t row0, int64_
 #endif
     Fields n, sel;
     bits.at(row, r.pos0, xbuf, n, sel);
+    int from = r.h0;  // the first lane left to the float32 path
     if constexpr (MAGIC) {
       if (fused) {
         const bool stream = streamed(job, r);
@@ -1272,26 +1272,17 @@ __attribute__((noinline)) int64_t half_rows(const Job& job, int64_t row0, int64_
         continue;
       }
 #if defined(__AVX2__) && defined(__F16C__)
-      if (f16_rows) {
-        const int lane = float16_row<SR>(x16, n, static_cast<uint16_t*>(job.out) + r.pos0, r.h0, r.h1, g_f16, f,
-                                         xbuf, rbuf);
-        if (lane >= 0 && bad < 0) bad = r.pos0 + lane;
-        continue;
-      }
+      if (f16_rows) from = float16_groups<SR>(x16, n, static_cast<uint16_t*>(job.out) + r.pos0, from, r.h1, g_f16);
 #endif
     }
-    if (job.dtype == BF16) {
-      for (int h = r.h0; h < r.h1; ++h) xbuf[h] = uint32_t(x16[h]) << 16;
-    } else {
-      widen_f16(x16, xbuf, r.h0, r.h1);
-    }
-    const int lane = round_lanes<MODE>(xbuf, rbuf, n, sel, r.h0, r.h1, f);
+    widen(job.dtype, x16, xbuf, from, r.h1);
+    const int lane = round_lanes<MODE>(xbuf, rbuf, n, sel, from, r.h1, f);
     if (lane >= 0 && bad < 0) bad = r.pos0 + lane;
     if (values) {
-      write_values(job, r, rbuf, r.h0, true, false);
+      write_values(job, r, rbuf, from, true, false);
     } else {
-      codes_of(rbuf, cbuf, r.h0, r.h1, f);
-      write_codes(job, r, cbuf, r.h0);
+      codes_of(rbuf, cbuf, from, r.h1, f);
+      write_codes(job, r, cbuf, from);
     }
   }
   return bad;
@@ -1342,10 +1333,8 @@ __attribute__((noinline)) int64_t block_rows(const Job& job, int64_t row0, int64
     const uint32_t* xs = xbuf;
     if (job.dtype == F32) {
       xs = static_cast<const uint32_t*>(job.x) + r.pos0;
-    } else if (job.dtype == BF16) {
-      if (!bf16_blocks) for (int h = 0; h < r.h1; ++h) xbuf[h] = uint32_t(x16[h]) << 16;  // else below
-    } else {
-      widen_f16(x16, xbuf, 0, r.h1);
+    } else if (!bf16_blocks) {  // which widens the lanes it leaves, below
+      widen(job.dtype, x16, xbuf, 0, r.h1);
     }
     uint32_t* scaled = magic ? nullptr : sbuf;  // the magic loops scale as they go
     by_block_size(B, [&](auto size) {
@@ -1371,7 +1360,7 @@ __attribute__((noinline)) int64_t block_rows(const Job& job, int64_t row0, int64
             b0 = bf16_block_codes<SR>(x16, r.h1, B, inv, n, c16, f, cbuf, bytes) / B;
             if (bytes != nullptr) done = b0 * B;
           }
-          for (int h = b0 * B; h < r.h1; ++h) xbuf[h] = uint32_t(x16[h]) << 16;
+          widen(BF16, x16, xbuf, b0 * B, r.h1);
         }
 #endif
         by_block_size(B, [&](auto size) {
