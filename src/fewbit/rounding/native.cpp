@@ -1363,6 +1363,7 @@ __attribute__((noinline)) int64_t block_rows(const Job& job, int64_t row0, int64
             b0 = bf16_block_codes<SR>(x16, r.h1, B, inv, n, c16, f, cbuf, bytes) / B;
             if (bytes != nullptr) done = b0 * B;
           }
+          if (done == r.h1) continue;  // every lane went out
           widen(BF16, x16, xbuf, b0 * B, r.h1);
         }
 #endif
