@@ -501,7 +501,8 @@ __attribute__((noinline)) void magic_bf16_row(const uint16_t* x16, Fields n, uin
   // A group with a lane below 2^emin runs the float adder's lanes, and the next group is
   // tested again. (Where one such lane handed the rest of the row to the float adder's
   // loop, SRC and sr ran 7-8% slower on randn * 8 into binary8p4, 17-19% on randn * 1;
-  // on randn * 0.01, where nearly every group holds one, they run 1-4% faster that way.)
+  // on randn * 0.01, where nearly every group holds one, they ran 1-4% faster that way.
+  // Handing it over at the second such group in a row cost 12-15% on randn * 1.)
   const auto below = [&](__m256i v) { return c.below(v); };
   h = by_groups(
       x16, h, h1, below,
@@ -767,16 +768,20 @@ inline void narrow_f16(const uint32_t* rs, uint16_t* o, int h0, int h1) {
 
 #if defined(__AVX2__) && defined(__F16C__)
 // magic_one over float16 lanes h0 .. into o, where Bf16Magic::applies(f, SR, true): in
-// groups of TINY_TEST on their 16 bits, up to the first holding a lane below 2^emin, Inf or
-// NaN, or reaching past h1; returns its first lane, from which half_rows takes the row in
-// float32. In the target's normal range a float16's magnitude rounds as a bfloat16's does
-// (Bf16x16::nearest with Bf16Magic's F16 constants, g), and x's sign goes back on whatever
-// it rounds to (F16C: narrow_f16's NaN beyond max). A function of its own, not inlined:
-// written into the row loop (when one function held every kind of row), it cost float32
-// block codes up to 12%.
-template <bool SR>
+// groups of TINY_TEST on their 16 bits, where a group holding a lane below 2^emin, Inf or
+// NaN goes to in_float32(h) (half_rows's float32 way), up to the second such group in a row
+// or the first that reaches past h1; returns its first lane, from which half_rows takes the
+// rest of the row in float32. (Group by group all the way, float16 SRC and sr ran 13-17%
+// faster on randn * 1 into binary8p4, but RNE 26% slower on randn * 0.01, where nearly
+// every group holds such a lane: each group paid for the calls. This way, against the
+// whole rest of the row: 10% faster on randn * 1, 4-9% on randn * 8, within 2% on 0.01.) In the target's normal range a float16's magnitude rounds
+// as a bfloat16's does (Bf16x16::nearest with Bf16Magic's F16 constants, g), and x's sign
+// goes back on whatever it rounds to (F16C: narrow_f16's NaN beyond max). A function of its
+// own, not inlined: written into the row loop (when one function held every kind of row),
+// it cost float32 block codes up to 12%.
+template <bool SR, typename InFloat32>
 __attribute__((noinline)) int float16_groups(const uint16_t* x16, Fields n, uint16_t* o, int h0, int h1,
-                                             const Bf16Magic& g) {
+                                             const Bf16Magic& g, InFloat32&& in_float32) {
   const Bf16x16 c(g);
   const Fields16 n16s(n, c);
   const __m256i largest = _mm256_set1_epi16(0x7BFF);  // float16's largest finite magnitude
@@ -792,7 +797,13 @@ __attribute__((noinline)) int float16_groups(const uint16_t* x16, Fields n, uint
                           _mm256_or_si256(mag, _mm256_and_si256(v[j], c.sign_bit)));
     }
   };
-  return by_groups(x16, h0, h1, slow, fast, STOP);
+  int last_slow = -2 * TINY_TEST;
+  return by_groups(x16, h0, h1, slow, fast, [&](int k, const __m256i*) {
+    if (k == last_slow + TINY_TEST) return false;
+    in_float32(k);
+    last_slow = k;
+    return true;
+  });
 }
 #endif
 
@@ -1292,9 +1303,17 @@ __attribute__((noinline)) int64_t half_rows(const Job& job, int64_t row0, int64_
         continue;
       }
 #if defined(__AVX2__) && defined(__F16C__)
-      if (f16_rows) {
-        from = float16_groups<SR>(x16, n, static_cast<uint16_t*>(job.out) + r.pos0, from, r.h1, g_f16);
-        if (from == r.h1) continue;  // the calls below, with nothing to do, cost float16 RNE 10% at 2^24
+      if (f16_rows) {  // groups that need float32 go the float32 way one by one, as does the tail
+        uint16_t* o = static_cast<uint16_t*>(job.out) + r.pos0;
+        const auto in_float32 = [&](int k, int end) {
+          widen_f16(x16, xbuf, k, end);
+          const int lane = round_lanes<MODE>(xbuf, rbuf, n, sel, k, end, f);
+          if (lane >= 0 && bad < 0) bad = r.pos0 + lane;
+          narrow_f16(rbuf, o, k, end);
+        };
+        from = float16_groups<SR>(x16, n, o, from, r.h1, g_f16, [&](int k) { in_float32(k, k + TINY_TEST); });
+        if (from < r.h1) in_float32(from, r.h1);
+        continue;
       }
 #endif
     }
