@@ -478,9 +478,6 @@ inline int by_groups(const uint16_t* x16, int h, int h1, Slow&& slow, Fast&& fas
   }
   return h;
 }
-
-// by_groups up to the first group that holds a lane slow(v) marks.
-constexpr auto STOP = [](int, const __m256i*) { return false; };
 #endif
 
 // magic_bf16 over lanes h0 .. h1 of a row (with AVX2, Bf16x16's 16 at a time). Not inlined:
@@ -569,19 +566,19 @@ inline bool encode_bf16_row(const uint16_t* x16, uint8_t* o, const Bf16x16& c, c
     const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packus_epi16(lo, hi), 0xD8);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + h), bytes);
   };
-  const auto below = [&](__m256i v) { return c.below(v); };
-  int h = by_groups(
-      x16, 0, LANES, below,
-      [&](int k, const __m256i* v) {
-        for (int j = 0; j < PER_TEST; j += 2)
-          store(k + 16 * j, codes(v[j], std::false_type{}), codes(v[j + 1], std::false_type{}));
-      },
-      STOP);
-  for (; h < LANES; h += 32) {
-    const __m256i* at = reinterpret_cast<const __m256i*>(x16 + h);
-    store(h, codes(_mm256_loadu_si256(at), std::true_type{}),
-          codes(_mm256_loadu_si256(at + 1), std::true_type{}));
-  }
+  // Each group of TINY_TEST lanes runs the float adder's lanes only where one is below 2^emin
+  // (as magic_bf16_row; handing the rest of the row over at the first such lane cost bfloat16
+  // and float16 encode 0-3% on randn * 8 into binary8p4, 8-14% on randn * 1, and saved up to
+  // 2% on randn * 0.01).
+  const auto group = [&](auto tiny) {
+    return [&, tiny](int k, const __m256i* v) {
+      for (int j = 0; j < PER_TEST; j += 2) store(k + 16 * j, codes(v[j], tiny), codes(v[j + 1], tiny));
+      return true;
+    };
+  };
+  static_assert(LANES % TINY_TEST == 0, "by_groups covers the whole row");
+  by_groups(x16, 0, LANES, [&](__m256i v) { return c.below(v); }, group(std::false_type{}),
+            group(std::true_type{}));
   return _mm256_testz_si256(bad, bad);
 }
 #endif
