@@ -232,8 +232,8 @@ class LowPrecisionWeights:
         whole = [i for i, at in enumerate(self._layouts) if at.whole]
         batched = whole if not block and self.fmt.has_nans else []
         if batched:
-            words = [[0, 0] if keys[i] is None else stream_words(self.spec, keys[i]) for i in batched]
-            stacked = key_tensor(words, pieces[0].device)
+            rows = [(0, 0) if keys[i] is None else stream_words(self.spec, keys[i]) for i in batched]
+            stacked = key_tensor([w for row in rows for w in row], pieces[0].device).view(len(rows), -1)
             round_foreach_([pieces[i] for i in batched], self.spec, stacked, self.via)
         extra = {"fraction": self.fraction} if self.mode is RoundMode.SR_FRACTION else {}
         blocks = []

@@ -47,6 +47,7 @@ runs in cache-sized chunks with in-place ops; the traced path is functional
 
 from __future__ import annotations
 
+import array
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -107,6 +108,8 @@ def _is_int(x: object) -> bool:
 
 
 def _check_uint(x: object, limit: int, what: str) -> int:
+    if type(x) is int and 0 <= x < limit:  # first: keys are made per call
+        return x
     if not _is_int(x):
         raise TypeError(f"{what} must be an int, got {type(x).__name__}: {x!r}")
     x = int(x)
@@ -169,9 +172,14 @@ def key_tensor(values: Sequence[int], device: torch.device | str | None) -> torc
     To a GPU it travels from pinned memory without blocking: a copy from ordinary
     memory first waits for all queued work, which would put each call's host overhead
     after the previous call's kernel instead of beside it."""
-    if device is None or torch.device(device).type != "cuda":
+    if torch.compiler.is_compiling():
         return torch.tensor(values, dtype=torch.int64, device=device)
-    return torch.tensor(values, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+    # Made per call with a seed: over an array, 1.5 us; torch.tensor of a list takes 5.
+    host = torch.frombuffer(array.array("q", values), dtype=torch.int64)
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host if device.type == "cpu" else host.to(device)
 
 
 def as_key(seed_or_key: Key | int) -> Key:
