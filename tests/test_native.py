@@ -338,9 +338,11 @@ BLOCK_FORMATS = ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4"
 def block_format(name: str):
     from fewbit import block
 
+    e4m3 = fewbit.format("ocp_e4m3")
     if name == "e4m3 scaled by e4m3":
-        e4m3 = fewbit.format("ocp_e4m3")
         return block.BlockFormat(name, e4m3, 32, e4m3, rule="nearest")
+    if name.startswith("e4m3 in blocks of "):
+        return block.BlockFormat(name, e4m3, int(name.split()[-1]), fewbit.format("ocp_e8m0"))
     return block.format(name)
 
 
@@ -459,33 +461,40 @@ def test_block_outputs_beyond_the_caches_stream_the_same_bits():
     assert same_bits(got, expected)
 
 
-@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mx_binary8p4"])
+BFLOAT16_BLOCKS = ["mxfp8_e4m3", "mx_binary8p4", "e4m3 in blocks of 16", "e4m3 in blocks of 64"]
+
+
+@pytest.mark.parametrize("name", BFLOAT16_BLOCKS)
 def test_bfloat16_blocks_on_16_bits_up_to_a_lane_that_needs_float32(name):
     """bfloat16 codes and values of power-of-two blocks run on 16 bits up to the first group
     of 64 lanes holding a lane that needs the float adder (a zero, of either sign; a
     subnormal, Inf, NaN, or a quotient below 2^emin), at a row's first lane, in its middle,
     or at its last, and in blocks near 2^-118 and 2^127, whose values r 2^e sit at float32's
     ends: the same codes, scales and values as the torch kernels, in RNE and SRC N=3, every
-    power-of-two rule, saturating or not."""
+    power-of-two rule, saturating or not; in blocks of 16 to 64 lanes (each vector of 16
+    finds its own block's scale)."""
     from fewbit import block
 
     gen = torch.Generator().manual_seed(3)
     rows = torch.randn(8, 512, generator=gen) * 2.0 ** torch.randint(-20, 21, (8, 1), generator=gen)
+    # a scale of their own for each 16 lanes, so that a lane given another block's scale shows
+    rows *= (2.0 ** torch.randint(0, 8, (8, 32), generator=gen)).repeat_interleave(16, dim=1)
     rows[6:] = (torch.rand(2, 512, generator=gen) + 1) * torch.tensor([[2.0**-118], [2.0**127]])
     small = rows[4, 0].abs() * 2.0**-40  # its quotient lies below 2^emin of every MX element format
     specials = [-0.0, 2.0**-130, float("inf"), float("nan"), -small.item()]
     for row, (lane, value) in enumerate(zip((0, 200, 511, 300, 64), specials, strict=True), start=1):
         rows[row, lane] = value
     x = rows.flatten().to(torch.bfloat16)
+    bfmt = block_format(name)
     rules = [r for r, row in block.SCALE_RULES.items() if row.power_of_two]
     for rule in rules:
         for mode, kw in (("rne", {}), ("src", {"bits": 3, "seed": 4})):
             for sat in (True, False):
                 args = {"rule": rule, "sat": sat, **kw}
-                expected, got = eager_and_native(functools.partial(block.quantize, x, name, mode, **args))
+                expected, got = eager_and_native(functools.partial(block.quantize, x, bfmt, mode, **args))
                 assert torch.equal(got.codes, expected.codes), (rule, mode, sat)
                 assert torch.equal(got.scales, expected.scales), (rule, mode, sat)
-                expected, got = eager_and_native(functools.partial(block.round, x, name, mode, **args))
+                expected, got = eager_and_native(functools.partial(block.round, x, bfmt, mode, **args))
                 assert same_bits(got, expected), (rule, mode, sat)
 
 

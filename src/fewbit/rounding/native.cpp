@@ -983,13 +983,16 @@ int bf16_blocks(const uint16_t* x16, int h1, int B, const uint32_t* by, Fields n
                 Out&& out) {
   const Fields16 n16s(n, c);
   const __m256i smallest = _mm256_set1_epi16(0x80), largest = _mm256_set1_epi16(0x7F7F);  // normal, finite
+  // B divides LANES, a power of two: a shift finds a lane's block (a division per vector
+  // cost bfloat16 mxfp8 codes 4-7% in L2)
+  const int block_shift = __builtin_ctz(unsigned(B));
   int h = 0;
   for (; h + TINY_TEST <= h1; h += TINY_TEST) {
     __m256i v[PER_TEST], q[PER_TEST], slow = c.zero;
     int e[PER_TEST];
     for (int j = 0; j < PER_TEST; ++j) {
       const int k = h + 16 * j;
-      e[j] = 127 - int(by[k / B] >> 23);  // 2^-e's exponent field (0 for e = 127: 2^-127 is subnormal)
+      e[j] = 127 - int(by[k >> block_shift] >> 23);  // 2^-e's exponent field (0 for e = 127: 2^-127 is subnormal)
       v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + k));
       const __m256i a = _mm256_and_si256(v[j], c.magnitude);
       q[j] = _mm256_sub_epi16(a, _mm256_set1_epi16(int16_t(e[j] * 128)));
