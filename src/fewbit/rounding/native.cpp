@@ -1046,9 +1046,12 @@ void magic_codes(const uint32_t* __restrict xs, int b0, int h1, int B, const uin
 // TINY_TEST lanes from lane 0, each passed to out(h, v, r, e) one vector at a time, up to
 // the first group holding a lane for which this fails (x zero, subnormal, Inf or NaN, or q
 // below 2^emin: the float adder's cases): returns its first lane. by: each block's 2^-e.
+// Always inlined: a call took `out`'s closure by reference, and each vector's store,
+// which may alias anything an __m256i may, reloaded the closure's fields (bfloat16 mxfp8
+// values 19% faster in L2 inlined).
 template <bool SR, typename Out>
-int bf16_blocks(const uint16_t* x16, int h1, int B, const uint32_t* by, Fields n, const Bf16x16& c,
-                Out&& out) {
+__attribute__((always_inline)) inline int bf16_blocks(const uint16_t* x16, int h1, int B, const uint32_t* by,
+                                                      Fields n, const Bf16x16& c, Out&& out) {
   const Fields16 n16s(n, c);
   const __m256i smallest = _mm256_set1_epi16(0x80), largest = _mm256_set1_epi16(0x7F7F);  // normal, finite
   // B divides LANES, a power of two: a shift finds a lane's block (a division per vector
