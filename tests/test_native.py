@@ -341,8 +341,9 @@ def block_format(name: str):
     e4m3 = fewbit.format("ocp_e4m3")
     if name == "e4m3 scaled by e4m3":
         return block.BlockFormat(name, e4m3, 32, e4m3, rule="nearest")
-    if name.startswith("e4m3 in blocks of "):
-        return block.BlockFormat(name, e4m3, int(name.split()[-1]), fewbit.format("ocp_e8m0"))
+    if " in blocks of " in name:  # an element format, E8M0 scales
+        element, size = name.split(" in blocks of ")
+        return block.BlockFormat(name, fewbit.format(element), int(size), fewbit.format("ocp_e8m0"))
     return block.format(name)
 
 
@@ -461,7 +462,7 @@ def test_block_outputs_beyond_the_caches_stream_the_same_bits():
     assert same_bits(got, expected)
 
 
-BFLOAT16_BLOCKS = ["mxfp8_e4m3", "mx_binary8p4", "e4m3 in blocks of 16", "e4m3 in blocks of 64"]
+BFLOAT16_BLOCKS = ["mxfp8_e4m3", "mx_binary8p4", "ocp_e4m3 in blocks of 16", "ocp_e4m3 in blocks of 64"]
 
 
 @pytest.mark.parametrize("name", BFLOAT16_BLOCKS)
@@ -496,6 +497,38 @@ def test_bfloat16_blocks_on_16_bits_up_to_a_lane_that_needs_float32(name):
                 assert torch.equal(got.scales, expected.scales), (rule, mode, sat)
                 expected, got = eager_and_native(functools.partial(block.round, x, bfmt, mode, **args))
                 assert same_bits(got, expected), (rule, mode, sat)
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "mx_binary4p2", "mx_binary4p3", "ocp_e2m1 in blocks of 128"])
+def test_bfloat16_blocks_of_few_magnitudes_by_midpoints(name):
+    """bfloat16 power-of-two blocks into element formats of at most 8 magnitudes go by RNE on
+    16 bits, a code counting the midpoints between magnitudes that x 2^-e exceeds: every
+    bfloat16 magnitude in [2^-10, 8) (ties, values beyond max, codes of every magnitude),
+    zeros of both signs and subnormals, in blocks of 32 whose exponent e runs from below the
+    16-bit way's bounds to above them (2^-135 .. 2^126), blocks holding NaN or -Inf, in
+    blocks of 32 and 128, every power-of-two rule: the same
+    codes, scales and values as the torch kernels. (mxfp4 keeps -0; the P3109 formats have
+    none.)"""
+    from fewbit import block
+
+    fields = torch.arange(117 << 7, 130 << 7, dtype=torch.int32)  # bfloat16 magnitudes 2^-10 .. 8
+    q = torch.cat([fields, torch.tensor([0, 1, 0x7F])]).to(torch.int16).view(torch.bfloat16).float()
+    q = torch.cat([q, -q])
+    rows = torch.cat([q, q.new_zeros(31 * 112 - q.numel())]).reshape(112, 31)  # each k: 7 rows of 512
+    top = torch.full((112, 1), 7.96875)  # 0x40FF, bfloat16's largest below 8: e = k by floor
+    blocks = torch.cat([top, rows], dim=1)
+    x = torch.cat([blocks * 2.0**k for k in [*range(-135, 126, 7), -126, -125, -124, 124, 125]])
+    # blocks whose scale is NaN or beyond 2^125; in blocks of 128, the second NaN's block
+    # (lanes 128-255) holds a group of 64 lanes (128-191) without it
+    x[[0, 1, 6], 5] = torch.tensor([float("nan"), float("-inf"), float("nan")])
+    x = x.flatten().to(torch.bfloat16)
+    bfmt = block_format(name)
+    for rule in [r for r, row in block.SCALE_RULES.items() if row.power_of_two]:
+        expected, got = eager_and_native(functools.partial(block.quantize, x, bfmt, rule=rule, sat=True))
+        assert torch.equal(got.codes, expected.codes), rule
+        assert torch.equal(got.scales, expected.scales), rule
+        expected, got = eager_and_native(functools.partial(block.round, x, bfmt, rule=rule, sat=True))
+        assert same_bits(got, expected), rule
 
 
 def test_block_e4m3_scale_ties_round_to_even():

@@ -1078,13 +1078,39 @@ __attribute__((always_inline)) inline int bf16_blocks(const uint16_t* x16, int h
   return h;
 }
 
+// Where the 16-bit loops' codes go: uint8 codes (bytes), 4-bit pairs (pairs: lanes k and
+// k + 1 in byte k / 2), or, where neither is given, 32-bit codes for write_codes.
+struct CodesOut {
+  uint8_t* bytes;
+  uint8_t* pairs;
+  uint32_t* codes;
+};
+
+// 16 codes of 16-bit lanes, from lane k (even).
+inline void store_codes16(int k, __m256i code, const CodesOut& o) {
+  const __m128i lo = _mm256_castsi256_si128(code), hi = _mm256_extracti128_si256(code, 1);
+  if (o.bytes != nullptr) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(o.bytes + k), _mm_packus_epi16(lo, hi));
+  } else if (o.pairs != nullptr) {
+    // a 32-bit lane holds codes c0 | c1 << 16 (below 16 each): its low byte, c0 | c1 << 4,
+    // from the lane or'd with itself shifted right by 12
+    const __m128i low = _mm_set1_epi32(0xFF);
+    const __m128i plo = _mm_and_si128(_mm_or_si128(lo, _mm_srli_epi32(lo, 12)), low);
+    const __m128i phi = _mm_and_si128(_mm_or_si128(hi, _mm_srli_epi32(hi, 12)), low);
+    const __m128i bytes = _mm_packus_epi16(_mm_packus_epi32(plo, phi), _mm_setzero_si128());
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(o.pairs + k / 2), bytes);
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.codes + k), _mm256_cvtepu16_epi32(lo));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.codes + k + 8), _mm256_cvtepu16_epi32(hi));
+  }
+}
+
 // magic_codes through bf16_blocks: a code is encode_bf16_row's shift of r, or the code
-// beyond max, with x's sign. Codes go to `bytes` where it is not null (uint8 codes), else
-// to `codes`. Returns the first lane left to magic_codes. (Not inlined, as the value one:
+// beyond max, with x's sign, to `to`. Returns the first lane left to magic_codes. (Not inlined, as the value one:
 // block_rows is big enough.)
 template <bool SR>
 __attribute__((noinline)) int bf16_block_codes(const uint16_t* x16, int h1, int B, const uint32_t* by, Fields n,
-                                               const Bf16x16& c, const Fmt& f, uint32_t* codes, uint8_t* bytes) {
+                                               const Bf16x16& c, const Fmt& f, CodesOut to) {
   const __m256i code_base = _mm256_set1_epi16(int16_t(((f[EMIN] + 126) << 7)));
   const __m128i ulp_shift = _mm_cvtsi32_si128(7 - f[T]), sign_shift = _mm_cvtsi32_si128(16 - f[K]);
   const __m256i max_code = _mm256_set1_epi16(int16_t(f[CODE_OF_MAX]));
@@ -1093,13 +1119,7 @@ __attribute__((noinline)) int bf16_block_codes(const uint16_t* x16, int h1, int 
     __m256i code = _mm256_srl_epi16(_mm256_sub_epi16(r, code_base), ulp_shift);
     code = _mm256_blendv_epi8(code, beyond, _mm256_cmpgt_epi16(code, max_code));
     code = _mm256_or_si256(code, _mm256_srl_epi16(_mm256_and_si256(v, c.sign_bit), sign_shift));
-    const __m128i lo = _mm256_castsi256_si128(code), hi = _mm256_extracti128_si256(code, 1);
-    if (bytes != nullptr) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(bytes + k), _mm_packus_epi16(lo, hi));
-    } else {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + k), _mm256_cvtepu16_epi32(lo));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + k + 8), _mm256_cvtepu16_epi32(hi));
-    }
+    store_codes16(k, code, to);
   });
 }
 
@@ -1119,6 +1139,116 @@ __attribute__((noinline)) int bf16_block_values(const uint16_t* x16, int h1, int
     __m256i value = _mm256_add_epi16(mag, _mm256_set1_epi16(int16_t(e * 128)));
     if (special) value = _mm256_blendv_epi8(value, mag, over);
     value = _mm256_or_si256(value, _mm256_and_si256(v, c.sign_bit));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), value);
+  });
+}
+
+// An element format of at most 8 magnitudes (e2m1: 0, 0.5, 1, 1.5, 2, 3, 4, 6), for RNE of
+// bfloat16 power-of-two blocks on their 16 bits. Its normal range spans so few binades
+// that most quotients q = x 2^-e lie below 2^emin, where bf16_blocks hands the row over;
+// here the code of q's magnitude is the number of midpoints between magnitudes that q
+// exceeds (at a midpoint, the even code: the one whose last significand bit is 0), at any
+// magnitude and without the float adder.
+struct FewMagnitudes {
+  static constexpr int MOST = 8;
+  int count = 0;  // magnitudes; code i is the i-th (its code_of), so max's is count - 1
+  int16_t above[MOST - 1];  // code = #{i: q's bits > above[i]} (past count - 1: never)
+  int16_t value[MOST];  // each magnitude's bfloat16 bits
+  int lo_e = 0;  // the least block exponent e for which the 16 bits hold (few_blocks)
+
+  explicit FewMagnitudes(const Fmt& f) {
+    double v[MOST + 1];
+    for (double x = 0; count <= MOST && x <= f.max; ++count) {
+      v[count] = x;
+      x += std::ldexp(1.0, (x < std::ldexp(1.0, f[EMIN]) ? f[EMIN] : std::ilogb(x)) - f[T]);  // its ulp
+    }
+    if (count > MOST) return;
+    std::fill(above, above + MOST - 1, INT16_MAX);  // the loops compare all 7, without a branch
+    for (int i = 0; i < count; ++i) value[i] = int16_t(to_bfloat16(__builtin_bit_cast(uint32_t, float(v[i]))));
+    for (int i = 0; i + 1 < count; ++i) {
+      const int16_t mid = int16_t(to_bfloat16(__builtin_bit_cast(uint32_t, float((v[i] + v[i + 1]) / 2))));
+      above[i] = int16_t(i % 2 == 0 ? mid : mid - 1);  // a tie goes to code i where i is even
+    }
+    // A zero or subnormal x yields q's bits below 0x80 - 128 e, which must stay at or below
+    // above[0]; then value[1] 2^e, twice that midpoint or more, is a normal bfloat16 too.
+    // (No bound above: a value's bits with e added are finite up to 2^128, which q never
+    // exceeds and whose bits so made are Inf's, as bf16_block_values's; a block holding
+    // NaN or Inf hands its lanes over from its first, where the group holding it does.)
+    lo_e = -((above[0] - 0x7F) / 128);
+  }
+  // Whether it holds f's magnitudes, laid out so: sign-magnitude codes from zero, a code's
+  // last bit its significand's (t >= 1: what RNE's ties go by), saturating (every magnitude
+  // above the last midpoint is max's), and values that bfloat16 holds.
+  bool holds(const Fmt& f) const {
+    return count <= MOST && count - 1 == f[CODE_OF_MAX] && f.sat && f.has_zero && f.is_signed && !f.twos_complement
+           && f[T] >= 1 && f[T] <= 7;
+  }
+};
+
+// As bf16_blocks, into a FewMagnitudes format by RNE: out(h, v, code, e) for each vector
+// of groups without a lane that is Inf or NaN, in blocks whose e is at least lo_e.
+template <typename Out>
+__attribute__((always_inline)) inline int few_blocks(const uint16_t* x16, int h1, int B, const uint32_t* by,
+                                                     const FewMagnitudes& g, Out&& out) {
+  const __m256i magnitude = _mm256_set1_epi16(0x7FFF), largest = _mm256_set1_epi16(0x7F7F);
+  __m256i above[FewMagnitudes::MOST - 1];
+  for (int i = 0; i < FewMagnitudes::MOST - 1; ++i) above[i] = _mm256_set1_epi16(g.above[i]);
+  const int block_shift = __builtin_ctz(unsigned(B));
+  int h = 0;
+  for (; h + TINY_TEST <= h1; h += TINY_TEST) {
+    __m256i v[PER_TEST], q[PER_TEST], slow = _mm256_setzero_si256();
+    int e[PER_TEST];
+    bool below = false;
+    for (int j = 0; j < PER_TEST; ++j) {
+      const int k = h + 16 * j;
+      e[j] = 127 - int(by[k >> block_shift] >> 23);
+      below |= e[j] < g.lo_e;
+      v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + k));
+      const __m256i a = _mm256_and_si256(v[j], magnitude);
+      q[j] = _mm256_sub_epi16(a, _mm256_set1_epi16(int16_t(e[j] * 128)));
+      slow = _mm256_or_si256(slow, _mm256_cmpgt_epi16(a, largest));
+    }
+    if (below || !_mm256_testz_si256(slow, slow)) break;
+    for (int j = 0; j < PER_TEST; ++j) {
+      __m256i code = _mm256_setzero_si256();  // minus the midpoints exceeded
+      for (int i = 0; i < FewMagnitudes::MOST - 1; ++i) code = _mm256_add_epi16(code, _mm256_cmpgt_epi16(q[j], above[i]));
+      out(h + 16 * j, v[j], _mm256_sub_epi16(_mm256_setzero_si256(), code), e[j]);
+    }
+  }
+  return h;
+}
+
+// magic_codes of RNE into a FewMagnitudes format through few_blocks, with x's sign (on a
+// code-0 magnitude only where the format has -0). Returns the first lane left to magic_codes.
+__attribute__((noinline)) int few_block_codes(const uint16_t* x16, int h1, int B, const uint32_t* by,
+                                              const FewMagnitudes& g, const Fmt& f, CodesOut to) {
+  const __m256i sign_bit = _mm256_set1_epi16(int16_t(0x8000)), zero = _mm256_setzero_si256();
+  const __m256i nz = _mm256_set1_epi16(int16_t(f.has_nz ? 0x8000 : 0));  // the sign bit kept on a zero
+  const __m128i sign_shift = _mm_cvtsi32_si128(16 - f[K]);
+  return few_blocks(x16, h1, B, by, g, [=](int k, __m256i v, __m256i code, int) {
+    const __m256i kept = _mm256_or_si256(nz, _mm256_andnot_si256(_mm256_cmpeq_epi16(code, zero), sign_bit));
+    store_codes16(k, _mm256_or_si256(code, _mm256_srl_epi16(_mm256_and_si256(v, kept), sign_shift)), to);
+  });
+}
+
+// magic_values of RNE into a FewMagnitudes format through few_blocks, into bfloat16 `out`:
+// the code's magnitude times 2^e (its exponent field plus e), with x's sign (on a zero only
+// where the format has -0). Returns the first lane left to magic_values.
+__attribute__((noinline)) int few_block_values(const uint16_t* x16, int h1, int B, const uint32_t* by,
+                                               const FewMagnitudes& g, const Fmt& f, uint16_t* out) {
+  const __m256i sign_bit = _mm256_set1_epi16(int16_t(0x8000)), zero = _mm256_setzero_si256();
+  const __m256i nz = _mm256_set1_epi16(int16_t(f.has_nz ? 0x8000 : 0));  // the sign bit kept on a zero
+  // value[code] by a byte shuffle: lane bytes 2 code and 2 code + 1 of the table
+  alignas(16) int16_t table[FewMagnitudes::MOST] = {};
+  std::memcpy(table, g.value, sizeof(int16_t) * g.count);
+  const __m256i values = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(table)));
+  const __m256i pair = _mm256_set1_epi16(0x0202), odd = _mm256_set1_epi16(0x0100);
+  return few_blocks(x16, h1, B, by, g, [=](int k, __m256i v, __m256i code, int e) {
+    const __m256i at = _mm256_add_epi16(_mm256_mullo_epi16(code, pair), odd);
+    const __m256i is_zero = _mm256_cmpeq_epi16(code, zero);
+    __m256i value = _mm256_add_epi16(_mm256_shuffle_epi8(values, at), _mm256_set1_epi16(int16_t(e * 128)));
+    value = _mm256_andnot_si256(is_zero, value);
+    value = _mm256_or_si256(value, _mm256_and_si256(v, _mm256_or_si256(nz, _mm256_andnot_si256(is_zero, sign_bit))));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), value);
   });
 }
@@ -1427,8 +1557,12 @@ __attribute__((noinline)) int64_t block_rows(const Job& job, int64_t row0, int64
   const bool bf16_blocks = magic && pow2 && job.dtype == BF16 && B % 16 == 0 && Bf16Magic::applies(f, SR)
                            && f[EMAX] - f[EMIN] > 4;
   const Bf16x16 c16(Bf16Magic(f, SR));
+  // Those formats' RNE by their few magnitudes instead (few_block_codes, few_block_values).
+  const FewMagnitudes few16(f);
+  const bool few = !SR && magic && pow2 && job.dtype == BF16 && B % 16 == 0 && !bf16_blocks && few16.holds(f);
+  const bool on_16_bits = bf16_blocks || few;
 #else
-  constexpr bool bf16_blocks = false;
+  constexpr bool on_16_bits = false;
 #endif
   const int elem = job.dtype == F32 ? 4 : 2;
   int64_t bad = -1;
@@ -1446,12 +1580,12 @@ __attribute__((noinline)) int64_t block_rows(const Job& job, int64_t row0, int64
     const uint32_t* xs = xbuf;
     if (job.dtype == F32) {
       xs = static_cast<const uint32_t*>(job.x) + r.pos0;
-    } else if (!bf16_blocks) {  // which widens the lanes it leaves, below
+    } else if (!on_16_bits) {  // which widens the lanes it leaves, below
       widen(job.dtype, x16, xbuf, 0, r.h1);
     }
     uint32_t* scaled = magic ? nullptr : sbuf;  // the magic loops scale as they go
     by_block_size(B, [&](auto size) {
-      if (bf16_blocks) {
+      if (on_16_bits) {
         block_maxima<size()>(x16, r.h1, B, amax);
       } else {
         block_maxima<size()>(xs, r.h1, B, amax);
@@ -1464,14 +1598,19 @@ __attribute__((noinline)) int64_t block_rows(const Job& job, int64_t row0, int64
       if (magic) {
         int b0 = 0;  // the first block left to magic_codes or magic_values
 #ifdef __AVX2__
-        if (bf16_blocks) {
+        if (on_16_bits) {
           if (values) {
-            b0 = bf16_block_values<SR>(x16, r.h1, B, inv, n, c16, f.sat, static_cast<uint16_t*>(job.out) + r.pos0) / B;
+            uint16_t* out16 = static_cast<uint16_t*>(job.out) + r.pos0;
+            b0 = (few ? few_block_values(x16, r.h1, B, inv, few16, f, out16)
+                      : bf16_block_values<SR>(x16, r.h1, B, inv, n, c16, f.sat, out16)) / B;
             done = b0 * B;
           } else {
-            uint8_t* bytes = job.output == CODES_U8 ? static_cast<uint8_t*>(job.out) + r.pos0 : nullptr;
-            b0 = bf16_block_codes<SR>(x16, r.h1, B, inv, n, c16, f, cbuf, bytes) / B;
-            if (bytes != nullptr) done = b0 * B;
+            uint8_t* out8 = static_cast<uint8_t*>(job.out);
+            const CodesOut to{job.output == CODES_U8 ? out8 + r.pos0 : nullptr,
+                              job.output == CODES_PACKED ? out8 + r.pos0 / 2 : nullptr, cbuf};
+            b0 = (few ? few_block_codes(x16, r.h1, B, inv, few16, f, to)
+                      : bf16_block_codes<SR>(x16, r.h1, B, inv, n, c16, f, to)) / B;
+            if (to.bytes != nullptr || to.pairs != nullptr) done = b0 * B;
           }
           if (done == r.h1) continue;  // every lane went out
           widen(BF16, x16, xbuf, b0 * B, r.h1);
