@@ -9,7 +9,8 @@
 # and name .data in the call's carry. The machine's python3 has torch, Triton, numpy,
 # pytest and matplotlib; fewbit runs from src/ (no install). What comes back: $OUT.
 #
-#   benchmarks/gpu_runbook.sh check             #18: GPU tests, kernel benchmarks at 2^27 (~3 min)
+#   benchmarks/gpu_runbook.sh check             #18: GPU tests, element rows at 2^27 (~5 min on an H200)
+#   benchmarks/gpu_runbook.sh blocks            #18: block-format rows at 2^27 (more than 4 min with check)
 #   benchmarks/gpu_runbook.sh time              #19.1: paper preset step, with and without the write-back
 #   benchmarks/gpu_runbook.sh sweep NAME PRESET [fewbit train options...]
 #       a sweep in this call, e.g. `sweep figure3 paper --seeds 0 --workers 5`; its CSVs and
@@ -29,7 +30,10 @@ case "${1:-}" in
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
       | tee -a "$out/gpu.txt"
     python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_kernel.py 2>&1 | tee "$out/tests.txt"
-    fewbit bench --quick --block --device cuda --log2-size 27 2>/dev/null | tee "$out/bench_cuda.txt"
+    fewbit bench --quick --device cuda --log2-size 27 --no-gfloat 2>/dev/null | tee "$out/bench_cuda.txt"
+    ;;
+  blocks)
+    fewbit bench --quick --block --device cuda --log2-size 27 --no-gfloat 2>/dev/null | tee "$out/bench_blocks.txt"
     ;;
   time)
     for fast in --fast --no-fast; do
