@@ -338,8 +338,8 @@ BLOCK_FORMATS = ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4"
 def block_format(name: str):
     from fewbit import block
 
-    e4m3 = fewbit.format("ocp_e4m3")
     if name == "e4m3 scaled by e4m3":
+        e4m3 = fewbit.format("ocp_e4m3")
         return block.BlockFormat(name, e4m3, 32, e4m3, rule="nearest")
     if " in blocks of " in name:  # an element format, E8M0 scales
         element, size = name.split(" in blocks of ")
@@ -506,9 +506,8 @@ def test_bfloat16_blocks_of_few_magnitudes_by_midpoints(name):
     bfloat16 magnitude in [2^-10, 8) (ties, values beyond max, codes of every magnitude),
     zeros of both signs and subnormals, in blocks of 32 whose exponent e runs from below the
     16-bit way's bounds to above them (2^-135 .. 2^126), blocks holding NaN or -Inf, in
-    blocks of 32 and 128, every power-of-two rule: the same
-    codes, scales and values as the torch kernels. (mxfp4 keeps -0; the P3109 formats have
-    none.)"""
+    blocks of 32 and 128, every power-of-two rule: the same codes, scales and values as the
+    torch kernels. (mxfp4 keeps -0; the P3109 formats have none.)"""
     from fewbit import block
 
     fields = torch.arange(117 << 7, 130 << 7, dtype=torch.int32)  # bfloat16 magnitudes 2^-10 .. 8

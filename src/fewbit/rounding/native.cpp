@@ -1038,6 +1038,26 @@ void magic_codes(const uint32_t* __restrict xs, int b0, int h1, int B, const uin
 }
 
 #ifdef __AVX2__
+// A group of TINY_TEST bfloat16 lanes of power-of-two blocks from lane h, 16 to a vector:
+// the lanes v, their magnitudes a, each vector's block exponent e (by: each block's 2^-e),
+// and the quotients q = a 2^-e as x's bits with e taken off the exponent field (exact where
+// x is normal and q's field stays above 0). B divides LANES, a power of two: block_shift
+// = log2 B finds a lane's block (a division per vector cost bfloat16 mxfp8 codes 4-7% in L2).
+struct BlockGroup {
+  __m256i v[PER_TEST], a[PER_TEST], q[PER_TEST];
+  int e[PER_TEST];
+
+  BlockGroup(const uint16_t* x16, int h, const uint32_t* by, int block_shift) {
+    for (int j = 0; j < PER_TEST; ++j) {
+      const int k = h + 16 * j;
+      e[j] = 127 - int(by[k >> block_shift] >> 23);  // 2^-e's exponent field (0 for e = 127: 2^-127 is subnormal)
+      v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + k));
+      a[j] = _mm256_and_si256(v[j], _mm256_set1_epi16(0x7FFF));
+      q[j] = _mm256_sub_epi16(a[j], _mm256_set1_epi16(int16_t(e[j] * 128)));
+    }
+  }
+};
+
 // bfloat16 blocks with power-of-two scales 2^e on their 16 bits, for the magic modes (B a
 // multiple of 16, so that no vector straddles two blocks; SR where Bf16Magic::applies).
 // Where x is normal and finite and its quotient q = x 2^-e is at or above 2^emin, q's bits
@@ -1054,25 +1074,18 @@ __attribute__((always_inline)) inline int bf16_blocks(const uint16_t* x16, int h
                                                       Fields n, const Bf16x16& c, Out&& out) {
   const Fields16 n16s(n, c);
   const __m256i smallest = _mm256_set1_epi16(0x80), largest = _mm256_set1_epi16(0x7F7F);  // normal, finite
-  // B divides LANES, a power of two: a shift finds a lane's block (a division per vector
-  // cost bfloat16 mxfp8 codes 4-7% in L2)
   const int block_shift = __builtin_ctz(unsigned(B));
   int h = 0;
   for (; h + TINY_TEST <= h1; h += TINY_TEST) {
-    __m256i v[PER_TEST], q[PER_TEST], slow = c.zero;
-    int e[PER_TEST];
+    const BlockGroup g(x16, h, by, block_shift);
+    __m256i slow = c.zero;
     for (int j = 0; j < PER_TEST; ++j) {
-      const int k = h + 16 * j;
-      e[j] = 127 - int(by[k >> block_shift] >> 23);  // 2^-e's exponent field (0 for e = 127: 2^-127 is subnormal)
-      v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + k));
-      const __m256i a = _mm256_and_si256(v[j], c.magnitude);
-      q[j] = _mm256_sub_epi16(a, _mm256_set1_epi16(int16_t(e[j] * 128)));
-      const __m256i odd = _mm256_or_si256(_mm256_cmpgt_epi16(smallest, a), _mm256_cmpgt_epi16(a, largest));
-      slow = _mm256_or_si256(slow, _mm256_or_si256(odd, _mm256_cmpgt_epi16(c.emin, q[j])));
+      const __m256i odd = _mm256_or_si256(_mm256_cmpgt_epi16(smallest, g.a[j]), _mm256_cmpgt_epi16(g.a[j], largest));
+      slow = _mm256_or_si256(slow, _mm256_or_si256(odd, _mm256_cmpgt_epi16(c.emin, g.q[j])));
     }
     if (!_mm256_testz_si256(slow, slow)) break;
     for (int j = 0; j < PER_TEST; ++j) {
-      out(h + 16 * j, v[j], c.nearest<SR>(q[j], SR ? n16s.at(h + 16 * j) : c.zero), e[j]);
+      out(h + 16 * j, g.v[j], c.nearest<SR>(g.q[j], SR ? n16s.at(h + 16 * j) : c.zero), g.e[j]);
     }
   }
   return h;
@@ -1153,10 +1166,11 @@ struct FewMagnitudes {
   static constexpr int MOST = 8;
   int count = 0;  // magnitudes; code i is the i-th (its code_of), so max's is count - 1
   int16_t above[MOST - 1];  // code = #{i: q's bits > above[i]} (past count - 1: never)
-  int16_t value[MOST];  // each magnitude's bfloat16 bits
+  alignas(16) int16_t value[MOST] = {};  // each magnitude's bfloat16 bits (past count - 1: 0)
   int lo_e = 0;  // the least block exponent e for which the 16 bits hold (few_blocks)
+  int16_t nz;  // the sign bit where a zero keeps x's sign (the format has -0), else 0
 
-  explicit FewMagnitudes(const Fmt& f) {
+  explicit FewMagnitudes(const Fmt& f) : nz(int16_t(f.has_nz ? 0x8000 : 0)) {
     double v[MOST + 1];
     for (double x = 0; count <= MOST && x <= f.max; ++count) {
       v[count] = x;
@@ -1185,71 +1199,61 @@ struct FewMagnitudes {
   }
 };
 
-// As bf16_blocks, into a FewMagnitudes format by RNE: out(h, v, code, e) for each vector
-// of groups without a lane that is Inf or NaN, in blocks whose e is at least lo_e.
+// As bf16_blocks, into a FewMagnitudes format by RNE: out(h, code, sign, e) for each vector
+// of groups without a lane that is Inf or NaN, in blocks whose e is at least lo_e; sign is
+// x's sign bit, off a code-0 magnitude where the format has no -0.
 template <typename Out>
 __attribute__((always_inline)) inline int few_blocks(const uint16_t* x16, int h1, int B, const uint32_t* by,
-                                                     const FewMagnitudes& g, Out&& out) {
-  const __m256i magnitude = _mm256_set1_epi16(0x7FFF), largest = _mm256_set1_epi16(0x7F7F);
+                                                     const FewMagnitudes& m, Out&& out) {
+  const __m256i largest = _mm256_set1_epi16(0x7F7F), zero = _mm256_setzero_si256();
+  const __m256i sign_bit = _mm256_set1_epi16(int16_t(0x8000)), nz = _mm256_set1_epi16(m.nz);
   __m256i above[FewMagnitudes::MOST - 1];
-  for (int i = 0; i < FewMagnitudes::MOST - 1; ++i) above[i] = _mm256_set1_epi16(g.above[i]);
+  for (int i = 0; i < FewMagnitudes::MOST - 1; ++i) above[i] = _mm256_set1_epi16(m.above[i]);
   const int block_shift = __builtin_ctz(unsigned(B));
   int h = 0;
   for (; h + TINY_TEST <= h1; h += TINY_TEST) {
-    __m256i v[PER_TEST], q[PER_TEST], slow = _mm256_setzero_si256();
-    int e[PER_TEST];
+    const BlockGroup g(x16, h, by, block_shift);
+    __m256i slow = zero;
     bool below = false;
     for (int j = 0; j < PER_TEST; ++j) {
-      const int k = h + 16 * j;
-      e[j] = 127 - int(by[k >> block_shift] >> 23);
-      below |= e[j] < g.lo_e;
-      v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + k));
-      const __m256i a = _mm256_and_si256(v[j], magnitude);
-      q[j] = _mm256_sub_epi16(a, _mm256_set1_epi16(int16_t(e[j] * 128)));
-      slow = _mm256_or_si256(slow, _mm256_cmpgt_epi16(a, largest));
+      below |= g.e[j] < m.lo_e;
+      slow = _mm256_or_si256(slow, _mm256_cmpgt_epi16(g.a[j], largest));
     }
     if (below || !_mm256_testz_si256(slow, slow)) break;
     for (int j = 0; j < PER_TEST; ++j) {
-      __m256i code = _mm256_setzero_si256();  // minus the midpoints exceeded
-      for (int i = 0; i < FewMagnitudes::MOST - 1; ++i) code = _mm256_add_epi16(code, _mm256_cmpgt_epi16(q[j], above[i]));
-      out(h + 16 * j, v[j], _mm256_sub_epi16(_mm256_setzero_si256(), code), e[j]);
+      __m256i code = zero;  // minus the midpoints exceeded
+      for (int i = 0; i < FewMagnitudes::MOST - 1; ++i) code = _mm256_add_epi16(code, _mm256_cmpgt_epi16(g.q[j], above[i]));
+      code = _mm256_sub_epi16(zero, code);
+      const __m256i kept = _mm256_or_si256(nz, _mm256_andnot_si256(_mm256_cmpeq_epi16(code, zero), sign_bit));
+      out(h + 16 * j, code, _mm256_and_si256(g.v[j], kept), g.e[j]);
     }
   }
   return h;
 }
 
-// magic_codes of RNE into a FewMagnitudes format through few_blocks, with x's sign (on a
-// code-0 magnitude only where the format has -0). Returns the first lane left to magic_codes.
+// magic_codes of RNE into a FewMagnitudes format through few_blocks, with the sign it gives.
+// Returns the first lane left to magic_codes.
 __attribute__((noinline)) int few_block_codes(const uint16_t* x16, int h1, int B, const uint32_t* by,
-                                              const FewMagnitudes& g, const Fmt& f, CodesOut to) {
-  const __m256i sign_bit = _mm256_set1_epi16(int16_t(0x8000)), zero = _mm256_setzero_si256();
-  const __m256i nz = _mm256_set1_epi16(int16_t(f.has_nz ? 0x8000 : 0));  // the sign bit kept on a zero
+                                              const FewMagnitudes& m, const Fmt& f, CodesOut to) {
   const __m128i sign_shift = _mm_cvtsi32_si128(16 - f[K]);
-  return few_blocks(x16, h1, B, by, g, [=](int k, __m256i v, __m256i code, int) {
-    const __m256i kept = _mm256_or_si256(nz, _mm256_andnot_si256(_mm256_cmpeq_epi16(code, zero), sign_bit));
-    store_codes16(k, _mm256_or_si256(code, _mm256_srl_epi16(_mm256_and_si256(v, kept), sign_shift)), to);
+  return few_blocks(x16, h1, B, by, m, [=](int k, __m256i code, __m256i sign, int) {
+    store_codes16(k, _mm256_or_si256(code, _mm256_srl_epi16(sign, sign_shift)), to);
   });
 }
 
 // magic_values of RNE into a FewMagnitudes format through few_blocks, into bfloat16 `out`:
-// the code's magnitude times 2^e (its exponent field plus e), with x's sign (on a zero only
-// where the format has -0). Returns the first lane left to magic_values.
+// the code's magnitude times 2^e (its exponent field plus e; a zero stays 0), with the sign
+// it gives. Returns the first lane left to magic_values.
 __attribute__((noinline)) int few_block_values(const uint16_t* x16, int h1, int B, const uint32_t* by,
-                                               const FewMagnitudes& g, const Fmt& f, uint16_t* out) {
-  const __m256i sign_bit = _mm256_set1_epi16(int16_t(0x8000)), zero = _mm256_setzero_si256();
-  const __m256i nz = _mm256_set1_epi16(int16_t(f.has_nz ? 0x8000 : 0));  // the sign bit kept on a zero
+                                               const FewMagnitudes& m, uint16_t* out) {
   // value[code] by a byte shuffle: lane bytes 2 code and 2 code + 1 of the table
-  alignas(16) int16_t table[FewMagnitudes::MOST] = {};
-  std::memcpy(table, g.value, sizeof(int16_t) * g.count);
-  const __m256i values = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(table)));
-  const __m256i pair = _mm256_set1_epi16(0x0202), odd = _mm256_set1_epi16(0x0100);
-  return few_blocks(x16, h1, B, by, g, [=](int k, __m256i v, __m256i code, int e) {
+  const __m256i values = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(m.value)));
+  const __m256i pair = _mm256_set1_epi16(0x0202), odd = _mm256_set1_epi16(0x0100), zero = _mm256_setzero_si256();
+  return few_blocks(x16, h1, B, by, m, [=](int k, __m256i code, __m256i sign, int e) {
     const __m256i at = _mm256_add_epi16(_mm256_mullo_epi16(code, pair), odd);
-    const __m256i is_zero = _mm256_cmpeq_epi16(code, zero);
-    __m256i value = _mm256_add_epi16(_mm256_shuffle_epi8(values, at), _mm256_set1_epi16(int16_t(e * 128)));
-    value = _mm256_andnot_si256(is_zero, value);
-    value = _mm256_or_si256(value, _mm256_and_si256(v, _mm256_or_si256(nz, _mm256_andnot_si256(is_zero, sign_bit))));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), value);
+    const __m256i value = _mm256_add_epi16(_mm256_shuffle_epi8(values, at), _mm256_set1_epi16(int16_t(e * 128)));
+    const __m256i magnitude = _mm256_andnot_si256(_mm256_cmpeq_epi16(code, zero), value);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), _mm256_or_si256(magnitude, sign));
   });
 }
 #endif
@@ -1601,7 +1605,7 @@ __attribute__((noinline)) int64_t block_rows(const Job& job, int64_t row0, int64
         if (on_16_bits) {
           if (values) {
             uint16_t* out16 = static_cast<uint16_t*>(job.out) + r.pos0;
-            b0 = (few ? few_block_values(x16, r.h1, B, inv, few16, f, out16)
+            b0 = (few ? few_block_values(x16, r.h1, B, inv, few16, out16)
                       : bf16_block_values<SR>(x16, r.h1, B, inv, n, c16, f.sat, out16)) / B;
             done = b0 * B;
           } else {
