@@ -20,7 +20,7 @@ import torch
 import fewbit
 from conftest import assert_bitwise_equal
 from fewbit.config import configure
-from fewbit.random import Key, key_of, random_bits
+from fewbit.random import Key, fold_in, key_of, random_bits
 from fewbit.rounding import gpu, native
 from fewbit.rounding.checks import dtype_format, make_spec
 from fewbit.rounding.compiled import stream_words
@@ -159,3 +159,48 @@ def test_encode_same_codes_and_errors_as_torch(dtype):
             else:
                 assert torch.equal(got, expected), name
     assert refused >= 20
+
+
+def foreach_inputs(dtype: torch.dtype) -> list[torch.Tensor]:
+    """An optimizer's weights, as many programs' worth as one: every bfloat16 pattern with
+    random low bits, and ties of bfloat16 (low half 0x8000), in tensors whose sizes are
+    multiples of 16 (one a few programs long, one empty, one shorter than a row)."""
+    x = every_bfloat16(torch.float32)
+    ties = (x.view(torch.int32) & -(1 << 16) | (1 << 15)).view(torch.float32)[1::4]
+    x = torch.cat((x[::2], ties[torch.isfinite(ties)]))[: 48_000].to(dtype)
+    return [x[:40_000].view(-1, 80).clone(), x[:0].clone(), x[40_000:40_048].clone(), x[40_048:].clone()]
+
+
+@pytest.mark.parametrize("dtype, via, mode", [
+    *[(torch.float32, torch.bfloat16, mode) for mode in ("rne", "src", "srf", "sr", "sr_fraction")],
+    (torch.float32, torch.float16, "rne"), (torch.float32, torch.float16, "src"),
+    (torch.float32, torch.float32, "src"), (torch.bfloat16, torch.bfloat16, "src"),
+    (torch.bfloat16, torch.float32, "src"),
+])  # fmt: skip
+def test_foreach_same_bits_as_each_round(dtype, via, mode):
+    """The write-back's one launch for a list: tensor j as fewbit.round of ``t.to(via)``
+    with the key fold_in(key, indices[j]), which the kernel derives; in place."""
+    kw = {k: v for k, v in MODE_ARGS[mode].items() if k != "seed"}
+    spec = make_spec(via, fewbit.format("binary8p4"), RoundMode(mode), True, kw.get("bits"),
+                     kw.get("fraction"))  # fmt: skip
+    key, indices = Key.from_seed(9), [3, 0, 7, 12]
+    tensors = foreach_inputs(dtype)
+    seeds = [fold_in(key, i) if spec.bits is not None else None for i in indices]
+    expected = [eager(t.to(via), "binary8p4", mode, sat=True, seed=s, **kw).to(dtype)
+                for t, s in zip(tensors, seeds, strict=True)]  # fmt: skip
+    inputs = [t.clone() for t in tensors]
+    assert gpu.round_foreach_(tensors, spec, key if spec.bits is not None else None, indices, via)
+    for j, (got, want, x) in enumerate(zip(tensors, expected, inputs, strict=True)):
+        assert_bitwise_equal(got.view(-1), want.view(-1), x.view(-1), f"tensor {j}")
+
+
+def test_foreach_leaves_what_it_does_not_take():
+    """A size or an address off a multiple of 16 (the kernel's vector loads), a strided
+    tensor, or mixed dtypes: False, nothing written (the caller's other paths take it)."""
+    spec = make_spec(torch.float32, fewbit.format("binary8p4"), RoundMode.SRC, True, 3, None)
+    whole = torch.randn(4096) * 3
+    for bad in ([whole[:4096 - 8]], [whole[1:4081]], [whole.view(64, 64).t()],
+                [whole[:2048], whole[2048:].bfloat16()]):  # fmt: skip
+        before = [t.clone() for t in bad]
+        assert not gpu.round_foreach_(bad, spec, Key.from_seed(1), range(len(bad)), torch.float32)
+        assert all(torch.equal(t, b) for t, b in zip(bad, before, strict=True))

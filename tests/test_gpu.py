@@ -149,3 +149,34 @@ def test_shard_rounding_gpu_equals_cpu():
     cpu, gpu = round_range(x, spec, Key(3, 4), piece), round_range(x.cuda(), spec, Key(3, 4), piece)
     assert cpu is not None and gpu is not None
     assert_bitwise_equal(gpu.cpu(), cpu, x, "Shard(0) piece")
+
+
+@pytest.mark.parametrize("update_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("width", [256, 250])
+def test_write_back_gpu_equals_cpu(update_dtype, width, monkeypatch):
+    """LowPrecisionWeights' write-back on the GPU, in one launch of the Triton kernel for
+    every weight (gpu.round_foreach_), gives the CPU's weights, step after step; with a
+    weight whose size is not a multiple of 16 (width 250: 7 x 250) the list takes the
+    compiled path, with the same bits."""
+    from fewbit.optim import LowPrecisionWeights
+    from fewbit.rounding import gpu
+
+    launches = []
+    one_launch = gpu.round_foreach_
+    monkeypatch.setattr(gpu, "round_foreach_", lambda *a: launches.append(one_launch(*a)) or launches[-1])
+    weights = {}
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(96, width), torch.nn.GELU(), torch.nn.Linear(width, 7))
+        model.to(device)
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt = LowPrecisionWeights(inner, "binary8p4", "src", bits=3, seed=5, update_dtype=update_dtype)
+        data = torch.randn(32, 96, generator=torch.Generator().manual_seed(1)).to(device)
+        for _ in range(3):
+            opt.zero_grad()
+            model(data).square().mean().backward()
+            opt.step()
+        weights[device] = [p.detach().cpu() for p in model.parameters()]
+    assert launches == [width % 16 == 0] * 4, launches  # the first rounding, then 3 steps
+    for gpu_w, cpu_w in zip(weights["cuda"], weights["cpu"], strict=True):
+        assert_bitwise_equal(gpu_w.reshape(-1), cpu_w.reshape(-1), cpu_w.reshape(-1), "write-back")

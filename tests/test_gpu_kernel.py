@@ -69,6 +69,20 @@ def test_round_kernel_compiles_for_the_gpu(arch, dtype, fmt, mode, bits, sat, gi
     assert ".ftz" not in ptx
 
 
+@pytest.mark.parametrize("via", [torch.bfloat16, torch.float16, torch.float32])
+def test_foreach_kernel_compiles_with_vector_loads(via):
+    """The write-back's launch for a list (FOREACH: addresses read from a table) compiles
+    for an H100, with 16-byte loads and stores: the table's sizes and addresses are
+    multiples of 16, which the kernel says to the compiler."""
+    spec = make_spec(via, fewbit.format("binary8p4"), RoundMode.SRC, True, 3, None)
+    name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[via]
+    constants = {**gpu.round_constants(spec, True, False), "given_ptr": None, "key_ptr": None,
+                 "FOREACH": True, "VIA": getattr(triton.language, name)}  # fmt: skip
+    args = {"x_ptr": "*i64", "out_ptr": "*fp32", "n": "i32", "offset": "i32", "first_row": "i32"}
+    ptx = compiled(gpu.kernels().round_kernel, args, constants, 90).asm["ptx"]
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx and ".ftz" not in ptx
+
+
 @pytest.mark.parametrize("fmt, packed", [("ocp_e4m3", False), ("ocp_e2m1", True), ("binary16", False)])
 def test_encode_kernel_compiles_for_the_gpu(fmt, packed):
     fmt = fewbit.format(fmt)

@@ -16,10 +16,11 @@ import torch
 
 import fewbit
 from fewbit.config import configure
-from fewbit.random import Key, random_bits
+from fewbit.random import Key, fold_in, random_bits
 from fewbit.rounding import native
 from fewbit.rounding.checks import make_spec
-from fewbit.rounding.compiled import round_foreach_, stream_words
+from fewbit.rounding.compiled import stream_words
+from fewbit.rounding.foreach import round_foreach_
 from fewbit.rounding.modes import RoundMode
 
 # Skipped without a compiler only: where there is one, a source that fails to build fails
@@ -291,10 +292,12 @@ def test_build_failure_warns_and_falls_back(monkeypatch, tmp_path):
         got = fewbit.round(x, "binary8p4", "src", bits=3, seed=1)
     assert same_bits(got, expected)
     assert native._failed
-    # The optimizer's write-back too: seed 1 is the key (1, 0).
+    # The optimizer's write-back too: tensor 5 of key K draws with fold_in(K, 5).
     weights = x.clone()
+    with configure(compile=False):
+        expected = fewbit.round(x, "binary8p4", "src", bits=3, seed=fold_in(Key.from_seed(1), 5))
     spec = make_spec(torch.float32, fewbit.format("binary8p4"), RoundMode.SRC, False, 3, None)
-    round_foreach_([weights], spec, torch.tensor([[1, 0]]), torch.float32)
+    round_foreach_([weights], spec, Key.from_seed(1), [5], torch.float32)
     assert same_bits(weights, expected)
 
 

@@ -23,10 +23,10 @@ from .block import BlockFormat, BlockTensor, check_args, element_or_block, quant
 from .codec import decode, encode
 from .config import configure, current
 from .formats import FloatFormat
-from .random import Key, as_key, fold_in, key_tensor
+from .random import Key, as_key, fold_in
 from .replicas import SeedPolicy, assert_identical_inputs, replica_key, world
 from .rounding import RoundMode, dtype_format
-from .rounding.compiled import round_foreach_, stream_words
+from .rounding.foreach import round_foreach_
 from .rounding.modes import parse_mode
 from .sharding import (
     check_whole_blocks,
@@ -217,28 +217,27 @@ class LowPrecisionWeights:
             self._round_all()
 
     def _round_all(self) -> None:
-        keys = [
-            replica_key(fold_in(self.key, self.steps, i), self.policy) if self.mode.is_stochastic else None
-            for i in range(len(self.params))
-        ]
+        # fold_in(key, t, i) is fold_in(fold_in(key, t), i): the step's key, derived once.
+        step_key = fold_in(self.key, self.steps) if self.mode.is_stochastic else None
         pieces = [local_tensor(p) for p in self.params]  # a DTensor's piece shares its storage
         if self.scale:  # powers of two: exact both ways
             self._scales = [self._power_of_two_scale(p) for p in self.params]
             torch._foreach_mul_(pieces, self._scales)
-        # Whole tensors in formats with a NaN go through one call for all; a piece of a
-        # sharded tensor takes the bits of its global indices; fewbit.round raises where a
-        # value has no result in a format without NaN (a NaN input, say).
+        # Whole tensors in formats with a NaN go through one call for all, each with the
+        # key fold_in(step_key, i) (the policy's key where the rank is not folded in); a
+        # piece of a sharded tensor takes the bits of its global indices; fewbit.round
+        # raises where a value has no result in a format without NaN (a NaN input, say).
         block = isinstance(self.fmt, BlockFormat)
-        whole = [i for i, at in enumerate(self._layouts) if at.whole]
-        batched = whole if not block and self.fmt.has_nans else []
+        batched = []
+        if not block and self.fmt.has_nans and self.policy is SeedPolicy.IDENTICAL:
+            batched = [i for i, at in enumerate(self._layouts) if at.whole]
         if batched:
-            rows = [(0, 0) if keys[i] is None else stream_words(self.spec, keys[i]) for i in batched]
-            stacked = key_tensor([w for row in rows for w in row], pieces[0].device).view(len(rows), -1)
-            round_foreach_([pieces[i] for i in batched], self.spec, stacked, self.via)
+            round_foreach_([pieces[i] for i in batched], self.spec, step_key, batched, self.via)
         extra = {"fraction": self.fraction} if self.mode is RoundMode.SR_FRACTION else {}
         blocks = []
         for i in sorted(set(range(len(pieces))) - set(batched)):
-            t, key, at = pieces[i], keys[i], self._layouts[i]
+            t, at = pieces[i], self._layouts[i]
+            key = None if step_key is None else replica_key(fold_in(step_key, i), self.policy)
             x = t.to(self.via)
             done = None if block else round_range(x, self.spec, key, at)
             if done is not None:  # one range of the full tensor: its bits drawn inside the kernel

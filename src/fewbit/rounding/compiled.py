@@ -22,13 +22,12 @@ import torch
 
 from ..config import current
 from ..random import LANES, Key, bits_from_index, bits_from_range, bits_rows, fold_in, key_tensor
-from . import native
 from .checks import RoundSpec, dtype_format
 from .fast import round_fast, working_dtype
 from .magic import magic_applies, round_magic
 from .modes import MODES, SELECT_BITS, SELECT_KEY, RoundMode
 
-__all__ = ["compiled_round", "index_bits", "range_bits", "round_body", "round_foreach_", "stream_words",
+__all__ = ["compiled_round", "index_bits", "range_bits", "foreach_compiled_", "round_body", "stream_words",
            "use_compiled",
            "word_tensors"]
 
@@ -216,28 +215,14 @@ def _foreach_kernel(tensors: list[torch.Tensor], keys: torch.Tensor, *, spec: Ro
         t.copy_(out.reshape(t.shape))
 
 
-def _foreach_native(
+def foreach_compiled_(
     tensors: list[torch.Tensor], spec: RoundSpec, keys: torch.Tensor, via: torch.dtype
 ) -> None:
-    """:func:`round_foreach_` through the native kernel, a call per tensor (a few
-    microseconds each): ``t.to(via)`` is torch's round to nearest even, as the compiled
-    kernel's own conversion is. spec.fmt has a NaN: every element has a result."""
-    for t, words in zip(tensors, keys.tolist(), strict=True):
-        t.copy_(native.rounded(t.to(via), spec, words))
-
-
-def round_foreach_(
-    tensors: list[torch.Tensor], spec: RoundSpec, keys: torch.Tensor, via: torch.dtype
-) -> None:
-    """Round each tensor in place, tensor i with the words ``keys[i]`` (``keys``: int64,
-    one row of :func:`stream_words` per tensor), as ``round_`` of ``t.to(via)``
-    would: one compiled call for the whole list when compilation applies (an optimizer's
-    write-back: per-call overhead, not arithmetic, dominates many mid-sized tensors),
-    else the same code eager. The caller has checked the spec against ``via``, and
-    ``spec.fmt`` has a NaN for anything without a value (nothing to raise)."""
+    """``fewbit.rounding.foreach.round_foreach_`` by torch.compile (for the whole list: per
+    call overhead, not arithmetic, dominates many mid-sized tensors) where compilation
+    applies, else by the same code eager; ``keys``: one row of :func:`stream_words` per
+    tensor, on their device."""
     device = tensors[0].device
-    if native.applies(spec, tensors[0].new_empty(0, dtype=via)):
-        return _foreach_native(tensors, spec, keys, via)
     total = sum(t.numel() for t in tensors)
     cache_key = ("foreach", spec, via, tensors[0].dtype, device.type)
     if use_compiled(total) and cache_key not in _BROKEN:

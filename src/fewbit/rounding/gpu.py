@@ -11,23 +11,25 @@ kernels run instead, compiled or eager, with the same bits.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import functools
 import warnings
+from collections.abc import Sequence
 from types import ModuleType
 
 import torch
 
 from ..config import current
 from ..formats import FloatFormat
-from ..random import LANES
+from ..random import LANES, Key
 from .checks import RoundSpec, make_spec
 from .compiled import stream_words
 from .magic import magic_applies
 from .modes import MODES, RoundMode
 from .native import PARAM_NAMES, kernel_params, mode_id, takes, takes_bits
 
-__all__ = ["applies", "encode_into", "round_into", "rounded", "usable"]
+__all__ = ["applies", "encode_into", "round_foreach_", "round_into", "rounded", "usable"]
 
 #: Rows per program where no words are drawn: 4096 elements.
 _PLAIN_ROWS = 8
@@ -94,7 +96,8 @@ def round_constants(spec: RoundSpec, drawn: bool, given: bool) -> dict:
     return {**_format_constants(spec), "MODE": mode_id(spec), "SAT": spec.sat, "LIMIT_RULE": p["LIMIT_RULE"],
             "BITS": p["BITS"], "SELECT_BELOW": p["SELECT_BELOW"], "EMAX": p["EMAX"],
             "MAGIC_SCALE": _magic_scale(spec), "BEYOND": p["MAX"] if spec.sat else p["BEYOND_POS"],
-            "ROWS": rows, "DRAWN": drawn, "GIVEN": given, "PER_WORD": per_word}  # fmt: skip
+            "ROWS": rows, "DRAWN": drawn, "GIVEN": given, "PER_WORD": per_word, "FOREACH": False,
+            "VIA": None, "TENSORS": 1}  # fmt: skip
 
 
 @functools.lru_cache(maxsize=64)
@@ -141,6 +144,51 @@ def round_into(
     end_row = -(-(offset + n) // LANES)
     programs = -(-(end_row - first_row) // rows)
     return _launch("round_kernel", programs, (x, out, given, words, n, offset, first_row), constants)
+
+
+#: The dtypes round_foreach_ takes, for tensors and for via, in Triton's names.
+_TRITON_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def round_foreach_(
+    tensors: Sequence[torch.Tensor], spec: RoundSpec, key: Key | None, indices: Sequence[int],
+    via: torch.dtype,
+) -> bool:  # fmt: skip
+    """Round each tensor in place as ``round_`` of ``t.to(via)`` would, tensor j with the key
+    ``fold_in(key, indices[j])`` (derived in the kernel): one launch for the whole list;
+    only where :func:`applies` to a tensor of dtype via on their device (or, for tests,
+    on CPU tensors under ``TRITON_INTERPRET=1``). False (nothing written) where the
+    kernel does not take the list: it takes tensors of one dtype and device, contiguous,
+    each size and address a multiple of 16. ``spec.fmt`` has a NaN: every element has a
+    result."""
+    first = tensors[0]
+    if first.dtype not in _TRITON_DTYPES or via not in _TRITON_DTYPES:
+        return False
+    drawn = key is not None and MODES[spec.mode].stochastic
+    constants = round_constants(spec, drawn, False)
+    elements = LANES * constants["ROWS"]  # a program's
+    # The table, made afresh for every call: an address is read where the tensor is now.
+    addresses, sizes, starts, programs = [], [], [], 0
+    kind = (first.dtype, first.device)
+    for t in tensors:
+        n, address = t.numel(), t.data_ptr()
+        if n % 16 or address % 16 or (t.dtype, t.device) != kind or not t.is_contiguous():
+            return False
+        addresses.append(address)
+        sizes.append(n)
+        starts.append(programs)
+        programs += -(-n // elements)
+    if programs == 0:
+        return True
+    head = [key.k0, key.k1] if drawn else [0, 0]
+    table = torch.frombuffer(array.array("q", head + addresses + sizes + list(indices) + starts),
+                             dtype=torch.int64)  # fmt: skip
+    if first.device.type == "cuda":  # from pinned memory, without waiting for queued work
+        table = table.pin_memory().to(first.device, non_blocking=True)
+    flags = {"FOREACH": True, "VIA": getattr(kernels().tl, _TRITON_DTYPES[via]),
+             "TENSORS": 1 << max(len(tensors) - 1, 15).bit_length()}  # a power of two, 16 or more
+    return _launch("round_kernel", programs, (table, first, None, None, len(tensors), 0, 0),
+                   {**constants, **flags})  # fmt: skip
 
 
 def rounded(x: torch.Tensor, spec: RoundSpec, key: torch.Tensor, offset: int = 0) -> torch.Tensor | None:

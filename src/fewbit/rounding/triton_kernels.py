@@ -21,10 +21,12 @@ import triton.language as tl
 from ..random import LANES as _LANES
 from ..random import SKEIN_KS_PARITY32
 from .modes import SELECT_BITS as _SELECT_BITS
+from .modes import SELECT_KEY as _SELECT_KEY
 
 LANES = tl.constexpr(_LANES)
 PARITY = tl.constexpr(SKEIN_KS_PARITY32)
 SELECT_BITS = tl.constexpr(_SELECT_BITS)
+SELECT_KEY = tl.constexpr(_SELECT_KEY)
 NAN_BITS = tl.constexpr(0x7FC00000)
 SIGN_BIT = tl.constexpr(-(1 << 31))  # 0x80000000 as an int32
 
@@ -234,21 +236,48 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n, offset, first_row, ROWS:
                  BEYOND_POS: tl.constexpr, BEYOND_NEG: tl.constexpr, SMALLEST_NORMAL: tl.constexpr,
                  P_IS_1: tl.constexpr, HAS_NZ: tl.constexpr, HAS_ZERO: tl.constexpr, SAT: tl.constexpr,
                  LIMIT_RULE: tl.constexpr, BITS: tl.constexpr, SELECT_BELOW: tl.constexpr, EMAX: tl.constexpr,
-                 MAGIC_SCALE: tl.constexpr, BEYOND: tl.constexpr):  # fmt: skip
+                 MAGIC_SCALE: tl.constexpr, BEYOND: tl.constexpr, FOREACH: tl.constexpr,
+                 VIA: tl.constexpr, TENSORS: tl.constexpr):  # fmt: skip
     """Round stream elements ``offset .. offset + n`` (x and out hold them from 0) of rows
     ``first_row + program * ROWS ..``: bits drawn with the words at key_ptr (``DRAWN``:
     k0, k1, then the selection stream's for MODE 11), or given at given_ptr (``GIVEN``:
     the N bits low, the selection bits above them), or none. MODE: native.py's kernel
-    ids, native.cpp's ``Mode`` and its float-adder (13, 14) and classical SR (15) paths."""
+    ids, native.cpp's ``Mode`` and its float-adder (13, 14) and classical SR (15) paths.
+
+    ``FOREACH``: round ``n`` tensors in place, each from 0 of its own stream, as
+    gpu.round_foreach_ lays them out in the int64 table at x_ptr: a key (k0, k1), then
+    the tensors' addresses, sizes, indices i and first programs (``n`` of each; at most
+    ``TENSORS``). Tensor i draws with ``fold_in(key, i)``, derived here. out_ptr: any
+    tensor of theirs (for the dtype); each size and address is a multiple of 16.
+    ``VIA``: the dtype each element is first rounded to (RNE), as ``x.to(VIA)``; None:
+    x's own."""
     lanes = tl.arange(0, LANES)
-    row0 = first_row + tl.program_id(0).to(tl.int64) * ROWS
+    if FOREACH:  # the program's tensor: the last to start at or before it
+        table, tensors, program = x_ptr, n, tl.program_id(0)
+        j = tl.arange(0, TENSORS)
+        starts = tl.load(table + 2 + 3 * tensors + j, mask=j < tensors, other=1 << 62)
+        slot = tl.sum((starts <= program).to(tl.int32)) - 1
+        x_ptr = tl.load(table + 2 + slot).to(tl.pointer_type(out_ptr.dtype.element_ty))
+        x_ptr = tl.multiple_of(x_ptr, 16)
+        out_ptr = x_ptr
+        n = tl.multiple_of(tl.load(table + 2 + tensors + slot), 16)
+        row0 = (program - tl.load(table + 2 + 3 * tensors + slot)) * ROWS
+        if DRAWN:
+            key0, key1 = tl.load(table).to(tl.uint32), tl.load(table + 1).to(tl.uint32)
+            k0, k1 = threefry(tl.load(table + 2 + 2 * tensors + slot), key0, key1)  # fold_in(key, i)
+    else:
+        row0 = first_row + tl.program_id(0).to(tl.int64) * ROWS
+        if DRAWN:
+            k0 = tl.load(key_ptr).to(tl.uint32)
+            k1 = tl.load(key_ptr + 1).to(tl.uint32)
     if DRAWN:  # the program's row of blocks, whose words its ROWS = 2 * PER_WORD rows read
-        k0 = tl.load(key_ptr).to(tl.uint32)
-        k1 = tl.load(key_ptr + 1).to(tl.uint32)
         w0, w1 = threefry((row0 // ROWS) * LANES + lanes, k0, k1)
         if MODE == 11:
-            s0 = tl.load(key_ptr + 2).to(tl.uint32)
-            s1 = tl.load(key_ptr + 3).to(tl.uint32)
+            if FOREACH:  # fold_in(key, SELECT_KEY)
+                s0, s1 = threefry(tl.full((), SELECT_KEY, tl.int64), k0, k1)
+            else:
+                s0 = tl.load(key_ptr + 2).to(tl.uint32)
+                s1 = tl.load(key_ptr + 3).to(tl.uint32)
     # Only the rows that hold elements: a small tensor need not fill the program's rows.
     first = tl.maximum(offset // LANES - row0, 0)
     end = tl.minimum((offset + n + LANES - 1) // LANES - row0, ROWS)
@@ -261,7 +290,7 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n, offset, first_row, ROWS:
         lo, hi = tl.maximum(-base, 0).to(tl.int32), tl.minimum(n - base, LANES).to(tl.int32)
         inside = (lanes >= lo) & (lanes < hi)
         x_row, out_row = x_ptr + base, out_ptr + base
-        b = _load_bits(x_row, lanes, inside)
+        b = _load_bits(x_row, lanes, inside, VIA)
         bits = b  # read by the stochastic modes only
         select = b
         if DRAWN:
@@ -289,13 +318,19 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n, offset, first_row, ROWS:
 
 
 @triton.jit
-def _load_bits(x_ptr, i, inside):
-    """Elements i of x (float32 or 16-bit) as the int32 bits of their float32 values."""
+def _load_bits(x_ptr, i, inside, VIA: tl.constexpr = None):
+    """Elements i of x (float32 or 16-bit) as the int32 bits of their float32 values, or
+    of ``x.to(VIA)``'s (round to nearest even)."""
     x = tl.load(x_ptr + i, mask=inside, other=0.0)
     if x_ptr.dtype.element_ty == tl.bfloat16:  # float32's high half: no conversion to trust
         b = x.to(tl.int16, bitcast=True).to(tl.int32) << 16
     else:
         b = x.to(tl.float32).to(tl.int32, bitcast=True)
+    if VIA == tl.bfloat16 and x_ptr.dtype.element_ty != tl.bfloat16:
+        # In integers, as torch rounds: Triton's interpreter truncates (a GPU's cvt.rn does not).
+        b = tl.where((b & 0x7FFFFFFF) > 0x7F800000, b, (b + 0x7FFF + ((b >> 16) & 1)) & -(1 << 16))
+    elif VIA == tl.float16 and x_ptr.dtype.element_ty != tl.float16:  # RNE, on a GPU and in numpy
+        b = x.to(tl.float16).to(tl.float32).to(tl.int32, bitcast=True)
     return b
 
 
