@@ -183,3 +183,33 @@ def test_write_back_gpu_equals_cpu(update_dtype, width, monkeypatch):
     assert launches == [width % 16 == 0] * 4, launches  # the first rounding, then 3 steps
     for gpu_w, cpu_w in zip(weights["cuda"], weights["cpu"], strict=True):
         assert_bitwise_equal(gpu_w.reshape(-1), cpu_w.reshape(-1), cpu_w.reshape(-1), "write-back")
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_resume_on_the_gpu_gives_the_same_run(tmp_path, fast):
+    """#19: on a GPU a run stopped at iteration 7, saved and resumed in a fresh Run equals
+    the uninterrupted run, losses and weights, dropout included (the CUDA generator's
+    state travels in the checkpoint); fast: with the paper preset's speed options
+    (bfloat16 autocast, the model compiled, fused AdamW)."""
+    from dataclasses import replace
+
+    from fewbit.experiments.data import CharDataset
+    from fewbit.experiments.train import PRESETS, SPEED_OPTIONS, Run
+    from test_train import generated_text
+
+    data = CharDataset.from_text(generated_text())
+    cfg = replace(PRESETS["tiny"], device="cuda", mode="src", update_dtype="bf16", dropout=0.1, iters=14,
+                  eval_interval=7, **dict.fromkeys(SPEED_OPTIONS, fast))  # fmt: skip
+    whole = Run(cfg, data)
+    whole.run()
+    first = Run(cfg, data)
+    first.run(until=7)
+    torch.save(first.state_dict(), tmp_path / "ckpt.pt")
+    torch.manual_seed(123)  # disturb both generators: the checkpoint must restore them
+    resumed = Run(cfg, data)
+    resumed.load_state_dict(torch.load(tmp_path / "ckpt.pt"))
+    resumed.run()
+    assert resumed.history.val == whole.history.val
+    np.testing.assert_array_equal(resumed.history.train, whole.history.train)  # NaN before the first step
+    for (name, pw), pr in zip(whole.model.named_parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(pw, pr), name
