@@ -213,3 +213,14 @@ def test_resume_on_the_gpu_gives_the_same_run(tmp_path, fast):
     np.testing.assert_array_equal(resumed.history.train, whole.history.train)  # NaN before the first step
     for (name, pw), pr in zip(whole.model.named_parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(pw, pr), name
+
+
+def test_bench_gives_device_time_ratios():
+    """On a GPU every ratio row of ``fewbit bench`` also has its ratio in device time
+    (bench.device_ratio: CUDA events around calls queued back to back)."""
+    from fewbit import bench
+
+    rows = bench.run(log2_size=16, device="cuda", repeat=2, quick=True, with_gfloat=False)
+    ratios = [r for r in rows if "x_copy" in r]
+    assert len(ratios) >= 12 and all(0 < r["device_x_copy"] < float("inf") for r in ratios)
+    assert "device" in bench.format_table(rows).splitlines()[0]

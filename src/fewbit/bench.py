@@ -13,8 +13,10 @@ a pair see the same conditions. ``x copy`` is the yardstick of a memory-bound op
 output. ``x clone`` compares a call that returns a new tensor with ``torch.clone``,
 where both also pay for fresh memory. ``GB/s`` counts the bytes each call reads and
 writes; the ``copy_`` row of each dtype gives the device's copy speed measured in the
-same run (on a GPU, its achievable memory bandwidth). The last rows give the time of
-one call on 4096 elements, where the per-call overhead is all there is.
+same run (on a GPU, its achievable memory bandwidth). On a GPU ``device`` gives ``x copy``
+in device time (:func:`device_ratio`): the pairs wait for the device after each call, so
+their ratio counts a call's host time, which a training step hides. The last rows give
+the time of one call on 4096 elements, where the per-call overhead is all there is.
 """
 
 from __future__ import annotations
@@ -74,6 +76,30 @@ def paired(fn: Callable[[], object], baseline: Callable[[], object], repeat: int
         times.append(end - middle)
         ratios.append((middle - start) / (end - middle))
     return min(times), statistics.median(ratios)
+
+
+#: Calls queued back to back for a device-time ratio on a GPU.
+BACK_TO_BACK = 10
+
+
+def device_ratio(fn: Callable[[], object], baseline: Callable[[], object], repeat: int) -> float:
+    """On a GPU: the median over ``repeat`` rounds of ``baseline``'s device time over
+    ``fn``'s, each timed by CUDA events around ``BACK_TO_BACK`` calls queued back to
+    back. Where the device is the slower (large tensors), a call's host time hides
+    behind the calls queued before it: what a training step, which queues without
+    waiting, pays. ``paired`` waits after every call, so it counts the host's time too."""
+    events = [[torch.cuda.Event(enable_timing=True) for _ in range(2)] for _ in range(2)]
+    ratios = []
+    for _ in range(repeat):
+        for f, (start, end) in zip((baseline, fn), events, strict=True):
+            start.record()
+            for _ in range(BACK_TO_BACK):
+                f()
+            end.record()
+        torch.cuda.synchronize()
+        (b0, b1), (f0, f1) = events
+        ratios.append(b0.elapsed_time(b1) / f0.elapsed_time(f1))
+    return statistics.median(ratios)
 
 
 def _gfloat_round(x: torch.Tensor, fmt: str, mode: str, bits: int | None):
@@ -143,6 +169,8 @@ def run(
                 row = {"input": str(dtype), "format": fmt, "mode": mode, "bits": bits,
                        "melem_per_s": n / t / 1e6, "gb_per_s": 2 * x.nbytes / t / 1e9, "x_copy": x_copy,
                        "x_clone": paired(call, clone, repeat, sync)[1]}
+                if device.startswith("cuda"):
+                    row["device_x_copy"] = device_ratio(call_out, copy, repeat)
                 if mode != "rne":
                     width = bits or natural_sr_bits(dtype_format(dtype), format(fmt))
 
@@ -168,6 +196,8 @@ def run(
                      "bits": None, "melem_per_s": n / t / 1e6, "gb_per_s": (x.nbytes + n) / t / 1e9,
                      "x_copy": x_copy,
                      "x_clone": paired(encode_call, clone, repeat, sync)[1]})
+        if device.startswith("cuda"):
+            rows[-1]["device_x_copy"] = device_ratio(encode_call, copy, repeat)
     if block:
         rows += block_rows(log2_size, device, repeat, sync, progress)
     rows += _per_call(device, sync)
@@ -208,6 +238,8 @@ def block_rows(log2_size: int, device: str, repeat: int, sync: Callable[[], None
                 rows.append({"input": str(x.dtype), "format": f"{name} {what}", "mode": mode, "bits": bits,
                              "melem_per_s": n / t / 1e6, "gb_per_s": moved / t / 1e9, "x_copy": x_copy,
                              "x_clone": paired(call, x.clone, repeat, sync)[1]})
+                if device.startswith("cuda"):
+                    rows[-1]["device_x_copy"] = device_ratio(functools.partial(call, into=into), copy, repeat)
     return rows
 
 
@@ -235,9 +267,10 @@ def _per_call(device: str, sync: Callable[[], None]) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     head = (f"{'configuration':42} {'Melem/s':>9} {'GB/s':>7} {'x copy':>7} {'x clone':>8} {'eager':>7} "
-            f"{'randint-fed':>11} {'x gfloat':>9}")
+            f"{'randint-fed':>11} {'x gfloat':>9} {'device':>7}")
     lines = [head, "(ratios: copy_ or clone time / fewbit time, into a preallocated output or a new one;"
-                   " GB/s: bytes read and written)"]  # fmt: skip
+                   " GB/s: bytes read and written;",
+             " device: x copy in device time, calls queued back to back)"]  # fmt: skip
     for r in rows:
         label = f"{r['input'].removeprefix('torch.')} -> {r['format']} {r['mode']}"
         label += f" N={r['bits']}" if r["bits"] else ""
@@ -250,7 +283,7 @@ def format_table(rows: list[dict]) -> str:
 
         lines.append(f"{label:42} {r['melem_per_s']:>9.1f} {r['gb_per_s']:>7.1f} {col('x_copy', 7)} "
                      f"{col('x_clone', 8)} {col('eager_x_copy', 7)} {col('randint_fed_x_copy', 11)} "
-                     f"{col('x_gfloat', 9, '.0f')}")
+                     f"{col('x_gfloat', 9, '.0f')} {col('device_x_copy', 7)}")
     return "\n".join(lines)
 
 
