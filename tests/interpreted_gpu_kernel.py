@@ -188,8 +188,9 @@ def test_foreach_same_bits_as_each_round(dtype, via, mode):
     seeds = [fold_in(key, i) if spec.bits is not None else None for i in indices]
     expected = [eager(t.to(via), "binary8p4", mode, sat=True, seed=s, **kw).to(dtype)
                 for t, s in zip(tensors, seeds, strict=True)]  # fmt: skip
-    inputs = [t.clone() for t in tensors]
+    inputs, versions = [t.clone() for t in tensors], [t._version for t in tensors]
     assert gpu.round_foreach_(tensors, spec, key if spec.bits is not None else None, indices, via)
+    assert all(t._version > v for t, v in zip(tensors, versions, strict=True))  # marked as written
     for j, (got, want, x) in enumerate(zip(tensors, expected, inputs, strict=True)):
         assert_bitwise_equal(got.view(-1), want.view(-1), x.view(-1), f"tensor {j}")
 

@@ -187,8 +187,13 @@ def round_foreach_(
         table = table.pin_memory().to(first.device, non_blocking=True)
     flags = {"FOREACH": True, "VIA": getattr(kernels().tl, _TRITON_DTYPES[via]),
              "TENSORS": 1 << max(len(tensors) - 1, 15).bit_length()}  # a power of two, 16 or more
-    return _launch("round_kernel", programs, (table, first, None, None, len(tensors), 0, 0),
-                   {**constants, **flags})  # fmt: skip
+    if not _launch("round_kernel", programs, (table, first, None, None, len(tensors), 0, 0),
+                   {**constants, **flags}):  # fmt: skip
+        return False
+    # Written through their addresses, out of autograd's sight: marked as written, as an
+    # in-place op would (a backward through a value saved before then refuses to run).
+    torch.autograd.graph.increment_version(list(tensors))
+    return True
 
 
 def rounded(x: torch.Tensor, spec: RoundSpec, key: torch.Tensor, offset: int = 0) -> torch.Tensor | None:
