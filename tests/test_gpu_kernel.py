@@ -69,14 +69,17 @@ def test_round_kernel_compiles_for_the_gpu(arch, dtype, fmt, mode, bits, sat, gi
     assert ".ftz" not in ptx
 
 
-@pytest.mark.parametrize("via", [torch.bfloat16, torch.float16, torch.float32])
-def test_foreach_kernel_compiles_with_vector_loads(via):
+@pytest.mark.parametrize("via, mode, bits", [(torch.bfloat16, "src", 3), (torch.float16, "src", 3),
+                                             (torch.float32, "src", 3), (torch.bfloat16, "sr_fraction", 4),
+                                             (torch.bfloat16, "rne", None)])  # fmt: skip
+def test_foreach_kernel_compiles_with_vector_loads(via, mode, bits):
     """The write-back's launch for a list (FOREACH: addresses read from a table) compiles
     for an H100, with 16-byte loads and stores: the table's sizes and addresses are
     multiples of 16, which the kernel says to the compiler."""
-    spec = make_spec(via, fewbit.format("binary8p4"), RoundMode.SRC, True, 3, None)
+    fraction = 0.5 if mode == "sr_fraction" else None
+    spec = make_spec(via, fewbit.format("binary8p4"), RoundMode(mode), True, bits, fraction)
     name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[via]
-    constants = {**gpu.round_constants(spec, True, False), "given_ptr": None, "key_ptr": None,
+    constants = {**gpu.round_constants(spec, bits is not None, False), "given_ptr": None, "key_ptr": None,
                  "FOREACH": True, "VIA": getattr(triton.language, name)}  # fmt: skip
     args = {"x_ptr": "*i64", "out_ptr": "*fp32", "n": "i32", "offset": "i32", "first_row": "i32"}
     ptx = compiled(gpu.kernels().round_kernel, args, constants, 90).asm["ptx"]
