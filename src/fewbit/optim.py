@@ -223,8 +223,8 @@ class LowPrecisionWeights:
         if self.scale:  # powers of two: exact both ways
             self._scales = [self._power_of_two_scale(p) for p in self.params]
             torch._foreach_mul_(pieces, self._scales)
-        # Whole tensors in formats with a NaN go through one call for all, each with the
-        # key fold_in(step_key, i) (the policy's key where the rank is not folded in); a
+        # Whole tensors in formats with a NaN, under the identical policy (no rank to fold
+        # in), go through one call for all, tensor i with the key fold_in(step_key, i); a
         # piece of a sharded tensor takes the bits of its global indices; fewbit.round
         # raises where a value has no result in a format without NaN (a NaN input, say).
         block = isinstance(self.fmt, BlockFormat)

@@ -26,16 +26,14 @@ def round_foreach_(
     the native kernel, a call per tensor (a few microseconds each); else one compiled
     call for the whole list. The caller has checked the spec against ``via``, and
     ``spec.fmt`` has a NaN for anything without a value (nothing to raise)."""
-    device = tensors[0].device
-    if gpu.applies(spec, tensors[0].new_empty(0, dtype=via)) and gpu.round_foreach_(
-        tensors, spec, key, indices, via
-    ):
+    probe = tensors[0].new_empty(0, dtype=via)  # what the kernels would be given
+    if gpu.applies(spec, probe) and gpu.round_foreach_(tensors, spec, key, indices, via):
         return
     keys = [(0, 0) if key is None else stream_words(spec, fold_in(key, i)) for i in indices]
-    if native.applies(spec, tensors[0].new_empty(0, dtype=via)):
+    if native.applies(spec, probe):
         # t.to(via) is torch's round to nearest even, as the other paths' conversion is.
         for t, words in zip(tensors, keys, strict=True):
             t.copy_(native.rounded(t.to(via), spec, words))
         return
-    stacked = key_tensor([w for row in keys for w in row], device).view(len(keys), -1)
+    stacked = key_tensor([w for row in keys for w in row], probe.device).view(len(keys), -1)
     foreach_compiled_(tensors, spec, stacked, via)
