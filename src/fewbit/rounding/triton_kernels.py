@@ -201,10 +201,13 @@ def _magic_bits(b, n, SR: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr, 
     y = b.to(tl.float32, bitcast=True) + big
     if SR:
         y = ((y.to(tl.int32, bitcast=True) + n) & -(1 << BITS)).to(tl.float32, bitcast=True)
-    out = (y - big).to(tl.int32, bitcast=True)
+    y = y - big
+    out = y.to(tl.int32, bitcast=True)
     if HAS_NZ:
         out = out | sign  # -0 where the subtraction gave +0
-    out = tl.where((out & 0x7FFFFFFF) > MAX, BEYOND | sign, out)
+    # |y| > max as floats, as native.cpp's magic_one: one compare. A NaN x is found from x
+    # itself: a GPU's NaN sum is 0x7FFFFFFF, which n would carry into the sign bit.
+    out = tl.where(tl.abs(y) > tl.full((), MAX, tl.int32).to(tl.float32, bitcast=True), BEYOND | sign, out)
     return tl.where((b & 0x7FFFFFFF) > 0x7F800000, NAN_BITS, out)
 
 
