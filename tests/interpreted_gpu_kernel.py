@@ -195,6 +195,21 @@ def test_foreach_same_bits_as_each_round(dtype, via, mode):
         assert_bitwise_equal(got.view(-1), want.view(-1), x.view(-1), f"tensor {j}")
 
 
+def test_foreach_of_more_tensors_than_a_launch_takes():
+    """Lists longer than a launch's table go in launches of their own, each tensor still
+    with its own key and stream."""
+    spec = make_spec(torch.float32, fewbit.format("binary8p4"), RoundMode.SRC, True, 3, None)
+    gen = torch.Generator().manual_seed(5)
+    count = 2 * gpu._FOREACH_TENSORS + 3
+    tensors = [torch.randn(16 * (1 + i % 5), generator=gen) * 4 for i in range(count)]
+    key, indices = Key.from_seed(2), [count - i for i in range(count)]
+    expected = [eager(t, "binary8p4", "src", sat=True, bits=3, seed=fold_in(key, i))
+                for t, i in zip(tensors, indices, strict=True)]  # fmt: skip
+    assert gpu.round_foreach_(tensors, spec, key, indices, torch.float32)
+    for j, (got, want) in enumerate(zip(tensors, expected, strict=True)):
+        assert_bitwise_equal(got, want, got, f"tensor {j}")
+
+
 def test_foreach_leaves_what_it_does_not_take():
     """A size or an address off a multiple of 16 (the kernel's vector loads), a strided
     tensor, or mixed dtypes: False, nothing written (the caller's other paths take it)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import array
 import contextlib
 import functools
+import itertools
 import warnings
 from collections.abc import Sequence
 from types import ModuleType
@@ -146,6 +147,8 @@ def round_into(
     return _launch("round_kernel", programs, (x, out, given, words, n, offset, first_row), constants)
 
 
+#: Tensors a launch of round_foreach_ takes: each program reads the start of every one.
+_FOREACH_TENSORS = 64
 #: The dtypes round_foreach_ takes, for tensors and for via, in Triton's names.
 _TRITON_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -164,35 +167,40 @@ def round_foreach_(
     first = tensors[0]
     if first.dtype not in _TRITON_DTYPES or via not in _TRITON_DTYPES:
         return False
+    kind = (first.dtype, first.device)
+    if any(t.numel() % 16 or t.data_ptr() % 16 or (t.dtype, t.device) != kind or not t.is_contiguous()
+           for t in tensors):  # fmt: skip
+        return False
     drawn = key is not None and MODES[spec.mode].stochastic
     constants = round_constants(spec, drawn, False)
     elements = LANES * constants["ROWS"]  # a program's
-    # The table, made afresh for every call: an address is read where the tensor is now.
-    addresses, sizes, starts, programs = [], [], [], 0
-    kind = (first.dtype, first.device)
-    for t in tensors:
-        n, address = t.numel(), t.data_ptr()
-        if n % 16 or address % 16 or (t.dtype, t.device) != kind or not t.is_contiguous():
+    flags = {"FOREACH": True, "VIA": getattr(kernels().tl, _TRITON_DTYPES[via]), "TENSORS": _FOREACH_TENSORS}
+    launched = False
+    for lo in range(0, len(tensors), _FOREACH_TENSORS):
+        chunk, chunk_indices = tensors[lo : lo + _FOREACH_TENSORS], list(indices[lo : lo + _FOREACH_TENSORS])
+        starts = list(itertools.accumulate((-(-t.numel() // elements) for t in chunk), initial=0))
+        if starts[-1] == 0:
+            continue
+        # The table, made afresh for every call (an address is read where the tensor is
+        # now), padded to _FOREACH_TENSORS entries that start after the last program: every
+        # launch has the same arguments, so one compilation serves every chunk and model.
+        missing = _FOREACH_TENSORS - len(chunk)
+        head = [key.k0, key.k1] if drawn else [0, 0]
+        columns = ([t.data_ptr() for t in chunk], [t.numel() for t in chunk], chunk_indices, starts[:-1])
+        padded = [v for column, fill in zip(columns, (0, 0, 0, starts[-1]), strict=True)
+                  for v in column + [fill] * missing]  # fmt: skip
+        table = torch.frombuffer(array.array("q", head + padded), dtype=torch.int64)
+        if first.device.type == "cuda":  # from pinned memory, without waiting for queued work
+            table = table.pin_memory().to(first.device, non_blocking=True)
+        args = (table, first, None, None, _FOREACH_TENSORS, 0, 0)
+        if not _launch("round_kernel", starts[-1], args, {**constants, **flags}):
+            if launched:  # (the same kernel as the launch before: not seen to happen)
+                raise RuntimeError("fewbit: a write-back launch failed after others had written")
             return False
-        addresses.append(address)
-        sizes.append(n)
-        starts.append(programs)
-        programs += -(-n // elements)
-    if programs == 0:
-        return True
-    head = [key.k0, key.k1] if drawn else [0, 0]
-    table = torch.frombuffer(array.array("q", head + addresses + sizes + list(indices) + starts),
-                             dtype=torch.int64)  # fmt: skip
-    if first.device.type == "cuda":  # from pinned memory, without waiting for queued work
-        table = table.pin_memory().to(first.device, non_blocking=True)
-    flags = {"FOREACH": True, "VIA": getattr(kernels().tl, _TRITON_DTYPES[via]),
-             "TENSORS": 1 << max(len(tensors) - 1, 15).bit_length()}  # a power of two, 16 or more
-    if not _launch("round_kernel", programs, (table, first, None, None, len(tensors), 0, 0),
-                   {**constants, **flags}):  # fmt: skip
-        return False
-    # Written through their addresses, out of autograd's sight: marked as written, as an
-    # in-place op would (a backward through a value saved before then refuses to run).
-    torch.autograd.graph.increment_version(list(tensors))
+        launched = True
+        # Written through their addresses, out of autograd's sight: marked as written, as an
+        # in-place op would (a backward through a value saved before then refuses to run).
+        torch.autograd.graph.increment_version(list(chunk))
     return True
 
 

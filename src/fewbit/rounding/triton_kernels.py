@@ -249,9 +249,9 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n, offset, first_row, ROWS:
 
     ``FOREACH``: round ``n`` tensors in place, each from 0 of its own stream, as
     gpu.round_foreach_ lays them out in the int64 table at x_ptr: a key (k0, k1), then
-    the tensors' addresses, sizes, indices i and first programs (``n`` of each; at most
-    ``TENSORS``). Tensor i draws with ``fold_in(key, i)``, derived here. out_ptr: any
-    tensor of theirs (for the dtype); each size and address is a multiple of 16.
+    the tensors' addresses, sizes, indices i and first programs (``n`` of each, ``n`` at
+    most ``TENSORS``). Tensor i draws with ``fold_in(key, i)``, derived here. out_ptr:
+    any tensor of theirs (for the dtype); each size and address is a multiple of 16.
     ``VIA``: the dtype each element is first rounded to (RNE), as ``x.to(VIA)``; None:
     x's own."""
     lanes = tl.arange(0, LANES)
