@@ -161,6 +161,27 @@ def test_encode_same_codes_and_errors_as_torch(dtype):
     assert refused >= 20
 
 
+@pytest.mark.parametrize("name", ["binary8p4", "ocp_e2m1"])
+def test_encode_across_blocks_and_programs(name):
+    """A long tensor: every code where it belongs, and the first element that is no value
+    reported wherever the bad ones lie (a program's later block, a later program, two in
+    one program)."""
+    fmt = fewbit.format(name)
+    packed = fmt.k <= 4
+    per_program = gpu._ENCODE_BLOCK * gpu._ENCODE_BLOCKS * (2 if packed else 1)
+    codes = torch.randint(0, 1 << fmt.k, (3 * per_program + 100,), generator=torch.Generator().manual_seed(7))
+    values = fewbit.decode(codes.to(fewbit.codec.code_dtype(fmt)), fmt)
+    values = torch.where(torch.isnan(values), 0.0, values)  # NaN is a value here or not, elsewhere
+    assert torch.equal(encoded(values, fmt, packed), encode_as_torch(values, fmt, packed))
+    odd = float(fmt.max) * 1.5
+    for places in ([per_program + 5 * gpu._ENCODE_BLOCK + 3], [2 * per_program + 1, per_program + 7],
+                   [3 * per_program + 99], [per_program - 1, 2 * per_program]):  # fmt: skip
+        x = values.clone()
+        x[places] = odd
+        out = torch.empty(x.numel() // 2 if packed else x.numel(), dtype=fewbit.codec.code_dtype(fmt))
+        assert gpu.encode_into(x, fmt, out, packed) == min(places), places
+
+
 def foreach_inputs(dtype: torch.dtype) -> list[torch.Tensor]:
     """An optimizer's weights, as many programs' worth as one: every bfloat16 pattern with
     random low bits, and ties of bfloat16 (low half 0x8000), in tensors whose sizes are

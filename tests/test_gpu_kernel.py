@@ -91,7 +91,8 @@ def test_foreach_kernel_compiles_with_vector_loads(via, mode, bits):
 def test_encode_kernel_compiles_for_the_gpu(fmt, packed):
     fmt = fewbit.format(fmt)
     out = {8: "*u8", 16: "*i16"}[8 if fmt.k <= 8 else 16]
-    constants = {**gpu.encode_constants(fmt), "BLOCK": gpu._ENCODE_BLOCK, "PACKED": packed}
+    constants = {**gpu.encode_constants(fmt), "BLOCK": gpu._ENCODE_BLOCK, "BLOCKS": gpu._ENCODE_BLOCKS,
+                 "PACKED": packed}  # fmt: skip
     args = {"x_ptr": "*fp32", "out_ptr": out, "bad_ptr": "*i64", "n": "i32"}
     ptx = compiled(gpu.kernels().encode_kernel, args, constants, 90).asm["ptx"]
     assert "atom.global" in ptx and ".ftz" not in ptx

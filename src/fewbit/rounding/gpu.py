@@ -34,8 +34,10 @@ __all__ = ["applies", "encode_into", "round_foreach_", "round_into", "rounded", 
 
 #: Rows per program where no words are drawn: 4096 elements.
 _PLAIN_ROWS = 8
-#: Codes (or pairs) per program of encode_kernel.
+#: Codes (or pairs) per block of encode_kernel, and blocks per program: 8192 codes a
+#: program, as round_kernel's 4096 to 10240 elements.
 _ENCODE_BLOCK = 1024
+_ENCODE_BLOCKS = 8
 #: Compiler options. A float multiply here is exact (magic.py's constant: a power of two
 #: times 1 or 1.5), so fusing it with the add that follows changes no result and saves an
 #: instruction; said, rather than left to Triton's default, which changes in Triton 3.10.
@@ -223,8 +225,9 @@ def encode_into(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor, packed: bo
     n = x.numel()
     bad = torch.full((1,), n, dtype=torch.int64, device=x.device)
     if n > 0:
-        constants = {**encode_constants(fmt), "BLOCK": _ENCODE_BLOCK, "PACKED": packed}
-        programs = -(-(n // 2 if packed else n) // _ENCODE_BLOCK)
+        constants = {**encode_constants(fmt), "BLOCK": _ENCODE_BLOCK, "BLOCKS": _ENCODE_BLOCKS,
+                     "PACKED": packed}  # fmt: skip
+        programs = -(-(n // 2 if packed else n) // (_ENCODE_BLOCK * _ENCODE_BLOCKS))
         if not _launch("encode_kernel", programs, (x, out, bad, n), constants):
             return None
     first = int(bad.item())

@@ -364,7 +364,7 @@ def _code_of(b, T: tl.constexpr, EMIN: tl.constexpr, K: tl.constexpr, CODE_OF_MA
 
 
 @triton.jit
-def encode_kernel(x_ptr, out_ptr, bad_ptr, n, BLOCK: tl.constexpr, PACKED: tl.constexpr,
+def encode_kernel(x_ptr, out_ptr, bad_ptr, n, BLOCK: tl.constexpr, BLOCKS: tl.constexpr, PACKED: tl.constexpr,
                   T: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr, MIN_ULP_EXP: tl.constexpr,
                   SUBNORMAL_BELOW: tl.constexpr, MAX: tl.constexpr, MAX_NEG: tl.constexpr,
                   BEYOND_POS: tl.constexpr, BEYOND_NEG: tl.constexpr, SMALLEST_NORMAL: tl.constexpr,
@@ -372,51 +372,63 @@ def encode_kernel(x_ptr, out_ptr, bad_ptr, n, BLOCK: tl.constexpr, PACKED: tl.co
                   CODE_OF_MAX: tl.constexpr, CODE_OF_NAN: tl.constexpr, HAS_NANS: tl.constexpr,
                   EXTENDED: tl.constexpr, SIGNED: tl.constexpr, TWOS_COMPLEMENT: tl.constexpr,
                   MAGIC: tl.constexpr, EMAX: tl.constexpr, MAGIC_SCALE: tl.constexpr):  # fmt: skip
-    """Codes of x[0 .. n) into out, BLOCK codes a program (PACKED: BLOCK bytes of two 4-bit
-    codes, the even element's low; n even), and into bad_ptr (an int64 holding n) the
-    least position holding no value of the format, if any (an atomic min from each
-    program that finds one): one whose RNE without saturation (native.cpp's encode check;
-    the float adder's where MAGIC) changes it, or a NaN where the format has none. A zero
-    is a value whatever its sign (-0 encodes as +0 without -0). Bounds as scalars, as in
-    round_kernel; the branches on PACKED are resolved when the kernel compiles."""
-    base = tl.program_id(0).to(tl.int64) * BLOCK  # the program's first code (or byte)
+    """Codes of x[0 .. n) into out, BLOCKS blocks of BLOCK codes a program (PACKED: BLOCK
+    bytes of two 4-bit codes, the even element's low; n even), and into bad_ptr (an int64
+    holding n) the least position holding no value of the format, if any (an atomic min
+    from each program that finds one): one whose RNE without saturation (native.cpp's
+    encode check; the float adder's where MAGIC) changes it, or a NaN where the format
+    has none. A zero is a value whatever its sign (-0 encodes as +0 without -0). Bounds
+    as scalars, as in round_kernel; the branches on PACKED are resolved when the kernel
+    compiles. The least position is kept lane by lane across a program's blocks and
+    reduced once at its end: a reduction per block of 1024 cost a barrier each."""
     lanes = tl.arange(0, BLOCK)
     if PACKED:  # [BLOCK, 2]: each byte's two elements, adjacent in memory
         index = 2 * lanes[:, None] + tl.arange(0, 2)[None, :]
-        inside = index < tl.minimum(n - 2 * base, 2 * BLOCK).to(tl.int32)
-        b = _load_bits(x_ptr + 2 * base, index, inside)
+        least = tl.full((BLOCK, 2), 2 * BLOCK * BLOCKS, tl.int32)
     else:
-        inside = lanes < tl.minimum(n - base, BLOCK).to(tl.int32)
-        b = _load_bits(x_ptr + base, lanes, inside)
-    a = b & 0x7FFFFFFF
-    if MAGIC:
-        # magic.py's formats (signed, symmetric, with subnormals): the magnitude is a value
-        # iff the float adder's RNE leaves it as it is and it lies within max, Inf where
-        # the format has it; on magnitudes, so that -0 needs no case of its own.
-        c = tl.minimum(tl.maximum(a & 0x7F800000, (EMIN + 127) << 23), (EMAX + 127) << 23)
-        big = c.to(tl.float32, bitcast=True) * MAGIC_SCALE
-        y = ((a.to(tl.float32, bitcast=True) + big) - big).to(tl.int32, bitcast=True)
-        off = (y != a) | (a > MAX)
-        if EXTENDED:
-            off = off & (a != 0x7F800000)
-    else:
-        y = round_bits(b, b, b, 0, T, EMIN, BIAS, MIN_ULP_EXP, SUBNORMAL_BELOW, MAX, MAX_NEG, BEYOND_POS,
-                       BEYOND_NEG, SMALLEST_NORMAL, P_IS_1, HAS_NZ, HAS_ZERO, False, 0, 0, 0)  # fmt: skip
-        off = (y != b) & ((a != 0) | ((y & 0x7FFFFFFF) != 0))  # +0 for -0 is no change
-    if HAS_NANS:
-        bad = off & (a <= 0x7F800000)
-    else:
-        bad = off | (a > 0x7F800000)
-    code = _code_of(b, T, EMIN, K, CODE_OF_MAX, CODE_OF_NAN, HAS_NZ, HAS_NANS, EXTENDED, SIGNED,
-                    TWOS_COMPLEMENT)  # fmt: skip
+        index = lanes
+        least = tl.full((BLOCK,), BLOCK * BLOCKS, tl.int32)
+    first_base = tl.program_id(0).to(tl.int64) * (BLOCK * BLOCKS)  # the program's first code (or byte)
+    for block in range(BLOCKS):
+        base = first_base + block * BLOCK
+        if PACKED:
+            inside = index < tl.minimum(n - 2 * base, 2 * BLOCK).to(tl.int32)
+            b = _load_bits(x_ptr + 2 * base, index, inside)
+        else:
+            inside = lanes < tl.minimum(n - base, BLOCK).to(tl.int32)
+            b = _load_bits(x_ptr + base, lanes, inside)
+        a = b & 0x7FFFFFFF
+        if MAGIC:
+            # magic.py's formats (signed, symmetric, with subnormals): the magnitude is a value
+            # iff the float adder's RNE leaves it as it is and it lies within max, Inf where
+            # the format has it; on magnitudes, so that -0 needs no case of its own.
+            c = tl.minimum(tl.maximum(a & 0x7F800000, (EMIN + 127) << 23), (EMAX + 127) << 23)
+            big = c.to(tl.float32, bitcast=True) * MAGIC_SCALE
+            y = ((a.to(tl.float32, bitcast=True) + big) - big).to(tl.int32, bitcast=True)
+            off = (y != a) | (a > MAX)
+            if EXTENDED:
+                off = off & (a != 0x7F800000)
+        else:
+            y = round_bits(b, b, b, 0, T, EMIN, BIAS, MIN_ULP_EXP, SUBNORMAL_BELOW, MAX, MAX_NEG, BEYOND_POS,
+                           BEYOND_NEG, SMALLEST_NORMAL, P_IS_1, HAS_NZ, HAS_ZERO, False, 0, 0, 0)  # fmt: skip
+            off = (y != b) & ((a != 0) | ((y & 0x7FFFFFFF) != 0))  # +0 for -0 is no change
+        if HAS_NANS:
+            bad = off & (a <= 0x7F800000)
+        else:
+            bad = off | (a > 0x7F800000)
+        code = _code_of(b, T, EMIN, K, CODE_OF_MAX, CODE_OF_NAN, HAS_NZ, HAS_NANS, EXTENDED, SIGNED,
+                        TWOS_COMPLEMENT)  # fmt: skip
+        if PACKED:
+            byte = tl.sum(code << (4 * tl.arange(0, 2))[None, :], axis=1)  # disjoint bits: the sum is an or
+            tl.store(out_ptr + base + lanes, byte.to(tl.uint8), mask=lanes < tl.minimum(n // 2 - base, BLOCK))
+            least = tl.minimum(least, tl.where(inside & bad, index + 2 * block * BLOCK, least))
+        else:
+            tl.store(out_ptr + base + lanes, code.to(out_ptr.dtype.element_ty), mask=inside)
+            least = tl.minimum(least, tl.where(inside & bad, index + block * BLOCK, least))
+    first = tl.min(least)
     if PACKED:
-        byte = tl.sum(code << (4 * tl.arange(0, 2))[None, :], axis=1)  # disjoint bits: the sum is an or
-        tl.store(out_ptr + base + lanes, byte.to(tl.uint8), mask=lanes < tl.minimum(n // 2 - base, BLOCK))
-        first = tl.min(tl.where(inside & bad, index, 2 * BLOCK))  # 2 BLOCK: none
-        found, at = first < 2 * BLOCK, 2 * base + first
+        if first < 2 * BLOCK * BLOCKS:
+            tl.atomic_min(bad_ptr, 2 * first_base + first)
     else:
-        tl.store(out_ptr + base + lanes, code.to(out_ptr.dtype.element_ty), mask=inside)
-        first = tl.min(tl.where(inside & bad, lanes, BLOCK))  # BLOCK: none
-        found, at = first < BLOCK, base + first
-    if found:
-        tl.atomic_min(bad_ptr, at)
+        if first < BLOCK * BLOCKS:
+            tl.atomic_min(bad_ptr, first_base + first)
