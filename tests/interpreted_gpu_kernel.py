@@ -162,10 +162,11 @@ def test_encode_same_codes_and_errors_as_torch(dtype):
 
 
 @pytest.mark.parametrize("name", ["binary8p4", "ocp_e2m1"])
-def test_encode_across_blocks_and_programs(name):
-    """A long tensor: every code where it belongs, and the first element that is no value
-    reported wherever the bad ones lie (a program's later block, a later program, two in
-    one program)."""
+def test_encode_across_blocks_and_programs(name, monkeypatch):
+    """A long tensor, in programs of several blocks (as from _ENCODE_MANY codes on): every
+    code where it belongs, and the first element that is no value reported wherever the
+    bad ones lie (a program's later block, a later program, two in one program)."""
+    monkeypatch.setattr(gpu, "_ENCODE_MANY", 0)
     fmt = fewbit.format(name)
     packed = fmt.k <= 4
     per_program = gpu._ENCODE_BLOCK * gpu._ENCODE_BLOCKS * (2 if packed else 1)

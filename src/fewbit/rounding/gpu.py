@@ -34,10 +34,13 @@ __all__ = ["applies", "encode_into", "round_foreach_", "round_into", "rounded", 
 
 #: Rows per program where no words are drawn: 4096 elements.
 _PLAIN_ROWS = 8
-#: Codes (or pairs) per block of encode_kernel, and blocks per program: 8192 codes a
-#: program, as round_kernel's 4096 to 10240 elements.
+#: Codes (or pairs) per block of encode_kernel, and blocks per program from
+#: _ENCODE_MANY codes on: 8192 codes a program, as round_kernel's 4096 to 10240
+#: elements. Fewer codes keep a block a program, so that a weight's codes (a few
+#: hundred thousand) still spread over every SM.
 _ENCODE_BLOCK = 1024
 _ENCODE_BLOCKS = 8
+_ENCODE_MANY = 1 << 23
 #: Compiler options. A float multiply here is exact (magic.py's constant: a power of two
 #: times 1 or 1.5), so fusing it with the add that follows changes no result and saves an
 #: instruction; said, rather than left to Triton's default, which changes in Triton 3.10.
@@ -225,9 +228,10 @@ def encode_into(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor, packed: bo
     n = x.numel()
     bad = torch.full((1,), n, dtype=torch.int64, device=x.device)
     if n > 0:
-        constants = {**encode_constants(fmt), "BLOCK": _ENCODE_BLOCK, "BLOCKS": _ENCODE_BLOCKS,
-                     "PACKED": packed}  # fmt: skip
-        programs = -(-(n // 2 if packed else n) // (_ENCODE_BLOCK * _ENCODE_BLOCKS))
+        codes = n // 2 if packed else n
+        blocks = _ENCODE_BLOCKS if codes >= _ENCODE_MANY else 1
+        constants = {**encode_constants(fmt), "BLOCK": _ENCODE_BLOCK, "BLOCKS": blocks, "PACKED": packed}
+        programs = -(-codes // (_ENCODE_BLOCK * blocks))
         if not _launch("encode_kernel", programs, (x, out, bad, n), constants):
             return None
     first = int(bad.item())
