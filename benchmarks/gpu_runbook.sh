@@ -10,7 +10,7 @@
 # and name .data in the call's carry. The machine's python3 has torch, Triton, numpy,
 # pytest and matplotlib; fewbit runs from src/ (no install). What comes back: $OUT.
 #
-#   benchmarks/gpu_runbook.sh check             #18: GPU tests, element rows at 2^27 (~5 min on an H200)
+#   benchmarks/gpu_runbook.sh check             #18: GPU tests, element rows at 2^27 (~7 min on an H200)
 #   benchmarks/gpu_runbook.sh blocks            #18: block-format rows at 2^27 (more than 4 min with check)
 #   benchmarks/gpu_runbook.sh time              #19.1: the write-back alone (bench_write_back.py), then the
 #                                               paper preset's step with and without it
