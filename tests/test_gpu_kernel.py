@@ -78,9 +78,8 @@ def test_foreach_kernel_compiles_with_vector_loads(via, mode, bits):
     multiples of 16, which the kernel says to the compiler."""
     fraction = 0.5 if mode == "sr_fraction" else None
     spec = make_spec(via, fewbit.format("binary8p4"), RoundMode(mode), True, bits, fraction)
-    name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[via]
     constants = {**gpu.round_constants(spec, bits is not None, False), "given_ptr": None, "key_ptr": None,
-                 "FOREACH": True, "VIA": getattr(triton.language, name),
+                 "FOREACH": True, "VIA": getattr(triton.language, gpu._TRITON_DTYPES[via]),
                  "TENSORS": gpu._FOREACH_TENSORS}  # fmt: skip
     args = {"x_ptr": "*i64", "out_ptr": "*fp32", "n": "i32", "offset": "i32", "first_row": "i32"}
     ptx = compiled(gpu.kernels().round_kernel, args, constants, 90).asm["ptx"]

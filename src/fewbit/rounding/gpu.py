@@ -163,12 +163,12 @@ def round_foreach_(
     via: torch.dtype,
 ) -> bool:  # fmt: skip
     """Round each tensor in place as ``round_`` of ``t.to(via)`` would, tensor j with the key
-    ``fold_in(key, indices[j])`` (derived in the kernel): one launch for the whole list;
-    only where :func:`applies` to a tensor of dtype via on their device (or, for tests,
-    on CPU tensors under ``TRITON_INTERPRET=1``). False (nothing written) where the
-    kernel does not take the list: it takes tensors of one dtype and device, contiguous,
-    each size and address a multiple of 16. ``spec.fmt`` has a NaN: every element has a
-    result."""
+    ``fold_in(key, indices[j])`` (derived in the kernel): a launch for every
+    ``_FOREACH_TENSORS`` tensors; only where :func:`applies` to a tensor of dtype via on
+    their device (or, for tests, on CPU tensors under ``TRITON_INTERPRET=1``). False
+    (nothing written) where the kernel does not take the list: it takes tensors of one
+    dtype and device, contiguous, each size and address a multiple of 16. ``spec.fmt``
+    has a NaN: every element has a result."""
     first = tensors[0]
     if first.dtype not in _TRITON_DTYPES or via not in _TRITON_DTYPES:
         return False

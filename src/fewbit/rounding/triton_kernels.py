@@ -384,19 +384,15 @@ def encode_kernel(x_ptr, out_ptr, bad_ptr, n, BLOCK: tl.constexpr, BLOCKS: tl.co
     lanes = tl.arange(0, BLOCK)
     if PACKED:  # [BLOCK, 2]: each byte's two elements, adjacent in memory
         index = 2 * lanes[:, None] + tl.arange(0, 2)[None, :]
-        least = tl.full((BLOCK, 2), 2 * BLOCK * BLOCKS, tl.int32)
     else:
         index = lanes
-        least = tl.full((BLOCK,), BLOCK * BLOCKS, tl.int32)
+    PER: tl.constexpr = 2 if PACKED else 1  # elements a code (or byte)
+    least = tl.full(index.shape, PER * BLOCK * BLOCKS, tl.int32)  # PER BLOCK BLOCKS: none
     first_base = tl.program_id(0).to(tl.int64) * (BLOCK * BLOCKS)  # the program's first code (or byte)
     for block in range(BLOCKS):
         base = first_base + block * BLOCK
-        if PACKED:
-            inside = index < tl.minimum(n - 2 * base, 2 * BLOCK).to(tl.int32)
-            b = _load_bits(x_ptr + 2 * base, index, inside)
-        else:
-            inside = lanes < tl.minimum(n - base, BLOCK).to(tl.int32)
-            b = _load_bits(x_ptr + base, lanes, inside)
+        inside = index < tl.minimum(n - PER * base, PER * BLOCK).to(tl.int32)
+        b = _load_bits(x_ptr + PER * base, index, inside)
         a = b & 0x7FFFFFFF
         if MAGIC:
             # magic.py's formats (signed, symmetric, with subnormals): the magnitude is a value
@@ -421,14 +417,9 @@ def encode_kernel(x_ptr, out_ptr, bad_ptr, n, BLOCK: tl.constexpr, BLOCKS: tl.co
         if PACKED:
             byte = tl.sum(code << (4 * tl.arange(0, 2))[None, :], axis=1)  # disjoint bits: the sum is an or
             tl.store(out_ptr + base + lanes, byte.to(tl.uint8), mask=lanes < tl.minimum(n // 2 - base, BLOCK))
-            least = tl.minimum(least, tl.where(inside & bad, index + 2 * block * BLOCK, least))
         else:
             tl.store(out_ptr + base + lanes, code.to(out_ptr.dtype.element_ty), mask=inside)
-            least = tl.minimum(least, tl.where(inside & bad, index + block * BLOCK, least))
+        least = tl.minimum(least, tl.where(inside & bad, index + block * PER * BLOCK, least))
     first = tl.min(least)
-    if PACKED:
-        if first < 2 * BLOCK * BLOCKS:
-            tl.atomic_min(bad_ptr, 2 * first_base + first)
-    else:
-        if first < BLOCK * BLOCKS:
-            tl.atomic_min(bad_ptr, first_base + first)
+    if first < PER * BLOCK * BLOCKS:
+        tl.atomic_min(bad_ptr, PER * first_base + first)
