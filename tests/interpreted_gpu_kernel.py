@@ -36,12 +36,15 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
 
-def kernel(x, fmt, mode, *, sat=False, bits=None, fraction=None, seed=None, random_bits=None, offset=0):
-    """The kernel's result for what ``fewbit.round`` takes (seed: drawn bits), on CPU
-    tensors: gpu.applies() looks for a CUDA tensor, gpu.round_into does not."""
+def kernel(x, fmt, mode, *, sat=False, bits=None, fraction=None, seed=None, random_bits=None, offset=0,
+           host=False):  # fmt: skip
+    """The kernel's result for what ``fewbit.round`` takes (seed: drawn bits, from a key
+    tensor, or with ``host`` from a Key, whose words the launch takes), on CPU tensors:
+    gpu.applies() looks for a CUDA tensor, gpu.round_into does not."""
     spec = make_spec(x.dtype, fewbit.format(fmt), RoundMode(mode), sat, bits, fraction)
     out = torch.empty_like(x)
-    ran = gpu.round_into(x, spec, None if seed is None else key_of(seed), random_bits, out, offset)
+    key = None if seed is None else Key.from_seed(seed) if host else key_of(seed)
+    ran = gpu.round_into(x, spec, key, random_bits, out, offset)
     assert ran, "the Triton kernel did not run (its warning says why)"
     return out
 
@@ -114,6 +117,22 @@ def test_any_offset_draws_the_streams_bits(bits):
     expected = native.rounded(piece, spec, stream_words(spec, key), offset=5)
     assert_bitwise_equal(got, expected, piece, "rounded")
     assert gpu.rounded(piece * 1e9, spec, key_of(11), offset=5) is None  # beyond e2m1 without sat
+
+
+@pytest.mark.parametrize("mode", ["src", "srff", "sr", "sr_fraction"])
+def test_a_key_in_host_memory_draws_the_same_bits(mode):
+    """A key the host holds (an int seed's) travels as the launch's words k0, k1 (and the
+    selection stream's s0, s1), not in a tensor: the same bits as a key tensor's, at any
+    offset, with words small, of 1, and with the top bit set."""
+    x = torch.randn(3 * 512 * 2 * 10 + 77, generator=torch.Generator().manual_seed(4)) * 4
+    kw = {"sat": True, **{k: v for k, v in MODE_ARGS[mode].items() if k != "seed"}}
+    for seed in (5, (1 << 32) + 1, (1 << 63) + (1 << 31)):
+        for offset in (0, 333):
+            got = kernel(x, "binary8p4", mode, offset=offset, host=True, seed=seed, **kw)
+            expected = kernel(x, "binary8p4", mode, offset=offset, seed=seed, **kw)
+            assert_bitwise_equal(got, expected, x, f"{mode} seed {seed} offset {offset}")
+        got = kernel(x, "binary8p4", mode, host=True, seed=seed, **kw)
+        assert_bitwise_equal(got, eager(x, "binary8p4", mode, seed=seed, **kw), x, f"{mode} seed {seed}")
 
 
 def encoded(x, fmt, packed=False):

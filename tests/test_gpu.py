@@ -15,6 +15,7 @@ import torch
 
 import fewbit
 from conftest import assert_bitwise_equal
+from fewbit.random import key_of
 from fewbit.rounding import RoundMode
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -101,6 +102,28 @@ def test_triton_kernel_takes_the_calls():
     from fewbit.rounding import gpu
 
     assert gpu.usable(torch.empty(1, device="cuda"), fewbit.format("binary8p4"))
+
+
+def test_a_kernel_launched_again_takes_new_sizes_and_addresses(x):
+    """gpu.py launches a kernel it has compiled again without Triton's binding of its
+    arguments: each call must still give the CPU's bits whatever its size, its
+    addresses, and whether they are aligned (the kernel's ALIGNED)."""
+    from fewbit.rounding import gpu
+
+    gpu._COMPILED.clear()
+    xc = x.cuda()
+    # An int seed's key reaches the kernel as the launch's words; a key tensor on the GPU, in memory.
+    seeds = [{}, {"bits": 3, "seed": 5}, {"bits": 3, "seed": key_of(5, "cuda")}]
+    for start, stop in [(0, 4096), (0, 1 << 16), (16, 16 + 8192), (1, 4097), (3, 1 << 16), (0, 4096), (5, 6)]:
+        for mode, kw in zip(["rne", "src", "src"], seeds, strict=True):
+            cpu = fewbit.round(x[start:stop], "binary8p4", mode, sat=True, **kw)
+            assert_bitwise_equal(fewbit.round(xc[start:stop], "binary8p4", mode, sat=True, **kw).cpu(), cpu,
+                                 x[start:stop], f"{mode} [{start}:{stop}]")  # fmt: skip
+        codes = fewbit.encode(fewbit.round(x[start:stop], "ocp_e4m3", sat=True), "ocp_e4m3")
+        on_gpu = fewbit.encode(fewbit.round(xc[start:stop], "ocp_e4m3", sat=True), "ocp_e4m3")
+        assert torch.equal(on_gpu.cpu(), codes), f"encode [{start}:{stop}]"
+    # Aligned and not, for each of the five kernels: the later calls were launched again.
+    assert len(gpu._COMPILED) == 2 * 5
 
 
 @pytest.mark.parametrize("name", ["binary8p4", "ocp_e4m3", "ocp_e2m1", "binary8p1"])

@@ -29,16 +29,16 @@ _TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: 
 
 def compiled(kernel, args: dict, constants: dict, arch: int):
     """``kernel`` compiled for CUDA compute capability ``arch`` (no GPU needed): ``args``
-    maps each runtime argument to its Triton type; pointers and integers are taken as
-    multiples of 16, as Triton specialises them at a launch on aligned tensors."""
+    maps each runtime argument to its Triton type. Nothing is said of their values, as
+    at a launch (the kernels tell Triton not to look): what the compiler knows of
+    alignment is the kernel's ``ALIGNED``."""
     from triton import compile as triton_compile
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = kernel.arg_names
     signature = {**args, **dict.fromkeys(constants, "constexpr")}
-    aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in args}
-    source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constants.items()}, aligned)
+    source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constants.items()})
     return triton_compile(source, target=GPUTarget("cuda", arch, 32), options=gpu._OPTIONS)
 
 
@@ -55,18 +55,82 @@ def compiled(kernel, args: dict, constants: dict, arch: int):
 ])  # fmt: skip
 def test_round_kernel_compiles_for_the_gpu(arch, dtype, fmt, mode, bits, sat, given):
     """Each path of round_kernel compiles for an A100's and an H100's architecture, and its
-    PTX flushes no float32 subnormal (no .ftz), as the float-adder paths need."""
+    PTX flushes no float32 subnormal (no .ftz), as the float-adder paths need. Drawn bits
+    take the key from a tensor for the A100, from the launch's words for the H100."""
     fraction = 0.5 if mode == "sr_fraction" else None
     spec = make_spec(dtype, fewbit.format(fmt), RoundMode(mode), sat, bits, fraction)
     drawn = spec.bits is not None and not given
-    constants = {**gpu.round_constants(spec, drawn, given), **({} if given else {"given_ptr": None}),
-                 **({} if drawn else {"key_ptr": None})}  # fmt: skip
-    args = {"x_ptr": f"*{_TRITON_DTYPES[dtype]}", "out_ptr": f"*{_TRITON_DTYPES[dtype]}", "n": "i32",
-            "offset": "i32", "first_row": "i32", **({"given_ptr": "*i32"} if given else {}),
-            **({"key_ptr": "*i64"} if drawn else {})}  # fmt: skip
+    host = drawn and arch == 90
+    constants = {**gpu.round_constants(spec, drawn, given, True, None, host),
+                 **({} if given else {"given_ptr": None}), **({"key_ptr": None} if host or not drawn else {})}
+    args = {"x_ptr": f"*{_TRITON_DTYPES[dtype]}", "out_ptr": f"*{_TRITON_DTYPES[dtype]}", **_INTEGERS,
+            **({"given_ptr": "*i32"} if given else {}), **({"key_ptr": "*i64"} if drawn and not host else {})}
     ptx = compiled(gpu.kernels().round_kernel, args, constants, arch).asm["ptx"]
-    assert "ld.global" in ptx and "st.global" in ptx
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx  # (aligned: 16 bytes a load)
     assert ".ftz" not in ptx
+
+
+#: round_kernel's integer arguments, as the kernel annotates them.
+_INTEGERS = dict.fromkeys(["n", "offset", "first_row", "k0", "k1", "s0", "s1"], "i64")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_alignment_is_what_the_host_says(dtype):
+    """A launch's loads and stores are 16 bytes wide where the host says the call is
+    aligned (``ALIGNED``), and element by element where it says not: the kernel is not
+    compiled for what Triton would find of its arguments, so that gpu.py can launch it
+    again knowing only its constants and dtypes."""
+    spec = make_spec(dtype, fewbit.format("binary8p4"), RoundMode.SRC, False, 3, None)
+    args = {"x_ptr": f"*{_TRITON_DTYPES[dtype]}", "out_ptr": f"*{_TRITON_DTYPES[dtype]}", "key_ptr": "*i64",
+            **_INTEGERS}  # fmt: skip
+    constants = {aligned: {**gpu.round_constants(spec, True, False, aligned), "given_ptr": None}
+                 for aligned in (True, False)}  # fmt: skip
+    kernel = gpu.kernels().round_kernel
+    ptx = {aligned: compiled(kernel, args, c, 90).asm["ptx"] for aligned, c in constants.items()}
+    assert "ld.global.v4.b32" in ptx[True] and "st.global.v4.b32" in ptx[True]
+    assert ".v4" not in ptx[False] and ".v2" not in ptx[False]
+    assert gpu.aligned(4096, 32, torch.empty(64)) and not gpu.aligned(4096, 8, torch.empty(64))
+    assert not gpu.aligned(4100, 0, torch.empty(64)) and not gpu.aligned(4096, 0, torch.empty(64)[1:])
+
+
+def _specialisation(kernel, args: tuple, constants: dict) -> list:
+    """What Triton compiles ``kernel`` for at a launch with these arguments: its binder's
+    specialisation for an H100, the key of its cache of compiled kernels."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    h100 = make_backend(GPUTarget("cuda", 90, 32))
+    binder = create_function_from_signature(kernel.signature, kernel.params, h100)
+    return binder(*args, **constants)[1]
+
+
+def test_triton_compiles_for_the_constants_and_dtypes_alone():
+    """gpu._launch keys a compiled kernel by its constants and its arguments' dtypes and
+    launches it again on other sizes and addresses, the constants after the runtime
+    arguments: what Triton compiles for must not depend on those sizes and addresses.
+    This fails if Triton changes how it reads the kernels' annotations, or how it orders
+    a launch's arguments."""
+    from triton.compiler import CompiledKernel
+
+    buf, key = torch.empty(1 << 12), torch.zeros(2, dtype=torch.int64)
+    spec = make_spec(torch.float32, fewbit.format("binary8p4"), RoundMode.SRC, False, 3, None)
+    kernel, constants = gpu.kernels().round_kernel, gpu.round_constants(spec, True, False)
+    first = _specialisation(kernel, (buf, buf, None, key, 4096, 0, 0, 0, 0, 0, 0), constants)
+    for other in [(buf[1:], buf[3:], None, key[1:], 4095, 7, 1, 1, 16, 3, 5),
+                  (buf, buf, None, key, 1 << 33, 1 << 32, 1, (1 << 32) - 1, 1 << 31, 1, 0)]:  # int64s
+        assert _specialisation(kernel, other, constants) == first
+    halves = (buf.half(), buf.half(), None, key, 4096, 0, 0, 0, 0, 0, 0)
+    assert _specialisation(kernel, halves, constants) != first
+    runtime = ["x_ptr", "out_ptr", "given_ptr", "key_ptr", "n", "offset", "first_row", "k0", "k1", "s0", "s1"]
+    assert kernel.arg_names[:11] == runtime and set(kernel.arg_names[11:]) == set(constants)
+    codes, bad = torch.empty(1 << 12, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64)
+    encode, constants = gpu.kernels().encode_kernel, gpu.encode_constants(fewbit.format("ocp_e4m3"))
+    first = _specialisation(encode, (buf, codes, bad, 4096), constants)
+    assert _specialisation(encode, (buf[1:], codes[5:], bad, 4095), constants) == first
+    assert encode.arg_names[:4] == ["x_ptr", "out_ptr", "bad_ptr", "n"]
+    assert set(encode.arg_names[4:]) == set(constants)
+    assert callable(CompiledKernel.__getitem__)  # kernel[grid](*every argument)
 
 
 @pytest.mark.parametrize("via, mode, bits", [(torch.bfloat16, "src", 3), (torch.float16, "src", 3),
@@ -78,10 +142,9 @@ def test_foreach_kernel_compiles_with_vector_loads(via, mode, bits):
     multiples of 16, which the kernel says to the compiler."""
     fraction = 0.5 if mode == "sr_fraction" else None
     spec = make_spec(via, fewbit.format("binary8p4"), RoundMode(mode), True, bits, fraction)
-    constants = {**gpu.round_constants(spec, bits is not None, False), "given_ptr": None, "key_ptr": None,
-                 "FOREACH": True, "VIA": getattr(triton.language, gpu._TRITON_DTYPES[via]),
-                 "TENSORS": gpu._FOREACH_TENSORS}  # fmt: skip
-    args = {"x_ptr": "*i64", "out_ptr": "*fp32", "n": "i32", "offset": "i32", "first_row": "i32"}
+    constants = {**gpu.round_constants(spec, bits is not None, False, True, via), "given_ptr": None,
+                 "key_ptr": None}  # fmt: skip
+    args = {"x_ptr": "*i64", "out_ptr": "*fp32", **_INTEGERS}
     ptx = compiled(gpu.kernels().round_kernel, args, constants, 90).asm["ptx"]
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx and ".ftz" not in ptx
 
@@ -90,9 +153,8 @@ def test_foreach_kernel_compiles_with_vector_loads(via, mode, bits):
 def test_encode_kernel_compiles_for_the_gpu(fmt, packed):
     fmt = fewbit.format(fmt)
     out = {8: "*u8", 16: "*i16"}[8 if fmt.k <= 8 else 16]
-    constants = {**gpu.encode_constants(fmt), "BLOCK": gpu._ENCODE_BLOCK, "BLOCKS": gpu._ENCODE_BLOCKS,
-                 "PACKED": packed}  # fmt: skip
-    args = {"x_ptr": "*fp32", "out_ptr": out, "bad_ptr": "*i64", "n": "i32"}
+    constants = gpu.encode_constants(fmt, gpu._ENCODE_BLOCKS, packed)
+    args = {"x_ptr": "*fp32", "out_ptr": out, "bad_ptr": "*i64", "n": "i64"}
     ptx = compiled(gpu.kernels().encode_kernel, args, constants, 90).asm["ptx"]
     assert "atom.global" in ptx and ".ftz" not in ptx
 

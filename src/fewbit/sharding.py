@@ -24,7 +24,7 @@ import torch
 
 from .block import BlockFormat
 from .block.kernel import BlockSpec
-from .random import Key, key_of
+from .random import Key
 from .rounding import gpu, native
 from .rounding.checks import RoundSpec
 from .rounding.compiled import index_bits, range_bits, stream_words
@@ -191,7 +191,7 @@ def round_range(
     if native.applies(spec, x):
         return native.rounded(x, spec, stream_words(spec, key), offset=start)
     if gpu.applies(spec, x):
-        return gpu.rounded(x, spec, key_of(key, x.device), offset=start)
+        return gpu.rounded(x, spec, key, offset=start)
     return None
 
 

@@ -185,7 +185,7 @@ def _run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool, ts: torch
                     if t is not None:
                         torch._dynamo.maybe_mark_dynamic(t, 0)
                 with below_autograd():
-                    tensor_words = None if words is None else word_tensors(spec.spec, key)
+                    tensor_words = None if words is None else word_tensors(spec.spec, key, x.device)
                     result = fn(blocks, tensor_words, rand, ts)
             except Exception as err:  # no C++ compiler, no Triton, ...: eager still works
                 _BROKEN.add(cache_key)

@@ -81,5 +81,8 @@ def _op_args(x, fmt, mode, sat, bits, fraction, seed, random_bits) -> tuple:
     elif not isinstance(mode, str):
         raise TypeError(f"mode must be a RoundMode or a string, not {type(mode).__name__}")
     sat, bits, fraction = scalar_args(sat, bits, fraction)
-    key = None if seed is None else key_of(seed, x.device)
+    # An int seed's key stays in host memory, where a GPU kernel takes its words with the
+    # launch instead of a copy to the device of its own; traced, it is made on x's device.
+    host = isinstance(seed, (int, Key)) and not torch.compiler.is_compiling()
+    key = None if seed is None else key_of(seed, None if host else x.device)
     return x, format_name(fmt), mode, sat, bits, fraction, key, random_bits

@@ -53,13 +53,13 @@ def stream_words(spec: RoundSpec, key: Key | torch.Tensor) -> list:
     return [w for k in keys for w in ((k.k0, k.k1) if isinstance(k, Key) else k.unbind())]
 
 
-def word_tensors(spec: RoundSpec, key: torch.Tensor) -> list[torch.Tensor]:
-    """:func:`stream_words` of a key tensor, as 0-d tensors on its device (a new key is
-    new data for a compiled kernel). Derived with Python ints where the key is in host
-    memory, so reading it waits for nothing."""
+def word_tensors(spec: RoundSpec, key: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+    """:func:`stream_words` of a key tensor (on ``device`` or in host memory), as 0-d
+    tensors on ``device`` (a new key is new data for a compiled kernel). Derived with
+    Python ints where the key is in host memory, so reading it waits for nothing."""
     if key.device.type != "cpu":
         return stream_words(spec, key)
-    return key_tensor(stream_words(spec, Key(*key.tolist())), key.device).unbind()
+    return key_tensor(stream_words(spec, Key(*key.tolist())), device).unbind()
 
 
 def _draw(spec: RoundSpec, words, draw) -> torch.Tensor | None:
@@ -159,7 +159,7 @@ def compiled_round(
                 torch._dynamo.maybe_mark_dynamic(out, 0)
                 fn(x, random_bits, out)
             else:
-                round_rows_into(x, out, word_tensors(spec, key), spec, kernel=fn)
+                round_rows_into(x, out, word_tensors(spec, key, x.device), spec, kernel=fn)
         return True
     except Exception as err:  # no C++ compiler, no Triton, ...: eager still works
         _BROKEN.add(cache_key)

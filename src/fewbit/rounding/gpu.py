@@ -3,10 +3,13 @@ the random words generated once per ``floor(32/N)`` elements inside it.
 
 It takes the calls native.cpp takes on a CPU (formats within float32's range, N <= 30,
 float32 and 16-bit inputs) and computes their bits (tests/test_gpu_kernel.py runs it in
-Triton's interpreter against the native kernel; tests/test_gpu.py on a GPU). The key
-stays on the device, read by the kernel, so a call neither waits for the GPU nor copies
-to the host: it can be captured in a CUDA graph. Where Triton is missing the torch
-kernels run instead, compiled or eager, with the same bits.
+Triton's interpreter against the native kernel; tests/test_gpu.py on a GPU). A key
+tensor on the device is read by the kernel; a key in host memory (an int seed's) travels
+as the launch's arguments. Either way a call neither waits for the GPU nor copies a key
+to it, so it can be captured in a CUDA graph (which keeps a host key's value at the
+capture). A kernel compiled once is launched again by :func:`_launch` itself, without
+Triton's binding of its arguments. Where Triton is missing the torch kernels run
+instead, compiled or eager, with the same bits.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import contextlib
 import functools
 import itertools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import torch
@@ -92,44 +95,57 @@ def _magic_scale(spec: RoundSpec) -> float:
     return 2.0 ** (23 - spec.fmt.t - (spec.bits or 0)) * (1.5 if spec.bits is None else 1.0)
 
 
+def aligned(n: int, offset: int, *tensors: torch.Tensor | None) -> bool:
+    """The kernels' ``ALIGNED``: whether every tensor's address, ``n`` and ``offset`` are
+    multiples of 16, so that a row may be loaded and stored 16 bytes at a time."""
+    return n % 16 == 0 and offset % 16 == 0 and all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
+
+
 @functools.lru_cache(maxsize=256)
-def round_constants(spec: RoundSpec, drawn: bool, given: bool) -> dict:
+def round_constants(spec: RoundSpec, drawn: bool, given: bool, aligned: bool = True,
+                    via: torch.dtype | None = None, host_key: bool = False) -> dict:  # fmt: skip
     """round_kernel's compile-time constants for a spec, its bits drawn in the kernel or
-    given (or neither)."""
+    given (or neither); ``via``: those of round_foreach_'s launch (``FOREACH``);
+    ``host_key``: the key's words passed with the launch."""
     p = dict(zip(PARAM_NAMES, kernel_params(spec), strict=True))
     per_word = 32 // spec.bits if spec.bits else 1
     rows = 2 * per_word if drawn else _PLAIN_ROWS
     return {**_format_constants(spec), "MODE": mode_id(spec), "SAT": spec.sat, "LIMIT_RULE": p["LIMIT_RULE"],
             "BITS": p["BITS"], "SELECT_BELOW": p["SELECT_BELOW"], "EMAX": p["EMAX"],
             "MAGIC_SCALE": _magic_scale(spec), "BEYOND": p["MAX"] if spec.sat else p["BEYOND_POS"],
-            "ROWS": rows, "DRAWN": drawn, "GIVEN": given, "PER_WORD": per_word, "FOREACH": False,
-            "VIA": None, "TENSORS": 1}  # fmt: skip
+            "ROWS": rows, "DRAWN": drawn, "GIVEN": given, "PER_WORD": per_word, "FOREACH": via is not None,
+            "VIA": None if via is None else getattr(kernels().tl, _TRITON_DTYPES[via]),
+            "TENSORS": 1 if via is None else _FOREACH_TENSORS, "ALIGNED": aligned,
+            "HOST_KEY": host_key and drawn}  # fmt: skip
 
 
 @functools.lru_cache(maxsize=64)
-def encode_constants(fmt: FloatFormat) -> dict:
+def encode_constants(fmt: FloatFormat, blocks: int = 1, packed: bool = False, aligned: bool = True) -> dict:
     """encode_kernel's compile-time constants: the format's, as RNE without saturation
-    (the check that x is a value) sees them, and its codes'."""
+    (the check that x is a value) sees them, and its codes'; ``blocks`` of
+    ``_ENCODE_BLOCK`` codes a program."""
     check = make_spec(torch.float32, fmt, RoundMode.RNE, False, None, None)
     p = dict(zip(PARAM_NAMES, kernel_params(check), strict=True))
     return {**_format_constants(check), "K": fmt.k, "CODE_OF_MAX": p["CODE_OF_MAX"],
             "CODE_OF_NAN": p["CODE_OF_NAN"], "HAS_NANS": fmt.has_nans, "EXTENDED": fmt.extended,
             "SIGNED": fmt.signed, "TWOS_COMPLEMENT": fmt.twos_complement, "EMAX": p["EMAX"],
-            "MAGIC": magic_applies(check, torch.float32), "MAGIC_SCALE": _magic_scale(check)}  # fmt: skip
+            "MAGIC": magic_applies(check, torch.float32), "MAGIC_SCALE": _magic_scale(check),
+            "BLOCK": _ENCODE_BLOCK, "BLOCKS": blocks, "PACKED": packed, "ALIGNED": aligned}  # fmt: skip
 
 
 def round_into(
     x: torch.Tensor,
     spec: RoundSpec,
-    key: torch.Tensor | None,
+    key: torch.Tensor | Key | None,
     random_bits: torch.Tensor | None,
     out: torch.Tensor,
     offset: int = 0,
 ) -> bool:
     """Round ``x`` into ``out`` (contiguous, x's dtype and size; element i is the i-th in
     row-major order), the bits given (int32 ``random_bits`` of x's shape) or drawn with
-    the key tensor ``key`` (int64 ``(k0, k1)`` on x's device) for stream elements
-    ``offset ..``; only where :func:`applies` (or, for tests, on CPU tensors under
+    ``key`` for stream elements ``offset ..``: a key tensor (int64 ``(k0, k1)`` on x's
+    device, read by the kernel) or a :class:`Key` (its words passed with the launch);
+    only where :func:`applies` (or, for tests, on CPU tensors under
     ``TRITON_INTERPRET=1``). In a format without NaN, NaN marks an element without a
     valid result, as in the torch kernels. False (nothing written) where Triton could
     not compile the kernel: the torch kernels then take the call."""
@@ -139,17 +155,22 @@ def round_into(
         return True
     drawn = key is not None and MODES[spec.mode].stochastic
     given = None if random_bits is None else random_bits.contiguous()
-    words = None  # k0, k1 (and the selection stream's), on the device: nothing waits for them
-    if drawn:
+    # k0, k1 (and the selection stream's): on the device, where nothing waits for them, or
+    # as the launch's arguments.
+    words, host_words, host = None, [0, 0, 0, 0], drawn and isinstance(key, Key)
+    if host:
+        host_words[:] = (stream_words(spec, key) + [0, 0])[:4]
+    elif drawn:
         select = "select" in MODES[spec.mode].streams
         words = torch.stack(stream_words(spec, key)) if select else key.contiguous()
-    constants = round_constants(spec, drawn, given is not None)
-    rows = constants["ROWS"]
+    variant = (spec, drawn, given is not None, aligned(n, offset, x, out, given), None, host)
+    rows = round_constants(*variant)["ROWS"]
     # Programs start at a multiple of `rows` rows, the first at the one holding element offset.
     first_row = offset // LANES // rows * rows
     end_row = -(-(offset + n) // LANES)
     programs = -(-(end_row - first_row) // rows)
-    return _launch("round_kernel", programs, (x, out, given, words, n, offset, first_row), constants)
+    args = (x, out, given, words, n, offset, first_row, *host_words)
+    return _launch("round_kernel", programs, args, round_constants, variant)
 
 
 #: Tensors a launch of round_foreach_ takes: each program reads the start of every one.
@@ -177,9 +198,8 @@ def round_foreach_(
            for t in tensors):  # fmt: skip
         return False
     drawn = key is not None and MODES[spec.mode].stochastic
-    constants = round_constants(spec, drawn, False)
-    elements = LANES * constants["ROWS"]  # a program's
-    flags = {"FOREACH": True, "VIA": getattr(kernels().tl, _TRITON_DTYPES[via]), "TENSORS": _FOREACH_TENSORS}
+    variant = (spec, drawn, False, True, via)
+    elements = LANES * round_constants(*variant)["ROWS"]  # a program's
     launched = False
     for lo in range(0, len(tensors), _FOREACH_TENSORS):
         chunk, chunk_indices = tensors[lo : lo + _FOREACH_TENSORS], list(indices[lo : lo + _FOREACH_TENSORS])
@@ -197,8 +217,8 @@ def round_foreach_(
         table = torch.frombuffer(array.array("q", head + padded), dtype=torch.int64)
         if first.device.type == "cuda":  # from pinned memory, without waiting for queued work
             table = table.pin_memory().to(first.device, non_blocking=True)
-        args = (table, first, None, None, _FOREACH_TENSORS, 0, 0)
-        if not _launch("round_kernel", starts[-1], args, {**constants, **flags}):
+        args = (table, first, None, None, _FOREACH_TENSORS, 0, 0, 0, 0, 0, 0)
+        if not _launch("round_kernel", starts[-1], args, round_constants, variant):
             if launched:  # (the same kernel as the launch before: not seen to happen)
                 raise RuntimeError("fewbit: a write-back launch failed after others had written")
             return False
@@ -209,10 +229,13 @@ def round_foreach_(
     return True
 
 
-def rounded(x: torch.Tensor, spec: RoundSpec, key: torch.Tensor, offset: int = 0) -> torch.Tensor | None:
-    """:func:`round_into` a new tensor of x's shape, the bits drawn with ``key`` for stream
-    elements ``offset ..``; None where an element has no valid result (the torch kernels
-    then say which, with their error; finding out waits for the kernel)."""
+def rounded(
+    x: torch.Tensor, spec: RoundSpec, key: torch.Tensor | Key, offset: int = 0
+) -> torch.Tensor | None:
+    """:func:`round_into` a new tensor of x's shape, the bits drawn with ``key`` (a key
+    tensor or a Key) for stream elements ``offset ..``; None where an element has no
+    valid result (the torch kernels then say which, with their error; finding out waits
+    for the kernel)."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if not round_into(x.reshape(-1), spec, key, None, out.view(-1), offset):
         return None
@@ -230,36 +253,84 @@ def encode_into(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor, packed: bo
     if n > 0:
         codes = n // 2 if packed else n
         blocks = _ENCODE_BLOCKS if codes >= _ENCODE_MANY else 1
-        constants = {**encode_constants(fmt), "BLOCK": _ENCODE_BLOCK, "BLOCKS": blocks, "PACKED": packed}
         programs = -(-codes // (_ENCODE_BLOCK * blocks))
-        if not _launch("encode_kernel", programs, (x, out, bad, n), constants):
+        variant = (fmt, blocks, packed, aligned(n, 0, x, out))
+        if not _launch("encode_kernel", programs, (x, out, bad, n), encode_constants, variant):
             return None
     first = int(bad.item())
     return first if first < n else -1
 
 
-#: Kernels (name, argument dtypes, constants) that Triton failed to compile once.
+#: Launches (kernel, variant, argument kinds, device) that Triton failed to compile once.
 _BROKEN: set[tuple] = set()
+#: Triton's compiled kernels by the same key, each with its constants in the kernel's
+#: order: launched again without Triton's binding and specialising of some thirty
+#: arguments (``JITFunction.run``, about 25 us of a call on an H200's host). The kernels
+#: tell Triton not to specialise on their runtime arguments' values (ALIGNED says what it
+#: would find), so the key names what Triton compiled. Its entries are few (one a spec)
+#: and Triton keeps each kernel anyway.
+_COMPILED: dict[tuple, tuple] = {}
 
 
-def _kernel_key(name: str, args: tuple, constants: dict) -> tuple:
-    """What Triton compiles a kernel for: its constants and its arguments' dtypes."""
-    return name, tuple(getattr(a, "dtype", None) for a in args), tuple(sorted(constants.items()))
-
-
-def _launch(name: str, programs: int, args: tuple, constants: dict) -> bool:
-    """Launch kernel ``name`` on ``programs`` programs; False, with one warning per
-    kernel, where Triton cannot compile it (it has not run on every GPU and Triton
-    version): compilation comes before the launch, so nothing is written."""
-    if _BROKEN and _kernel_key(name, args, constants) in _BROKEN:  # (the key only once one broke)
+def _launch(name: str, programs: int, args: tuple, constants_of: Callable[..., dict], variant: tuple) -> bool:
+    """Launch kernel ``name`` on ``programs`` programs with the runtime arguments ``args``
+    and the constants ``constants_of(*variant)``; False, with one warning per kernel,
+    where Triton cannot compile it (it has not run on every GPU and Triton version):
+    compilation comes before the launch, so nothing is written."""
+    device = args[0].device
+    # A tensor compiles as its dtype, None as a constant, an int as an int64 (each kernel's
+    # annotation): the rest of what Triton compiles for is the variant's constants.
+    kinds = tuple(a.dtype if isinstance(a, torch.Tensor) else a is None for a in args)
+    key = (name, variant, kinds, device.index)
+    if _BROKEN and key in _BROKEN:  # (the key only once one broke)
         return False
-    device = args[0].device  # Triton launches on the current device: make it x's
-    try:
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            getattr(kernels(), name)[(programs,)](*args, **constants, **_OPTIONS)
-    except Exception as err:  # a compiler or ptxas error, Triton's or the driver's
-        _BROKEN.add(_kernel_key(name, args, constants))
-        warnings.warn(f"fewbit: the Triton kernel did not compile ({err!s:.300}); the torch kernels "
-                      "take these calls (same bits, slower)", RuntimeWarning, stacklevel=4)  # fmt: skip
-        return False
+    with _on(device):
+        known = _COMPILED.get(key)
+        if known is not None:
+            compiled, tail = known
+            try:
+                compiled[(programs,)](*args, *tail)
+                return True
+            except Exception as err:  # raised before the launch (the arguments are read first)
+                _relaunch_failed(err)
+        kernel, constants = getattr(kernels(), name), constants_of(*variant)
+        try:
+            compiled = kernel[(programs,)](*args, **constants, **_OPTIONS)
+        except Exception as err:  # a compiler or ptxas error, Triton's or the driver's
+            _BROKEN.add(key)
+            warnings.warn(f"fewbit: the Triton kernel did not compile ({err!s:.300}); the torch kernels "
+                          "take these calls (same bits, slower)", RuntimeWarning, stacklevel=4)  # fmt: skip
+            return False
+    if device.type == "cuda" and _RELAUNCH and isinstance(compiled, _compiled_kernel()):
+        names = kernel.arg_names  # the runtime arguments first, then the constants
+        _COMPILED[key] = compiled, tuple(constants[name] for name in names[len(args) :])
     return True
+
+
+#: Whether _launch launches compiled kernels again itself: until a Triton it was not tried
+#: with refuses (_relaunch_failed), then Triton launches every call.
+_RELAUNCH = True
+
+
+def _relaunch_failed(err: Exception) -> None:
+    global _RELAUNCH
+    _RELAUNCH = False
+    _COMPILED.clear()
+    warnings.warn(f"fewbit: launching a compiled Triton kernel again failed ({err!s:.300}); Triton "
+                  "launches each call from now on (same bits, more host time)", RuntimeWarning, stacklevel=4)
+
+
+def _on(device: torch.device) -> contextlib.AbstractContextManager:
+    """Triton launches on the current device: make it ``device``, where it is not already."""
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+@functools.cache
+def _compiled_kernel() -> type:
+    """Triton's CompiledKernel, which ``JITFunction.run`` returns and whose ``kernel[grid](*args)``
+    launches with every argument, constants included, in the kernel's order (Triton 3.x)."""
+    from triton.compiler import CompiledKernel
+
+    return CompiledKernel

@@ -84,16 +84,22 @@ def _named_spec(dtype: torch.dtype, fmt: str, rounding: str, sat: bool, bits: in
     return make_spec(dtype, lookup_format(fmt), parse_mode(rounding), sat, bits, fraction)
 
 
+_HOST = torch.device("cpu")
+
+
 def check_key(spec: RoundSpec, x: torch.Tensor, key: torch.Tensor | None, random_bits) -> None:
-    """A seed's key against the spec and x (and never with random_bits)."""
+    """A seed's key against the spec and x (and never with random_bits). A key is on x's
+    device, or in host memory: a GPU kernel then takes its words with the launch (an int
+    seed's key comes so, without a copy to the device of its own); under a CUDA graph,
+    with the value it had at the capture."""
     if key is None:
         return
     if random_bits is not None:
         raise ValueError("give either seed (fewbit draws the bits) or random_bits, not both")
     if spec.bits is None:
         raise ValueError(f"mode {spec.mode.value!r} is deterministic and takes no seed")
-    if key.dtype != torch.int64 or key.shape != (2,) or key.device != x.device:
-        raise ValueError(f"a key is an int64 tensor of shape (2,) on {x.device}; got {key.dtype} "
+    if key.dtype != torch.int64 or key.shape != (2,) or key.device not in (x.device, _HOST):
+        raise ValueError(f"a key is an int64 tensor of shape (2,) on {x.device} or the CPU; got {key.dtype} "
                          f"{tuple(key.shape)} on {key.device} (fewbit.random.key_of makes one)")
 
 
@@ -107,7 +113,7 @@ def _round_into(x, spec: RoundSpec, key, random_bits, out: torch.Tensor) -> None
     result = out if direct else torch.empty_like(x, memory_format=torch.contiguous_format)
     # On a CPU the key's words as Python ints: the native kernel and the eager generator take them.
     ints = Key(*key.tolist()) if key is not None and key.device.type == "cpu" else key
-    if gpu.applies(spec, x, rand) and gpu.round_into(x, spec, key, rand, result):  # as native, on a GPU
+    if gpu.applies(spec, x, rand) and gpu.round_into(x, spec, ints, rand, result):  # as native, on a GPU
         invalid = not spec.fmt.has_nans
     elif native.applies(spec, x, rand):  # it reads x in memory order, any shape
         words = None if ints is None else stream_words(spec, ints)

@@ -231,8 +231,10 @@ def _classical_sr_bits(b, n, EMIN: tl.constexpr, BITS: tl.constexpr, MAX: tl.con
     return tl.where(a > 0x7F800000, NAN_BITS, out)
 
 
-@triton.jit
-def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n, offset, first_row, ROWS: tl.constexpr,
+@triton.jit(do_not_specialize=["n", "offset", "first_row", "k0", "k1", "s0", "s1"],
+            do_not_specialize_on_alignment=["x_ptr", "out_ptr", "given_ptr", "key_ptr"])
+def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n: tl.int64, offset: tl.int64, first_row: tl.int64,
+                 k0: tl.int64, k1: tl.int64, s0: tl.int64, s1: tl.int64, ROWS: tl.constexpr,
                  DRAWN: tl.constexpr, GIVEN: tl.constexpr, PER_WORD: tl.constexpr, MODE: tl.constexpr,
                  T: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr, MIN_ULP_EXP: tl.constexpr,
                  SUBNORMAL_BELOW: tl.constexpr, MAX: tl.constexpr, MAX_NEG: tl.constexpr,
@@ -240,10 +242,13 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n, offset, first_row, ROWS:
                  P_IS_1: tl.constexpr, HAS_NZ: tl.constexpr, HAS_ZERO: tl.constexpr, SAT: tl.constexpr,
                  LIMIT_RULE: tl.constexpr, BITS: tl.constexpr, SELECT_BELOW: tl.constexpr, EMAX: tl.constexpr,
                  MAGIC_SCALE: tl.constexpr, BEYOND: tl.constexpr, FOREACH: tl.constexpr,
-                 VIA: tl.constexpr, TENSORS: tl.constexpr):  # fmt: skip
+                 VIA: tl.constexpr, TENSORS: tl.constexpr, ALIGNED: tl.constexpr,
+                 HOST_KEY: tl.constexpr):  # fmt: skip
     """Round stream elements ``offset .. offset + n`` (x and out hold them from 0) of rows
     ``first_row + program * ROWS ..``: bits drawn with the words at key_ptr (``DRAWN``:
-    k0, k1, then the selection stream's for MODE 11), or given at given_ptr (``GIVEN``:
+    k0, k1, then the selection stream's for MODE 11), or with the words k0, k1 (and s0,
+    s1) themselves (``HOST_KEY``: a key the host holds, which then travels with the
+    launch, not in a copy of its own), or given at given_ptr (``GIVEN``:
     the N bits low, the selection bits above them), or none. MODE: native.py's kernel
     ids, native.cpp's ``Mode`` and its float-adder (13, 14) and classical SR (15) paths.
 
@@ -253,7 +258,15 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n, offset, first_row, ROWS:
     most ``TENSORS``). Tensor i draws with ``fold_in(key, i)``, derived here. out_ptr:
     any tensor of theirs (for the dtype); each size and address is a multiple of 16.
     ``VIA``: the dtype each element is first rounded to (RNE), as ``x.to(VIA)``; None:
-    x's own."""
+    x's own.
+
+    ``ALIGNED`` (always, with FOREACH): x and out (and the given bits) lie at multiples of
+    16 bytes, and n and offset are multiples of 16, so that a row's loads and stores can
+    be 16 bytes each. The host says so (``gpu.aligned``) rather than Triton finding it
+    from the arguments, which it is told not to look at: a launch is then known by its
+    constants and dtypes alone, and gpu.py can launch a compiled kernel again without
+    Triton's binding of them. It is said of each row's bounds and addresses: the
+    compiler keeps no hint on an argument itself."""
     lanes = tl.arange(0, LANES)
     if FOREACH:  # the program's tensor: the last to start at or before it
         table, tensors, program = x_ptr, n, tl.program_id(0)
@@ -261,16 +274,17 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n, offset, first_row, ROWS:
         starts = tl.load(table + 2 + 3 * tensors + j, mask=j < tensors, other=1 << 62)
         slot = tl.sum((starts <= program).to(tl.int32)) - 1
         x_ptr = tl.load(table + 2 + slot).to(tl.pointer_type(out_ptr.dtype.element_ty))
-        x_ptr = tl.multiple_of(x_ptr, 16)
         out_ptr = x_ptr
-        n = tl.multiple_of(tl.load(table + 2 + tensors + slot), 16)
+        n = tl.load(table + 2 + tensors + slot)
         row0 = (program - tl.load(table + 2 + 3 * tensors + slot)) * ROWS
         if DRAWN:
             key0, key1 = tl.load(table).to(tl.uint32), tl.load(table + 1).to(tl.uint32)
             k0, k1 = threefry(tl.load(table + 2 + 2 * tensors + slot), key0, key1)  # fold_in(key, i)
     else:
         row0 = first_row + tl.program_id(0).to(tl.int64) * ROWS
-        if DRAWN:
+        if DRAWN and HOST_KEY:  # (as int64s: a word's top bit set is no sign to the launch)
+            k0, k1, s0, s1 = k0.to(tl.uint32), k1.to(tl.uint32), s0.to(tl.uint32), s1.to(tl.uint32)
+        elif DRAWN:
             k0 = tl.load(key_ptr).to(tl.uint32)
             k1 = tl.load(key_ptr + 1).to(tl.uint32)
     if DRAWN:  # the program's row of blocks, whose words its ROWS = 2 * PER_WORD rows read
@@ -278,7 +292,7 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n, offset, first_row, ROWS:
         if MODE == 11:
             if FOREACH:  # fold_in(key, SELECT_KEY)
                 s0, s1 = threefry(tl.full((), SELECT_KEY, tl.int64), k0, k1)
-            else:
+            elif not HOST_KEY:
                 s0 = tl.load(key_ptr + 2).to(tl.uint32)
                 s1 = tl.load(key_ptr + 3).to(tl.uint32)
     # Only the rows that hold elements: a small tensor need not fill the program's rows.
@@ -287,12 +301,16 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n, offset, first_row, ROWS:
     for r in range(first, end):
         row = row0 + r
         # Element index of lane 0, and the lanes that hold elements: the bounds as scalars, so
-        # that each lane compares 32-bit lane numbers (and loads vectorise where offset is
-        # a multiple of 16).
+        # that each lane compares 32-bit lane numbers (and, ALIGNED, loads 16 bytes at a time).
         base = row * LANES - offset
         lo, hi = tl.maximum(-base, 0).to(tl.int32), tl.minimum(n - base, LANES).to(tl.int32)
+        x_row, out_row, given_row = x_ptr + base, out_ptr + base, given_ptr + base if GIVEN else None
+        if ALIGNED:
+            lo, hi = tl.multiple_of(lo, 16), tl.multiple_of(hi, 16)
+            x_row, out_row = tl.multiple_of(x_row, 16), tl.multiple_of(out_row, 16)
+            if GIVEN:
+                given_row = tl.multiple_of(given_row, 16)
         inside = (lanes >= lo) & (lanes < hi)
-        x_row, out_row = x_ptr + base, out_ptr + base
         b = _load_bits(x_row, lanes, inside, VIA)
         bits = b  # read by the stochastic modes only
         select = b
@@ -302,7 +320,7 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n, offset, first_row, ROWS:
             if MODE == 11:
                 select = _select_bits(row, lanes, s0, s1)
         if GIVEN:
-            g = tl.load(given_ptr + base + lanes, mask=inside, other=0)
+            g = tl.load(given_row + lanes, mask=inside, other=0)
             bits = g & ((1 << BITS) - 1)
             select = (g.to(tl.uint32) >> BITS).to(tl.int32)
         if MODE < 13:
@@ -363,15 +381,16 @@ def _code_of(b, T: tl.constexpr, EMIN: tl.constexpr, K: tl.constexpr, CODE_OF_MA
     return code
 
 
-@triton.jit
-def encode_kernel(x_ptr, out_ptr, bad_ptr, n, BLOCK: tl.constexpr, BLOCKS: tl.constexpr, PACKED: tl.constexpr,
-                  T: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr, MIN_ULP_EXP: tl.constexpr,
-                  SUBNORMAL_BELOW: tl.constexpr, MAX: tl.constexpr, MAX_NEG: tl.constexpr,
-                  BEYOND_POS: tl.constexpr, BEYOND_NEG: tl.constexpr, SMALLEST_NORMAL: tl.constexpr,
-                  P_IS_1: tl.constexpr, HAS_NZ: tl.constexpr, HAS_ZERO: tl.constexpr, K: tl.constexpr,
-                  CODE_OF_MAX: tl.constexpr, CODE_OF_NAN: tl.constexpr, HAS_NANS: tl.constexpr,
-                  EXTENDED: tl.constexpr, SIGNED: tl.constexpr, TWOS_COMPLEMENT: tl.constexpr,
-                  MAGIC: tl.constexpr, EMAX: tl.constexpr, MAGIC_SCALE: tl.constexpr):  # fmt: skip
+@triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["x_ptr", "out_ptr", "bad_ptr"])
+def encode_kernel(x_ptr, out_ptr, bad_ptr, n: tl.int64, BLOCK: tl.constexpr, BLOCKS: tl.constexpr,
+                  PACKED: tl.constexpr, T: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr,
+                  MIN_ULP_EXP: tl.constexpr, SUBNORMAL_BELOW: tl.constexpr, MAX: tl.constexpr,
+                  MAX_NEG: tl.constexpr, BEYOND_POS: tl.constexpr, BEYOND_NEG: tl.constexpr,
+                  SMALLEST_NORMAL: tl.constexpr, P_IS_1: tl.constexpr, HAS_NZ: tl.constexpr,
+                  HAS_ZERO: tl.constexpr, K: tl.constexpr, CODE_OF_MAX: tl.constexpr,
+                  CODE_OF_NAN: tl.constexpr, HAS_NANS: tl.constexpr, EXTENDED: tl.constexpr,
+                  SIGNED: tl.constexpr, TWOS_COMPLEMENT: tl.constexpr, MAGIC: tl.constexpr,
+                  EMAX: tl.constexpr, MAGIC_SCALE: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
     """Codes of x[0 .. n) into out, BLOCKS blocks of BLOCK codes a program (PACKED: BLOCK
     bytes of two 4-bit codes, the even element's low; n even), and into bad_ptr (an int64
     holding n) the least position holding no value of the format, if any (an atomic min
@@ -380,7 +399,8 @@ def encode_kernel(x_ptr, out_ptr, bad_ptr, n, BLOCK: tl.constexpr, BLOCKS: tl.co
     has none. A zero is a value whatever its sign (-0 encodes as +0 without -0). Bounds
     as scalars, as in round_kernel; the branches on PACKED are resolved when the kernel
     compiles. The least position is kept lane by lane across a program's blocks and
-    reduced once at its end: a reduction per block of 1024 cost a barrier each."""
+    reduced once at its end: a reduction per block of 1024 cost a barrier each.
+    ``ALIGNED``: as round_kernel's, for x, out and n."""
     lanes = tl.arange(0, BLOCK)
     if PACKED:  # [BLOCK, 2]: each byte's two elements, adjacent in memory
         index = 2 * lanes[:, None] + tl.arange(0, 2)[None, :]
@@ -391,8 +411,13 @@ def encode_kernel(x_ptr, out_ptr, bad_ptr, n, BLOCK: tl.constexpr, BLOCKS: tl.co
     first_base = tl.program_id(0).to(tl.int64) * (BLOCK * BLOCKS)  # the program's first code (or byte)
     for block in range(BLOCKS):
         base = first_base + block * BLOCK
-        inside = index < tl.minimum(n - PER * base, PER * BLOCK).to(tl.int32)
-        b = _load_bits(x_ptr + PER * base, index, inside)
+        end = tl.minimum(n - PER * base, PER * BLOCK).to(tl.int32)  # the block's elements
+        x_block, out_block = x_ptr + PER * base, out_ptr + base
+        if ALIGNED:
+            end = tl.multiple_of(end, 16)
+            x_block, out_block = tl.multiple_of(x_block, 16), tl.multiple_of(out_block, 16)
+        inside = index < end
+        b = _load_bits(x_block, index, inside)
         a = b & 0x7FFFFFFF
         if MAGIC:
             # magic.py's formats (signed, symmetric, with subnormals): the magnitude is a value
@@ -416,9 +441,9 @@ def encode_kernel(x_ptr, out_ptr, bad_ptr, n, BLOCK: tl.constexpr, BLOCKS: tl.co
                         TWOS_COMPLEMENT)  # fmt: skip
         if PACKED:
             byte = tl.sum(code << (4 * tl.arange(0, 2))[None, :], axis=1)  # disjoint bits: the sum is an or
-            tl.store(out_ptr + base + lanes, byte.to(tl.uint8), mask=lanes < tl.minimum(n // 2 - base, BLOCK))
+            tl.store(out_block + lanes, byte.to(tl.uint8), mask=lanes < end // 2)  # (n is even)
         else:
-            tl.store(out_ptr + base + lanes, code.to(out_ptr.dtype.element_ty), mask=inside)
+            tl.store(out_block + lanes, code.to(out_ptr.dtype.element_ty), mask=inside)
         least = tl.minimum(least, tl.where(inside & bad, index + block * PER * BLOCK, least))
     first = tl.min(least)
     if first < PER * BLOCK * BLOCKS:
