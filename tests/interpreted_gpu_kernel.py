@@ -73,6 +73,20 @@ def test_every_format_same_bits_as_torch(mode):
             assert_bitwise_equal(got, expected, x, f"{mode} {name} sat={sat}")
 
 
+@pytest.mark.parametrize("mode", ["rne", "src", "sr", "srff"])
+def test_a_nan_of_any_payload_stays_nan(mode):
+    """A NaN whose sum with the float adder's constant, plus N random bits, would carry
+    into the sign bit (all ones: a GPU's NaN sum is such) still rounds to NaN: the kernel
+    looks at x, not at the sum."""
+    nans = torch.tensor([0x7FFFFFFF, -1, 0x7F800001, 0x7FC00000, 0x7FFFFFF9], dtype=torch.int32)
+    x = torch.cat([nans.view(torch.float32), torch.randn(600, generator=torch.Generator().manual_seed(5))])
+    x = x.repeat(8)  # each NaN meets other random bits
+    kw = {"sat": True, **MODE_ARGS[mode]}
+    got = kernel(x, "binary8p4", mode, **kw)
+    assert torch.isnan(got).sum() == 5 * 8
+    assert_bitwise_equal(got, eager(x, "binary8p4", mode, **kw), x, mode)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mode", ["rne", "src", "sr", "rup"])
 def test_16_bit_inputs_same_bits_as_torch(mode, dtype):

@@ -206,9 +206,11 @@ def _magic_bits(b, n, SR: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr, 
     if HAS_NZ:
         out = out | sign  # -0 where the subtraction gave +0
     # |y| > max as floats, as native.cpp's magic_one: one compare. A NaN x is found from x
-    # itself: a GPU's NaN sum is 0x7FFFFFFF, which n would carry into the sign bit.
+    # itself (x != x, one compare too): a GPU's NaN sum is 0x7FFFFFFF, which n would carry
+    # into the sign bit.
     out = tl.where(tl.abs(y) > tl.full((), MAX, tl.int32).to(tl.float32, bitcast=True), BEYOND | sign, out)
-    return tl.where((b & 0x7FFFFFFF) > 0x7F800000, NAN_BITS, out)
+    x = b.to(tl.float32, bitcast=True)
+    return tl.where(x != x, NAN_BITS, out)
 
 
 @triton.jit
@@ -316,7 +318,8 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n: tl.int64, offset: tl.int
         select = b
         if DRAWN:
             word = tl.where(r < PER_WORD, w0, w1)
-            bits = ((word >> tl.cast((r % PER_WORD) * BITS, tl.uint32)) & ((1 << BITS) - 1)).to(tl.int32)
+            field = (tl.cast(r, tl.int32) % PER_WORD) * BITS  # (in 64 bits: ten instructions a row)
+            bits = ((word >> tl.cast(field, tl.uint32)) & ((1 << BITS) - 1)).to(tl.int32)
             if MODE == 11:
                 select = _select_bits(row, lanes, s0, s1)
         if GIVEN:
