@@ -111,7 +111,7 @@ def round_constants(spec: RoundSpec, drawn: bool, given: bool, aligned: bool = T
     per_word = 32 // spec.bits if spec.bits else 1
     rows = 2 * per_word if drawn else _PLAIN_ROWS
     return {**_format_constants(spec), "MODE": mode_id(spec), "SAT": spec.sat, "LIMIT_RULE": p["LIMIT_RULE"],
-            "BITS": p["BITS"], "SELECT_BELOW": p["SELECT_BELOW"], "EMAX": p["EMAX"],
+            "BITS": p["BITS"], "SELECT_BELOW": p["SELECT_BELOW"],
             "MAGIC_SCALE": _magic_scale(spec), "BEYOND": p["MAX"] if spec.sat else p["BEYOND_POS"],
             "ROWS": rows, "DRAWN": drawn, "GIVEN": given, "PER_WORD": per_word, "FOREACH": via is not None,
             "VIA": None if via is None else getattr(kernels().tl, _TRITON_DTYPES[via]),
@@ -128,7 +128,7 @@ def encode_constants(fmt: FloatFormat, blocks: int = 1, packed: bool = False, al
     p = dict(zip(PARAM_NAMES, kernel_params(check), strict=True))
     return {**_format_constants(check), "K": fmt.k, "CODE_OF_MAX": p["CODE_OF_MAX"],
             "CODE_OF_NAN": p["CODE_OF_NAN"], "HAS_NANS": fmt.has_nans, "EXTENDED": fmt.extended,
-            "SIGNED": fmt.signed, "TWOS_COMPLEMENT": fmt.twos_complement, "EMAX": p["EMAX"],
+            "SIGNED": fmt.signed, "TWOS_COMPLEMENT": fmt.twos_complement,
             "MAGIC": magic_applies(check, torch.float32), "MAGIC_SCALE": _magic_scale(check),
             "BLOCK": _ENCODE_BLOCK, "BLOCKS": blocks, "PACKED": packed, "ALIGNED": aligned}  # fmt: skip
 

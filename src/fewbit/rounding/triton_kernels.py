@@ -188,13 +188,16 @@ def round_bits(b, n, s, MODE: tl.constexpr, T: tl.constexpr, EMIN: tl.constexpr,
 
 
 @triton.jit
-def _magic_bits(b, n, SR: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr, MAGIC_SCALE: tl.constexpr,
-                BITS: tl.constexpr, MAX: tl.constexpr, BEYOND: tl.constexpr,
-                HAS_NZ: tl.constexpr):  # fmt: skip
+def _magic_bits(b, n, SR: tl.constexpr, EMIN: tl.constexpr, MAGIC_SCALE: tl.constexpr, BITS: tl.constexpr,
+                MAX: tl.constexpr, BEYOND: tl.constexpr, HAS_NZ: tl.constexpr):  # fmt: skip
     """native.cpp's magic_one (magic.round_magic): RNE, or SRC with N = BITS, by the float
     adder, where magic.magic_applies. BEYOND: what lies beyond MAX (MAX itself with sat)."""
     sign = b & SIGN_BIT
-    c = tl.minimum(tl.maximum(b & 0x7F800000, (EMIN + 127) << 23), (EMAX + 127) << 23)  # 2^e_t
+    # 2^e_t, not clamped at 2^emax as native.cpp's is: magic_applies keeps the constant a
+    # float32 up to emax, so only an x beyond the range (Inf among them) can make it
+    # overflow, into a NaN y (Inf - Inf) that the compare below takes as beyond. An
+    # instruction less an element.
+    c = tl.maximum(b & 0x7F800000, (EMIN + 127) << 23)
     if SR:
         c = c | sign
     big = c.to(tl.float32, bitcast=True) * MAGIC_SCALE  # exact: a power of two times 1 or 1.5
@@ -205,10 +208,11 @@ def _magic_bits(b, n, SR: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr, 
     out = y.to(tl.int32, bitcast=True)
     if HAS_NZ:
         out = out | sign  # -0 where the subtraction gave +0
-    # |y| > max as floats, as native.cpp's magic_one: one compare. A NaN x is found from x
-    # itself (x != x, one compare too): a GPU's NaN sum is 0x7FFFFFFF, which n would carry
-    # into the sign bit.
-    out = tl.where(tl.abs(y) > tl.full((), MAX, tl.int32).to(tl.float32, bitcast=True), BEYOND | sign, out)
+    # |y| > max (or NaN) as floats, as native.cpp's magic_one: one compare. A NaN x is found
+    # from x itself (x != x, one compare too): a GPU's NaN sum is 0x7FFFFFFF, which n would
+    # carry into the sign bit.
+    within = tl.abs(y) <= tl.full((), MAX, tl.int32).to(tl.float32, bitcast=True)
+    out = tl.where(within, out, BEYOND | sign)
     x = b.to(tl.float32, bitcast=True)
     return tl.where(x != x, NAN_BITS, out)
 
@@ -242,7 +246,7 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n: tl.int64, offset: tl.int
                  SUBNORMAL_BELOW: tl.constexpr, MAX: tl.constexpr, MAX_NEG: tl.constexpr,
                  BEYOND_POS: tl.constexpr, BEYOND_NEG: tl.constexpr, SMALLEST_NORMAL: tl.constexpr,
                  P_IS_1: tl.constexpr, HAS_NZ: tl.constexpr, HAS_ZERO: tl.constexpr, SAT: tl.constexpr,
-                 LIMIT_RULE: tl.constexpr, BITS: tl.constexpr, SELECT_BELOW: tl.constexpr, EMAX: tl.constexpr,
+                 LIMIT_RULE: tl.constexpr, BITS: tl.constexpr, SELECT_BELOW: tl.constexpr,
                  MAGIC_SCALE: tl.constexpr, BEYOND: tl.constexpr, FOREACH: tl.constexpr,
                  VIA: tl.constexpr, TENSORS: tl.constexpr, ALIGNED: tl.constexpr,
                  HOST_KEY: tl.constexpr):  # fmt: skip
@@ -333,7 +337,7 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n: tl.int64, offset: tl.int
         elif MODE == 15:
             y = _classical_sr_bits(b, bits, EMIN, BITS, MAX, BEYOND, HAS_NZ)
         else:
-            y = _magic_bits(b, bits, MODE == 14, EMIN, EMAX, MAGIC_SCALE, BITS, MAX, BEYOND, HAS_NZ)
+            y = _magic_bits(b, bits, MODE == 14, EMIN, MAGIC_SCALE, BITS, MAX, BEYOND, HAS_NZ)
         if out_ptr.dtype.element_ty == tl.bfloat16:  # a value of the format: its low half is 0
             y = (y >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
         else:
@@ -393,7 +397,7 @@ def encode_kernel(x_ptr, out_ptr, bad_ptr, n: tl.int64, BLOCK: tl.constexpr, BLO
                   HAS_ZERO: tl.constexpr, K: tl.constexpr, CODE_OF_MAX: tl.constexpr,
                   CODE_OF_NAN: tl.constexpr, HAS_NANS: tl.constexpr, EXTENDED: tl.constexpr,
                   SIGNED: tl.constexpr, TWOS_COMPLEMENT: tl.constexpr, MAGIC: tl.constexpr,
-                  EMAX: tl.constexpr, MAGIC_SCALE: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
+                  MAGIC_SCALE: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
     """Codes of x[0 .. n) into out, BLOCKS blocks of BLOCK codes a program (PACKED: BLOCK
     bytes of two 4-bit codes, the even element's low; n even), and into bad_ptr (an int64
     holding n) the least position holding no value of the format, if any (an atomic min
@@ -426,7 +430,7 @@ def encode_kernel(x_ptr, out_ptr, bad_ptr, n: tl.int64, BLOCK: tl.constexpr, BLO
             # magic.py's formats (signed, symmetric, with subnormals): the magnitude is a value
             # iff the float adder's RNE leaves it as it is and it lies within max, Inf where
             # the format has it; on magnitudes, so that -0 needs no case of its own.
-            c = tl.minimum(tl.maximum(a & 0x7F800000, (EMIN + 127) << 23), (EMAX + 127) << 23)
+            c = tl.maximum(a & 0x7F800000, (EMIN + 127) << 23)  # (unclamped above: _magic_bits)
             big = c.to(tl.float32, bitcast=True) * MAGIC_SCALE
             y = ((a.to(tl.float32, bitcast=True) + big) - big).to(tl.int32, bitcast=True)
             off = (y != a) | (a > MAX)
