@@ -27,21 +27,6 @@ from fewbit.rounding.modes import RoundMode  # noqa: E402
 _TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def compiled(kernel, args: dict, constants: dict, arch: int):
-    """``kernel`` compiled for CUDA compute capability ``arch`` (no GPU needed): ``args``
-    maps each runtime argument to its Triton type. Nothing is said of their values, as
-    at a launch (the kernels tell Triton not to look): what the compiler knows of
-    alignment is the kernel's ``ALIGNED``."""
-    from triton import compile as triton_compile
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = kernel.arg_names
-    signature = {**args, **dict.fromkeys(constants, "constexpr")}
-    source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constants.items()})
-    return triton_compile(source, target=GPUTarget("cuda", arch, 32), options=gpu._OPTIONS)
-
-
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("dtype, fmt, mode, bits, sat, given", [
     (torch.float32, "binary8p4", "rne", None, False, False),  # the float adder
@@ -61,11 +46,10 @@ def test_round_kernel_compiles_for_the_gpu(arch, dtype, fmt, mode, bits, sat, gi
     spec = make_spec(dtype, fewbit.format(fmt), RoundMode(mode), sat, bits, fraction)
     drawn = spec.bits is not None and not given
     host = drawn and arch == 90
-    constants = {**gpu.round_constants(spec, drawn, given, True, None, host),
-                 **({} if given else {"given_ptr": None}), **({"key_ptr": None} if host or not drawn else {})}
+    constants = gpu.round_constants(spec, drawn, given, True, None, host)
     args = {"x_ptr": f"*{_TRITON_DTYPES[dtype]}", "out_ptr": f"*{_TRITON_DTYPES[dtype]}", **_INTEGERS,
             **({"given_ptr": "*i32"} if given else {}), **({"key_ptr": "*i64"} if drawn and not host else {})}
-    ptx = compiled(gpu.kernels().round_kernel, args, constants, arch).asm["ptx"]
+    ptx = gpu.compile_for("round_kernel", args, constants, arch).asm["ptx"]
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx  # (aligned: 16 bytes a load)
     assert ".ftz" not in ptx
 
@@ -83,10 +67,9 @@ def test_alignment_is_what_the_host_says(dtype):
     spec = make_spec(dtype, fewbit.format("binary8p4"), RoundMode.SRC, False, 3, None)
     args = {"x_ptr": f"*{_TRITON_DTYPES[dtype]}", "out_ptr": f"*{_TRITON_DTYPES[dtype]}", "key_ptr": "*i64",
             **_INTEGERS}  # fmt: skip
-    constants = {aligned: {**gpu.round_constants(spec, True, False, aligned), "given_ptr": None}
-                 for aligned in (True, False)}  # fmt: skip
-    kernel = gpu.kernels().round_kernel
-    ptx = {aligned: compiled(kernel, args, c, 90).asm["ptx"] for aligned, c in constants.items()}
+    ptx = {aligned: gpu.compile_for("round_kernel", args, gpu.round_constants(spec, True, False, aligned), 90)
+           for aligned in (True, False)}  # fmt: skip
+    ptx = {aligned: compiled.asm["ptx"] for aligned, compiled in ptx.items()}
     assert "ld.global.v4.b32" in ptx[True] and "st.global.v4.b32" in ptx[True]
     assert ".v4" not in ptx[False] and ".v2" not in ptx[False]
     assert gpu.aligned(4096, 32, torch.empty(64)) and not gpu.aligned(4096, 8, torch.empty(64))
@@ -142,10 +125,9 @@ def test_foreach_kernel_compiles_with_vector_loads(via, mode, bits):
     multiples of 16, which the kernel says to the compiler."""
     fraction = 0.5 if mode == "sr_fraction" else None
     spec = make_spec(via, fewbit.format("binary8p4"), RoundMode(mode), True, bits, fraction)
-    constants = {**gpu.round_constants(spec, bits is not None, False, True, via), "given_ptr": None,
-                 "key_ptr": None}  # fmt: skip
+    constants = gpu.round_constants(spec, bits is not None, False, True, via)
     args = {"x_ptr": "*i64", "out_ptr": "*fp32", **_INTEGERS}
-    ptx = compiled(gpu.kernels().round_kernel, args, constants, 90).asm["ptx"]
+    ptx = gpu.compile_for("round_kernel", args, constants, 90).asm["ptx"]
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx and ".ftz" not in ptx
 
 
@@ -155,7 +137,7 @@ def test_encode_kernel_compiles_for_the_gpu(fmt, packed):
     out = {8: "*u8", 16: "*i16"}[8 if fmt.k <= 8 else 16]
     constants = gpu.encode_constants(fmt, gpu._ENCODE_BLOCKS, packed)
     args = {"x_ptr": "*fp32", "out_ptr": out, "bad_ptr": "*i64", "n": "i64"}
-    ptx = compiled(gpu.kernels().encode_kernel, args, constants, 90).asm["ptx"]
+    ptx = gpu.compile_for("encode_kernel", args, constants, 90).asm["ptx"]
     assert "atom.global" in ptx and ".ftz" not in ptx
 
 

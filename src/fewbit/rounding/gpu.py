@@ -261,6 +261,23 @@ def encode_into(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor, packed: bo
     return first if first < n else -1
 
 
+def compile_for(name: str, arg_types: dict[str, str], constants: dict, arch: int):
+    """Kernel ``name`` as Triton compiles it for CUDA compute capability ``arch``, without a
+    GPU (Triton's compiler and ptxas): for tests and ``benchmarks/sass_count.py``.
+    ``arg_types``: each runtime argument's Triton type (``"*fp32"``, ``"i64"``); the
+    others are None. Nothing is said of the arguments' values, as at a launch: what the
+    compiler knows of alignment is the kernel's ``ALIGNED``."""
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = getattr(kernels(), name)
+    values = {a: None for a in kernel.arg_names if a not in arg_types} | constants
+    signature = {a: arg_types.get(a, "constexpr") for a in kernel.arg_names}
+    source = ASTSource(kernel, signature, {(kernel.arg_names.index(a),): v for a, v in values.items()})
+    return triton_compile(source, target=GPUTarget("cuda", arch, 32), options=_OPTIONS)
+
+
 #: Launches (kernel, variant, argument kinds, device) that Triton failed to compile once.
 _BROKEN: set[tuple] = set()
 #: Triton's compiled kernels by the same key, each with its constants in the kernel's
