@@ -155,11 +155,12 @@ def round_into(
         return True
     drawn = key is not None and MODES[spec.mode].stochastic
     given = None if random_bits is None else random_bits.contiguous()
-    # k0, k1 (and the selection stream's): on the device, where nothing waits for them, or
-    # as the launch's arguments.
-    words, host_words, host = None, [0, 0, 0, 0], drawn and isinstance(key, Key)
+    # k0, k1 (and the selection stream's s0, s1): as the launch's arguments, or on the
+    # device, where nothing waits for them.
+    host = drawn and isinstance(key, Key)
+    words, host_words = None, (0, 0, 0, 0)
     if host:
-        host_words[:] = (stream_words(spec, key) + [0, 0])[:4]
+        host_words = (*stream_words(spec, key), 0, 0)[:4]
     elif drawn:
         select = "select" in MODES[spec.mode].streams
         words = torch.stack(stream_words(spec, key)) if select else key.contiguous()
