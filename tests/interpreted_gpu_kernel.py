@@ -25,6 +25,7 @@ from fewbit.rounding import gpu, native
 from fewbit.rounding.checks import dtype_format, make_spec
 from fewbit.rounding.compiled import stream_words
 from fewbit.rounding.modes import RoundMode
+from test_codec import _element_codes
 from test_native import FORMATS, MODE_ARGS, every_bfloat16
 
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -216,6 +217,26 @@ def test_encode_across_blocks_and_programs(name, monkeypatch):
         x[places] = odd
         out = torch.empty(x.numel() // 2 if packed else x.numel(), dtype=fewbit.codec.code_dtype(fmt))
         assert gpu.encode_into(x, fmt, out, packed) == min(places), places
+
+
+@pytest.mark.parametrize("name", ["ocp_e4m3", "ocp_e2m1", "binary16"])
+def test_unchecked_encode_same_codes(name):
+    """Without its check (CHECK False: nothing read back) the kernel writes the codes of
+    values as the checked call does, and an element that is no value leaves the codes
+    beside it as they are, in a packed pair too."""
+    fmt = fewbit.format(name)
+    packed = fmt.k <= 4
+    values = fewbit.decode(torch.arange(2**fmt.k).to(fewbit.codec.code_dtype(fmt)), fmt)
+    values = values[~torch.isnan(values)][: 2 ** fmt.k // 2 * 2]
+    small = values[values > 0].min()
+    odd = torch.tensor([float(fmt.max) * 1.5, float("nan"), 1e30, -1e-30])
+    beside = torch.stack([odd, torch.full_like(odd, small), torch.full_like(odd, small), odd], -1).flatten()
+    for x in (values, beside):
+        out = torch.full((x.numel() // 2 if packed else x.numel(),), 0x55, dtype=fewbit.codec.code_dtype(fmt))
+        assert gpu.encode_into(x, fmt, out, packed, check=False) == -1
+        keep = ~torch.isnan(x) & (x.abs() <= float(fmt.max)) & (x.abs() >= float(small))
+        want = fewbit.encode(torch.where(keep, x, small), fmt, packed=packed)
+        assert torch.equal(_element_codes(out, packed)[keep], _element_codes(want, packed)[keep]), name
 
 
 def foreach_inputs(dtype: torch.dtype) -> list[torch.Tensor]:

@@ -100,3 +100,35 @@ def test_empty_and_scalar():
     assert fewbit.encode(torch.empty(0), "e4m3").shape == (0,)
     code = fewbit.encode(torch.tensor(1.0), "e4m3")
     assert code.shape == () and fewbit.decode(code, "e4m3").item() == 1.0
+
+
+def _element_codes(codes: torch.Tensor, packed: bool) -> torch.Tensor:
+    """Each element's code, from codes as encode gives them."""
+    codes = codes.to(torch.int32) & 0xFFFF
+    return torch.stack([codes & 0xF, codes >> 4], -1).flatten(-2) if packed else codes
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("name", ["binary8p4", "e4m3", "e2m1", "p3109_k8p4ue", "binary16"])
+def test_unchecked_encode_keeps_each_elements_code_to_itself(name, native):
+    """check=False: the codes of values as with the check; an element that is no value
+    (beyond the range, far beyond, a NaN without NaN, between two values, negative and
+    unsigned) raises nothing and leaves its neighbours' codes as they are: in a packed
+    pair, on either side of the byte."""
+    fmt = fewbit.format(name)
+    packed = fmt.k <= 4
+    values = fewbit.decode(torch.arange(2**fmt.k).to(fewbit.codec.code_dtype(fmt)), fmt)
+    values = values[~torch.isnan(values)][: 2 ** fmt.k // 2 * 2]  # (an even count, for pairs)
+    small = values[values > 0].min()  # a code of few bits, which a wider one beside it would spoil
+    odd = torch.tensor([float(fmt.max) * 1.5, math.nan, 0.3 * float(fmt.max), -float(fmt.max), 1e30, -1e-30])
+    x = torch.stack([odd, torch.full_like(odd, small), torch.full_like(odd, small), odd], -1).flatten()
+    still = x == small
+    with fewbit.configure(native=native):
+        want = fewbit.encode(values, fmt, packed=packed)
+        assert torch.equal(fewbit.encode(values, fmt, packed=packed, check=False), want)
+        with pytest.raises(ValueError, match="not a value"):
+            fewbit.encode(x, fmt, packed=packed)
+        got = _element_codes(fewbit.encode(x, fmt, packed=packed, check=False), packed)
+        assert torch.equal(got[still], _element_codes(fewbit.encode(x[still], fmt), False))
+    with pytest.raises(TypeError, match="check must be a bool"):
+        fewbit.encode(values, fmt, check=1)

@@ -134,6 +134,7 @@ def test_encode_gpu_equals_cpu(name):
     packed = fmt.k <= 4
     expected = fewbit.encode(values, fmt, packed=packed)
     assert torch.equal(fewbit.encode(values.cuda(), fmt, packed=packed).cpu(), expected)
+    assert torch.equal(fewbit.encode(values.cuda(), fmt, packed=packed, check=False).cpu(), expected)
     with pytest.raises(ValueError, match="is not a value of"):
         fewbit.encode(torch.cat([values, torch.tensor([float(fmt.max) * 1.5])]).cuda(), fmt)
 
@@ -246,4 +247,5 @@ def test_bench_gives_device_time_ratios():
     rows = bench.run(log2_size=16, device="cuda", repeat=2, quick=True, with_gfloat=False)
     ratios = [r for r in rows if "x_copy" in r]
     assert len(ratios) >= 12 and all(0 < r["device_x_copy"] < float("inf") for r in ratios)
+    assert {"encode to uint8", "encode to uint8, unchecked"} <= {r["mode"] for r in ratios}
     assert "device" in bench.format_table(rows).splitlines()[0]

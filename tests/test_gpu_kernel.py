@@ -133,12 +133,15 @@ def test_foreach_kernel_compiles_with_vector_loads(via, mode, bits):
 
 @pytest.mark.parametrize("fmt, packed", [("ocp_e4m3", False), ("ocp_e2m1", True), ("binary16", False)])
 def test_encode_kernel_compiles_for_the_gpu(fmt, packed):
+    """encode_kernel compiles with its check (an atomic to report the first element that is
+    no value) and without (nothing of the kind: nothing to read back)."""
     fmt = fewbit.format(fmt)
     out = {8: "*u8", 16: "*i16"}[8 if fmt.k <= 8 else 16]
-    constants = gpu.encode_constants(fmt, gpu._ENCODE_BLOCKS, packed)
-    args = {"x_ptr": "*fp32", "out_ptr": out, "bad_ptr": "*i64", "n": "i64"}
-    ptx = gpu.compile_for("encode_kernel", args, constants, 90).asm["ptx"]
-    assert "atom.global" in ptx and ".ftz" not in ptx
+    for check in (True, False):
+        constants = gpu.encode_constants(fmt, gpu._ENCODE_BLOCKS, packed, True, check)
+        args = {"x_ptr": "*fp32", "out_ptr": out, "n": "i64", **({"bad_ptr": "*i64"} if check else {})}
+        ptx = gpu.compile_for("encode_kernel", args, constants, 90).asm["ptx"]
+        assert ("atom.global" in ptx) == check and "st.global" in ptx and ".ftz" not in ptx
 
 
 def test_a_kernel_triton_cannot_compile_leaves_the_call_to_torch(monkeypatch):

@@ -367,3 +367,9 @@ def test_encode_and_decode_compile_and_take_tensors_that_require_grad():
 
     x = torch.randn(100)
     assert torch.equal(torch.compile(roundtrip, fullgraph=True)(x), fewbit.round(x, "e4m3"))
+
+    def unchecked(x):  # the check's argument too is one the op takes
+        return fewbit.encode(fewbit.round(x, "e4m3"), "e4m3", check=False)
+
+    want = fewbit.encode(fewbit.round(x, "e4m3"), "e4m3")
+    assert torch.equal(torch.compile(unchecked, fullgraph=True)(x), want)

@@ -40,12 +40,19 @@ def _check_holds(dtype: torch.dtype, fmt: FloatFormat) -> None:
         raise ValueError(f"{dtype} cannot hold every value of {fmt.name}")
 
 
-def encode(x: torch.Tensor, fmt: FloatFormat | str, packed: bool = False) -> torch.Tensor:
+def encode(x: torch.Tensor, fmt: FloatFormat | str, packed: bool = False, check: bool = True) -> torch.Tensor:
     """Codes of ``x``'s values in ``fmt``. Every element must be a value of fmt
-    (round first); otherwise ValueError names the first that is not."""
+    (round first); otherwise ValueError names the first that is not.
+
+    ``check=False`` skips that check, for values known to be in fmt (``fewbit.round``'s
+    results): an element that is not gets an unspecified code, never an error. On a GPU
+    the check reads a flag back, which waits for the kernel; without it the call queues
+    its kernel and returns, as a plain op does (and may be captured in a CUDA graph)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, not {type(x).__name__}")
-    return torch.ops.fewbit.encode(x, format_name(fmt), bool(packed))
+    if not isinstance(check, bool):
+        raise TypeError(f"check must be a bool, not {type(check).__name__}")
+    return torch.ops.fewbit.encode(x, format_name(fmt), bool(packed), check)
 
 
 def decode(
@@ -101,26 +108,32 @@ def pack_pairs(code: torch.Tensor) -> torch.Tensor:
 
 
 @operator("fewbit::encode")
-def _encode(x: torch.Tensor, fmt: str, packed: bool) -> torch.Tensor:
+def _encode(x: torch.Tensor, fmt: str, packed: bool, check: bool) -> torch.Tensor:
     fmt = lookup_format(fmt)
     shape = _encode_checks(x, fmt, packed)
-    kernel = native.encode_into if native.usable(x, fmt) else gpu.encode_into if gpu.usable(x, fmt) else None
-    if kernel is not None:
-        out = torch.empty(shape, dtype=code_dtype(fmt), device=x.device)
-        bad = kernel(x.reshape(-1), fmt, out.view(-1), packed)
-        if bad is not None:  # None: the GPU kernel did not compile, and the torch path takes the call
-            if bad >= 0:
-                _not_a_value(float(x.reshape(-1)[bad]), fmt)
-            return out
+    out = torch.empty(shape, dtype=code_dtype(fmt), device=x.device)
+    if native.usable(x, fmt):  # (its check is fused, and costs nothing to keep)
+        bad = native.encode_into(x.reshape(-1), fmt, out.view(-1), packed)
+    elif gpu.usable(x, fmt):  # None: the kernel did not compile, and the torch path takes the call
+        bad = gpu.encode_into(x.reshape(-1), fmt, out.view(-1), packed, check)
+    else:
+        bad = None
+    if bad is not None:
+        if check and bad >= 0:
+            _not_a_value(float(x.reshape(-1)[bad]), fmt)
+        return out
     work = x.to(working_dtype(x.dtype))
     code = codes_of(work, fmt)
 
     # Exactness check: a code is right only if it decodes to the value given.
-    in_range = (code >= 0) & (code < 1 << fmt.k)
-    back = _lookup(code.clamp(0, (1 << fmt.k) - 1), fmt, work.dtype)
-    same = in_range & ((back == work) | (torch.isnan(back) & torch.isnan(work)))
-    if not bool(same.all()):
-        _not_a_value(work[~same].flatten()[0].item(), fmt)
+    if check:
+        in_range = (code >= 0) & (code < 1 << fmt.k)
+        back = _lookup(code.clamp(0, (1 << fmt.k) - 1), fmt, work.dtype)
+        same = in_range & ((back == work) | (torch.isnan(back) & torch.isnan(work)))
+        if not bool(same.all()):
+            _not_a_value(work[~same].flatten()[0].item(), fmt)
+    else:  # an element that is no value has a code of any width: kept to K bits, off its neighbour's
+        code = code & ((1 << fmt.k) - 1)
     if packed:
         code = pack_pairs(code)
     return code.to(code_dtype(fmt))
@@ -131,7 +144,7 @@ def _not_a_value(value: float, fmt: FloatFormat):
 
 
 @_encode.register_fake
-def _(x, fmt, packed):
+def _(x, fmt, packed, check):
     fmt = lookup_format(fmt)
     return x.new_empty(_encode_checks(x, fmt, packed), dtype=code_dtype(fmt))
 

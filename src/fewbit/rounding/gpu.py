@@ -120,17 +120,19 @@ def round_constants(spec: RoundSpec, drawn: bool, given: bool, aligned: bool = T
 
 
 @functools.lru_cache(maxsize=64)
-def encode_constants(fmt: FloatFormat, blocks: int = 1, packed: bool = False, aligned: bool = True) -> dict:
+def encode_constants(fmt: FloatFormat, blocks: int = 1, packed: bool = False, aligned: bool = True,
+                     check: bool = True) -> dict:  # fmt: skip
     """encode_kernel's compile-time constants: the format's, as RNE without saturation
     (the check that x is a value) sees them, and its codes'; ``blocks`` of
     ``_ENCODE_BLOCK`` codes a program."""
-    check = make_spec(torch.float32, fmt, RoundMode.RNE, False, None, None)
-    p = dict(zip(PARAM_NAMES, kernel_params(check), strict=True))
-    return {**_format_constants(check), "K": fmt.k, "CODE_OF_MAX": p["CODE_OF_MAX"],
+    nearest = make_spec(torch.float32, fmt, RoundMode.RNE, False, None, None)  # the check's rounding
+    p = dict(zip(PARAM_NAMES, kernel_params(nearest), strict=True))
+    return {**_format_constants(nearest), "K": fmt.k, "CODE_OF_MAX": p["CODE_OF_MAX"],
             "CODE_OF_NAN": p["CODE_OF_NAN"], "HAS_NANS": fmt.has_nans, "EXTENDED": fmt.extended,
             "SIGNED": fmt.signed, "TWOS_COMPLEMENT": fmt.twos_complement,
-            "MAGIC": magic_applies(check, torch.float32), "MAGIC_SCALE": _magic_scale(check),
-            "BLOCK": _ENCODE_BLOCK, "BLOCKS": blocks, "PACKED": packed, "ALIGNED": aligned}  # fmt: skip
+            "MAGIC": magic_applies(nearest, torch.float32), "MAGIC_SCALE": _magic_scale(nearest),
+            "BLOCK": _ENCODE_BLOCK, "BLOCKS": blocks, "PACKED": packed, "ALIGNED": aligned,
+            "CHECK": check}  # fmt: skip
 
 
 def round_into(
@@ -243,21 +245,25 @@ def rounded(
     return None if not spec.fmt.has_nans and bool(torch.isnan(out).any()) else out
 
 
-def encode_into(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor, packed: bool) -> int | None:
+def encode_into(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor, packed: bool,
+                check: bool = True) -> int | None:  # fmt: skip
     """Codes of flat ``x`` (float32 or 16-bit) in ``fmt`` into ``out`` (uint8 or int16, or
     packed pairs in uint8); only where :func:`usable`. Returns the first position that
     holds no value of fmt, else -1 (reading it waits for the kernel, as any check of data
-    that raises must); None where Triton could not compile the kernel."""
+    that raises must); without ``check``, -1 unchecked, and nothing waits. None where
+    Triton could not compile the kernel."""
     x = x.contiguous()
     n = x.numel()
-    bad = torch.full((1,), n, dtype=torch.int64, device=x.device)
+    bad = torch.full((1,), n, dtype=torch.int64, device=x.device) if check else None
     if n > 0:
         codes = n // 2 if packed else n
         blocks = _ENCODE_BLOCKS if codes >= _ENCODE_MANY else 1
         programs = -(-codes // (_ENCODE_BLOCK * blocks))
-        variant = (fmt, blocks, packed, aligned(n, 0, x, out))
+        variant = (fmt, blocks, packed, aligned(n, 0, x, out), check)
         if not _launch("encode_kernel", programs, (x, out, bad, n), encode_constants, variant):
             return None
+    if not check:
+        return -1
     first = int(bad.item())
     return first if first < n else -1
 

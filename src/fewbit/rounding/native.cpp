@@ -1417,8 +1417,10 @@ inline void write_codes(const Job& job, const Row r, const uint32_t* codes, int 
     uint16_t* o = static_cast<uint16_t*>(job.out) + r.pos0;
     for (int h = from; h < r.h1; ++h) o[h] = uint16_t(codes[h]);
   } else {  // packed: offset and row starts are even, so pairs lie within a row
+    // (Each code kept to its nibble: an element that is no value, which encode without its
+    // check lets through, has a code of more bits, which must not reach its neighbour's.)
     uint8_t* o = static_cast<uint8_t*>(job.out) + r.pos0 / 2;
-    for (int h = from / 2; h < r.h1 / 2; ++h) o[h] = uint8_t(codes[2 * h] | (codes[2 * h + 1] << 4));
+    for (int h = from / 2; h < r.h1 / 2; ++h) o[h] = uint8_t((codes[2 * h] & 15u) | (codes[2 * h + 1] << 4));
   }
 }
 

@@ -397,7 +397,7 @@ def encode_kernel(x_ptr, out_ptr, bad_ptr, n: tl.int64, BLOCK: tl.constexpr, BLO
                   HAS_ZERO: tl.constexpr, K: tl.constexpr, CODE_OF_MAX: tl.constexpr,
                   CODE_OF_NAN: tl.constexpr, HAS_NANS: tl.constexpr, EXTENDED: tl.constexpr,
                   SIGNED: tl.constexpr, TWOS_COMPLEMENT: tl.constexpr, MAGIC: tl.constexpr,
-                  MAGIC_SCALE: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
+                  MAGIC_SCALE: tl.constexpr, ALIGNED: tl.constexpr, CHECK: tl.constexpr):  # fmt: skip
     """Codes of x[0 .. n) into out, BLOCKS blocks of BLOCK codes a program (PACKED: BLOCK
     bytes of two 4-bit codes, the even element's low; n even), and into bad_ptr (an int64
     holding n) the least position holding no value of the format, if any (an atomic min
@@ -408,7 +408,8 @@ def encode_kernel(x_ptr, out_ptr, bad_ptr, n: tl.int64, BLOCK: tl.constexpr, BLO
     again for the first. Keeping the least position in the loop cost three instructions a
     code (sm_90: float32 to e4m3 23.7 a code, 22.0 so; packed e2m1 27, 21.4), and its
     reduction per block of 1024 a barrier each. ``ALIGNED``: as round_kernel's, for x,
-    out and n."""
+    out and n. Without ``CHECK`` nothing is checked (bad_ptr is unused): x holds values
+    of the format, and another element gets whatever code _code_of makes of it."""
     lanes = tl.arange(0, BLOCK)
     if PACKED:  # [BLOCK, 2]: each byte's two elements, adjacent in memory
         index = 2 * lanes[:, None] + tl.arange(0, 2)[None, :]
@@ -419,29 +420,33 @@ def encode_kernel(x_ptr, out_ptr, bad_ptr, n: tl.int64, BLOCK: tl.constexpr, BLO
     seen = tl.zeros(index.shape, tl.int32)  # lane by lane: whether a block held an element that is no value
     for block in range(BLOCKS):
         b, inside, end = _block_bits(x_ptr, n, first_base + block * BLOCK, index, BLOCK, PER, ALIGNED)
-        bad = inside & _no_value(b, T, EMIN, BIAS, MIN_ULP_EXP, SUBNORMAL_BELOW, MAX, MAX_NEG, BEYOND_POS,
-                                 BEYOND_NEG, SMALLEST_NORMAL, P_IS_1, HAS_NZ, HAS_ZERO, HAS_NANS, EXTENDED,
-                                 MAGIC, MAGIC_SCALE)  # fmt: skip
-        seen = seen | bad.to(tl.int32)
+        if CHECK:
+            bad = inside & _no_value(b, T, EMIN, BIAS, MIN_ULP_EXP, SUBNORMAL_BELOW, MAX, MAX_NEG,
+                                     BEYOND_POS, BEYOND_NEG, SMALLEST_NORMAL, P_IS_1, HAS_NZ, HAS_ZERO,
+                                     HAS_NANS, EXTENDED, MAGIC, MAGIC_SCALE)  # fmt: skip
+            seen = seen | bad.to(tl.int32)
         code = _code_of(b, T, EMIN, K, CODE_OF_MAX, CODE_OF_NAN, HAS_NZ, HAS_NANS, EXTENDED, SIGNED,
                         TWOS_COMPLEMENT)  # fmt: skip
         out_block = out_ptr + first_base + block * BLOCK
         if ALIGNED:
             out_block = tl.multiple_of(out_block, 16)
         if PACKED:
-            byte = tl.sum(code << (4 * tl.arange(0, 2))[None, :], axis=1)  # disjoint bits: the sum is an or
+            # disjoint bits, the sum an or: each code kept to its nibble (one that is no value,
+            # which CHECK False lets through, may have more bits)
+            byte = tl.sum((code & 15) << (4 * tl.arange(0, 2))[None, :], axis=1)
             tl.store(out_block + lanes, byte.to(tl.uint8), mask=lanes < end // 2)  # (n is even)
         else:
             tl.store(out_block + lanes, code.to(out_ptr.dtype.element_ty), mask=inside)
-    if tl.max(seen) > 0:  # rare (the call then raises): which element came first, block by block
-        least = tl.full(index.shape, PER * BLOCK * BLOCKS, tl.int32)  # PER BLOCK BLOCKS: none
-        for block in range(BLOCKS):
-            b, inside, end = _block_bits(x_ptr, n, first_base + block * BLOCK, index, BLOCK, PER, ALIGNED)
-            bad = inside & _no_value(b, T, EMIN, BIAS, MIN_ULP_EXP, SUBNORMAL_BELOW, MAX, MAX_NEG,
-                                     BEYOND_POS, BEYOND_NEG, SMALLEST_NORMAL, P_IS_1, HAS_NZ, HAS_ZERO,
-                                     HAS_NANS, EXTENDED, MAGIC, MAGIC_SCALE)  # fmt: skip
-            least = tl.minimum(least, tl.where(bad, index + block * PER * BLOCK, least))
-        tl.atomic_min(bad_ptr, PER * first_base + tl.min(least))
+    if CHECK:
+        if tl.max(seen) > 0:  # rare (the call then raises): which element came first, block by block
+            least = tl.full(index.shape, PER * BLOCK * BLOCKS, tl.int32)  # PER BLOCK BLOCKS: none
+            for block in range(BLOCKS):
+                b, inside, end = _block_bits(x_ptr, n, first_base + block * BLOCK, index, BLOCK, PER, ALIGNED)
+                bad = inside & _no_value(b, T, EMIN, BIAS, MIN_ULP_EXP, SUBNORMAL_BELOW, MAX, MAX_NEG,
+                                         BEYOND_POS, BEYOND_NEG, SMALLEST_NORMAL, P_IS_1, HAS_NZ, HAS_ZERO,
+                                         HAS_NANS, EXTENDED, MAGIC, MAGIC_SCALE)  # fmt: skip
+                least = tl.minimum(least, tl.where(bad, index + block * PER * BLOCK, least))
+            tl.atomic_min(bad_ptr, PER * first_base + tl.min(least))
 
 
 @triton.jit
