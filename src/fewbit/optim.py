@@ -250,8 +250,8 @@ class LowPrecisionWeights:
                 blocks.append(quantize(x, self.fmt, self.mode, sat=self.sat, **sr))
             else:
                 t.copy_(round_to(x, self.fmt, self.mode, sat=self.sat, **sr))
-        if self.store_codes:
-            self._codes = blocks if block else [encode(t, self.fmt) for t in pieces]
+        if self.store_codes:  # values of fmt, rounded just now: unchecked, so a GPU step waits for nothing
+            self._codes = blocks if block else [encode(t, self.fmt, check=False) for t in pieces]
             # The size of the whole storage: a piece may be a view into a larger one (FSDP2
             # pads its shards), which must come back at its size.
             self._nbytes = [t.untyped_storage().nbytes() for t in pieces]
