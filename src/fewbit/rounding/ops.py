@@ -111,7 +111,8 @@ def _round_into(x, spec: RoundSpec, key, random_bits, out: torch.Tensor) -> None
     # then a temporary takes the result first.
     direct = out.is_contiguous() and spec.fmt.has_nans and not _overlaps(out, x)
     result = out if direct else torch.empty_like(x, memory_format=torch.contiguous_format)
-    # On a CPU the key's words as Python ints: the native kernel and the eager generator take them.
+    # A key in host memory as Python ints: the native kernel, the eager generator and the GPU
+    # kernel's launch take them.
     ints = Key(*key.tolist()) if key is not None and key.device.type == "cpu" else key
     if gpu.applies(spec, x, rand) and gpu.round_into(x, spec, ints, rand, result):  # as native, on a GPU
         invalid = not spec.fmt.has_nans
