@@ -360,6 +360,7 @@ def test_encode_and_decode_compile_and_take_tensors_that_require_grad():
     y = fewbit.round(w, "e4m3")
     codes = fewbit.encode(y, "e4m3")  # integer codes: no gradient, and no error
     assert codes.dtype == torch.uint8 and not codes.requires_grad
+    assert torch.equal(fewbit.encode(y, "e4m3", check=False), codes)
     assert torch.equal(fewbit.decode(codes, "e4m3"), y.detach())
 
     def roundtrip(x):
