@@ -248,14 +248,14 @@ def test_seed_as_tensor_or_key_tensor():
 def test_an_int_seeds_key_stays_in_host_memory():
     """Whatever x's device, an int seed's key is made in host memory, for a GPU kernel to
     take its words with the launch (tests/test_gpu.py runs it); a key tensor stays where it is."""
-    from fewbit.rounding import _op_args
+    from fewbit.rounding.ops import op_args
 
     x = torch.empty(8, device="meta")
     for seed in (7, fewbit.random.Key(1, 2)):
-        key = _op_args(x, "e4m3", "src", False, 3, None, seed, None)[6]
+        key = op_args(x, "e4m3", "src", False, 3, None, seed, None)[6]
         want = fewbit.random.as_key(seed)
         assert key.device.type == "cpu" and key.tolist() == [want.k0, want.k1]
-    assert _op_args(x, "e4m3", "src", False, 3, None, key_of(7, "meta"), None)[6].device.type == "meta"
+    assert op_args(x, "e4m3", "src", False, 3, None, key_of(7, "meta"), None)[6].device.type == "meta"
 
 
 # --- outputs never alias memory the user holds ---------------------------------------

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from ..formats import FloatFormat
-from ..random import Key, key_of
-from .checks import RoundSpec, dtype_format, scalar_args
+from ..random import Key
+from .checks import RoundSpec, dtype_format
 from .modes import MODES, SELECT_BITS, ModeInfo, RoundMode, natural_sr_bits
-from .ops import call_with_out, format_name
+from .ops import call_with_out, op_args
 from .reference import round_reference
 
 __all__ = [
@@ -62,7 +62,7 @@ def round(
         ValueError when a value has no result in a format without Inf and NaN
         (NaN input, or overflow without ``sat``).
     """
-    args = _op_args(x, fmt, mode, sat, bits, fraction, seed, random_bits)
+    args = op_args(x, fmt, mode, sat, bits, fraction, seed, random_bits)
     return call_with_out(torch.ops.fewbit.round, torch.ops.fewbit.round_into, args, x, out, "fewbit.round")
 
 
@@ -70,19 +70,3 @@ def round_(x: torch.Tensor, fmt: FloatFormat | str, mode: RoundMode | str = "rne
     """In-place :func:`round` (same arguments): x holds the rounded values; returns x.
     On an error x is left untouched."""
     return round(x, fmt, mode, out=x, **kwargs)
-
-
-def _op_args(x, fmt, mode, sat, bits, fraction, seed, random_bits) -> tuple:
-    """The op's arguments: names for the format and mode, Python scalars, a key tensor."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, not {type(x).__name__}")
-    if isinstance(mode, RoundMode):
-        mode = mode.value
-    elif not isinstance(mode, str):
-        raise TypeError(f"mode must be a RoundMode or a string, not {type(mode).__name__}")
-    sat, bits, fraction = scalar_args(sat, bits, fraction)
-    # An int seed's key stays in host memory, where a GPU kernel takes its words with the
-    # launch instead of a copy to the device of its own; traced, it is made on x's device.
-    host = isinstance(seed, (int, Key)) and not torch.compiler.is_compiling()
-    key = None if seed is None else key_of(seed, None if host else x.device)
-    return x, format_name(fmt), mode, sat, bits, fraction, key, random_bits

@@ -25,13 +25,16 @@ import torch
 from ..config import current
 from ..formats import FloatFormat, format
 from ..operators import operator
-from ..random import Key
+from ..random import Key, key_of
 from . import gpu, native
-from .checks import RoundSpec, check_random_bits, make_spec
+from .checks import RoundSpec, check_random_bits, make_spec, scalar_args
 from .compiled import compiled_round, range_bits, round_body, stream_words, use_compiled
-from .modes import parse_mode
+from .modes import RoundMode, parse_mode
 
-__all__ = ["check_key", "format_name", "lookup_format", "name_for_op", "spec_of"]
+__all__ = [
+    "check_key", "checked_spec", "fake_checks", "format_name", "host_key", "lookup_format", "name_for_op",
+    "no_result", "op_args", "round_into", "spec_of",
+]  # fmt: skip
 
 #: Formats made by hand (not in the registry) that went through an op, by name.
 _UNREGISTERED: dict[str, FloatFormat] = {}
@@ -65,6 +68,22 @@ def lookup_format(name: str) -> FloatFormat:
     """The format an op names (the registry, or one made by hand that went through
     :func:`format_name`)."""
     return _UNREGISTERED.get(name) or format(name)
+
+
+def op_args(x, fmt, mode, sat, bits, fraction, seed, random_bits) -> tuple:
+    """The op's arguments: names for the format and mode, Python scalars, a key tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, not {type(x).__name__}")
+    if isinstance(mode, RoundMode):
+        mode = mode.value
+    elif not isinstance(mode, str):
+        raise TypeError(f"mode must be a RoundMode or a string, not {type(mode).__name__}")
+    sat, bits, fraction = scalar_args(sat, bits, fraction)
+    # An int seed's key stays in host memory, where a GPU kernel takes its words with the
+    # launch instead of a copy to the device of its own; traced, it is made on x's device.
+    host = isinstance(seed, (int, Key)) and not torch.compiler.is_compiling()
+    key = None if seed is None else key_of(seed, None if host else x.device)
+    return x, format_name(fmt), mode, sat, bits, fraction, key, random_bits
 
 
 def spec_of(
@@ -103,7 +122,13 @@ def check_key(spec: RoundSpec, x: torch.Tensor, key: torch.Tensor | None, random
                          f"{tuple(key.shape)} on {key.device} (fewbit.random.key_of makes one)")
 
 
-def _round_into(x, spec: RoundSpec, key, random_bits, out: torch.Tensor) -> None:
+def host_key(key: torch.Tensor | None) -> Key | torch.Tensor | None:
+    """A key in host memory as Python ints (a :class:`Key`), which the native kernel, the
+    eager generator and the GPU kernel's launch take; a key on a device as it is."""
+    return Key(*key.tolist()) if key is not None and key.device.type == "cpu" else key
+
+
+def round_into(x, spec: RoundSpec, key, random_bits, out: torch.Tensor) -> None:
     """Round x into out (x's shape and dtype). Nothing is written on an error."""
     rand = check_random_bits(x, spec, random_bits) if key is None else None
     # The kernels write contiguous memory. out is that unless it is strided, or overlaps x
@@ -111,9 +136,7 @@ def _round_into(x, spec: RoundSpec, key, random_bits, out: torch.Tensor) -> None
     # then a temporary takes the result first.
     direct = out.is_contiguous() and spec.fmt.has_nans and not _overlaps(out, x)
     result = out if direct else torch.empty_like(x, memory_format=torch.contiguous_format)
-    # A key in host memory as Python ints: the native kernel, the eager generator and the GPU
-    # kernel's launch take them.
-    ints = Key(*key.tolist()) if key is not None and key.device.type == "cpu" else key
+    ints = host_key(key)
     if gpu.applies(spec, x, rand) and gpu.round_into(x, spec, ints, rand, result):  # as native, on a GPU
         invalid = not spec.fmt.has_nans
     elif native.applies(spec, x, rand):  # it reads x in memory order, any shape
@@ -156,22 +179,27 @@ def _raise_on_invalid(work: torch.Tensor, out: torch.Tensor, spec: RoundSpec) ->
     # In a format without NaN, a NaN result marks an element with no valid value. This
     # one reduction (a host sync on a GPU) is the only check of data after rounding.
     if bool(torch.isnan(out).any()):
-        fmt = spec.fmt.name
-        if bool(torch.isnan(work).any()):
-            raise ValueError(f"{fmt} has no NaN to hold a NaN input")
-        raise ValueError(f"{fmt} has no Inf or NaN for a value beyond its range; use sat=True")
+        raise no_result(spec.fmt, nan_input=bool(torch.isnan(work).any()))
 
 
-def _checked(x, fmt, rounding, sat, bits, fraction, key, random_bits) -> RoundSpec:
+def no_result(fmt: FloatFormat, nan_input: bool) -> ValueError:
+    """The error for an element without a result in ``fmt`` (a format without NaN): a NaN
+    input, or a value beyond the range without ``sat``."""
+    if nan_input:
+        return ValueError(f"{fmt.name} has no NaN to hold a NaN input")
+    return ValueError(f"{fmt.name} has no Inf or NaN for a value beyond its range; use sat=True")
+
+
+def checked_spec(x, fmt, rounding, sat, bits, fraction, key, random_bits) -> RoundSpec:
     """The call's spec, once the arguments and the key are checked."""
     spec = spec_of(x, fmt, rounding, sat, bits, fraction)
     check_key(spec, x, key, random_bits)
     return spec
 
 
-def _fake_checks(x, fmt, rounding, sat, bits, fraction, key, random_bits) -> None:
+def fake_checks(x, fmt, rounding, sat, bits, fraction, key, random_bits) -> None:
     """What can be checked while tracing: everything but the values of random_bits."""
-    spec = _checked(x, fmt, rounding, sat, bits, fraction, key, random_bits)
+    spec = checked_spec(x, fmt, rounding, sat, bits, fraction, key, random_bits)
     if key is None:
         check_random_bits(x, spec, random_bits, values=False)
 
@@ -186,15 +214,15 @@ def round_op(
     key: torch.Tensor | None, random_bits: torch.Tensor | None,
 ) -> torch.Tensor:
     """``fewbit.round`` as an operator (see there)."""
-    spec = _checked(x, fmt, rounding, sat, bits, fraction, key, random_bits)
+    spec = checked_spec(x, fmt, rounding, sat, bits, fraction, key, random_bits)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _round_into(x, spec, key, random_bits, out)
+    round_into(x, spec, key, random_bits, out)
     return out
 
 
 @round_op.register_fake
 def _(x, fmt, rounding, sat, bits, fraction, key, random_bits):
-    _fake_checks(x, fmt, rounding, sat, bits, fraction, key, random_bits)
+    fake_checks(x, fmt, rounding, sat, bits, fraction, key, random_bits)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -204,14 +232,14 @@ def round_into_op(
     key: torch.Tensor | None, random_bits: torch.Tensor | None, out: torch.Tensor,
 ) -> None:
     """``fewbit.round(..., out=out)`` and ``fewbit.round_`` as an operator."""
-    spec = _checked(x, fmt, rounding, sat, bits, fraction, key, random_bits)
+    spec = checked_spec(x, fmt, rounding, sat, bits, fraction, key, random_bits)
     _check_out(x, out)
-    _round_into(x, spec, key, random_bits, out)
+    round_into(x, spec, key, random_bits, out)
 
 
 @round_into_op.register_fake
 def _(x, fmt, rounding, sat, bits, fraction, key, random_bits, out):
-    _fake_checks(x, fmt, rounding, sat, bits, fraction, key, random_bits)
+    fake_checks(x, fmt, rounding, sat, bits, fraction, key, random_bits)
     _check_out(x, out)
 
 
