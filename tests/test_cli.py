@@ -29,7 +29,7 @@ def test_formats_table_lists_the_registry(capsys):
 def test_round_prints_neighbours_results_and_sr_probabilities(capsys):
     code, out, _ = run(capsys, "round", "0.3", "--format", "binary8p4")
     assert code == 0
-    assert "neighbours: 0.28125 and 0.3125" in out
+    assert "neighbours: 0.28125 and 0.3125 (codes 0x" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines()[3:]}
     assert rows["rne"][1] == "0.3125" and rows["rtz"][1] == "0.28125"
     # float32(0.3) sits d = 0.6000004 of an ulp above 0.28125: with N = 3 bits SRFF
@@ -52,6 +52,16 @@ def test_round_one_result_has_probability_one_or_zero(capsys):
     _, out, _ = run(capsys, "round", "1.1328125", "-f", "binary8p4", "--dtype", "bfloat16")
     rows = {line.split()[0]: line.split() for line in out.splitlines()[3:]}
     assert rows["src"][2:4] == ["1.125", "0"] and rows["srf"][2:6] == ["1.125", "or", "1.25", "1/8"]
+
+
+@pytest.mark.parametrize("value", ["0.3", "-0.3", "448", "-0.001"])
+def test_round_prints_the_neighbours_codes(capsys, value):
+    """The codes of x rounded toward zero and away from it: torch.float8_e4m3fn's bits."""
+    _, out, _ = run(capsys, "round", value, "-f", "e4m3")
+    line = next(line for line in out.splitlines() if line.startswith("neighbours:"))
+    lo, hi = (float(v) for v in line.removeprefix("neighbours: ").split(" (")[0].split(" and "))
+    bits = torch.tensor([lo, hi]).to(torch.float8_e4m3fn).view(torch.uint8).tolist()
+    assert f"(codes 0x{bits[0]:02x}, 0x{bits[1]:02x})" in line
 
 
 def test_round_single_mode_and_dtype(capsys):
@@ -82,7 +92,8 @@ def test_bench_json_rows(capsys):
     assert all(r["us_per_call"] > 0 for r in per_call)
     rows = [r for r in rows if "us_per_call" not in r]
     f32 = {(r["mode"], r["bits"]): r for r in rows if r["input"] == "torch.float32"}
-    assert set(f32) == {("copy_", None), ("rne", None), ("src", 3), ("sr", None), ("encode to uint8", None)}
+    assert set(f32) == {("copy_", None), ("rne", None), ("src", 3), ("sr", None), ("encode to uint8", None),
+                        ("quantize src", 3), ("round src, then encode", 3)}
     assert {r["input"] for r in rows} == {"torch.float32", "torch.bfloat16", "torch.float16"}
     for r in rows:
         assert r["melem_per_s"] > 0 and r["gb_per_s"] > 0

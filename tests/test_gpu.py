@@ -139,6 +139,24 @@ def test_encode_gpu_equals_cpu(name):
         fewbit.encode(torch.cat([values, torch.tensor([float(fmt.max) * 1.5])]).cuda(), fmt)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["binary8p4", "ocp_e4m3", "ocp_e2m1", "binary4p2"])
+def test_quantize_gpu_equals_cpu(name, dtype):
+    """fewbit.quantize on a GPU (the rounding kernel, then encode's, unchecked) gives the
+    CPU's one-pass codes, packed where K <= 4, and the same error for a NaN where the
+    format has none."""
+    gen = torch.Generator().manual_seed(8)
+    x = (torch.randn(8, 4096 + 30, generator=gen) * 4).to(dtype)
+    packed = fewbit.format(name).k <= 4
+    for mode, kw in (("rne", {}), ("src", {"bits": 3, "seed": 5}), ("sr", {"seed": 6})):
+        kw = {"sat": True, "packed": packed, **kw}
+        expected = fewbit.quantize(x, name, mode, **kw)
+        assert torch.equal(fewbit.quantize(x.cuda(), name, mode, **kw).cpu(), expected)
+    if not fewbit.format(name).has_nans:
+        with pytest.raises(ValueError, match="no NaN to hold a NaN input"):
+            fewbit.quantize(torch.tensor([1.0, float("nan")], device="cuda"), name)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp4", "nvfp4", "hbfp8"])
 @pytest.mark.parametrize("mode, kw", [("rne", {}), ("src", {"bits": 3, "seed": 9})])
@@ -247,5 +265,5 @@ def test_bench_gives_device_time_ratios():
     rows = bench.run(log2_size=16, device="cuda", repeat=2, quick=True, with_gfloat=False)
     ratios = [r for r in rows if "x_copy" in r]
     assert len(ratios) >= 12 and all(0 < r["device_x_copy"] < float("inf") for r in ratios)
-    assert {"encode to uint8", "encode to uint8, unchecked"} <= {r["mode"] for r in ratios}
+    assert {"encode to uint8", "encode to uint8, unchecked", "quantize src"} <= {r["mode"] for r in ratios}
     assert "device" in bench.format_table(rows).splitlines()[0]

@@ -17,6 +17,8 @@ same run (on a GPU, its achievable memory bandwidth). On a GPU ``device`` gives 
 in device time (:func:`device_ratio`): the pairs wait for the device after each call, so
 their ratio counts a call's host time, which a training step hides. The last rows give
 the time of one call on 4096 elements, where the per-call overhead is all there is.
+Codes rows (encode, quantize) return new codes, a byte an element: ``x copy`` then
+compares a call that allocates a quarter of float32's bytes with ``copy_``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from .codec import encode
+from .codec import encode, quantize
 from .config import configure
 from .formats import format
 from .rounding import dtype_format, natural_sr_bits
@@ -200,6 +202,21 @@ def run(
                          "x_clone": paired(encode_call, clone, repeat, sync)[1]})  # fmt: skip
             if device.startswith("cuda"):
                 rows[-1]["device_x_copy"] = device_ratio(encode_call, copy, repeat)
+        # Codes of SRC N=3 roundings: fewbit.quantize, in one call, and round then encode.
+        src = {"bits": 3, "seed": 1}
+
+        def round_then_encode():
+            return encode(fewbit_round(x, "binary8p4", "src", out=out, **src), "binary8p4", check=False)
+
+        codes_of = {"quantize src": lambda: quantize(x, "binary8p4", "src", **src),
+                    "round src, then encode": round_then_encode}  # fmt: skip
+        for mode, fn in codes_of.items():
+            t, x_copy = paired(fn, copy, repeat, sync)
+            rows.append({"input": str(dtype), "format": "binary8p4", "mode": mode, "bits": 3,
+                         "melem_per_s": n / t / 1e6, "gb_per_s": (x.nbytes + n) / t / 1e9, "x_copy": x_copy,
+                         "x_clone": paired(fn, clone, repeat, sync)[1]})  # fmt: skip
+            if device.startswith("cuda"):
+                rows[-1]["device_x_copy"] = device_ratio(fn, copy, repeat)
     if block:
         rows += block_rows(log2_size, device, repeat, sync, progress)
     rows += _per_call(device, sync)

@@ -10,6 +10,7 @@ from fractions import Fraction
 import torch
 
 from . import __version__, formats
+from .codec import quantize
 from .formats import FloatFormat
 from .rounding import MODES, RoundMode, round
 from .rounding.checks import check_round_args
@@ -135,7 +136,13 @@ def cmd_round(args: argparse.Namespace) -> int:
         sign = -1.0 if stored < 0 else 1.0
         ulp = Fraction(hi - lo)
         d = (abs(Fraction(stored)) - Fraction(lo)) / ulp if ulp else Fraction(0)
-        print(f"neighbours: {sign * lo!r} and {sign * hi!r}; ulp = {float(ulp)!r}; d = {float(d):.10g}")
+        codes = ""
+        if fmt.k <= 16:  # the neighbours' codes: x rounded toward zero and away from it
+            bits = [int(quantize(x, fmt, m, sat=True)) & ((1 << fmt.k) - 1)
+                    for m in ("rtz", "rup" if stored >= 0 else "rdn")]  # fmt: skip
+            codes = " (codes " + ", ".join(f"0x{b:0{-(-fmt.k // 4)}x}" for b in bits) + ")"
+        ulp_d = f"ulp = {float(ulp)!r}; d = {float(d):.10g}"
+        print(f"neighbours: {sign * lo!r} and {sign * hi!r}{codes}; {ulp_d}")
     rows = [["mode", "result", "P(away)", "E[result]", "bias/ulp"]]
     for mode, spec, first, last, p in outcomes:
         label = mode.value + (f" N={spec.bits}" if spec.bits is not None else "")

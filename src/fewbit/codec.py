@@ -6,9 +6,13 @@ With ``packed=True`` two codes of K <= 4 bits share a byte, the even element in 
 low nibble. ``decode`` looks codes up in the format's value table. OCP E4M3/E5M2
 codes are the bit patterns of ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``.
 
-Both are ``torch.library`` operators (``fewbit::encode``, ``fewbit::decode``) with fake
-implementations, so compiled and exported code treats each as one op. Codes carry no
-gradient: they are integers.
+``quantize`` rounds and encodes in one call: ``encode(round(x, fmt, mode, ...), fmt)``,
+bit for bit, where the native CPU kernel writes each result's code in the pass that
+rounds it, without storing the rounded values.
+
+All three are ``torch.library`` operators (``fewbit::encode``, ``fewbit::decode``,
+``fewbit::quantize``) with fake implementations, so compiled and exported code treats
+each as one op. Codes carry no gradient: they are integers.
 """
 
 from __future__ import annotations
@@ -19,12 +23,15 @@ import torch
 
 from .formats import FloatFormat, format
 from .operators import operator
-from .rounding import gpu, native
-from .rounding.checks import dtype_format
+from .random import Key
+from .rounding import RoundMode, gpu, native
+from .rounding.checks import check_random_bits, dtype_format
+from .rounding.compiled import stream_words
 from .rounding.fast import _LAYOUT, decompose, working_dtype
-from .rounding.ops import format_name, lookup_format
+from .rounding.ops import checked_spec, fake_checks, format_name, host_key, lookup_format, no_result, op_args
+from .rounding.ops import round_into as round_values_into
 
-__all__ = ["code_dtype", "codes_of", "decode", "encode", "pack_pairs"]
+__all__ = ["code_dtype", "codes_of", "decode", "encode", "pack_pairs", "quantize"]
 
 
 def code_dtype(fmt: FloatFormat | str) -> torch.dtype:
@@ -65,6 +72,34 @@ def decode(
     if not isinstance(codes, torch.Tensor):
         raise TypeError(f"codes must be a torch.Tensor, not {type(codes).__name__}")
     return torch.ops.fewbit.decode(codes, format_name(fmt), dtype, bool(packed))
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: FloatFormat | str,
+    mode: RoundMode | str = "rne",
+    *,
+    sat: bool = False,
+    bits: int | None = None,
+    random_bits: torch.Tensor | None = None,
+    fraction: float | None = None,
+    seed: int | Key | torch.Tensor | None = None,
+    packed: bool = False,
+) -> torch.Tensor:
+    """Codes of ``x`` rounded to ``fmt``: ``encode(round(x, fmt, mode, ...), fmt, packed)``,
+    bit for bit, in one call (the arguments are :func:`fewbit.round`'s, then ``packed``).
+
+    On a CPU the native kernel rounds each element and writes its code in one pass, and
+    the rounded values are never stored: a quarter of ``round``'s output bytes from
+    float32, and no second pass to encode them. Elsewhere (no native kernel, float64
+    inputs) it rounds and then encodes; on a GPU, two kernels without a host wait, as
+    ``round`` followed by ``encode(..., check=False)``.
+
+    Raises what :func:`fewbit.round` raises (a value with no result in a format without
+    NaN), and :func:`encode`'s errors for the codes (K > 16; ``packed`` needs K <= 4 and
+    an even last dimension)."""
+    args = op_args(x, fmt, mode, sat, bits, fraction, seed, random_bits)
+    return torch.ops.fewbit.quantize(*args, bool(packed))
 
 
 def _encode_checks(x: torch.Tensor, fmt: FloatFormat, packed: bool) -> torch.Size:
@@ -109,7 +144,11 @@ def pack_pairs(code: torch.Tensor) -> torch.Tensor:
 
 @operator("fewbit::encode")
 def _encode(x: torch.Tensor, fmt: str, packed: bool, check: bool) -> torch.Tensor:
-    fmt = lookup_format(fmt)
+    return _codes(x, lookup_format(fmt), packed, check)
+
+
+def _codes(x: torch.Tensor, fmt: FloatFormat, packed: bool, check: bool) -> torch.Tensor:
+    """encode's kernel."""
     shape = _encode_checks(x, fmt, packed)
     out = torch.empty(shape, dtype=code_dtype(fmt), device=x.device)
     if native.usable(x, fmt):  # (its check is fused, and costs nothing to keep)
@@ -145,6 +184,34 @@ def _not_a_value(value: float, fmt: FloatFormat):
 
 @_encode.register_fake
 def _(x, fmt, packed, check):
+    fmt = lookup_format(fmt)
+    return x.new_empty(_encode_checks(x, fmt, packed), dtype=code_dtype(fmt))
+
+
+@operator("fewbit::quantize")
+def _quantize(
+    x: torch.Tensor, fmt: str, rounding: str, sat: bool, bits: int | None, fraction: float | None,
+    key: torch.Tensor | None, random_bits: torch.Tensor | None, packed: bool,
+) -> torch.Tensor:
+    spec = checked_spec(x, fmt, rounding, sat, bits, fraction, key, random_bits)
+    shape = _encode_checks(x, spec.fmt, packed)
+    rand = check_random_bits(x, spec, random_bits) if key is None else None
+    if native.applies(spec, x, rand):  # rounds and encodes in one pass
+        out = torch.empty(shape, dtype=code_dtype(spec.fmt), device=x.device)
+        ints = host_key(key)
+        words = None if ints is None else stream_words(spec, ints)
+        bad = native.quantize_into(x.reshape(-1), spec, words, rand, out.view(-1), packed)
+        if bad >= 0:  # the error fewbit.round gives
+            raise no_result(spec.fmt, nan_input=bool(torch.isnan(x).any()))
+        return out
+    values = torch.empty_like(x, memory_format=torch.contiguous_format)
+    round_values_into(x, spec, key, random_bits, values)  # raises where a value has no result
+    return _codes(values, spec.fmt, packed, check=False)  # values of the format: nothing to check
+
+
+@_quantize.register_fake
+def _(x, fmt, rounding, sat, bits, fraction, key, random_bits, packed):
+    fake_checks(x, fmt, rounding, sat, bits, fraction, key, random_bits)
     fmt = lookup_format(fmt)
     return x.new_empty(_encode_checks(x, fmt, packed), dtype=code_dtype(fmt))
 

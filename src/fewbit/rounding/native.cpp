@@ -379,6 +379,13 @@ struct Bf16x16 {
     return SR ? _mm256_and_si256(_mm256_add_epi16(r, n16), keep) : _mm256_and_si256(r, pre_keep);
   }
 
+  // The float adder's sums |x| + C of magnitudes a (as float32s: a's 16 bits unpacked under
+  // zeros), in the unpacking's lane order (lanes 0-3 and 8-11, 4-7 and 12-15).
+  void sums(__m256i a, __m256& ylo, __m256& yhi) const {
+    ylo = _mm256_add_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, a)), big);
+    yhi = _mm256_add_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, a)), big);
+  }
+
   // Where lanes v lie below 2^emin (all ones), as magnitudes (a NaN does not).
   __m256i below(__m256i v) const { return _mm256_cmpgt_epi16(emin, _mm256_and_si256(v, magnitude)); }
 
@@ -391,8 +398,7 @@ struct Bf16x16 {
     const __m256i r = nearest<SR>(a, n16);
     __m256i mag = r;
     if (TINY) {
-      ylo = _mm256_add_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, a)), big);
-      yhi = _mm256_add_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, a)), big);
+      sums(a, ylo, yhi);
       if (SR) {  // n in the unpacking's lane order (lanes 0-3 and 8-11, 4-7 and 12-15)
         const __m256i nlo = _mm256_srl_epi32(_mm256_unpacklo_epi16(n16, zero), pre);
         const __m256i nhi = _mm256_srl_epi32(_mm256_unpackhi_epi16(n16, zero), pre);
@@ -524,7 +530,9 @@ __attribute__((noinline)) void magic_bf16_row(const uint16_t* x16, Fields n, uin
 // was, 1 at emin); one below 2^emin, |x| / 2^(emin - t), which the float adder's sum |x| + C
 // holds in its low bits (magic_codes's argument). Returns whether every lane held a value
 // of the format; where one did not, the caller redoes the row the general way, which
-// finds it.
+// finds it. Without CHECK (values just rounded to the format) it checks nothing, and
+// returns true.
+template <bool CHECK>
 inline bool encode_bf16_row(const uint16_t* x16, uint8_t* o, const Bf16x16& c, const Fmt& f) {
   const __m256i code_base = _mm256_set1_epi16(int16_t(((f[EMIN] + 126) << 7)));
   const __m128i ulp_shift = _mm_cvtsi32_si128(7 - f[T]);
@@ -537,8 +545,13 @@ inline bool encode_bf16_row(const uint16_t* x16, uint8_t* o, const Bf16x16& c, c
   __m256i bad = c.zero;
   const auto codes = [&](__m256i v, auto tiny) {
     __m256 ylo, yhi;
-    const __m256i rounded = c.round<false, decltype(tiny)::value>(v, c.zero, ylo, yhi);
     const __m256i a = _mm256_and_si256(v, c.magnitude);
+    __m256i rounded = c.zero;
+    if constexpr (CHECK) {
+      rounded = c.round<false, decltype(tiny)::value>(v, c.zero, ylo, yhi);
+    } else if constexpr (decltype(tiny)::value) {
+      c.sums(a, ylo, yhi);
+    }
     __m256i code = _mm256_srl_epi16(_mm256_sub_epi16(a, code_base), ulp_shift);
     if (tiny) {
       const __m256i from_sum = _mm256_packus_epi32(_mm256_sub_epi32(_mm256_castps_si256(ylo), big_bits),
@@ -552,12 +565,14 @@ inline bool encode_bf16_row(const uint16_t* x16, uint8_t* o, const Bf16x16& c, c
     const __m256i dropped = _mm256_or_si256(nan, _mm256_andnot_si256(nz, _mm256_cmpeq_epi16(code, c.zero)));
     const __m256i keep = _mm256_andnot_si256(dropped, _mm256_cmpgt_epi16(c.zero, v));
     code = _mm256_or_si256(code, _mm256_and_si256(keep, sign_code));
-    // not_a_value: rounding changed x (as float32s: -0 and +0 alike), or a NaN without NaNs
-    const __m256i same = _mm256_or_si256(
-        _mm256_cmpeq_epi16(rounded, v),
-        _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_or_si256(rounded, v), c.magnitude), c.zero));
-    bad = _mm256_or_si256(bad, _mm256_blendv_epi8(_mm256_xor_si256(same, _mm256_cmpeq_epi16(c.zero, c.zero)),
-                                                  nan_bad, nan));
+    if constexpr (CHECK) {
+      // not_a_value: rounding changed x (as float32s: -0 and +0 alike), or a NaN without NaNs
+      const __m256i same = _mm256_or_si256(
+          _mm256_cmpeq_epi16(rounded, v),
+          _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_or_si256(rounded, v), c.magnitude), c.zero));
+      bad = _mm256_or_si256(bad, _mm256_blendv_epi8(_mm256_xor_si256(same, _mm256_cmpeq_epi16(c.zero, c.zero)),
+                                                    nan_bad, nan));
+    }
     return code;
   };
   // codes of 32 lanes from their two vectors (packus interleaves the 128-bit halves: lanes
@@ -644,7 +659,11 @@ FEWBIT_LANE uint32_t code_of(uint32_t bits_in, const Fmt& f) {
 }
 
 // code_of over lanes h0 .. h1, with the format's kind known to the compiler in each loop.
-inline void codes_of(const uint32_t* __restrict rs, uint32_t* __restrict codes, int h0, int h1, const Fmt& f) {
+// On a local copy of the parameters, as round_lanes: read through the reference, they kept
+// the loops scalar wherever GCC did not inline this into a caller that had copied them
+// (rounded codes, fewbit.quantize, ran 5-10 times slower than rounded values).
+inline void codes_of(const uint32_t* __restrict rs, uint32_t* __restrict codes, int h0, int h1, const Fmt& fmt) {
+  const Fmt f = fmt;
   if (f.twos_complement) {
     for (int h = h0; h < h1; ++h) codes[h] = code_of<false, false, true>(rs[h], f);
   } else if (f.has_nans && f.extended) {
@@ -1472,6 +1491,14 @@ __attribute__((noinline)) int64_t half_rows(const Job& job, int64_t row0, int64_
   // of float16 that way where they convert to bfloat16 exactly (with F16C)
   const bool bf16_codes = MODE == ENCODE_MAGIC && job.output == CODES_U8;
   const Bf16x16 c16(g16);
+  // Rounded codes (fewbit.quantize) of bfloat16 into a format with NaN (every element has a
+  // result): whole rows rounded on their 16 bits into a row buffer, then encoded from it as
+  // encode's rows are (c_nearest: the constants of its rounding, for the codes below 2^emin),
+  // without encode's check.
+  const bool bf16_quantize = MAGIC && job.dtype == BF16 && job.output == CODES_U8 && f.has_nans &&
+                             Bf16Magic::applies(f, SR);
+  const Bf16Magic g_nearest(f, false);
+  const Bf16x16 c_nearest(g_nearest);
 #endif
 #if defined(__AVX2__) && defined(__F16C__)
   // float16 values on their 16 bits where they can (float16_groups)
@@ -1490,7 +1517,8 @@ __attribute__((noinline)) int64_t half_rows(const Job& job, int64_t row0, int64_
 #else
       const bool exact = job.dtype == BF16;
 #endif
-      if (exact && encode_bf16_row(job.dtype == BF16 ? x16 : b16, static_cast<uint8_t*>(job.out) + r.pos0, c16, f))
+      if (exact && encode_bf16_row<true>(job.dtype == BF16 ? x16 : b16, static_cast<uint8_t*>(job.out) + r.pos0,
+                                         c16, f))
         continue;
     }
 #endif
@@ -1498,6 +1526,14 @@ __attribute__((noinline)) int64_t half_rows(const Job& job, int64_t row0, int64_
     bits.at(row, r.pos0, xbuf, n, sel);
     int from = r.h0;  // the first lane left to the float32 path
     if constexpr (MAGIC) {
+#ifdef __AVX2__
+      if (bf16_quantize && r.whole()) {
+        uint16_t* b16 = reinterpret_cast<uint16_t*>(rbuf);
+        magic_bf16_row<SR>(x16, n, b16, 0, LANES, g16);
+        encode_bf16_row<false>(b16, static_cast<uint8_t*>(job.out) + r.pos0, c_nearest, f);
+        continue;
+      }
+#endif
       if (fused) {
         const bool stream = streamed(job, r);
         uint16_t* o = stream ? reinterpret_cast<uint16_t*>(rbuf) : static_cast<uint16_t*>(job.out) + r.pos0;

@@ -37,8 +37,8 @@ from .magic import magic_applies
 from .modes import MODES, SELECT_BITS, RoundMode
 
 __all__ = [
-    "applies", "block_applies", "block_into", "encode_into", "finite_amax", "fits", "round_into", "rounded",
-    "usable",
+    "applies", "block_applies", "block_into", "encode_into", "finite_amax", "fits", "quantize_into",
+    "round_into", "rounded", "usable",
 ]  # fmt: skip
 
 SOURCE = Path(__file__).with_name("native.cpp")
@@ -188,8 +188,21 @@ def encode_into(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor, packed: bo
     packed pairs in uint8); only where :func:`usable`. Returns the first position that
     holds no value of fmt, else -1."""
     check = make_spec(torch.float32, fmt, RoundMode.RNE, False, None, None)
-    output = _CODES_PACKED if packed else _CODES_U8 if fmt.k <= 8 else _CODES_I16
-    return _call(x, check, True, None, None, out, output, 0)
+    return _call(x, check, True, None, None, out, _code_output(fmt, packed), 0)
+
+
+def quantize_into(
+    x: torch.Tensor, spec: RoundSpec, words: list[int] | None, random_bits: torch.Tensor | None,
+    out: torch.Tensor, packed: bool,
+) -> int:
+    """:func:`round_into` flat ``x``, writing the results' codes into ``out`` as
+    :func:`encode_into` does, in the same pass: the rounded values are never stored.
+    Returns :func:`round_into`'s answer."""
+    return _call(x, spec, False, words, random_bits, out, _code_output(spec.fmt, packed), 0)
+
+
+def _code_output(fmt: FloatFormat, packed: bool) -> int:
+    return _CODES_PACKED if packed else _CODES_U8 if fmt.k <= 8 else _CODES_I16
 
 
 def block_applies(spec: RoundSpec, x: torch.Tensor, random_bits: torch.Tensor | None, block_size: int,
