@@ -4,7 +4,8 @@ finds bound by arithmetic (bfloat16 SRC, encode), not a timing.
 
 A loop is a backward branch; the main one is the longest that stores. round_kernel's
 loop does a row of ``LANES`` elements, 8 a thread; encode_kernel's a block of 1024 codes
-(or packed bytes), 16 a thread. round_kernel draws its Threefry words before the loop,
+(or packed bytes), 16 a thread; ``codes`` rows are round_kernel writing codes
+(fewbit.quantize). round_kernel draws its Threefry words before the loop,
 once a program of ``ROWS`` rows: its rows also say an element's share of the whole
 kernel (the loop run ROWS times, the rest once), which for ``sr`` (a word an element,
 2 rows a program) is most of it.
@@ -28,6 +29,8 @@ from fewbit.rounding.modes import RoundMode
 ROUND_ROWS = [(torch.float32, "rne", None), (torch.float32, "src", 3), (torch.float32, "sr", None),
               (torch.bfloat16, "rne", None), (torch.bfloat16, "src", 3)]  # fmt: skip
 ENCODE_ROWS = [(torch.float32, "ocp_e4m3"), (torch.bfloat16, "ocp_e4m3"), (torch.float32, "ocp_e2m1")]
+#: round_kernel writing codes of binary8p4 (fewbit.quantize), as ROUND_ROWS.
+QUANTIZE_ROWS = [(torch.float32, "rne", None), (torch.float32, "src", 3), (torch.bfloat16, "src", 3)]
 _TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16"}
 _INTEGERS = dict.fromkeys(["n", "offset", "first_row", "k0", "k1", "s0", "s1"], "i64")
 #: Threads a program: the kernels' num_warps.
@@ -58,17 +61,19 @@ def sass_of(name: str, args: dict, constants: dict) -> str:
 def main() -> None:
     print("sm_90 SASS, instructions an element (a code): in the main loop, and with its share of the kernel")
     per_row = LANES // _THREADS
-    for dtype, mode, bits in ROUND_ROWS:
+    rows_of = [("round", row, gpu._VALUES) for row in ROUND_ROWS] + [("codes", row, gpu._CODES)
+                                                                     for row in QUANTIZE_ROWS]  # fmt: skip
+    for what, (dtype, mode, bits), codes in rows_of:
         spec = make_spec(dtype, fewbit.format("binary8p4"), RoundMode(mode), True, bits, None)
         drawn = spec.bits is not None
-        constants = gpu.round_constants(spec, drawn, False)
-        args = {"x_ptr": _TYPES[dtype], "out_ptr": _TYPES[dtype], **_INTEGERS}
+        constants = gpu.round_constants(spec, drawn, False, codes=codes)
+        args = {"x_ptr": _TYPES[dtype], "out_ptr": "*u8" if codes else _TYPES[dtype], **_INTEGERS}
         if drawn:
             args["key_ptr"] = "*i64"
         loop, whole = instructions(sass_of("round_kernel", args, constants))
         rows = constants["ROWS"]
         share = (loop * rows + whole - loop) / (rows * per_row)
-        print(f"round  {str(dtype).removeprefix('torch.'):9} -> binary8p4 {mode:4} {bits or '':>2}  "
+        print(f"{what:6} {str(dtype).removeprefix('torch.'):9} -> binary8p4 {mode:4} {bits or '':>2}  "
               f"{loop / per_row:5.1f} {share:6.1f}")
     for dtype, name in ENCODE_ROWS:
         fmt = fewbit.format(name)

@@ -239,6 +239,38 @@ def test_unchecked_encode_same_codes(name):
         assert torch.equal(_element_codes(out, packed)[keep], _element_codes(want, packed)[keep]), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rounded_codes_are_the_native_kernels(dtype):
+    """quantize's launch (CODES: the results' codes, packed where K <= 4): the CPU's codes
+    of every 16th bfloat16 pattern (Inf and NaN among them), for the formats with NaN
+    (binary4p2's packed), in the float-adder, classical-SR and general paths, with drawn
+    (key tensor and host words) and given bits, in a length that ends inside a row."""
+    x = every_bfloat16(dtype)[::16][:4094]
+    checked = 0
+    for name in [*FORMATS, "binary4p2"]:
+        fmt = fewbit.format(name)
+        if not fmt.has_nans or fmt.k > 16 or not dtype_format(dtype).contains(fmt):
+            continue
+        packed = fmt.k <= 4
+        for mode in ("rne", "src", "sr", "srff", "rtz"):
+            kw = MODE_ARGS[mode]
+            spec = make_spec(dtype, fmt, RoundMode(mode), False, kw.get("bits"), None)
+            keys = [None] if spec.bits is None else [key_of(kw["seed"]), Key.from_seed(kw["seed"])]
+            for key in keys:
+                out = torch.full((x.numel() // 2 if packed else x.numel(),), 0x55,
+                                 dtype=fewbit.codec.code_dtype(fmt))  # fmt: skip
+                assert gpu.quantize_into(x, spec, key, None, out, packed)
+                expected = fewbit.quantize(x, fmt, mode, packed=packed, **kw)
+                assert torch.equal(out, expected), f"{name} {mode} {type(key).__name__}"
+                checked += 1
+    rb = torch.randint(0, 8, x.shape, generator=torch.Generator().manual_seed(2), dtype=torch.int32)
+    spec = make_spec(dtype, fewbit.format("ocp_e4m3"), RoundMode.SRC, True, 3, None)
+    out = torch.empty(x.numel(), dtype=torch.uint8)
+    assert gpu.quantize_into(x, spec, None, rb, out, False)
+    assert torch.equal(out, fewbit.quantize(x, "ocp_e4m3", "src", sat=True, bits=3, random_bits=rb))
+    assert checked >= 12
+
+
 def foreach_inputs(dtype: torch.dtype) -> list[torch.Tensor]:
     """An optimizer's weights, as many programs' worth as one: every bfloat16 pattern with
     random low bits, and ties of bfloat16 (low half 0x8000), in tensors whose sizes are

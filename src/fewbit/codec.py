@@ -7,8 +7,8 @@ low nibble. ``decode`` looks codes up in the format's value table. OCP E4M3/E5M2
 codes are the bit patterns of ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``.
 
 ``quantize`` rounds and encodes in one call: ``encode(round(x, fmt, mode, ...), fmt)``,
-bit for bit, where the native CPU kernel writes each result's code in the pass that
-rounds it, without storing the rounded values.
+bit for bit, where the native CPU kernel (and on a GPU the Triton kernel) writes each
+result's code in the pass that rounds it, without storing the rounded values.
 
 All three are ``torch.library`` operators (``fewbit::encode``, ``fewbit::decode``,
 ``fewbit::quantize``) with fake implementations, so compiled and exported code treats
@@ -91,9 +91,10 @@ def quantize(
 
     On a CPU the native kernel rounds each element and writes its code in one pass, and
     the rounded values are never stored: a quarter of ``round``'s output bytes from
-    float32, and no second pass to encode them. Elsewhere (no native kernel, float64
-    inputs) it rounds and then encodes; on a GPU, two kernels without a host wait, as
-    ``round`` followed by ``encode(..., check=False)``.
+    float32, and no second pass to encode them. On a GPU the Triton kernel does the same
+    into a format with NaN (into one without: round, which checks its results, then
+    encode unchecked). Elsewhere (no native kernel, float64 inputs) it rounds and then
+    encodes.
 
     Raises what :func:`fewbit.round` raises (a value with no result in a format without
     NaN), and :func:`encode`'s errors for the codes (K > 16; ``packed`` needs K <= 4 and
@@ -196,13 +197,18 @@ def _quantize(
     spec = checked_spec(x, fmt, rounding, sat, bits, fraction, key, random_bits)
     shape = _encode_checks(x, spec.fmt, packed)
     rand = check_random_bits(x, spec, random_bits) if key is None else None
+    out = torch.empty(shape, dtype=code_dtype(spec.fmt), device=x.device)
+    ints = host_key(key)
     if native.applies(spec, x, rand):  # rounds and encodes in one pass
-        out = torch.empty(shape, dtype=code_dtype(spec.fmt), device=x.device)
-        ints = host_key(key)
         words = None if ints is None else stream_words(spec, ints)
         bad = native.quantize_into(x.reshape(-1), spec, words, rand, out.view(-1), packed)
         if bad >= 0:  # the error fewbit.round gives
             raise no_result(spec.fmt, nan_input=bool(torch.isnan(x).any()))
+        return out
+    # On a GPU in one kernel where every element has a result (a format with NaN); a format
+    # without would need its results checked, as round checks them.
+    if (spec.fmt.has_nans and gpu.applies(spec, x, rand)
+            and gpu.quantize_into(x.reshape(-1), spec, ints, rand, out.view(-1), packed)):  # fmt: skip
         return out
     values = torch.empty_like(x, memory_format=torch.contiguous_format)
     round_values_into(x, spec, key, random_bits, values)  # raises where a value has no result

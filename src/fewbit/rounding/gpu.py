@@ -33,7 +33,7 @@ from .magic import magic_applies
 from .modes import MODES, RoundMode
 from .native import PARAM_NAMES, kernel_params, mode_id, takes, takes_bits
 
-__all__ = ["applies", "encode_into", "round_foreach_", "round_into", "rounded", "usable"]
+__all__ = ["applies", "encode_into", "quantize_into", "round_foreach_", "round_into", "rounded", "usable"]
 
 #: Rows per program where no words are drawn: 4096 elements.
 _PLAIN_ROWS = 8
@@ -101,12 +101,25 @@ def aligned(n: int, offset: int, *tensors: torch.Tensor | None) -> bool:
     return n % 16 == 0 and offset % 16 == 0 and all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
 
 
+def _code_constants(spec: RoundSpec) -> dict:
+    """The compile-time constants of _code_of: the format's codes."""
+    fmt, p = spec.fmt, dict(zip(PARAM_NAMES, kernel_params(spec), strict=True))
+    return {"K": fmt.k, "CODE_OF_MAX": p["CODE_OF_MAX"], "CODE_OF_NAN": p["CODE_OF_NAN"],
+            "HAS_NANS": fmt.has_nans, "EXTENDED": fmt.extended, "SIGNED": fmt.signed,
+            "TWOS_COMPLEMENT": fmt.twos_complement}  # fmt: skip
+
+
+#: round_kernel's outputs (``CODES``): values in x's dtype, a code an element, two a byte.
+_VALUES, _CODES, _PACKED = range(3)
+
+
 @functools.lru_cache(maxsize=256)
 def round_constants(spec: RoundSpec, drawn: bool, given: bool, aligned: bool = True,
-                    via: torch.dtype | None = None, host_key: bool = False) -> dict:  # fmt: skip
+                    via: torch.dtype | None = None, host_key: bool = False,
+                    codes: int = _VALUES) -> dict:  # fmt: skip
     """round_kernel's compile-time constants for a spec, its bits drawn in the kernel or
     given (or neither); ``via``: those of round_foreach_'s launch (``FOREACH``);
-    ``host_key``: the key's words passed with the launch."""
+    ``host_key``: the key's words passed with the launch; ``codes``: what it writes."""
     p = dict(zip(PARAM_NAMES, kernel_params(spec), strict=True))
     per_word = 32 // spec.bits if spec.bits else 1
     rows = 2 * per_word if drawn else _PLAIN_ROWS
@@ -116,7 +129,7 @@ def round_constants(spec: RoundSpec, drawn: bool, given: bool, aligned: bool = T
             "ROWS": rows, "DRAWN": drawn, "GIVEN": given, "PER_WORD": per_word, "FOREACH": via is not None,
             "VIA": None if via is None else getattr(kernels().tl, _TRITON_DTYPES[via]),
             "TENSORS": 1 if via is None else _FOREACH_TENSORS, "ALIGNED": aligned,
-            "HOST_KEY": host_key and drawn}  # fmt: skip
+            "HOST_KEY": host_key and drawn, "CODES": codes, **_code_constants(spec)}  # fmt: skip
 
 
 @functools.lru_cache(maxsize=64)
@@ -126,10 +139,7 @@ def encode_constants(fmt: FloatFormat, blocks: int = 1, packed: bool = False, al
     (the check that x is a value) sees them, and its codes'; ``blocks`` of
     ``_ENCODE_BLOCK`` codes a program."""
     nearest = make_spec(torch.float32, fmt, RoundMode.RNE, False, None, None)  # the check's rounding
-    p = dict(zip(PARAM_NAMES, kernel_params(nearest), strict=True))
-    return {**_format_constants(nearest), "K": fmt.k, "CODE_OF_MAX": p["CODE_OF_MAX"],
-            "CODE_OF_NAN": p["CODE_OF_NAN"], "HAS_NANS": fmt.has_nans, "EXTENDED": fmt.extended,
-            "SIGNED": fmt.signed, "TWOS_COMPLEMENT": fmt.twos_complement,
+    return {**_format_constants(nearest), **_code_constants(nearest),
             "MAGIC": magic_applies(nearest, torch.float32), "MAGIC_SCALE": _magic_scale(nearest),
             "BLOCK": _ENCODE_BLOCK, "BLOCKS": blocks, "PACKED": packed, "ALIGNED": aligned,
             "CHECK": check}  # fmt: skip
@@ -151,6 +161,22 @@ def round_into(
     ``TRITON_INTERPRET=1``). In a format without NaN, NaN marks an element without a
     valid result, as in the torch kernels. False (nothing written) where Triton could
     not compile the kernel: the torch kernels then take the call."""
+    return _round(x, spec, key, random_bits, out, offset, _VALUES)
+
+
+def quantize_into(
+    x: torch.Tensor, spec: RoundSpec, key: torch.Tensor | Key | None, random_bits: torch.Tensor | None,
+    out: torch.Tensor, packed: bool,
+) -> bool:
+    """:func:`round_into` flat ``x`` from stream element 0, writing the results' codes into
+    ``out`` (uint8 or int16, or ``packed`` pairs in uint8, as :func:`encode_into`) in the
+    same kernel; only for formats with NaN, where every element has a result. False as
+    round_into's."""
+    assert spec.fmt.has_nans, "a format without NaN would need a check of its results"
+    return _round(x, spec, key, random_bits, out, 0, _PACKED if packed else _CODES)
+
+
+def _round(x, spec: RoundSpec, key, random_bits, out: torch.Tensor, offset: int, codes: int) -> bool:
     x = x.contiguous()
     n = x.numel()
     if n == 0:
@@ -166,7 +192,7 @@ def round_into(
     elif drawn:
         select = "select" in MODES[spec.mode].streams
         words = torch.stack(stream_words(spec, key)) if select else key.contiguous()
-    variant = (spec, drawn, given is not None, aligned(n, offset, x, out, given), None, host)
+    variant = (spec, drawn, given is not None, aligned(n, offset, x, out, given), None, host, codes)
     rows = round_constants(*variant)["ROWS"]
     # Programs start at a multiple of `rows` rows, the first at the one holding element offset.
     first_row = offset // LANES // rows * rows

@@ -249,7 +249,9 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n: tl.int64, offset: tl.int
                  LIMIT_RULE: tl.constexpr, BITS: tl.constexpr, SELECT_BELOW: tl.constexpr,
                  MAGIC_SCALE: tl.constexpr, BEYOND: tl.constexpr, FOREACH: tl.constexpr,
                  VIA: tl.constexpr, TENSORS: tl.constexpr, ALIGNED: tl.constexpr,
-                 HOST_KEY: tl.constexpr):  # fmt: skip
+                 HOST_KEY: tl.constexpr, CODES: tl.constexpr, K: tl.constexpr, CODE_OF_MAX: tl.constexpr,
+                 CODE_OF_NAN: tl.constexpr, HAS_NANS: tl.constexpr, EXTENDED: tl.constexpr,
+                 SIGNED: tl.constexpr, TWOS_COMPLEMENT: tl.constexpr):  # fmt: skip
     """Round stream elements ``offset .. offset + n`` (x and out hold them from 0) of rows
     ``first_row + program * ROWS ..``: bits drawn with the words at key_ptr (``DRAWN``:
     k0, k1, then the selection stream's for MODE 11), or with the words k0, k1 (and s0,
@@ -272,7 +274,11 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n: tl.int64, offset: tl.int
     from the arguments, which it is told not to look at: a launch is then known by its
     constants and dtypes alone, and gpu.py can launch a compiled kernel again without
     Triton's binding of them. It is said of each row's bounds and addresses: the
-    compiler keeps no hint on an argument itself."""
+    compiler keeps no hint on an argument itself.
+
+    ``CODES`` (fewbit.quantize): out takes the results' codes (_code_of, with the format's
+    K .. TWOS_COMPLEMENT), one an element (1) or two a byte (2: the even element's in the
+    low nibble; offset and n even), instead of the values in x's dtype (0)."""
     lanes = tl.arange(0, LANES)
     if FOREACH:  # the program's tensor: the last to start at or before it
         table, tensors, program = x_ptr, n, tl.program_id(0)
@@ -338,11 +344,22 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n: tl.int64, offset: tl.int
             y = _classical_sr_bits(b, bits, EMIN, BITS, MAX, BEYOND, HAS_NZ)
         else:
             y = _magic_bits(b, bits, MODE == 14, EMIN, MAGIC_SCALE, BITS, MAX, BEYOND, HAS_NZ)
-        if out_ptr.dtype.element_ty == tl.bfloat16:  # a value of the format: its low half is 0
-            y = (y >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        if CODES == 0:
+            if out_ptr.dtype.element_ty == tl.bfloat16:  # a value of the format: its low half is 0
+                y = (y >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            else:
+                y = y.to(tl.float32, bitcast=True).to(out_ptr.dtype.element_ty)
+            tl.store(out_row + lanes, y, mask=inside)
         else:
-            y = y.to(tl.float32, bitcast=True).to(out_ptr.dtype.element_ty)
-        tl.store(out_row + lanes, y, mask=inside)
+            code = _code_of(y, T, EMIN, K, CODE_OF_MAX, CODE_OF_NAN, HAS_NZ, HAS_NANS, EXTENDED, SIGNED,
+                            TWOS_COMPLEMENT)  # fmt: skip
+            if CODES == 1:
+                tl.store(out_row + lanes, code.to(out_ptr.dtype.element_ty), mask=inside)
+            else:  # byte j of the row: lanes 2j (low nibble) and 2j + 1, which lie inside together
+                pairs = tl.reshape(code & 15, (LANES // 2, 2))
+                byte = tl.sum(pairs << (4 * tl.arange(0, 2))[None, :], axis=1)
+                j = tl.arange(0, LANES // 2)
+                tl.store(out_ptr + base // 2 + j, byte.to(tl.uint8), mask=(2 * j >= lo) & (2 * j < hi))
 
 
 @triton.jit
