@@ -1501,8 +1501,12 @@ __attribute__((noinline)) int64_t half_rows(const Job& job, int64_t row0, int64_
   const Bf16x16 c_nearest(g_nearest);
 #endif
 #if defined(__AVX2__) && defined(__F16C__)
-  // float16 values on their 16 bits where they can (float16_groups)
+  // float16 values on their 16 bits where they can (float16_groups); and rounded codes of
+  // whole rows of float16 into a format with NaN, from those values in a row buffer,
+  // encoded as bfloat16s (every value of an 8-bit format is one) where no NaN is among them.
   const bool f16_rows = MAGIC && job.dtype == F16 && values && Bf16Magic::applies(f, SR, true);
+  const bool f16_quantize = MAGIC && job.dtype == F16 && job.output == CODES_U8 && f.has_nans &&
+                            Bf16Magic::applies(f, SR, true);
   const Bf16Magic g_f16(f, SR, true);
 #endif
   int64_t bad = -1;
@@ -1546,8 +1550,9 @@ __attribute__((noinline)) int64_t half_rows(const Job& job, int64_t row0, int64_
         continue;
       }
 #if defined(__AVX2__) && defined(__F16C__)
-      if (f16_rows) {  // groups that need float32 go the float32 way one by one, as does the tail
-        uint16_t* o = static_cast<uint16_t*>(job.out) + r.pos0;
+      if (f16_rows || (f16_quantize && r.whole())) {  // groups that need float32 go the float32 way one
+        // by one, as does the tail
+        uint16_t* o = f16_rows ? static_cast<uint16_t*>(job.out) + r.pos0 : reinterpret_cast<uint16_t*>(cbuf);
         const auto in_float32 = [&](int k, int end) {
           widen_f16(x16, xbuf, k, end);
           const int lane = round_lanes<MODE>(xbuf, rbuf, n, sel, k, end, f);
@@ -1556,6 +1561,16 @@ __attribute__((noinline)) int64_t half_rows(const Job& job, int64_t row0, int64_
         };
         from = float16_groups<SR>(x16, n, o, from, r.h1, g_f16, [&](int k) { in_float32(k, k + TINY_TEST); });
         if (from < r.h1) in_float32(from, r.h1);
+        if (f16_quantize) {
+          uint16_t* b16 = reinterpret_cast<uint16_t*>(xbuf);
+          if (float16_as_bfloat16(o, b16)) {
+            encode_bf16_row<false>(b16, static_cast<uint8_t*>(job.out) + r.pos0, c_nearest, f);
+          } else {  // a NaN among the values
+            widen_f16(o, rbuf, 0, LANES);
+            codes_of(rbuf, xbuf, 0, LANES, f);
+            write_codes(job, r, xbuf, 0);
+          }
+        }
         continue;
       }
 #endif
