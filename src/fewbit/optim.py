@@ -19,8 +19,8 @@ from collections.abc import Iterable
 
 import torch
 
+from . import codec
 from .block import BlockFormat, BlockTensor, check_args, element_or_block, quantize, round_to
-from .codec import decode, encode
 from .config import configure, current
 from .formats import FloatFormat
 from .random import Key, as_key, fold_in
@@ -224,16 +224,24 @@ class LowPrecisionWeights:
             self._scales = [self._power_of_two_scale(p) for p in self.params]
             torch._foreach_mul_(pieces, self._scales)
         # Whole tensors in formats with a NaN, under the identical policy (no rank to fold
-        # in), go through one call for all, tensor i with the key fold_in(step_key, i); a
+        # in), go through one call for all, tensor i with the key fold_in(step_key, i) (kept
+        # as codes: one fewbit.quantize each, which rounds and encodes in one pass); a
         # piece of a sharded tensor takes the bits of its global indices; fewbit.round
         # raises where a value has no result in a format without NaN (a NaN input, say).
         block = isinstance(self.fmt, BlockFormat)
         batched = []
         if not block and self.fmt.has_nans and self.policy is SeedPolicy.IDENTICAL:
             batched = [i for i, at in enumerate(self._layouts) if at.whole]
-        if batched:
-            round_foreach_([pieces[i] for i in batched], self.spec, step_key, batched, self.via)
         extra = {"fraction": self.fraction} if self.mode is RoundMode.SR_FRACTION else {}
+        codes = {}
+        if batched and self.store_codes:  # straight to codes, a pass each: the floats go below
+            for i in batched:
+                kw = {"sat": self.sat, "bits": self.bits, **extra}
+                if step_key is not None:
+                    kw["seed"] = fold_in(step_key, i)
+                codes[i] = codec.quantize(pieces[i].to(self.via), self.fmt, self.mode, **kw)
+        elif batched:
+            round_foreach_([pieces[i] for i in batched], self.spec, step_key, batched, self.via)
         blocks = []
         for i in sorted(set(range(len(pieces))) - set(batched)):
             t, at = pieces[i], self._layouts[i]
@@ -251,7 +259,10 @@ class LowPrecisionWeights:
             else:
                 t.copy_(round_to(x, self.fmt, self.mode, sat=self.sat, **sr))
         if self.store_codes:  # values of fmt, rounded just now: unchecked, so a GPU step waits for nothing
-            self._codes = blocks if block else [encode(t, self.fmt, check=False) for t in pieces]
+            if not block:
+                blocks = [codes[i] if i in codes else codec.encode(t, self.fmt, check=False)
+                          for i, t in enumerate(pieces)]  # fmt: skip
+            self._codes = blocks
             # The size of the whole storage: a piece may be a view into a larger one (FSDP2
             # pads its shards), which must come back at its size.
             self._nbytes = [t.untyped_storage().nbytes() for t in pieces]
@@ -279,7 +290,7 @@ class LowPrecisionWeights:
             if isinstance(codes, BlockTensor):  # as fewbit.block.round gives the values in via
                 t.copy_(codes.dequantize(self.via))
             else:
-                t.copy_(decode(codes, self.fmt, t.dtype) / s)
+                t.copy_(codec.decode(codes, self.fmt, t.dtype) / s)
         self._stored = False
 
     def memory(self) -> dict[str, int]:
