@@ -227,6 +227,29 @@ def test_write_back_gpu_equals_cpu(update_dtype, width, monkeypatch):
         assert_bitwise_equal(gpu_w.reshape(-1), cpu_w.reshape(-1), cpu_w.reshape(-1), "write-back")
 
 
+def test_write_back_to_codes_gpu_equals_cpu():
+    """LowPrecisionWeights(store_codes=True) on the GPU (a fewbit.quantize a weight, the
+    Triton kernel writing codes) keeps the CPU's codes, and restores the CPU's weights."""
+    from fewbit.optim import LowPrecisionWeights
+
+    gen = torch.Generator().manual_seed(5)
+    start = [torch.randn(shape, generator=gen) * 0.1 for shape in [(256, 96), (7, 250)]]
+    grads = [torch.randn(w.shape, generator=gen) for w in start]
+    kept = {}
+    for device in ("cpu", "cuda"):
+        params = [torch.nn.Parameter(w.to(device)) for w in start]
+        opt = LowPrecisionWeights(torch.optim.SGD(params, lr=2.0**-6), "binary8p4", "src", bits=3, seed=5,
+                                  update_dtype=torch.bfloat16, store_codes=True)  # fmt: skip
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.to(device)
+        opt.step()
+        codes = [c.cpu() for c in opt._codes]
+        opt.materialize()
+        kept[device] = codes, [p.detach().cpu() for p in params]
+    for a, b in zip(*(codes + weights for codes, weights in kept.values()), strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("fast", [False, True])
 def test_resume_on_the_gpu_gives_the_same_run(tmp_path, fast):
     """#19: on a GPU a run stopped at iteration 7, saved and resumed in a fresh Run equals
