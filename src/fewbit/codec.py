@@ -197,19 +197,19 @@ def _quantize(
     spec = checked_spec(x, fmt, rounding, sat, bits, fraction, key, random_bits)
     shape = _encode_checks(x, spec.fmt, packed)
     rand = check_random_bits(x, spec, random_bits) if key is None else None
-    out = torch.empty(shape, dtype=code_dtype(spec.fmt), device=x.device)
     ints = host_key(key)
-    if native.applies(spec, x, rand):  # rounds and encodes in one pass
-        words = None if ints is None else stream_words(spec, ints)
-        bad = native.quantize_into(x.reshape(-1), spec, words, rand, out.view(-1), packed)
-        if bad >= 0:  # the error fewbit.round gives
-            raise no_result(spec.fmt, nan_input=bool(torch.isnan(x).any()))
-        return out
+    on_cpu = native.applies(spec, x, rand)
     # On a GPU in one kernel where every element has a result (a format with NaN); a format
     # without would need its results checked, as round checks them.
-    if (spec.fmt.has_nans and gpu.applies(spec, x, rand)
-            and gpu.quantize_into(x.reshape(-1), spec, ints, rand, out.view(-1), packed)):  # fmt: skip
-        return out
+    if on_cpu or (spec.fmt.has_nans and gpu.applies(spec, x, rand)):
+        out = torch.empty(shape, dtype=code_dtype(spec.fmt), device=x.device)
+        if on_cpu:  # rounds and encodes in one pass
+            words = None if ints is None else stream_words(spec, ints)
+            if native.quantize_into(x.reshape(-1), spec, words, rand, out.view(-1), packed) >= 0:
+                raise no_result(spec.fmt, nan_input=bool(torch.isnan(x).any()))  # as fewbit.round
+            return out
+        if gpu.quantize_into(x.reshape(-1), spec, ints, rand, out.view(-1), packed):
+            return out
     values = torch.empty_like(x, memory_format=torch.contiguous_format)
     round_values_into(x, spec, key, random_bits, values)  # raises where a value has no result
     return _codes(values, spec.fmt, packed, check=False)  # values of the format: nothing to check
