@@ -57,6 +57,20 @@ def test_every_bfloat16_pattern_in_every_mode_gives_encode_of_round(dtype):
     assert checked >= 150
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale", [8.0, 0.01])
+def test_16_bit_rows_and_a_row_left_over(dtype, scale):
+    """16-bit inputs in data scaled to the format (whole groups without a value below
+    2^emin) and not (most of them below it), a NaN in one row, and a last row that is not
+    whole (the general way)."""
+    gen = torch.Generator().manual_seed(6)
+    x = (torch.randn(5 * 512 + 77, generator=gen) * scale).to(dtype)
+    x[700] = float("nan")
+    for name in ("binary8p4", "ocp_e4m3", "ocp_e5m2"):
+        for mode in ("rne", "src", "sr"):
+            check_same(x, name, mode, False, False, **MODE_ARGS[mode])
+
+
 @pytest.mark.parametrize("name", ["binary8p4", "ocp_e4m3", "ocp_e2m1", "binary16"])
 def test_the_torch_path_gives_the_same_codes(name):
     """Without the native kernel (compile=False), and for float64 inputs, which it does not

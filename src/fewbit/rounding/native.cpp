@@ -1503,7 +1503,7 @@ __attribute__((noinline)) int64_t half_rows(const Job& job, int64_t row0, int64_
 #if defined(__AVX2__) && defined(__F16C__)
   // float16 values on their 16 bits where they can (float16_groups); and rounded codes of
   // whole rows of float16 into a format with NaN, from those values in a row buffer,
-  // encoded as bfloat16s (every value of an 8-bit format is one) where no NaN is among them.
+  // encoded as bfloat16s (every value of an 8-bit format is one).
   const bool f16_rows = MAGIC && job.dtype == F16 && values && Bf16Magic::applies(f, SR, true);
   const bool f16_quantize = MAGIC && job.dtype == F16 && job.output == CODES_U8 && f.has_nans &&
                             Bf16Magic::applies(f, SR, true);
@@ -1561,17 +1561,13 @@ __attribute__((noinline)) int64_t half_rows(const Job& job, int64_t row0, int64_
         };
         from = float16_groups<SR>(x16, n, o, from, r.h1, g_f16, [&](int k) { in_float32(k, k + TINY_TEST); });
         if (from < r.h1) in_float32(from, r.h1);
-        if (f16_quantize) {
-          uint16_t* b16 = reinterpret_cast<uint16_t*>(xbuf);
-          if (float16_as_bfloat16(o, b16)) {
-            encode_bf16_row<false>(b16, static_cast<uint8_t*>(job.out) + r.pos0, c_nearest, f);
-          } else {  // a NaN among the values
-            widen_f16(o, rbuf, 0, LANES);
-            codes_of(rbuf, xbuf, 0, LANES, f);
-            write_codes(job, r, xbuf, 0);
-          }
+        if (f16_rows) continue;
+        uint16_t* b16 = reinterpret_cast<uint16_t*>(xbuf);
+        if (float16_as_bfloat16(o, b16)) {  // (a rounding's NaN is float16's quiet one, which converts)
+          encode_bf16_row<false>(b16, static_cast<uint8_t*>(job.out) + r.pos0, c_nearest, f);
+          continue;
         }
-        continue;
+        from = r.h0;  // should a row's values not be bfloat16s, the general way does it again
       }
 #endif
     }
