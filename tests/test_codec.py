@@ -132,3 +132,47 @@ def test_unchecked_encode_keeps_each_elements_code_to_itself(name, native):
         assert torch.equal(got[still], _element_codes(fewbit.encode(x[still], fmt), False))
     with pytest.raises(TypeError, match="check must be a bool"):
         fewbit.encode(values, fmt, check=1)
+
+
+@pytest.mark.parametrize("name, code_dtype, packed", [
+    ("binary8p4", torch.uint8, False), ("p3109_k6p3sf", torch.uint8, False), ("e2m1", torch.uint8, True),
+    ("binary4p2", torch.uint8, True), ("binary16", torch.int16, False), ("binary12p5", torch.int16, False),
+])  # fmt: skip
+def test_native_decode_is_the_torch_lookup(name, code_dtype, packed):
+    """The native kernel's decode (a table lookup in chunks of 2^16 values, on two threads)
+    gives the torch path's values in each dtype, and reports the first code that is no
+    code of the format, wherever it lies; codes filling their dtype need no check."""
+    from fewbit.config import configure
+    from fewbit.rounding import native
+
+    fmt = fewbit.format(name)
+    gen = torch.Generator().manual_seed(3)
+    n = 5 * (1 << 16) + 6  # a chunk left over
+    codes = torch.randint(0, 1 << fmt.k, (n // 2 if packed else n,), generator=gen, dtype=torch.int32)
+    if packed:
+        codes = codes | (torch.randint(0, 1 << fmt.k, codes.shape, generator=gen, dtype=torch.int32) << 4)
+    codes = codes.to(code_dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for dtype in DTYPES:
+            if not dtype_format(dtype).contains(fmt):
+                continue
+            got = fewbit.decode(codes, fmt, dtype, packed=packed)
+            with configure(compile=False):
+                expected = fewbit.decode(codes, fmt, dtype, packed=packed)
+            width = {8: torch.int64, 4: torch.int32, 2: torch.int16}[got.element_size()]
+            assert torch.equal(got.view(width), expected.view(width)), dtype
+        if packed or fmt.k == codes.element_size() * 8:
+            return  # every number the codes' dtype holds is a code
+        table = fewbit.codec._table(fmt, torch.float32, codes.device)
+        for place in (3 * (1 << 16) + 5, n - 1, 7):
+            bad = codes.clone()
+            bad[place] = 1 << fmt.k
+            bad[place + 1 :: 1000] = (1 << fmt.k) + 1  # later ones too
+            assert native.decode_into(bad, fmt.k, table, torch.empty(n), packed) == place
+            for compile in (True, False):
+                with configure(compile=compile), pytest.raises(ValueError, match="lie in"):
+                    fewbit.decode(bad, fmt)
+    finally:
+        torch.set_num_threads(threads)

@@ -579,8 +579,8 @@ def test_builds_for_lesser_cpus_give_the_same_bits(lesser_build, monkeypatch):
     """native.cpp built without AVX-512, or without AVX (SSE only), gives this CPU's build's
     bits (which the tests above hold to the torch kernels): every bfloat16 pattern, and
     Gaussian data scaled to the format (16-bit fast paths), from each dtype, in RNE, SRC,
-    sr, SRFF and sr_fraction, encoded, rounded to codes (RNE and SRC), and in power-of-two
-    and NVFP4 blocks."""
+    sr, SRFF and sr_fraction, encoded, rounded to codes (RNE and SRC) and decoded, and in
+    power-of-two and NVFP4 blocks."""
     from fewbit import block
 
     gen = torch.Generator().manual_seed(9)
@@ -593,9 +593,11 @@ def test_builds_for_lesser_cpus_give_the_same_bits(lesser_build, monkeypatch):
                     kw = MODE_ARGS[mode]
                     calls.append(functools.partial(fewbit.round, finite, name, mode, sat=True, **kw))
                 calls.append(lambda n=name, v=finite: fewbit.encode(fewbit.round(v, n, sat=True), n))
-                for mode in ("rne", "src"):  # rounded codes in one pass (fewbit.quantize)
+                for mode in ("rne", "src"):  # rounded codes in one pass (fewbit.quantize), decoded
                     kw = MODE_ARGS[mode]
                     calls.append(functools.partial(fewbit.quantize, finite, name, mode, sat=True, **kw))
+                    calls.append(lambda n=name, v=finite, m=mode, k=kw: fewbit.decode(
+                        fewbit.quantize(v, n, m, sat=True, **k), n, v.dtype))
             for name in ("mxfp8_e4m3", "mxfp4", "nvfp4"):
                 for mode, kw in (("rne", {}), ("src", {"bits": 3, "seed": 4})):
                     calls.append(functools.partial(block.round, x, name, mode, **kw))

@@ -247,15 +247,28 @@ def _decode_checks(codes: torch.Tensor, fmt: FloatFormat, dtype: torch.dtype, pa
 @operator("fewbit::decode")
 def _decode(codes: torch.Tensor, fmt: str, dtype: torch.dtype, packed: bool) -> torch.Tensor:
     fmt = lookup_format(fmt)
-    _decode_checks(codes, fmt, dtype, packed)
+    shape = _decode_checks(codes, fmt, dtype, packed)
+    if native.decodes(codes, dtype):  # a table lookup in one pass
+        out = torch.empty(shape, dtype=dtype)
+        table = _table(fmt, dtype, codes.device)
+        if native.decode_into(codes.reshape(-1), fmt.k, table, out.view(-1), packed) >= 0:
+            raise _no_code(fmt)
+        return out
     code = codes.to(torch.int32)
     if codes.dtype == torch.int16:
         code = code & 0xFFFF  # int16 holds the 16-bit pattern
     if packed:
         code = unpack_pairs(code)
-    if code.numel() and (int(code.min()) < 0 or int(code.max()) >= 1 << fmt.k):
-        raise ValueError(f"codes of {fmt.name} lie in [0, {1 << fmt.k})")
+    # Checked only where the codes' dtype holds a number that is no code: the check waits
+    # for a GPU, and uint8 codes of 8 bits (or 16 of 16, or packed 4 of 4) are all codes.
+    width = 4 if packed else {torch.uint8: 8, torch.int16: 16}.get(codes.dtype)
+    if code.numel() and width != fmt.k and (int(code.min()) < 0 or int(code.max()) >= 1 << fmt.k):
+        raise _no_code(fmt)
     return _lookup(code, fmt, dtype)
+
+
+def _no_code(fmt: FloatFormat) -> ValueError:
+    return ValueError(f"codes of {fmt.name} lie in [0, {1 << fmt.k})")
 
 
 @_decode.register_fake

@@ -1758,6 +1758,38 @@ bool streams(int dtype, int output, int64_t n) {
   return output == VALUES && dtype != F16 && n * (dtype == F32 ? 4 : 2) >= STREAM_BYTES;
 }
 
+// decode's lookup: value i is table[code i], its code read from a uint8 or a 16-bit
+// pattern (C) or, PACKED, from nibble i % 2 of byte i / 2 (the even element's low);
+// outputs of V (a float32's or a 16-bit float's bits). A code at or above 2^k reads
+// entry code & (2^k - 1), in bounds, and is reported: returns the first such, or -1.
+template <typename C, typename V, bool PACKED>
+int64_t lookup(const C* codes, int64_t n, const V* table, int k, V* out, int threads) {
+  const uint32_t mask = (1u << k) - 1;
+  // Chunks of 2^16 values, each a plain loop that GCC vectorises, with its bad codes noted.
+  constexpr int64_t CHUNK = int64_t(1) << 16;
+  const int64_t chunks = (n + CHUNK - 1) / CHUNK;
+  const int workers = int(std::max<int64_t>(1, std::min<int64_t>(threads, chunks / 4)));
+  int64_t first = n;
+#pragma omp parallel for num_threads(workers) schedule(static) reduction(min : first)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t i0 = c * CHUNK, i1 = std::min(n, i0 + CHUNK);
+    uint32_t beyond = 0;
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint32_t code = PACKED ? (uint32_t(codes[i >> 1]) >> ((i & 1) << 2)) & 15u : uint32_t(codes[i]);
+      beyond |= code & ~mask;
+      out[i] = table[code & mask];
+    }
+    for (int64_t i = i0; beyond && i < i1; ++i) {
+      const uint32_t code = PACKED ? (uint32_t(codes[i >> 1]) >> ((i & 1) << 2)) & 15u : uint32_t(codes[i]);
+      if (code & ~mask) {
+        first = std::min(first, i);
+        break;
+      }
+    }
+  }
+  return first < n ? first : -1;
+}
+
 }  // namespace
 
 extern "C" {
@@ -1816,6 +1848,23 @@ float fewbit_finite_amax(const void* x, int dtype, int64_t n, int threads) {
     return float(__builtin_bit_cast(_Float16, uint16_t(best)));
   }
   return as_float(uint32_t(best));
+}
+
+// fewbit.decode: values of n codes (input CODES_U8, CODES_I16 or CODES_PACKED) from a table
+// of the 2^k values of the format as output bits of `width` bytes (4: float32; 2: bfloat16
+// or float16). Returns the first position whose code is not below 2^k, or -1.
+int64_t fewbit_decode(const void* codes, int input, int64_t n, const void* table, int k, int width, void* out,
+                      int threads) {
+  const auto run = [&](auto value) {
+    using V = decltype(value);
+    const V* t = static_cast<const V*>(table);
+    V* o = static_cast<V*>(out);
+    if (input == CODES_I16) return lookup<uint16_t, V, false>(static_cast<const uint16_t*>(codes), n, t, k, o, threads);
+    const uint8_t* c = static_cast<const uint8_t*>(codes);
+    return input == CODES_PACKED ? lookup<uint8_t, V, true>(c, n, t, k, o, threads)
+                                 : lookup<uint8_t, V, false>(c, n, t, k, o, threads);
+  };
+  return width == 4 ? run(uint32_t{}) : run(uint16_t{});
 }
 
 }  // extern "C"

@@ -37,8 +37,8 @@ from .magic import magic_applies
 from .modes import MODES, SELECT_BITS, RoundMode
 
 __all__ = [
-    "applies", "block_applies", "block_into", "encode_into", "finite_amax", "fits", "quantize_into",
-    "round_into", "rounded", "usable",
+    "applies", "block_applies", "block_into", "decode_into", "decodes", "encode_into", "finite_amax", "fits",
+    "quantize_into", "round_into", "rounded", "usable",
 ]  # fmt: skip
 
 SOURCE = Path(__file__).with_name("native.cpp")
@@ -205,6 +205,27 @@ def _code_output(fmt: FloatFormat, packed: bool) -> int:
     return _CODES_PACKED if packed else _CODES_U8 if fmt.k <= 8 else _CODES_I16
 
 
+def decodes(codes: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether :func:`decode_into` takes codes of this dtype (uint8, or int16 bit patterns)
+    into values of ``dtype``, where the configuration lets the kernel run."""
+    config = current()
+    return (config.compile and config.native and codes.device.type == "cpu" and dtype in _DTYPES
+            and codes.dtype in (torch.uint8, torch.int16) and _load() is not None)  # fmt: skip
+
+
+def decode_into(codes: torch.Tensor, k: int, table: torch.Tensor, out: torch.Tensor, packed: bool) -> int:
+    """Values of flat ``codes`` (uint8, int16 bit patterns, or ``packed`` pairs in uint8)
+    looked up in ``table``, the 2^k values of the format in out's dtype, into flat ``out``;
+    only where :func:`decodes`. Returns the first position whose code is not below 2^k,
+    else -1."""
+    library = _load()
+    assert library is not None, "the native kernel is called only where decodes() found it built"
+    codes = codes.contiguous()
+    kind = _CODES_PACKED if packed else _CODES_I16 if codes.dtype == torch.int16 else _CODES_U8
+    return library.fewbit_decode(codes.data_ptr(), kind, out.numel(), table.data_ptr(), k, out.element_size(),
+                                 out.data_ptr(), torch.get_num_threads())  # fmt: skip
+
+
 def block_applies(spec: RoundSpec, x: torch.Tensor, random_bits: torch.Tensor | None, block_size: int,
                   scale: FloatFormat) -> bool:  # fmt: skip
     """Whether :func:`block_into` takes a block call whose elements round by ``spec``, with
@@ -340,6 +361,11 @@ def _open(path: Path) -> ctypes.CDLL:
     library.fewbit_round.argtypes = [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+    ]
+    library.fewbit_decode.restype = ctypes.c_int64
+    library.fewbit_decode.argtypes = [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_int,
     ]
     library.fewbit_finite_amax.restype = ctypes.c_float
     library.fewbit_finite_amax.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int]
