@@ -9,6 +9,9 @@ as ``fewbit train``). Times ``_write_back`` after warm-up (first-call compilatio
   (``fewbit.rounding.foreach``), on a CPU the native kernel, a call per matrix;
 - the same rounding as one torch.compile'd call over all matrices
   (``configure(native=False)``), the path a GPU took before;
+- with ``store_codes=True``: the write-back to codes (``fewbit.quantize`` a matrix) and
+  the decode back to floats before the next step (``materialize``), what keeping codes
+  adds to a step;
 - ``copy_`` of the weights' bytes into a preallocated buffer, the yardstick.
 
 Per row: host time per write-back (until the call returns; on a GPU nothing waits for
@@ -80,6 +83,17 @@ def main() -> None:
     rows.append(("fewbit", timed(write_back, device, args.repeat)))
     with configure(native=False):
         rows.append(("one torch.compile'd call", timed(write_back, device, args.repeat)))
+    # Last: keeping codes frees the weights' floats between steps (materialize decodes them).
+    kept = LowPrecisionWeights(torch.optim.AdamW(model.parameters(), lr=p.lr), "binary8p4", "src", bits=3,
+                               params=named, update_dtype=torch.bfloat16, store_codes=True)  # fmt: skip
+
+    def to_codes_and_back() -> None:
+        kept.materialize()
+        kept.steps += 1
+        kept._write_back()
+
+    rows.append(("store_codes: codes, decode back", timed(to_codes_and_back, device, args.repeat)))
+    kept.materialize()
     print(f"write-back of the {args.preset} GPT's {len(named)} matrices ({n:,} weights), binary8p4 SRC N=3 "
           f"from bfloat16, on {device} (torch {torch.__version__}), {args.repeat} back to back")  # fmt: skip
     print(f"{'path':30} {'host us':>9} {'wall us':>9} {'x copy_':>8}")

@@ -290,7 +290,8 @@ class LowPrecisionWeights:
             if isinstance(codes, BlockTensor):  # as fewbit.block.round gives the values in via
                 t.copy_(codes.dequantize(self.via))
             else:
-                t.copy_(codec.decode(codes, self.fmt, t.dtype) / s)
+                values = codec.decode(codes, self.fmt, t.dtype)
+                t.copy_(values if s == 1.0 else values / s)  # (a power of two: exact)
         self._stored = False
 
     def memory(self) -> dict[str, int]:
