@@ -93,7 +93,7 @@ def test_bench_json_rows(capsys):
     rows = [r for r in rows if "us_per_call" not in r]
     f32 = {(r["mode"], r["bits"]): r for r in rows if r["input"] == "torch.float32"}
     assert set(f32) == {("copy_", None), ("rne", None), ("src", 3), ("sr", None), ("encode to uint8", None),
-                        ("quantize src", 3), ("round src, then encode", 3)}
+                        ("quantize src", 3), ("round+encode src", 3)}
     assert {r["input"] for r in rows} == {"torch.float32", "torch.bfloat16", "torch.float16"}
     for r in rows:
         assert r["melem_per_s"] > 0 and r["gb_per_s"] > 0

@@ -209,7 +209,7 @@ def run(
             return encode(fewbit_round(x, "binary8p4", "src", out=out, **src), "binary8p4", check=False)
 
         codes_of = {"quantize src": lambda: quantize(x, "binary8p4", "src", **src),
-                    "round src, then encode": round_then_encode}  # fmt: skip
+                    "round+encode src": round_then_encode}  # fmt: skip
         for mode, fn in codes_of.items():
             t, x_copy = paired(fn, copy, repeat, sync)
             rows.append({"input": str(dtype), "format": "binary8p4", "mode": mode, "bits": 3,
@@ -284,23 +284,28 @@ def _per_call(device: str, sync: Callable[[], None]) -> list[dict]:
     return rows
 
 
+def _label(r: dict) -> str:
+    label = f"{r['input'].removeprefix('torch.')} -> {r['format']} {r['mode']}"
+    return label + (f" N={r['bits']}" if r["bits"] else "")
+
+
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'configuration':42} {'Melem/s':>9} {'GB/s':>7} {'x copy':>7} {'x clone':>8} {'eager':>7} "
+    w = max([42, *(len(_label(r)) for r in rows)])  # the longest label (a GPU's "..., unchecked")
+    head = (f"{'configuration':{w}} {'Melem/s':>9} {'GB/s':>7} {'x copy':>7} {'x clone':>8} {'eager':>7} "
             f"{'randint-fed':>11} {'x gfloat':>9} {'device':>7}")
     lines = [head, "(ratios: copy_ or clone time / fewbit time, into a preallocated output or a new one;"
                    " GB/s: bytes read and written;",
              " device: x copy in device time, calls queued back to back)"]  # fmt: skip
     for r in rows:
-        label = f"{r['input'].removeprefix('torch.')} -> {r['format']} {r['mode']}"
-        label += f" N={r['bits']}" if r["bits"] else ""
+        label = _label(r)
         if "us_per_call" in r:
-            lines.append(f"{label:42} {r['us_per_call']:>9.1f} us per call")
+            lines.append(f"{label:{w}} {r['us_per_call']:>9.1f} us per call")
             continue
 
         def col(key, width, fmt=".3f"):
             return f"{r[key]:>{width}{fmt}}" if key in r else " " * width
 
-        lines.append(f"{label:42} {r['melem_per_s']:>9.1f} {r['gb_per_s']:>7.1f} {col('x_copy', 7)} "
+        lines.append(f"{label:{w}} {r['melem_per_s']:>9.1f} {r['gb_per_s']:>7.1f} {col('x_copy', 7)} "
                      f"{col('x_clone', 8)} {col('eager_x_copy', 7)} {col('randint_fed_x_copy', 11)} "
                      f"{col('x_gfloat', 9, '.0f')} {col('device_x_copy', 7)}")
     return "\n".join(lines)
