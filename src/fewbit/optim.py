@@ -259,10 +259,11 @@ class LowPrecisionWeights:
             else:
                 t.copy_(round_to(x, self.fmt, self.mode, sat=self.sat, **sr))
         if self.store_codes:  # values of fmt, rounded just now: unchecked, so a GPU step waits for nothing
-            if not block:
-                blocks = [codes[i] if i in codes else codec.encode(t, self.fmt, check=False)
-                          for i, t in enumerate(pieces)]  # fmt: skip
-            self._codes = blocks
+            if block:
+                self._codes = blocks
+            else:
+                self._codes = [codes[i] if i in codes else codec.encode(t, self.fmt, check=False)
+                               for i, t in enumerate(pieces)]  # fmt: skip
             # The size of the whole storage: a piece may be a view into a larger one (FSDP2
             # pads its shards), which must come back at its size.
             self._nbytes = [t.untyped_storage().nbytes() for t in pieces]
