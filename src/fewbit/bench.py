@@ -189,30 +189,23 @@ def run(
                         row["x_gfloat"] = best_time(_gfloat_round(x, fmt, mode, bits), 3) / t
                 rows.append(row)
         rounded = fewbit_round(x, "binary8p4", sat=True)
-        # On a GPU also without the check, which reads a flag back and so waits for the kernel.
-        for check in (True, False) if device.startswith("cuda") else (True,):
-
-            def encode_call(check=check):
-                return encode(rounded, "binary8p4", check=check)
-
-            t, x_copy = paired(encode_call, copy, repeat, sync)
-            rows.append({"input": str(dtype), "format": "binary8p4",
-                         "mode": "encode to uint8" + ("" if check else ", unchecked"), "bits": None,
-                         "melem_per_s": n / t / 1e6, "gb_per_s": (x.nbytes + n) / t / 1e9, "x_copy": x_copy,
-                         "x_clone": paired(encode_call, clone, repeat, sync)[1]})  # fmt: skip
-            if device.startswith("cuda"):
-                rows[-1]["device_x_copy"] = device_ratio(encode_call, copy, repeat)
-        # Codes of SRC N=3 roundings: fewbit.quantize, in one call, and round then encode.
         src = {"bits": 3, "seed": 1}
 
         def round_then_encode():
             return encode(fewbit_round(x, "binary8p4", "src", out=out, **src), "binary8p4", check=False)
 
-        codes_of = {"quantize src": lambda: quantize(x, "binary8p4", "src", **src),
-                    "round+encode src": round_then_encode}  # fmt: skip
-        for mode, fn in codes_of.items():
+        # Calls returning new codes, a byte an element: encode (on a GPU also without the
+        # check, which reads a flag back and so waits for the kernel), and the codes of SRC
+        # N=3 roundings, by fewbit.quantize in one call and by round then encode.
+        codes_calls = [("encode to uint8", None, lambda: encode(rounded, "binary8p4"))]
+        if device.startswith("cuda"):
+            codes_calls.append(("encode to uint8, unchecked", None,
+                                lambda: encode(rounded, "binary8p4", check=False)))  # fmt: skip
+        codes_calls += [("quantize src", 3, lambda: quantize(x, "binary8p4", "src", **src)),
+                        ("round+encode src", 3, round_then_encode)]  # fmt: skip
+        for mode, bits, fn in codes_calls:
             t, x_copy = paired(fn, copy, repeat, sync)
-            rows.append({"input": str(dtype), "format": "binary8p4", "mode": mode, "bits": 3,
+            rows.append({"input": str(dtype), "format": "binary8p4", "mode": mode, "bits": bits,
                          "melem_per_s": n / t / 1e6, "gb_per_s": (x.nbytes + n) / t / 1e9, "x_copy": x_copy,
                          "x_clone": paired(fn, clone, repeat, sync)[1]})  # fmt: skip
             if device.startswith("cuda"):

@@ -1498,8 +1498,8 @@ __attribute__((noinline)) int64_t half_rows(const Job& job, int64_t row0, int64_
   // result): whole rows rounded on their 16 bits into a row buffer, then encoded from it as
   // encode's rows are (c_nearest: the constants of its rounding, for the codes below 2^emin),
   // without encode's check.
-  const bool bf16_quantize = MAGIC && job.dtype == BF16 && job.output == CODES_U8 && f.has_nans &&
-                             Bf16Magic::applies(f, SR);
+  const bool quantize16 = MAGIC && job.output == CODES_U8 && f.has_nans;  // with f16_quantize below
+  const bool bf16_quantize = quantize16 && job.dtype == BF16 && Bf16Magic::applies(f, SR);
   const Bf16Magic g_nearest(f, false);
   const Bf16x16 c_nearest(g_nearest);
 #endif
@@ -1508,8 +1508,7 @@ __attribute__((noinline)) int64_t half_rows(const Job& job, int64_t row0, int64_
   // whole rows of float16 into a format with NaN, from those values in a row buffer,
   // encoded as bfloat16s (every value of an 8-bit format is one).
   const bool f16_rows = MAGIC && job.dtype == F16 && values && Bf16Magic::applies(f, SR, true);
-  const bool f16_quantize = MAGIC && job.dtype == F16 && job.output == CODES_U8 && f.has_nans &&
-                            Bf16Magic::applies(f, SR, true);
+  const bool f16_quantize = quantize16 && job.dtype == F16 && Bf16Magic::applies(f, SR, true);
   const Bf16Magic g_f16(f, SR, true);
 #endif
   int64_t bad = -1;
@@ -1765,6 +1764,9 @@ bool streams(int dtype, int output, int64_t n) {
 template <typename C, typename V, bool PACKED>
 int64_t lookup(const C* codes, int64_t n, const V* table, int k, V* out, int threads) {
   const uint32_t mask = (1u << k) - 1;
+  const auto code_at = [codes](int64_t i) {
+    return PACKED ? (uint32_t(codes[i >> 1]) >> ((i & 1) << 2)) & 15u : uint32_t(codes[i]);
+  };
   // Chunks of 2^16 values, each a plain loop that GCC vectorises, with its bad codes noted.
   constexpr int64_t CHUNK = int64_t(1) << 16;
   const int64_t chunks = (n + CHUNK - 1) / CHUNK;
@@ -1775,13 +1777,12 @@ int64_t lookup(const C* codes, int64_t n, const V* table, int k, V* out, int thr
     const int64_t i0 = c * CHUNK, i1 = std::min(n, i0 + CHUNK);
     uint32_t beyond = 0;
     for (int64_t i = i0; i < i1; ++i) {
-      const uint32_t code = PACKED ? (uint32_t(codes[i >> 1]) >> ((i & 1) << 2)) & 15u : uint32_t(codes[i]);
+      const uint32_t code = code_at(i);
       beyond |= code & ~mask;
       out[i] = table[code & mask];
     }
     for (int64_t i = i0; beyond && i < i1; ++i) {
-      const uint32_t code = PACKED ? (uint32_t(codes[i >> 1]) >> ((i & 1) << 2)) & 15u : uint32_t(codes[i]);
-      if (code & ~mask) {
+      if (code_at(i) & ~mask) {
         first = std::min(first, i);
         break;
       }

@@ -87,9 +87,14 @@ def fits(fmt: FloatFormat) -> bool:
 def usable(x: torch.Tensor, fmt: FloatFormat) -> bool:
     """Whether the configuration lets the kernel take ``x``, it covers ``fmt`` and it is
     built (building it at first use)."""
+    return takes(x, fmt) and _enabled(x)
+
+
+def _enabled(t: torch.Tensor) -> bool:
+    """Whether the configuration lets the kernel take a tensor on t's device, and it is
+    built (building it at first use)."""
     config = current()
-    return (config.compile and config.native and x.device.type == "cpu" and takes(x, fmt)
-            and _load() is not None)  # fmt: skip
+    return config.compile and config.native and t.device.type == "cpu" and _load() is not None
 
 
 def takes(x: torch.Tensor, fmt: FloatFormat) -> bool:
@@ -208,9 +213,7 @@ def _code_output(fmt: FloatFormat, packed: bool) -> int:
 def decodes(codes: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether :func:`decode_into` takes codes of this dtype (uint8, or int16 bit patterns)
     into values of ``dtype``, where the configuration lets the kernel run."""
-    config = current()
-    return (config.compile and config.native and codes.device.type == "cpu" and dtype in _DTYPES
-            and codes.dtype in (torch.uint8, torch.int16) and _load() is not None)  # fmt: skip
+    return dtype in _DTYPES and codes.dtype in (torch.uint8, torch.int16) and _enabled(codes)
 
 
 def decode_into(codes: torch.Tensor, k: int, table: torch.Tensor, out: torch.Tensor, packed: bool) -> int:
