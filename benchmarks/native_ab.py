@@ -6,8 +6,9 @@
     python benchmarks/native_ab.py 5fa61c8 HEAD --elements --scale 0.01   # mostly below 2^emin
     python benchmarks/native_ab.py HEAD "HEAD -falign-loops=64"   # a build with flags of its own
 
-Each build is compiled with the library's flags and called directly (``fewbit_block``
-or ``fewbit_round``, no operator around it), so the figures are the kernel's. The builds
+Each build is compiled with the library's flags and its ``fewbit_round`` called directly
+(no operator around it), so the figures are the kernel's: builds of native.cpp that take
+one packed ``Call`` (this one's ``native.CALL``), from the commit that introduced it. The builds
 take turns, each call paired with a ``copy_`` of the input into a preallocated output
 just before it: on a machine whose speed drifts, every build sees the same conditions.
 Printed per build: the median (and quartiles) of copy time / call time, and the best ns
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import functools
 import statistics
 import subprocess
 import tempfile
@@ -76,7 +76,7 @@ def main() -> None:
         if args.elements:
             for dtype in (torch.float32, torch.bfloat16, torch.float16):
                 xd = (x * args.scale).to(dtype)
-                for label, calls in element_calls(xd, args.builds, libraries, args.threads).items():
+                for label, calls in element_calls(xd, args.builds, libraries).items():
                     compare(f"{str(dtype).removeprefix('torch.')} {label}", calls, xd, args.pairs)
         else:
             xd = x.to(getattr(torch, args.dtype))
@@ -84,9 +84,9 @@ def main() -> None:
                 compare(f"{args.format} {mode}", block_calls(xd, args, mode, bits, libraries), xd, args.pairs)
 
 
-def element_calls(x: torch.Tensor, names: list[str], libraries: list, threads: int) -> dict[str, dict]:
+def element_calls(x: torch.Tensor, names: list[str], libraries: list) -> dict[str, dict]:
     """fewbit_round of each build on x, by row of ``fewbit bench --quick``: {row: {build: call}}."""
-    n, dtype = x.numel(), native._DTYPES[x.dtype]
+    n = x.numel()
     out = torch.empty_like(x)
     codes = torch.empty(n, dtype=torch.uint8)
     rounded = fewbit.round(x, "binary8p4", sat=True)  # encode takes values of the format
@@ -96,19 +96,17 @@ def element_calls(x: torch.Tensor, names: list[str], libraries: list, threads: i
         # encode's check is RNE from float32 (as native.encode_into)
         source = torch.float32 if encode else x.dtype
         spec = make_spec(source, format("binary8p4"), RoundMode("rne" if encode else mode), False, bits, None)
-        params, kernel = native._kernel(spec, encode)
-        keys = (ctypes.c_uint32 * 4)(*(stream_words(spec, Key(1, 0)) if spec.bits else ()))
+        words = stream_words(spec, Key(1, 0)) if spec.bits else None
         src, into, output = (rounded, codes, 1) if encode else (x, out, 0)
         rows[f"{mode} N={spec.bits}" if spec.bits else mode] = {
-            name: functools.partial(call_round, library, src, into, dtype, output, params, kernel, keys,
-                                    threads)  # fmt: skip
+            name: call(library, src, into, spec, encode, words, output)
             for name, library in zip(names, libraries, strict=True)
         }
     return rows
 
 
 def block_calls(x: torch.Tensor, args, mode: str, bits: int | None, libraries: list) -> dict:
-    """fewbit_block of each build on x, codes and values: {label: call}."""
+    """Block calls of each build on x, codes and values: {label: call}."""
     n = x.numel()
     spec = _spec(x.dtype, args.format, mode, True, bits, None, None)
     size, packed = spec.bfmt.block_size, spec.bfmt.packed
@@ -118,29 +116,23 @@ def block_calls(x: torch.Tensor, args, mode: str, bits: int | None, libraries: l
     codes = torch.empty(n // 2 if packed else n, dtype=torch.uint8)
     scales = torch.empty(n // size, dtype=torch.uint8)
     values = torch.empty_like(x)
-    params, kernel = native._kernel(spec.spec, False)
-    keys = (ctypes.c_uint32 * 4)(*(stream_words(spec.spec, Key(1, 0)) if bits else ()))
+    words = stream_words(spec.spec, Key(1, 0)) if bits else None
     # Codes (and the scales' codes; native.py's output kinds 1 and 3), or values (0).
     outputs = (("codes", codes, 3 if packed else 1, scales), ("values", values, 0, None))
     calls = {}
     for name, library in zip(args.builds, libraries, strict=True):
         for what, out, output, scale_codes in outputs:
-            rest = (output, params, kernel, keys, None, args.threads, size, rule, tensor_scale)
-            calls[f"{name} {what}"] = functools.partial(call_block, library, x, out, scale_codes, *rest)
+            block = (size, rule, tensor_scale, 0 if scale_codes is None else scale_codes.data_ptr())
+            label = f"{name} {what}"
+            calls[label] = call(library, x, out, spec.spec, False, words, output, block, scale_codes)
     return calls
 
 
-# The calls hold the tensors whose memory the kernels read and write (a pointer alone would
-# let them be freed).
-def call_round(library, x, out, dtype, output, params, kernel, keys, threads):
-    x_at, out_at, n = x.data_ptr(), out.data_ptr(), x.numel()
-    library.fewbit_round(x_at, dtype, out_at, output, n, 0, params, kernel, keys, None, threads)
-
-
-def call_block(library, x, out, scales, output, *args):
-    scales = None if scales is None else scales.data_ptr()
-    dtype = native._DTYPES[x.dtype]
-    library.fewbit_block(x.data_ptr(), dtype, out.data_ptr(), output, x.numel(), *args, scales)
+def call(library, x, out, spec, encode, words, output, block=native._NO_BLOCKS, scales=None):
+    """A call of ``library``'s kernel, packed as native.py packs its own. It holds the tensors
+    whose memory the kernel reads and writes (an address alone would let them be freed)."""
+    arguments, params = native.packed(x, spec, encode, words, None, out, output, 0, block)
+    return lambda: (library.fewbit_round(arguments), x, out, scales, params)
 
 
 def compare(title: str, calls: dict, x: torch.Tensor, pairs: int) -> None:

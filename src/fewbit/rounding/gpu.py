@@ -70,8 +70,7 @@ def usable(x: torch.Tensor, fmt: FloatFormat) -> bool:
     """Whether the kernel takes ``x`` (on a CUDA device) and ``fmt``, where ``fewbit.config``'s
     ``native`` and ``compile`` let it: what native.cpp would take on a CPU."""
     config = current()
-    return (config.compile and config.native and x.device.type == "cuda" and takes(x, fmt)
-            and kernels() is not None)  # fmt: skip
+    return x.is_cuda and config.compile and config.native and takes(x, fmt) and kernels() is not None
 
 
 def applies(spec: RoundSpec, x: torch.Tensor, random_bits: torch.Tensor | None = None) -> bool:

@@ -94,7 +94,7 @@ def _enabled(t: torch.Tensor) -> bool:
     """Whether the configuration lets the kernel take a tensor on t's device, and it is
     built (building it at first use)."""
     config = current()
-    return config.compile and config.native and t.device.type == "cpu" and _load() is not None
+    return t.is_cpu and config.compile and config.native and _load() is not None
 
 
 def takes(x: torch.Tensor, fmt: FloatFormat) -> bool:
@@ -249,7 +249,7 @@ def block_into(
     ``packed`` pairs) and into ``scales`` the scale codes; only where
     :func:`block_applies`. Returns :func:`round_into`'s answer."""
     output = _VALUES if scales is None else _CODES_PACKED if packed else _CODES_U8
-    block = (block_size, _RULES[rule], tensor_scale, None if scales is None else scales.data_ptr())
+    block = (block_size, _RULES[rule], tensor_scale, 0 if scales is None else scales.data_ptr())
     return _call(x, spec, False, words, random_bits, out, output, 0, block)
 
 
@@ -262,19 +262,34 @@ def finite_amax(x: torch.Tensor) -> float:
     return library.fewbit_finite_amax(x.data_ptr(), _DTYPES[x.dtype], x.numel(), torch.get_num_threads())
 
 
+#: native.cpp's ``Call``: x, dtype, out, output, n, offset, params, mode, the four key
+#: words, given, threads, then block_size, rule, tensor_scale and scales (addresses as
+#: int64, 0 for none).
+CALL = struct.Struct("<8q4I4qdq")
+_NO_BLOCKS = (0, 0, 1.0, 0)
+_NO_WORDS = (0, 0, 0, 0)
+
+
 def _call(x, spec: RoundSpec, encode: bool, words, random_bits, out: torch.Tensor, output: int,
-          offset: int, block: tuple | None = None) -> int:  # fmt: skip
+          offset: int, block: tuple = _NO_BLOCKS) -> int:  # fmt: skip
     library = _load()
     assert library is not None, "the native kernel is called only where usable() found it built"
-    params, kernel = _kernel(spec, encode)
     x = x.contiguous()  # the kernel reads flat memory
-    random_bits = None if random_bits is None else random_bits.contiguous()
-    keys = (ctypes.c_uint32 * 4)(*(words or ()))
-    given = None if random_bits is None else random_bits.data_ptr()
-    args = (x.data_ptr(), _DTYPES[x.dtype], out.data_ptr(), output, x.numel())
-    if block is None:
-        return library.fewbit_round(*args, offset, params, kernel, keys, given, torch.get_num_threads())
-    return library.fewbit_block(*args, params, kernel, keys, given, torch.get_num_threads(), *block)
+    given = None if random_bits is None else random_bits.contiguous()
+    call, _params = packed(x, spec, encode, words, given, out, output, offset, block)
+    return library.fewbit_round(call)
+
+
+def packed(x, spec: RoundSpec, encode: bool, words, given, out: torch.Tensor, output: int, offset: int,
+           block: tuple = _NO_BLOCKS) -> tuple[bytes, ctypes.Array]:  # fmt: skip
+    """fewbit_round's packed ``Call`` on contiguous x and given bits, and the array of
+    parameters it points to (which must live until the call returns)."""
+    params, kernel = _kernel(spec, encode)
+    words = _NO_WORDS if words is None else (*words, 0, 0)[:4]
+    call = CALL.pack(x.data_ptr(), _DTYPES[x.dtype], out.data_ptr(), output, x.numel(), offset,
+                     ctypes.addressof(params), kernel, *words, 0 if given is None else given.data_ptr(),
+                     torch.get_num_threads(), *block)  # fmt: skip
+    return call, params
 
 
 def _load() -> ctypes.CDLL | None:
@@ -361,10 +376,7 @@ def _cpu() -> str:
 def _open(path: Path) -> ctypes.CDLL:
     library = ctypes.CDLL(str(path))
     library.fewbit_round.restype = ctypes.c_int64
-    library.fewbit_round.argtypes = [
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-    ]
+    library.fewbit_round.argtypes = [ctypes.c_char_p]  # a packed CALL
     library.fewbit_decode.restype = ctypes.c_int64
     library.fewbit_decode.argtypes = [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
@@ -372,12 +384,6 @@ def _open(path: Path) -> ctypes.CDLL:
     ]
     library.fewbit_finite_amax.restype = ctypes.c_float
     library.fewbit_finite_amax.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int]
-    library.fewbit_block.restype = ctypes.c_int64
-    library.fewbit_block.argtypes = [
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-        ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
-    ]
     return library
 
 

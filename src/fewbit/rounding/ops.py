@@ -125,7 +125,7 @@ def check_key(spec: RoundSpec, x: torch.Tensor, key: torch.Tensor | None, random
 def host_key(key: torch.Tensor | None) -> Key | torch.Tensor | None:
     """A key in host memory as Python ints (a :class:`Key`), which the native kernel, the
     eager generator and the GPU kernel's launch take; a key on a device as it is."""
-    return Key(*key.tolist()) if key is not None and key.device.type == "cpu" else key
+    return Key(*key.tolist()) if key is not None and key.is_cpu else key
 
 
 def round_into(x, spec: RoundSpec, key, random_bits, out: torch.Tensor) -> None:
