@@ -374,3 +374,91 @@ def test_encode_and_decode_compile_and_take_tensors_that_require_grad():
 
     want = fewbit.encode(fewbit.round(x, "e4m3"), "e4m3")
     assert torch.equal(torch.compile(unchecked, fullgraph=True)(x), want)
+
+
+def _every_op_call() -> list:
+    """A call of each fewbit operator through its public function (writing ones too)."""
+    from fewbit import block
+
+    x = torch.randn(4, 32)
+    codes = fewbit.encode(fewbit.round(x, "e4m3"), "e4m3")
+    stored = block.quantize(x, "nvfp4")
+    return [
+        lambda: fewbit.round(x, "e4m3", "src", bits=3, seed=1),
+        lambda: fewbit.round(x, "e4m3", out=torch.empty_like(x)),
+        lambda: fewbit.quantize(x, "e4m3"),
+        lambda: fewbit.encode(fewbit.round(x, "e4m3"), "e4m3"),
+        lambda: fewbit.decode(codes, "e4m3"),
+        lambda: block.round(x, "mxfp8_e4m3"),
+        lambda: block.round(x, "mxfp8_e4m3", out=torch.empty_like(x)),
+        lambda: block.quantize(x, "mxfp4").codes,
+        lambda: block.quantize(x, "nvfp4", out=stored).codes,
+    ]
+
+
+def test_eager_calls_skip_the_dispatcher_where_nothing_would_see_it(monkeypatch):
+    """Plain eager calls run their kernels without the dispatcher (each op's dispatcher
+    call is made to fail here), and give what the dispatcher gives."""
+    from fewbit import codec, operators
+    from fewbit.block import ops as block_ops
+    from fewbit.rounding import ops as round_ops
+
+    assert operators._PRIVATE is not None, "torch lost a query operators.unseen needs: calls go the slow way"
+    calls = _every_op_call()
+    with fewbit.configure(native=True):
+        through_dispatcher = [call() for call in calls]
+        every = [getattr(m, n) for m in (round_ops, block_ops, codec) for n in dir(m)]
+        for op in {o for o in every if isinstance(o, operators.Operator)}:
+            monkeypatch.setattr(op, "op", None)  # not callable: a dispatcher call would fail
+        for call, want in zip(calls, through_dispatcher, strict=True):
+            got = call()
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")
+def test_whatever_would_see_an_op_call_still_sees_it():
+    """Under a dispatch mode, a torch function mode, the profiler, vmap, jit.trace, fake
+    tensors, autograd and on a meta tensor, each op call goes through the dispatcher:
+    what a user's tool sees of it is what it saw before calls could skip it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fewbit.operators import unseen
+
+    class Recorded(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    class Called(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    for mode in (Recorded, Called):
+        for call in _every_op_call():
+            seen = []
+            with mode():
+                call()
+            assert any(name.startswith("fewbit.") for name in seen), (mode, seen)
+    x = torch.randn(4, 8)
+    with torch.profiler.profile() as profile:
+        fewbit.round(x, "e4m3")
+    assert any(e.name == "fewbit::round" for e in profile.events())
+    vmapped = torch.vmap(lambda row: fewbit.round(row, "e4m3", "src", bits=3, seed=2))(x)
+    assert torch.equal(vmapped, torch.stack([fewbit.round(r, "e4m3", "src", bits=3, seed=2) for r in x]))
+    assert "fewbit::round" in str(torch.jit.trace(lambda t: fewbit.round(t, "e4m3"), x).graph)
+    with FakeTensorMode():
+        fake = torch.randn(4, 8)
+        assert fewbit.round(fake, "e4m3").shape == (4, 8)
+    assert fewbit.round(torch.randn(4, device="meta"), "e4m3").device.type == "meta"
+    # The tensors' own conditions, and where they hold.
+    w = torch.nn.Parameter(x.clone())
+    assert unseen([x, None]) and unseen([w.detach(), x])
+    assert not unseen([w])  # autograd records a call on it
+    with torch.no_grad():
+        assert unseen([w])
+    assert not unseen([torch.empty(2, device="meta")]) and not unseen([x.to_sparse()])
+    assert not unseen([x.as_subclass(type("Sub", (torch.Tensor,), {}))])
+    assert not unseen([fake])  # a subclass without __torch_function__, outside its mode

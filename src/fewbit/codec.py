@@ -65,7 +65,7 @@ def encode(x: torch.Tensor, fmt: FloatFormat | str, packed: bool = False, check:
         raise TypeError(f"x must be a torch.Tensor, not {type(x).__name__}")
     if not isinstance(check, bool):
         raise TypeError(f"check must be a bool, not {type(check).__name__}")
-    return torch.ops.fewbit.encode(x, format_name(fmt), bool(packed), check)
+    return _encode(x, format_name(fmt), bool(packed), check)
 
 
 def decode(
@@ -77,7 +77,7 @@ def decode(
     """Values of ``codes`` in ``fmt`` as a tensor of ``dtype`` (NaN codes give NaN)."""
     if not isinstance(codes, torch.Tensor):
         raise TypeError(f"codes must be a torch.Tensor, not {type(codes).__name__}")
-    return torch.ops.fewbit.decode(codes, format_name(fmt), dtype, bool(packed))
+    return _decode(codes, format_name(fmt), dtype, bool(packed))
 
 
 def quantize(
@@ -106,7 +106,7 @@ def quantize(
     NaN), and :func:`encode`'s errors for the codes (K > 16; ``packed`` needs K <= 4 and
     an even last dimension)."""
     args = op_args(x, fmt, mode, sat, bits, fraction, seed, random_bits)
-    return torch.ops.fewbit.quantize(*args, bool(packed))
+    return _quantize(*args, bool(packed))
 
 
 def _encode_checks(x: torch.Tensor, fmt: FloatFormat, packed: bool) -> torch.Size:

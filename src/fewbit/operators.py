@@ -19,6 +19,13 @@ with torch.library's lower-level API (``define``, ``Library.impl``, ``register_f
 
 The kernel's own frame is not traced by Dynamo: a kernel runs from the dispatcher, never
 from the user's compiled frame (tests/test_operator.py counts the graphs Dynamo makes).
+
+fewbit's functions call an op through its :class:`Operator`. In eager code where nothing
+of PyTorch's would see the dispatcher's call (:func:`unseen`: no tracing, mode, transform,
+profiler, tensor subclass or autograd recording), that runs the kernel itself and bumps
+the written arguments' versions, as the dispatcher would: a call on 4096 elements then
+takes 10 us instead of 14 (``fewbit.round(out=)``) or 19 (``fewbit.round``) on the 2-core
+VM, and on a GPU the same host time is saved per launch.
 """
 
 from __future__ import annotations
@@ -35,11 +42,19 @@ LIBRARY = torch.library.Library("fewbit", "FRAGMENT")
 
 
 class Operator:
-    """A defined operator, whose ``register_fake`` decorates its fake implementation (it is
-    called as ``torch.ops.fewbit.<name>``)."""
+    """A defined operator: called as ``torch.ops.fewbit.<name>`` (``op``), or as this
+    object, which runs its kernel without the dispatcher where nothing of PyTorch's would
+    see the call (:func:`unseen`); ``register_fake`` decorates its fake implementation."""
 
-    def __init__(self, qualname: str) -> None:
+    def __init__(self, qualname: str, direct: Callable, tensors: tuple[int, ...]) -> None:
         self.qualname = qualname
+        self.op = getattr(torch.ops.fewbit, qualname.split("::")[1]).default
+        self._direct, self._tensors = direct, tensors
+
+    def __call__(self, *args):
+        if not torch.compiler.is_compiling() and unseen([args[i] for i in self._tensors]):
+            return self._direct(*args)
+        return self.op(*args)
 
     def register_fake(self, fake: Callable) -> Callable:
         torch.library.register_fake(self.qualname, fake, lib=LIBRARY)
@@ -56,17 +71,58 @@ def operator(
 
     def define(fn: Callable) -> Operator:
         torch.library.define(qualname, torch.library.infer_schema(fn, mutates_args=mutates_args), lib=LIBRARY)
-        names = list(inspect.signature(fn).parameters)
-        written = tuple(names.index(name) for name in mutates_args)
+        parameters = inspect.signature(fn).parameters
+        written = tuple(list(parameters).index(name) for name in mutates_args)
+        tensors = tuple(i for i, p in enumerate(parameters.values()) if "Tensor" in str(p.annotation))
         name = qualname.split("::")[1]
         LIBRARY.impl(name, _kernel(fn, written, grad_off=backward is None), "CompositeExplicitAutograd")
         if backward is None:
             LIBRARY.impl(name, torch.library.fallthrough_kernel, "Autograd")
         else:
             torch.library.register_autograd(qualname, backward, lib=LIBRARY)
-        return Operator(qualname)
+        # Called directly, nothing requires grad (unseen): the kernel without no_grad.
+        return Operator(qualname, _kernel(fn, written, grad_off=False), tensors)
 
     return define
+
+
+#: Tensors a call may run on directly: torch's own, whose __torch_function__ is torch's.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _private_state() -> tuple[Callable[[], int], Callable[[], object], Callable[[], bool]] | None:
+    """torch's private queries of what would see an op call: the dispatch modes stacked
+    (tracing, fake tensors, a user's mode), the functorch transforms active (vmap, grad),
+    and whether a profiler records. None where this torch lacks one: every call then
+    goes through the dispatcher (tests/test_operator.py fails first)."""
+    try:
+        return (torch._C._len_torch_dispatch_stack, torch._C._functorch.peek_interpreter_stack,
+                torch._C._autograd._profiler_enabled)  # fmt: skip
+    except AttributeError:
+        return None
+
+
+_PRIVATE = _private_state()
+
+
+def unseen(tensors: list[torch.Tensor | None]) -> bool:
+    """Whether an eager call of an op on these tensor arguments needs nothing of torch's
+    dispatcher: nothing traces it (torch.jit, a dispatch mode) or transforms it
+    (functorch, a torch function mode), no profiler records it, autograd has nothing to
+    record (no tensor requires grad, or grad is off), and the tensors are torch's own,
+    strided, on a CPU or a CUDA device. Its kernel then runs as called (``Operator``),
+    without the dispatcher's 5 us (2-core VM; a kernel rounds 4096 elements in 2)."""
+    if _PRIVATE is None:
+        return False
+    dispatch_modes, transforms, profiling = _PRIVATE
+    if dispatch_modes() or transforms() is not None or profiling() or torch.jit.is_tracing():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) not in _PLAIN or t.layout != torch.strided
+                              or not (t.is_cpu or t.is_cuda) or (grad and t.requires_grad)):  # fmt: skip
+            return False
+    return not torch.overrides.has_torch_function(tensors[:1])  # a torch function mode
 
 
 def _kernel(fn: Callable, written: tuple[int, ...], grad_off: bool) -> Callable:

@@ -29,7 +29,15 @@ from ..rounding.checks import check_round_args
 from ..rounding.ops import call_with_out
 from .formats import SCALE_RULES, BlockFormat, ScaleRule, format, names
 from .kernel import from_block_layout
-from .ops import block_args, block_spec_of, lookup
+from .ops import (
+    block_args,
+    block_quantize_into_op,
+    block_quantize_op,
+    block_round_into_op,
+    block_round_op,
+    block_spec_of,
+    lookup,
+)
 
 __all__ = [
     "SCALE_RULES", "BlockFormat", "BlockTensor", "ScaleRule", "check_args", "element_or_block", "format",
@@ -114,14 +122,14 @@ def quantize(
     args = block_args(x, bfmt, mode, sat, bits, fraction, seed, random_bits, axis, rule)
     name, axis = args[1], args[8]
     if out is None:
-        codes, scales, ts = torch.ops.fewbit.block_quantize(*args)
+        codes, scales, ts = block_quantize_op(*args)
         fmt = lookup(name)  # after the op, whose checks looked the name up (see lookup)
         axis = (fmt.axis if axis is None else axis) % x.dim()
         return BlockTensor(codes, scales, ts if fmt.tensor_scale else None, fmt, x.shape, axis)
     if out.shape != x.shape:
         raise ValueError(f"out holds a tensor of shape {tuple(out.shape)}, x has {tuple(x.shape)}")
     ts = out.tensor_scale if out.tensor_scale is not None else x.new_ones((), dtype=torch.float32)
-    torch.ops.fewbit.block_quantize_into(*args, out.format.name, out.axis, out.codes, out.scales, ts)
+    block_quantize_into_op(*args, out.format.name, out.axis, out.codes, out.scales, ts)
     return out
 
 
@@ -145,8 +153,7 @@ def round(
     of x's shape, dtype and device to hold the result (as ``fewbit.round``'s: no autograd
     through it). Gradient: straight-through (the identity), as ``fewbit.round``'s."""
     args = block_args(x, bfmt, mode, sat, bits, fraction, seed, random_bits, axis, rule)
-    ops = torch.ops.fewbit
-    return call_with_out(ops.block_round, ops.block_round_into, args, x, out, "fewbit.block.round")
+    return call_with_out(block_round_op, block_round_into_op, args, x, out, "fewbit.block.round")
 
 
 # Layers that take either kind of format (fewbit.nn, fewbit.optim) go through these three,

@@ -14,7 +14,7 @@ from ..formats import FloatFormat
 from ..random import Key
 from .checks import RoundSpec, dtype_format
 from .modes import MODES, SELECT_BITS, ModeInfo, RoundMode, natural_sr_bits
-from .ops import call_with_out, op_args
+from .ops import call_with_out, op_args, round_into_op, round_op
 from .reference import round_reference
 
 __all__ = [
@@ -63,7 +63,7 @@ def round(
         (NaN input, or overflow without ``sat``).
     """
     args = op_args(x, fmt, mode, sat, bits, fraction, seed, random_bits)
-    return call_with_out(torch.ops.fewbit.round, torch.ops.fewbit.round_into, args, x, out, "fewbit.round")
+    return call_with_out(round_op, round_into_op, args, x, out, "fewbit.round")
 
 
 def round_(x: torch.Tensor, fmt: FloatFormat | str, mode: RoundMode | str = "rne", **kwargs) -> torch.Tensor:
