@@ -246,16 +246,29 @@ def test_seed_as_tensor_or_key_tensor():
 
 
 def test_an_int_seeds_key_stays_in_host_memory():
-    """Whatever x's device, an int seed's key is made in host memory, for a GPU kernel to
-    take its words with the launch (tests/test_gpu.py runs it); a key tensor stays where it is."""
+    """Whatever x's device, an int seed's key stays in host memory: a Key, whose words the
+    kernels take as ints (a GPU kernel with its launch: tests/test_gpu.py), and a tensor in
+    host memory for a call through the dispatcher. A key tensor stays where it is."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     from fewbit.rounding.ops import op_args
 
     x = torch.empty(8, device="meta")
     for seed in (7, fewbit.random.Key(1, 2)):
-        key = op_args(x, "e4m3", "src", False, 3, None, seed, None)[6]
-        want = fewbit.random.as_key(seed)
-        assert key.device.type == "cpu" and key.tolist() == [want.k0, want.k1]
+        assert op_args(x, "e4m3", "src", False, 3, None, seed, None)[6] == fewbit.random.as_key(seed)
     assert op_args(x, "e4m3", "src", False, 3, None, key_of(7, "meta"), None)[6].device.type == "meta"
+
+    class Keys(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func).startswith("fewbit."):
+                keys.append(args[6])
+            return func(*args, **(kwargs or {}))
+
+    keys = []
+    with Keys():
+        fewbit.round(torch.randn(8), "e4m3", "src", bits=3, seed=(5 << 32) + 7)
+        fewbit.block.round(torch.randn(32), "mxfp4", "src", bits=3, seed=(5 << 32) + 7)
+    assert [(k.device.type, k.tolist()) for k in keys] == [("cpu", [7, 5])] * 2
 
 
 # --- outputs never alias memory the user holds ---------------------------------------

@@ -35,6 +35,8 @@ from collections.abc import Callable
 
 import torch
 
+from .random import Key, key_of
+
 __all__ = ["Operator", "operator"]
 
 #: The registrations of every fewbit operator (alive as long as the module).
@@ -52,9 +54,12 @@ class Operator:
         self._direct, self._tensors = direct, tensors
 
     def __call__(self, *args):
-        if not torch.compiler.is_compiling() and unseen([args[i] for i in self._tensors]):
+        if torch.compiler.is_compiling():
+            return self.op(*args)
+        if unseen([args[i] for i in self._tensors]):
             return self._direct(*args)
-        return self.op(*args)
+        # A host key (an int seed's, rounding.ops.op_key) as the schema's tensor
+        return self.op(*(key_of(a) if isinstance(a, Key) else a for a in args))
 
     def register_fake(self, fake: Callable) -> Callable:
         torch.library.register_fake(self.qualname, fake, lib=LIBRARY)
@@ -105,13 +110,14 @@ def _private_state() -> tuple[Callable[[], int], Callable[[], object], Callable[
 _PRIVATE = _private_state()
 
 
-def unseen(tensors: list[torch.Tensor | None]) -> bool:
-    """Whether an eager call of an op on these tensor arguments needs nothing of torch's
-    dispatcher: nothing traces it (torch.jit, a dispatch mode) or transforms it
-    (functorch, a torch function mode), no profiler records it, autograd has nothing to
-    record (no tensor requires grad, or grad is off), and the tensors are torch's own,
-    strided, on a CPU or a CUDA device. Its kernel then runs as called (``Operator``),
-    without the dispatcher's 5 us (2-core VM; a kernel rounds 4096 elements in 2)."""
+def unseen(tensors: list[torch.Tensor | Key | None]) -> bool:
+    """Whether an eager call of an op on these tensor arguments (None for one not given, a
+    host Key for a key tensor) needs nothing of torch's dispatcher: nothing traces it
+    (torch.jit, a dispatch mode) or transforms it (functorch, a torch function mode), no
+    profiler records it, autograd has nothing to record (no tensor requires grad, or grad
+    is off), and the tensors are torch's own, strided, on a CPU or a CUDA device. Its
+    kernel then runs as called (``Operator``), without the dispatcher's 5 us (2-core VM;
+    a kernel rounds 4096 elements in 2)."""
     if _PRIVATE is None:
         return False
     dispatch_modes, transforms, profiling = _PRIVATE
@@ -119,8 +125,10 @@ def unseen(tensors: list[torch.Tensor | None]) -> bool:
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:
-        if t is not None and (type(t) not in _PLAIN or t.layout != torch.strided
-                              or not (t.is_cpu or t.is_cuda) or (grad and t.requires_grad)):  # fmt: skip
+        if t is None or type(t) is Key:
+            continue
+        if type(t) not in _PLAIN or t.layout != torch.strided or not (t.is_cpu or t.is_cuda) or (
+                grad and t.requires_grad):  # fmt: skip
             return False
     return not torch.overrides.has_torch_function(tensors[:1])  # a torch function mode
 

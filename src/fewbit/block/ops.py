@@ -16,7 +16,7 @@ import torch
 
 from ..codec import codes_of, pack_pairs
 from ..operators import operator
-from ..random import Key, key_of
+from ..random import Key
 from ..rounding import native
 from ..rounding.checks import check_random_bits, scalar_args
 from ..rounding.compiled import (
@@ -29,7 +29,7 @@ from ..rounding.compiled import (
     word_tensors,
 )
 from ..rounding.modes import parse_mode
-from ..rounding.ops import _check_out, _overlaps, check_key, name_for_op
+from ..rounding.ops import _check_out, _overlaps, check_key, host_key, name_for_op, op_key
 from .formats import BlockFormat, check_rule
 from .formats import format as block_format
 from .kernel import (
@@ -73,8 +73,7 @@ def block_args(x, bfmt, mode, sat, bits, fraction, seed, random_bits, axis, rule
     name = format_name(bfmt)
     if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int)):
         raise TypeError(f"axis must be an int, not {type(axis).__name__}")
-    key = None if seed is None else key_of(seed, x.device)
-    return x, name, mode, sat, bits, fraction, key, random_bits, axis, rule
+    return x, name, mode, sat, bits, fraction, op_key(seed, x), random_bits, axis, rule
 
 
 @functools.cache
@@ -157,7 +156,7 @@ def _run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool, ts: torch
     size = spec.bfmt.block_size
     rand = check_random_bits(x, spec.spec, random_bits) if key is None else None
     in_order = axis % x.dim() == x.dim() - 1 and x.shape[-1] % size == 0
-    cpu_key = Key(*key.tolist()) if key is not None and key.device.type == "cpu" else key
+    cpu_key = host_key(key)
     if (in_order and spec.work_dtype == torch.float32
             and native.block_applies(spec.spec, x, rand, size, spec.bfmt.scale)):  # fmt: skip
         return _native(x, spec, cpu_key, rand, fused, ts, into)

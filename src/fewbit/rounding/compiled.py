@@ -53,13 +53,16 @@ def stream_words(spec: RoundSpec, key: Key | torch.Tensor) -> list:
     return [w for k in keys for w in ((k.k0, k.k1) if isinstance(k, Key) else k.unbind())]
 
 
-def word_tensors(spec: RoundSpec, key: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
-    """:func:`stream_words` of a key tensor (on ``device`` or in host memory), as 0-d
-    tensors on ``device`` (a new key is new data for a compiled kernel). Derived with
-    Python ints where the key is in host memory, so reading it waits for nothing."""
-    if key.device.type != "cpu":
-        return stream_words(spec, key)
-    return key_tensor(stream_words(spec, Key(*key.tolist())), device).unbind()
+def word_tensors(spec: RoundSpec, key: Key | torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+    """:func:`stream_words` of a key (a Key, or a key tensor on ``device`` or in host
+    memory), as 0-d tensors on ``device`` (a new key is new data for a compiled kernel).
+    Derived with Python ints where the key is in host memory, so reading it waits for
+    nothing."""
+    if isinstance(key, torch.Tensor):
+        if not key.is_cpu:
+            return stream_words(spec, key)
+        key = Key(*key.tolist())
+    return key_tensor(stream_words(spec, key), device).unbind()
 
 
 def _draw(spec: RoundSpec, words, draw) -> torch.Tensor | None:

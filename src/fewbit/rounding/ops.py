@@ -25,7 +25,7 @@ import torch
 from ..config import current
 from ..formats import FloatFormat, format
 from ..operators import operator
-from ..random import Key, key_of
+from ..random import Key, as_key, key_of
 from . import gpu, native
 from .checks import RoundSpec, check_random_bits, make_spec, scalar_args
 from .compiled import compiled_round, range_bits, round_body, stream_words, use_compiled
@@ -79,11 +79,19 @@ def op_args(x, fmt, mode, sat, bits, fraction, seed, random_bits) -> tuple:
     elif not isinstance(mode, str):
         raise TypeError(f"mode must be a RoundMode or a string, not {type(mode).__name__}")
     sat, bits, fraction = scalar_args(sat, bits, fraction)
-    # An int seed's key stays in host memory, where a GPU kernel takes its words with the
-    # launch instead of a copy to the device of its own; traced, it is made on x's device.
-    host = isinstance(seed, (int, Key)) and not torch.compiler.is_compiling()
-    key = None if seed is None else key_of(seed, None if host else x.device)
-    return x, format_name(fmt), mode, sat, bits, fraction, key, random_bits
+    return x, format_name(fmt), mode, sat, bits, fraction, op_key(seed, x), random_bits
+
+
+def op_key(seed, x: torch.Tensor) -> Key | torch.Tensor | None:
+    """The key an op takes for a seed. An int seed's (or a Key's) stays a :class:`Key` in
+    host memory: the kernels take its words as Python ints, a GPU kernel with its launch,
+    and an :class:`~fewbit.operators.Operator` makes it a tensor in host memory only for
+    a call through the dispatcher. Traced, it is made on x's device."""
+    if seed is None:
+        return None
+    if isinstance(seed, (int, Key)) and not torch.compiler.is_compiling():
+        return as_key(seed)
+    return key_of(seed, x.device)
 
 
 def spec_of(
@@ -106,26 +114,29 @@ def _named_spec(dtype: torch.dtype, fmt: str, rounding: str, sat: bool, bits: in
 _HOST = torch.device("cpu")
 
 
-def check_key(spec: RoundSpec, x: torch.Tensor, key: torch.Tensor | None, random_bits) -> None:
-    """A seed's key against the spec and x (and never with random_bits). A key is on x's
-    device, or in host memory: a GPU kernel then takes its words with the launch (an int
-    seed's key comes so, without a copy to the device of its own); under a CUDA graph,
-    with the value it had at the capture."""
+def check_key(spec: RoundSpec, x: torch.Tensor, key: Key | torch.Tensor | None, random_bits) -> None:
+    """A seed's key against the spec and x (and never with random_bits). A key is a Key
+    (called without the dispatcher), or a tensor on x's device or in host memory: a GPU
+    kernel then takes its words with the launch (an int seed's key comes so, without a
+    copy to the device of its own); under a CUDA graph, with the value it had at the
+    capture."""
     if key is None:
         return
     if random_bits is not None:
         raise ValueError("give either seed (fewbit draws the bits) or random_bits, not both")
     if spec.bits is None:
         raise ValueError(f"mode {spec.mode.value!r} is deterministic and takes no seed")
+    if isinstance(key, Key):
+        return
     if key.dtype != torch.int64 or key.shape != (2,) or key.device not in (x.device, _HOST):
         raise ValueError(f"a key is an int64 tensor of shape (2,) on {x.device} or the CPU; got {key.dtype} "
                          f"{tuple(key.shape)} on {key.device} (fewbit.random.key_of makes one)")
 
 
-def host_key(key: torch.Tensor | None) -> Key | torch.Tensor | None:
+def host_key(key: Key | torch.Tensor | None) -> Key | torch.Tensor | None:
     """A key in host memory as Python ints (a :class:`Key`), which the native kernel, the
     eager generator and the GPU kernel's launch take; a key on a device as it is."""
-    return Key(*key.tolist()) if key is not None and key.is_cpu else key
+    return Key(*key.tolist()) if isinstance(key, torch.Tensor) and key.is_cpu else key
 
 
 def round_into(x, spec: RoundSpec, key, random_bits, out: torch.Tensor) -> None:
