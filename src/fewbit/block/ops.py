@@ -133,15 +133,13 @@ def _native(x: torch.Tensor, spec: BlockSpec, key: Key | None, rand: torch.Tenso
     """:func:`_run`'s answer from the native CPU kernel, for blocks in x's memory order,
     written into ``into`` where given (contiguous tensors shaped as the results)."""
     size = spec.bfmt.block_size
-    flat = x.reshape(-1)
-    args = (flat, spec.spec, None if key is None else stream_words(spec.spec, key),
-            None if rand is None else rand.reshape(-1))
+    args = (x, spec.spec, None if key is None else stream_words(spec.spec, key), rand)
     kw = {"block_size": size, "rule": spec.rule, "tensor_scale": 1.0 if ts is None else float(ts)}
     if fused:
         (out,) = into or (torch.empty_like(x, memory_format=torch.contiguous_format),)
-        return out, native.block_into(*args, out.view(-1), None, **kw) >= 0
+        return out, native.block_into(*args, out, None, **kw) >= 0
     codes, scales = into or _empty_codes(x, spec, x.dim() - 1)
-    bad = native.block_into(*args, codes.view(-1), scales, packed=spec.bfmt.packed, **kw)
+    bad = native.block_into(*args, codes, scales, packed=spec.bfmt.packed, **kw)
     return codes, scales, bad >= 0
 
 

@@ -265,7 +265,7 @@ def rounded(
     valid result (the torch kernels then say which, with their error; finding out waits
     for the kernel)."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if not round_into(x.reshape(-1), spec, key, None, out.view(-1), offset):
+    if not round_into(x, spec, key, None, out, offset):
         return None
     return None if not spec.fmt.has_nans and bool(torch.isnan(out).any()) else out
 

@@ -1861,11 +1861,26 @@ float fewbit_finite_amax(const void* x, int dtype, int64_t n, int threads) {
   return as_float(uint32_t(best));
 }
 
+// One call of fewbit_decode, as native.py's LOOKUP packs it (as Call, one bytes object).
+struct Lookup {
+  const void* codes;
+  int64_t input, n;
+  const void* table;
+  int64_t k, width;
+  void* out;
+  int64_t threads;
+};
+static_assert(sizeof(Lookup) == 64, "native.py's LOOKUP packs this layout");
+
 // fewbit.decode: values of n codes (input CODES_U8, CODES_I16 or CODES_PACKED) from a table
 // of the 2^k values of the format as output bits of `width` bytes (4: float32; 2: bfloat16
 // or float16). Returns the first position whose code is not below 2^k, or -1.
-int64_t fewbit_decode(const void* codes, int input, int64_t n, const void* table, int k, int width, void* out,
-                      int threads) {
+int64_t fewbit_decode(const Lookup* c) {
+  const void* codes = c->codes;
+  const int input = int(c->input), k = int(c->k), threads = int(c->threads);
+  const int64_t n = c->n;
+  void* out = c->out;
+  const void* table = c->table;
   const auto run = [&](auto value) {
     using V = decltype(value);
     const V* t = static_cast<const V*>(table);
@@ -1875,7 +1890,7 @@ int64_t fewbit_decode(const void* codes, int input, int64_t n, const void* table
     return input == CODES_PACKED ? lookup<uint8_t, V, true>(c, n, t, k, o, threads)
                                  : lookup<uint8_t, V, false>(c, n, t, k, o, threads);
   };
-  return width == 4 ? run(uint32_t{}) : run(uint16_t{});
+  return c->width == 4 ? run(uint32_t{}) : run(uint16_t{});
 }
 
 }  // extern "C"

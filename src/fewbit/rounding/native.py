@@ -185,11 +185,11 @@ def rounded(
     """:func:`round_into` a new tensor of x's shape; None where an element has no valid
     result (the torch kernels then say which, with their error)."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    return out if round_into(x.reshape(-1), spec, words, None, out.view(-1), offset) == -1 else None
+    return out if round_into(x, spec, words, None, out, offset) == -1 else None
 
 
 def encode_into(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor, packed: bool) -> int:
-    """Codes of flat ``x`` (float32 or 16-bit) in ``fmt`` into ``out`` (uint8 or int16, or
+    """Codes of ``x`` (float32 or 16-bit, in memory order) in ``fmt`` into ``out`` (uint8 or int16, or
     packed pairs in uint8); only where :func:`usable`. Returns the first position that
     holds no value of fmt, else -1."""
     check = make_spec(torch.float32, fmt, RoundMode.RNE, False, None, None)
@@ -200,7 +200,7 @@ def quantize_into(
     x: torch.Tensor, spec: RoundSpec, words: list[int] | None, random_bits: torch.Tensor | None,
     out: torch.Tensor, packed: bool,
 ) -> int:
-    """:func:`round_into` flat ``x``, writing the results' codes into ``out`` as
+    """:func:`round_into` ``x``, writing the results' codes into ``out`` as
     :func:`encode_into` does, in the same pass: the rounded values are never stored.
     Returns :func:`round_into`'s answer."""
     return _call(x, spec, False, words, random_bits, out, _code_output(spec.fmt, packed), 0)
@@ -217,16 +217,16 @@ def decodes(codes: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def decode_into(codes: torch.Tensor, k: int, table: torch.Tensor, out: torch.Tensor, packed: bool) -> int:
-    """Values of flat ``codes`` (uint8, int16 bit patterns, or ``packed`` pairs in uint8)
-    looked up in ``table``, the 2^k values of the format in out's dtype, into flat ``out``;
-    only where :func:`decodes`. Returns the first position whose code is not below 2^k,
-    else -1."""
+    """Values of ``codes`` (uint8, int16 bit patterns, or ``packed`` pairs in uint8, in
+    memory order) looked up in ``table``, the 2^k values of the format in out's dtype,
+    into ``out``; only where :func:`decodes`. Returns the first position whose code is not
+    below 2^k, else -1."""
     library = _load()
     assert library is not None, "the native kernel is called only where decodes() found it built"
     codes = codes.contiguous()
     kind = _CODES_PACKED if packed else _CODES_I16 if codes.dtype == torch.int16 else _CODES_U8
-    return library.fewbit_decode(codes.data_ptr(), kind, out.numel(), table.data_ptr(), k, out.element_size(),
-                                 out.data_ptr(), torch.get_num_threads())  # fmt: skip
+    return library.fewbit_decode(LOOKUP.pack(codes.data_ptr(), kind, out.numel(), table.data_ptr(), k,
+                                             out.element_size(), out.data_ptr(), torch.get_num_threads()))
 
 
 def block_applies(spec: RoundSpec, x: torch.Tensor, random_bits: torch.Tensor | None, block_size: int,
@@ -242,7 +242,7 @@ def block_into(
     out: torch.Tensor, scales: torch.Tensor | None, *, block_size: int, rule: str, tensor_scale: float = 1.0,
     packed: bool = False,
 ) -> int:
-    """Block-quantise flat ``x`` (whole blocks of ``block_size`` consecutive elements, a
+    """Block-quantise ``x`` (in memory order: whole blocks of ``block_size`` consecutive elements, a
     scale S each by ``rule``: a power of two, or E4M3 times ``tensor_scale``), its elements
     rounded by ``spec`` with the bits of stream elements ``0 ..`` (or given): into ``out``
     the values ``q S`` in x's dtype (``scales`` None), or the element codes (uint8,
@@ -264,8 +264,12 @@ def finite_amax(x: torch.Tensor) -> float:
 
 #: native.cpp's ``Call``: x, dtype, out, output, n, offset, params, mode, the four key
 #: words, given, threads, then block_size, rule, tensor_scale and scales (addresses as
-#: int64, 0 for none).
+#: int64, 0 for none). The kernels read x and the given bits in memory order (made
+#: contiguous here if they are not) and write out's memory, which the callers make
+#: contiguous: no shape is needed, and no flattening view (1 us each) is made.
 CALL = struct.Struct("<8q4I4qdq")
+#: native.cpp's ``Lookup``: codes, their kind, n, table, k, the values' width, out, threads.
+LOOKUP = struct.Struct("<8q")
 _NO_BLOCKS = (0, 0, 1.0, 0)
 _NO_WORDS = (0, 0, 0, 0)
 
@@ -378,10 +382,7 @@ def _open(path: Path) -> ctypes.CDLL:
     library.fewbit_round.restype = ctypes.c_int64
     library.fewbit_round.argtypes = [ctypes.c_char_p]  # a packed CALL
     library.fewbit_decode.restype = ctypes.c_int64
-    library.fewbit_decode.argtypes = [
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-        ctypes.c_void_p, ctypes.c_int,
-    ]
+    library.fewbit_decode.argtypes = [ctypes.c_char_p]  # a packed LOOKUP
     library.fewbit_finite_amax.restype = ctypes.c_float
     library.fewbit_finite_amax.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int]
     return library
