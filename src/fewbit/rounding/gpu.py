@@ -197,8 +197,8 @@ def _round(x, spec: RoundSpec, key, random_bits, out: torch.Tensor, offset: int,
     first_row = offset // LANES // rows * rows
     end_row = -(-(offset + n) // LANES)
     programs = -(-(end_row - first_row) // rows)
-    args = (x, out, given, words, n, offset, first_row, *host_words)
-    return _launch("round_kernel", programs, args, round_constants, variant)
+    ints = (n, offset, first_row, *host_words)
+    return _launch("round_kernel", programs, (x, out, given, words), ints, round_constants, variant)
 
 
 #: Tensors a launch of round_foreach_ takes: each program reads the start of every one.
@@ -245,8 +245,8 @@ def round_foreach_(
         table = torch.frombuffer(array.array("q", head + padded), dtype=torch.int64)
         if first.device.type == "cuda":  # from pinned memory, without waiting for queued work
             table = table.pin_memory().to(first.device, non_blocking=True)
-        args = (table, first, None, None, _FOREACH_TENSORS, 0, 0, 0, 0, 0, 0)
-        if not _launch("round_kernel", starts[-1], args, round_constants, variant):
+        arguments = (table, first, None, None), (_FOREACH_TENSORS, 0, 0, 0, 0, 0, 0)
+        if not _launch("round_kernel", starts[-1], *arguments, round_constants, variant):
             if launched:  # (the same kernel as the launch before: not seen to happen)
                 raise RuntimeError("fewbit: a write-back launch failed after others had written")
             return False
@@ -285,7 +285,7 @@ def encode_into(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor, packed: bo
         blocks = _ENCODE_BLOCKS if codes >= _ENCODE_MANY else 1
         programs = -(-codes // (_ENCODE_BLOCK * blocks))
         variant = (fmt, blocks, packed, aligned(n, 0, x, out), check)
-        if not _launch("encode_kernel", programs, (x, out, bad, n), encode_constants, variant):
+        if not _launch("encode_kernel", programs, (x, out, bad), (n,), encode_constants, variant):
             return None
     if not check:
         return -1
@@ -321,18 +321,21 @@ _BROKEN: set[tuple] = set()
 _COMPILED: dict[tuple, tuple] = {}
 
 
-def _launch(name: str, programs: int, args: tuple, constants_of: Callable[..., dict], variant: tuple) -> bool:
-    """Launch kernel ``name`` on ``programs`` programs with the runtime arguments ``args``
-    and the constants ``constants_of(*variant)``; False, with one warning per kernel,
-    where Triton cannot compile it (it has not run on every GPU and Triton version):
-    compilation comes before the launch, so nothing is written."""
-    device = args[0].device
+def _launch(name: str, programs: int, tensors: tuple, ints: tuple, constants_of: Callable[..., dict],
+            variant: tuple) -> bool:  # fmt: skip
+    """Launch kernel ``name`` on ``programs`` programs with the runtime arguments ``tensors``
+    (tensors or None, the kernel's first arguments) and ``ints`` (the rest), and the
+    constants ``constants_of(*variant)``; False, with one warning per kernel, where Triton
+    cannot compile it (it has not run on every GPU and Triton version): compilation comes
+    before the launch, so nothing is written."""
+    device = tensors[0].get_device()  # the CUDA device's index (-1: the CPU, for tests)
     # A tensor compiles as its dtype, None as a constant, an int as an int64 (each kernel's
     # annotation): the rest of what Triton compiles for is the variant's constants.
-    kinds = tuple(a.dtype if isinstance(a, torch.Tensor) else a is None for a in args)
-    key = (name, variant, kinds, device.index)
+    kinds = tuple(None if t is None else t.dtype for t in tensors)
+    key = (name, variant, kinds, device)
     if _BROKEN and key in _BROKEN:  # (the key only once one broke)
         return False
+    args = (*tensors, *ints)
     with _on(device):
         known = _COMPILED.get(key)
         if known is not None:
@@ -350,7 +353,7 @@ def _launch(name: str, programs: int, args: tuple, constants_of: Callable[..., d
             warnings.warn(f"fewbit: the Triton kernel did not compile ({err!s:.300}); the torch kernels "
                           "take these calls (same bits, slower)", RuntimeWarning, stacklevel=4)  # fmt: skip
             return False
-    if device.type == "cuda" and _RELAUNCH and isinstance(compiled, _compiled_kernel()):
+    if device >= 0 and _RELAUNCH and isinstance(compiled, _compiled_kernel()):
         names = kernel.arg_names  # the runtime arguments first, then the constants
         _COMPILED[key] = compiled, tuple(constants[name] for name in names[len(args) :])
     return True
@@ -369,9 +372,10 @@ def _relaunch_failed(err: Exception) -> None:
                   "launches each call from now on (same bits, more host time)", RuntimeWarning, stacklevel=4)
 
 
-def _on(device: torch.device) -> contextlib.AbstractContextManager:
-    """Triton launches on the current device: make it ``device``, where it is not already."""
-    if device.type != "cuda" or device.index == torch.cuda.current_device():
+def _on(device: int) -> contextlib.AbstractContextManager:
+    """Triton launches on the current device: make it CUDA device ``device``, where it is not
+    already (-1: the CPU)."""
+    if device < 0 or device == torch.cuda.current_device():
         return contextlib.nullcontext()
     return torch.cuda.device(device)
 
