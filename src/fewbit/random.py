@@ -48,6 +48,7 @@ runs in cache-sized chunks with in-place ops; the traced path is functional
 from __future__ import annotations
 
 import array
+import functools
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -256,22 +257,25 @@ def key_of(seed: Key | int | torch.Tensor, device: torch.device | str | None = N
 # --------------------------------------------------------------------------
 
 
-def _rotl32_int(x: int, r: int) -> int:
-    return ((x << r) | (x >> (32 - r))) & MASK32
+@functools.cache
+def _schedule(rounds: int) -> tuple[tuple[int, int], ...]:
+    """Each round's rotation, and the number i of the key injection after it (0: none)."""
+    every = KEY_INJECTION_INTERVAL
+    return tuple((ROTATIONS[r % 8], (r + 1) // every if r % every == every - 1 else 0) for r in range(rounds))
 
 
 def threefry2x32_int(
     c0: int, c1: int, k0: int, k1: int, *, rounds: int = DEFAULT_ROUNDS
 ) -> tuple[int, int]:
-    """Scalar pure-Python Threefry-2x32 (reference; used by :func:`fold_in`)."""
+    """Scalar pure-Python Threefry-2x32 (reference; used by :func:`fold_in`, once per key
+    an optimizer step derives: the rounds' schedule is looked up, the rotation inlined)."""
     ks = (k0, k1, SKEIN_KS_PARITY32 ^ k0 ^ k1)
-    x0 = (c0 + ks[0]) & MASK32
-    x1 = (c1 + ks[1]) & MASK32
-    for r in range(rounds):
+    x0 = (c0 + k0) & MASK32
+    x1 = (c1 + k1) & MASK32
+    for rotation, i in _schedule(rounds):
         x0 = (x0 + x1) & MASK32
-        x1 = _rotl32_int(x1, ROTATIONS[r % 8]) ^ x0
-        if r % KEY_INJECTION_INTERVAL == KEY_INJECTION_INTERVAL - 1:
-            i = (r + 1) // KEY_INJECTION_INTERVAL
+        x1 = (((x1 << rotation) | (x1 >> (32 - rotation))) & MASK32) ^ x0
+        if i:
             x0 = (x0 + ks[i % 3]) & MASK32
             x1 = (x1 + ks[(i + 1) % 3] + i) & MASK32
     return x0, x1
