@@ -1,15 +1,17 @@
 """Host time of one call of each public op on 4096 float32 elements, where a call is almost
-all host time (about 1 us of kernel): best of 7 runs of 20000 calls, one thread.
+all host time (about 1 us of kernel): best of 7 runs of 20000 calls, one thread. On a GPU
+(``--device cuda``) the calls of a run are queued back to back and waited for at its end,
+so that a call's time is its host time wherever the device keeps up.
 
-    python benchmarks/bench_per_call.py [LABEL]
+    python benchmarks/bench_per_call.py [--label LABEL] [--device cuda]
 
 To compare two revisions, run it from a worktree of each in turns, e.g.
-``git worktree add /tmp/old REV && PYTHONPATH=/tmp/old/src python benchmarks/bench_per_call.py REV``.
+``git worktree add /tmp/old REV && PYTHONPATH=/tmp/old/src python benchmarks/bench_per_call.py --label REV``.
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 from collections.abc import Callable
 
@@ -18,23 +20,30 @@ import torch
 import fewbit
 
 
-def best_us(call: Callable[[], object], calls: int = 20000, runs: int = 7) -> float:
-    """Microseconds per call: the best of ``runs`` loops of ``calls`` calls, after 500."""
+def best_us(call: Callable[[], object], sync: Callable[[], None], calls: int = 20000, runs: int = 7) -> float:
+    """Microseconds per call: the best of ``runs`` loops of ``calls`` calls, after 500,
+    each loop ended by ``sync``."""
     for _ in range(500):
         call()
+    sync()
     best = float("inf")
     for _ in range(runs):
         start = time.perf_counter()
         for _ in range(calls):
             call()
+        sync()
         best = min(best, (time.perf_counter() - start) / calls)
     return best * 1e6
 
 
 def main() -> None:
-    label = sys.argv[1] if len(sys.argv) > 1 else ""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--label", default="", help="printed before each row (a revision, say)")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
     torch.set_num_threads(1)
-    x = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0)).to(args.device)
     out = torch.empty_like(x)
     values = fewbit.round(x, "binary8p4")
     codes = fewbit.encode(values, "binary8p4")
@@ -49,7 +58,7 @@ def main() -> None:
         "block.round mxfp8_e4m3, 8 rows of 512": lambda: fewbit.block.round(x.view(8, 512), "mxfp8_e4m3"),
     }
     for name, call in calls.items():
-        print(f"{label:10} {name:38} {best_us(call):6.1f} us")
+        print(f"{args.label:10} {name:38} {best_us(call, sync):6.1f} us")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ case "${1:-}" in
       | tee -a "$out/gpu.txt"
     python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_kernel.py 2>&1 | tee "$out/tests.txt"
     fewbit bench --quick --device cuda --log2-size 27 --no-gfloat 2>/dev/null | tee "$out/bench_cuda.txt"
+    python3 benchmarks/bench_per_call.py --device cuda 2>&1 | tee "$out/per_call_cuda.txt"
     ;;
   blocks)
     fewbit bench --quick --block --device cuda --log2-size 27 --no-gfloat 2>/dev/null | tee "$out/bench_blocks.txt"
