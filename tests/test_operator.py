@@ -411,15 +411,23 @@ def _every_op_call() -> list:
 
 def test_eager_calls_skip_the_dispatcher_where_nothing_would_see_it(monkeypatch):
     """Plain eager calls run their kernels without the dispatcher (each op's dispatcher
-    call is made to fail here), and give what the dispatcher gives."""
+    call is made to fail here), and give what the dispatcher gives (a dispatch mode that
+    only passes each op on sends every call through it)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     from fewbit import codec, operators
     from fewbit.block import ops as block_ops
     from fewbit.rounding import ops as round_ops
 
+    class Through(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
     assert operators._PRIVATE is not None, "torch lost a query operators.unseen needs: calls go the slow way"
     calls = _every_op_call()
     with fewbit.configure(native=True):
-        through_dispatcher = [call() for call in calls]
+        with Through():
+            through_dispatcher = [call() for call in calls]
         every = [getattr(m, n) for m in (round_ops, block_ops, codec) for n in dir(m)]
         for op in {o for o in every if isinstance(o, operators.Operator)}:
             monkeypatch.setattr(op, "op", None)  # not callable: a dispatcher call would fail
