@@ -330,3 +330,45 @@ def test_foreach_leaves_what_it_does_not_take():
         before = [t.clone() for t in bad]
         assert not gpu.round_foreach_(bad, spec, Key.from_seed(1), range(len(bad)), torch.float32)
         assert all(torch.equal(t, b) for t, b in zip(bad, before, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decode_same_values_as_the_native_lookup(dtype):
+    """decode_kernel: every code of each format the dtype holds (uint8, int16 patterns,
+    packed pairs where K <= 4) gives the native lookup's value bits, NaNs included, over
+    several programs; unchecked, the same."""
+    gen = torch.Generator().manual_seed(3)
+    for name in ("binary8p4", "ocp_e4m3", "ocp_e5m2", "ocp_e2m1", "p3109_k8p3ue", "binary16", "bfloat16"):
+        fmt = fewbit.format(name)
+        if not dtype_format(dtype).contains(fmt):
+            continue
+        every = torch.arange(1 << fmt.k, dtype=torch.int32)
+        codes = torch.cat([every, torch.randint(0, 1 << fmt.k, (3 * gpu._DECODE_BLOCK + 48,), generator=gen)])
+        codes = codes.to(fewbit.codec.code_dtype(fmt))
+        for packed in (False, True) if fmt.k <= 4 else (False,):
+            stored = fewbit.codec.pack_pairs(codes) if packed else codes
+            want = fewbit.decode(stored, fmt, dtype, packed=packed)  # the native lookup
+            table = fewbit.codec._table(fmt, dtype, codes.device)
+            for check in (True, False):
+                out = torch.empty_like(want)
+                assert gpu.decode_into(stored, fmt.k, table, out, packed, check) == -1
+                assert_bitwise_equal(out, want, want, f"{name} packed={packed} check={check}")
+
+
+def test_decode_reports_the_first_code_beyond_the_format():
+    """uint8 codes of a 4-bit format, and int16 patterns of an 8-bit one (2^K, or 0xFFFF as
+    the int16 -1): a code at or above 2^K anywhere (a program's start, a later program,
+    two programs, two in one program) is reported at the first place, as the native
+    lookup reports it."""
+    block = gpu._DECODE_BLOCK
+    for name, dtype, beyond in (("ocp_e2m1", torch.uint8, 16), ("binary8p4", torch.int16, 256),
+                                ("binary8p4", torch.int16, -1)):  # fmt: skip
+        fmt = fewbit.format(name)
+        codes = torch.randint(0, 1 << fmt.k, (3 * block + 5,), generator=torch.Generator().manual_seed(4))
+        table = fewbit.codec._table(fmt, torch.float32, codes.device)
+        for places in ([0], [block + 7], [2 * block + 1, block + 9], [block + 700, block + 9], [3 * block]):
+            bad = codes.clone()
+            bad[places] = beyond
+            bad = bad.to(dtype)
+            assert native.decode_into(bad, fmt.k, table, torch.empty(bad.numel()), False) == min(places)
+            assert gpu.decode_into(bad, fmt.k, table, torch.empty(bad.numel()), False, True) == min(places)

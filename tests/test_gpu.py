@@ -16,7 +16,7 @@ import torch
 import fewbit
 from conftest import assert_bitwise_equal
 from fewbit.random import key_of
-from fewbit.rounding import RoundMode
+from fewbit.rounding import RoundMode, dtype_format
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -137,6 +137,28 @@ def test_encode_gpu_equals_cpu(name):
     assert torch.equal(fewbit.encode(values.cuda(), fmt, packed=packed, check=False).cpu(), expected)
     with pytest.raises(ValueError, match="is not a value of"):
         fewbit.encode(torch.cat([values, torch.tensor([float(fmt.max) * 1.5])]).cuda(), fmt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["binary8p4", "ocp_e4m3", "ocp_e2m1", "binary16"])
+def test_decode_gpu_equals_cpu(name, dtype):
+    """fewbit.decode on a GPU (decode_kernel) gives the CPU's values, bit for bit, of every
+    code and of codes over many programs, packed where K <= 4; a code beyond the format
+    in a dtype that holds one raises as on the CPU."""
+    fmt = fewbit.format(name)
+    if not dtype_format(dtype).contains(fmt):
+        pytest.skip(f"{dtype} cannot hold {name}")
+    gen = torch.Generator().manual_seed(6)
+    codes = torch.cat([torch.arange(1 << fmt.k), torch.randint(0, 1 << fmt.k, (1 << 20,), generator=gen)])
+    codes = codes.to(fewbit.codec.code_dtype(fmt))
+    for packed in (False, True) if fmt.k <= 4 else (False,):
+        stored = fewbit.codec.pack_pairs(codes) if packed else codes
+        want = fewbit.decode(stored, fmt, dtype, packed=packed)
+        assert_bitwise_equal(fewbit.decode(stored.cuda(), fmt, dtype, packed=packed).cpu(), want, want, name)
+    if fmt.k < 8:
+        beyond = torch.cat([codes, torch.tensor([1 << fmt.k], dtype=torch.uint8)])
+        with pytest.raises(ValueError, match="codes of"):
+            fewbit.decode(beyond.cuda(), fmt, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

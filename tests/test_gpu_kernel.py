@@ -161,6 +161,19 @@ def test_encode_kernel_compiles_for_the_gpu(fmt, packed):
         assert ("atom.global" in ptx) == check and "st.global" in ptx and ".ftz" not in ptx
 
 
+@pytest.mark.parametrize("codes, values, packed", [("*u8", "*i32", False), ("*u8", "*i16", True),
+                                                   ("*i16", "*i16", False)])  # fmt: skip
+def test_decode_kernel_compiles_for_the_gpu(codes, values, packed):
+    """decode_kernel compiles with its check (an atomic for the first code beyond the
+    format) and without (none), and stores 16 bytes at a time where the call is aligned."""
+    for check in (True, False):
+        args = {"codes_ptr": codes, "table_ptr": values, "out_ptr": values, "n": "i64",
+                **({"bad_ptr": "*i64"} if check else {})}  # fmt: skip
+        constants = gpu.decode_constants(8, packed, check, True)
+        ptx = gpu.compile_for("decode_kernel", args, constants, 90).asm["ptx"]
+        assert ("atom.global" in ptx) == check and "st.global.v4" in ptx
+
+
 def test_a_kernel_triton_cannot_compile_leaves_the_call_to_torch(monkeypatch):
     """Where Triton fails to compile a kernel (a GPU or Triton version it was not tried
     on), the call writes nothing and says it did not run, with one warning per kernel."""

@@ -33,7 +33,10 @@ from .magic import magic_applies
 from .modes import MODES, RoundMode
 from .native import PARAM_NAMES, kernel_params, mode_id, takes, takes_bits
 
-__all__ = ["applies", "encode_into", "quantize_into", "round_foreach_", "round_into", "rounded", "usable"]
+__all__ = [
+    "applies", "decode_into", "decodes", "encode_into", "quantize_into", "round_foreach_", "round_into",
+    "rounded", "usable",
+]  # fmt: skip
 
 #: Rows per program where no words are drawn: 4096 elements.
 _PLAIN_ROWS = 8
@@ -286,6 +289,48 @@ def encode_into(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor, packed: bo
         programs = -(-codes // (_ENCODE_BLOCK * blocks))
         variant = (fmt, blocks, packed, aligned(n, 0, x, out), check)
         if not _launch("encode_kernel", programs, (x, out, bad), (n,), encode_constants, variant):
+            return None
+    if not check:
+        return -1
+    first = int(bad.item())
+    return first if first < n else -1
+
+
+#: Codes a program of decode_kernel looks up.
+_DECODE_BLOCK = 1024
+#: The ints whose bits decode_kernel moves, by the values' width in bytes.
+_BITS = {4: torch.int32, 2: torch.int16}
+
+
+def decodes(codes: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether :func:`decode_into` takes codes of this dtype (uint8, or int16 bit patterns,
+    on a CUDA device) into values of ``dtype``, where the configuration lets the kernel run."""
+    config = current()
+    return (codes.is_cuda and config.compile and config.native and dtype in _TRITON_DTYPES
+            and codes.dtype in (torch.uint8, torch.int16) and kernels() is not None)  # fmt: skip
+
+
+def decode_constants(k: int, packed: bool, check: bool, aligned: bool) -> dict:
+    """decode_kernel's compile-time constants."""
+    return {"BLOCK": _DECODE_BLOCK, "K": k, "PACKED": packed, "CHECK": check, "ALIGNED": aligned}
+
+
+def decode_into(codes: torch.Tensor, k: int, table: torch.Tensor, out: torch.Tensor, packed: bool,
+                check: bool) -> int | None:  # fmt: skip
+    """Values of ``codes`` (uint8, int16 bit patterns, or ``packed`` pairs in uint8, in
+    memory order) looked up in ``table``, the 2^k values of the format in out's dtype on
+    its device, into contiguous ``out``, in one kernel; only where :func:`decodes`. With
+    ``check`` (codes of a dtype that holds numbers that are no code), returns the first
+    position whose code is not below 2^k, else -1 (reading it waits for the kernel);
+    without, -1, and nothing waits. None where Triton could not compile the kernel."""
+    codes = codes.contiguous()
+    n = out.numel()
+    bad = torch.full((1,), n, dtype=torch.int64, device=codes.device) if check else None
+    if n > 0:
+        bits = _BITS[out.element_size()]
+        tensors = (codes, table.view(bits), out.view(bits), bad)
+        variant = (k, packed, check, aligned(n, 0, codes, out))
+        if not _launch("decode_kernel", -(-n // _DECODE_BLOCK), tensors, (n,), decode_constants, variant):
             return None
     if not check:
         return -1

@@ -505,3 +505,37 @@ def _no_value(b, T: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr, MIN_UL
     if HAS_NANS:
         return off & (a <= 0x7F800000)
     return off | (a > 0x7F800000)
+
+
+@triton.jit(do_not_specialize=["n"],
+            do_not_specialize_on_alignment=["codes_ptr", "table_ptr", "out_ptr", "bad_ptr"])
+def decode_kernel(codes_ptr, table_ptr, out_ptr, bad_ptr, n: tl.int64, BLOCK: tl.constexpr,
+                  K: tl.constexpr, PACKED: tl.constexpr, CHECK: tl.constexpr, ALIGNED: tl.constexpr):
+    """fewbit.decode: values table[code] of n codes into out, BLOCK a program, the table's
+    entries moved as bits (ints of the values' width: nothing is computed on them, so a
+    NaN keeps its payload). Codes are uint8, int16 bit patterns, or PACKED pairs in uint8
+    (the even element in the low nibble). A code at or above 2^K reads entry
+    code & (2^K - 1), in bounds; with CHECK, bad_ptr (an int64 holding n) takes the least
+    position of such a code (an atomic min from each program that finds one), as
+    native.cpp's lookup reports it. ``ALIGNED``: the codes', table's and out's addresses
+    and n are multiples of 16."""
+    lanes = tl.arange(0, BLOCK)
+    first = tl.program_id(0).to(tl.int64) * BLOCK
+    end = tl.minimum(n - first, BLOCK).to(tl.int32)
+    out_block = out_ptr + first
+    codes_block = codes_ptr + (first // 2 if PACKED else first)
+    if ALIGNED:
+        end = tl.multiple_of(end, 16)
+        out_block, codes_block = tl.multiple_of(out_block, 16), tl.multiple_of(codes_block, 16)
+    inside = lanes < end
+    if PACKED:
+        byte = tl.load(codes_block + lanes // 2, mask=inside, other=0).to(tl.int32)
+        code = (byte >> ((lanes & 1) * 4)) & 15
+    else:
+        code = tl.load(codes_block + lanes, mask=inside, other=0).to(tl.int32) & 0xFFFF  # int16's pattern
+    if CHECK:
+        beyond = inside & (code >= (1 << K))
+        if tl.max(beyond.to(tl.int32)) > 0:
+            tl.atomic_min(bad_ptr, first + tl.min(tl.where(beyond, lanes, BLOCK)))
+    value = tl.load(table_ptr + (code & ((1 << K) - 1)), mask=inside)
+    tl.store(out_block + lanes, value, mask=inside)
