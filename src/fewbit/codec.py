@@ -23,12 +23,12 @@ import torch
 
 from .formats import FloatFormat, format
 from .operators import operator
-from .random import Key
+from .random import Key, host_key
 from .rounding import RoundMode, gpu, native
 from .rounding.checks import check_random_bits, dtype_format
 from .rounding.compiled import stream_words
 from .rounding.fast import _LAYOUT, decompose, working_dtype
-from .rounding.ops import checked_spec, fake_checks, format_name, host_key, lookup_format, no_result, op_args
+from .rounding.ops import checked_spec, fake_checks, format_name, lookup_format, no_result, op_args
 from .rounding.ops import round_into as round_values_into
 
 __all__ = ["code_dtype", "codes_of", "decode", "encode", "pack_pairs", "quantize"]

@@ -59,6 +59,7 @@ __all__ = [
     "Key",
     "as_key",
     "fold_in",
+    "host_key",
     "key_of",
     "key_tensor",
     "threefry2x32",
@@ -225,6 +226,12 @@ def fold_in(key: Key | int | torch.Tensor, *ints: int | torch.Tensor) -> Key | t
             c0, c1 = v & MASK32, v >> 32
         k = torch.stack(threefry2x32(c0, c1, k[0], k[1]))
     return k
+
+
+def host_key(key: Key | torch.Tensor | None) -> Key | torch.Tensor | None:
+    """A key in host memory as Python ints (a :class:`Key`), which the native kernel, the
+    eager generator and the GPU kernel's launch take; a key on a device as it is."""
+    return Key(*key.tolist()) if isinstance(key, torch.Tensor) and key.is_cpu else key
 
 
 def key_of(seed: Key | int | torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:

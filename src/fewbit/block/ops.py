@@ -16,7 +16,7 @@ import torch
 
 from ..codec import codes_of, pack_pairs
 from ..operators import operator
-from ..random import Key
+from ..random import Key, host_key
 from ..rounding import native
 from ..rounding.checks import check_random_bits, scalar_args
 from ..rounding.compiled import (
@@ -29,7 +29,7 @@ from ..rounding.compiled import (
     word_tensors,
 )
 from ..rounding.modes import parse_mode
-from ..rounding.ops import _check_out, _overlaps, check_key, host_key, name_for_op, op_key
+from ..rounding.ops import _check_out, _overlaps, check_key, name_for_op, op_key
 from .formats import BlockFormat, check_rule
 from .formats import format as block_format
 from .kernel import (

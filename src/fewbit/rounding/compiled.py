@@ -21,7 +21,7 @@ import warnings
 import torch
 
 from ..config import current
-from ..random import LANES, Key, bits_from_index, bits_from_range, bits_rows, fold_in, key_tensor
+from ..random import LANES, Key, bits_from_index, bits_from_range, bits_rows, fold_in, host_key, key_tensor
 from .checks import RoundSpec, dtype_format
 from .fast import round_fast, working_dtype
 from .magic import magic_applies, round_magic
@@ -58,10 +58,9 @@ def word_tensors(spec: RoundSpec, key: Key | torch.Tensor, device: torch.device)
     memory), as 0-d tensors on ``device`` (a new key is new data for a compiled kernel).
     Derived with Python ints where the key is in host memory, so reading it waits for
     nothing."""
-    if isinstance(key, torch.Tensor):
-        if not key.is_cpu:
-            return stream_words(spec, key)
-        key = Key(*key.tolist())
+    key = host_key(key)
+    if isinstance(key, torch.Tensor):  # on a device
+        return stream_words(spec, key)
     return key_tensor(stream_words(spec, key), device).unbind()
 
 

@@ -25,14 +25,14 @@ import torch
 from ..config import current
 from ..formats import FloatFormat, format
 from ..operators import operator
-from ..random import Key, as_key, key_of
+from ..random import Key, as_key, host_key, key_of
 from . import gpu, native
 from .checks import RoundSpec, check_random_bits, make_spec, scalar_args
 from .compiled import compiled_round, range_bits, round_body, stream_words, use_compiled
 from .modes import RoundMode, parse_mode
 
 __all__ = [
-    "check_key", "checked_spec", "fake_checks", "format_name", "host_key", "lookup_format", "name_for_op",
+    "check_key", "checked_spec", "fake_checks", "format_name", "lookup_format", "name_for_op",
     "no_result", "op_args", "round_into", "spec_of",
 ]  # fmt: skip
 
@@ -131,12 +131,6 @@ def check_key(spec: RoundSpec, x: torch.Tensor, key: Key | torch.Tensor | None, 
     if key.dtype != torch.int64 or key.shape != (2,) or key.device not in (x.device, _HOST):
         raise ValueError(f"a key is an int64 tensor of shape (2,) on {x.device} or the CPU; got {key.dtype} "
                          f"{tuple(key.shape)} on {key.device} (fewbit.random.key_of makes one)")
-
-
-def host_key(key: Key | torch.Tensor | None) -> Key | torch.Tensor | None:
-    """A key in host memory as Python ints (a :class:`Key`), which the native kernel, the
-    eager generator and the GPU kernel's launch take; a key on a device as it is."""
-    return Key(*key.tolist()) if isinstance(key, torch.Tensor) and key.is_cpu else key
 
 
 def round_into(x, spec: RoundSpec, key, random_bits, out: torch.Tensor) -> None:
