@@ -40,6 +40,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--label", default="", help="printed before each row (a revision, say)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--calls", type=int, default=20000, help="calls a timed loop (fewer on a lease)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
@@ -58,7 +59,7 @@ def main() -> None:
         "block.round mxfp8_e4m3, 8 rows of 512": lambda: fewbit.block.round(x.view(8, 512), "mxfp8_e4m3"),
     }
     for name, call in calls.items():
-        print(f"{args.label:10} {name:38} {best_us(call, sync):6.1f} us")
+        print(f"{args.label:10} {name:38} {best_us(call, sync, args.calls):6.1f} us")
 
 
 if __name__ == "__main__":

@@ -236,7 +236,7 @@ def test_write_back_gpu_equals_cpu(update_dtype, width, monkeypatch):
     grads = [[torch.randn(shape, generator=gen) for shape in shapes] for _ in range(3)]
     weights = {}
     for device in ("cpu", "cuda"):
-        params = [torch.nn.Parameter(w.to(device)) for w in start]
+        params = [torch.nn.Parameter(w.to(device, copy=True)) for w in start]  # start stays as it is
         inner = torch.optim.SGD(params, lr=2.0**-6)
         opt = LowPrecisionWeights(inner, "binary8p4", "src", bits=3, seed=5, update_dtype=update_dtype)
         for step in grads:
@@ -259,7 +259,7 @@ def test_write_back_to_codes_gpu_equals_cpu():
     grads = [torch.randn(w.shape, generator=gen) for w in start]
     kept = {}
     for device in ("cpu", "cuda"):
-        params = [torch.nn.Parameter(w.to(device)) for w in start]
+        params = [torch.nn.Parameter(w.to(device, copy=True)) for w in start]  # start stays as it is
         opt = LowPrecisionWeights(torch.optim.SGD(params, lr=2.0**-6), "binary8p4", "src", bits=3, seed=5,
                                   update_dtype=torch.bfloat16, store_codes=True)  # fmt: skip
         for p, g in zip(params, grads, strict=True):

@@ -386,7 +386,7 @@ def _launch(name: str, programs: int, tensors: tuple, ints: tuple, constants_of:
         if known is not None:
             compiled, tail = known
             try:
-                compiled[(programs,)](*args, *tail)
+                compiled[(programs, 1, 1)](*args, *tail)  # CompiledKernel reads all three
                 return True
             except Exception as err:  # raised before the launch (the arguments are read first)
                 _relaunch_failed(err)
