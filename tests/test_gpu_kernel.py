@@ -94,8 +94,6 @@ def test_triton_compiles_for_the_constants_and_dtypes_alone():
     arguments: what Triton compiles for must not depend on those sizes and addresses.
     This fails if Triton changes how it reads the kernels' annotations, or how it orders
     a launch's arguments."""
-    from triton.compiler import CompiledKernel
-
     buf, key = torch.empty(1 << 12), torch.zeros(2, dtype=torch.int64)
     spec = make_spec(torch.float32, fewbit.format("binary8p4"), RoundMode.SRC, False, 3, None)
     kernel, constants = gpu.kernels().round_kernel, gpu.round_constants(spec, True, False)
@@ -113,7 +111,33 @@ def test_triton_compiles_for_the_constants_and_dtypes_alone():
     assert _specialisation(encode, (buf[1:], codes[5:], bad, 4095), constants) == first
     assert encode.arg_names[:4] == ["x_ptr", "out_ptr", "bad_ptr", "n"]
     assert set(encode.arg_names[4:]) == set(constants)
-    assert callable(CompiledKernel.__getitem__)  # kernel[grid](*every argument)
+
+
+def test_the_launch_again_is_tritons_runners():
+    """gpu._launch_again launches a compiled kernel as Triton's runner
+    (``CompiledKernel.__getitem__``) does, less its Python: this fails where a Triton's
+    runner launches otherwise (then every launch goes through the runner, slower). Its grid
+    has three dimensions, which the runner reads: 01ae8c5 gave it one, and every launch
+    again raised on the H200."""
+    import inspect
+
+    from triton.compiler import CompiledKernel
+
+    assert gpu.runner_mirrored()
+    runner = " ".join(inspect.getsource(CompiledKernel.__getitem__).split())
+    assert "grid[2]" in runner
+    # A launch hook (a profiler's) sends launches through the runner, which calls it.
+    from triton import knobs
+
+    hook = knobs.runtime.launch_enter_hook
+    assert gpu._silent(hook) and gpu._silent(None)
+    assert not gpu._silent(print)  # a hook set as a plain function
+    hook.add(print)  # added to the chain, as Triton 3.6 and 3.9 hold hooks
+    try:
+        assert not gpu._silent(hook)
+        assert not gpu._launch_again(None, 1, 0, ())  # (never reaches the launch)
+    finally:
+        hook.remove(print)
 
 
 @pytest.mark.parametrize("via, mode, bits", [(torch.bfloat16, "src", 3), (torch.float16, "src", 3),

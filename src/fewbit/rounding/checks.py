@@ -52,6 +52,14 @@ class RoundSpec:
     bits: int | None
     select_below: int | None
 
+    def __hash__(self) -> int:
+        # Specs key the kernels' caches, looked in a few times a call: hashed once.
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash((self.fmt, self.source, self.mode, self.sat, self.bits, self.select_below))
+
     @property
     def random_range(self) -> int:
         extra = SELECT_BITS if "select" in MODES[self.mode].streams else 0
