@@ -125,11 +125,16 @@ def test_key_from_seed_splits_low_high():
     assert as_key(7) == Key.from_seed(7)
     assert as_key(KEY) is KEY
     assert hash(Key(1, 2)) == hash(Key(1, 2))
+    # made without __init__ (Key._of_words): equal, hashed and shown as one made with it
+    assert hash(Key.from_seed(2**32 + 5)) == hash(Key(5, 1)) and repr(Key.from_seed(5)) == repr(Key(5, 0))
+    assert fold_in(Key.from_seed(5), 1) == Key(*(fold_in(5, 1).k0, fold_in(5, 1).k1))
 
 
 def test_key_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         KEY.k0 = 3  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Key.from_seed(3).k0 = 3  # type: ignore[misc]
 
 
 @pytest.mark.parametrize(

@@ -159,7 +159,16 @@ class Key:
     def from_seed(cls, seed: int) -> Key:
         """Key from an int seed in ``[0, 2**64)``: ``k0`` = low 32 bits, ``k1`` = high."""
         seed = _check_uint(seed, _MAX_U64, "seed")
-        return cls(seed & MASK32, seed >> 32)
+        return cls._of_words(seed & MASK32, seed >> 32)
+
+    @classmethod
+    def _of_words(cls, k0: int, k1: int) -> Key:
+        """The key of two Python ints known to lie in ``[0, 2**32)``, without the checks of
+        ``__init__``: keys are made at every call with a seed, and those checks and the
+        frozen class's setattr took over a microsecond of it."""
+        key = object.__new__(cls)
+        key.__dict__.update(k0=k0, k1=k1)  # past the frozen setattr, as the dataclass __init__ goes
+        return key
 
     def tensors(
         self, device: torch.device | str | None = None
@@ -213,7 +222,7 @@ def fold_in(key: Key | int | torch.Tensor, *ints: int | torch.Tensor) -> Key | t
         key = as_key(key)
         for v in ints:
             v = _check_uint(v, _MAX_U64, "fold_in value")
-            key = Key(*threefry2x32_int(v & MASK32, v >> 32, key.k0, key.k1))
+            key = Key._of_words(*threefry2x32_int(v & MASK32, v >> 32, key.k0, key.k1))
         return key
     device = next(t.device for t in (key, *ints) if isinstance(t, torch.Tensor))
     k = key_of(key, device)

@@ -50,6 +50,8 @@ def stream_words(spec: RoundSpec, key: Key | torch.Tensor) -> list:
     keys = [key]
     if "select" in MODES[spec.mode].streams:
         keys.append(fold_in(key, SELECT_KEY))
+    elif type(key) is Key:  # (at every call with a seed)
+        return [key.k0, key.k1]
     return [w for k in keys for w in ((k.k0, k.k1) if isinstance(k, Key) else k.unbind())]
 
 
