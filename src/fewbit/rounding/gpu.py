@@ -381,7 +381,7 @@ def _launch(name: str, programs: int, tensors: tuple, ints: tuple, constants_of:
     device = tensors[0].get_device()  # the CUDA device's index (-1: the CPU, for tests)
     # A tensor compiles as its dtype, None as a constant, an int as an int64 (each kernel's
     # annotation): the rest of what Triton compiles for is the variant's constants.
-    kinds = tuple(None if t is None else t.dtype for t in tensors)
+    kinds = tuple([None if t is None else t.dtype for t in tensors])  # (a list: no generator's frame)
     key = (name, variant, kinds, device)
     if _BROKEN and key in _BROKEN:  # (the key only once one broke)
         return False
