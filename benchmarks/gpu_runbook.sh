@@ -14,8 +14,8 @@
 #                                               call by STAGE_SECONDS (default 570): one call a lease
 #   benchmarks/gpu_runbook.sh check             #18: GPU tests, element rows at 2^27 (5.5 min on an H200)
 #   benchmarks/gpu_runbook.sh blocks            #18: block-format rows at 2^27 (more than 4 min with check)
-#   benchmarks/gpu_runbook.sh time              #19.1: the write-back alone (bench_write_back.py), then the
-#                                               paper preset's step with and without it
+#   benchmarks/gpu_runbook.sh time              #19.1: the paper preset's step with and without the
+#                                               write-back, then the write-back alone (bench_write_back.py)
 #   benchmarks/gpu_runbook.sh sweep NAME PRESET [fewbit train options...]
 #       a sweep in this call, e.g. `sweep figure3 paper --seeds 0 --workers 5`; its CSVs and
 #       PNGs come back (checkpoints stay: too large to return). Stopped 40 s before the

@@ -127,7 +127,8 @@ def test_key_from_seed_splits_low_high():
     assert hash(Key(1, 2)) == hash(Key(1, 2))
     # made without __init__ (Key._of_words): equal, hashed and shown as one made with it
     assert hash(Key.from_seed(2**32 + 5)) == hash(Key(5, 1)) and repr(Key.from_seed(5)) == repr(Key(5, 0))
-    assert fold_in(Key.from_seed(5), 1) == Key(*(fold_in(5, 1).k0, fold_in(5, 1).k1))
+    derived = fold_in(5, 1)
+    assert derived == Key(derived.k0, derived.k1) and hash(derived) == hash(Key(derived.k0, derived.k1))
 
 
 def test_key_is_frozen():
