@@ -301,6 +301,12 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n: tl.int64, offset: tl.int
             k1 = tl.load(key_ptr + 1).to(tl.uint32)
     if DRAWN:  # the program's row of blocks, whose words its ROWS = 2 * PER_WORD rows read
         w0, w1 = threefry((row0 // ROWS) * LANES + lanes, k0, k1)
+        if PER_WORD > 1:
+            # Row r's bits are field r of both words' used fields end to end (w0's PER_WORD,
+            # then w1's): a 64-bit shift a row, whose low half is one funnel shift (sm_90:
+            # two instructions an element less than selecting the word, then shifting).
+            used = PER_WORD * BITS
+            words = (w0 & ((1 << used) - 1)).to(tl.uint64) | (w1.to(tl.uint64) << used)
         if MODE == 11:
             if FOREACH:  # fold_in(key, SELECT_KEY)
                 s0, s1 = threefry(tl.full((), SELECT_KEY, tl.int64), k0, k1)
@@ -327,9 +333,11 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n: tl.int64, offset: tl.int
         bits = b  # read by the stochastic modes only
         select = b
         if DRAWN:
-            word = tl.where(r < PER_WORD, w0, w1)
-            field = (tl.cast(r, tl.int32) % PER_WORD) * BITS  # (in 64 bits: ten instructions a row)
-            bits = ((word >> tl.cast(field, tl.uint32)) & ((1 << BITS) - 1)).to(tl.int32)
+            if PER_WORD > 1:
+                field = tl.cast(r, tl.int32) * BITS  # (r in 64 bits: ten instructions a row)
+                bits = ((words >> tl.cast(field, tl.uint64)) & ((1 << BITS) - 1)).to(tl.int32)
+            else:  # a word a row
+                bits = (tl.where(r == 0, w0, w1) & ((1 << BITS) - 1)).to(tl.int32)
             if MODE == 11:
                 select = _select_bits(row, lanes, s0, s1)
         if GIVEN:
