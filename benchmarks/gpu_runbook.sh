@@ -12,7 +12,7 @@
 #
 #   benchmarks/gpu_runbook.sh all               check, then time, then blocks, each cut short to end the
 #                                               call by STAGE_SECONDS (default 570): one call a lease
-#   benchmarks/gpu_runbook.sh check             #18: GPU tests, element rows at 2^27 (5.5 min on an H200)
+#   benchmarks/gpu_runbook.sh check             #18: GPU tests, element rows at 2^27 (3.5 min on an H200)
 #   benchmarks/gpu_runbook.sh blocks            #18: block-format rows at 2^27 (more than 4 min with check)
 #   benchmarks/gpu_runbook.sh time              #19.1: the paper preset's step with and without the
 #                                               write-back, then the write-back alone (bench_write_back.py)
