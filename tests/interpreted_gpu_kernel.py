@@ -12,6 +12,7 @@ from collecting them in the main run).
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -245,8 +246,9 @@ def test_unchecked_encode_same_codes(name):
 def test_rounded_codes_are_the_native_kernels(dtype):
     """quantize's launch (CODES: the results' codes, packed where K <= 4): the CPU's codes
     of every 16th bfloat16 pattern (Inf and NaN among them), for the formats with NaN
-    (binary4p2's packed), in the float-adder, classical-SR and general paths, with drawn
-    (key tensor and host words) and given bits, in a length that ends inside a row."""
+    (binary4p2's packed), in the float-adder (its codes in one go where beyond has a code
+    of its own: _magic_code), classical-SR and general paths, with and without sat, with
+    drawn (key tensor and host words) and given bits, in a length that ends inside a row."""
     x = every_bfloat16(dtype)[::16][:4094]
     checked = 0
     for name in [*FORMATS, "binary4p2"]:
@@ -254,16 +256,16 @@ def test_rounded_codes_are_the_native_kernels(dtype):
         if not fmt.has_nans or fmt.k > 16 or not dtype_format(dtype).contains(fmt):
             continue
         packed = fmt.k <= 4
-        for mode in ("rne", "src", "sr", "srff", "rtz"):
+        for mode, sat in itertools.product(("rne", "src", "sr", "srff", "rtz"), (False, True)):
             kw = MODE_ARGS[mode]
-            spec = make_spec(dtype, fmt, RoundMode(mode), False, kw.get("bits"), None)
+            spec = make_spec(dtype, fmt, RoundMode(mode), sat, kw.get("bits"), None)
             keys = [None] if spec.bits is None else [key_of(kw["seed"]), Key.from_seed(kw["seed"])]
             for key in keys:
                 out = torch.full((x.numel() // 2 if packed else x.numel(),), 0x55,
                                  dtype=fewbit.codec.code_dtype(fmt))  # fmt: skip
                 assert gpu.quantize_into(x, spec, key, None, out, packed)
-                expected = fewbit.quantize(x, fmt, mode, packed=packed, **kw)
-                assert torch.equal(out, expected), f"{name} {mode} {type(key).__name__}"
+                expected = fewbit.quantize(x, fmt, mode, sat=sat, packed=packed, **kw)
+                assert torch.equal(out, expected), f"{name} {mode} sat={sat} {type(key).__name__}"
                 checked += 1
     rb = torch.randint(0, 8, x.shape, generator=torch.Generator().manual_seed(2), dtype=torch.int32)
     spec = make_spec(dtype, fewbit.format("ocp_e4m3"), RoundMode.SRC, True, 3, None)

@@ -188,14 +188,13 @@ def round_bits(b, n, s, MODE: tl.constexpr, T: tl.constexpr, EMIN: tl.constexpr,
 
 
 @triton.jit
-def _magic_bits(b, n, SR: tl.constexpr, EMIN: tl.constexpr, MAGIC_SCALE: tl.constexpr, BITS: tl.constexpr,
-                MAX: tl.constexpr, BEYOND: tl.constexpr, HAS_NZ: tl.constexpr):  # fmt: skip
-    """native.cpp's magic_one (magic.round_magic): RNE, or SRC with N = BITS, by the float
-    adder, where magic.magic_applies. BEYOND: what lies beyond MAX (MAX itself with sat)."""
+def _magic_core(b, n, SR: tl.constexpr, EMIN: tl.constexpr, MAGIC_SCALE: tl.constexpr, BITS: tl.constexpr):
+    """The float adder's sum for x's bits ``b`` (RNE, or SRC with N = BITS random bits
+    ``n``), before the range and NaN are looked at; and x's sign bit."""
     sign = b & SIGN_BIT
     # 2^e_t, not clamped at 2^emax as native.cpp's is: magic_applies keeps the constant a
     # float32 up to emax, so only an x beyond the range (Inf among them) can make it
-    # overflow, into a NaN y (Inf - Inf) that the compare below takes as beyond. An
+    # overflow, into a NaN y (Inf - Inf) that the callers' compare takes as beyond. An
     # instruction less an element.
     c = tl.maximum(b & 0x7F800000, (EMIN + 127) << 23)
     if SR:
@@ -204,7 +203,15 @@ def _magic_bits(b, n, SR: tl.constexpr, EMIN: tl.constexpr, MAGIC_SCALE: tl.cons
     y = b.to(tl.float32, bitcast=True) + big
     if SR:
         y = ((y.to(tl.int32, bitcast=True) + n) & -(1 << BITS)).to(tl.float32, bitcast=True)
-    y = y - big
+    return y - big, sign
+
+
+@triton.jit
+def _magic_bits(b, n, SR: tl.constexpr, EMIN: tl.constexpr, MAGIC_SCALE: tl.constexpr, BITS: tl.constexpr,
+                MAX: tl.constexpr, BEYOND: tl.constexpr, HAS_NZ: tl.constexpr):  # fmt: skip
+    """native.cpp's magic_one (magic.round_magic): RNE, or SRC with N = BITS, by the float
+    adder, where magic.magic_applies. BEYOND: what lies beyond MAX (MAX itself with sat)."""
+    y, sign = _magic_core(b, n, SR, EMIN, MAGIC_SCALE, BITS)
     out = y.to(tl.int32, bitcast=True)
     if HAS_NZ:
         out = out | sign  # -0 where the subtraction gave +0
@@ -215,6 +222,27 @@ def _magic_bits(b, n, SR: tl.constexpr, EMIN: tl.constexpr, MAGIC_SCALE: tl.cons
     out = tl.where(within, out, BEYOND | sign)
     x = b.to(tl.float32, bitcast=True)
     return tl.where(x != x, NAN_BITS, out)
+
+
+@triton.jit
+def _magic_code(b, n, SR: tl.constexpr, EMIN: tl.constexpr, MAGIC_SCALE: tl.constexpr, BITS: tl.constexpr,
+                MAX: tl.constexpr, T: tl.constexpr, K: tl.constexpr, BEYOND_MAG: tl.constexpr,
+                HAS_NZ: tl.constexpr, CODE_OF_NAN: tl.constexpr):  # fmt: skip
+    """The code of :func:`_magic_bits`'s result, as _code_of gives it, for a signed
+    sign-magnitude format whose beyond is a code of its own (the largest value with sat,
+    else Inf: ``BEYOND_MAG``): fewbit.quantize's path, without _magic_bits's choice of bits
+    for beyond and NaN nor _code_of's cases for Inf and NaN, which are known here."""
+    y, sign = _magic_core(b, n, SR, EMIN, MAGIC_SCALE, BITS)
+    a = tl.abs(y)
+    within = a <= tl.full((), MAX, tl.int32).to(tl.float32, bitcast=True)
+    mag = (a * (2.0 ** (-126 - EMIN))).to(tl.int32, bitcast=True) >> (23 - T)  # as _code_of's
+    mag = tl.where(within, mag, BEYOND_MAG)
+    negative = sign != 0
+    if not HAS_NZ:
+        negative = negative & (mag != 0)  # a zero result is +0
+    code = tl.where(negative, mag | (1 << (K - 1)), mag)
+    x = b.to(tl.float32, bitcast=True)
+    return tl.where(x != x, CODE_OF_NAN, code)
 
 
 @triton.jit
@@ -280,6 +308,11 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n: tl.int64, offset: tl.int
     K .. TWOS_COMPLEMENT), one an element (1) or two a byte (2: the even element's in the
     low nibble; offset and n even), instead of the values in x's dtype (0)."""
     lanes = tl.arange(0, LANES)
+    # quantize of a float-adder rounding (MODE 13, 14) into a sign-magnitude format whose
+    # beyond has a code (the largest value with sat, else Inf): the code in one go.
+    MAGIC_CODE: tl.constexpr = (CODES != 0 and MODE >= 13 and MODE != 15 and SIGNED and not TWOS_COMPLEMENT
+                                and (SAT or EXTENDED))  # fmt: skip
+    BEYOND_MAG: tl.constexpr = CODE_OF_MAX if SAT else CODE_OF_MAX + 1
     if FOREACH:  # the program's tensor: the last to start at or before it
         table, tensors, program = x_ptr, n, tl.program_id(0)
         j = tl.arange(0, TENSORS)
@@ -344,23 +377,28 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n: tl.int64, offset: tl.int
             g = tl.load(given_row + lanes, mask=inside, other=0)
             bits = g & ((1 << BITS) - 1)
             select = (g.to(tl.uint32) >> BITS).to(tl.int32)
-        if MODE < 13:
-            y = round_bits(b, bits, select, MODE, T, EMIN, BIAS, MIN_ULP_EXP, SUBNORMAL_BELOW, MAX, MAX_NEG,
-                           BEYOND_POS, BEYOND_NEG, SMALLEST_NORMAL, P_IS_1, HAS_NZ, HAS_ZERO, SAT, LIMIT_RULE,
-                           BITS, SELECT_BELOW)  # fmt: skip
-        elif MODE == 15:
-            y = _classical_sr_bits(b, bits, EMIN, BITS, MAX, BEYOND, HAS_NZ)
+        if MAGIC_CODE:
+            code = _magic_code(b, bits, MODE == 14, EMIN, MAGIC_SCALE, BITS, MAX, T, K, BEYOND_MAG, HAS_NZ,
+                               CODE_OF_NAN)  # fmt: skip
         else:
-            y = _magic_bits(b, bits, MODE == 14, EMIN, MAGIC_SCALE, BITS, MAX, BEYOND, HAS_NZ)
-        if CODES == 0:
-            if out_ptr.dtype.element_ty == tl.bfloat16:  # a value of the format: its low half is 0
-                y = (y >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            if MODE < 13:
+                y = round_bits(b, bits, select, MODE, T, EMIN, BIAS, MIN_ULP_EXP, SUBNORMAL_BELOW, MAX,
+                               MAX_NEG, BEYOND_POS, BEYOND_NEG, SMALLEST_NORMAL, P_IS_1, HAS_NZ, HAS_ZERO,
+                               SAT, LIMIT_RULE, BITS, SELECT_BELOW)  # fmt: skip
+            elif MODE == 15:
+                y = _classical_sr_bits(b, bits, EMIN, BITS, MAX, BEYOND, HAS_NZ)
             else:
-                y = y.to(tl.float32, bitcast=True).to(out_ptr.dtype.element_ty)
-            tl.store(out_row + lanes, y, mask=inside)
-        else:
-            code = _code_of(y, T, EMIN, K, CODE_OF_MAX, CODE_OF_NAN, HAS_NZ, HAS_NANS, EXTENDED, SIGNED,
-                            TWOS_COMPLEMENT)  # fmt: skip
+                y = _magic_bits(b, bits, MODE == 14, EMIN, MAGIC_SCALE, BITS, MAX, BEYOND, HAS_NZ)
+            if CODES == 0:
+                if out_ptr.dtype.element_ty == tl.bfloat16:  # a value of the format: its low half is 0
+                    y = (y >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                else:
+                    y = y.to(tl.float32, bitcast=True).to(out_ptr.dtype.element_ty)
+                tl.store(out_row + lanes, y, mask=inside)
+            else:
+                code = _code_of(y, T, EMIN, K, CODE_OF_MAX, CODE_OF_NAN, HAS_NZ, HAS_NANS, EXTENDED, SIGNED,
+                                TWOS_COMPLEMENT)  # fmt: skip
+        if CODES != 0:
             if CODES == 1:
                 tl.store(out_row + lanes, code.to(out_ptr.dtype.element_ty), mask=inside)
             else:  # byte j of the row: lanes 2j (low nibble) and 2j + 1, which lie inside together
