@@ -72,8 +72,13 @@ def kernels() -> ModuleType | None:
 def usable(x: torch.Tensor, fmt: FloatFormat) -> bool:
     """Whether the kernel takes ``x`` (on a CUDA device) and ``fmt``, where ``fewbit.config``'s
     ``native`` and ``compile`` let it: what native.cpp would take on a CPU."""
+    return _enabled(x) and takes(x, fmt)
+
+
+def _enabled(t: torch.Tensor) -> bool:
+    """Whether t is on a CUDA device, fewbit.config lets the kernels run, and Triton is here."""
     config = current()
-    return x.is_cuda and config.compile and config.native and takes(x, fmt) and kernels() is not None
+    return t.is_cuda and config.compile and config.native and kernels() is not None
 
 
 def applies(spec: RoundSpec, x: torch.Tensor, random_bits: torch.Tensor | None = None) -> bool:
@@ -310,9 +315,7 @@ _BITS = {4: torch.int32, 2: torch.int16}
 def decodes(codes: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether :func:`decode_into` takes codes of this dtype (uint8, or int16 bit patterns,
     on a CUDA device) into values of ``dtype``, where the configuration lets the kernel run."""
-    config = current()
-    return (codes.is_cuda and config.compile and config.native and dtype in _TRITON_DTYPES
-            and codes.dtype in (torch.uint8, torch.int16) and kernels() is not None)  # fmt: skip
+    return _enabled(codes) and dtype in _TRITON_DTYPES and codes.dtype in (torch.uint8, torch.int16)
 
 
 def decode_constants(k: int, packed: bool, check: bool, aligned: bool) -> dict:
@@ -390,9 +393,10 @@ def _launch(name: str, programs: int, tensors: tuple, ints: tuple, constants_of:
         known = _COMPILED.get(key)
         if known is not None:
             compiled, tail = known
+            every = (*args, *tail)
             try:
-                if not _launch_again(compiled, programs, device, (*args, *tail)):
-                    compiled[(programs, 1, 1)](*args, *tail)  # Triton's runner, which reads all three
+                if not _launch_again(compiled, programs, device, every):
+                    compiled[(programs, 1, 1)](*every)  # Triton's runner, which reads all three
                 return True
             except Exception as err:  # raised before the launch (the arguments are read first)
                 _relaunch_failed(err)
