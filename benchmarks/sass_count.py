@@ -20,6 +20,7 @@ import re
 import torch
 
 import fewbit
+from fewbit.block.ops import _spec as _block_spec
 from fewbit.random import LANES
 from fewbit.rounding import gpu
 from fewbit.rounding.checks import make_spec
@@ -31,6 +32,12 @@ ROUND_ROWS = [(torch.float32, "rne", None), (torch.float32, "src", 3), (torch.fl
 ENCODE_ROWS = [(torch.float32, "ocp_e4m3"), (torch.bfloat16, "ocp_e4m3"), (torch.float32, "ocp_e2m1")]
 #: round_kernel writing codes of binary8p4 (fewbit.quantize), as ROUND_ROWS.
 QUANTIZE_ROWS = [(torch.float32, "rne", None), (torch.float32, "src", 3), (torch.bfloat16, "src", 3)]
+#: round_kernel on block formats (``BLOCK``): (x's dtype, format, mode, N, codes or values).
+BLOCK_ROWS = [
+    (torch.float32, "mxfp8_e4m3", "rne", None, False), (torch.bfloat16, "mxfp8_e4m3", "src", 3, False),
+    (torch.bfloat16, "mxfp8_e4m3", "rne", None, True), (torch.bfloat16, "mxfp4", "src", 3, True),
+    (torch.bfloat16, "nvfp4", "rne", None, True),
+]  # fmt: skip
 _TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16"}
 _INTEGERS = dict.fromkeys(["n", "offset", "first_row", "k0", "k1", "s0", "s1"], "i64")
 #: Threads a program: the kernels' num_warps.
@@ -74,6 +81,21 @@ def main() -> None:
         rows = constants["ROWS"]
         share = (loop * rows + whole - loop) / (rows * per_row)
         print(f"{what:6} {str(dtype).removeprefix('torch.'):9} -> binary8p4 {mode:4} {bits or '':>2}  "
+              f"{loop / per_row:5.1f} {share:6.1f}")
+    for dtype, name, mode, bits, codes in BLOCK_ROWS:
+        bspec = _block_spec(dtype, name, mode, True, bits, None, None)
+        drawn = bits is not None
+        output = (gpu._PACKED if bspec.bfmt.packed else gpu._CODES) if codes else gpu._VALUES
+        constants = gpu.round_constants(bspec.spec, drawn, False, codes=output,
+                                        block=(bspec.bfmt.block_size, bspec.rule))  # fmt: skip
+        args = {"x_ptr": _TYPES[dtype], "out_ptr": "*u8" if codes else _TYPES[dtype], **_INTEGERS,
+                **({"key_ptr": "*i64"} if drawn else {}), **({"scales_ptr": "*u8"} if codes else {}),
+                **({"ts_ptr": "*fp32"} if bspec.bfmt.tensor_scale else {})}  # fmt: skip
+        loop, whole = instructions(sass_of("round_kernel", args, constants))
+        rows = constants["ROWS"]
+        share = (loop * rows + whole - loop) / (rows * per_row)
+        label = f"{name} {'codes' if codes else 'values'}"
+        print(f"block  {str(dtype).removeprefix('torch.'):9} -> {label:18} {mode:4} {bits or '':>2}  "
               f"{loop / per_row:5.1f} {share:6.1f}")
     for dtype, name in ENCODE_ROWS:
         fmt = fewbit.format(name)

@@ -20,7 +20,8 @@ import torch
 
 import fewbit
 from conftest import assert_bitwise_equal
-from fewbit.config import configure
+from fewbit.block import ops as block_ops
+from fewbit.config import configure, current
 from fewbit.random import Key, fold_in, key_of, random_bits
 from fewbit.rounding import gpu, native
 from fewbit.rounding.checks import dtype_format, make_spec
@@ -36,8 +37,10 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 # numpy warns where the float adder's sums meet a signalling NaN among the inputs (whose
 # result the kernel replaces by NaN, as it does on the GPU), and where its constant
 # overflows for an x beyond the format's range (Inf - Inf then marks it beyond).
+# NVFP4's blocks whose scale is 0 divide by it (the kernel then writes zeros).
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
-              pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]  # fmt: skip
+              pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")]  # fmt: skip
 
 
 def kernel(x, fmt, mode, *, sat=False, bits=None, fraction=None, seed=None, random_bits=None, offset=0,
@@ -376,3 +379,129 @@ def test_decode_reports_the_first_code_beyond_the_format():
             bad = bad.to(dtype)
             assert native.decode_into(bad, fmt.k, table, torch.empty(bad.numel()), False) == min(places)
             assert gpu.decode_into(bad, fmt.k, table, torch.empty(bad.numel()), False, True) == min(places)
+
+
+def block_kernel(x, name, mode, *, codes, rule=None, sat=True, bits=None, seed=None, random_bits=None,
+                 host=True):  # fmt: skip
+    """gpu.block_into on CPU tensors, as fewbit.block takes a call along the last axis: the
+    values, or the element codes and scale codes (shaped as BlockTensor's)."""
+    spec = block_ops._spec(x.dtype, name, mode, sat, bits, None, rule)
+    bfmt = spec.bfmt
+    key = None if seed is None else Key.from_seed(seed) if host else key_of(seed)
+    kw = {"block_size": bfmt.block_size, "rule": spec.rule, "tensor_scale": block_ops._tensor_scale(x, bfmt)}
+    if codes:
+        out, scales = block_ops._empty_codes(x, spec, x.dim() - 1)
+        assert gpu.block_into(x, spec.spec, key, random_bits, out, scales, packed=bfmt.packed, **kw)
+        return out, scales
+    out = torch.empty_like(x)
+    assert gpu.block_into(x, spec.spec, key, random_bits, out, None, **kw)
+    return out
+
+
+def block_inputs(dtype, rows=8):
+    """Rows of 256 random values across 60 binades, with blocks that hold NaN, Inf, zeros of
+    both signs and float32 subnormals, a block of zeros, one of subnormals, and one whose
+    small values fall below float32's normal range once scaled."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(rows, 256, generator=gen) * torch.logspace(-30, 30, 256)
+    x[0, :8] = torch.tensor([float("nan"), 1.0, float("inf"), -2.0, 0.0, -0.0, 1e-40, -3e-39])
+    x[1, :32] = 0.0
+    x[2, 16:24] = torch.tensor([-1e-45, 3e-44, 0.0, -0.0, 1e-42, -2e-41, 5e-39, 1e-38])
+    x[3, 32:40] = torch.tensor([1e30, 1e-40, -1e-40, 1e-30, -3e-38, 5e-39, -1e-45, 2e-44])  # x / S underflows
+    x[3, 64:96] = torch.logspace(-45, -38.5, 32) * (-1) ** torch.arange(32)  # a block of subnormals
+    return x.to(dtype)
+
+
+def assert_block_same_as_torch(x, name, mode, context="", **kw):
+    """Codes, scale codes and values of the kernel against the eager torch kernels'."""
+    with configure(compile=False):
+        stored, values = fewbit.block.quantize(x, name, mode, **kw), fewbit.block.round(x, name, mode, **kw)
+    codes, scales = block_kernel(x, name, mode, codes=True, **kw)
+    context = f"{name} {mode} {x.dtype} {kw} {context}"
+    assert torch.equal(scales, stored.scales), context
+    assert torch.equal(codes, stored.codes), context
+    assert_bitwise_equal(block_kernel(x, name, mode, codes=False, **kw).view(-1), values.view(-1), x.view(-1),
+                         context)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode, kw", [("rne", {}), ("src", {"bits": 3, "seed": 9}), ("sr", {"seed": 4}),
+                                      ("rup", {}), ("srff", {"bits": 2, "seed": 1})])  # fmt: skip
+def test_block_formats_same_bits_as_torch(dtype, mode, kw):
+    """round_kernel's blocks (BLOCK): MX formats with float and integer elements, NVFP4 (an
+    E4M3 scale times the tensor's) and HBFP, in each input dtype."""
+    x = block_inputs(dtype)
+    for name in ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "mxint8", "nvfp4", "hbfp6"):
+        assert_block_same_as_torch(x, name, mode, **kw)
+
+
+@pytest.mark.parametrize("name, rules", [("mxfp8_e4m3", ["floor", "ceil", "rceil", "even"]),
+                                         ("mxfp4", ["ceil", "rceil", "even"]), ("nvfp4", ["nearest", "up"])])
+def test_block_scale_rules_same_as_torch(name, rules):
+    """Every scale rule, on blocks whose largest magnitudes fall on both sides of each
+    rule's bound (a block's largest value m 2^E with m's fraction spread over [1, 2))."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.rand(64, 512, generator=gen) - 0.5
+    near_one = torch.where(torch.rand(64, 16, generator=gen) < 0.5, 1, 1e-3)  # (m just above 1, for ceil)
+    top = 1 + torch.rand(64, 16, generator=gen) * near_one
+    x.view(64, 16, 32)[:, :, 0] = -top * 2.0 ** torch.randint(-20, 20, (64, 16), generator=gen)
+    for rule in rules:
+        assert_block_same_as_torch(x, name, "rne", rule=rule)
+        assert_block_same_as_torch(x.bfloat16(), name, "src", rule=rule, bits=4, seed=3)
+
+
+def test_block_bits_from_every_source():
+    """Given bits, a key tensor read by the kernel and a key the launch takes draw what the
+    torch kernels draw; blocks of 8 and of 512 (a whole row); without sat, into formats
+    with NaN (e4m3) and with Inf (e5m2)."""
+    x = block_inputs(torch.float32, rows=4)
+    given = torch.randint(0, 1 << 5, x.shape, dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    assert_block_same_as_torch(x, "mxfp8_e4m3", "src", bits=5, random_bits=given)
+    for host in (True, False):
+        spec = block_ops._spec(x.dtype, "mxfp4", "src", True, 3, None, None)
+        assert torch.equal(block_kernel(x, "mxfp4", "src", codes=True, bits=3, seed=7, host=host)[0],
+                           block_kernel(x, "mxfp4", "src", codes=True, bits=3, seed=7)[0]), spec  # fmt: skip
+    for name in ("bfp4_b8", "bfp8_b512"):
+        assert_block_same_as_torch(x.view(2, 512), name, "src", bits=3, seed=5)
+    for name in ("mxfp8_e4m3", "mxfp8_e5m2"):
+        assert_block_same_as_torch(x * 1e3, name, "src", bits=3, seed=5, sat=False)
+
+
+def test_block_calls_reach_the_kernel(monkeypatch):
+    """fewbit.block's ops send a call along the last axis (its length a multiple of B) to
+    round_kernel where gpu.block_applies, with or without out=, and the rest to the torch
+    kernels: a CPU tensor here stands for a GPU's, the native kernel out of the way."""
+    launched = []
+
+    def block_into(*args, **kw):
+        launched.append(kw["block_size"])
+        return real(*args, **kw)
+
+    real = gpu.block_into
+    monkeypatch.setattr(gpu, "block_into", block_into)
+    monkeypatch.setattr(gpu, "_enabled", lambda t: current().compile and current().native)
+    monkeypatch.setattr(native, "block_applies", lambda *args: False)
+    x = block_inputs(torch.bfloat16, rows=4)
+    for name in ("mxfp4", "nvfp4"):
+        with configure(compile=False):
+            want = fewbit.block.quantize(x, name, "src", bits=3, seed=2)
+            want_values = fewbit.block.round(x, name)
+        assert launched == []
+        stored = fewbit.block.quantize(x, name, "src", bits=3, seed=2)
+        assert torch.equal(stored.codes, want.codes) and torch.equal(stored.scales, want.scales)
+        assert (stored.tensor_scale is None) == (want.tensor_scale is None)
+        assert want.tensor_scale is None or torch.equal(stored.tensor_scale, want.tensor_scale)
+        stored.codes.zero_()
+        fewbit.block.quantize(x, name, "src", bits=3, seed=2, out=stored)
+        assert torch.equal(stored.codes, want.codes)
+        out = torch.empty_like(x)
+        assert fewbit.block.round(x, name, out=out) is out
+        assert_bitwise_equal(out, want_values, x, name)
+        size = fewbit.block.format(name).block_size
+        assert launched == [size] * 3
+        launched.clear()
+        fewbit.block.round(x, name, axis=0)  # blocks across rows: the torch kernels
+        assert launched == []
+    with pytest.raises(ValueError, match="no Inf or NaN"):  # e2m1 beyond 6 without sat: the torch kernels
+        fewbit.block.round(x, "mxfp4", sat=False)
+    assert launched == []

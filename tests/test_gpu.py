@@ -182,22 +182,42 @@ def test_quantize_gpu_equals_cpu(name, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp4", "nvfp4", "hbfp8"])
 @pytest.mark.parametrize("mode, kw", [("rne", {}), ("src", {"bits": 3, "seed": 9})])
-def test_block_formats_gpu_equals_cpu(name, mode, kw, dtype):
-    """Codes, scales and values of block formats: the GPU's (torch.compile's kernels) and
-    the CPU's (the native kernel; from bfloat16 its 16-bit block path where it applies),
-    bit for bit, with blocks holding NaN, Inf, zeros and subnormals among random values."""
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_block_formats_gpu_equals_cpu(name, mode, kw, dtype, axis):
+    """Codes, scales and values of block formats: the GPU's (round_kernel's blocks along the
+    last axis; torch.compile's kernels across rows) and the CPU's (the native kernel; from
+    bfloat16 its 16-bit block path where it applies), bit for bit, with blocks holding NaN,
+    Inf, zeros and subnormals among random values."""
     from fewbit import block
 
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(64, 256, generator=gen) * torch.logspace(-30, 30, 256)
     x[0, :8] = torch.tensor([float("nan"), 1.0, float("inf"), -2.0, 0.0, -0.0, 1e-40, -3e-39])
     x[1, :32] = 0.0
+    x[2, 32:40] = torch.tensor([1e30, 1e-40, -1e-40, 1e-30, -3e-38, 5e-39, -1e-45, 2e-44])  # x / S underflows
     x = x.to(dtype)
+    kw = {**kw, "axis": axis}
     cpu = block.quantize(x, name, mode, **kw)
     gpu = block.quantize(x.cuda(), name, mode, **kw)
     assert torch.equal(gpu.codes.cpu(), cpu.codes) and torch.equal(gpu.scales.cpu(), cpu.scales), name
     assert_bitwise_equal(block.round(x.cuda(), name, mode, **kw).cpu(), block.round(x, name, mode, **kw), x,
-                         f"{name} {mode}")  # fmt: skip
+                         f"{name} {mode} axis={axis}")  # fmt: skip
+
+
+def test_block_calls_along_the_last_axis_take_the_triton_kernel(monkeypatch):
+    """block.quantize and block.round along the last axis launch round_kernel's blocks
+    (gpu.block_into, which compiled and ran), not torch.compile's kernels."""
+    from fewbit import block
+    from fewbit.rounding import gpu
+
+    ran = []
+    real = gpu.block_into
+    monkeypatch.setattr(gpu, "block_into", lambda *args, **kw: ran.append(real(*args, **kw)) or ran[-1])
+    x = torch.randn(16, 512, device="cuda")
+    for name in ("mxfp8_e4m3", "nvfp4"):
+        block.quantize(x, name, "src", bits=3, seed=1)
+        block.round(x, name)
+    assert ran == [True] * 4
 
 
 def test_shard_rounding_gpu_equals_cpu():

@@ -97,14 +97,15 @@ def test_triton_compiles_for_the_constants_and_dtypes_alone():
     buf, key = torch.empty(1 << 12), torch.zeros(2, dtype=torch.int64)
     spec = make_spec(torch.float32, fewbit.format("binary8p4"), RoundMode.SRC, False, 3, None)
     kernel, constants = gpu.kernels().round_kernel, gpu.round_constants(spec, True, False)
-    first = _specialisation(kernel, (buf, buf, None, key, 4096, 0, 0, 0, 0, 0, 0), constants)
-    for other in [(buf[1:], buf[3:], None, key[1:], 4095, 7, 1, 1, 16, 3, 5),
-                  (buf, buf, None, key, 1 << 33, 1 << 32, 1, (1 << 32) - 1, 1 << 31, 1, 0)]:  # int64s
+    first = _specialisation(kernel, (buf, buf, None, key, None, None, 4096, 0, 0, 0, 0, 0, 0), constants)
+    for other in [(buf[1:], buf[3:], None, key[1:], None, None, 4095, 7, 1, 1, 16, 3, 5),  # then int64s:
+                  (buf, buf, None, key, None, None, 1 << 33, 1 << 32, 1, (1 << 32) - 1, 1 << 31, 1, 0)]:
         assert _specialisation(kernel, other, constants) == first
-    halves = (buf.half(), buf.half(), None, key, 4096, 0, 0, 0, 0, 0, 0)
+    halves = (buf.half(), buf.half(), None, key, None, None, 4096, 0, 0, 0, 0, 0, 0)
     assert _specialisation(kernel, halves, constants) != first
-    runtime = ["x_ptr", "out_ptr", "given_ptr", "key_ptr", "n", "offset", "first_row", "k0", "k1", "s0", "s1"]
-    assert kernel.arg_names[:11] == runtime and set(kernel.arg_names[11:]) == set(constants)
+    runtime = ["x_ptr", "out_ptr", "given_ptr", "key_ptr", "scales_ptr", "ts_ptr", "n", "offset", "first_row",
+               "k0", "k1", "s0", "s1"]  # fmt: skip
+    assert kernel.arg_names[:13] == runtime and set(kernel.arg_names[13:]) == set(constants)
     codes, bad = torch.empty(1 << 12, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64)
     encode, constants = gpu.kernels().encode_kernel, gpu.encode_constants(fewbit.format("ocp_e4m3"))
     first = _specialisation(encode, (buf, codes, bad, 4096), constants)
@@ -170,6 +171,30 @@ def test_round_kernel_compiles_to_codes(dtype, fmt, mode, bits):
     args = {"x_ptr": f"*{_TRITON_DTYPES[dtype]}", "out_ptr": out, **_INTEGERS}
     ptx = gpu.compile_for("round_kernel", args, constants, 90).asm["ptx"]
     assert "ld.global.v4.b32" in ptx and "st.global" in ptx and ".ftz" not in ptx
+
+
+@pytest.mark.parametrize("dtype, name, mode, bits, codes", [
+    (torch.float32, "mxfp8_e4m3", "rne", None, False), (torch.bfloat16, "mxfp4", "src", 3, True),
+    (torch.float16, "hbfp8", "sr", None, False), (torch.bfloat16, "nvfp4", "rne", None, True),
+    (torch.float32, "nvfp4", "src", 3, False),
+])  # fmt: skip
+def test_block_kernel_compiles_for_the_gpu(dtype, name, mode, bits, codes):
+    """round_kernel's block formats (BLOCK) compile for an H100 with 16-byte loads of x, no
+    float32 subnormal flushed, and NVFP4's x / S and target amax / M / ts correctly
+    rounded (div.rn, where Triton's float32 division would be div.full)."""
+    from fewbit.block.ops import _spec
+
+    bspec = _spec(dtype, name, mode, True, bits, None, None)
+    output = (gpu._PACKED if bspec.bfmt.packed else gpu._CODES) if codes else gpu._VALUES
+    drawn = bspec.spec.bits is not None
+    constants = gpu.round_constants(bspec.spec, drawn, False, True, None, drawn, output,
+                                    (bspec.bfmt.block_size, bspec.rule))  # fmt: skip
+    args = {"x_ptr": f"*{_TRITON_DTYPES[dtype]}", "out_ptr": "*u8" if codes else f"*{_TRITON_DTYPES[dtype]}",
+            **_INTEGERS, **({"scales_ptr": "*u8"} if codes else {}),
+            **({"ts_ptr": "*fp32"} if bspec.bfmt.tensor_scale else {})}  # fmt: skip
+    ptx = gpu.compile_for("round_kernel", args, constants, 90).asm["ptx"]
+    assert "ld.global.v4.b32" in ptx and ".ftz" not in ptx and "div.full" not in ptx
+    assert ("div.rn.f32" in ptx and "div.rn.f64" in ptx) == bspec.bfmt.tensor_scale
 
 
 @pytest.mark.parametrize("fmt, packed", [("ocp_e4m3", False), ("ocp_e2m1", True), ("binary16", False)])

@@ -17,7 +17,7 @@ import torch
 from ..codec import codes_of, pack_pairs
 from ..operators import operator
 from ..random import Key, host_key
-from ..rounding import native
+from ..rounding import gpu, native
 from ..rounding.checks import check_random_bits, scalar_args
 from ..rounding.compiled import (
     _own,
@@ -143,21 +143,39 @@ def _native(x: torch.Tensor, spec: BlockSpec, key: Key | None, rand: torch.Tenso
     return codes, scales, bad >= 0
 
 
+def _triton(x: torch.Tensor, spec: BlockSpec, key, rand: torch.Tensor | None, fused: bool,
+            ts: torch.Tensor | None, into: tuple | None) -> tuple | None:  # fmt: skip
+    """:func:`_run`'s answer from the GPU kernel, for blocks in x's memory order, written
+    into ``into`` where given; None where Triton could not compile it (nothing written).
+    Every element has a result (gpu.block_applies), so nothing waits for the kernel."""
+    kw = {"block_size": spec.bfmt.block_size, "rule": spec.rule, "tensor_scale": ts}
+    if fused:
+        (out,) = into or (torch.empty_like(x, memory_format=torch.contiguous_format),)
+        return (out, None) if gpu.block_into(x, spec.spec, key, rand, out, None, **kw) else None
+    codes, scales = into or _empty_codes(x, spec, x.dim() - 1)
+    ran = gpu.block_into(x, spec.spec, key, rand, codes, scales, packed=spec.bfmt.packed, **kw)
+    return (codes, scales, None) if ran else None
+
+
 def _run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool, ts: torch.Tensor | None,
          into: tuple | None = None):
     """The kernel on x's blocks, laid out here (a view when the axis is last and its length
     a multiple of B): the kernel then sees a plain ``(n, B)`` tensor, which Inductor
     vectorises. Where the layout moves elements, their bits are drawn here, by x's own
-    flat indices, and laid out with them. On a CPU, blocks in x's memory order go to the
-    native kernel instead (:func:`_native`, which writes ``into`` where given; the torch
-    kernels ignore it)."""
+    flat indices, and laid out with them. Blocks in x's memory order go to the native
+    kernel on a CPU (:func:`_native`) and to the Triton kernel on a GPU (:func:`_triton`)
+    instead, which write ``into`` where given (the torch kernels ignore it)."""
     size = spec.bfmt.block_size
     rand = check_random_bits(x, spec.spec, random_bits) if key is None else None
     in_order = axis % x.dim() == x.dim() - 1 and x.shape[-1] % size == 0
     cpu_key = host_key(key)
-    if (in_order and spec.work_dtype == torch.float32
-            and native.block_applies(spec.spec, x, rand, size, spec.bfmt.scale)):  # fmt: skip
-        return _native(x, spec, cpu_key, rand, fused, ts, into)
+    if in_order and spec.work_dtype == torch.float32:
+        if native.block_applies(spec.spec, x, rand, size, spec.bfmt.scale):
+            return _native(x, spec, cpu_key, rand, fused, ts, into)
+        if gpu.block_applies(spec.spec, x, rand, size, spec.bfmt.scale):
+            result = _triton(x, spec, cpu_key, rand, fused, ts, into)
+            if result is not None:
+                return result
     words = None
     if key is not None:
         if not in_order:

@@ -31,11 +31,20 @@ from .checks import RoundSpec, make_spec
 from .compiled import stream_words
 from .magic import magic_applies
 from .modes import MODES, RoundMode
-from .native import PARAM_NAMES, kernel_params, mode_id, takes, takes_bits
+from .native import (
+    BLOCK_RULES,
+    PARAM_NAMES,
+    blocks_fit,
+    even_fraction,
+    kernel_params,
+    mode_id,
+    takes,
+    takes_bits,
+)
 
 __all__ = [
-    "applies", "decode_into", "decodes", "encode_into", "quantize_into", "round_foreach_", "round_into",
-    "rounded", "usable",
+    "applies", "block_applies", "block_into", "decode_into", "decodes", "encode_into", "quantize_into",
+    "round_foreach_", "round_into", "rounded", "usable",
 ]  # fmt: skip
 
 #: Rows per program where no words are drawn: 4096 elements.
@@ -128,11 +137,13 @@ _VALUES, _CODES, _PACKED = range(3)
 @functools.lru_cache(maxsize=256)
 def round_constants(spec: RoundSpec, drawn: bool, given: bool, aligned: bool = True,
                     via: torch.dtype | None = None, host_key: bool = False,
-                    codes: int = _VALUES) -> dict:  # fmt: skip
+                    codes: int = _VALUES, block: tuple[int, str] | None = None) -> dict:  # fmt: skip
     """round_kernel's compile-time constants for a spec, its bits drawn in the kernel or
     given (or neither); ``via``: those of round_foreach_'s launch (``FOREACH``);
-    ``host_key``: the key's words passed with the launch; ``codes``: what it writes."""
+    ``host_key``: the key's words passed with the launch; ``codes``: what it writes;
+    ``block``: the block size and scale rule of a block format's call (``BLOCK``)."""
     p = dict(zip(PARAM_NAMES, kernel_params(spec), strict=True))
+    size, rule = block or (0, "floor")
     per_word = 32 // spec.bits if spec.bits else 1
     rows = 2 * per_word if drawn else _PLAIN_ROWS
     return {**_format_constants(spec), "MODE": mode_id(spec), "SAT": spec.sat, "LIMIT_RULE": p["LIMIT_RULE"],
@@ -141,7 +152,10 @@ def round_constants(spec: RoundSpec, drawn: bool, given: bool, aligned: bool = T
             "ROWS": rows, "DRAWN": drawn, "GIVEN": given, "PER_WORD": per_word, "FOREACH": via is not None,
             "VIA": None if via is None else getattr(kernels().tl, _TRITON_DTYPES[via]),
             "TENSORS": 1 if via is None else _FOREACH_TENSORS, "ALIGNED": aligned,
-            "HOST_KEY": host_key and drawn, "CODES": codes, **_code_constants(spec)}  # fmt: skip
+            "HOST_KEY": host_key and drawn, "CODES": codes, **_code_constants(spec),
+            "BLOCK": size, "RULE": BLOCK_RULES[rule], "EMAX": spec.fmt.emax,
+            "RCEIL_FRACTION": p["MAX"] & 0x7FFFFF, "EVEN_FRACTION": even_fraction(spec.fmt),
+            "ELEMENT_MAX": spec.fmt.max}  # fmt: skip
 
 
 @functools.lru_cache(maxsize=64)
@@ -188,7 +202,33 @@ def quantize_into(
     return _round(x, spec, key, random_bits, out, 0, _PACKED if packed else _CODES)
 
 
-def _round(x, spec: RoundSpec, key, random_bits, out: torch.Tensor, offset: int, codes: int) -> bool:
+def block_into(
+    x: torch.Tensor, spec: RoundSpec, key: torch.Tensor | Key | None, random_bits: torch.Tensor | None,
+    out: torch.Tensor, scales: torch.Tensor | None, *, block_size: int, rule: str,
+    tensor_scale: torch.Tensor | None, packed: bool = False,
+) -> bool:  # fmt: skip
+    """Block-quantise ``x`` in memory order, as native.block_into does on a CPU: blocks of
+    ``block_size`` consecutive elements (dividing LANES and x's size), a scale S each by
+    ``rule`` (a power of two, or E4M3 times ``tensor_scale``, a float32 on x's device),
+    elements rounded by ``spec`` with the bits of stream elements ``0 ..`` (drawn with
+    ``key`` or given). Into ``out`` the values ``q S`` in x's dtype (``scales`` None), or
+    the element codes (uint8, ``packed`` pairs) and into ``scales`` the scale codes; only
+    where :func:`block_applies`. False as round_into's."""
+    codes = _VALUES if scales is None else _PACKED if packed else _CODES
+    block = (block_size, rule), scales, tensor_scale
+    return _round(x, spec, key, random_bits, out, 0, codes, block)
+
+
+def block_applies(spec: RoundSpec, x: torch.Tensor, random_bits: torch.Tensor | None, block_size: int,
+                  scale: FloatFormat) -> bool:  # fmt: skip
+    """Whether :func:`block_into` takes a block call whose elements round by ``spec`` (from
+    float32: block.kernel's working float) with scales of ``scale``: where the native
+    kernel would on a CPU, and every element has a result (sat, or a format with NaN)."""
+    return blocks_fit(block_size, scale) and applies(spec, x, random_bits) and (spec.sat or spec.fmt.has_nans)
+
+
+def _round(x, spec: RoundSpec, key, random_bits, out: torch.Tensor, offset: int, codes: int,
+           block: tuple | None = None) -> bool:  # fmt: skip
     x = x.contiguous()
     n = x.numel()
     if n == 0:
@@ -204,14 +244,17 @@ def _round(x, spec: RoundSpec, key, random_bits, out: torch.Tensor, offset: int,
     elif drawn:
         select = "select" in MODES[spec.mode].streams
         words = torch.stack(stream_words(spec, key)) if select else key.contiguous()
-    variant = (spec, drawn, given is not None, aligned(n, offset, x, out, given), None, host, codes)
+    # A block call's (size, rule), scale codes and tensor scale: what else it takes.
+    shape, scales, tensor_scale = block or (None, None, None)
+    variant = (spec, drawn, given is not None, aligned(n, offset, x, out, given), None, host, codes, shape)
     rows = round_constants(*variant)["ROWS"]
     # Programs start at a multiple of `rows` rows, the first at the one holding element offset.
     first_row = offset // LANES // rows * rows
     end_row = -(-(offset + n) // LANES)
     programs = -(-(end_row - first_row) // rows)
     ints = (n, offset, first_row, *host_words)
-    return _launch("round_kernel", programs, (x, out, given, words), ints, round_constants, variant)
+    tensors = (x, out, given, words, scales, tensor_scale)
+    return _launch("round_kernel", programs, tensors, ints, round_constants, variant)
 
 
 #: Tensors a launch of round_foreach_ takes: each program reads the start of every one.
@@ -258,7 +301,7 @@ def round_foreach_(
         table = torch.frombuffer(array.array("q", head + padded), dtype=torch.int64)
         if first.device.type == "cuda":  # from pinned memory, without waiting for queued work
             table = table.pin_memory().to(first.device, non_blocking=True)
-        arguments = (table, first, None, None), (_FOREACH_TENSORS, 0, 0, 0, 0, 0, 0)
+        arguments = (table, first, None, None, None, None), (_FOREACH_TENSORS, 0, 0, 0, 0, 0, 0)
         if not _launch("round_kernel", starts[-1], *arguments, round_constants, variant):
             if launched:  # (the same kernel as the launch before: not seen to happen)
                 raise RuntimeError("fewbit: a write-back launch failed after others had written")

@@ -64,8 +64,15 @@ _VALUES, _CODES_U8, _CODES_I16, _CODES_PACKED = range(4)
 MAX_BITS = 30
 #: Elements per row of native.cpp: a block size that divides it keeps every block in a row.
 LANES = 512
-#: native.cpp's ``Rule`` enum: block.formats.SCALE_RULES, power-of-two (E8M0) scales then E4M3 ones.
-_RULES = {"floor": 0, "ceil": 1, "rceil": 2, "even": 3, "nearest": 4, "up": 5}
+#: native.cpp's ``Rule`` enum (and gpu.py's): block.formats.SCALE_RULES, power-of-two (E8M0)
+#: scales then E4M3 ones.
+BLOCK_RULES = {"floor": 0, "ceil": 1, "rceil": 2, "even": 3, "nearest": 4, "up": 5}
+
+
+def even_fraction(fmt: FloatFormat) -> int:
+    """The scale rule "even"'s bound, as native.cpp's ``Fmt`` holds it: a block's largest
+    magnitude m 2^E rounds up to 2^(E+1) at P bits where m's 23 fraction bits reach it."""
+    return 0x800000 - (1 << (22 - fmt.t)) if fmt.t < 23 else 0x800000
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -233,8 +240,13 @@ def block_applies(spec: RoundSpec, x: torch.Tensor, random_bits: torch.Tensor | 
                   scale: FloatFormat) -> bool:  # fmt: skip
     """Whether :func:`block_into` takes a block call whose elements round by ``spec``, with
     scales of ``scale`` (E8M0, or E4M3)."""
-    return (LANES % block_size == 0 and scale.name in ("ocp_e8m0", "ocp_e4m3")
-            and applies(spec, x, random_bits))  # fmt: skip
+    return blocks_fit(block_size, scale) and applies(spec, x, random_bits)
+
+
+def blocks_fit(block_size: int, scale: FloatFormat) -> bool:
+    """Whether the block kernels (this and gpu.py's) take blocks of ``block_size`` with
+    scales of ``scale``: rows hold whole blocks, and the scales are E8M0 or E4M3."""
+    return LANES % block_size == 0 and scale.name in ("ocp_e8m0", "ocp_e4m3")
 
 
 def block_into(
@@ -249,7 +261,7 @@ def block_into(
     ``packed`` pairs) and into ``scales`` the scale codes; only where
     :func:`block_applies`. Returns :func:`round_into`'s answer."""
     output = _VALUES if scales is None else _CODES_PACKED if packed else _CODES_U8
-    block = (block_size, _RULES[rule], tensor_scale, 0 if scales is None else scales.data_ptr())
+    block = (block_size, BLOCK_RULES[rule], tensor_scale, 0 if scales is None else scales.data_ptr())
     return _call(x, spec, False, words, random_bits, out, output, 0, block)
 
 

@@ -266,8 +266,10 @@ def _classical_sr_bits(b, n, EMIN: tl.constexpr, BITS: tl.constexpr, MAX: tl.con
 
 
 @triton.jit(do_not_specialize=["n", "offset", "first_row", "k0", "k1", "s0", "s1"],
-            do_not_specialize_on_alignment=["x_ptr", "out_ptr", "given_ptr", "key_ptr"])
-def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n: tl.int64, offset: tl.int64, first_row: tl.int64,
+            do_not_specialize_on_alignment=["x_ptr", "out_ptr", "given_ptr", "key_ptr", "scales_ptr",
+                                            "ts_ptr"])
+def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, scales_ptr, ts_ptr, n: tl.int64, offset: tl.int64,
+                 first_row: tl.int64,
                  k0: tl.int64, k1: tl.int64, s0: tl.int64, s1: tl.int64, ROWS: tl.constexpr,
                  DRAWN: tl.constexpr, GIVEN: tl.constexpr, PER_WORD: tl.constexpr, MODE: tl.constexpr,
                  T: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr, MIN_ULP_EXP: tl.constexpr,
@@ -279,7 +281,9 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n: tl.int64, offset: tl.int
                  VIA: tl.constexpr, TENSORS: tl.constexpr, ALIGNED: tl.constexpr,
                  HOST_KEY: tl.constexpr, CODES: tl.constexpr, K: tl.constexpr, CODE_OF_MAX: tl.constexpr,
                  CODE_OF_NAN: tl.constexpr, HAS_NANS: tl.constexpr, EXTENDED: tl.constexpr,
-                 SIGNED: tl.constexpr, TWOS_COMPLEMENT: tl.constexpr):  # fmt: skip
+                 SIGNED: tl.constexpr, TWOS_COMPLEMENT: tl.constexpr, BLOCK: tl.constexpr,
+                 RULE: tl.constexpr, EMAX: tl.constexpr, RCEIL_FRACTION: tl.constexpr,
+                 EVEN_FRACTION: tl.constexpr, ELEMENT_MAX: tl.constexpr):  # fmt: skip
     """Round stream elements ``offset .. offset + n`` (x and out hold them from 0) of rows
     ``first_row + program * ROWS ..``: bits drawn with the words at key_ptr (``DRAWN``:
     k0, k1, then the selection stream's for MODE 11), or with the words k0, k1 (and s0,
@@ -306,7 +310,13 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n: tl.int64, offset: tl.int
 
     ``CODES`` (fewbit.quantize): out takes the results' codes (_code_of, with the format's
     K .. TWOS_COMPLEMENT), one an element (1) or two a byte (2: the even element's in the
-    low nibble; offset and n even), instead of the values in x's dtype (0)."""
+    low nibble; offset and n even), instead of the values in x's dtype (0).
+
+    ``BLOCK`` (fewbit.block, B > 0 elements a block, dividing LANES; offset 0, n a multiple
+    of B): each block of x is scaled by its S before rounding (_scale_blocks, by ``RULE``:
+    native.py's ids, power-of-two scales below 4, E4M3 ones times the float32 at ts_ptr
+    from 4), and the values are ``q S`` in x's dtype; with CODES, the blocks' scale codes
+    go to scales_ptr, one a block."""
     lanes = tl.arange(0, LANES)
     # quantize of a float-adder rounding (MODE 13, 14) into a sign-magnitude format whose
     # beyond has a code (the largest value with sat, else Inf): the code in one go.
@@ -346,6 +356,10 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n: tl.int64, offset: tl.int
             elif not HOST_KEY:
                 s0 = tl.load(key_ptr + 2).to(tl.uint32)
                 s1 = tl.load(key_ptr + 3).to(tl.uint32)
+    if BLOCK > 0 and RULE >= 4:
+        ts = tl.load(ts_ptr)
+    else:
+        ts = 1.0
     # Only the rows that hold elements: a small tensor need not fill the program's rows.
     first = tl.maximum(offset // LANES - row0, 0)
     end = tl.minimum((offset + n + LANES - 1) // LANES - row0, ROWS)
@@ -363,6 +377,13 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n: tl.int64, offset: tl.int
                 given_row = tl.multiple_of(given_row, 16)
         inside = (lanes >= lo) & (lanes < hi)
         b = _load_bits(x_row, lanes, inside, VIA)
+        if BLOCK > 0:  # x / S; a row holds whole blocks
+            b, factor, scale_code = _scale_blocks(b, ts, BLOCK, RULE, EMAX, RCEIL_FRACTION, EVEN_FRACTION,
+                                                  ELEMENT_MAX, HAS_NANS)  # fmt: skip
+            if CODES != 0:
+                j = tl.arange(0, LANES // BLOCK)
+                tl.store(scales_ptr + base // BLOCK + j, scale_code.to(tl.uint8),
+                         mask=(j * BLOCK >= lo) & (j * BLOCK < hi))  # fmt: skip
         bits = b  # read by the stochastic modes only
         select = b
         if DRAWN:
@@ -390,6 +411,11 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, n: tl.int64, offset: tl.int
             else:
                 y = _magic_bits(b, bits, MODE == 14, EMIN, MAGIC_SCALE, BITS, MAX, BEYOND, HAS_NZ)
             if CODES == 0:
+                if BLOCK > 0:  # q S in float32, then x's dtype, as block.kernel multiplies and converts
+                    y = (y.to(tl.float32, bitcast=True) * factor.to(tl.float32, bitcast=True)).to(tl.int32,
+                                                                                                  bitcast=True)
+                    if out_ptr.dtype.element_ty == tl.bfloat16:
+                        y = _to_bfloat16(y)
                 if out_ptr.dtype.element_ty == tl.bfloat16:  # a value of the format: its low half is 0
                     y = (y >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
                 else:
@@ -418,11 +444,106 @@ def _load_bits(x_ptr, i, inside, VIA: tl.constexpr = None):
     else:
         b = x.to(tl.float32).to(tl.int32, bitcast=True)
     if VIA == tl.bfloat16 and x_ptr.dtype.element_ty != tl.bfloat16:
-        # In integers, as torch rounds: Triton's interpreter truncates (a GPU's cvt.rn does not).
-        b = tl.where((b & 0x7FFFFFFF) > 0x7F800000, b, (b + 0x7FFF + ((b >> 16) & 1)) & -(1 << 16))
+        b = _to_bfloat16(b)
     elif VIA == tl.float16 and x_ptr.dtype.element_ty != tl.float16:  # RNE, on a GPU and in numpy
         b = x.to(tl.float16).to(tl.float32).to(tl.int32, bitcast=True)
     return b
+
+
+@triton.jit
+def _to_bfloat16(b):
+    """float32 bits ``b`` rounded to bfloat16 (its low half 0) to nearest even, as torch converts:
+    in integers, where Triton's interpreter truncates (a GPU's cvt.rn does not)."""
+    return tl.where((b & 0x7FFFFFFF) > 0x7F800000, b, (b + 0x7FFF + ((b >> 16) & 1)) & -(1 << 16))
+
+
+@triton.jit
+def _per_element(v, BLOCK: tl.constexpr):
+    """A row's per-block values ``v`` (LANES / BLOCK) repeated for each element of the block."""
+    return tl.reshape(tl.broadcast_to(v[:, None], (LANES // BLOCK, BLOCK)), (LANES,))
+
+
+@triton.jit
+def _pow2_bits(e):
+    """2^e as float32 bits, e in [-127, 127] (2^-127 is a subnormal)."""
+    return tl.where(e >= -126, (e + 127) << 23, 0x00400000)
+
+
+@triton.jit
+def _block_exponent(amax, RULE: tl.constexpr, EMAX: tl.constexpr, RCEIL_FRACTION: tl.constexpr,
+                    EVEN_FRACTION: tl.constexpr):  # fmt: skip
+    """native.cpp's block_exponent (block.kernel._exponent_of): floor(log2 amax) - emax, plus
+    1 where RULE rounds up (ceil: a fraction; rceil: m above max's; even: m rounds to 2 at
+    P bits), clamped to E8M0's [-127, 127]; amax (float32 bits, not NaN) = m 2^E. A
+    subnormal amax, an integer times 2^-149, is normalised exactly as that integer's float."""
+    normal = amax >= 0x00800000
+    g = tl.where(normal, amax, amax.to(tl.float32).to(tl.int32, bitcast=True))
+    exponent = (g >> 23) - tl.where(normal, 127, 127 + 149)
+    fraction = g & 0x7FFFFF
+    if RULE == 1:
+        up = fraction != 0
+    elif RULE == 2:
+        up = fraction > RCEIL_FRACTION
+    elif RULE == 3:
+        up = fraction >= EVEN_FRACTION
+    else:
+        up = fraction < 0
+    e = tl.minimum(tl.maximum(exponent - EMAX + up.to(tl.int32), -127), 127)
+    return tl.where(amax == 0x7F800000, 127, tl.where(amax == 0, -127, e))  # zeros: -127, as gfloat
+
+
+@triton.jit
+def _pow2_f64(k):
+    """2^k as a float64, k (int64) in [-1022, 1023]."""
+    return ((k + 1023) << 52).to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def _e4m3_scale(target, UP: tl.constexpr):
+    """native.cpp's e4m3_scale: ``target`` (float64, not negative) rounded to E4M3 to nearest
+    even (or UP), saturating at 448; the scale (float64) and its code. A NaN target's
+    results are the caller's to replace."""
+    e = tl.maximum((target.to(tl.int64, bitcast=True) >> 52) - 1023, -6)
+    q = tl.minimum(target * _pow2_f64(3 - e), 16.0)  # exact; at most 16 below 448
+    r = (q + 4503599627370496.0) - 4503599627370496.0  # to nearest even: q + 2^52 keeps no fraction
+    if UP:
+        r = r + (r < q).to(tl.float64)
+    sat = ~(target < 448.0)  # Inf too
+    code = tl.where(sat, 0x7E, 8 * (e + 6) + r.to(tl.int64)).to(tl.int32)  # subnormals (e = -6, r < 8) too
+    return tl.where(sat, 448.0, r * _pow2_f64(e - 3)), code
+
+
+@triton.jit
+def _scale_blocks(b, ts, BLOCK: tl.constexpr, RULE: tl.constexpr, EMAX: tl.constexpr,
+                  RCEIL_FRACTION: tl.constexpr, EVEN_FRACTION: tl.constexpr, ELEMENT_MAX: tl.constexpr,
+                  HAS_NANS: tl.constexpr):  # fmt: skip
+    """block.kernel.quantize_blocks up to the rounding, on a row of whole blocks (float32
+    bits ``b``, 0 outside the call): the bits of x / S, each element's S (float32 bits) and
+    each block's scale code. S: 2^e by RULE (E8M0; x / S then is x 2^-e, correctly rounded
+    alike), or the block's E4M3 scale times ``ts`` (x / S correctly rounded; a division in
+    Triton is not, by default). A quotient below float32's normal range is +-2^-126, a
+    block whose S is 0 holds zeros, and a block holding a NaN has S NaN, the scale code
+    0xFF and its elements NaN (0 without NaN in the format)."""
+    a = b & 0x7FFFFFFF
+    amax = tl.max(tl.reshape(a, (LANES // BLOCK, BLOCK)), axis=1)
+    nan = amax > 0x7F800000
+    x = b.to(tl.float32, bitcast=True)
+    if RULE < 4:
+        e = _block_exponent(amax, RULE, EMAX, RCEIL_FRACTION, EVEN_FRACTION)
+        factor, code = _pow2_bits(e), e + 127
+        q = x * _per_element(_pow2_bits(-e), BLOCK).to(tl.float32, bitcast=True)
+    else:
+        target = amax.to(tl.float32, bitcast=True).to(tl.float64) / ELEMENT_MAX / ts.to(tl.float64)
+        scale, code = _e4m3_scale(target, RULE == 5)
+        factor = (scale.to(tl.float32) * ts).to(tl.int32, bitcast=True)
+        q = tl.math.div_rn(x, _per_element(factor, BLOCK).to(tl.float32, bitcast=True))
+    factor = tl.where(nan, NAN_BITS, factor)
+    s = _per_element(factor, BLOCK)
+    q = q.to(tl.int32, bitcast=True)
+    q = tl.where(((q & 0x7FFFFFFF) < 0x00800000) & (a != 0), (b & SIGN_BIT) | 0x00800000, q)
+    q = tl.where(s == 0, 0, q)
+    q = tl.where(_per_element(nan, BLOCK), NAN_BITS if HAS_NANS else 0, q)
+    return q, s, tl.where(nan, 0xFF, code)
 
 
 @triton.jit
