@@ -379,7 +379,7 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, scales_ptr, ts_ptr, n: tl.i
         b = _load_bits(x_row, lanes, inside, VIA)
         if BLOCK > 0:  # x / S; a row holds whole blocks
             b, factor, scale_code = _scale_blocks(b, ts, BLOCK, RULE, EMAX, RCEIL_FRACTION, EVEN_FRACTION,
-                                                  ELEMENT_MAX, HAS_NANS)  # fmt: skip
+                                                  ELEMENT_MAX, HAS_NANS, MODE)  # fmt: skip
             if CODES != 0:
                 j = tl.arange(0, LANES // BLOCK)
                 tl.store(scales_ptr + base // BLOCK + j, scale_code.to(tl.uint8),
@@ -516,14 +516,14 @@ def _e4m3_scale(target, UP: tl.constexpr):
 @triton.jit
 def _scale_blocks(b, ts, BLOCK: tl.constexpr, RULE: tl.constexpr, EMAX: tl.constexpr,
                   RCEIL_FRACTION: tl.constexpr, EVEN_FRACTION: tl.constexpr, ELEMENT_MAX: tl.constexpr,
-                  HAS_NANS: tl.constexpr):  # fmt: skip
+                  HAS_NANS: tl.constexpr, MODE: tl.constexpr):  # fmt: skip
     """block.kernel.quantize_blocks up to the rounding, on a row of whole blocks (float32
     bits ``b``, 0 outside the call): the bits of x / S, each element's S (float32 bits) and
     each block's scale code. S: 2^e by RULE (E8M0; x / S then is x 2^-e, correctly rounded
     alike), or the block's E4M3 scale times ``ts`` (x / S correctly rounded; a division in
-    Triton is not, by default). A quotient below float32's normal range is +-2^-126, a
-    block whose S is 0 holds zeros, and a block holding a NaN has S NaN, the scale code
-    0xFF and its elements NaN (0 without NaN in the format)."""
+    Triton is not, by default). A quotient below float32's normal range rounds as
+    +-2^-126, a block whose S is 0 holds zeros, and a block holding a NaN has S NaN, the
+    scale code 0xFF and its elements NaN (0 without NaN in the format)."""
     a = b & 0x7FFFFFFF
     amax = tl.max(tl.reshape(a, (LANES // BLOCK, BLOCK)), axis=1)
     nan = amax > 0x7F800000
@@ -540,9 +540,15 @@ def _scale_blocks(b, ts, BLOCK: tl.constexpr, RULE: tl.constexpr, EMAX: tl.const
     factor = tl.where(nan, NAN_BITS, factor)
     s = _per_element(factor, BLOCK)
     q = q.to(tl.int32, bitcast=True)
-    q = tl.where(((q & 0x7FFFFFFF) < 0x00800000) & (a != 0), (b & SIGN_BIT) | 0x00800000, q)
-    q = tl.where(s == 0, 0, q)
-    q = tl.where(_per_element(nan, BLOCK), NAN_BITS if HAS_NANS else 0, q)
+    # Below float32's normals x / S rounds as +-2^-126 does, 0 included, but in the modes that
+    # round away by sign or parity (RUP, RDN, RTO): N <= 30 random bits reach no element
+    # ulp from there (block.kernel). So 2^-126 takes its place in those modes, and where S
+    # is no power of two (whose quotient is no exact product), as native.cpp's scale_blocks.
+    if MODE == 3 or MODE == 4 or MODE == 5 or RULE >= 4:
+        q = tl.where(((q & 0x7FFFFFFF) < 0x00800000) & (a != 0), (b & SIGN_BIT) | 0x00800000, q)
+    if RULE >= 4:  # (2^e is never 0)
+        q = tl.where(s == 0, 0, q)
+    q = tl.where(s > 0x7F800000, NAN_BITS if HAS_NANS else 0, q)  # S NaN: a NaN block
     return q, s, tl.where(nan, 0xFF, code)
 
 
