@@ -74,6 +74,8 @@ def test_compiled_model_is_one_graph_compiles_each_spec_once_and_equals_eager(mo
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
+# (An int seed's key is kept only in eager code: ops._seed_key.)
+@pytest.mark.filterwarnings("error:Dynamo detected a call to a `functools.lru_cache`")
 def test_int_seed_under_compile_recompiles_at_most_once():
     def f(x, s):
         return fewbit.round(x, "e4m3", "src", bits=3, seed=s)
@@ -269,6 +271,28 @@ def test_an_int_seeds_key_stays_in_host_memory():
         fewbit.round(torch.randn(8), "e4m3", "src", bits=3, seed=(5 << 32) + 7)
         fewbit.block.round(torch.randn(32), "mxfp4", "src", bits=3, seed=(5 << 32) + 7)
     assert [(k.device.type, k.tolist()) for k in keys] == [("cpu", [7, 5])] * 2
+
+
+def test_an_int_seeds_kept_key_is_the_one_made():
+    """An op call keeps the keys of the int seeds used last (ops._seed_key): each is the
+    key Key.from_seed makes, for the largest seed too, and for more seeds than it keeps;
+    what is no seed (a bool, an int out of range) is refused as before. (Under
+    torch.compile nothing is kept: test_int_seed_under_compile_recompiles_at_most_once.)"""
+    from fewbit.random import Key
+    from fewbit.rounding.ops import op_key
+
+    x = torch.empty(8)
+    seeds = [0, 1, 7, (5 << 32) + 7, 2**64 - 1, *range(1000, 1600)]
+    for _ in range(2):  # made, then (the last ones) kept
+        for seed in seeds:
+            key = op_key(seed, x)
+            assert type(key) is Key and (key.k0, key.k1) == (seed & 0xFFFFFFFF, seed >> 32)
+    assert op_key(np.int64(7), x).tolist() == [7, 0]  # a numpy int: a key tensor, as before
+    with pytest.raises(TypeError):
+        op_key(True, x)
+    for wrong in (-1, 2**64):
+        with pytest.raises(ValueError):
+            op_key(wrong, x)
 
 
 # --- outputs never alias memory the user holds ---------------------------------------

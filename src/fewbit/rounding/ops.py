@@ -90,8 +90,17 @@ def op_key(seed, x: torch.Tensor) -> Key | torch.Tensor | None:
     if seed is None:
         return None
     if isinstance(seed, (int, Key)) and not torch.compiler.is_compiling():
-        return as_key(seed)
+        return _seed_key(seed) if type(seed) is int else as_key(seed)  # (a bool is refused there)
     return key_of(seed, x.device)
+
+
+@functools.lru_cache(maxsize=256)
+def _seed_key(seed: int) -> Key:
+    """An int seed's Key, kept for the seeds used last: a step's calls share one seed, and
+    a key looked up takes a fifth of the 0.6 us one made takes (2-core VM). A Key is frozen,
+    so the one kept is the one that would be made. Eager only: Dynamo, tracing through a
+    cache, warns."""
+    return as_key(seed)
 
 
 def spec_of(
