@@ -32,6 +32,7 @@ takes 9 us in all (``benchmarks/bench_per_call.py``).
 from __future__ import annotations
 
 import inspect
+import operator as _operator
 from collections.abc import Callable
 
 import torch
@@ -94,16 +95,19 @@ def operator(
 
 #: Tensors a call may run on directly: torch's own, whose __torch_function__ is torch's.
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+#: (Looked up once: unseen runs at every call.)
+_STRIDED, _has_torch_function = torch.strided, torch.overrides.has_torch_function
 
 
-def _private_state() -> tuple[Callable[[], int], Callable[[], object], Callable[[], bool]] | None:
+def _private_state() -> tuple[Callable[[], object], ...] | None:
     """torch's private queries of what would see an op call: the dispatch modes stacked
     (tracing, fake tensors, a user's mode), the functorch transforms active (vmap, grad),
-    and whether a profiler records. None where this torch lacks one: every call then
-    goes through the dispatcher (tests/test_operator.py fails first)."""
+    whether a profiler records, and whether torch.jit traces (``torch.jit.is_tracing``
+    less its check for TorchScript, which never runs this). None where this torch lacks
+    one: every call then goes through the dispatcher (tests/test_operator.py fails first)."""
     try:
         return (torch._C._len_torch_dispatch_stack, torch._C._functorch.peek_interpreter_stack,
-                torch._C._autograd._profiler_enabled)  # fmt: skip
+                torch._C._autograd._profiler_enabled, torch._C._is_tracing)  # fmt: skip
     except AttributeError:
         return None
 
@@ -121,22 +125,28 @@ def unseen(tensors: list[torch.Tensor | Key | None]) -> bool:
     a kernel rounds 4096 elements in 2)."""
     if _PRIVATE is None:
         return False
-    dispatch_modes, transforms, profiling = _PRIVATE
-    if dispatch_modes() or transforms() is not None or profiling() or torch.jit.is_tracing():
+    dispatch_modes, transforms, profiling, tracing = _PRIVATE
+    if dispatch_modes() or transforms() is not None or profiling() or tracing():
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:
         if t is None or type(t) is Key:
             continue
-        if type(t) not in _PLAIN or t.layout != torch.strided or not (t.is_cpu or t.is_cuda) or (
+        if type(t) not in _PLAIN or t.layout != _STRIDED or not (t.is_cpu or t.is_cuda) or (
                 grad and t.requires_grad):  # fmt: skip
             return False
-    return not torch.overrides.has_torch_function(tensors[:1])  # a torch function mode
+    return not _has_torch_function(tensors[:1])  # a torch function mode
 
 
 def _kernel(fn: Callable, written: tuple[int, ...], grad_off: bool) -> Callable:
     """``fn`` as the op's kernel: without autograd recording where ``grad_off``, and the
-    arguments at ``written`` marked as written once it returns."""
+    arguments at ``written`` marked as written once it returns (``fn`` itself where
+    neither: a call's frame the less)."""
+    if not (written or grad_off):
+        return fn
+    # One written argument is picked as itself, which increment_version takes at half the
+    # cost of a list; several as a tuple.
+    pick = _operator.itemgetter(*written) if written else None
 
     def kernel(*args):
         if grad_off and torch.is_grad_enabled():
@@ -147,8 +157,8 @@ def _kernel(fn: Callable, written: tuple[int, ...], grad_off: bool) -> Callable:
                 torch.set_grad_enabled(True)
         else:
             result = fn(*args)
-        if written:
-            torch.autograd.graph.increment_version([args[i] for i in written])
+        if pick is not None:
+            torch.autograd.graph.increment_version(pick(args))
         return result
 
     return kernel
