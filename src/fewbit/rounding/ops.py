@@ -33,7 +33,7 @@ from .modes import RoundMode, parse_mode
 
 __all__ = [
     "check_key", "checked_spec", "fake_checks", "format_name", "lookup_format", "name_for_op",
-    "no_result", "op_args", "round_into", "spec_of",
+    "no_result", "op_args", "round_into",
 ]  # fmt: skip
 
 #: Formats made by hand (not in the registry) that went through an op, by name.
@@ -101,15 +101,6 @@ def _seed_key(seed: int) -> Key:
     so the one kept is the one that would be made. Eager only: Dynamo, tracing through a
     cache, warns."""
     return as_key(seed)
-
-
-def spec_of(
-    x: torch.Tensor, fmt: str, rounding: str, sat: bool, bits: int | None, fraction: float | None
-) -> RoundSpec:
-    """The validated spec of an op call (cached by its arguments)."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, not {type(x).__name__}")
-    return _named_spec(x.dtype, fmt, rounding, sat, bits, fraction)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -206,8 +197,9 @@ def no_result(fmt: FloatFormat, nan_input: bool) -> ValueError:
 
 
 def checked_spec(x, fmt, rounding, sat, bits, fraction, key, random_bits) -> RoundSpec:
-    """The call's spec, once the arguments and the key are checked."""
-    spec = spec_of(x, fmt, rounding, sat, bits, fraction)
+    """The validated spec of an op call on tensor x (cached by its arguments), once the key
+    is checked."""
+    spec = _named_spec(x.dtype, fmt, rounding, sat, bits, fraction)
     check_key(spec, x, key, random_bits)
     return spec
 
