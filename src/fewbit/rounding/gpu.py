@@ -15,7 +15,6 @@ instead, compiled or eager, with the same bits.
 from __future__ import annotations
 
 import array
-import contextlib
 import functools
 import itertools
 import warnings
@@ -425,32 +424,36 @@ def _launch(name: str, programs: int, tensors: tuple, ints: tuple, constants_of:
     cannot compile it (it has not run on every GPU and Triton version): compilation comes
     before the launch, so nothing is written."""
     device = tensors[0].get_device()  # the CUDA device's index (-1: the CPU, for tests)
+    # Triton launches on the current device. (torch._C._cuda_getDevice is
+    # torch.cuda.current_device less its Python, and initialises CUDA as that does.)
+    if device >= 0 and device != torch._C._cuda_getDevice():
+        with torch.cuda.device(device):
+            return _launch(name, programs, tensors, ints, constants_of, variant)
     # A tensor compiles as its dtype, None as a constant, an int as an int64 (each kernel's
     # annotation): the rest of what Triton compiles for is the variant's constants.
     kinds = tuple([None if t is None else t.dtype for t in tensors])  # (a list: no generator's frame)
     key = (name, variant, kinds, device)
     if _BROKEN and key in _BROKEN:  # (the key only once one broke)
         return False
-    args = (*tensors, *ints)
-    with _on(device):
-        known = _COMPILED.get(key)
-        if known is not None:
-            compiled, tail = known
-            every = (*args, *tail)
-            try:
-                if not _launch_again(compiled, programs, device, every):
-                    compiled[(programs, 1, 1)](*every)  # Triton's runner, which reads all three
-                return True
-            except Exception as err:  # raised before the launch (the arguments are read first)
-                _relaunch_failed(err)
-        kernel, constants = getattr(kernels(), name), constants_of(*variant)
+    known = _COMPILED.get(key)
+    if known is not None:
+        compiled, tail = known
+        every = (*tensors, *ints, *tail)
         try:
-            compiled = kernel[(programs,)](*args, **constants, **_OPTIONS)
-        except Exception as err:  # a compiler or ptxas error, Triton's or the driver's
-            _BROKEN.add(key)
-            warnings.warn(f"fewbit: the Triton kernel did not compile ({err!s:.300}); the torch kernels "
-                          "take these calls (same bits, slower)", RuntimeWarning, stacklevel=4)  # fmt: skip
-            return False
+            if not _launch_again(compiled, programs, device, every):
+                compiled[(programs, 1, 1)](*every)  # Triton's runner, which reads all three
+            return True
+        except Exception as err:  # raised before the launch (the arguments are read first)
+            _relaunch_failed(err)
+    args = (*tensors, *ints)
+    kernel, constants = getattr(kernels(), name), constants_of(*variant)
+    try:
+        compiled = kernel[(programs,)](*args, **constants, **_OPTIONS)
+    except Exception as err:  # a compiler or ptxas error, Triton's or the driver's
+        _BROKEN.add(key)
+        warnings.warn(f"fewbit: the Triton kernel did not compile ({err!s:.300}); the torch kernels "
+                      "take these calls (same bits, slower)", RuntimeWarning, stacklevel=4)  # fmt: skip
+        return False
     if device >= 0 and _RELAUNCH and isinstance(compiled, _compiled_kernel()):
         names = kernel.arg_names  # the runtime arguments first, then the constants
         _COMPILED[key] = compiled, tuple(constants[name] for name in names[len(args) :])
@@ -527,14 +530,6 @@ def _relaunch_failed(err: Exception) -> None:
     _COMPILED.clear()
     warnings.warn(f"fewbit: launching a compiled Triton kernel again failed ({err!s:.300}); Triton "
                   "launches each call from now on (same bits, more host time)", RuntimeWarning, stacklevel=4)
-
-
-def _on(device: int) -> contextlib.AbstractContextManager:
-    """Triton launches on the current device: make it CUDA device ``device``, where it is not
-    already (-1: the CPU)."""
-    if device < 0 or device == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(device)
 
 
 @functools.cache
