@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import inspect
 import operator as _operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -53,12 +53,16 @@ class Operator:
     def __init__(self, qualname: str, direct: Callable, tensors: tuple[int, ...]) -> None:
         self.qualname = qualname
         self.op = getattr(torch.ops.fewbit, qualname.split("::")[1]).default
-        self._direct, self._tensors = direct, tensors
+        self._direct = direct
+        # Its tensor arguments, picked in one call: itemgetter gives several as a tuple, but
+        # one as itself, so that one is picked as a slice.
+        picked = tensors if len(tensors) > 1 else [slice(tensors[0], tensors[0] + 1)]
+        self._tensors = _operator.itemgetter(*picked)
 
     def __call__(self, *args):
         if torch.compiler.is_compiling():
             return self.op(*args)
-        if unseen([args[i] for i in self._tensors]):
+        if unseen(self._tensors(args)):
             return self._direct(*args)
         # A host key (an int seed's, rounding.ops.op_key) as the schema's tensor
         return self.op(*(key_of(a) if isinstance(a, Key) else a for a in args))
@@ -115,7 +119,7 @@ def _private_state() -> tuple[Callable[[], object], ...] | None:
 _PRIVATE = _private_state()
 
 
-def unseen(tensors: list[torch.Tensor | Key | None]) -> bool:
+def unseen(tensors: Sequence[torch.Tensor | Key | None]) -> bool:
     """Whether an eager call of an op on these tensor arguments (None for one not given, a
     host Key for a key tensor) needs nothing of torch's dispatcher: nothing traces it
     (torch.jit, a dispatch mode) or transforms it (functorch, a torch function mode), no

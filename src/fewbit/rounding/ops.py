@@ -79,7 +79,8 @@ def op_args(x, fmt, mode, sat, bits, fraction, seed, random_bits) -> tuple:
     elif not isinstance(mode, str):
         raise TypeError(f"mode must be a RoundMode or a string, not {type(mode).__name__}")
     sat, bits, fraction = scalar_args(sat, bits, fraction)
-    return x, format_name(fmt), mode, sat, bits, fraction, op_key(seed, x), random_bits
+    name = fmt if isinstance(fmt, str) else format_name(fmt)  # (most calls give a name: two frames less)
+    return x, name, mode, sat, bits, fraction, op_key(seed, x), random_bits
 
 
 def op_key(seed, x: torch.Tensor) -> Key | torch.Tensor | None:
