@@ -109,14 +109,14 @@ def quantize(
     return _quantize(*args, bool(packed))
 
 
-def _encode_checks(x: torch.Tensor, fmt: FloatFormat, packed: bool) -> torch.Size:
-    """Check an encode call; return the shape of its codes."""
+def _encode_checks(x: torch.Tensor, fmt: FloatFormat, packed: bool) -> tuple[torch.Size, torch.dtype]:
+    """Check an encode call; return the shape and dtype of its codes."""
     _check_holds(x.dtype, fmt)  # also rejects non-float dtypes
-    code_dtype(fmt)
+    dtype = code_dtype(fmt)
     if not packed:
-        return x.shape
+        return x.shape, dtype
     _check_packable(fmt, x.shape)
-    return (*x.shape[:-1], x.shape[-1] // 2)
+    return (*x.shape[:-1], x.shape[-1] // 2), dtype
 
 
 def codes_of(work: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
@@ -156,8 +156,8 @@ def _encode(x: torch.Tensor, fmt: str, packed: bool, check: bool) -> torch.Tenso
 
 def _codes(x: torch.Tensor, fmt: FloatFormat, packed: bool, check: bool) -> torch.Tensor:
     """encode's kernel."""
-    shape = _encode_checks(x, fmt, packed)
-    out = _empty(x, shape, code_dtype(fmt))
+    shape, dtype = _encode_checks(x, fmt, packed)
+    out = _empty(x, shape, dtype)
     if native.usable(x, fmt):  # (its check is fused, and costs nothing to keep)
         bad = native.encode_into(x, fmt, out, packed)
     elif gpu.usable(x, fmt):  # None: the kernel did not compile, and the torch path takes the call
@@ -182,7 +182,7 @@ def _codes(x: torch.Tensor, fmt: FloatFormat, packed: bool, check: bool) -> torc
         code = code & ((1 << fmt.k) - 1)
     if packed:
         code = pack_pairs(code)
-    return code.to(code_dtype(fmt))
+    return code.to(dtype)
 
 
 def _empty(like: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -200,7 +200,8 @@ def _not_a_value(value: float, fmt: FloatFormat):
 @_encode.register_fake
 def _(x, fmt, packed, check):
     fmt = lookup_format(fmt)
-    return x.new_empty(_encode_checks(x, fmt, packed), dtype=code_dtype(fmt))
+    shape, dtype = _encode_checks(x, fmt, packed)
+    return x.new_empty(shape, dtype=dtype)
 
 
 @operator("fewbit::quantize")
@@ -209,14 +210,14 @@ def _quantize(
     key: torch.Tensor | None, random_bits: torch.Tensor | None, packed: bool,
 ) -> torch.Tensor:
     spec = checked_spec(x, fmt, rounding, sat, bits, fraction, key, random_bits)
-    shape = _encode_checks(x, spec.fmt, packed)
+    shape, dtype = _encode_checks(x, spec.fmt, packed)
     rand = check_random_bits(x, spec, random_bits) if key is None else None
     ints = host_key(key)
     on_cpu = native.applies(spec, x, rand)
     # On a GPU in one kernel where every element has a result (a format with NaN); a format
     # without would need its results checked, as round checks them.
     if on_cpu or (spec.fmt.has_nans and gpu.applies(spec, x, rand)):
-        out = _empty(x, shape, code_dtype(spec.fmt))
+        out = _empty(x, shape, dtype)
         if on_cpu:  # rounds and encodes in one pass
             words = None if ints is None else stream_words(spec, ints)
             if native.quantize_into(x, spec, words, rand, out, packed) >= 0:
@@ -233,7 +234,8 @@ def _quantize(
 def _(x, fmt, rounding, sat, bits, fraction, key, random_bits, packed):
     fake_checks(x, fmt, rounding, sat, bits, fraction, key, random_bits)
     fmt = lookup_format(fmt)
-    return x.new_empty(_encode_checks(x, fmt, packed), dtype=code_dtype(fmt))
+    shape, dtype = _encode_checks(x, fmt, packed)
+    return x.new_empty(shape, dtype=dtype)
 
 
 def _decode_checks(codes: torch.Tensor, fmt: FloatFormat, dtype: torch.dtype, packed: bool) -> torch.Size:
