@@ -240,6 +240,8 @@ def fold_in(key: Key | int | torch.Tensor, *ints: int | torch.Tensor) -> Key | t
 def host_key(key: Key | torch.Tensor | None) -> Key | torch.Tensor | None:
     """A key in host memory as Python ints (a :class:`Key`), which the native kernel, the
     eager generator and the GPU kernel's launch take; a key on a device as it is."""
+    if key is None or type(key) is Key:  # most calls: isinstance of a non-tensor takes 90 ns
+        return key
     return Key(*key.tolist()) if isinstance(key, torch.Tensor) and key.is_cpu else key
 
 
