@@ -5,6 +5,7 @@ interpreter on the CPU (tests/interpreted_gpu_kernel.py, in a process of its own
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -112,6 +113,17 @@ def test_triton_compiles_for_the_constants_and_dtypes_alone():
     assert _specialisation(encode, (buf[1:], codes[5:], bad, 4095), constants) == first
     assert encode.arg_names[:4] == ["x_ptr", "out_ptr", "bad_ptr", "n"]
     assert set(encode.arg_names[4:]) == set(constants)
+
+
+def test_the_current_device_is_asked_as_torch_asks_it():
+    """gpu._launch asks torch's C function for the current CUDA device, where
+    torch.cuda.current_device is that call after its lazy initialisation (which a CUDA
+    tensor has done): this fails where a torch asks otherwise, and gpu then calls
+    torch.cuda.current_device itself."""
+    source = " ".join(inspect.getsource(torch.cuda.current_device).split())
+    assert gpu.CURRENT_DEVICE in source
+    query = getattr(torch._C, "_cuda_getDevice", None)
+    assert gpu._current_device() is (query or torch.cuda.current_device)
 
 
 def test_the_launch_again_is_tritons_runners():

@@ -424,9 +424,7 @@ def _launch(name: str, programs: int, tensors: tuple, ints: tuple, constants_of:
     cannot compile it (it has not run on every GPU and Triton version): compilation comes
     before the launch, so nothing is written."""
     device = tensors[0].get_device()  # the CUDA device's index (-1: the CPU, for tests)
-    # Triton launches on the current device. (torch._C._cuda_getDevice is
-    # torch.cuda.current_device less its Python, and initialises CUDA as that does.)
-    if device >= 0 and device != torch._C._cuda_getDevice():
+    if device >= 0 and device != _current_device()():  # Triton launches on the current device
         with torch.cuda.device(device):
             return _launch(name, programs, tensors, ints, constants_of, variant)
     # A tensor compiles as its dtype, None as a constant, an int as an int64 (each kernel's
@@ -458,6 +456,27 @@ def _launch(name: str, programs: int, tensors: tuple, ints: tuple, constants_of:
         names = kernel.arg_names  # the runtime arguments first, then the constants
         _COMPILED[key] = compiled, tuple(constants[name] for name in names[len(args) :])
     return True
+
+
+#: torch.cuda.current_device's source, whitespace aside, whose last line :func:`_current_device`
+#: calls itself.
+CURRENT_DEVICE = "_lazy_init() return torch._C._cuda_getDevice()"
+
+
+@functools.cache
+def _current_device() -> Callable[[], int]:
+    """The current CUDA device's index, asked as torch.cuda.current_device asks it, less its
+    Python: torch's C function, which initialises CUDA itself (torch's Module.cpp), where
+    torch.cuda.current_device is :data:`CURRENT_DEVICE` (tests/test_gpu_kernel.py fails
+    where a torch's is not), else torch.cuda.current_device."""
+    import inspect
+
+    try:
+        mirrored = CURRENT_DEVICE in " ".join(inspect.getsource(torch.cuda.current_device).split())
+    except (OSError, TypeError):  # no source to read
+        mirrored = False
+    query = getattr(torch._C, "_cuda_getDevice", None) if mirrored else None
+    return query or torch.cuda.current_device
 
 
 #: Whether _launch launches compiled kernels again itself: until a Triton it was not tried
