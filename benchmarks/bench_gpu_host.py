@@ -1,6 +1,7 @@
 """fewbit's own host time down the GPU path, without a GPU: CPU tensors of 4096 float32
-elements take the path a CUDA tensor takes (gpu.usable), every kernel counted as
-compiled, and every launch does nothing. What is left is the Python that runs before
+elements take the path a CUDA tensor takes (gpu.usable; the native kernel, which quantize
+and block calls would ask first, out of the way), every kernel counted as compiled, and
+every launch does nothing. What is left is the Python that runs before
 each launch on a GPU (Triton's C launcher and the CUDA driver's call are not in it):
 
     python benchmarks/bench_gpu_host.py [--calls 20000] [--profile "round RNE, out="]
@@ -19,7 +20,7 @@ import torch
 
 import fewbit
 from bench_per_call import best_us  # (this folder: a script's own is on the path)
-from fewbit.rounding import gpu
+from fewbit.rounding import gpu, native
 
 
 class _Launched:
@@ -44,6 +45,7 @@ class _EveryKernel(dict):
 def _stand_in() -> None:
     enabled = gpu._enabled
     gpu._enabled = lambda t: enabled(t) or t.is_cpu  # a CPU tensor as if on a CUDA device
+    native._enabled = lambda t: False  # nor the native kernel, which quantize and blocks ask first
     gpu._COMPILED = _EveryKernel()
     gpu._stream_of = lambda: (lambda device: 0)
 
@@ -62,6 +64,7 @@ def main() -> None:
         "round RNE": lambda: fewbit.round(x, "binary8p4"),
         "round SRC N=3 seed=1, out=": lambda: fewbit.round(x, "binary8p4", "src", bits=3, seed=1, out=out),
         "quantize RNE": lambda: fewbit.quantize(x, "binary8p4"),
+        "block.round mxfp8_e4m3, 8 rows of 512": lambda: fewbit.block.round(x.view(8, 512), "mxfp8_e4m3"),
     }
     for name, call in calls.items():
         print(f"{name:30} {best_us(call, lambda: None, args.calls, runs=5):6.2f} us")
