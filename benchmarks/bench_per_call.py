@@ -1,7 +1,9 @@
 """Host time of one call of each public op on 4096 float32 elements, where a call is almost
 all host time (about 1 us of kernel): best of 7 runs of 20000 calls, one thread. On a GPU
 (``--device cuda``) the calls of a run are queued back to back and waited for at its end,
-so that a call's time is its host time wherever the device keeps up.
+so that a call's time is its host time wherever the device keeps up; the host column
+says how long the loop took before that wait (a wall time above it: the device was the
+slower).
 
     python benchmarks/bench_per_call.py [--label LABEL] [--device cuda]
 
@@ -20,20 +22,28 @@ import torch
 import fewbit
 
 
-def best_us(call: Callable[[], object], sync: Callable[[], None], calls: int = 20000, runs: int = 7) -> float:
-    """Microseconds per call: the best of ``runs`` loops of ``calls`` calls, after 500,
-    each loop ended by ``sync``."""
+def host_and_wall_us(call: Callable[[], object], sync: Callable[[], None], calls: int = 20000,
+                     runs: int = 7) -> tuple[float, float]:  # fmt: skip
+    """Microseconds per call, the best of ``runs`` loops of ``calls`` calls after 500: until
+    the loop's last call returned (the host's time), and until ``sync`` then returned
+    (the wall time: the device's, where it is the slower)."""
     for _ in range(500):
         call()
     sync()
-    best = float("inf")
+    host = wall = float("inf")
     for _ in range(runs):
         start = time.perf_counter()
         for _ in range(calls):
             call()
+        queued = time.perf_counter()
         sync()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best * 1e6
+        host, wall = min(host, queued - start), min(wall, time.perf_counter() - start)
+    return host / calls * 1e6, wall / calls * 1e6
+
+
+def best_us(call: Callable[[], object], sync: Callable[[], None], calls: int = 20000, runs: int = 7) -> float:
+    """Microseconds per call (:func:`host_and_wall_us`'s wall time)."""
+    return host_and_wall_us(call, sync, calls, runs)[1]
 
 
 def main() -> None:
@@ -58,8 +68,10 @@ def main() -> None:
         "decode": lambda: fewbit.decode(codes, "binary8p4"),
         "block.round mxfp8_e4m3, 8 rows of 512": lambda: fewbit.block.round(x.view(8, 512), "mxfp8_e4m3"),
     }
+    print(f"{args.label:10} {'call':38} {'wall':>9} {'host':>9}")
     for name, call in calls.items():
-        print(f"{args.label:10} {name:38} {best_us(call, sync, args.calls):6.1f} us")
+        host, wall = host_and_wall_us(call, sync, args.calls)
+        print(f"{args.label:10} {name:38} {wall:6.1f} us {host:6.1f} us")
 
 
 if __name__ == "__main__":
