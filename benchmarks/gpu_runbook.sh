@@ -53,6 +53,9 @@ case "${1:-}" in
       | tee "$out/tests.txt" || echo "tests failed: $?" | tee -a "$out/tests.txt"
     fewbit bench --quick --device cuda --log2-size 27 --no-gfloat 2>/dev/null | tee "$out/bench_cuda.txt"
     python3 benchmarks/bench_per_call.py --device cuda --calls 2000 2>&1 | tee "$out/per_call_cuda.txt"
+    # fewbit's Python down the GPU path on this machine's host, launches stubbed: against
+    # the VM's figures, how fast this host runs it (the per-call estimates' ratio).
+    python3 benchmarks/bench_gpu_host.py --calls 5000 2>&1 | tee "$out/gpu_host.txt"
     ;;
   blocks)
     fewbit bench --quick --block --device cuda --log2-size 27 --no-gfloat 2>/dev/null | tee "$out/bench_blocks.txt"
