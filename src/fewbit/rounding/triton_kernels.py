@@ -10,7 +10,9 @@ for path: ``round_one`` (fast.round_fast on float32 bits) for every mode, and th
 float-adder RNE and SRC (magic.py) and classical SR where native.py takes them, a few
 instructions an element instead of some forty, with the format's parameters as
 compile-time constants; a 16-bit input is widened and the result narrowed
-in the same pass, so each element is read and written once, in its own width.
+in the same pass, so each element is read and written once, in its own width. Block
+formats take the same pass: a row's blocks are scaled (native.cpp's ``scale_blocks``)
+before the rounding, and scaled back or encoded after it.
 """
 
 from __future__ import annotations
@@ -269,21 +271,20 @@ def _classical_sr_bits(b, n, EMIN: tl.constexpr, BITS: tl.constexpr, MAX: tl.con
             do_not_specialize_on_alignment=["x_ptr", "out_ptr", "given_ptr", "key_ptr", "scales_ptr",
                                             "ts_ptr"])
 def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, scales_ptr, ts_ptr, n: tl.int64, offset: tl.int64,
-                 first_row: tl.int64,
-                 k0: tl.int64, k1: tl.int64, s0: tl.int64, s1: tl.int64, ROWS: tl.constexpr,
-                 DRAWN: tl.constexpr, GIVEN: tl.constexpr, PER_WORD: tl.constexpr, MODE: tl.constexpr,
-                 T: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr, MIN_ULP_EXP: tl.constexpr,
-                 SUBNORMAL_BELOW: tl.constexpr, MAX: tl.constexpr, MAX_NEG: tl.constexpr,
-                 BEYOND_POS: tl.constexpr, BEYOND_NEG: tl.constexpr, SMALLEST_NORMAL: tl.constexpr,
-                 P_IS_1: tl.constexpr, HAS_NZ: tl.constexpr, HAS_ZERO: tl.constexpr, SAT: tl.constexpr,
-                 LIMIT_RULE: tl.constexpr, BITS: tl.constexpr, SELECT_BELOW: tl.constexpr,
-                 MAGIC_SCALE: tl.constexpr, BEYOND: tl.constexpr, FOREACH: tl.constexpr,
-                 VIA: tl.constexpr, TENSORS: tl.constexpr, ALIGNED: tl.constexpr,
+                 first_row: tl.int64, k0: tl.int64, k1: tl.int64, s0: tl.int64, s1: tl.int64,
+                 ROWS: tl.constexpr, DRAWN: tl.constexpr, GIVEN: tl.constexpr, PER_WORD: tl.constexpr,
+                 MODE: tl.constexpr, T: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr,
+                 MIN_ULP_EXP: tl.constexpr, SUBNORMAL_BELOW: tl.constexpr, MAX: tl.constexpr,
+                 MAX_NEG: tl.constexpr, BEYOND_POS: tl.constexpr, BEYOND_NEG: tl.constexpr,
+                 SMALLEST_NORMAL: tl.constexpr, P_IS_1: tl.constexpr, HAS_NZ: tl.constexpr,
+                 HAS_ZERO: tl.constexpr, SAT: tl.constexpr, LIMIT_RULE: tl.constexpr, BITS: tl.constexpr,
+                 SELECT_BELOW: tl.constexpr, MAGIC_SCALE: tl.constexpr, BEYOND: tl.constexpr,
+                 FOREACH: tl.constexpr, VIA: tl.constexpr, TENSORS: tl.constexpr, ALIGNED: tl.constexpr,
                  HOST_KEY: tl.constexpr, CODES: tl.constexpr, K: tl.constexpr, CODE_OF_MAX: tl.constexpr,
                  CODE_OF_NAN: tl.constexpr, HAS_NANS: tl.constexpr, EXTENDED: tl.constexpr,
-                 SIGNED: tl.constexpr, TWOS_COMPLEMENT: tl.constexpr, BLOCK: tl.constexpr,
-                 RULE: tl.constexpr, EMAX: tl.constexpr, RCEIL_FRACTION: tl.constexpr,
-                 EVEN_FRACTION: tl.constexpr, ELEMENT_MAX: tl.constexpr):  # fmt: skip
+                 SIGNED: tl.constexpr, TWOS_COMPLEMENT: tl.constexpr, BLOCK: tl.constexpr, RULE: tl.constexpr,
+                 EMAX: tl.constexpr, RCEIL_FRACTION: tl.constexpr, EVEN_FRACTION: tl.constexpr,
+                 ELEMENT_MAX: tl.constexpr):  # fmt: skip
     """Round stream elements ``offset .. offset + n`` (x and out hold them from 0) of rows
     ``first_row + program * ROWS ..``: bits drawn with the words at key_ptr (``DRAWN``:
     k0, k1, then the selection stream's for MODE 11), or with the words k0, k1 (and s0,
@@ -412,8 +413,8 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, scales_ptr, ts_ptr, n: tl.i
                 y = _magic_bits(b, bits, MODE == 14, EMIN, MAGIC_SCALE, BITS, MAX, BEYOND, HAS_NZ)
             if CODES == 0:
                 if BLOCK > 0:  # q S in float32, then x's dtype, as block.kernel multiplies and converts
-                    y = (y.to(tl.float32, bitcast=True) * factor.to(tl.float32, bitcast=True)).to(tl.int32,
-                                                                                                  bitcast=True)
+                    scaled_back = y.to(tl.float32, bitcast=True) * factor.to(tl.float32, bitcast=True)
+                    y = scaled_back.to(tl.int32, bitcast=True)
                     if out_ptr.dtype.element_ty == tl.bfloat16:
                         y = _to_bfloat16(y)
                 if out_ptr.dtype.element_ty == tl.bfloat16:  # a value of the format: its low half is 0
@@ -486,7 +487,7 @@ def _block_exponent(amax, RULE: tl.constexpr, EMAX: tl.constexpr, RCEIL_FRACTION
         up = fraction > RCEIL_FRACTION
     elif RULE == 3:
         up = fraction >= EVEN_FRACTION
-    else:
+    else:  # floor
         up = fraction < 0
     e = tl.minimum(tl.maximum(exponent - EMAX + up.to(tl.int32), -127), 127)
     return tl.where(amax == 0x7F800000, 127, tl.where(amax == 0, -127, e))  # zeros: -127, as gfloat
@@ -505,7 +506,7 @@ def _e4m3_scale(target, UP: tl.constexpr):
     results are the caller's to replace."""
     e = tl.maximum((target.to(tl.int64, bitcast=True) >> 52) - 1023, -6)
     q = tl.minimum(target * _pow2_f64(3 - e), 16.0)  # exact; at most 16 below 448
-    r = (q + 4503599627370496.0) - 4503599627370496.0  # to nearest even: q + 2^52 keeps no fraction
+    r = (q + 2.0**52) - 2.0**52  # to nearest even: q + 2^52 keeps no fraction
     if UP:
         r = r + (r < q).to(tl.float64)
     sat = ~(target < 448.0)  # Inf too
