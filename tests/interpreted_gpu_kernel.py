@@ -381,11 +381,11 @@ def test_decode_reports_the_first_code_beyond_the_format():
             assert gpu.decode_into(bad, fmt.k, table, torch.empty(bad.numel()), False, True) == min(places)
 
 
-def block_kernel(x, name, mode, *, codes, rule=None, sat=True, bits=None, seed=None, random_bits=None,
-                 host=True):  # fmt: skip
+def block_kernel(x, name, mode, *, codes, rule=None, sat=True, bits=None, fraction=None, seed=None,
+                 random_bits=None, host=True):  # fmt: skip
     """gpu.block_into on CPU tensors, as fewbit.block takes a call along the last axis: the
     values, or the element codes and scale codes (shaped as BlockTensor's)."""
-    spec = block_ops._spec(x.dtype, name, mode, sat, bits, None, rule)
+    spec = block_ops._spec(x.dtype, name, mode, sat, bits, fraction, rule)
     bfmt = spec.bfmt
     key = None if seed is None else Key.from_seed(seed) if host else key_of(seed)
     kw = {"block_size": bfmt.block_size, "rule": spec.rule, "tensor_scale": block_ops._tensor_scale(x, bfmt)}
@@ -452,15 +452,17 @@ def test_block_scale_rules_same_as_torch(name, rules):
 
 def test_block_bits_from_every_source():
     """Given bits, a key tensor read by the kernel and a key the launch takes draw what the
-    torch kernels draw; blocks of 8 and of 512 (a whole row); without sat, into formats
-    with NaN (e4m3) and with Inf (e5m2)."""
+    torch kernels draw, the selection stream of sr_fraction too; blocks of 8 and of 512 (a
+    whole row); without sat, into formats with NaN (e4m3) and with Inf (e5m2)."""
     x = block_inputs(torch.float32, rows=4)
     given = torch.randint(0, 1 << 5, x.shape, dtype=torch.int32, generator=torch.Generator().manual_seed(1))
     assert_block_same_as_torch(x, "mxfp8_e4m3", "src", bits=5, random_bits=given)
-    for host in (True, False):
-        spec = block_ops._spec(x.dtype, "mxfp4", "src", True, 3, None, None)
-        assert torch.equal(block_kernel(x, "mxfp4", "src", codes=True, bits=3, seed=7, host=host)[0],
-                           block_kernel(x, "mxfp4", "src", codes=True, bits=3, seed=7)[0]), spec  # fmt: skip
+    assert_block_same_as_torch(x, "mxfp8_e4m3", "sr_fraction", bits=4, fraction=0.5, seed=3)  # two streams
+    with configure(compile=False):
+        want = fewbit.block.quantize(x, "mxfp4", "src", bits=3, seed=7)
+    for host in (True, False):  # a Key's words with the launch, or a key tensor the kernel reads
+        codes, _ = block_kernel(x, "mxfp4", "src", codes=True, bits=3, seed=7, host=host)
+        assert torch.equal(codes, want.codes), f"host={host}"
     for name in ("bfp4_b8", "bfp8_b512"):
         assert_block_same_as_torch(x.view(2, 512), name, "src", bits=3, seed=5)
     for name in ("mxfp8_e4m3", "mxfp8_e5m2"):
