@@ -507,3 +507,30 @@ def test_block_calls_reach_the_kernel(monkeypatch):
     with pytest.raises(ValueError, match="no Inf or NaN"):  # e2m1 beyond 6 without sat: the torch kernels
         fewbit.block.round(x, "mxfp4", sat=False)
     assert launched == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_finite_amax_is_torchs(dtype, monkeypatch):
+    """finite_amax_kernel: x's largest finite magnitude as torch finds it (NVFP4's tensor
+    scale), wherever it lies (a negative value, a program's later block, the last element
+    of a partial block), past NaN, Inf and -Inf; 0 where nothing is finite or x is empty;
+    in programs of one block and of several."""
+    gen = torch.Generator().manual_seed(9)
+    for many in (1 << 62, 0):  # _ENCODE_MANY: a block a program, then BLOCKS a program
+        monkeypatch.setattr(gpu, "_ENCODE_MANY", many)
+        n = 3 * gpu._AMAX_BLOCK * gpu._ENCODE_BLOCKS + 37
+        x = torch.randn(n, generator=gen) * torch.logspace(-40, 0, n)
+        x[[3, 5000, n - 1]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+        for place in (gpu._AMAX_BLOCK * gpu._ENCODE_BLOCKS + 5 * gpu._AMAX_BLOCK + 3, n - 2):
+            y = x.clone()
+            y[place] = -3e4
+            y = y.to(dtype)
+            want = torch.where(torch.isfinite(y), y, 0).abs().amax().float()
+            got = gpu.finite_amax(y)
+            assert got.dtype == torch.float32 and got.shape == () and got.item() == want.item()
+            assert want.item() == -y[place].float().item()  # (the planted value is the largest)
+        inf = float("inf")
+        for none in (torch.full((20,), float("nan")), torch.tensor([inf, -inf]), torch.empty(0)):
+            assert gpu.finite_amax(none.to(dtype)).item() == 0.0
+        subnormal = torch.tensor([1e-45, -3e-44, 0.0]).to(dtype)
+        assert gpu.finite_amax(subnormal).item() == subnormal.abs().max().float().item()

@@ -204,6 +204,18 @@ def test_block_formats_gpu_equals_cpu(name, mode, kw, dtype, axis):
                          f"{name} {mode} axis={axis}")  # fmt: skip
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_finite_amax_gpu_equals_cpu(dtype):
+    """NVFP4's tensor amax in one read on the GPU (gpu.finite_amax) as the native kernel
+    finds it on the CPU, past NaN and Inf, over many programs."""
+    from fewbit.rounding import gpu, native
+
+    x = torch.randn(1 << 24, generator=torch.Generator().manual_seed(3)) * 1e3
+    x[[7, 1 << 20]] = torch.tensor([float("nan"), -float("inf")])
+    x = x.to(dtype)
+    assert gpu.finite_amax(x.cuda()).item() == native.finite_amax(x)
+
+
 def test_block_calls_along_the_last_axis_take_the_triton_kernel(monkeypatch):
     """block.quantize and block.round along the last axis launch round_kernel's blocks
     (gpu.block_into, which compiled and ran), not torch.compile's kernels."""

@@ -209,6 +209,16 @@ def test_block_kernel_compiles_for_the_gpu(dtype, name, mode, bits, codes):
     assert ("div.rn.f32" in ptx and "div.rn.f64" in ptx) == bspec.bfmt.tensor_scale
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finite_amax_kernel_compiles_for_the_gpu(dtype):
+    """NVFP4's tensor amax compiles to 16-byte loads where the call is aligned, and one
+    atomic max a program."""
+    for blocks in (1, gpu._ENCODE_BLOCKS):
+        args = {"x_ptr": f"*{_TRITON_DTYPES[dtype]}", "amax_ptr": "*i32", "n": "i64"}
+        ptx = gpu.compile_for("finite_amax_kernel", args, gpu.amax_constants(blocks, True), 90).asm["ptx"]
+        assert "ld.global.v4.b32" in ptx and "atom.global" in ptx and ".max" in ptx
+
+
 @pytest.mark.parametrize("fmt, packed", [("ocp_e4m3", False), ("ocp_e2m1", True), ("binary16", False)])
 def test_encode_kernel_compiles_for_the_gpu(fmt, packed):
     """encode_kernel compiles with its check (an atomic to report the first element that is

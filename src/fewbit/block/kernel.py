@@ -117,14 +117,18 @@ def block_scales(
     return scale, factor
 
 
-def tensor_scale_of(x: torch.Tensor, bfmt: BlockFormat, amax: float | None = None) -> torch.Tensor | None:
+def tensor_scale_of(x: torch.Tensor, bfmt: BlockFormat, amax: float | torch.Tensor | None = None
+                    ) -> torch.Tensor | None:  # fmt: skip
     """NVFP4's per-tensor float32 scale: the finite amax over the largest value a block
     can hold (``M * scale max``), so the largest block scale lands on the scale format's
     maximum; 1 for a tensor without a finite nonzero value. ``amax``: x's largest finite
-    magnitude where the caller has it (the native kernel finds it in one read)."""
+    magnitude where the caller has it (the native kernel finds it in one read, as a
+    float; the GPU's as a 0-d float32 tensor on x's device)."""
     if not bfmt.tensor_scale:
         return None
-    if amax is not None:
+    if isinstance(amax, torch.Tensor):
+        found = amax
+    elif amax is not None:
         found = torch.tensor(amax, dtype=torch.float32, device=x.device)
     elif x.numel():
         found = torch.where(torch.isfinite(x), x, 0).abs().amax().to(torch.float32)

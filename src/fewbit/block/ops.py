@@ -235,9 +235,15 @@ def _checked_run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool, t
 
 
 def _tensor_scale(x: torch.Tensor, bfmt: BlockFormat) -> torch.Tensor | None:
-    """:func:`tensor_scale_of`, its amax found by the native kernel where it takes x."""
-    fast = bfmt.tensor_scale and x.numel() and native.usable(x, bfmt.element)
-    return tensor_scale_of(x, bfmt, native.finite_amax(x) if fast else None)
+    """:func:`tensor_scale_of`, its amax found in one read of x by the native kernel or the
+    GPU's where they take x (torch's where/abs/amax make two temporaries of x's size)."""
+    amax = None
+    if bfmt.tensor_scale and x.numel():
+        if native.usable(x, bfmt.element):
+            amax = native.finite_amax(x)
+        elif gpu.usable(x, bfmt.element):
+            amax = gpu.finite_amax(x)  # (None where Triton could not compile it)
+    return tensor_scale_of(x, bfmt, amax)
 
 
 def _code_shapes(x: torch.Tensor, spec: BlockSpec, axis: int) -> tuple[tuple, tuple]:

@@ -42,8 +42,8 @@ from .native import (
 )
 
 __all__ = [
-    "applies", "block_applies", "block_into", "decode_into", "decodes", "encode_into", "quantize_into",
-    "round_foreach_", "round_into", "rounded", "usable",
+    "applies", "block_applies", "block_into", "decode_into", "decodes", "encode_into", "finite_amax",
+    "quantize_into", "round_foreach_", "round_into", "rounded", "usable",
 ]  # fmt: skip
 
 #: Rows per program where no words are drawn: 4096 elements.
@@ -386,6 +386,32 @@ def decode_into(codes: torch.Tensor, k: int, table: torch.Tensor, out: torch.Ten
         return -1
     first = int(bad.item())
     return first if first < n else -1
+
+
+#: Elements a block of finite_amax_kernel, and blocks a program from _ENCODE_MANY elements on.
+_AMAX_BLOCK = 1024
+
+
+def amax_constants(blocks: int, aligned: bool) -> dict:
+    """finite_amax_kernel's compile-time constants."""
+    return {"BLOCK": _AMAX_BLOCK, "BLOCKS": blocks, "ALIGNED": aligned}
+
+
+def finite_amax(x: torch.Tensor) -> torch.Tensor | None:
+    """The largest finite magnitude of ``x`` (float32 or 16-bit; 0 if none) as a 0-d float32
+    tensor on x's device, in one read of x and without waiting for it: NVFP4's per-tensor
+    scale, as native.finite_amax finds it on a CPU; only where :func:`usable` (with any
+    format). None where Triton could not compile the kernel."""
+    x = x.contiguous()
+    n = x.numel()
+    found = torch.zeros((), dtype=torch.int32, device=x.device)  # float32 bits: 0 is +0
+    if n > 0:
+        blocks = _ENCODE_BLOCKS if n >= _ENCODE_MANY else 1
+        programs = -(-n // (_AMAX_BLOCK * blocks))
+        if not _launch("finite_amax_kernel", programs, (x, found), (n,), amax_constants,
+                       (blocks, aligned(n, 0, x))):  # fmt: skip
+            return None
+    return found.view(torch.float32)
 
 
 def compile_for(name: str, arg_types: dict[str, str], constants: dict, arch: int):

@@ -713,3 +713,25 @@ def decode_kernel(codes_ptr, table_ptr, out_ptr, bad_ptr, n: tl.int64, BLOCK: tl
             tl.atomic_min(bad_ptr, first + tl.min(tl.where(beyond, lanes, BLOCK)))
     value = tl.load(table_ptr + (code & ((1 << K) - 1)), mask=inside)
     tl.store(out_block + lanes, value, mask=inside)
+
+
+@triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["x_ptr", "amax_ptr"])
+def finite_amax_kernel(x_ptr, amax_ptr, n: tl.int64, BLOCK: tl.constexpr, BLOCKS: tl.constexpr,
+                       ALIGNED: tl.constexpr):  # fmt: skip
+    """The largest finite magnitude of x[0 .. n) (float32 or 16-bit) as float32 bits, into
+    the int32 at amax_ptr, which holds 0: each program's largest over BLOCKS blocks of BLOCK
+    elements, then an atomic max (magnitudes order as their bits). NVFP4's per-tensor scale
+    (block.kernel.tensor_scale_of) in one read of x, as native.cpp's fewbit_finite_amax.
+    ``ALIGNED``: x's address and n are multiples of 16."""
+    lanes = tl.arange(0, BLOCK)
+    first = tl.program_id(0).to(tl.int64) * (BLOCK * BLOCKS)
+    largest = tl.zeros((BLOCK,), tl.int32)
+    for block in range(BLOCKS):
+        base = first + block * BLOCK
+        end = tl.minimum(n - base, BLOCK).to(tl.int32)
+        x_block = x_ptr + base
+        if ALIGNED:
+            end, x_block = tl.multiple_of(end, 16), tl.multiple_of(x_block, 16)
+        a = _load_bits(x_block, lanes, lanes < end) & 0x7FFFFFFF  # 0 beyond n
+        largest = tl.maximum(largest, tl.where(a < 0x7F800000, a, 0))  # Inf and NaN count as 0
+    tl.atomic_max(amax_ptr, tl.max(largest))
