@@ -274,19 +274,24 @@ def round_foreach_(
     dtype and device, contiguous, each size and address a multiple of 16. ``spec.fmt``
     has a NaN: every element has a result."""
     first = tensors[0]
-    if first.dtype not in _TRITON_DTYPES or via not in _TRITON_DTYPES:
+    dtype, device = first.dtype, first.get_device()
+    if dtype not in _TRITON_DTYPES or via not in _TRITON_DTYPES:
         return False
-    kind = (first.dtype, first.device)
-    if any(t.numel() % 16 or t.data_ptr() % 16 or (t.dtype, t.device) != kind or not t.is_contiguous()
-           for t in tensors):  # fmt: skip
-        return False
+    addresses, sizes = [], []
+    for t in tensors:  # one pass, each read once: a model's weights are many
+        address, size = t.data_ptr(), t.numel()
+        if size % 16 or address % 16 or t.dtype != dtype or t.get_device() != device or not t.is_contiguous():
+            return False
+        addresses.append(address)
+        sizes.append(size)
     drawn = key is not None and MODES[spec.mode].stochastic
     variant = (spec, drawn, False, True, via)
     elements = LANES * round_constants(*variant)["ROWS"]  # a program's
     launched = False
     for lo in range(0, len(tensors), _FOREACH_TENSORS):
-        chunk, chunk_indices = tensors[lo : lo + _FOREACH_TENSORS], list(indices[lo : lo + _FOREACH_TENSORS])
-        starts = list(itertools.accumulate((-(-t.numel() // elements) for t in chunk), initial=0))
+        hi = lo + _FOREACH_TENSORS
+        chunk, chunk_sizes = tensors[lo:hi], sizes[lo:hi]
+        starts = list(itertools.accumulate((-(-size // elements) for size in chunk_sizes), initial=0))
         if starts[-1] == 0:
             continue
         # The table, made afresh for every call (an address is read where the tensor is
@@ -294,7 +299,7 @@ def round_foreach_(
         # launch has the same arguments, so one compilation serves every chunk and model.
         missing = _FOREACH_TENSORS - len(chunk)
         head = [key.k0, key.k1] if drawn else [0, 0]
-        columns = ([t.data_ptr() for t in chunk], [t.numel() for t in chunk], chunk_indices, starts[:-1])
+        columns = (addresses[lo:hi], chunk_sizes, list(indices[lo:hi]), starts[:-1])
         padded = [v for column, fill in zip(columns, (0, 0, 0, starts[-1]), strict=True)
                   for v in column + [fill] * missing]  # fmt: skip
         table = torch.frombuffer(array.array("q", head + padded), dtype=torch.int64)
