@@ -642,8 +642,9 @@ def encode_kernel(x_ptr, out_ptr, bad_ptr, n: tl.int64, BLOCK: tl.constexpr, BLO
 
 @triton.jit
 def _block_bits(x_ptr, n, base, index, BLOCK: tl.constexpr, PER: tl.constexpr, ALIGNED: tl.constexpr):
-    """encode_kernel's block from code (or byte) ``base``: its elements' float32 bits (0
-    beyond n), the lanes within n, and how many elements it holds (at most PER BLOCK)."""
+    """encode_kernel's (and finite_amax_kernel's) block from code (or byte) ``base``: its
+    elements' float32 bits (0 beyond n), the lanes within n, and how many elements it holds
+    (at most PER BLOCK)."""
     end = tl.minimum(n - PER * base, PER * BLOCK).to(tl.int32)
     x_block = x_ptr + PER * base
     if ALIGNED:
@@ -727,11 +728,7 @@ def finite_amax_kernel(x_ptr, amax_ptr, n: tl.int64, BLOCK: tl.constexpr, BLOCKS
     first = tl.program_id(0).to(tl.int64) * (BLOCK * BLOCKS)
     largest = tl.zeros((BLOCK,), tl.int32)
     for block in range(BLOCKS):
-        base = first + block * BLOCK
-        end = tl.minimum(n - base, BLOCK).to(tl.int32)
-        x_block = x_ptr + base
-        if ALIGNED:
-            end, x_block = tl.multiple_of(end, 16), tl.multiple_of(x_block, 16)
-        a = _load_bits(x_block, lanes, lanes < end) & 0x7FFFFFFF  # 0 beyond n
+        b, _, _ = _block_bits(x_ptr, n, first + block * BLOCK, lanes, BLOCK, 1, ALIGNED)
+        a = b & 0x7FFFFFFF  # 0 beyond n
         largest = tl.maximum(largest, tl.where(a < 0x7F800000, a, 0))  # Inf and NaN count as 0
     tl.atomic_max(amax_ptr, tl.max(largest))
