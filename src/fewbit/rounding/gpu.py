@@ -500,14 +500,21 @@ def _current_device() -> Callable[[], int]:
     Python: torch's C function, which initialises CUDA itself (torch's Module.cpp), where
     torch.cuda.current_device is :data:`CURRENT_DEVICE` (tests/test_gpu_kernel.py fails
     where a torch's is not), else torch.cuda.current_device."""
+    mirrored = _holds(torch.cuda.current_device, CURRENT_DEVICE)
+    query = getattr(torch._C, "_cuda_getDevice", None) if mirrored else None
+    return query or torch.cuda.current_device
+
+
+def _holds(function: Callable, code: str) -> bool:
+    """Whether ``function``'s source holds ``code``, whitespace aside: a call of torch's or
+    Triton's that gpu.py makes itself, less their Python; False where there is no source
+    to read (then theirs runs)."""
     import inspect
 
     try:
-        mirrored = CURRENT_DEVICE in " ".join(inspect.getsource(torch.cuda.current_device).split())
-    except (OSError, TypeError):  # no source to read
-        mirrored = False
-    query = getattr(torch._C, "_cuda_getDevice", None) if mirrored else None
-    return query or torch.cuda.current_device
+        return code in " ".join(inspect.getsource(function).split())
+    except (OSError, TypeError):
+        return False
 
 
 #: Whether _launch launches compiled kernels again itself: until a Triton it was not tried
@@ -525,15 +532,9 @@ def runner_mirrored() -> bool:
     """Whether this Triton's runner launches as :data:`RUNNER_CALL` says, so that
     :func:`_launch_again` may launch as it does (tests/test_gpu_kernel.py fails where a
     Triton's does not)."""
-    import inspect
-
     from triton.compiler import CompiledKernel
 
-    try:
-        source = inspect.getsource(CompiledKernel.__getitem__)
-    except (OSError, TypeError):  # no source to read: the runner launches
-        return False
-    return RUNNER_CALL in " ".join(source.split())
+    return _holds(CompiledKernel.__getitem__, RUNNER_CALL)
 
 
 @functools.cache
