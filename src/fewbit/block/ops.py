@@ -128,19 +128,26 @@ def _kernel(blocks, words, rand, tensor_scale, *, spec: BlockSpec, fused: bool):
     return codes.to(torch.uint8), codes_of(scale.squeeze(-1), spec.bfmt.scale).to(torch.uint8), invalid
 
 
+def _outputs(x: torch.Tensor, spec: BlockSpec, fused: bool, into: tuple | None) -> tuple:
+    """What the kernels on blocks in x's memory order write: the values and None
+    (``fused``), or the element codes and the scale codes; ``into``'s tensors where given
+    (contiguous, shaped as the results), else new ones."""
+    if fused:
+        (out,) = into or (torch.empty_like(x, memory_format=torch.contiguous_format),)
+        return out, None
+    return into or _empty_codes(x, spec, x.dim() - 1)
+
+
 def _native(x: torch.Tensor, spec: BlockSpec, key: Key | None, rand: torch.Tensor | None, fused: bool,
             ts: torch.Tensor | None, into: tuple | None) -> tuple:  # fmt: skip
     """:func:`_run`'s answer from the native CPU kernel, for blocks in x's memory order,
-    written into ``into`` where given (contiguous tensors shaped as the results)."""
-    size = spec.bfmt.block_size
-    args = (x, spec.spec, None if key is None else stream_words(spec.spec, key), rand)
-    kw = {"block_size": size, "rule": spec.rule, "tensor_scale": 1.0 if ts is None else float(ts)}
-    if fused:
-        (out,) = into or (torch.empty_like(x, memory_format=torch.contiguous_format),)
-        return out, native.block_into(*args, out, None, **kw) >= 0
-    codes, scales = into or _empty_codes(x, spec, x.dim() - 1)
-    bad = native.block_into(*args, codes, scales, packed=spec.bfmt.packed, **kw)
-    return codes, scales, bad >= 0
+    written into ``into`` where given."""
+    out, scales = _outputs(x, spec, fused, into)
+    words = None if key is None else stream_words(spec.spec, key)
+    tensor_scale = 1.0 if ts is None else float(ts)
+    bad = native.block_into(x, spec.spec, words, rand, out, scales, block_size=spec.bfmt.block_size,
+                            rule=spec.rule, tensor_scale=tensor_scale, packed=spec.bfmt.packed)  # fmt: skip
+    return (out, bad >= 0) if fused else (out, scales, bad >= 0)
 
 
 def _triton(x: torch.Tensor, spec: BlockSpec, key, rand: torch.Tensor | None, fused: bool,
@@ -148,13 +155,11 @@ def _triton(x: torch.Tensor, spec: BlockSpec, key, rand: torch.Tensor | None, fu
     """:func:`_run`'s answer from the GPU kernel, for blocks in x's memory order, written
     into ``into`` where given; None where Triton could not compile it (nothing written).
     Every element has a result (gpu.block_applies), so nothing waits for the kernel."""
-    kw = {"block_size": spec.bfmt.block_size, "rule": spec.rule, "tensor_scale": ts}
-    if fused:
-        (out,) = into or (torch.empty_like(x, memory_format=torch.contiguous_format),)
-        return (out, None) if gpu.block_into(x, spec.spec, key, rand, out, None, **kw) else None
-    codes, scales = into or _empty_codes(x, spec, x.dim() - 1)
-    ran = gpu.block_into(x, spec.spec, key, rand, codes, scales, packed=spec.bfmt.packed, **kw)
-    return (codes, scales, None) if ran else None
+    out, scales = _outputs(x, spec, fused, into)
+    if not gpu.block_into(x, spec.spec, key, rand, out, scales, block_size=spec.bfmt.block_size,
+                          rule=spec.rule, tensor_scale=ts, packed=spec.bfmt.packed):  # fmt: skip
+        return None
+    return (out, None) if fused else (out, scales, None)
 
 
 def _run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool, ts: torch.Tensor | None,
