@@ -1,8 +1,9 @@
 """fewbit's own host time down the GPU path, without a GPU: CPU tensors of 4096 float32
 elements take the path a CUDA tensor takes (gpu.usable; the native kernel, which quantize
 and block calls would ask first, out of the way), every kernel counted as compiled, and
-every launch does nothing. What is left is the Python that runs before
-each launch on a GPU (Triton's C launcher and the CUDA driver's call are not in it):
+every C launch does nothing. What is left is the Python that runs before each launch on
+a GPU (Triton's C launch and the CUDA driver's call are not in it). The last row is the
+first through the Python of Triton's launcher, which gpu.py passes by where it knows it:
 
     python benchmarks/bench_gpu_host.py [--calls 20000] [--profile "round RNE, out="]
 
@@ -15,39 +16,63 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import types
 
 import torch
+import triton
+from triton.runtime import driver
 
 import fewbit
 from bench_per_call import best_us  # (this folder: a script's own is on the path)
 from fewbit.rounding import gpu, native
 
 
-class _Launched:
-    """A compiled kernel that does nothing when launched, as either launch path asks."""
+class _Compiled:
+    """A compiled kernel whose launcher is this Triton's CudaLauncher, its C launch doing
+    nothing: the launcher's Python runs where gpu._launcher calls it."""
 
     function = packed_metadata = None
+
+    def __init__(self) -> None:
+        from triton.backends.nvidia.driver import CudaLauncher
+
+        self.run = object.__new__(CudaLauncher)
+        no_scratch = {"global_scratch_size": 0, "global_scratch_align": 1, "profile_scratch_size": 0,
+                      "profile_scratch_align": 1, "gsan_enabled": False}  # fmt: skip
+        vars(self.run).update(num_ctas=1, launch=lambda *args: None, launch_cooperative_grid=False,
+                              launch_pdl=False, arg_annotations=(), kernel_signature=b"", **no_scratch)
 
     def __getitem__(self, grid):
         return lambda *args: None
 
-    def run(self, *args) -> None:
-        return None
-
 
 class _EveryKernel(dict):
-    """gpu._COMPILED as if every kernel had been compiled."""
+    """gpu._COMPILED as if every kernel had been compiled, launched with ``launch``."""
+
+    def __init__(self, compiled: _Compiled, launch) -> None:
+        super().__init__()
+        self.known = compiled, launch, ()
 
     def get(self, key, default=None):
-        return _Launched(), ()
+        return self.known
 
 
-def _stand_in() -> None:
+def _stand_in() -> tuple[_EveryKernel, _EveryKernel]:
+    """The stand-ins; gpu._COMPILED as gpu.py launches, and through the launcher's own call."""
     enabled = gpu._enabled
     gpu._enabled = lambda t: enabled(t) or t.is_cpu  # a CPU tensor as if on a CUDA device
     native._enabled = lambda t: False  # nor the native kernel, which quantize and blocks ask first
-    gpu._COMPILED = _EveryKernel()
     gpu._stream_of = lambda: (lambda device: 0)
+    try:
+        assert driver.active is not None
+    except RuntimeError:  # no GPU here: Triton 3.8 on asks for the active driver at each launch
+        driver.set_active(types.SimpleNamespace())
+    compiled = _Compiled()
+
+    def by_launcher(programs: int, stream: int, args: tuple) -> None:
+        compiled.run(programs, 1, 1, stream, None, None, None, None, None, *args)
+
+    return _EveryKernel(compiled, gpu._launcher(compiled)), _EveryKernel(compiled, by_launcher)
 
 
 def main() -> None:
@@ -56,7 +81,8 @@ def main() -> None:
     parser.add_argument("--profile", help="a row's name: its cProfile, by time in each function")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    _stand_in()
+    mirrored, tritons = _stand_in()
+    gpu._COMPILED = mirrored
     x = torch.randn(4096, generator=torch.Generator().manual_seed(0))
     out = torch.empty_like(x)
     calls = {
@@ -68,6 +94,11 @@ def main() -> None:
     }
     for name, call in calls.items():
         print(f"{name:30} {best_us(call, lambda: None, args.calls, runs=5):6.2f} us")
+    # The same call with Triton's launcher's Python, which gpu._launcher passes by.
+    gpu._COMPILED = tritons
+    slower = best_us(calls["round RNE, out="], lambda: None, args.calls, runs=5)
+    gpu._COMPILED = mirrored
+    print(f"{'round RNE, out=, Triton ' + triton.__version__ + ' launcher':30} {slower:6.2f} us")
     if args.profile:
         profile = cProfile.Profile()
         profile.runcall(lambda: [calls[args.profile]() for _ in range(args.calls)])

@@ -153,6 +153,58 @@ def test_the_launch_again_is_tritons_runners():
         hook.remove(print)
 
 
+class _Recorded:
+    """A C launch that records what it was given."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def __call__(self, *args) -> None:
+        self.calls.append(args)
+
+
+def _stand_in_launcher(**sizes):
+    """A CudaLauncher of this Triton as compiling a kernel with no scratch memory makes one,
+    its C launch recorded (no GPU here to make a real one)."""
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    launcher = object.__new__(CudaLauncher)
+    attributes = {"num_ctas": 1, "launch": _Recorded(), "global_scratch_size": 0, "global_scratch_align": 1,
+                  "profile_scratch_size": 0, "profile_scratch_align": 1, "launch_cooperative_grid": False,
+                  "launch_pdl": True, "gsan_enabled": False, "arg_annotations": ("annotations",),
+                  "kernel_signature": b"signature"}  # fmt: skip
+    vars(launcher).update({**attributes, **sizes})
+    return launcher
+
+
+def test_the_launch_again_is_tritons_launchers(monkeypatch):
+    """gpu._launcher calls the C launch of this Triton's launcher (``CudaLauncher``) itself
+    with what the launcher's own call would give it: this fails where a Triton's launcher
+    is not one of gpu.LAUNCHERS (then its Python runs at every launch, 1.2 us on the VM:
+    read its source, and add it where it still only passes its arguments on), or where the
+    arguments differ."""
+    from triton.backends.nvidia.driver import CudaLauncher
+    from triton.runtime import driver
+
+    assert gpu.launcher_layout(CudaLauncher) in ("spread", "tuple")
+    monkeypatch.setattr(driver, "_active", types.SimpleNamespace())  # Triton 3.8 on reads it; no GPU here
+    launcher = _stand_in_launcher()
+    compiled = types.SimpleNamespace(run=launcher, function=1234, packed_metadata=(2, 1, 0))
+    args = (torch.empty(4), None, 4096, 7, 0)
+    launcher(5, 1, 1, 99, 1234, (2, 1, 0), None, None, None, *args)  # the runner's call, through Triton's Python
+    gpu._launcher(compiled)(5, 99, args)
+    assert len(launcher.launch.calls) == 2 and launcher.launch.calls[1] == launcher.launch.calls[0]
+    # A launcher with something to do first, here scratch memory: its own call, which asks
+    # for an allocator (none set) before its C launch.
+    scratch = compiled.run = _stand_in_launcher(global_scratch_size=64)
+    with pytest.raises(RuntimeError, match="allocator"):
+        gpu._launcher(compiled)(5, 99, args)
+    assert not scratch.launch.calls
+    unknown = compiled.run = _Recorded()  # a launcher not known: its own call
+    gpu._launcher(compiled)(5, 99, args)
+    assert unknown.calls == [(5, 1, 1, 99, 1234, (2, 1, 0), None, None, None, *args)]
+
+
 @pytest.mark.parametrize("via, mode, bits", [(torch.bfloat16, "src", 3), (torch.float16, "src", 3),
                                              (torch.float32, "src", 3), (torch.bfloat16, "sr_fraction", 4),
                                              (torch.bfloat16, "rne", None)])  # fmt: skip

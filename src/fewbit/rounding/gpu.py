@@ -8,7 +8,8 @@ tensor on the device is read by the kernel; a key in host memory (an int seed's)
 as the launch's arguments. Either way a call neither waits for the GPU nor copies a key
 to it, so it can be captured in a CUDA graph (which keeps a host key's value at the
 capture). A kernel compiled once is launched again by :func:`_launch` itself, without
-Triton's binding of its arguments. Where Triton is missing the torch kernels run
+Triton's binding of its arguments (and without its launcher's Python where gpu.py knows
+the launcher). Where Triton is missing the torch kernels run
 instead, compiled or eager, with the same bits.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import array
 import functools
+import hashlib
 import itertools
 import warnings
 from collections.abc import Callable, Sequence
@@ -438,12 +440,12 @@ def compile_for(name: str, arg_types: dict[str, str], constants: dict, arch: int
 
 #: Launches (kernel, variant, argument kinds, device) that Triton failed to compile once.
 _BROKEN: set[tuple] = set()
-#: Triton's compiled kernels by the same key, each with its constants in the kernel's
-#: order: launched again without Triton's binding and specialising of some thirty
-#: arguments (``JITFunction.run``, about 25 us of a call on an H200's host). The kernels
-#: tell Triton not to specialise on their runtime arguments' values (ALIGNED says what it
-#: would find), so the key names what Triton compiled. Its entries are few (one a spec)
-#: and Triton keeps each kernel anyway.
+#: Triton's compiled kernels by the same key, each with its launch (:func:`_launcher`) and
+#: its constants in the kernel's order: launched again without Triton's binding and
+#: specialising of some thirty arguments (``JITFunction.run``, about 25 us of a call on an
+#: H200's host). The kernels tell Triton not to specialise on their runtime arguments'
+#: values (ALIGNED says what it would find), so the key names what Triton compiled. Its
+#: entries are few (one a spec) and Triton keeps each kernel anyway.
 _COMPILED: dict[tuple, tuple] = {}
 
 
@@ -466,10 +468,10 @@ def _launch(name: str, programs: int, tensors: tuple, ints: tuple, constants_of:
         return False
     known = _COMPILED.get(key)
     if known is not None:
-        compiled, tail = known
+        compiled, launch, tail = known
         every = (*tensors, *ints, *tail)
         try:
-            if not _launch_again(compiled, programs, device, every):
+            if not _launch_again(launch, programs, device, every):
                 compiled[(programs, 1, 1)](*every)  # Triton's runner, which reads all three
             return True
         except Exception as err:  # raised before the launch (the arguments are read first)
@@ -485,7 +487,7 @@ def _launch(name: str, programs: int, tensors: tuple, ints: tuple, constants_of:
         return False
     if device >= 0 and _RELAUNCH and isinstance(compiled, _compiled_kernel()):
         names = kernel.arg_names  # the runtime arguments first, then the constants
-        _COMPILED[key] = compiled, tuple(constants[name] for name in names[len(args) :])
+        _COMPILED[key] = compiled, _launcher(compiled), tuple(constants[name] for name in names[len(args) :])
     return True
 
 
@@ -509,12 +511,18 @@ def _holds(function: Callable, code: str) -> bool:
     """Whether ``function``'s source holds ``code``, whitespace aside: a call of torch's or
     Triton's that gpu.py makes itself, less their Python; False where there is no source
     to read (then theirs runs)."""
+    return code in _source(function)
+
+
+def _source(function: Callable) -> str:
+    """``function``'s source with its whitespace folded to single spaces; empty where there
+    is none to read."""
     import inspect
 
     try:
-        return code in " ".join(inspect.getsource(function).split())
+        return " ".join(inspect.getsource(function).split())
     except (OSError, TypeError):
-        return False
+        return ""
 
 
 #: Whether _launch launches compiled kernels again itself: until a Triton it was not tried
@@ -556,17 +564,63 @@ def _stream_of() -> Callable[[int], int]:
     return driver.active.get_current_stream
 
 
-def _launch_again(compiled, programs: int, device: int, args: tuple) -> bool:
-    """Launch a kernel Triton compiled (``compiled``) on ``programs`` programs as Triton's
-    runner would, less its Python: on the device's current stream, without launch metadata
-    or hooks where no launch hook is registered (a profiler's). False where the runner
-    must launch: its call is not :data:`RUNNER_CALL`, or a hook is registered."""
+def _launch_again(launch: Callable[[int, int, tuple], None], programs: int, device: int, args: tuple) -> bool:
+    """Launch a kernel Triton compiled on ``programs`` programs as Triton's runner would,
+    less its Python: ``launch`` (:func:`_launcher`'s) on the device's current stream, without
+    launch metadata or hooks where no launch hook is registered (a profiler's). False where
+    the runner must launch: its call is not :data:`RUNNER_CALL`, or a hook is registered."""
     runtime = _runtime()
     if runtime is None or not (_silent(runtime.launch_enter_hook) and _silent(runtime.launch_exit_hook)):
         return False
-    compiled.run(programs, 1, 1, _stream_of()(device), compiled.function, compiled.packed_metadata,
-                 None, None, None, *args)  # fmt: skip
+    launch(programs, _stream_of()(device), args)
     return True
+
+
+#: Triton's launchers (``CudaLauncher.__call__``: the first 16 hex digits of the sha256 of its
+#: source, whitespace folded) whose C launch :func:`_launcher` calls itself, by where that
+#: launch takes the kernel's arguments: after the launch metadata and hooks, each its own
+#: ("spread": Triton 3.5 and 3.6), or as one tuple after their annotations ("tuple": 3.7 to 3.9).
+LAUNCHERS = {"b5e4d84a36af22ef": "spread", "e857bd76bbc535c5": "tuple", "16d77af07087b0df": "tuple",
+             "6ac1fdd62dbc8cde": "tuple"}  # fmt: skip
+
+
+@functools.cache
+def launcher_layout(launcher: type) -> str | None:
+    """How ``launcher``'s C launch takes a kernel's arguments (:data:`LAUNCHERS`); None where
+    its ``__call__`` is none of those (tests/test_gpu_kernel.py fails where a Triton's is not)."""
+    source = _source(launcher.__call__)
+    return LAUNCHERS.get(hashlib.sha256(source.encode()).hexdigest()[:16]) if source else None
+
+
+def _launcher(compiled) -> Callable[[int, int, tuple], None]:
+    """``compiled``'s launch on (programs, stream, arguments) with no launch metadata or hooks:
+    its launcher's C launch itself where the launcher is one of :data:`LAUNCHERS` and has
+    nothing to do before it (no scratch memory, no GSan), which saves the launcher's Python
+    (1.2 us of Triton 3.9's on the 2-core VM); else the launcher."""
+    run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    layout = launcher_layout(type(run))
+    busy = layout and (run.global_scratch_size or run.profile_scratch_size or getattr(run, "gsan_enabled", 0))
+    if layout is None or busy:
+
+        def launch(programs: int, stream: int, args: tuple) -> None:
+            run(programs, 1, 1, stream, function, metadata, None, None, None, *args)
+
+        return launch
+    c_launch, cooperative, pdl = run.launch, run.launch_cooperative_grid, run.launch_pdl
+    if layout == "spread":
+
+        def launch(programs: int, stream: int, args: tuple) -> None:
+            c_launch(programs, 1, 1, stream, function, cooperative, pdl, None, None,  # (no scratch memory)
+                     metadata, None, None, None, *args)  # fmt: skip
+
+    else:
+        annotations, signature = run.arg_annotations, run.kernel_signature
+
+        def launch(programs: int, stream: int, args: tuple) -> None:
+            c_launch(programs, 1, 1, stream, function, cooperative, pdl, metadata, None, None, None,
+                     None, None, annotations, signature, args)  # fmt: skip
+
+    return launch
 
 
 def _silent(hook) -> bool:
