@@ -191,7 +191,7 @@ def test_the_launch_again_is_tritons_launchers(monkeypatch):
     launcher = _stand_in_launcher()
     compiled = types.SimpleNamespace(run=launcher, function=1234, packed_metadata=(2, 1, 0))
     args = (torch.empty(4), None, 4096, 7, 0)
-    launcher(5, 1, 1, 99, 1234, (2, 1, 0), None, None, None, *args)  # the runner's call, through Triton's Python
+    launcher(5, 1, 1, 99, 1234, (2, 1, 0), None, None, None, *args)  # the runner's call, Triton's Python
     gpu._launcher(compiled)(5, 99, args)
     assert len(launcher.launch.calls) == 2 and launcher.launch.calls[1] == launcher.launch.calls[0]
     # A launcher with something to do first, here scratch memory: its own call, which asks
