@@ -13,10 +13,13 @@ import torch
 import fewbit
 from fewbit.experiments.replicas import launch
 from fewbit.experiments.sharded import (
+    OPS_CASES,
     TP_CASES,
     LayoutProbe,
+    OpsProbe,
     ShardedRun,
     TensorParallelProbe,
+    ops_data,
     run,
     tp_data,
     train_single,
@@ -55,6 +58,7 @@ def runs(tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
         4: {
             "layouts": LayoutProbe(),
             "tensor parallel": TensorParallelProbe(),
+            "ops": OpsProbe(),
             "scalified": SCALIFIED,
             "shard0": ShardedRun(steps=STEPS, hash_every=EVERY, save_at=SAVE_AT, checkpoint_dir=ckpt),
             "guard without replicas": ShardedRun(steps=1, guard=True),
@@ -65,6 +69,7 @@ def runs(tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
         2: {
             "layouts": LayoutProbe(),
             "tensor parallel": TensorParallelProbe(),
+            "ops": OpsProbe(),
             "mx shard0": MX,
             "mx shard1": ShardedRun(steps=STEPS, until=1, fmt="mxfp8_e4m3", placement=1),
             "scalified": replace(SCALIFIED, placement=1),
@@ -196,6 +201,41 @@ def test_fake_quantize_of_dtensors_equals_one_process_forward_and_backward(runs,
     # Replicas differ from each other (and so, the test above, from one process's replica 0).
     replicas = [r["data-parallel replicas"]["y"] for r in (results[0], results[-1])]
     assert not np.array_equal(*replicas)
+
+
+#: OPS_CASES refused on every world size, and on W ranks only, with what the error says.
+OPS_REFUSED = {
+    "round, compiled": "fewbit.round on a DTensor runs eagerly only",
+    "nvfp4, shard0": "nvfp4's per-tensor scale comes from the whole tensor",
+    "block.quantize, shard0": "fewbit.block.quantize takes no DTensor",
+}
+OPS_REFUSED_ON = {
+    2: {"quantize packed, shard1": "pairs of 2 along dim 1 (of 6) would straddle ranks, cut at [3]"},
+    4: {"block.round src, shard1": "blocks of 32 along dim 1 (of 64) would straddle ranks, cut at [16, 48]"},
+}
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_ops_on_dtensors_equal_one_process_on_the_full_tensor(runs, nproc):
+    """fewbit.round, quantize, encode, decode and fewbit.block.round on DTensors: each rank
+    rounds its piece with the bits of the full tensor, so the gathered result is one
+    process's on the full tensor, for Shard(0), Shard(1), Replicate and Partial inputs, with
+    a seed or given bits, out=, packed codes and the gradient; what fewbit cannot place
+    is refused alike on every rank, naming why."""
+    cfg = OpsProbe()
+    refused = {**OPS_REFUSED, **OPS_REFUSED_ON[nproc]}
+    for rank in runs[nproc]["ops"]:
+        for name, (_, shape, call) in OPS_CASES.items():
+            got = rank["cases"][name]
+            if name in refused:
+                assert refused[name] in got["error"], (name, got)
+                continue
+            assert "error" not in got, (name, got)
+            expected = call(ops_data(cfg, shape), lambda t: t).detach().numpy()
+            assert_bits_equal({name: got["result"]}, {name: expected})
+    placements = {name: c.get("placements") for name, c in runs[nproc]["ops"][0]["cases"].items()}
+    assert placements["round src, partial"] == "(Replicate(),)"  # summed before it is rounded
+    assert placements["round src, shard1"] == placements["round, gradient, shard1"] == "(Shard(dim=1),)"
 
 
 def test_block_formats_on_fsdp_weights_whole_blocks_equal_one_process_straddling_refused(runs):

@@ -1,6 +1,7 @@
 """fewbit: low-precision floating point for PyTorch, every format and rounding mode."""
 
 from . import block, config, nn, optim
+from . import sharded_ops as _sharded_ops  # noqa: F401 (registers its rules for DTensors)
 from .codec import decode, encode, quantize
 from .config import configure
 from .formats import FloatFormat, format

@@ -30,9 +30,9 @@ from .rounding.checks import RoundSpec
 from .rounding.compiled import index_bits, range_bits, stream_words
 
 __all__ = [
-    "PairwiseReduceScatter", "ShardLayout", "check_whole_blocks", "global_amax", "global_bits", "is_dtensor",
-    "layout", "local_tensor", "map_piece", "pairwise_sum", "piece_key", "piece_randomness", "round_range",
-    "placement_offsets", "replica_count", "replica_rank", "torch_offsets",
+    "PairwiseReduceScatter", "ShardLayout", "check_cuts", "check_whole_blocks", "global_amax", "global_bits",
+    "is_dtensor", "layout", "local_tensor", "map_piece", "pairwise_sum", "piece_key", "piece_randomness",
+    "reduced", "round_range", "placement_offsets", "replica_count", "replica_rank", "torch_offsets",
 ]  # fmt: skip
 
 
@@ -235,26 +235,34 @@ def check_whole_blocks(t: torch.Tensor, fmt, axis: int | None = None, name: str 
     """
     if not isinstance(fmt, BlockFormat) or not is_dtensor(t):
         return
-    from torch.distributed.tensor import Shard
-
-    if not any(p.is_shard() for p in t.placements):
-        return
-    if fmt.tensor_scale:
+    if fmt.tensor_scale and any(p.is_shard() for p in t.placements):
         raise ValueError(f"{name}: {fmt.name}'s per-tensor scale comes from the whole tensor; a sharded "
                          f"tensor ({t.placements}) is not supported in it")  # fmt: skip
-    d = (fmt.axis if axis is None else axis) % t.dim()
+    check_cuts(t, fmt.axis if axis is None else axis, fmt.block_size, f"{fmt.name}", "blocks", name)
+
+
+def check_cuts(t: torch.Tensor, dim: int, size: int, what: str, groups: str, name: str,
+               length: int | None = None) -> None:  # fmt: skip
+    """Raise ValueError unless every rank's piece of ``t`` (a DTensor) is cut along ``dim``
+    only on multiples of ``size`` (or at its end): groups of ``size`` elements along it
+    (blocks, packed pairs) then each lie on one rank. ``length``: that of a tensor laid out
+    as t whose pieces are checked instead (packed codes' values). Alike on every rank, as
+    :func:`check_whole_blocks`."""
+    from torch.distributed.tensor import Shard
+
+    d = dim % t.dim()
     along = [(i, p) for i, p in enumerate(t.placements) if p.is_shard(d)]
     if any(type(p) is not Shard for _, p in along):
-        raise ValueError(f"{name}: placements {t.placements} split the block axis {d} in a way fewbit does "
-                         f"not place blocks for")  # fmt: skip
-    size, block = t.shape[d], fmt.block_size
+        raise ValueError(f"{name}: placements {t.placements} split the {groups}' axis {d} in a way fewbit "
+                         "does not place them for")  # fmt: skip
+    length = t.shape[d] if length is None else length
     splits = [t.device_mesh.size(i) for i, _ in along]
-    straddled = sorted(c for c in _cuts(size, splits) if c % block and c != size)
+    straddled = sorted(c for c in _cuts(length, splits) if c % size and c != length)
     if straddled:
         raise ValueError(
-            f"{name}: {fmt.name} on a sharded tensor: blocks of {block} along dim {d} (of {size}) would "
+            f"{name}: {what} on a sharded tensor: {groups} of {size} along dim {d} (of {length}) would "
             f"straddle ranks, cut at {straddled[:4]} by placements {t.placements}; shard another dimension "
-            f"or give each rank a multiple of {block} elements along dim {d}"
+            f"or give each rank a multiple of {size} elements along dim {d}"
         )
 
 
@@ -268,23 +276,37 @@ def replica_rank(t: torch.Tensor) -> int | None:
     return int(t.device_mesh.mesh.min())
 
 
-def map_piece(t: torch.Tensor, fn: Callable[[torch.Tensor, ShardLayout], torch.Tensor]) -> torch.Tensor:
+def map_piece(t: torch.Tensor, fn: Callable[[torch.Tensor, ShardLayout], torch.Tensor],
+              shape: tuple[int, ...] | None = None) -> torch.Tensor:  # fmt: skip
     """``fn(piece, where)`` on this rank's piece of ``t`` and where it lies, as a tensor laid
     out as ``t``; ``fn(t, whole)`` for a plain tensor. ``fn`` must keep the piece's shape
-    and act elementwise by global index (a rounding with :func:`piece_randomness`).
+    and act elementwise by global index (a rounding with :func:`piece_randomness`); or,
+    given the full result's ``shape``, change the length of the last dimension alone (codes
+    packed in pairs, or unpacked) so that the pieces still lie where ``t``'s placements
+    put them in it.
 
     Partial placements are reduced first (to Replicate, a collective): their pieces are
     addends, and a rounding of the addends is not a rounding of their sum.
     """
     if not is_dtensor(t):
         return fn(t, layout(t))
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor
+
+    t = reduced(t)
+    out = fn(t.to_local(), layout(t))
+    stride = t.stride() if shape is None else torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(out, t.device_mesh, t.placements, run_check=False, shape=shape or t.shape,
+                              stride=stride)  # fmt: skip
+
+
+def reduced(t):
+    """DTensor ``t`` with its Partial placements reduced to Replicate (a collective), the
+    others kept."""
+    from torch.distributed.tensor import Replicate
 
     if any(p.is_partial() for p in t.placements):
         t = t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])
-    out = fn(t.to_local(), layout(t))
-    return DTensor.from_local(out, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                              stride=t.stride())  # fmt: skip
+    return t
 
 
 def global_amax(t: torch.Tensor) -> float:

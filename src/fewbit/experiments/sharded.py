@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+import fewbit
+
 from ..nn import Quant
 from ..optim import LowPrecisionWeights
 from ..random import Key
@@ -392,6 +394,119 @@ def probe_tensor_parallel(rank: int, world_size: int, cfg: TensorParallelProbe) 
     return {"cases": out, "weights": {}}
 
 
+@dataclass(frozen=True)
+class OpsProbe:
+    """fewbit's public ops on DTensors, for tests (``run``): each case of :data:`OPS_CASES`
+    on a tensor drawn from ``data_seed``, on a mesh of every rank. Each rank returns the
+    full result per case (gathered), or the error."""
+
+    data_seed: int = 2
+
+
+def _round_src(x, like):
+    return fewbit.round(x, "binary8p4", "src", bits=3, seed=5)
+
+
+def _sr_fraction(x, like):
+    return fewbit.round(x, "binary8p4", "sr_fraction", bits=4, fraction=0.5, seed=5)
+
+
+def _given_bits(x, like):
+    bits = torch.randint(0, 8, x.shape, generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+    return fewbit.round(x, "binary8p4", "src", bits=3, random_bits=like(bits))
+
+
+def _round_out(x, like):
+    return fewbit.round(x, "binary8p4", "src", bits=3, seed=5, out=like(torch.zeros(x.shape)))
+
+
+def _round_gradient(x, like):
+    x.requires_grad_()
+    fewbit.round(x, "binary8p4", "src", bits=3, seed=5).backward(like(torch.arange(x.numel()).view(x.shape)))
+    return x.grad
+
+
+def _compiled(x, like):
+    return torch.compile(_round_src, fullgraph=True)(x, like)
+
+
+def _packed_codes(x, like):
+    return fewbit.quantize(x, "ocp_e2m1", "src", bits=3, seed=5, sat=True, packed=True)
+
+
+def _decoded(x, like):
+    codes = fewbit.encode(fewbit.round(x, "ocp_e2m1", sat=True), "ocp_e2m1", packed=True)
+    return fewbit.decode(codes, "ocp_e2m1", packed=True)
+
+
+def _block_src(x, like):
+    return fewbit.block.round(x, "mxfp8_e4m3", "src", bits=3, seed=5)
+
+
+def _block_out(x, like):
+    return fewbit.block.round(x, "mxfp8_e4m3", "src", bits=3, seed=5, out=like(torch.zeros(x.shape)))
+
+
+def _nvfp4(x, like):
+    return fewbit.block.round(x, "nvfp4")
+
+
+def _block_codes(x, like):
+    return fewbit.block.quantize(x, "mxfp8_e4m3").codes
+
+
+#: name -> (x's placement: S0, S1, R or P, its shape, the call of x and of ``like``, which
+#: lays a full tensor out as x). A Partial x is the ranks' equal shares of the tensor.
+OPS_CASES = {
+    "round src, shard0": ("S0", (6, 10), _round_src),
+    "round src, shard1": ("S1", (6, 10), _round_src),
+    "round src, replicated": ("R", (6, 10), _round_src),
+    "round src, partial": ("P", (6, 10), _round_src),
+    "round sr_fraction, shard1": ("S1", (6, 10), _sr_fraction),
+    "round with given bits, shard1": ("S1", (6, 10), _given_bits),
+    "round out=, shard1": ("S1", (6, 10), _round_out),
+    "round, gradient, shard1": ("S1", (6, 10), _round_gradient),
+    "round, compiled": ("S1", (6, 10), _compiled),
+    "quantize packed, shard0": ("S0", (6, 6), _packed_codes),
+    "quantize packed, shard1": ("S1", (6, 6), _packed_codes),
+    "encode and decode packed, shard1": ("S1", (6, 8), _decoded),
+    "block.round src, shard0": ("S0", (4, 64), _block_src),
+    "block.round src, shard1": ("S1", (4, 64), _block_src),
+    "block.round out=, shard0": ("S0", (4, 64), _block_out),
+    "nvfp4, replicated": ("R", (4, 64), _nvfp4),
+    "nvfp4, shard0": ("S0", (4, 64), _nvfp4),
+    "block.quantize, shard0": ("S0", (4, 64), _block_codes),
+}
+
+
+def ops_data(cfg: OpsProbe, shape: tuple[int, ...]) -> torch.Tensor:
+    """The probe's input of ``shape`` (the same in every process)."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(cfg.data_seed))
+
+
+def probe_ops(rank: int, world_size: int, cfg: OpsProbe) -> dict:
+    """Each case of :data:`OPS_CASES` on this rank (see :class:`OpsProbe`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    placement = {"S0": Shard(0), "S1": Shard(1), "R": Replicate()}
+    out = {}
+    for name, (x_at, shape, call) in OPS_CASES.items():
+        full = ops_data(cfg, shape)
+        if x_at == "P":
+            x = DTensor.from_local(full / world_size, mesh, [Partial()], run_check=False)
+        else:
+            x = distribute_tensor(full, mesh, [placement[x_at]])
+        try:
+            result = call(x, lambda t, at=x_at: distribute_tensor(t, mesh, [placement[at]]))
+        except (ValueError, NotImplementedError, RuntimeError) as err:  # alike on every rank
+            out[name] = {"error": f"{type(err).__name__}: {err}"}
+            continue
+        out[name] = {"result": result.detach().full_tensor().numpy(), "placements": str(result.placements)}
+    return {"cases": out, "weights": {}}
+
+
 def _placements(mesh_dims: int, tensor_dims: int, shard, replicate) -> list[tuple]:
     one = [shard(d) for d in range(tensor_dims)] + [replicate()]
     if mesh_dims == 1:
@@ -405,4 +520,6 @@ def run(rank: int, world_size: int, cfg) -> dict:
         return probe_layouts(rank, world_size, cfg)
     if isinstance(cfg, TensorParallelProbe):
         return probe_tensor_parallel(rank, world_size, cfg)
+    if isinstance(cfg, OpsProbe):
+        return probe_ops(rank, world_size, cfg)
     return train_sharded(rank, world_size, cfg)

@@ -1,0 +1,202 @@
+"""fewbit's operators on DTensors (``torch.distributed.tensor``): each rank runs the op on
+its own piece, every element with the random bits of its index in the full tensor, so
+the full result is the one a single process gets for the full tensor with the same seed,
+whatever the placements (Shard along any dimension, Replicate; a Partial input is summed
+first, a collective, as a rounding of the addends is not one of the sum).
+
+The rules are torch's own extension point for a subclass and an operator
+(``torch.library.register_torch_dispatch``): a DTensor reaching ``fewbit.round``,
+``quantize``, ``encode``, ``decode``, ``fewbit.block.round`` (or their ``torch.ops.fewbit``
+operators) comes here instead of DTensor's sharding propagation, which has no strategy
+for them and could not give an element its global index. Autograd runs above: the
+gradient is the straight-through one, a DTensor laid out as the input's.
+
+Limits, each refused with an error before anything is written:
+- eager only. Traced, torch gives a rank's place in the mesh as a symbol, and the bits
+  of a piece need it as a number;
+- ``random_bits`` must be a DTensor laid out as x; ``out`` too, and neither Partial;
+- packed codes pair elements along the last dimension: a piece cut inside a pair is
+  refused, as a block format's piece cut inside a block (and NVFP4 on any sharding:
+  its per-tensor scale comes from the whole tensor);
+- ``fewbit.block.quantize`` (its codes are laid out by block, not as x).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .block.ops import block_spec_of
+from .operators import LIBRARY
+from .random import host_key
+from .rounding.ops import checked_spec, lookup_format
+from .sharding import (
+    ShardLayout,
+    check_cuts,
+    check_whole_blocks,
+    is_dtensor,
+    layout,
+    map_piece,
+    piece_randomness,
+)
+
+__all__ = ["register"]
+
+
+def _eager(name: str) -> None:
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(f"{name} on a DTensor runs eagerly only: traced, a rank's place "
+                                  "in its mesh is a symbol, and its piece's bits need a number")  # fmt: skip
+
+
+def _laid_out_as(x, other, what: str, name: str) -> torch.Tensor | None:
+    """``other``'s local piece, where it is a DTensor laid out as ``x`` (None where other
+    is None); else a ValueError. x and other must not be Partial."""
+    if other is None:
+        return None
+    if any(p.is_partial() for p in x.placements):
+        raise ValueError(f"{name}: x is Partial ({x.placements}); with {what}, reduce it first "
+                         "(x.redistribute to Replicate)")  # fmt: skip
+    if not is_dtensor(other) or (other.device_mesh, other.placements, other.shape) != (
+            x.device_mesh, x.placements, x.shape):  # fmt: skip
+        placed = f"{other.placements} on {other.device_mesh}" if is_dtensor(other) else "a plain tensor"
+        raise ValueError(f"{name}: {what} must be a DTensor laid out as x ({tuple(x.shape)}, {x.placements} "
+                         f"on {x.device_mesh}), not {placed} of shape {tuple(other.shape)}")  # fmt: skip
+    return other.to_local()
+
+
+def _drawn(spec, key, given: torch.Tensor | None, where: ShardLayout, piece: torch.Tensor) -> tuple:
+    """The (key, random_bits) arguments that give the piece's elements the bits they have
+    in the full tensor: the given bits' piece, or those ``key`` draws for it."""
+    if given is not None or key is None:
+        return None, given
+    drawn = piece_randomness(spec, host_key(key), where, piece.device)
+    return (key, None) if "seed" in drawn else (None, drawn["random_bits"])  # (a whole tensor: the op draws)
+
+
+def _pairs_whole(x, packed: bool, name: str, length: int | None = None) -> tuple[int, ...] | None:
+    """The full shape of x's codes packed in pairs along the last dimension (None where
+    not packed); a ValueError where a piece's cut would split a pair. ``length``: that of
+    the values, where x holds packed codes."""
+    if not packed or not x.dim():
+        return None
+    check_cuts(x, -1, 2, "packed codes", "pairs", name, length)
+    return (*x.shape[:-1], x.shape[-1] // 2 if length is None else length)
+
+
+# Each rule takes (DTensor, the op's overload, types, args, kwargs) and the op's arguments
+# in its schema's order (``kwargs`` is empty: no argument of fewbit's schemas is keyword-only).
+
+
+def _round(cls, func, types, args, kwargs):
+    x, fmt, rounding, sat, bits, fraction, key, random_bits = args
+    _eager("fewbit.round")
+    spec = checked_spec(x.to_local(), fmt, rounding, sat, bits, fraction, key, random_bits)
+    given = _laid_out_as(x, random_bits, "random_bits", "fewbit.round")
+
+    def rounded(piece: torch.Tensor, where: ShardLayout) -> torch.Tensor:
+        return func(piece, fmt, rounding, sat, bits, fraction, *_drawn(spec, key, given, where, piece))
+
+    return map_piece(x, rounded)
+
+
+def _round_into(cls, func, types, args, kwargs):
+    *call, out = args
+    x, fmt, rounding, sat, bits, fraction, key, random_bits = call
+    _eager("fewbit.round")
+    spec = checked_spec(x.to_local(), fmt, rounding, sat, bits, fraction, key, random_bits)
+    given = _laid_out_as(x, random_bits, "random_bits", "fewbit.round")
+    into = _laid_out_as(x, out, "out", "fewbit.round")
+    piece = x.to_local()
+    func(piece, fmt, rounding, sat, bits, fraction, *_drawn(spec, key, given, layout(x), piece), into)
+
+
+def _quantize(cls, func, types, args, kwargs):
+    x, fmt, rounding, sat, bits, fraction, key, random_bits, packed = args
+    _eager("fewbit.quantize")
+    spec = checked_spec(x.to_local(), fmt, rounding, sat, bits, fraction, key, random_bits)
+    shape = _pairs_whole(x, packed, "fewbit.quantize")
+    given = _laid_out_as(x, random_bits, "random_bits", "fewbit.quantize")
+
+    def codes(piece: torch.Tensor, where: ShardLayout) -> torch.Tensor:
+        drawn = _drawn(spec, key, given, where, piece)
+        return func(piece, fmt, rounding, sat, bits, fraction, *drawn, packed)
+
+    return map_piece(x, codes, shape)
+
+
+def _encode(cls, func, types, args, kwargs):
+    x, fmt, packed, check = args
+    _eager("fewbit.encode")
+    lookup_format(fmt)  # (a bad name: the op's own error, before any collective)
+    shape = _pairs_whole(x, packed, "fewbit.encode")
+    return map_piece(x, lambda piece, where: func(piece, fmt, packed, check), shape)
+
+
+def _decode(cls, func, types, args, kwargs):
+    codes, fmt, dtype, packed = args
+    _eager("fewbit.decode")
+    lookup_format(fmt)
+    shape = _pairs_whole(codes, packed, "fewbit.decode", 2 * codes.shape[-1] if codes.dim() else None)
+    return map_piece(codes, lambda piece, where: func(piece, fmt, dtype, packed), shape)
+
+
+def _block_checks(x, call: tuple, name: str):
+    """The block op's checked spec (on x's piece) and given bits' piece; raises for a piece
+    whose blocks straddle ranks."""
+    bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule = call
+    _eager(name)
+    piece = x.to_local()
+    spec, axis = block_spec_of(piece, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
+    check_whole_blocks(x, spec.bfmt, axis, name)
+    return spec, _laid_out_as(x, random_bits, "random_bits", name)
+
+
+def _block_round(cls, func, types, args, kwargs):
+    x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule = args
+    spec, given = _block_checks(x, args[1:], "fewbit.block.round")
+
+    def rounded(piece: torch.Tensor, where: ShardLayout) -> torch.Tensor:
+        return func(piece, bfmt, rounding, sat, bits, fraction, *_drawn(spec, key, given, where, piece), axis,
+                    rule)  # fmt: skip
+
+    return map_piece(x, rounded)
+
+
+def _block_round_into(cls, func, types, args, kwargs):
+    *call, out = args
+    x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule = call
+    spec, given = _block_checks(x, tuple(call[1:]), "fewbit.block.round")
+    into = _laid_out_as(x, out, "out", "fewbit.block.round")
+    piece = x.to_local()
+    func(piece, bfmt, rounding, sat, bits, fraction, *_drawn(spec, key, given, layout(x), piece), axis, rule,
+         into)  # fmt: skip
+
+
+def _block_quantize(cls, func, types, args, kwargs):
+    raise NotImplementedError("fewbit.block.quantize takes no DTensor: its codes are laid out by block, not "
+                              "as x. Round with fewbit.block.round (which takes DTensors), or quantize "
+                              "x.full_tensor()")  # fmt: skip
+
+
+#: The rule of each of fewbit's operators for DTensor arguments.
+RULES: dict[str, Callable] = {
+    "fewbit::round": _round, "fewbit::round_into": _round_into, "fewbit::quantize": _quantize,
+    "fewbit::encode": _encode, "fewbit::decode": _decode, "fewbit::block_round": _block_round,
+    "fewbit::block_round_into": _block_round_into, "fewbit::block_quantize": _block_quantize,
+    "fewbit::block_quantize_into": _block_quantize,
+}  # fmt: skip
+
+
+def register() -> None:
+    """Register :data:`RULES` for DTensor (where this torch has torch.distributed)."""
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.tensor import DTensor
+
+    for op, rule in RULES.items():
+        torch.library.register_torch_dispatch(op, DTensor, rule, lib=LIBRARY)
+
+
+register()
