@@ -420,6 +420,12 @@ def _round_out(x, like):
     return fewbit.round(x, "binary8p4", "src", bits=3, seed=5, out=like(torch.zeros(x.shape)))
 
 
+def _round_in_place(x, like):
+    y = x.clone()
+    fewbit.round_(y, "binary8p4", "src", bits=3, seed=5)
+    return y
+
+
 def _round_gradient(x, like):
     x.requires_grad_()
     fewbit.round(x, "binary8p4", "src", bits=3, seed=5).backward(like(torch.arange(x.numel()).view(x.shape)))
@@ -465,6 +471,7 @@ OPS_CASES = {
     "round sr_fraction, shard1": ("S1", (6, 10), _sr_fraction),
     "round with given bits, shard1": ("S1", (6, 10), _given_bits),
     "round out=, shard1": ("S1", (6, 10), _round_out),
+    "round_ in place, shard0": ("S0", (7, 10), _round_in_place),
     "round, gradient, shard1": ("S1", (6, 10), _round_gradient),
     "round, compiled": ("S1", (6, 10), _compiled),
     "quantize packed, shard0": ("S0", (6, 6), _packed_codes),
