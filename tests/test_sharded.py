@@ -205,7 +205,7 @@ def test_fake_quantize_of_dtensors_equals_one_process_forward_and_backward(runs,
 
 #: OPS_CASES refused on every world size, and on W ranks only, with what the error says.
 OPS_REFUSED = {
-    "round, compiled": "fewbit.round on a DTensor runs eagerly only",
+    "round, compiled, shard1": "fewbit.round on a DTensor runs eagerly only",
     "nvfp4, shard0": "nvfp4's per-tensor scale comes from the whole tensor",
     "block.quantize, shard0": "fewbit.block.quantize takes no DTensor",
 }
@@ -221,7 +221,7 @@ def test_ops_on_dtensors_equal_one_process_on_the_full_tensor(runs, nproc):
     rounds its piece with the bits of the full tensor, so the gathered result is one
     process's on the full tensor, for Shard(0), Shard(1), Replicate and Partial inputs, with
     a seed or given bits, out=, packed codes and the gradient; what fewbit cannot place
-    is refused alike on every rank, naming why."""
+    (or compile) is refused alike on every rank, naming why."""
     cfg = OpsProbe()
     refused = {**OPS_REFUSED, **OPS_REFUSED_ON[nproc]}
     for rank in runs[nproc]["ops"]:

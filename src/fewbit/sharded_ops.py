@@ -12,8 +12,10 @@ for them and could not give an element its global index. Autograd runs above: th
 gradient is the straight-through one, a DTensor laid out as the input's.
 
 Limits, each refused with an error before anything is written:
-- eager only. Traced, torch gives a rank's place in the mesh as a symbol, and the bits
-  of a piece need it as a number;
+- eager only. A piece's bits depend on the rank's place in the mesh, which a traced
+  rule would bake into the graph as constants, and torch's compile caches take a graph
+  on a DTensor as the same on every rank: a warm cache then gives one rank another's
+  bits (seen on 4 gloo ranks, torch 2.13);
 - ``random_bits`` must be a DTensor laid out as x; ``out`` too, and neither Partial;
 - packed codes pair elements along the last dimension: a piece cut inside a pair is
   refused, as a block format's piece cut inside a block (and NVFP4 on any sharding:
@@ -46,8 +48,8 @@ __all__ = ["register"]
 
 def _eager(name: str) -> None:
     if torch.compiler.is_compiling():
-        raise NotImplementedError(f"{name} on a DTensor runs eagerly only: traced, a rank's place "
-                                  "in its mesh is a symbol, and its piece's bits need a number")  # fmt: skip
+        raise NotImplementedError(f"{name} on a DTensor runs eagerly only: a piece's bits depend on "
+                                  "its rank; torch's compile caches share graphs across ranks")  # fmt: skip
 
 
 def _laid_out_as(x, other, what: str, name: str) -> torch.Tensor | None:

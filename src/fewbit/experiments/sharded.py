@@ -473,7 +473,7 @@ OPS_CASES = {
     "round out=, shard1": ("S1", (6, 10), _round_out),
     "round_ in place, shard0": ("S0", (7, 10), _round_in_place),
     "round, gradient, shard1": ("S1", (6, 10), _round_gradient),
-    "round, compiled": ("S1", (6, 10), _compiled),
+    "round, compiled, shard1": ("S1", (6, 10), _compiled),
     "quantize packed, shard0": ("S0", (6, 6), _packed_codes),
     "quantize packed, shard1": ("S1", (6, 6), _packed_codes),
     "encode and decode packed, shard1": ("S1", (6, 8), _decoded),
