@@ -31,6 +31,7 @@ from fewbit.experiments.replicas import launch
 from fewbit.experiments.train import PRESETS
 from fewbit.optim import LowPrecisionWeights
 from fewbit.sharding import local_tensor
+from ranks import importable  # (this folder: a script's own is on the path)
 
 VOCAB = 65  # Shakespeare's characters
 
@@ -86,10 +87,11 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=30)
     args = ap.parse_args()
-    rows = [("1 process, whole tensors", launch([Case(args.preset, None, args.repeat)], 1,
-                                                train=time_write_back)[0])]  # fmt: skip
-    sharded = [Case(args.preset, d, args.repeat) for d in (0, 1)]
-    for d, per_rank in zip((0, 1), launch(sharded, args.nproc, train=time_write_back), strict=True):
+    me = importable(__file__)  # (the ranks import time_write_back and Case by this module's name)
+    rows = [("1 process, whole tensors", launch([me.Case(args.preset, None, args.repeat)], 1,
+                                                train=me.time_write_back)[0])]  # fmt: skip
+    sharded = [me.Case(args.preset, d, args.repeat) for d in (0, 1)]
+    for d, per_rank in zip((0, 1), launch(sharded, args.nproc, train=me.time_write_back), strict=True):
         rows.append((f"FSDP2 on {args.nproc} ranks, Shard({d})", per_rank))
     base = max(r["seconds"] for r in rows[0][1])
     print(f"write-back of the {args.preset} GPT's matrices, binary8p4 SRC N=3 (median of {args.repeat})")
