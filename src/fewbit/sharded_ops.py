@@ -31,7 +31,7 @@ import torch
 
 from .block.ops import block_spec_of
 from .operators import LIBRARY
-from .random import host_key
+from .random import Key, host_key
 from .rounding.ops import checked_spec, lookup_format
 from .sharding import (
     ShardLayout,
@@ -41,6 +41,7 @@ from .sharding import (
     layout,
     map_piece,
     piece_randomness,
+    round_range,
 )
 
 __all__ = ["register"]
@@ -77,6 +78,17 @@ def _drawn(spec, key, given: torch.Tensor | None, where: ShardLayout, piece: tor
     return (key, None) if "seed" in drawn else (None, drawn["random_bits"])  # (a whole tensor: the op draws)
 
 
+def _in_kernel(spec, key, given: torch.Tensor | None, where: ShardLayout,
+               piece: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
+    """The piece rounded by fewbit's kernel, which draws the bits from the piece's first
+    index in the full tensor on (``sharding.round_range``: a piece that is one range of it,
+    as Shard(0) gives), without a tensor of bits; None where that does not apply."""
+    words = host_key(key)
+    if given is not None or type(words) is not Key or where.whole:
+        return None
+    return round_range(piece, spec, words, where)
+
+
 def _pairs_whole(x, packed: bool, name: str, length: int | None = None) -> tuple[int, ...] | None:
     """The full shape of x's codes packed in pairs along the last dimension (None where
     not packed); a ValueError where a piece's cut would split a pair. ``length``: that of
@@ -98,6 +110,9 @@ def _round(cls, func, types, args, kwargs):
     given = _laid_out_as(x, random_bits, "random_bits", "fewbit.round")
 
     def rounded(piece: torch.Tensor, where: ShardLayout) -> torch.Tensor:
+        fast = _in_kernel(spec, key, given, where, piece)
+        if fast is not None:
+            return fast
         return func(piece, fmt, rounding, sat, bits, fraction, *_drawn(spec, key, given, where, piece))
 
     return map_piece(x, rounded)
@@ -110,8 +125,12 @@ def _round_into(cls, func, types, args, kwargs):
     spec = checked_spec(x.to_local(), fmt, rounding, sat, bits, fraction, key, random_bits)
     given = _laid_out_as(x, random_bits, "random_bits", "fewbit.round")
     into = _laid_out_as(x, out, "out", "fewbit.round")
-    piece = x.to_local()
-    func(piece, fmt, rounding, sat, bits, fraction, *_drawn(spec, key, given, layout(x), piece), into)
+    piece, where = x.to_local(), layout(x)
+    fast = _in_kernel(spec, key, given, where, piece)
+    if fast is not None:
+        into.copy_(fast)
+    else:
+        func(piece, fmt, rounding, sat, bits, fraction, *_drawn(spec, key, given, where, piece), into)
 
 
 def _quantize(cls, func, types, args, kwargs):
