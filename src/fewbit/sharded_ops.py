@@ -211,10 +211,15 @@ RULES: dict[str, Callable] = {
 
 
 def register() -> None:
-    """Register :data:`RULES` for DTensor (where this torch has torch.distributed)."""
-    if not torch.distributed.is_available():
+    """Register :data:`RULES` for DTensor, where this torch has its public DTensor and
+    ``torch.library.register_torch_dispatch`` (torch 2.5 on; fewbit takes 2.4, whose
+    DTensors then get DTensor's own error for these ops)."""
+    if not (torch.distributed.is_available() and hasattr(torch.library, "register_torch_dispatch")):
         return
-    from torch.distributed.tensor import DTensor
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return
 
     for op, rule in RULES.items():
         torch.library.register_torch_dispatch(op, DTensor, rule, lib=LIBRARY)
