@@ -68,11 +68,8 @@ def _stand_in() -> tuple[_EveryKernel, _EveryKernel]:
     except RuntimeError:  # no GPU here: Triton 3.8 on asks for the active driver at each launch
         driver.set_active(types.SimpleNamespace())
     compiled = _Compiled()
-
-    def by_launcher(programs: int, stream: int, args: tuple) -> None:
-        compiled.run(programs, 1, 1, stream, None, None, None, None, None, *args)
-
-    return _EveryKernel(compiled, gpu._launcher(compiled)), _EveryKernel(compiled, by_launcher)
+    passed_by, through = gpu._launcher(compiled), gpu.through_launcher(compiled)
+    return _EveryKernel(compiled, passed_by), _EveryKernel(compiled, through)
 
 
 def main() -> None:

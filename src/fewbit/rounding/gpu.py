@@ -601,11 +601,7 @@ def _launcher(compiled) -> Callable[[int, int, tuple], None]:
     layout = launcher_layout(type(run))
     busy = layout and (run.global_scratch_size or run.profile_scratch_size or getattr(run, "gsan_enabled", 0))
     if layout is None or busy:
-
-        def launch(programs: int, stream: int, args: tuple) -> None:
-            run(programs, 1, 1, stream, function, metadata, None, None, None, *args)
-
-        return launch
+        return through_launcher(compiled)
     c_launch, cooperative, pdl = run.launch, run.launch_cooperative_grid, run.launch_pdl
     if layout == "spread":
 
@@ -619,6 +615,17 @@ def _launcher(compiled) -> Callable[[int, int, tuple], None]:
         def launch(programs: int, stream: int, args: tuple) -> None:
             c_launch(programs, 1, 1, stream, function, cooperative, pdl, metadata, None, None, None,
                      None, None, annotations, signature, args)  # fmt: skip
+
+    return launch
+
+
+def through_launcher(compiled) -> Callable[[int, int, tuple], None]:
+    """``compiled``'s launch as :func:`_launcher` makes it, through its launcher's own call
+    (``CudaLauncher.__call__``, Python and all)."""
+    run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+
+    def launch(programs: int, stream: int, args: tuple) -> None:
+        run(programs, 1, 1, stream, function, metadata, None, None, None, *args)
 
     return launch
 
