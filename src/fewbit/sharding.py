@@ -32,7 +32,7 @@ from .rounding.compiled import index_bits, range_bits, stream_words
 __all__ = [
     "PairwiseReduceScatter", "ShardLayout", "check_cuts", "check_whole_blocks", "global_amax", "global_bits",
     "is_dtensor", "layout", "local_tensor", "map_piece", "pairwise_sum", "piece_key", "piece_randomness",
-    "reduced", "round_range", "placement_offsets", "replica_count", "replica_rank", "torch_offsets",
+    "round_range", "placement_offsets", "replica_count", "replica_rank", "torch_offsets",
 ]  # fmt: skip
 
 
@@ -238,7 +238,7 @@ def check_whole_blocks(t: torch.Tensor, fmt, axis: int | None = None, name: str 
     if fmt.tensor_scale and any(p.is_shard() for p in t.placements):
         raise ValueError(f"{name}: {fmt.name}'s per-tensor scale comes from the whole tensor; a sharded "
                          f"tensor ({t.placements}) is not supported in it")  # fmt: skip
-    check_cuts(t, fmt.axis if axis is None else axis, fmt.block_size, f"{fmt.name}", "blocks", name)
+    check_cuts(t, fmt.axis if axis is None else axis, fmt.block_size, fmt.name, "blocks", name)
 
 
 def check_cuts(t: torch.Tensor, dim: int, size: int, what: str, groups: str, name: str,
@@ -290,23 +290,14 @@ def map_piece(t: torch.Tensor, fn: Callable[[torch.Tensor, ShardLayout], torch.T
     """
     if not is_dtensor(t):
         return fn(t, layout(t))
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate
 
-    t = reduced(t)
+    if any(p.is_partial() for p in t.placements):
+        t = t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])
     out = fn(t.to_local(), layout(t))
     stride = t.stride() if shape is None else torch.empty(shape, device="meta").stride()
     return DTensor.from_local(out, t.device_mesh, t.placements, run_check=False, shape=shape or t.shape,
                               stride=stride)  # fmt: skip
-
-
-def reduced(t):
-    """DTensor ``t`` with its Partial placements reduced to Replicate (a collective), the
-    others kept."""
-    from torch.distributed.tensor import Replicate
-
-    if any(p.is_partial() for p in t.placements):
-        t = t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])
-    return t
 
 
 def global_amax(t: torch.Tensor) -> float:
