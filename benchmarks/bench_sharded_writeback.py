@@ -4,10 +4,10 @@ The char GPT of a training preset (cpu-small by default: 2 layers, 128 wide), it
 matrices held in binary8p4 (SRC, N = 3, bfloat16 updates, as ``fewbit train``). One
 process rounds whole tensors (one batched call for all); under FSDP2 on W gloo
 processes each rank rounds its piece of every matrix with the bits of the piece's
-global indices (``fewbit.sharding.global_bits``): a contiguous range for Shard(0), a
-span or an index gather for Shard(1). Only ``_write_back`` is timed, after warm-up
-(first-call compilation), each repeat on freshly perturbed weights with a new step's
-key. The ranks take turns (a barrier between), so that each is timed alone on one
+global indices, drawn in the kernel (``fewbit.sharding.round_range``): from one range
+of the full tensor for Shard(0), a run a row for Shard(1). Only ``_write_back`` is
+timed, after warm-up (first-call compilation), each repeat on freshly perturbed weights
+with a new step's key. The ranks take turns (a barrier between), so that each is timed alone on one
 torch thread, as one process is: what a rank costs where it has its own cores, not
 what two processes sharing this machine's cores cost. Prints per configuration the
 median time per write-back on the slowest rank, the elements each rank rounds, the

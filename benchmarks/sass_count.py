@@ -39,7 +39,7 @@ BLOCK_ROWS = [
     (torch.bfloat16, "nvfp4", "rne", None, True),
 ]  # fmt: skip
 _TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16"}
-_INTEGERS = dict.fromkeys(["n", "offset", "first_row", "k0", "k1", "s0", "s1"], "i64")
+_INTEGERS = dict.fromkeys(["n", "offset", "first_row", "per_run", "stride", "k0", "k1", "s0", "s1"], "i64")
 #: Threads a program: the kernels' num_warps.
 _THREADS = 32 * gpu._OPTIONS["num_warps"]
 

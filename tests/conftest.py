@@ -128,8 +128,11 @@ def describe_mismatches(
     random_bits: torch.Tensor | None = None,
     limit: int = 6,
 ) -> str:
-    """A few failing elements: input, fewbit's and the oracle's bits (and values)."""
+    """A few failing elements: input, fewbit's and the oracle's bits (and values); ``bad``
+    holds positions in row-major order."""
     lines = []
+    x, got, expected = x.reshape(-1), got.reshape(-1), expected.reshape(-1)
+    random_bits = None if random_bits is None else random_bits.reshape(-1)
     pick = torch.as_tensor(bad[:limit], dtype=torch.int64)
     xs, gs, es = x[pick], got[pick], expected[pick]
     for i, (xh, gh, eh) in enumerate(zip(hexbits(xs), hexbits(gs), hexbits(es), strict=True)):

@@ -28,7 +28,7 @@ from fewbit.rounding.checks import dtype_format, make_spec
 from fewbit.rounding.compiled import stream_words
 from fewbit.rounding.modes import RoundMode
 from test_codec import _element_codes
-from test_native import FORMATS, MODE_ARGS, every_bfloat16
+from test_native import FORMATS, MODE_ARGS, RUNS, every_bfloat16, runs_of_a_matrix
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 before Triton is imported (tests/test_gpu_kernel.py)",
@@ -140,6 +140,25 @@ def test_any_offset_draws_the_streams_bits(bits):
     expected = native.rounded(piece, spec, stream_words(spec, key), offset=5)
     assert_bitwise_equal(got, expected, piece, "rounded")
     assert gpu.rounded(piece * 1e9, spec, key_of(11), offset=5) is None  # beyond e2m1 without sat
+
+
+@pytest.mark.parametrize("mode, dtype", [("src", torch.float32), ("sr_fraction", torch.float32),
+                                         ("srf", torch.bfloat16), ("sr", torch.bfloat16)])  # fmt: skip
+def test_runs_draw_the_bits_of_their_place_in_the_stream(mode, dtype):
+    """A piece of a matrix cut along its columns (sharding.round_range's Shard(1)), each
+    row a run of the stream, rounds as the whole matrix does there: a program per part of
+    a run, the key in a tensor or the launch's words. (Not the case of many short runs,
+    for the native kernel's threads: 300 programs take the interpreter 10 s.)"""
+    kw, fmt = MODE_ARGS[mode], fewbit.format("binary8p4")
+    spec = make_spec(dtype, fmt, RoundMode(mode), True, kw.get("bits"), kw.get("fraction"))
+    cases = [case for case in RUNS if case[0] < 100]
+    for case, host in zip(cases, itertools.cycle((False, True)), strict=False):
+        x, piece, (offset, runs, stride) = runs_of_a_matrix(dtype, *case)
+        expected = eager(x, "binary8p4", mode, sat=True, **kw)[case[2] :, case[3] : case[3] + case[4]]
+        key = Key.from_seed(kw["seed"]) if host else key_of(kw["seed"])
+        out = torch.empty_like(piece, memory_format=torch.contiguous_format)
+        assert gpu.round_into(piece, spec, key, None, out, offset, runs, stride)
+        assert_bitwise_equal(out, expected, piece, f"{case} host key {host}")
 
 
 @pytest.mark.parametrize("mode", ["src", "srff", "sr", "sr_fraction"])

@@ -56,7 +56,7 @@ def test_round_kernel_compiles_for_the_gpu(arch, dtype, fmt, mode, bits, sat, gi
 
 
 #: round_kernel's integer arguments, as the kernel annotates them.
-_INTEGERS = dict.fromkeys(["n", "offset", "first_row", "k0", "k1", "s0", "s1"], "i64")
+_INTEGERS = dict.fromkeys(["n", "offset", "first_row", "per_run", "stride", "k0", "k1", "s0", "s1"], "i64")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -98,15 +98,17 @@ def test_triton_compiles_for_the_constants_and_dtypes_alone():
     buf, key = torch.empty(1 << 12), torch.zeros(2, dtype=torch.int64)
     spec = make_spec(torch.float32, fewbit.format("binary8p4"), RoundMode.SRC, False, 3, None)
     kernel, constants = gpu.kernels().round_kernel, gpu.round_constants(spec, True, False)
-    first = _specialisation(kernel, (buf, buf, None, key, None, None, 4096, 0, 0, 0, 0, 0, 0), constants)
-    for other in [(buf[1:], buf[3:], None, key[1:], None, None, 4095, 7, 1, 1, 16, 3, 5),  # then int64s:
-                  (buf, buf, None, key, None, None, 1 << 33, 1 << 32, 1, (1 << 32) - 1, 1 << 31, 1, 0)]:
+    zeros = (0,) * 8  # offset .. s1
+    first = _specialisation(kernel, (buf, buf, None, key, None, None, 4096, *zeros), constants)
+    for other in [(buf[1:], buf[3:], None, key[1:], None, None, 4095, 7, 1, 1, 16, 1, 16, 3, 5),  # int64s:
+                  (buf, buf, None, key, None, None, 1 << 33, 1 << 32, 1, 3, 1 << 40, (1 << 32) - 1, 1 << 31,
+                   1, 0)]:  # fmt: skip
         assert _specialisation(kernel, other, constants) == first
-    halves = (buf.half(), buf.half(), None, key, None, None, 4096, 0, 0, 0, 0, 0, 0)
+    halves = (buf.half(), buf.half(), None, key, None, None, 4096, *zeros)
     assert _specialisation(kernel, halves, constants) != first
     runtime = ["x_ptr", "out_ptr", "given_ptr", "key_ptr", "scales_ptr", "ts_ptr", "n", "offset", "first_row",
-               "k0", "k1", "s0", "s1"]  # fmt: skip
-    assert kernel.arg_names[:13] == runtime and set(kernel.arg_names[13:]) == set(constants)
+               "per_run", "stride", "k0", "k1", "s0", "s1"]  # fmt: skip
+    assert kernel.arg_names[:15] == runtime and set(kernel.arg_names[15:]) == set(constants)
     codes, bad = torch.empty(1 << 12, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64)
     encode, constants = gpu.kernels().encode_kernel, gpu.encode_constants(fewbit.format("ocp_e4m3"))
     first = _specialisation(encode, (buf, codes, bad, 4096), constants)

@@ -151,6 +151,52 @@ def test_any_offset_and_thread_count_draws_the_streams_bits(bits):
             assert same_bits(out, expected), (offset, threads)
 
 
+#: Pieces cut across a matrix's rows as a Shard(1) cuts them (rows, width; the piece's
+#: first row and column, its columns): runs shorter than a row of lanes, aligned (a GPU's
+#: 16-byte loads), of one element, over several rows of lanes, over several of a GPU
+#: program's rows of blocks, many short ones (threads take runs), rows from the 3rd.
+RUNS = [(7, 1000, 0, 333, 300), (16, 1024, 0, 512, 512), (5, 40, 0, 3, 1), (3, 6000, 0, 17, 5000),
+        (2, 30000, 0, 100, 25000), (300, 64, 0, 32, 32), (9, 1000, 2, 333, 300)]  # fmt: skip
+
+
+def runs_of_a_matrix(dtype, rows, width, row0, col0, cols):
+    """A matrix, the piece at rows row0 .., columns col0 .. col0 + cols, and where the
+    runs of the piece (its rows) lie in the matrix's stream: (offset, runs, stride)."""
+    x = (torch.randn(rows, width, generator=torch.Generator().manual_seed(rows + width)) * 4).to(dtype)
+    return x, x[row0:, col0 : col0 + cols], (row0 * width + col0, rows - row0, width)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["src", "srf", "sr_fraction", "sr"])
+def test_runs_draw_the_bits_of_their_place_in_the_stream(mode, dtype):
+    """A piece of a matrix cut along its columns (sharding.round_range's Shard(1)), each
+    row a run of the stream, rounds as the whole matrix does there, with 1 or 2 threads;
+    the first element without a result is found in a later run."""
+    fmt, kw = fewbit.format("binary8p4"), MODE_ARGS[mode]
+    spec = make_spec(dtype, fmt, RoundMode(mode), True, kw.get("bits"), kw.get("fraction"))
+    words = stream_words(spec, Key.from_seed(kw["seed"]))
+    for case in RUNS:
+        x, piece, (offset, runs, stride) = runs_of_a_matrix(dtype, *case)
+        with configure(compile=False):
+            expected = fewbit.round(x, fmt, mode, sat=True, **kw)[case[2]:, case[3] : case[3] + case[4]]
+        for threads in (1, 2):
+            out = torch.empty_like(piece, memory_format=torch.contiguous_format)
+            before = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                assert native.round_into(piece, spec, words, None, out, offset, runs, stride) == -1
+            finally:
+                torch.set_num_threads(before)
+            assert same_bits(out, expected), (case, threads)
+    x, piece, (offset, runs, stride) = runs_of_a_matrix(torch.float32, *RUNS[0])
+    piece = piece / 8  # within e2m1's range, but
+    piece[4, 7] = 1e9  # beyond it, without sat
+    e2m1 = make_spec(torch.float32, fewbit.format("ocp_e2m1"), RoundMode(mode), False, kw.get("bits"),
+                     kw.get("fraction"))  # fmt: skip
+    out = torch.empty_like(piece)
+    assert native.round_into(piece, e2m1, words, None, out, offset, runs, stride) == 4 * piece.shape[1] + 7
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mode", ["rne", "src", "sr"])
 def test_16_bit_rows_of_any_length_and_offset(mode, dtype):

@@ -4,6 +4,7 @@ saved on 4 ranks and resumed on 2; the pieces' global indices and bits; the sync
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import numpy as np
@@ -27,6 +28,7 @@ from fewbit.experiments.sharded import (
 from fewbit.nn import FakeQuantize, Quant, fake_quantize
 from fewbit.random import Key, fold_in, random_bits
 from fewbit.replicas import replica_key
+from fewbit.sharding import Runs, ShardLayout
 
 STEPS, SAVE_AT, EVERY = 50, 25, 5
 HSDP_STEPS = 20
@@ -150,14 +152,52 @@ def test_pieces_take_the_indices_and_bits_of_the_full_tensor(runs, nproc):
             if len(c["from_data"]):  # an empty piece has no place to agree on
                 assert c["torch"] is None or c["torch"] == c["fallback"], what
             assert np.array_equal(c["bits"], everything[c["from_data"]]), what
-            if c["flat_start"] is not None:
-                assert np.array_equal(c["from_data"], c["flat_start"] + np.arange(len(c["from_data"]))), what
+            if c["runs"] is not None:
+                assert np.array_equal(c["from_data"], expand(c["runs"])), what
             np.add.at(covered, c["from_data"], 1)
         # Every element is held: once per replica.
         assert len(set(covered.tolist())) == 1 and covered[0] >= 1, case["shape"]
-    assert any(c["flat_start"] is None for c in ranks[0])  # Shard(1) pieces were among them
+    counts = {None if c["runs"] is None else min(c["runs"].count, 2) for r in ranks for c in r}
+    assert counts == ({1, 2, None} if nproc == 4 else {1, 2})  # one range, runs (Shard(1)), neither (2x2)
     if nproc == 4:  # 3 rows on 4 ranks: and empty ones
         assert any(len(c["from_data"]) == 0 for r in ranks for c in r)
+
+
+def expand(runs: Runs) -> np.ndarray:
+    """The global indices of ``runs``, in order."""
+    return (runs.start + runs.stride * np.arange(runs.count)[:, None] + np.arange(runs.length)).reshape(-1)
+
+
+def maximal_runs(index: np.ndarray) -> tuple[list[int], list[int]]:
+    """The starts and lengths of the longest runs of consecutive integers in ``index``."""
+    cuts = np.flatnonzero(np.diff(index) != 1) + 1
+    pieces = np.split(index, cuts)
+    return [int(p[0]) for p in pieces], [len(p) for p in pieces]
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 2), (4, 1, 5), (2, 3, 1, 3)])
+def test_runs_are_the_pieces_longest_runs_where_they_are_alike(shape):
+    """Every block of a small tensor (each dimension any offset and size): ShardLayout.runs
+    gives its indices as its longest runs of consecutive indices where those are equally
+    long and spaced, and says there are none where they are not."""
+    dims = [[(o, n) for o in range(g) for n in range(1, g - o + 1)] for g in shape]
+    seen = set()
+    for block in itertools.product(*dims):
+        offset, local = zip(*block, strict=True)
+        piece = ShardLayout(shape, local, offset)
+        index = piece.flat_indices().numpy()
+        starts, lengths = maximal_runs(index)
+        alike = len(set(lengths)) == 1 and len(set(np.diff(starts).tolist())) <= 1
+        runs = piece.runs()
+        seen.add(None if runs is None else min(runs.count, 2))
+        if not alike:
+            assert runs is None, (offset, local)
+            continue
+        assert runs is not None and np.array_equal(expand(runs), index), (offset, local, runs)
+        assert (runs.count, runs.length) == (len(starts), lengths[0]), (offset, local, runs)
+        assert piece.flat_start() == (runs.start if runs.count == 1 else None)
+    assert seen == ({1, 2, None} if shape != (4, 1, 5) else {1, 2})
+    assert ShardLayout(shape, (0,) + shape[1:], (0,) * len(shape)).runs() == Runs(0, 1, 0, 0)
 
 
 def one_process_fake_quantize(cfg: TensorParallelProbe, case: str, replica: int) -> tuple:

@@ -248,7 +248,7 @@ class LowPrecisionWeights:
             key = None if step_key is None else replica_key(fold_in(step_key, i), self.policy)
             x = t.to(self.via)
             done = None if block else round_range(x, self.spec, key, at)
-            if done is not None:  # one range of the full tensor: its bits drawn inside the kernel
+            if done is not None:  # runs of the full tensor: its bits drawn inside the kernel
                 t.copy_(done)
                 continue
             random = piece_randomness(self.spec, key, at, t.device) if t.numel() else {}

@@ -80,9 +80,10 @@ def _drawn(spec, key, given: torch.Tensor | None, where: ShardLayout, piece: tor
 
 def _in_kernel(spec, key, given: torch.Tensor | None, where: ShardLayout,
                piece: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
-    """The piece rounded by fewbit's kernel, which draws the bits from the piece's first
-    index in the full tensor on (``sharding.round_range``: a piece that is one range of it,
-    as Shard(0) gives), without a tensor of bits; None where that does not apply."""
+    """The piece rounded by fewbit's kernel, which draws the bits of the piece's indices in
+    the full tensor (``sharding.round_range``: a piece that is runs of it, one for
+    Shard(0), a row each for Shard(1)), without a tensor of bits; None where that does not
+    apply."""
     words = host_key(key)
     if given is not None or type(words) is not Key or where.whole:
         return None

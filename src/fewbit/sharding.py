@@ -19,6 +19,7 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -30,9 +31,9 @@ from .rounding.checks import RoundSpec
 from .rounding.compiled import index_bits, range_bits, stream_words
 
 __all__ = [
-    "PairwiseReduceScatter", "ShardLayout", "check_cuts", "check_whole_blocks", "global_amax", "global_bits",
-    "is_dtensor", "layout", "local_tensor", "map_piece", "pairwise_sum", "piece_key", "piece_randomness",
-    "round_range", "placement_offsets", "replica_count", "replica_rank", "torch_offsets",
+    "PairwiseReduceScatter", "Runs", "ShardLayout", "check_cuts", "check_whole_blocks", "global_amax",
+    "global_bits", "is_dtensor", "layout", "local_tensor", "map_piece", "pairwise_sum", "piece_key",
+    "piece_randomness", "round_range", "placement_offsets", "replica_count", "replica_rank", "torch_offsets",
 ]  # fmt: skip
 
 
@@ -46,6 +47,16 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The piece of ``t`` this rank holds (``to_local()``, which shares its storage: an
     in-place write changes the DTensor); ``t`` itself for a plain tensor."""
     return t.to_local() if is_dtensor(t) else t
+
+
+class Runs(NamedTuple):
+    """``count`` runs of ``length`` consecutive global indices, run r starting at
+    ``start + r * stride``."""
+
+    start: int
+    count: int
+    length: int
+    stride: int
 
 
 @dataclass(frozen=True)
@@ -83,14 +94,35 @@ class ShardLayout:
         last = sum((o + n - 1) * s for o, n, s in zip(self.offset, self.local_shape, strides, strict=True))
         return first, last + 1
 
+    def runs(self) -> Runs | None:
+        """The piece as runs of consecutive global indices, equally long and spaced, where
+        it is (one run for Shard(0) or a whole tensor, a run a row for Shard(1) of a
+        matrix); None where it is not (a piece cut along two dimensions with more than
+        one row across a third)."""
+        if self.numel == 0:
+            return Runs(0, 1, 0, 0)
+        # The piece's dimensions as (size, stride in the full tensor), a size 1 dropped, and
+        # a dimension merged into the one before it where the two are contiguous.
+        dims: list[tuple[int, int]] = []
+        for n, stride in zip(self.local_shape, self._strides(), strict=True):
+            if n == 1:
+                continue
+            if dims and dims[-1][1] == n * stride:
+                dims[-1] = (dims[-1][0] * n, stride)
+            else:
+                dims.append((n, stride))
+        if not dims or dims[-1][1] != 1:  # runs of one element
+            dims.append((1, 1))
+        if len(dims) > 2:
+            return None
+        (count, stride), (length, _) = dims if len(dims) == 2 else ((1, 0), dims[0])
+        return Runs(self.flat_bounds()[0], count, length, stride)
+
     def flat_start(self) -> int | None:
         """The global index of the first element when the piece is one contiguous range
         of the flattened full tensor (Shard(0), or a whole tensor), else None."""
-        sizes = zip(self.local_shape, self.global_shape, strict=True)
-        partial = [d for d, (n, g) in enumerate(sizes) if n != g]
-        if self.numel == 0 or not partial or all(n == 1 for n in self.local_shape[: partial[-1]]):
-            return self.flat_bounds()[0]
-        return None
+        runs = self.runs()
+        return runs.start if runs is not None and runs.count == 1 else None
 
     def flat_indices(self, device: torch.device | str | None = None) -> torch.Tensor:
         """int64 global index of every element of the piece, in its row-major order."""
@@ -181,17 +213,18 @@ def round_range(
 ) -> torch.Tensor | None:
     """``x`` (a piece, in the dtype the rounding starts from) rounded stochastically by
     fewbit's kernel (native on a CPU, Triton on a GPU) with the bits its elements have in
-    the full tensor, drawn in the kernel, where the piece is one contiguous range of the
-    flattened full tensor (Shard(0): the stream's elements ``start ..``). None where that
-    does not apply, or where an element has no value in the format (the caller's rounding
-    then raises)."""
-    start = piece.flat_start()
-    if key is None or start is None:
+    the full tensor, drawn in the kernel, where the piece is runs of the flattened full
+    tensor (:meth:`ShardLayout.runs`: Shard(0) one, Shard(1) a run a row). None where
+    that does not apply, or where an element has no value in the format (the caller's
+    rounding then raises)."""
+    runs = piece.runs()
+    if key is None or runs is None:
         return None
+    at = {"offset": runs.start, "runs": runs.count, "stride": runs.stride}
     if native.applies(spec, x):
-        return native.rounded(x, spec, stream_words(spec, key), offset=start)
+        return native.rounded(x, spec, stream_words(spec, key), **at)
     if gpu.applies(spec, x):
-        return gpu.rounded(x, spec, key, offset=start)
+        return gpu.rounded(x, spec, key, **at)
     return None
 
 

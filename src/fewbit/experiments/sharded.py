@@ -319,7 +319,7 @@ def probe_layouts(rank: int, world_size: int, cfg: LayoutProbe) -> dict:
                     "shape": shape, "mesh": name, "placements": str(placements),
                     "from_data": dt.to_local().reshape(-1).long().numpy(),
                     "from_layout": piece.flat_indices().numpy(),
-                    "flat_start": piece.flat_start(),
+                    "runs": piece.runs(),
                     "torch": torch_offsets(dt), "fallback": placement_offsets(dt),
                     "bits": global_bits(spec, words, piece, "cpu").reshape(-1).numpy(),
                 })  # fmt: skip

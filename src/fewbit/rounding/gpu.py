@@ -138,11 +138,13 @@ _VALUES, _CODES, _PACKED = range(3)
 @functools.lru_cache(maxsize=256)
 def round_constants(spec: RoundSpec, drawn: bool, given: bool, aligned: bool = True,
                     via: torch.dtype | None = None, host_key: bool = False,
-                    codes: int = _VALUES, block: tuple[int, str] | None = None) -> dict:  # fmt: skip
+                    codes: int = _VALUES, block: tuple[int, str] | None = None, runs: bool = False,
+                    ) -> dict:  # fmt: skip
     """round_kernel's compile-time constants for a spec, its bits drawn in the kernel or
     given (or neither); ``via``: those of round_foreach_'s launch (``FOREACH``);
     ``host_key``: the key's words passed with the launch; ``codes``: what it writes;
-    ``block``: the block size and scale rule of a block format's call (``BLOCK``)."""
+    ``block``: the block size and scale rule of a block format's call (``BLOCK``);
+    ``runs``: x is runs of the stream (``RUNS``)."""
     p = dict(zip(PARAM_NAMES, kernel_params(spec), strict=True))
     size, rule = block or (0, "floor")
     per_word = 32 // spec.bits if spec.bits else 1
@@ -156,7 +158,7 @@ def round_constants(spec: RoundSpec, drawn: bool, given: bool, aligned: bool = T
             "HOST_KEY": host_key and drawn, "CODES": codes, **_code_constants(spec),
             "BLOCK": size, "RULE": BLOCK_RULES[rule], "EMAX": spec.fmt.emax,
             "RCEIL_FRACTION": p["MAX"] & 0x7FFFFF, "EVEN_FRACTION": even_fraction(spec.fmt),
-            "ELEMENT_MAX": spec.fmt.max}  # fmt: skip
+            "ELEMENT_MAX": spec.fmt.max, "RUNS": runs}  # fmt: skip
 
 
 @functools.lru_cache(maxsize=64)
@@ -179,16 +181,20 @@ def round_into(
     random_bits: torch.Tensor | None,
     out: torch.Tensor,
     offset: int = 0,
+    runs: int = 1,
+    stride: int = 0,
 ) -> bool:
     """Round ``x`` into ``out`` (contiguous, x's dtype and size; element i is the i-th in
     row-major order), the bits given (int32 ``random_bits`` of x's shape) or drawn with
     ``key`` for stream elements ``offset ..``: a key tensor (int64 ``(k0, k1)`` on x's
     device, read by the kernel) or a :class:`Key` (its words passed with the launch);
-    only where :func:`applies` (or, for tests, on CPU tensors under
-    ``TRITON_INTERPRET=1``). In a format without NaN, NaN marks an element without a
-    valid result, as in the torch kernels. False (nothing written) where Triton could
-    not compile the kernel: the torch kernels then take the call."""
-    return _round(x, spec, key, random_bits, out, offset, _VALUES)
+    or, ``runs`` > 1, for ``runs`` runs of equal length (x's rows of a Shard(1) piece),
+    run r being stream elements ``offset + r * stride ..``. Only where :func:`applies`
+    (or, for tests, on CPU tensors under ``TRITON_INTERPRET=1``). In a format without
+    NaN, NaN marks an element without a valid result, as in the torch kernels. False
+    (nothing written) where Triton could not compile the kernel: the torch kernels then
+    take the call."""
+    return _round(x, spec, key, random_bits, out, offset, _VALUES, runs=(runs, stride))
 
 
 def quantize_into(
@@ -229,11 +235,12 @@ def block_applies(spec: RoundSpec, x: torch.Tensor, random_bits: torch.Tensor | 
 
 
 def _round(x, spec: RoundSpec, key, random_bits, out: torch.Tensor, offset: int, codes: int,
-           block: tuple | None = None) -> bool:  # fmt: skip
+           block: tuple | None = None, runs: tuple[int, int] = (1, 0)) -> bool:  # fmt: skip
     x = x.contiguous()
-    n = x.numel()
-    if n == 0:
+    if x.numel() == 0:
         return True
+    count, stride = runs
+    n = x.numel() // count  # a run's elements
     drawn = key is not None and MODES[spec.mode].stochastic
     given = None if random_bits is None else random_bits.contiguous()
     # k0, k1 (and the selection stream's s0, s1): as the launch's arguments, or on the
@@ -247,13 +254,15 @@ def _round(x, spec: RoundSpec, key, random_bits, out: torch.Tensor, offset: int,
         words = torch.stack(stream_words(spec, key)) if select else key.contiguous()
     # A block call's (size, rule), scale codes and tensor scale: what else it takes.
     shape, scales, tensor_scale = block or (None, None, None)
-    variant = (spec, drawn, given is not None, aligned(n, offset, x, out, given), None, host, codes, shape)
+    fits = aligned(n, offset, x, out, given) and stride % 16 == 0
+    variant = (spec, drawn, given is not None, fits, None, host, codes, shape, count > 1)
     rows = round_constants(*variant)["ROWS"]
     # Programs start at a multiple of `rows` rows, the first at the one holding element offset.
     first_row = offset // LANES // rows * rows
-    end_row = -(-(offset + n) // LANES)
-    programs = -(-(end_row - first_row) // rows)
-    ints = (n, offset, first_row, *host_words)
+    programs = -(-(-(-(offset + n) // LANES) - first_row) // rows)
+    if count > 1:  # as many for each run as the run that starts latest in its programs' rows needs
+        programs = count * -(-(LANES * rows - 1 + n) // (LANES * rows))
+    ints = (n, offset, first_row, programs // count, stride, *host_words)
     tensors = (x, out, given, words, scales, tensor_scale)
     return _launch("round_kernel", programs, tensors, ints, round_constants, variant)
 
@@ -307,7 +316,7 @@ def round_foreach_(
         table = torch.frombuffer(array.array("q", head + padded), dtype=torch.int64)
         if first.device.type == "cuda":  # from pinned memory, without waiting for queued work
             table = table.pin_memory().to(first.device, non_blocking=True)
-        arguments = (table, first, None, None, None, None), (_FOREACH_TENSORS, 0, 0, 0, 0, 0, 0)
+        arguments = (table, first, None, None, None, None), (_FOREACH_TENSORS, 0, 0, 0, 0, 0, 0, 0, 0)
         if not _launch("round_kernel", starts[-1], *arguments, round_constants, variant):
             if launched:  # (the same kernel as the launch before: not seen to happen)
                 raise RuntimeError("fewbit: a write-back launch failed after others had written")
@@ -320,14 +329,14 @@ def round_foreach_(
 
 
 def rounded(
-    x: torch.Tensor, spec: RoundSpec, key: torch.Tensor | Key, offset: int = 0
+    x: torch.Tensor, spec: RoundSpec, key: torch.Tensor | Key, offset: int = 0, runs: int = 1, stride: int = 0
 ) -> torch.Tensor | None:
     """:func:`round_into` a new tensor of x's shape, the bits drawn with ``key`` (a key
-    tensor or a Key) for stream elements ``offset ..``; None where an element has no
-    valid result (the torch kernels then say which, with their error; finding out waits
-    for the kernel)."""
+    tensor or a Key) for stream elements ``offset ..`` (or runs of them); None where an
+    element has no valid result (the torch kernels then say which, with their error;
+    finding out waits for the kernel)."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if not round_into(x, spec, key, None, out, offset):
+    if not round_into(x, spec, key, None, out, offset, runs, stride):
         return None
     return None if not spec.fmt.has_nans and bool(torch.isnan(out).any()) else out
 

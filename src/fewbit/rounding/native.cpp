@@ -726,6 +726,9 @@ struct Job {
   const int32_t* given;  // random bits given per element (or null: drawn from keys)
   bool stream;  // write whole rows of values with non-temporal stores
   Blocks blocks;
+  // The random streams' caches, where a thread's jobs share them (run_runs: the runs of one
+  // row of blocks draw its words once); null: each job has its own.
+  std::vector<Stream>* streams = nullptr;
 };
 
 inline bool stochastic(int mode) {
@@ -1342,12 +1345,14 @@ struct Row {
 // bits low, sr_fraction's selection bits above them). Deterministic modes read none.
 template <int MODE>
 struct RowBits {
-  std::vector<Stream> streams;  // on the heap: each holds a row of words of both outputs
+  std::vector<Stream> own;  // on the heap: each holds a row of words of both outputs
+  std::vector<Stream>& streams;  // own, or the job's
   const int32_t* given;
   int bits;
 
-  explicit RowBits(const Job& job) : given(job.given), bits(job.fmt[BITS]) {
-    if (stochastic(MODE) && given == nullptr) {
+  explicit RowBits(const Job& job)
+      : streams(job.streams != nullptr ? *job.streams : own), given(job.given), bits(job.fmt[BITS]) {
+    if (stochastic(MODE) && given == nullptr && streams.empty()) {
       streams.emplace_back(job.keys[0], job.keys[1], bits);
       if (MODE == FRACTION) streams.emplace_back(job.keys[2], job.keys[3], 16);
     }
@@ -1752,6 +1757,44 @@ int64_t run(const Job& job, int mode, int threads) {
   return -1;
 }
 
+// Run a job of `runs` runs of job.n / runs elements each, run r being x's elements from
+// r * job.n / runs on and the stream's from job.offset + r * stride on: a sharded piece cut
+// along a later dimension than the first (Shard(1)), each run a row of it. Each run is a
+// job of its own; a thread takes consecutive runs, and its jobs share the streams' caches
+// (short runs lie many to a row of blocks: cpu-small's Shard(1) write-back drew each row
+// of words for every run, 4.2x one process's time, ?x sharing). Values out, without
+// blocks (a block would straddle runs). Returns as run does.
+int64_t run_runs(const Job& job, int mode, int threads, int64_t runs, int64_t stride) {
+  const RowsFn kernel = KERNELS[mode];
+  const int64_t n = job.n / runs;
+  const int elem = job.dtype == F32 ? 4 : 2;
+  const int64_t rows = runs * ((n + LANES - 1) / LANES);
+  const auto some = [&](int64_t r0, int64_t r1) -> int64_t {
+    std::vector<Stream> streams;
+    for (int64_t r = r0; r < r1; ++r) {
+      Job one = job;
+      one.streams = &streams;
+      one.x = static_cast<const char*>(job.x) + r * n * elem;
+      one.out = static_cast<char*>(job.out) + r * n * elem;
+      if (job.given != nullptr) one.given = job.given + r * n;
+      one.n = n;
+      one.offset = job.offset + r * stride;
+      const int64_t bad = kernel(one, one.offset / LANES, (one.offset + n + LANES - 1) / LANES);
+      if (bad >= 0) return r * n + bad;
+    }
+    return -1;
+  };
+  const int64_t workers =
+      std::max<int64_t>(1, std::min<int64_t>({int64_t(threads), runs, rows / MIN_ROWS_PER_THREAD}));
+  if (workers == 1) return some(0, runs);
+  std::vector<int64_t> bad(workers, -1);
+#pragma omp parallel for num_threads(workers) schedule(static, 1)
+  for (int64_t w = 0; w < workers; ++w) bad[w] = some(runs * w / workers, runs * (w + 1) / workers);
+  for (int64_t b : bad)
+    if (b >= 0) return b;
+  return -1;
+}
+
 // Streaming pays where the output outgrows the caches.
 bool streams(int dtype, int output, int64_t n) {
   return output == VALUES && dtype != F16 && n * (dtype == F32 ? 4 : 2) >= STREAM_BYTES;
@@ -1834,22 +1877,25 @@ struct Call {
   int64_t block_size, rule;  // blocks (size 0: none)
   double tensor_scale;
   uint8_t* scales;
+  int64_t runs, run_stride;  // runs of n / runs elements (run_runs); 1, 0: one range
 };
-static_assert(sizeof(Call) == 128, "native.py's CALL packs this layout");
+static_assert(sizeof(Call) == 144, "native.py's CALL packs this layout");
 
 // Round (mode 0 .. FRACTION) or encode (mode ENCODE) x[0 .. n) of dtype into out, the
 // elements being offset .. offset + n of the random stream. With blocks (x[0 .. n) in
 // blocks of block_size, which divides LANES; offset 0), each block is scaled by its rule
 // first: values q * S in x's dtype into out, or element codes into out and the codes of
 // the blocks' scales (E8M0 or E4M3) into scales. Returns the first position without a
-// valid result, or -1.
+// valid result, or -1. With runs > 1 (values, no blocks), x holds runs of n / runs
+// elements each, run r being stream elements offset + r * run_stride ...
 int64_t fewbit_round(const Call* c) {
   const int mode = int(c->mode), dtype = int(c->dtype), output = int(c->output);
   const Blocks blocks{int(c->block_size), Rule(c->rule), float(c->tensor_scale), c->scales,
                       mode == RUP || mode == RDN || mode == RTO};
   const Job job{c->x, Dtype(dtype), c->out, Output(output), c->n, c->offset, Fmt(c->params), c->keys, c->given,
                 streams(dtype, output, c->n), blocks};
-  return run(job, mode, int(c->threads));
+  const int threads = int(c->threads);
+  return c->runs > 1 ? run_runs(job, mode, threads, c->runs, c->run_stride) : run(job, mode, threads);
 }
 
 // The largest finite magnitude in x[0 .. n) (0 if none), for NVFP4's per-tensor scale

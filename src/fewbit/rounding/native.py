@@ -176,23 +176,25 @@ def mode_id(spec: RoundSpec) -> int:
 
 def round_into(
     x: torch.Tensor, spec: RoundSpec, words: list[int] | None, random_bits: torch.Tensor | None,
-    out: torch.Tensor, offset: int = 0,
+    out: torch.Tensor, offset: int = 0, runs: int = 1, stride: int = 0,
 ) -> int:
     """Round ``x`` into ``out`` (contiguous, x's dtype and size; element i is the i-th in
     row-major order), the bits given (int32 ``random_bits`` of x's shape) or drawn with
     ``words`` (``compiled.stream_words``: Python ints) for stream elements ``offset ..``;
-    only where :func:`applies`. Returns the first position whose result is not valid (a
-    format without NaN: NaN input, or overflow without sat), else -1."""
-    return _call(x, spec, False, words, random_bits, out, _VALUES, offset)
+    or, ``runs`` > 1, for ``runs`` runs of equal length (x's rows of a Shard(1) piece),
+    run r being stream elements ``offset + r * stride ..``. Only where :func:`applies`.
+    Returns the first position whose result is not valid (a format without NaN: NaN
+    input, or overflow without sat), else -1."""
+    return _call(x, spec, False, words, random_bits, out, _VALUES, offset, runs=(runs, stride))
 
 
 def rounded(
-    x: torch.Tensor, spec: RoundSpec, words: list[int] | None, offset: int = 0
+    x: torch.Tensor, spec: RoundSpec, words: list[int] | None, offset: int = 0, runs: int = 1, stride: int = 0
 ) -> torch.Tensor | None:
     """:func:`round_into` a new tensor of x's shape; None where an element has no valid
     result (the torch kernels then say which, with their error)."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    return out if round_into(x, spec, words, None, out, offset) == -1 else None
+    return out if round_into(x, spec, words, None, out, offset, runs, stride) == -1 else None
 
 
 def encode_into(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor, packed: bool) -> int:
@@ -275,36 +277,38 @@ def finite_amax(x: torch.Tensor) -> float:
 
 
 #: native.cpp's ``Call``: x, dtype, out, output, n, offset, params, mode, the four key
-#: words, given, threads, then block_size, rule, tensor_scale and scales (addresses as
-#: int64, 0 for none). The kernels read x and the given bits in memory order (made
+#: words, given, threads, block_size, rule, tensor_scale and scales, then runs and their
+#: stride (addresses as int64, 0 for none). The kernels read x and the given bits in memory order (made
 #: contiguous here if they are not) and write out's memory, which the callers make
 #: contiguous: no shape is needed, and no flattening view (1 us each) is made.
-CALL = struct.Struct("<8q4I4qdq")
+CALL = struct.Struct("<8q4I4qdq2q")
 #: native.cpp's ``Lookup``: codes, their kind, n, table, k, the values' width, out, threads.
 LOOKUP = struct.Struct("<8q")
 _NO_BLOCKS = (0, 0, 1.0, 0)
+_ONE_RANGE = (1, 0)
 _NO_WORDS = (0, 0, 0, 0)
 
 
 def _call(x, spec: RoundSpec, encode: bool, words, random_bits, out: torch.Tensor, output: int,
-          offset: int, block: tuple = _NO_BLOCKS) -> int:  # fmt: skip
+          offset: int, block: tuple = _NO_BLOCKS, runs: tuple[int, int] = _ONE_RANGE) -> int:  # fmt: skip
     library = _load()
     assert library is not None, "the native kernel is called only where usable() found it built"
     x = x.contiguous()  # the kernel reads flat memory
     given = None if random_bits is None else random_bits.contiguous()
-    call, _params = packed(x, spec, encode, words, given, out, output, offset, block)
+    call, _params = packed(x, spec, encode, words, given, out, output, offset, block, runs)
     return library.fewbit_round(call)
 
 
 def packed(x, spec: RoundSpec, encode: bool, words, given, out: torch.Tensor, output: int, offset: int,
-           block: tuple = _NO_BLOCKS) -> tuple[bytes, ctypes.Array]:  # fmt: skip
+           block: tuple = _NO_BLOCKS, runs: tuple[int, int] = _ONE_RANGE,
+           ) -> tuple[bytes, ctypes.Array]:  # fmt: skip
     """fewbit_round's packed ``Call`` on contiguous x and given bits, and the array of
     parameters it points to (which must live until the call returns)."""
     params, kernel = _kernel(spec, encode)
     words = _NO_WORDS if words is None else (*words, 0, 0)[:4]
     call = CALL.pack(x.data_ptr(), _DTYPES[x.dtype], out.data_ptr(), output, x.numel(), offset,
                      ctypes.addressof(params), kernel, *words, 0 if given is None else given.data_ptr(),
-                     torch.get_num_threads(), *block)  # fmt: skip
+                     torch.get_num_threads(), *block, *runs)  # fmt: skip
     return call, params
 
 

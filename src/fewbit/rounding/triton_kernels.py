@@ -267,15 +267,15 @@ def _classical_sr_bits(b, n, EMIN: tl.constexpr, BITS: tl.constexpr, MAX: tl.con
     return tl.where(a > 0x7F800000, NAN_BITS, out)
 
 
-@triton.jit(do_not_specialize=["n", "offset", "first_row", "k0", "k1", "s0", "s1"],
+@triton.jit(do_not_specialize=["n", "offset", "first_row", "per_run", "stride", "k0", "k1", "s0", "s1"],
             do_not_specialize_on_alignment=["x_ptr", "out_ptr", "given_ptr", "key_ptr", "scales_ptr",
                                             "ts_ptr"])
 def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, scales_ptr, ts_ptr, n: tl.int64, offset: tl.int64,
-                 first_row: tl.int64, k0: tl.int64, k1: tl.int64, s0: tl.int64, s1: tl.int64,
-                 ROWS: tl.constexpr, DRAWN: tl.constexpr, GIVEN: tl.constexpr, PER_WORD: tl.constexpr,
-                 MODE: tl.constexpr, T: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr,
-                 MIN_ULP_EXP: tl.constexpr, SUBNORMAL_BELOW: tl.constexpr, MAX: tl.constexpr,
-                 MAX_NEG: tl.constexpr, BEYOND_POS: tl.constexpr, BEYOND_NEG: tl.constexpr,
+                 first_row: tl.int64, per_run: tl.int64, stride: tl.int64, k0: tl.int64, k1: tl.int64,
+                 s0: tl.int64, s1: tl.int64, ROWS: tl.constexpr, DRAWN: tl.constexpr, GIVEN: tl.constexpr,
+                 PER_WORD: tl.constexpr, MODE: tl.constexpr, T: tl.constexpr, EMIN: tl.constexpr,
+                 BIAS: tl.constexpr, MIN_ULP_EXP: tl.constexpr, SUBNORMAL_BELOW: tl.constexpr,
+                 MAX: tl.constexpr, MAX_NEG: tl.constexpr, BEYOND_POS: tl.constexpr, BEYOND_NEG: tl.constexpr,
                  SMALLEST_NORMAL: tl.constexpr, P_IS_1: tl.constexpr, HAS_NZ: tl.constexpr,
                  HAS_ZERO: tl.constexpr, SAT: tl.constexpr, LIMIT_RULE: tl.constexpr, BITS: tl.constexpr,
                  SELECT_BELOW: tl.constexpr, MAGIC_SCALE: tl.constexpr, BEYOND: tl.constexpr,
@@ -284,7 +284,7 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, scales_ptr, ts_ptr, n: tl.i
                  CODE_OF_NAN: tl.constexpr, HAS_NANS: tl.constexpr, EXTENDED: tl.constexpr,
                  SIGNED: tl.constexpr, TWOS_COMPLEMENT: tl.constexpr, BLOCK: tl.constexpr, RULE: tl.constexpr,
                  EMAX: tl.constexpr, RCEIL_FRACTION: tl.constexpr, EVEN_FRACTION: tl.constexpr,
-                 ELEMENT_MAX: tl.constexpr):  # fmt: skip
+                 ELEMENT_MAX: tl.constexpr, RUNS: tl.constexpr):  # fmt: skip
     """Round stream elements ``offset .. offset + n`` (x and out hold them from 0) of rows
     ``first_row + program * ROWS ..``: bits drawn with the words at key_ptr (``DRAWN``:
     k0, k1, then the selection stream's for MODE 11), or with the words k0, k1 (and s0,
@@ -317,7 +317,12 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, scales_ptr, ts_ptr, n: tl.i
     of B): each block of x is scaled by its S before rounding (_scale_blocks, by ``RULE``:
     native.py's ids, power-of-two scales below 4, E4M3 ones times the float32 at ts_ptr
     from 4), and the values are ``q S`` in x's dtype; with CODES, the blocks' scale codes
-    go to scales_ptr, one a block."""
+    go to scales_ptr, one a block.
+
+    ``RUNS`` (values, no blocks): x holds runs of ``n`` elements, run r being stream
+    elements ``offset + r * stride ..`` (a Shard(1) piece, a run a row), ``per_run``
+    programs each, from the row of blocks that holds its first element (first_row
+    unused)."""
     lanes = tl.arange(0, LANES)
     # quantize of a float-adder rounding (MODE 13, 14) into a sign-magnitude format whose
     # beyond has a code (the largest value with sat, else Inf): the code in one go.
@@ -337,7 +342,17 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, scales_ptr, ts_ptr, n: tl.i
             key0, key1 = tl.load(table).to(tl.uint32), tl.load(table + 1).to(tl.uint32)
             k0, k1 = threefry(tl.load(table + 2 + 2 * tensors + slot), key0, key1)  # fold_in(key, i)
     else:
-        row0 = first_row + tl.program_id(0).to(tl.int64) * ROWS
+        program = tl.program_id(0).to(tl.int64)
+        if RUNS:  # the program's run, as if it were a call of its own
+            run = program // per_run
+            program -= run * per_run
+            x_ptr += run * n
+            out_ptr += run * n
+            if GIVEN:
+                given_ptr += run * n
+            offset += run * stride
+            first_row = offset // LANES // ROWS * ROWS
+        row0 = first_row + program * ROWS
         if DRAWN and HOST_KEY:  # (as int64s: a word's top bit set is no sign to the launch)
             k0, k1, s0, s1 = k0.to(tl.uint32), k1.to(tl.uint32), s0.to(tl.uint32), s1.to(tl.uint32)
         elif DRAWN:
