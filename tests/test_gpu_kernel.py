@@ -59,16 +59,19 @@ def test_round_kernel_compiles_for_the_gpu(arch, dtype, fmt, mode, bits, sat, gi
 _INTEGERS = dict.fromkeys(["n", "offset", "first_row", "per_run", "stride", "k0", "k1", "s0", "s1"], "i64")
 
 
+@pytest.mark.parametrize("runs", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_alignment_is_what_the_host_says(dtype):
+def test_alignment_is_what_the_host_says(dtype, runs):
     """A launch's loads and stores are 16 bytes wide where the host says the call is
     aligned (``ALIGNED``), and element by element where it says not: the kernel is not
     compiled for what Triton would find of its arguments, so that gpu.py can launch it
-    again knowing only its constants and dtypes."""
+    again knowing only its constants and dtypes. So for runs (``RUNS``) too, each run's
+    start placed in the kernel."""
     spec = make_spec(dtype, fewbit.format("binary8p4"), RoundMode.SRC, False, 3, None)
     args = {"x_ptr": f"*{_TRITON_DTYPES[dtype]}", "out_ptr": f"*{_TRITON_DTYPES[dtype]}", "key_ptr": "*i64",
             **_INTEGERS}  # fmt: skip
-    ptx = {aligned: gpu.compile_for("round_kernel", args, gpu.round_constants(spec, True, False, aligned), 90)
+    variant = {aligned: (spec, True, False, aligned, None, False, 0, None, runs) for aligned in (True, False)}
+    ptx = {aligned: gpu.compile_for("round_kernel", args, gpu.round_constants(*variant[aligned]), 90)
            for aligned in (True, False)}  # fmt: skip
     ptx = {aligned: compiled.asm["ptx"] for aligned, compiled in ptx.items()}
     assert "ld.global.v4.b32" in ptx[True] and "st.global.v4.b32" in ptx[True]
