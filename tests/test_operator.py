@@ -507,3 +507,38 @@ def test_whatever_would_see_an_op_call_still_sees_it():
     assert not unseen([torch.empty(2, device="meta")]) and not unseen([x.to_sparse()])
     assert not unseen([x.as_subclass(type("Sub", (torch.Tensor,), {}))])
     assert not unseen([fake])  # a subclass without __torch_function__, outside its mode
+
+
+def test_torch_func_transforms_take_the_straight_through_gradient():
+    """torch.func.grad, vjp, jacrev and vmap of grad (per-sample gradients) through
+    fewbit.round, block.round and fake_quantize give what autograd gives: the gradient
+    straight through (rounded by the backward Quant, for fake_quantize). torch refuses
+    the gradient that register_autograd makes under these transforms (pytorch/pytorch
+    #170834); fewbit's Operator calls its op through an autograd.Function of its own
+    there. The last check fails once torch takes it: that Function can then go."""
+    from fewbit.nn import fake_quantize
+
+    gen = torch.Generator().manual_seed(12)
+    x, w = torch.randn(6, 32, generator=gen), torch.randn(6, 32, generator=gen) * 0.37
+    calls = {
+        "round": lambda t: fewbit.round(t, "binary8p4", "src", bits=3, seed=1),
+        "block.round": lambda t: fewbit.block.round(t, "mxfp8_e4m3", "src", bits=3, seed=1),
+        "fake_quantize": lambda t: fake_quantize(t, Quant("binary8p4"), Quant("binary8p4", "src", bits=3), 2),
+    }
+
+    def autograd(f, x, w):
+        x = x.clone().requires_grad_()
+        return torch.autograd.grad((f(x) * w).sum(), x)[0]
+
+    for name, f in calls.items():
+        expected = autograd(f, x, w)
+        assert not torch.equal(expected, w) if name == "fake_quantize" else torch.equal(expected, w), name
+        assert torch.equal(torch.func.grad(lambda t, f=f: (f(t) * w).sum())(x), expected), name
+        out, vjp = torch.func.vjp(f, x)
+        assert torch.equal(out, f(x)) and torch.equal(vjp(w)[0], expected), name
+        per_sample = torch.func.vmap(torch.func.grad(lambda r, wr, f=f: (f(r) * wr).sum()))(x, w)
+        assert torch.equal(per_sample, torch.stack([autograd(f, r, wr) for r, wr in zip(x, w, strict=True)]))
+    assert torch.equal(torch.func.jacrev(calls["round"])(x[0, :5]), torch.eye(5))
+    op = torch.ops.fewbit.round
+    with pytest.raises(RuntimeError, match="setup_context"):  # torch's own, still refused
+        torch.func.grad(lambda t: op(t, "binary8p4", "rne", False, None, None, None, None).sum())(x)

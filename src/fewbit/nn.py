@@ -78,10 +78,16 @@ class Quant:
 
 
 class _StraightThrough(torch.autograd.Function):
+    # forward and setup_context apart, and a vmap rule: torch.func's transforms take it.
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, x, forward: Quant | None, backward: Quant | None, key: Key | torch.Tensor | None):
-        ctx.backward_quant, ctx.key = backward, key
+    def forward(x, forward: Quant | None, backward: Quant | None, key: Key | torch.Tensor | None):
         return x.clone() if forward is None else forward(x, None if key is None else fold_in(key, _FORWARD))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, _, ctx.backward_quant, ctx.key = inputs
 
     @staticmethod
     def backward(ctx, grad):

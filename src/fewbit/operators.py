@@ -50,10 +50,12 @@ class Operator:
     object, which runs its kernel without the dispatcher where nothing of PyTorch's would
     see the call (:func:`unseen`); ``register_fake`` decorates its fake implementation."""
 
-    def __init__(self, qualname: str, direct: Callable, tensors: tuple[int, ...]) -> None:
+    def __init__(self, qualname: str, direct: Callable, tensors: tuple[int, ...],
+                 backward: Callable | None = None) -> None:  # fmt: skip
         self.qualname = qualname
         self.op = getattr(torch.ops.fewbit, qualname.split("::")[1]).default
         self._direct = direct
+        self._transformable = None if backward is None else _transformable(self.op, backward)
         # Its tensor arguments, picked in one call: itemgetter gives several as a tuple, but
         # one as itself, so that one is picked as a slice.
         picked = tensors if len(tensors) > 1 else [slice(tensors[0], tensors[0] + 1)]
@@ -64,8 +66,10 @@ class Operator:
             return self.op(*args)
         if unseen(self._tensors(args)):
             return self._direct(*args)
-        # A host key (an int seed's, rounding.ops.op_key) as the schema's tensor
-        return self.op(*(key_of(a) if isinstance(a, Key) else a for a in args))
+        args = tuple(key_of(a) if isinstance(a, Key) else a for a in args)  # the schema's key tensor
+        if self._transformable is not None and _transformed():
+            return self._transformable.apply(*args)
+        return self.op(*args)
 
     def register_fake(self, fake: Callable) -> Callable:
         torch.library.register_fake(self.qualname, fake, lib=LIBRARY)
@@ -92,9 +96,38 @@ def operator(
         else:
             torch.library.register_autograd(qualname, backward, lib=LIBRARY)
         # Called directly, nothing requires grad (unseen): the kernel without no_grad.
-        return Operator(qualname, _kernel(fn, written, grad_off=False), tensors)
+        return Operator(qualname, _kernel(fn, written, grad_off=False), tensors, backward)
 
     return define
+
+
+def _transformable(op: torch._ops.OpOverload, backward: Callable) -> type[torch.autograd.Function]:
+    """``op`` with ``backward`` as its gradient, as an autograd.Function that torch.func's
+    transforms take (grad, vjp, jacrev, vmap of them): they refuse the one that
+    ``register_autograd`` makes, which has no ``setup_context`` (pytorch/pytorch#170834,
+    open in torch 2.13; tests/test_operator.py fails once torch takes it)."""
+
+    class Transformable(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(*args):
+            return op(*args)  # (autograd is off in here: the op's own formula is not run)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass  # the gradients of fewbit's ops need nothing of the forward
+
+        @staticmethod
+        def backward(ctx, grad):
+            return backward(ctx, grad)
+
+    return Transformable
+
+
+def _transformed() -> bool:
+    """Whether a torch.func transform is active (False where this torch lacks the query)."""
+    return _PRIVATE is not None and _PRIVATE[1]() is not None
 
 
 #: Tensors a call may run on directly: torch's own, whose __torch_function__ is torch's.
