@@ -148,8 +148,10 @@ def test_out_refuses_before_writing():
     assert torch.equal(y[:1], x[:1]) and y[1].isnan()
     with pytest.raises(ValueError, match="out must match"):
         fewbit.round(x, "e4m3", out=torch.empty(3))
-    with pytest.raises(RuntimeError, match="automatic differentiation"):
+    with pytest.raises(RuntimeError, match=r"fewbit.round\(\.\.\., out=\.\.\.\) does not support automatic"):
         fewbit.round(torch.ones(2, requires_grad=True), "e4m3", out=torch.empty(2))
+    with pytest.raises(RuntimeError, match=r"fewbit.round_ \(in place\) does not .* call fewbit.round\(x\)"):
+        fewbit.round_(torch.ones(2, requires_grad=True), "e4m3")
 
 
 def test_writing_ops_tell_autograd_they_wrote():

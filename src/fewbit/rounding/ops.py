@@ -258,8 +258,10 @@ def call_with_out(functional, into, args: tuple, x: torch.Tensor, out: torch.Ten
     if out is None:
         return functional(*args)
     if torch.is_grad_enabled() and (x.requires_grad or out.requires_grad):
-        raise RuntimeError(f"{name}(..., out=...) does not support automatic differentiation, "
-                           "and an argument requires grad; call it without out=")
+        call, instead = ((f"{name}_ (in place)", f"call {name}(x), which returns a new tensor") if out is x
+                         else (f"{name}(..., out=...)", "call it without out="))  # fmt: skip
+        raise RuntimeError(f"{call} does not support automatic differentiation, and an argument "
+                           f"requires grad; {instead}")
     into(*args, out)
     return out
 
