@@ -1,19 +1,21 @@
 """What LowPrecisionWeights' write-back costs sharded (FSDP2) against one process.
 
 The char GPT of a training preset (cpu-small by default: 2 layers, 128 wide), its
-matrices held in binary8p4 (SRC, N = 3, bfloat16 updates, as ``fewbit train``). One
-process rounds whole tensors (one batched call for all); under FSDP2 on W gloo
-processes each rank rounds its piece of every matrix with the bits of the piece's
-global indices, drawn in the kernel (``fewbit.sharding.round_range``): from one range
-of the full tensor for Shard(0), a run a row for Shard(1). Only ``_write_back`` is
-timed, after warm-up (first-call compilation), each repeat on freshly perturbed weights
-with a new step's key. The ranks take turns (a barrier between), so that each is timed alone on one
-torch thread, as one process is: what a rank costs where it has its own cores, not
-what two processes sharing this machine's cores cost. Prints per configuration the
+matrices held in binary8p4 (or ``--fmt``; SRC, N = 3, bfloat16 updates, as ``fewbit
+train``). One process rounds whole tensors (one batched call for all, for a format with
+NaN that is not a block format); under FSDP2 on W gloo processes each rank rounds its
+piece of every matrix with the bits of the piece's global indices, drawn in the kernel
+(``fewbit.sharding.round_range``): from one range of the full tensor for Shard(0), a
+run a row for Shard(1). Only ``_write_back`` is timed, after warm-up (first-call
+compilation), each repeat on freshly perturbed weights with a new step's key. The ranks
+take turns (a barrier between), so that each is timed alone on one torch thread, as one
+process is: what a rank costs where it has its own cores, not what two processes
+sharing this machine's cores cost. Prints per configuration the
 median time per write-back on the slowest rank, the elements each rank rounds, the
 time per element, and the ratio to one process.
 
     python benchmarks/bench_sharded_writeback.py [--preset cpu-small] [--nproc 2] [--repeat 30]
+                                                 [--fmt binary8p4]
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Case:
     preset: str
     placement: int | None  # Shard(placement) of the matrices; None: no FSDP
     repeat: int
+    fmt: str = "binary8p4"
     warmup: int = 3
 
 
@@ -60,7 +63,7 @@ def time_write_back(rank: int, world_size: int, case: Case) -> dict:
                     shard_placement_fn=lambda t: shard if t.dim() >= 2 else Shard(0))  # fmt: skip
     named = [(n, t) for n, t in model.named_parameters() if t.dim() >= 2]
     opt = torch.optim.AdamW(model.parameters(), lr=p.lr)
-    weights = LowPrecisionWeights(opt, "binary8p4", "src", bits=3, params=named, update_dtype=torch.bfloat16)
+    weights = LowPrecisionWeights(opt, case.fmt, "src", bits=3, params=named, update_dtype=torch.bfloat16)
     pieces = [local_tensor(t) for _, t in named]
     g = torch.Generator().manual_seed(rank)
     noise = [torch.randn(t.shape, generator=g) * 1e-3 for t in pieces]
@@ -86,15 +89,16 @@ def main() -> None:
     ap.add_argument("--preset", default="cpu-small", choices=sorted(PRESETS))
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--fmt", default="binary8p4", help="the weights' format (a block format too: mxfp8_e4m3)")
     args = ap.parse_args()
     me = importable(__file__)  # (the ranks import time_write_back and Case by this module's name)
-    rows = [("1 process, whole tensors", launch([me.Case(args.preset, None, args.repeat)], 1,
+    rows = [("1 process, whole tensors", launch([me.Case(args.preset, None, args.repeat, args.fmt)], 1,
                                                 train=me.time_write_back)[0])]  # fmt: skip
-    sharded = [me.Case(args.preset, d, args.repeat) for d in (0, 1)]
+    sharded = [me.Case(args.preset, d, args.repeat, args.fmt) for d in (0, 1)]
     for d, per_rank in zip((0, 1), launch(sharded, args.nproc, train=me.time_write_back), strict=True):
         rows.append((f"FSDP2 on {args.nproc} ranks, Shard({d})", per_rank))
     base = max(r["seconds"] for r in rows[0][1])
-    print(f"write-back of the {args.preset} GPT's matrices, binary8p4 SRC N=3 (median of {args.repeat})")
+    print(f"write-back of the {args.preset} GPT's matrices, {args.fmt} SRC N=3 (median of {args.repeat})")
     print(f"{'configuration':32} {'ms':>8} {'elements/rank':>14} {'ns/element':>11} {'vs 1 process':>13}")
     for name, per_rank in rows:
         slowest = max(r["seconds"] for r in per_rank)

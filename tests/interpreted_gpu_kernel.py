@@ -28,7 +28,7 @@ from fewbit.rounding.checks import dtype_format, make_spec
 from fewbit.rounding.compiled import stream_words
 from fewbit.rounding.modes import RoundMode
 from test_codec import _element_codes
-from test_native import FORMATS, MODE_ARGS, RUNS, every_bfloat16, runs_of_a_matrix
+from test_native import BLOCK_PIECES, FORMATS, MODE_ARGS, RUNS, every_bfloat16, runs_index, runs_of_a_matrix
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 before Triton is imported (tests/test_gpu_kernel.py)",
@@ -415,6 +415,43 @@ def block_kernel(x, name, mode, *, codes, rule=None, sat=True, bits=None, fracti
     out = torch.empty_like(x)
     assert gpu.block_into(x, spec.spec, key, random_bits, out, None, **kw)
     return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp4", "nvfp4"])
+def test_blocks_from_any_block_of_the_stream_take_their_places_bits(name, dtype):
+    """A piece of whole blocks from any block of the stream, or runs of them (values only:
+    sharding.round_range's), gives the native kernel's values, codes and scales for it
+    (tests/test_native.py holds those to the call on the whole tensor): lanes before the
+    piece's first in its first row are zero blocks, not stored."""
+    from fewbit.block import check_args
+
+    x = (torch.randn(5 * 512 + 128, generator=torch.Generator().manual_seed(9)) * 3).to(dtype)
+    bfmt = fewbit.block.format(name)
+    ts = torch.tensor(0.75)
+    for mode, bits in [("rne", None), ("src", 3)]:
+        spec = check_args(dtype, bfmt, mode, True, bits, None)
+        key = None if bits is None else Key(7, 8)
+        words = None if key is None else stream_words(spec.spec, key)
+        call = {"block_size": bfmt.block_size, "rule": spec.rule, "packed": bfmt.packed}
+        for piece in BLOCK_PIECES:
+            at = dict(zip(("offset", "runs", "stride"), piece[:2] + piece[3:], strict=True))
+            t = x[runs_index(*piece)]
+            for codes in (False, True) if piece[1] == 1 else (False,):
+                outs = []
+                for run in (gpu.block_into, native.block_into):
+                    out = torch.empty(t.numel() // 2 if codes and bfmt.packed else t.numel(),
+                                      dtype=torch.uint8 if codes else dtype)  # fmt: skip
+                    scales = torch.empty(t.numel() // bfmt.block_size, dtype=torch.uint8) if codes else None
+                    gpu_call = run is gpu.block_into
+                    done = run(t, spec.spec, key if gpu_call else words, None, out, scales,
+                               tensor_scale=ts if gpu_call else float(ts), **at, **call)  # fmt: skip
+                    assert done is True if gpu_call else done == -1
+                    outs.append((out, scales))
+                (got, got_scales), (expected, expected_scales) = outs
+                where = f"{mode} codes={codes} piece {piece}"
+                assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), where
+                assert got_scales is None or torch.equal(got_scales, expected_scales), where
 
 
 def block_inputs(dtype, rows=8):

@@ -242,22 +242,26 @@ def test_round_kernel_compiles_to_codes(dtype, fmt, mode, bits):
     assert "ld.global.v4.b32" in ptx and "st.global" in ptx and ".ftz" not in ptx
 
 
-@pytest.mark.parametrize("dtype, name, mode, bits, codes", [
-    (torch.float32, "mxfp8_e4m3", "rne", None, False), (torch.bfloat16, "mxfp4", "src", 3, True),
-    (torch.float16, "hbfp8", "sr", None, False), (torch.bfloat16, "nvfp4", "rne", None, True),
-    (torch.float32, "nvfp4", "src", 3, False),
+@pytest.mark.parametrize("dtype, name, mode, bits, codes, runs", [
+    (torch.float32, "mxfp8_e4m3", "rne", None, False, False),
+    (torch.bfloat16, "mxfp4", "src", 3, True, False),
+    (torch.float16, "hbfp8", "sr", None, False, False),
+    (torch.bfloat16, "nvfp4", "rne", None, True, False),
+    (torch.float32, "nvfp4", "src", 3, False, False),
+    (torch.bfloat16, "mxfp8_e4m3", "src", 3, False, True),
 ])  # fmt: skip
-def test_block_kernel_compiles_for_the_gpu(dtype, name, mode, bits, codes):
+def test_block_kernel_compiles_for_the_gpu(dtype, name, mode, bits, codes, runs):
     """round_kernel's block formats (BLOCK) compile for an H100 with 16-byte loads of x, no
     float32 subnormal flushed, and NVFP4's x / S and target amax / M / ts correctly
-    rounded (div.rn, where Triton's float32 division would be div.full)."""
+    rounded (div.rn, where Triton's float32 division would be div.full); so do their
+    values in runs (a Shard(1) piece's)."""
     from fewbit.block.ops import _spec
 
     bspec = _spec(dtype, name, mode, True, bits, None, None)
     output = (gpu._PACKED if bspec.bfmt.packed else gpu._CODES) if codes else gpu._VALUES
     drawn = bspec.spec.bits is not None
     constants = gpu.round_constants(bspec.spec, drawn, False, True, None, drawn, output,
-                                    (bspec.bfmt.block_size, bspec.rule))  # fmt: skip
+                                    (bspec.bfmt.block_size, bspec.rule), runs)  # fmt: skip
     args = {"x_ptr": f"*{_TRITON_DTYPES[dtype]}", "out_ptr": "*u8" if codes else f"*{_TRITON_DTYPES[dtype]}",
             **_INTEGERS, **({"scales_ptr": "*u8"} if codes else {}),
             **({"ts_ptr": "*fp32"} if bspec.bfmt.tensor_scale else {})}  # fmt: skip

@@ -511,6 +511,62 @@ def test_block_outputs_beyond_the_caches_stream_the_same_bits():
     assert same_bits(got, expected)
 
 
+#: Pieces (start, runs, length, stride) of a stream of 5 rows and 128 elements, whole
+#: blocks of up to 64: within a row, from inside a row over many, from a row on, from
+#: inside a row to the end; and runs, as Shard(1) cuts a matrix of 7 x 384 (from the first
+#: row, from the third).
+BLOCK_PIECES = [(128, 1, 64, 0), (384, 1, 1024, 0), (512, 1, 1024, 0), (1088, 1, 1600, 0), (128, 7, 192, 384),
+                (832, 5, 64, 384)]  # fmt: skip
+
+
+def runs_index(start: int, runs: int, length: int, stride: int, per: int = 1) -> torch.Tensor:
+    """Positions of runs' elements in the whole stream (``per`` elements to one position)."""
+    return ((start + stride * torch.arange(runs)[:, None] + torch.arange(0, length, per)) // per).reshape(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp4", "nvfp4", "ocp_e4m3 in blocks of 64"])
+def test_blocks_from_any_block_of_the_stream_take_their_places_bits(name, dtype):
+    """A piece of whole blocks that starts at any block of the stream, or runs of them (a
+    sharded weight's piece, sharding.round_range) gives its elements, codes and scales
+    those of the same elements in the call on the whole tensor: the kernel draws their
+    bits at their place, a first row's through a row of its own. Generated and given
+    bits."""
+    from fewbit.block import check_args
+
+    x = (torch.randn(5 * 512 + 128, generator=torch.Generator().manual_seed(9)) * 3).to(dtype)
+    bfmt = block_format(name)
+    for mode, kw in [("rne", {}), ("src", {"bits": 3}), ("srf", {"bits": 2})]:
+        spec = check_args(dtype, bfmt, mode, True, kw.get("bits"), None)
+        words = None if mode == "rne" else stream_words(spec.spec, Key(7, 8))
+        given = torch.randint(0, 4, x.shape, generator=torch.Generator().manual_seed(2), dtype=torch.int32)
+        for bits in ([None, given] if mode == "srf" else [None]):
+            call = {"block_size": bfmt.block_size, "rule": spec.rule, "tensor_scale": 0.75,
+                    "packed": bfmt.packed}  # fmt: skip
+
+            def outputs(t, codes, at, bits=bits, spec=spec, words=words, call=call):
+                out = torch.empty(t.numel() // 2 if codes and bfmt.packed else t.numel(),
+                                  dtype=torch.uint8 if codes else dtype)  # fmt: skip
+                scales = torch.empty(t.numel() // bfmt.block_size, dtype=torch.uint8) if codes else None
+                drawn = None if bits is not None else words
+                assert native.block_into(t, spec.spec, drawn, bits, out, scales, **at, **call) == -1
+                return out, scales
+
+            for codes in (False, True):
+                whole_out, whole_scales = outputs(x, codes, {})
+                for piece in BLOCK_PIECES:
+                    where = f"{mode} codes={codes} given={bits is not None} piece {piece}"
+                    at = dict(zip(("offset", "runs", "stride"), piece[:2] + piece[3:], strict=True))
+                    index = runs_index(*piece)
+                    out, scales = outputs(x[index], codes, at, None if bits is None else bits[index])
+                    per = 2 if codes and bfmt.packed else 1
+                    expected = whole_out[runs_index(*piece, per=per)]
+                    assert same_bits(out, expected) if not codes else torch.equal(out, expected), where
+                    if codes:
+                        expected = whole_scales[runs_index(*piece, per=bfmt.block_size)]
+                        assert torch.equal(scales, expected), where
+
+
 BFLOAT16_BLOCKS = ["mxfp8_e4m3", "mx_binary8p4", "ocp_e4m3 in blocks of 16", "ocp_e4m3 in blocks of 64"]
 
 

@@ -200,6 +200,32 @@ def test_runs_are_the_pieces_longest_runs_where_they_are_alike(shape):
     assert ShardLayout(shape, (0,) + shape[1:], (0,) * len(shape)).runs() == Runs(0, 1, 0, 0)
 
 
+@pytest.mark.parametrize("name", ["binary8p4", "mxfp8_e4m3", "mxfp4"])
+def test_round_range_of_a_piece_is_the_full_tensors_rounding_there(name):
+    """sharding.round_range (the write-back's and the DTensor ops' kernel path) of a piece
+    of a 12 x 384 matrix, as Shard(0) cuts it (from inside a row of lanes) and as Shard(1)
+    does (a run a row), equals the full matrix rounded once, there; for a block format
+    only where the pieces hold whole blocks (cut at 16 of 32: None, the caller draws), and
+    never for NVFP4, whose per-tensor scale needs the whole tensor."""
+    from fewbit.block import check_args
+    from fewbit.sharding import round_range
+
+    full = torch.randn(12, 384, generator=torch.Generator().manual_seed(3)) * 3
+    key = Key(5, 6)
+    spec = check_args(torch.float32, name, "src", True, 3, None)
+    expected = fewbit.block.round_to(full, name, "src", bits=3, seed=key)
+    for rows, cols in [(slice(5, 12), slice(0, 384)), (slice(0, 12), slice(128, 320)),
+                       (slice(2, 9), slice(64, 128))]:  # fmt: skip
+        local = (rows.stop - rows.start, cols.stop - cols.start)
+        piece = ShardLayout((12, 384), local, (rows.start, cols.start))
+        got = round_range(full[rows, cols], spec, key, piece)
+        assert got is not None and torch.equal(got, expected[rows, cols]), (rows, cols)
+    straddling = ShardLayout((12, 384), (12, 176), (0, 16))
+    assert (round_range(full[:, 16:192], spec, key, straddling) is None) == (name != "binary8p4")
+    nvfp4 = check_args(torch.float32, "nvfp4", "src", True, 3, None)
+    assert round_range(full[5:], nvfp4, key, ShardLayout((12, 384), (7, 384), (5, 0))) is None
+
+
 def one_process_fake_quantize(cfg: TensorParallelProbe, case: str, replica: int) -> tuple:
     """Output and input gradient of the case's full tensor in this process (no
     torch.distributed): FakeQuantize as is for replica 0, else with that replica's key."""

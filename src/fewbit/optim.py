@@ -247,7 +247,7 @@ class LowPrecisionWeights:
             t, at = pieces[i], self._layouts[i]
             key = None if step_key is None else replica_key(fold_in(step_key, i), self.policy)
             x = t.to(self.via)
-            done = None if block else round_range(x, self.spec, key, at)
+            done = None if block and self.store_codes else round_range(x, self.spec, key, at)
             if done is not None:  # runs of the full tensor: its bits drawn inside the kernel
                 t.copy_(done)
                 continue

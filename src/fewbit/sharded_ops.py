@@ -82,8 +82,8 @@ def _in_kernel(spec, key, given: torch.Tensor | None, where: ShardLayout,
                piece: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
     """The piece rounded by fewbit's kernel, which draws the bits of the piece's indices in
     the full tensor (``sharding.round_range``: a piece that is runs of it, one for
-    Shard(0), a row each for Shard(1)), without a tensor of bits; None where that does not
-    apply."""
+    Shard(0), a row each for Shard(1); for a block format, of whole blocks along the last
+    dimension), without a tensor of bits; None where that does not apply."""
     words = host_key(key)
     if given is not None or type(words) is not Key or where.whole:
         return None
@@ -180,10 +180,18 @@ def _block_round(cls, func, types, args, kwargs):
     spec, given = _block_checks(x, args[1:], "fewbit.block.round")
 
     def rounded(piece: torch.Tensor, where: ShardLayout) -> torch.Tensor:
+        fast = _in_kernel(spec, key, given, where, piece) if _last(axis, x) else None
+        if fast is not None:
+            return fast
         return func(piece, bfmt, rounding, sat, bits, fraction, *_drawn(spec, key, given, where, piece), axis,
                     rule)  # fmt: skip
 
     return map_piece(x, rounded)
+
+
+def _last(axis: int | None, x) -> bool:
+    """Whether a block op's ``axis`` is x's last (None: the format's, the last)."""
+    return axis is None or axis % x.dim() == x.dim() - 1
 
 
 def _block_round_into(cls, func, types, args, kwargs):
@@ -191,9 +199,13 @@ def _block_round_into(cls, func, types, args, kwargs):
     x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule = call
     spec, given = _block_checks(x, tuple(call[1:]), "fewbit.block.round")
     into = _laid_out_as(x, out, "out", "fewbit.block.round")
-    piece = x.to_local()
-    func(piece, bfmt, rounding, sat, bits, fraction, *_drawn(spec, key, given, layout(x), piece), axis, rule,
-         into)  # fmt: skip
+    piece, where = x.to_local(), layout(x)
+    fast = _in_kernel(spec, key, given, where, piece) if _last(axis, x) else None
+    if fast is not None:
+        into.copy_(fast)
+    else:
+        func(piece, bfmt, rounding, sat, bits, fraction, *_drawn(spec, key, given, where, piece), axis, rule,
+             into)  # fmt: skip
 
 
 def _block_quantize(cls, func, types, args, kwargs):

@@ -209,22 +209,46 @@ def global_bits(spec: RoundSpec, words, piece: ShardLayout, device) -> torch.Ten
 
 
 def round_range(
-    x: torch.Tensor, spec: RoundSpec, key: Key | None, piece: ShardLayout
+    x: torch.Tensor, spec: RoundSpec | BlockSpec, key: Key | None, piece: ShardLayout
 ) -> torch.Tensor | None:
     """``x`` (a piece, in the dtype the rounding starts from) rounded stochastically by
     fewbit's kernel (native on a CPU, Triton on a GPU) with the bits its elements have in
     the full tensor, drawn in the kernel, where the piece is runs of the flattened full
-    tensor (:meth:`ShardLayout.runs`: Shard(0) one, Shard(1) a run a row). None where
-    that does not apply, or where an element has no value in the format (the caller's
-    rounding then raises)."""
+    tensor (:meth:`ShardLayout.runs`: Shard(0) one, Shard(1) a run a row); for a block
+    format (blocks along the last dimension), where the runs are whole blocks. None
+    where that does not apply, or where an element has no value in the format (the
+    caller's rounding then raises)."""
     runs = piece.runs()
     if key is None or runs is None:
         return None
+    if isinstance(spec, BlockSpec):
+        return _blocks_in_range(x, spec, key, piece, runs)
     at = {"offset": runs.start, "runs": runs.count, "stride": runs.stride}
     if native.applies(spec, x):
         return native.rounded(x, spec, stream_words(spec, key), **at)
     if gpu.applies(spec, x):
         return gpu.rounded(x, spec, key, **at)
+    return None
+
+
+def _blocks_in_range(x: torch.Tensor, spec: BlockSpec, key: Key, piece: ShardLayout,
+                     runs: Runs) -> torch.Tensor | None:  # fmt: skip
+    """:func:`round_range` for a block format: each run whole blocks, from a block's first
+    element, blocks along the last dimension lying as in the full tensor (its length a
+    multiple of the block size), and no per-tensor scale (NVFP4's needs the whole
+    tensor)."""
+    size, bfmt = spec.bfmt.block_size, spec.bfmt
+    if (runs.start % size or runs.length % size or runs.stride % size or piece.global_shape[-1] % size
+            or bfmt.tensor_scale or spec.work_dtype != torch.float32):  # fmt: skip
+        return None
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    call = {"block_size": size, "rule": spec.rule, "offset": runs.start, "runs": runs.count,
+            "stride": runs.stride}  # fmt: skip
+    if native.block_applies(spec.spec, x, None, size, bfmt.scale):
+        bad = native.block_into(x, spec.spec, stream_words(spec.spec, key), None, out, None, **call)
+        return out if bad < 0 else None
+    if gpu.block_applies(spec.spec, x, None, size, bfmt.scale):  # every element has a result there
+        return out if gpu.block_into(x, spec.spec, key, None, out, None, tensor_scale=None, **call) else None
     return None
 
 

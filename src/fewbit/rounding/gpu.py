@@ -212,18 +212,20 @@ def quantize_into(
 def block_into(
     x: torch.Tensor, spec: RoundSpec, key: torch.Tensor | Key | None, random_bits: torch.Tensor | None,
     out: torch.Tensor, scales: torch.Tensor | None, *, block_size: int, rule: str,
-    tensor_scale: torch.Tensor | None, packed: bool = False,
+    tensor_scale: torch.Tensor | None, packed: bool = False, offset: int = 0, runs: int = 1, stride: int = 0,
 ) -> bool:  # fmt: skip
     """Block-quantise ``x`` in memory order, as native.block_into does on a CPU: blocks of
     ``block_size`` consecutive elements (dividing LANES and x's size), a scale S each by
     ``rule`` (a power of two, or E4M3 times ``tensor_scale``, a float32 on x's device),
-    elements rounded by ``spec`` with the bits of stream elements ``0 ..`` (drawn with
-    ``key`` or given). Into ``out`` the values ``q S`` in x's dtype (``scales`` None), or
-    the element codes (uint8, ``packed`` pairs) and into ``scales`` the scale codes; only
-    where :func:`block_applies`. False as round_into's."""
+    elements rounded by ``spec`` with the bits of stream elements ``offset ..`` (or, for
+    values, ``runs`` > 1, of runs as :func:`round_into`'s; each a multiple of the block
+    size; drawn with ``key``, or given). Into ``out`` the values ``q S`` in x's dtype
+    (``scales`` None), or the element codes (uint8, ``packed`` pairs) and into ``scales``
+    the scale codes; only where :func:`block_applies`. False as round_into's."""
+    assert runs == 1 or scales is None, "runs of values only"
     codes = _VALUES if scales is None else _PACKED if packed else _CODES
     block = (block_size, rule), scales, tensor_scale
-    return _round(x, spec, key, random_bits, out, 0, codes, block)
+    return _round(x, spec, key, random_bits, out, offset, codes, block, (runs, stride))
 
 
 def block_applies(spec: RoundSpec, x: torch.Tensor, random_bits: torch.Tensor | None, block_size: int,

@@ -701,7 +701,7 @@ constexpr int ENCODE_MAGIC = ENCODE + 4;
 // their largest magnitude by `rule` (block.formats.SCALE_RULES), and each is rounded as
 // x / S. S is 2^e (E8M0) for the first four rules, and for the last two a value of E4M3
 // times a per-tensor float32 scale (NVFP4). Rows hold whole blocks: size divides LANES
-// and the call starts at element 0.
+// and the call starts on a block (on a row, but for run_off_row's first).
 enum Rule { FLOOR, CEIL, RCEIL, EVEN, NEAREST, UP };
 struct Blocks {
   int size;  // 0: no blocks
@@ -952,16 +952,17 @@ void block_maxima(const T* __restrict xs, int h1, int B, uint32_t* __restrict am
 }
 
 // block.kernel.quantize_blocks up to the rounding, for the whole blocks of lanes 0 .. h1
-// (a block call starts at element 0, so every row starts at a block; B elements each;
-// FIXED_B: B known at compile time, 0: read from blocks), from each block's largest
-// magnitude in amax (block_maxima): its factor S (NaN for a block holding a NaN) into
-// factor and 1 / S into inv where S is a power of two, its scale's code into
-// blocks.scales, and, unless `scaled` is null, the elements x / S into `scaled`. A
+// (every row the kernels take starts at a block; B elements each; FIXED_B: B known at
+// compile time, 0: read from blocks), lane 0 being x's element pos0, from each block's
+// largest magnitude in amax (block_maxima): its factor S (NaN for a block holding a NaN)
+// into factor and 1 / S into inv where S is a power of two, its scale's code into
+// blocks.scales (from pos0 / B), and, unless `scaled` is null, the elements x / S into
+// `scaled`. A
 // quotient below float32's normal range becomes +-2^-126 (it rounds alike, and a zero
 // would not); a block whose S is 0 holds zeros, and a NaN block's elements are NaN, or 0
 // in an element format without NaN (the scale carries the NaN).
 template <int FIXED_B>
-void scale_blocks(const uint32_t* __restrict xs, int h1, int64_t start, const Blocks& blocks, const Fmt& f,
+void scale_blocks(const uint32_t* __restrict xs, int h1, int64_t pos0, const Blocks& blocks, const Fmt& f,
                   uint32_t* __restrict scaled, const uint32_t* __restrict amax, uint32_t* __restrict factor,
                   uint32_t* __restrict inv) {
   const int B = FIXED_B > 0 ? FIXED_B : blocks.size;
@@ -992,7 +993,7 @@ void scale_blocks(const uint32_t* __restrict xs, int h1, int64_t start, const Bl
     }
   }
   if (blocks.scales != nullptr)
-    for (int b = 0; b < b1; ++b) blocks.scales[start / B + b] = uint8_t(code[b]);
+    for (int b = 0; b < b1; ++b) blocks.scales[pos0 / B + b] = uint8_t(code[b]);
   if (scaled == nullptr) return;
   for (int b = 0; b < b1; ++b) {
     const float s = as_float(pow2 ? inv[b] : factor[b]);
@@ -1650,7 +1651,7 @@ __attribute__((noinline)) int64_t block_rows(const Job& job, int64_t row0, int64
       } else {
         block_maxima<size()>(xs, r.h1, B, amax);
       }
-      scale_blocks<size()>(xs, r.h1, r.start, job.blocks, f, scaled, amax, factor, inv);
+      scale_blocks<size()>(xs, r.h1, r.pos0, job.blocks, f, scaled, amax, factor, inv);
     });
     Fields n, sel;
     bits.at(row, r.pos0, xs, n, sel);
@@ -1739,8 +1740,7 @@ constexpr int64_t MIN_ROWS_PER_THREAD = 64;
 
 // Run a job's rows on `threads` OpenMP threads; returns the first position without a valid
 // result, or -1.
-int64_t run(const Job& job, int mode, int threads) {
-  if (job.n <= 0) return -1;
+int64_t run_on_threads(const Job& job, int mode, int threads) {
   const RowsFn kernel = KERNELS[mode];
   const int64_t first = job.offset / LANES, end = (job.offset + job.n + LANES - 1) / LANES;
   const int64_t rows = end - first;
@@ -1757,29 +1757,80 @@ int64_t run(const Job& job, int mode, int threads) {
   return -1;
 }
 
+// Elements from .. from + n of a job's x as a job of their own, at stream elements offset ..
+// (from even for packed codes, a multiple of the block size with blocks).
+Job part(const Job& job, int64_t from, int64_t n, int64_t offset) {
+  const int in = job.dtype == F32 ? 4 : 2;
+  const int64_t out = job.output == VALUES         ? from * in
+                      : job.output == CODES_I16    ? from * 2
+                      : job.output == CODES_PACKED ? from / 2
+                                                   : from;
+  Job p = job;
+  p.x = static_cast<const char*>(job.x) + from * in;
+  p.out = static_cast<char*>(job.out) + out;
+  if (job.given != nullptr) p.given = job.given + from;
+  if (job.blocks.scales != nullptr) p.blocks.scales = job.blocks.scales + from / job.blocks.size;
+  p.n = n;
+  p.offset = offset;
+  return p;
+}
+
+int64_t run(const Job& job, int mode, int threads);
+
+// Run a block job that starts inside a row (a sharded piece of whole blocks, from a block's
+// first element on): the block kernel takes a row from its lane 0, so the first row's
+// elements go through a copy of the row, zero blocks before them, and the rest of the job
+// starts on a row. Returns as run does.
+int64_t run_off_row(const Job& job, int mode, int threads) {
+  const int64_t row = job.offset / LANES;
+  const int h0 = int(job.offset - row * LANES), m = int(std::min<int64_t>(LANES - h0, job.n));
+  const int in = job.dtype == F32 ? 4 : 2, B = job.blocks.size;
+  const int out_pair = job.output == VALUES ? 2 * in : job.output == CODES_PACKED ? 1 : 2;  // bytes
+  alignas(64) uint8_t x_row[LANES * 4] = {}, out_row[LANES * 4], scales_row[LANES];
+  alignas(64) int32_t given_row[LANES] = {};
+  std::memcpy(x_row + h0 * in, job.x, size_t(m) * in);
+  Job head = job;
+  head.x = x_row;
+  head.out = out_row;
+  head.offset = row * LANES;
+  head.n = h0 + m;
+  head.stream = false;
+  if (job.given != nullptr) {
+    std::memcpy(given_row + h0, job.given, size_t(m) * 4);
+    head.given = given_row;
+  }
+  if (job.blocks.scales != nullptr) head.blocks.scales = scales_row;
+  const int64_t bad = KERNELS[mode](head, row, row + 1);
+  std::memcpy(job.out, out_row + h0 * out_pair / 2, size_t(m) * out_pair / 2);
+  if (job.blocks.scales != nullptr) std::memcpy(job.blocks.scales, scales_row + h0 / B, m / B);
+  if (bad >= 0) return bad - h0;  // (the zero blocks have their values)
+  const int64_t later = run(part(job, m, job.n - m, job.offset + m), mode, threads);
+  return later >= 0 ? later + m : -1;
+}
+
+// Run a job on `threads` threads: its rows, or run_off_row's two parts.
+int64_t run(const Job& job, int mode, int threads) {
+  if (job.n <= 0) return -1;
+  if (job.blocks.size > 0 && job.offset % LANES != 0) return run_off_row(job, mode, threads);
+  return run_on_threads(job, mode, threads);
+}
+
 // Run a job of `runs` runs of job.n / runs elements each, run r being x's elements from
 // r * job.n / runs on and the stream's from job.offset + r * stride on: a sharded piece cut
-// along a later dimension than the first (Shard(1)), each run a row of it. Each run is a
-// job of its own; a thread takes consecutive runs, and its jobs share the streams' caches
-// (short runs lie many to a row of blocks: cpu-small's Shard(1) write-back on 2 ranks,
-// runs of 64, took 1.7 ms drawing each row of words for every run, 0.9 sharing them).
-// Values out, without blocks (a block would straddle runs). Returns as run does.
+// along a later dimension than the first (Shard(1)), each run a row of it (with blocks,
+// whole blocks, each from a block's first element on). Each run is a job of its own; a
+// thread takes consecutive runs, and its jobs share the streams' caches (short runs lie
+// many to a row of blocks: cpu-small's Shard(1) write-back on 2 ranks, runs of 64, took 1.7
+// ms drawing each row of words for every run, 0.9 sharing them). Returns as run does.
 int64_t run_runs(const Job& job, int mode, int threads, int64_t runs, int64_t stride) {
-  const RowsFn kernel = KERNELS[mode];
   const int64_t n = job.n / runs;
-  const int elem = job.dtype == F32 ? 4 : 2;
   const int64_t rows = runs * ((n + LANES - 1) / LANES);
   const auto some = [&](int64_t r0, int64_t r1) -> int64_t {
     std::vector<Stream> streams;
     for (int64_t r = r0; r < r1; ++r) {
-      Job one = job;
+      Job one = part(job, r * n, n, job.offset + r * stride);
       one.streams = &streams;
-      one.x = static_cast<const char*>(job.x) + r * n * elem;
-      one.out = static_cast<char*>(job.out) + r * n * elem;
-      if (job.given != nullptr) one.given = job.given + r * n;
-      one.n = n;
-      one.offset = job.offset + r * stride;
-      const int64_t bad = kernel(one, one.offset / LANES, (one.offset + n + LANES - 1) / LANES);
+      const int64_t bad = run(one, mode, 1);
       if (bad >= 0) return r * n + bad;
     }
     return -1;
@@ -1883,11 +1934,11 @@ static_assert(sizeof(Call) == 144, "native.py's CALL packs this layout");
 
 // Round (mode 0 .. FRACTION) or encode (mode ENCODE) x[0 .. n) of dtype into out, the
 // elements being offset .. offset + n of the random stream. With blocks (x[0 .. n) in
-// blocks of block_size, which divides LANES; offset 0), each block is scaled by its rule
-// first: values q * S in x's dtype into out, or element codes into out and the codes of
+// blocks of block_size, which divides LANES; offset a multiple of it), each block is
+// scaled by its rule first: values q * S in x's dtype into out, or element codes into out and the codes of
 // the blocks' scales (E8M0 or E4M3) into scales. Returns the first position without a
-// valid result, or -1. With runs > 1 (values, no blocks), x holds runs of n / runs
-// elements each, run r being stream elements offset + r * run_stride ...
+// valid result, or -1. With runs > 1, x holds runs of n / runs elements each, run r being
+// stream elements offset + r * run_stride ...
 int64_t fewbit_round(const Call* c) {
   const int mode = int(c->mode), dtype = int(c->dtype), output = int(c->output);
   const Blocks blocks{int(c->block_size), Rule(c->rule), float(c->tensor_scale), c->scales,

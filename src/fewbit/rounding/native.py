@@ -254,17 +254,18 @@ def blocks_fit(block_size: int, scale: FloatFormat) -> bool:
 def block_into(
     x: torch.Tensor, spec: RoundSpec, words: list[int] | None, random_bits: torch.Tensor | None,
     out: torch.Tensor, scales: torch.Tensor | None, *, block_size: int, rule: str, tensor_scale: float = 1.0,
-    packed: bool = False,
+    packed: bool = False, offset: int = 0, runs: int = 1, stride: int = 0,
 ) -> int:
     """Block-quantise ``x`` (in memory order: whole blocks of ``block_size`` consecutive elements, a
     scale S each by ``rule``: a power of two, or E4M3 times ``tensor_scale``), its elements
-    rounded by ``spec`` with the bits of stream elements ``0 ..`` (or given): into ``out``
-    the values ``q S`` in x's dtype (``scales`` None), or the element codes (uint8,
-    ``packed`` pairs) and into ``scales`` the scale codes; only where
-    :func:`block_applies`. Returns :func:`round_into`'s answer."""
+    rounded by ``spec`` with the bits of stream elements ``offset ..`` (a sharded piece's
+    place; or, ``runs`` > 1, of runs as :func:`round_into`'s; each a multiple of the
+    block size), or given: into ``out`` the values ``q S`` in x's dtype (``scales``
+    None), or the element codes (uint8, ``packed`` pairs) and into ``scales`` the scale
+    codes; only where :func:`block_applies`. Returns :func:`round_into`'s answer."""
     output = _VALUES if scales is None else _CODES_PACKED if packed else _CODES_U8
     block = (block_size, BLOCK_RULES[rule], tensor_scale, 0 if scales is None else scales.data_ptr())
-    return _call(x, spec, False, words, random_bits, out, output, 0, block)
+    return _call(x, spec, False, words, random_bits, out, output, offset, block, (runs, stride))
 
 
 def finite_amax(x: torch.Tensor) -> float:

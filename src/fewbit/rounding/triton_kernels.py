@@ -313,13 +313,14 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, scales_ptr, ts_ptr, n: tl.i
     K .. TWOS_COMPLEMENT), one an element (1) or two a byte (2: the even element's in the
     low nibble; offset and n even), instead of the values in x's dtype (0).
 
-    ``BLOCK`` (fewbit.block, B > 0 elements a block, dividing LANES; offset 0, n a multiple
-    of B): each block of x is scaled by its S before rounding (_scale_blocks, by ``RULE``:
-    native.py's ids, power-of-two scales below 4, E4M3 ones times the float32 at ts_ptr
-    from 4), and the values are ``q S`` in x's dtype; with CODES, the blocks' scale codes
-    go to scales_ptr, one a block.
+    ``BLOCK`` (fewbit.block, B > 0 elements a block, dividing LANES; offset and n
+    multiples of B: blocks outside the call's lanes hold zeros, and are not stored): each
+    block of x is scaled by its S before rounding (_scale_blocks, by ``RULE``: native.py's
+    ids, power-of-two scales below 4, E4M3 ones times the float32 at ts_ptr from 4), and
+    the values are ``q S`` in x's dtype; with CODES, the blocks' scale codes go to
+    scales_ptr, one a block.
 
-    ``RUNS`` (values, no blocks): x holds runs of ``n`` elements, run r being stream
+    ``RUNS`` (values): x holds runs of ``n`` elements, run r being stream
     elements ``offset + r * stride ..`` (a Shard(1) piece, a run a row), ``per_run``
     programs each, from the row of blocks that holds its first element (first_row
     unused)."""
