@@ -232,21 +232,23 @@ def test_block_calls_along_the_last_axis_take_the_triton_kernel(monkeypatch):
     assert ran == [True] * 4
 
 
+@pytest.mark.parametrize("name", ["binary8p4", "mxfp8_e4m3"])
 @pytest.mark.parametrize("placement", ["Shard(0)", "Shard(1)"])
-def test_shard_rounding_gpu_equals_cpu(placement):
+def test_shard_rounding_gpu_equals_cpu(placement, name):
     """A sharded piece's write-back rounding (sharding.round_range: the kernel draws the
     bits of the piece's elements in the full tensor, from one range of it for Shard(0),
-    a run a row for Shard(1)), on the GPU as on the CPU."""
+    a run a row for Shard(1); a block format's from a block inside a row of lanes), on
+    the GPU as on the CPU."""
+    from fewbit.block import check_args
     from fewbit.random import Key
-    from fewbit.rounding.checks import make_spec
     from fewbit.sharding import ShardLayout, round_range
 
     x = torch.randn(300, 64, generator=torch.Generator().manual_seed(8))
     if placement == "Shard(0)":
-        piece = ShardLayout((1000, 64), (300, 64), (400, 0))
+        piece = ShardLayout((1000, 64), (300, 64), (401, 0))
     else:
-        piece = ShardLayout((300, 1000), (300, 64), (0, 333))
-    spec = make_spec(x.dtype, fewbit.format("binary8p4"), RoundMode.SRC, False, 3, None)
+        piece = ShardLayout((300, 1024), (300, 64), (0, 352))
+    spec = check_args(x.dtype, name, "src", False, 3, None)
     cpu, gpu = round_range(x, spec, Key(3, 4), piece), round_range(x.cuda(), spec, Key(3, 4), piece)
     assert cpu is not None and gpu is not None
     assert_bitwise_equal(gpu.cpu(), cpu, x, f"{placement} piece")
