@@ -261,7 +261,8 @@ def _round(x, spec: RoundSpec, key, random_bits, out: torch.Tensor, offset: int,
     rows = round_constants(*variant)["ROWS"]
     # Programs start at a multiple of `rows` rows, the first at the one holding element offset.
     first_row = offset // LANES // rows * rows
-    programs = -(-(-(-(offset + n) // LANES) - first_row) // rows)
+    end_row = -(-(offset + n) // LANES)
+    programs = -(-(end_row - first_row) // rows)
     if count > 1:  # as many for each run as the run that starts latest in its programs' rows needs
         programs = count * -(-(LANES * rows - 1 + n) // (LANES * rows))
     ints = (n, offset, first_row, programs // count, stride, *host_words)

@@ -1786,8 +1786,9 @@ int64_t run_off_row(const Job& job, int mode, int threads) {
   const int h0 = int(job.offset - row * LANES), m = int(std::min<int64_t>(LANES - h0, job.n));
   const int in = job.dtype == F32 ? 4 : 2, B = job.blocks.size;
   const int out_pair = job.output == VALUES ? 2 * in : job.output == CODES_PACKED ? 1 : 2;  // bytes
-  alignas(64) uint8_t x_row[LANES * 4] = {}, out_row[LANES * 4], scales_row[LANES];
-  alignas(64) int32_t given_row[LANES] = {};
+  alignas(64) uint8_t x_row[LANES * 4], out_row[LANES * 4], scales_row[LANES];
+  alignas(64) int32_t given_row[LANES];
+  std::memset(x_row, 0, size_t(h0) * in);  // (the kernel reads lanes 0 .. h0 + m)
   std::memcpy(x_row + h0 * in, job.x, size_t(m) * in);
   Job head = job;
   head.x = x_row;
@@ -1796,6 +1797,7 @@ int64_t run_off_row(const Job& job, int mode, int threads) {
   head.n = h0 + m;
   head.stream = false;
   if (job.given != nullptr) {
+    std::memset(given_row, 0, size_t(h0) * 4);
     std::memcpy(given_row + h0, job.given, size_t(m) * 4);
     head.given = given_row;
   }

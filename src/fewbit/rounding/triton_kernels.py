@@ -320,10 +320,9 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, scales_ptr, ts_ptr, n: tl.i
     the values are ``q S`` in x's dtype; with CODES, the blocks' scale codes go to
     scales_ptr, one a block.
 
-    ``RUNS`` (values): x holds runs of ``n`` elements, run r being stream
-    elements ``offset + r * stride ..`` (a Shard(1) piece, a run a row), ``per_run``
-    programs each, from the row of blocks that holds its first element (first_row
-    unused)."""
+    ``RUNS`` (values): x holds runs of ``n`` elements, run r being stream elements
+    ``offset + r * stride ..`` (a Shard(1) piece, a run a row), ``per_run`` programs
+    each, from the row of blocks that holds its first element (first_row unused)."""
     lanes = tl.arange(0, LANES)
     # quantize of a float-adder rounding (MODE 13, 14) into a sign-magnitude format whose
     # beyond has a code (the largest value with sat, else Inf): the code in one go.
