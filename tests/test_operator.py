@@ -544,3 +544,40 @@ def test_torch_func_transforms_take_the_straight_through_gradient():
     op = torch.ops.fewbit.round
     with pytest.raises(RuntimeError, match="setup_context"):  # torch's own, still refused
         torch.func.grad(lambda t: op(t, "binary8p4", "rne", False, None, None, None, None).sum())(x)
+
+
+def test_vmap_rounds_each_sample_as_a_call_of_its_own():
+    """torch.vmap of fewbit.round and fewbit.block.round gives each sample what a call on
+    it alone gives, batched along any dimension, for the block axis of each sample, with
+    bits given to all or per sample, a seed (each sample draws its own indices' bits),
+    and NVFP4 (each sample's own tensor scale); and no warning that an op lacks a batching
+    rule (fewbit registers its own: one call for the batch where it can)."""
+    import warnings
+
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(4, 6, 64, generator=gen) * 3
+    given = torch.randint(0, 8, (6, 64), generator=gen, dtype=torch.int32)
+    per_sample = torch.randint(0, 8, (4, 6, 64), generator=gen, dtype=torch.int32)
+    cases = [
+        (lambda s: fewbit.round(s, "binary8p4"), (0,)),
+        (lambda s: fewbit.round(s, "binary8p4", "srf", bits=3, random_bits=given), (0,)),
+        (lambda s, r: fewbit.round(s, "binary8p4", "srf", bits=3, random_bits=r), (0, 0)),
+        (lambda s: fewbit.round(s, "binary8p4", "src", bits=3, seed=4), (0,)),
+        (lambda s: fewbit.block.round(s, "mxfp8_e4m3"), (0,)),
+        (lambda s: fewbit.block.round(s, "mxfp4", axis=0), (0,)),
+        (lambda s: fewbit.block.round(s, "mxfp8_e4m3", "srf", bits=3, random_bits=given), (0,)),
+        (lambda s: fewbit.block.round(s, "mxfp8_e4m3", "src", bits=3, seed=4), (0,)),
+        (lambda s: fewbit.block.round(s, "nvfp4"), (0,)),
+    ]
+    for i, (f, dims) in enumerate(cases):
+        args = (x, per_sample)[: len(dims)]
+        alone = torch.stack([f(*(a[b] for a in args)) for b in range(4)])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            batched = torch.vmap(f, in_dims=dims)(*args)
+            along_1 = torch.vmap(f, in_dims=(1,) + dims[1:])(x.transpose(0, 1), *args[1:])
+        assert torch.equal(batched, alone) and torch.equal(along_1, alone), i
+    for f, calls in ((cases[0][0], 1), (cases[3][0], 4)):  # the batch as one call, or a call each
+        with torch.profiler.profile() as profile:
+            torch.vmap(f)(x)
+        assert sum(e.name == "fewbit::round" for e in profile.events()) == 1 + calls  # (1: vmap's own)

@@ -75,6 +75,26 @@ class Operator:
         torch.library.register_fake(self.qualname, fake, lib=LIBRARY)
         return fake
 
+    def register_vmap(self, whole: Callable[..., tuple | None]) -> Callable:
+        """The op under ``torch.vmap``: one call on the whole batch where only x is batched
+        and ``whole(*args)``, given x with its batch first, returns that call's arguments;
+        else a call per sample, as torch's fallback makes them (without its warning that
+        the op has no rule). A sample is a call of its own: a stochastic rounding draws
+        each sample the bits of its own indices, from 0."""
+        op = self.op
+
+        def rule(info, in_dims, *args):
+            if in_dims[0] is not None and not any(d is not None for d in in_dims[1:]):
+                call = whole(args[0].movedim(in_dims[0], 0), *args[1:])
+                if call is not None:
+                    return op(*call), 0
+            picked = [[a if d is None else a.select(d, i) for a, d in zip(args, in_dims, strict=True)]
+                      for i in range(info.batch_size)]  # fmt: skip
+            return torch.stack([op(*sample) for sample in picked]), 0
+
+        torch.library.register_vmap(self.qualname, rule, lib=LIBRARY)
+        return whole
+
 
 def operator(
     qualname: str, *, mutates_args: tuple[str, ...] = (), backward: Callable | None = None

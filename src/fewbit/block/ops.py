@@ -282,6 +282,19 @@ def block_round_op(
     return out.contiguous()
 
 
+@block_round_op.register_vmap
+def _(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule):
+    """One call for a batch rounded deterministically, or with bits given the same for
+    every sample, its block axis counted past the batch's (a key draws each sample's own
+    bits, and NVFP4 takes each sample's own tensor scale: a call each)."""
+    fmt = lookup(bfmt)
+    if key is not None or fmt.tensor_scale:
+        return None
+    axis = fmt.axis if axis is None else axis
+    given = None if random_bits is None else random_bits.expand(x.shape)
+    return x, bfmt, rounding, sat, bits, fraction, key, given, axis + 1 if axis >= 0 else axis, rule
+
+
 @block_round_op.register_fake
 def _(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule):
     _fake_checks(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)

@@ -228,6 +228,16 @@ def round_op(
     return out
 
 
+@round_op.register_vmap
+def _(x, fmt, rounding, sat, bits, fraction, key, random_bits):
+    """One call for a batch rounded deterministically, or with bits given the same for
+    every sample (a key draws each sample's own: a call each)."""
+    if key is not None:
+        return None
+    given = None if random_bits is None else random_bits.expand(x.shape)
+    return x, fmt, rounding, sat, bits, fraction, key, given
+
+
 @round_op.register_fake
 def _(x, fmt, rounding, sat, bits, fraction, key, random_bits):
     fake_checks(x, fmt, rounding, sat, bits, fraction, key, random_bits)
