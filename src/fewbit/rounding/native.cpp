@@ -957,10 +957,9 @@ void block_maxima(const T* __restrict xs, int h1, int B, uint32_t* __restrict am
 // largest magnitude in amax (block_maxima): its factor S (NaN for a block holding a NaN)
 // into factor and 1 / S into inv where S is a power of two, its scale's code into
 // blocks.scales (from pos0 / B), and, unless `scaled` is null, the elements x / S into
-// `scaled`. A
-// quotient below float32's normal range becomes +-2^-126 (it rounds alike, and a zero
-// would not); a block whose S is 0 holds zeros, and a NaN block's elements are NaN, or 0
-// in an element format without NaN (the scale carries the NaN).
+// `scaled`. A quotient below float32's normal range becomes +-2^-126 (it rounds alike,
+// and a zero would not); a block whose S is 0 holds zeros, and a NaN block's elements are
+// NaN, or 0 in an element format without NaN (the scale carries the NaN).
 template <int FIXED_B>
 void scale_blocks(const uint32_t* __restrict xs, int h1, int64_t pos0, const Blocks& blocks, const Fmt& f,
                   uint32_t* __restrict scaled, const uint32_t* __restrict amax, uint32_t* __restrict factor,
@@ -1937,10 +1936,10 @@ static_assert(sizeof(Call) == 144, "native.py's CALL packs this layout");
 // Round (mode 0 .. FRACTION) or encode (mode ENCODE) x[0 .. n) of dtype into out, the
 // elements being offset .. offset + n of the random stream. With blocks (x[0 .. n) in
 // blocks of block_size, which divides LANES; offset a multiple of it), each block is
-// scaled by its rule first: values q * S in x's dtype into out, or element codes into out and the codes of
-// the blocks' scales (E8M0 or E4M3) into scales. Returns the first position without a
-// valid result, or -1. With runs > 1, x holds runs of n / runs elements each, run r being
-// stream elements offset + r * run_stride ...
+// scaled by its rule first: values q * S in x's dtype into out, or element codes into out
+// and the codes of the blocks' scales (E8M0 or E4M3) into scales. Returns the first
+// position without a valid result, or -1. With runs > 1, x holds runs of n / runs
+// elements each, run r being stream elements offset + r * run_stride ...
 int64_t fewbit_round(const Call* c) {
   const int mode = int(c->mode), dtype = int(c->dtype), output = int(c->output);
   const Blocks blocks{int(c->block_size), Rule(c->rule), float(c->tensor_scale), c->scales,
