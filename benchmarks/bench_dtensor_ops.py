@@ -1,12 +1,14 @@
-"""What ``fewbit.round`` costs on a DTensor against the same rounding of the rank's piece
-as a plain tensor (which draws the bits of the wrong indices: the floor), on W gloo
-processes. A float32 matrix (1024 x 1024 by default) rounded to binary8p4 with SRC,
-N = 3, a new seed each call, for Shard(0), Shard(1) and Replicate, and ``copy_`` of the
-piece's bytes into a preallocated tensor as the yardstick. The ranks take turns (a
+"""What ``fewbit.round`` (or ``--op``: ``quantize``, ``block.round``) costs on a DTensor
+against the same op on the rank's piece as a plain tensor (which draws the bits of the
+wrong indices: the floor), on W gloo processes. A float32 matrix (1024 x 1024 by
+default) rounded to binary8p4 (block.round: mxfp8_e4m3) with SRC, N = 3, a new seed each
+call, for Shard(0), Shard(1) and Replicate, and ``copy_`` of the piece's bytes into a
+preallocated tensor as the yardstick. The ranks take turns (a
 barrier between), each timed alone on one torch thread. Prints the median time per
 call on the slowest rank and the ratio to the plain piece's rounding.
 
     python benchmarks/bench_dtensor_ops.py [--nproc 2] [--rows 1024] [--cols 1024] [--repeat 20]
+                                           [--op round|quantize|block.round]
 """
 
 from __future__ import annotations
@@ -27,10 +29,19 @@ from ranks import importable  # (this folder: a script's own is on the path)
 PLACEMENTS = ("Shard(0)", "Shard(1)", "Replicate")
 
 
+#: The ops timed (``--op``), each with a new seed a call.
+OPS = {
+    "round": lambda t, i: fewbit.round(t, "binary8p4", "src", bits=3, seed=i),
+    "quantize": lambda t, i: fewbit.quantize(t, "binary8p4", "src", bits=3, seed=i),
+    "block.round": lambda t, i: fewbit.block.round(t, "mxfp8_e4m3", "src", bits=3, seed=i),
+}
+
+
 @dataclass(frozen=True)
 class Case:
     shape: tuple[int, int]
     repeat: int
+    op: str = "round"
     warmup: int = 3
 
 
@@ -63,10 +74,9 @@ def time_ops(rank: int, world_size: int, case: Case) -> dict:
             piece = x.to_local()
             into = torch.empty_like(piece)
             seconds[f"{name}: copy_ of the piece"] = _median(lambda i, p=piece, o=into: o.copy_(p), case)
-            seconds[f"{name}: the piece, plain"] = _median(
-                lambda i, p=piece: fewbit.round(p, "binary8p4", "src", bits=3, seed=i), case)
-            seconds[f"{name}: the DTensor"] = _median(
-                lambda i, t=x: fewbit.round(t, "binary8p4", "src", bits=3, seed=i), case)
+            op = OPS[case.op]
+            seconds[f"{name}: the piece, plain"] = _median(lambda i, p=piece, op=op: op(p, i), case)
+            seconds[f"{name}: the DTensor"] = _median(lambda i, t=x, op=op: op(t, i), case)
     dist.barrier()
     return {"seconds": seconds, "weights": {}}
 
@@ -77,10 +87,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1024)
     ap.add_argument("--cols", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--op", default="round", choices=sorted(OPS), help="block.round: to mxfp8_e4m3")
     args = ap.parse_args()
     me = importable(__file__)  # (the ranks import time_ops and Case by this module's name)
-    per_rank = launch([me.Case((args.rows, args.cols), args.repeat)], args.nproc, train=me.time_ops)[0]
-    print(f"fewbit.round of a {args.rows} x {args.cols} float32 DTensor on {args.nproc} ranks, binary8p4 "
+    case = me.Case((args.rows, args.cols), args.repeat, args.op)
+    per_rank = launch([case], args.nproc, train=me.time_ops)[0]
+    print(f"fewbit.{args.op} of a {args.rows} x {args.cols} float32 DTensor on {args.nproc} ranks, "
           f"SRC N=3 (median of {args.repeat}, slowest rank)")  # fmt: skip
     print(f"{'row':40} {'ms':>8} {'vs the piece, plain':>20}")
     for name in PLACEMENTS:

@@ -161,6 +161,25 @@ def test_runs_draw_the_bits_of_their_place_in_the_stream(mode, dtype):
         assert_bitwise_equal(out, expected, piece, f"{case} host key {host}")
 
 
+@pytest.mark.parametrize("name, packed", [("binary8p4", False), ("binary4p2", True)])
+def test_codes_of_runs_are_the_native_kernels(name, packed):
+    """fewbit.quantize of a Shard(1) piece in one pass (sharding.quantize_range): the
+    kernel's codes of runs equal the native kernel's (tests/test_native.py holds those
+    to the whole matrix), a code an element or two a byte, each run's bytes from its own."""
+    spec = make_spec(torch.float32, fewbit.format(name), RoundMode.SRC, True, 3, None)
+    key = Key.from_seed(9)
+    for case in RUNS:
+        x, piece, (offset, runs, stride) = runs_of_a_matrix(torch.float32, *case)
+        if case[0] >= 100 or packed and (offset | stride | piece.shape[1]) & 1:
+            continue
+        outs = []
+        for run, k in ((gpu.quantize_into, key), (native.quantize_into, stream_words(spec, key))):
+            out = torch.empty(piece.numel() // 2 if packed else piece.numel(), dtype=torch.uint8)
+            assert run(piece.contiguous(), spec, k, None, out, packed, offset, runs, stride) in (True, -1)
+            outs.append(out)
+        assert torch.equal(*outs), case
+
+
 @pytest.mark.parametrize("mode", ["src", "srff", "sr", "sr_fraction"])
 def test_a_key_in_host_memory_draws_the_same_bits(mode):
     """A key the host holds (an int seed's) travels as the launch's words k0, k1 (and the

@@ -225,17 +225,19 @@ def test_foreach_kernel_compiles_with_vector_loads(via, mode, bits):
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx and ".ftz" not in ptx
 
 
-@pytest.mark.parametrize("dtype, fmt, mode, bits", [
-    (torch.float32, "binary8p4", "src", 3), (torch.bfloat16, "ocp_e4m3", "rne", None),
-    (torch.float16, "binary4p2", "src", 2), (torch.float32, "binary16", "sr_fraction", 4),
+@pytest.mark.parametrize("dtype, fmt, mode, bits, runs", [
+    (torch.float32, "binary8p4", "src", 3, False), (torch.bfloat16, "ocp_e4m3", "rne", None, False),
+    (torch.float16, "binary4p2", "src", 2, False), (torch.float32, "binary16", "sr_fraction", 4, False),
+    (torch.float32, "binary4p2", "src", 3, True), (torch.bfloat16, "binary8p4", "src", 3, True),
 ])  # fmt: skip
-def test_round_kernel_compiles_to_codes(dtype, fmt, mode, bits):
+def test_round_kernel_compiles_to_codes(dtype, fmt, mode, bits, runs):
     """quantize's launches (CODES: a code an element, or two a byte where K <= 4) compile
-    for an H100 with 16-byte loads of x, and no float32 subnormal flushed."""
+    for an H100 with 16-byte loads of x, and no float32 subnormal flushed; so do those of
+    runs (a Shard(1) piece's codes)."""
     fmt = fewbit.format(fmt)
     spec = make_spec(dtype, fmt, RoundMode(mode), False, bits, 0.5 if mode == "sr_fraction" else None)
     codes = gpu._PACKED if fmt.k <= 4 else gpu._CODES
-    constants = gpu.round_constants(spec, True, False, True, None, True, codes)
+    constants = gpu.round_constants(spec, True, False, True, None, True, codes, None, runs)
     out = "*u8" if fmt.k <= 8 else "*i16"
     args = {"x_ptr": f"*{_TRITON_DTYPES[dtype]}", "out_ptr": out, **_INTEGERS}
     ptx = gpu.compile_for("round_kernel", args, constants, 90).asm["ptx"]

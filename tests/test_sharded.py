@@ -226,6 +226,30 @@ def test_round_range_of_a_piece_is_the_full_tensors_rounding_there(name):
     assert round_range(full[5:], nvfp4, key, ShardLayout((12, 384), (7, 384), (5, 0))) is None
 
 
+@pytest.mark.parametrize("name, packed", [("binary8p4", False), ("binary4p2", True), ("ocp_e2m1", True)])
+def test_quantize_range_of_a_piece_is_the_full_tensors_codes_there(name, packed):
+    """sharding.quantize_range (fewbit.quantize on a DTensor's piece, in one pass of the
+    kernel) of Shard(0) and Shard(1) pieces of a 12 x 384 matrix gives the codes that
+    fewbit.quantize gives the full matrix there; packed pairs only where every run starts
+    and ends on a pair (None: the caller draws, and its own checks refuse the call)."""
+    from fewbit.rounding.checks import make_spec
+    from fewbit.sharding import quantize_range
+
+    full = torch.randn(12, 384, generator=torch.Generator().manual_seed(4)) * 3
+    key = Key(5, 6)
+    spec = make_spec(torch.float32, fewbit.format(name), fewbit.RoundMode.SRC, True, 3, None)
+    expected = fewbit.quantize(full, name, "src", bits=3, seed=key, sat=True, packed=packed)
+    for rows, cols in [(slice(5, 12), slice(0, 384)), (slice(0, 12), slice(128, 320)),
+                       (slice(2, 9), slice(64, 130))]:  # fmt: skip
+        local = (rows.stop - rows.start, cols.stop - cols.start)
+        piece = ShardLayout((12, 384), local, (rows.start, cols.start))
+        got = quantize_range(full[rows, cols], spec, key, piece, packed)
+        half = slice(cols.start // 2, cols.stop // 2) if packed else cols
+        assert got is not None and torch.equal(got, expected[rows, half]), (rows, cols)
+    odd = ShardLayout((12, 384), (12, 191), (0, 1))
+    assert (quantize_range(full[:, 1:192], spec, key, odd, packed) is None) == packed
+
+
 def one_process_fake_quantize(cfg: TensorParallelProbe, case: str, replica: int) -> tuple:
     """Output and input gradient of the case's full tensor in this process (no
     torch.distributed): FakeQuantize as is for replica 0, else with that replica's key."""

@@ -41,6 +41,7 @@ from .sharding import (
     layout,
     map_piece,
     piece_randomness,
+    quantize_range,
     round_range,
 )
 
@@ -78,15 +79,18 @@ def _drawn(spec, key, given: torch.Tensor | None, where: ShardLayout, piece: tor
     return (key, None) if "seed" in drawn else (None, drawn["random_bits"])  # (a whole tensor: the op draws)
 
 
-def _in_kernel(spec, key, given: torch.Tensor | None, where: ShardLayout,
-               piece: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
+def _in_kernel(spec, key, given: torch.Tensor | None, where: ShardLayout, piece: torch.Tensor,
+               packed: bool | None = None) -> torch.Tensor | None:  # fmt: skip
     """The piece rounded by fewbit's kernel, which draws the bits of the piece's indices in
     the full tensor (``sharding.round_range``: a piece that is runs of it, one for
     Shard(0), a row each for Shard(1); for a block format, of whole blocks along the last
-    dimension), without a tensor of bits; None where that does not apply."""
+    dimension), without a tensor of bits; or its codes (``packed`` not None:
+    ``sharding.quantize_range``). None where that does not apply."""
     words = host_key(key)
     if given is not None or type(words) is not Key or where.whole:
         return None
+    if packed is not None:
+        return quantize_range(piece, spec, words, where, packed)
     return round_range(piece, spec, words, where)
 
 
@@ -142,6 +146,9 @@ def _quantize(cls, func, types, args, kwargs):
     given = _laid_out_as(x, random_bits, "random_bits", "fewbit.quantize")
 
     def codes(piece: torch.Tensor, where: ShardLayout) -> torch.Tensor:
+        fast = _in_kernel(spec, key, given, where, piece, packed)
+        if fast is not None:
+            return fast
         drawn = _drawn(spec, key, given, where, piece)
         return func(piece, fmt, rounding, sat, bits, fraction, *drawn, packed)
 

@@ -25,6 +25,7 @@ import torch
 
 from .block import BlockFormat
 from .block.kernel import BlockSpec
+from .codec import code_dtype
 from .random import Key
 from .rounding import gpu, native
 from .rounding.checks import RoundSpec
@@ -33,7 +34,8 @@ from .rounding.compiled import index_bits, range_bits, stream_words
 __all__ = [
     "PairwiseReduceScatter", "Runs", "ShardLayout", "check_cuts", "check_whole_blocks", "global_amax",
     "global_bits", "is_dtensor", "layout", "local_tensor", "map_piece", "pairwise_sum", "piece_key",
-    "piece_randomness", "round_range", "placement_offsets", "replica_count", "replica_rank", "torch_offsets",
+    "piece_randomness", "placement_offsets", "quantize_range", "replica_count", "replica_rank", "round_range",
+    "torch_offsets",
 ]  # fmt: skip
 
 
@@ -228,6 +230,26 @@ def round_range(
         return native.rounded(x, spec, stream_words(spec, key), **at)
     if gpu.applies(spec, x):
         return gpu.rounded(x, spec, key, **at)
+    return None
+
+
+def quantize_range(x: torch.Tensor, spec: RoundSpec, key: Key | None, piece: ShardLayout,
+                   packed: bool) -> torch.Tensor | None:  # fmt: skip
+    """The codes (``fewbit.quantize``'s: uint8 or int16, or ``packed`` pairs along the last
+    dimension) of ``x`` rounded as :func:`round_range` rounds it, in the same pass of the
+    kernel, where the piece is runs of the full tensor (even, for pairs); None where that
+    does not apply, or where an element has no value in the format."""
+    runs = piece.runs()
+    if key is None or runs is None or (packed and (runs.start | runs.length | runs.stride) & 1):
+        return None
+    shape = (*x.shape[:-1], x.shape[-1] // 2) if packed else x.shape
+    out = x.new_empty(shape, dtype=torch.uint8 if packed else code_dtype(spec.fmt))
+    at = {"offset": runs.start, "runs": runs.count, "stride": runs.stride}
+    if native.applies(spec, x):
+        bad = native.quantize_into(x, spec, stream_words(spec, key), None, out, packed, **at)
+        return out if bad < 0 else None
+    if spec.fmt.has_nans and gpu.applies(spec, x):  # every element has a code there
+        return out if gpu.quantize_into(x, spec, key, None, out, packed, **at) else None
     return None
 
 

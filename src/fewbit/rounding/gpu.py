@@ -199,14 +199,14 @@ def round_into(
 
 def quantize_into(
     x: torch.Tensor, spec: RoundSpec, key: torch.Tensor | Key | None, random_bits: torch.Tensor | None,
-    out: torch.Tensor, packed: bool,
+    out: torch.Tensor, packed: bool, offset: int = 0, runs: int = 1, stride: int = 0,
 ) -> bool:
-    """:func:`round_into` flat ``x`` from stream element 0, writing the results' codes into
-    ``out`` (uint8 or int16, or ``packed`` pairs in uint8, as :func:`encode_into`) in the
-    same kernel; only for formats with NaN, where every element has a result. False as
-    round_into's."""
+    """:func:`round_into` flat ``x`` (from stream element ``offset``, or in runs, as there;
+    even, for ``packed`` pairs), writing the results' codes into ``out`` (uint8 or int16,
+    or ``packed`` pairs in uint8, as :func:`encode_into`) in the same kernel; only for
+    formats with NaN, where every element has a result. False as round_into's."""
     assert spec.fmt.has_nans, "a format without NaN would need a check of its results"
-    return _round(x, spec, key, random_bits, out, 0, _PACKED if packed else _CODES)
+    return _round(x, spec, key, random_bits, out, offset, _PACKED if packed else _CODES, runs=(runs, stride))
 
 
 def block_into(

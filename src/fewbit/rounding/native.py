@@ -207,12 +207,13 @@ def encode_into(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor, packed: bo
 
 def quantize_into(
     x: torch.Tensor, spec: RoundSpec, words: list[int] | None, random_bits: torch.Tensor | None,
-    out: torch.Tensor, packed: bool,
+    out: torch.Tensor, packed: bool, offset: int = 0, runs: int = 1, stride: int = 0,
 ) -> int:
-    """:func:`round_into` ``x``, writing the results' codes into ``out`` as
-    :func:`encode_into` does, in the same pass: the rounded values are never stored.
-    Returns :func:`round_into`'s answer."""
-    return _call(x, spec, False, words, random_bits, out, _code_output(spec.fmt, packed), 0)
+    """:func:`round_into` ``x`` (at ``offset``, or in runs, as there; even, for ``packed``
+    pairs), writing the results' codes into ``out`` as :func:`encode_into` does, in the
+    same pass: the rounded values are never stored. Returns :func:`round_into`'s answer."""
+    return _call(x, spec, False, words, random_bits, out, _code_output(spec.fmt, packed), offset,
+                 runs=(runs, stride))  # fmt: skip
 
 
 def _code_output(fmt: FloatFormat, packed: bool) -> int:

@@ -320,9 +320,10 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, scales_ptr, ts_ptr, n: tl.i
     the values are ``q S`` in x's dtype; with CODES, the blocks' scale codes go to
     scales_ptr, one a block.
 
-    ``RUNS`` (values): x holds runs of ``n`` elements, run r being stream elements
-    ``offset + r * stride ..`` (a Shard(1) piece, a run a row), ``per_run`` programs
-    each, from the row of blocks that holds its first element (first_row unused)."""
+    ``RUNS``: x holds runs of ``n`` elements, run r being stream elements ``offset + r *
+    stride ..`` (a Shard(1) piece, a run a row; with BLOCK, values only), ``per_run``
+    programs each, from the row of blocks that holds its first element (first_row
+    unused)."""
     lanes = tl.arange(0, LANES)
     # quantize of a float-adder rounding (MODE 13, 14) into a sign-magnitude format whose
     # beyond has a code (the largest value with sat, else Inf): the code in one go.
@@ -347,7 +348,10 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, scales_ptr, ts_ptr, n: tl.i
             run = program // per_run
             program -= run * per_run
             x_ptr += run * n
-            out_ptr += run * n
+            if CODES == 2:  # two a byte (n and stride even)
+                out_ptr += run * n // 2
+            else:
+                out_ptr += run * n
             if GIVEN:
                 given_ptr += run * n
             offset += run * stride
