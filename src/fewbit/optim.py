@@ -35,6 +35,7 @@ from .sharding import (
     layout,
     local_tensor,
     piece_randomness,
+    quantize_range,
     replica_count,
     round_range,
 )  # fmt: skip
@@ -247,6 +248,11 @@ class LowPrecisionWeights:
             t, at = pieces[i], self._layouts[i]
             key = None if step_key is None else replica_key(fold_in(step_key, i), self.policy)
             x = t.to(self.via)
+            if self.store_codes and not block:  # the codes in the pass that rounds: t is freed below
+                codes_now = quantize_range(x, self.spec, key, at, packed=False)
+                if codes_now is not None:
+                    codes[i] = codes_now
+                    continue
             done = None if block and self.store_codes else round_range(x, self.spec, key, at)
             if done is not None:  # runs of the full tensor: its bits drawn inside the kernel
                 t.copy_(done)
