@@ -206,7 +206,8 @@ def test_round_range_of_a_piece_is_the_full_tensors_rounding_there(name):
     of a 12 x 384 matrix, as Shard(0) cuts it (from inside a row of lanes) and as Shard(1)
     does (a run a row), equals the full matrix rounded once, there; for a block format
     only where the pieces hold whole blocks (cut at 16 of 32: None, the caller draws), and
-    never for NVFP4, whose per-tensor scale needs the whole tensor."""
+    never for NVFP4, whose per-tensor scale needs the whole tensor, nor for blocks along
+    another dimension than the last."""
     from fewbit.block import check_args
     from fewbit.sharding import round_range
 
@@ -224,6 +225,13 @@ def test_round_range_of_a_piece_is_the_full_tensors_rounding_there(name):
     assert (round_range(full[:, 16:192], spec, key, straddling) is None) == (name != "binary8p4")
     nvfp4 = check_args(torch.float32, "nvfp4", "src", True, 3, None)
     assert round_range(full[5:], nvfp4, key, ShardLayout((12, 384), (7, 384), (5, 0))) is None
+    if name != "binary8p4":  # a format whose blocks lie along dim 0: not the kernel's, unless told
+        bfmt = fewbit.block.format(name)
+        columns = fewbit.block.BlockFormat(f"{name} along dim 0", bfmt.element, 4, bfmt.scale, axis=0)
+        spec = check_args(torch.float32, columns, "src", True, 3, None)
+        rows = ShardLayout((12, 384), (8, 384), (4, 0))
+        assert round_range(full[4:], spec, key, rows) is None
+        assert round_range(full[4:], spec, key, rows, axis=-1) is not None
 
 
 @pytest.mark.parametrize("name, packed", [("binary8p4", False), ("binary4p2", True), ("ocp_e2m1", True)])

@@ -79,19 +79,22 @@ def _drawn(spec, key, given: torch.Tensor | None, where: ShardLayout, piece: tor
     return (key, None) if "seed" in drawn else (None, drawn["random_bits"])  # (a whole tensor: the op draws)
 
 
-def _in_kernel(spec, key, given: torch.Tensor | None, where: ShardLayout, piece: torch.Tensor,
-               packed: bool | None = None) -> torch.Tensor | None:  # fmt: skip
-    """The piece rounded by fewbit's kernel, which draws the bits of the piece's indices in
-    the full tensor (``sharding.round_range``: a piece that is runs of it, one for
-    Shard(0), a row each for Shard(1); for a block format, of whole blocks along the last
-    dimension), without a tensor of bits; or its codes (``packed`` not None:
-    ``sharding.quantize_range``). None where that does not apply."""
+def _on_piece(spec, key, given: torch.Tensor | None, where: ShardLayout, piece: torch.Tensor,
+              op: Callable, *, packed: bool | None = None, axis: int | None = None) -> torch.Tensor | None:
+    """The op's result on the piece, each element with the bits it has in the full tensor:
+    fewbit's kernel's, which draws them itself where the piece is runs of the full tensor
+    (``sharding.round_range``, blocks along ``axis``; or its codes, ``packed`` not None:
+    ``sharding.quantize_range``), else ``op(key, random_bits)`` with the piece's bits
+    drawn first (an op that writes its ``out`` returns None)."""
     words = host_key(key)
-    if given is not None or type(words) is not Key or where.whole:
-        return None
-    if packed is not None:
-        return quantize_range(piece, spec, words, where, packed)
-    return round_range(piece, spec, words, where)
+    if given is None and type(words) is Key and not where.whole:
+        if packed is not None:
+            fast = quantize_range(piece, spec, words, where, packed)
+        else:
+            fast = round_range(piece, spec, words, where, axis)
+        if fast is not None:
+            return fast
+    return op(*_drawn(spec, key, given, where, piece))
 
 
 def _pairs_whole(x, packed: bool, name: str, length: int | None = None) -> tuple[int, ...] | None:
@@ -115,10 +118,8 @@ def _round(cls, func, types, args, kwargs):
     given = _laid_out_as(x, random_bits, "random_bits", "fewbit.round")
 
     def rounded(piece: torch.Tensor, where: ShardLayout) -> torch.Tensor:
-        fast = _in_kernel(spec, key, given, where, piece)
-        if fast is not None:
-            return fast
-        return func(piece, fmt, rounding, sat, bits, fraction, *_drawn(spec, key, given, where, piece))
+        return _on_piece(spec, key, given, where, piece,
+                         lambda *drawn: func(piece, fmt, rounding, sat, bits, fraction, *drawn))  # fmt: skip
 
     return map_piece(x, rounded)
 
@@ -131,11 +132,13 @@ def _round_into(cls, func, types, args, kwargs):
     given = _laid_out_as(x, random_bits, "random_bits", "fewbit.round")
     into = _laid_out_as(x, out, "out", "fewbit.round")
     piece, where = x.to_local(), layout(x)
-    fast = _in_kernel(spec, key, given, where, piece)
-    if fast is not None:
-        into.copy_(fast)
-    else:
-        func(piece, fmt, rounding, sat, bits, fraction, *_drawn(spec, key, given, where, piece), into)
+
+    def write(*drawn) -> None:
+        func(piece, fmt, rounding, sat, bits, fraction, *drawn, into)
+
+    done = _on_piece(spec, key, given, where, piece, write)
+    if done is not None:  # the kernel's (the op wrote into itself)
+        into.copy_(done)
 
 
 def _quantize(cls, func, types, args, kwargs):
@@ -146,11 +149,9 @@ def _quantize(cls, func, types, args, kwargs):
     given = _laid_out_as(x, random_bits, "random_bits", "fewbit.quantize")
 
     def codes(piece: torch.Tensor, where: ShardLayout) -> torch.Tensor:
-        fast = _in_kernel(spec, key, given, where, piece, packed)
-        if fast is not None:
-            return fast
-        drawn = _drawn(spec, key, given, where, piece)
-        return func(piece, fmt, rounding, sat, bits, fraction, *drawn, packed)
+        return _on_piece(spec, key, given, where, piece,
+                         lambda *drawn: func(piece, fmt, rounding, sat, bits, fraction, *drawn, packed),
+                         packed=packed)  # fmt: skip
 
     return map_piece(x, codes, shape)
 
@@ -172,47 +173,41 @@ def _decode(cls, func, types, args, kwargs):
 
 
 def _block_checks(x, call: tuple, name: str):
-    """The block op's checked spec (on x's piece) and given bits' piece; raises for a piece
-    whose blocks straddle ranks."""
+    """The block op's checked spec (on x's piece), its block axis and the given bits'
+    piece; raises for a piece whose blocks straddle ranks."""
     bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule = call
     _eager(name)
     piece = x.to_local()
     spec, axis = block_spec_of(piece, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
     check_whole_blocks(x, spec.bfmt, axis, name)
-    return spec, _laid_out_as(x, random_bits, "random_bits", name)
+    return spec, axis, _laid_out_as(x, random_bits, "random_bits", name)
 
 
 def _block_round(cls, func, types, args, kwargs):
     x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule = args
-    spec, given = _block_checks(x, args[1:], "fewbit.block.round")
+    spec, block_axis, given = _block_checks(x, args[1:], "fewbit.block.round")
 
     def rounded(piece: torch.Tensor, where: ShardLayout) -> torch.Tensor:
-        fast = _in_kernel(spec, key, given, where, piece) if _last(axis, x) else None
-        if fast is not None:
-            return fast
-        return func(piece, bfmt, rounding, sat, bits, fraction, *_drawn(spec, key, given, where, piece), axis,
-                    rule)  # fmt: skip
+        return _on_piece(spec, key, given, where, piece,
+                         lambda *drawn: func(piece, bfmt, rounding, sat, bits, fraction, *drawn, axis, rule),
+                         axis=block_axis)  # fmt: skip
 
     return map_piece(x, rounded)
-
-
-def _last(axis: int | None, x) -> bool:
-    """Whether a block op's ``axis`` is x's last (None: the format's, the last)."""
-    return axis is None or axis % x.dim() == x.dim() - 1
 
 
 def _block_round_into(cls, func, types, args, kwargs):
     *call, out = args
     x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule = call
-    spec, given = _block_checks(x, tuple(call[1:]), "fewbit.block.round")
+    spec, block_axis, given = _block_checks(x, tuple(call[1:]), "fewbit.block.round")
     into = _laid_out_as(x, out, "out", "fewbit.block.round")
     piece, where = x.to_local(), layout(x)
-    fast = _in_kernel(spec, key, given, where, piece) if _last(axis, x) else None
-    if fast is not None:
-        into.copy_(fast)
-    else:
-        func(piece, bfmt, rounding, sat, bits, fraction, *_drawn(spec, key, given, where, piece), axis, rule,
-             into)  # fmt: skip
+
+    def write(*drawn) -> None:
+        func(piece, bfmt, rounding, sat, bits, fraction, *drawn, axis, rule, into)
+
+    done = _on_piece(spec, key, given, where, piece, write, axis=block_axis)
+    if done is not None:  # the kernel's (the op wrote into itself)
+        into.copy_(done)
 
 
 def _block_quantize(cls, func, types, args, kwargs):

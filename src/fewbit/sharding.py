@@ -60,6 +60,12 @@ class Runs(NamedTuple):
     length: int
     stride: int
 
+    @property
+    def placed(self) -> dict[str, int]:
+        """Where the kernels (``native``'s and ``gpu``'s ``*_into``) take the runs: their
+        ``offset``, ``runs`` and ``stride`` arguments."""
+        return {"offset": self.start, "runs": self.count, "stride": self.stride}
+
 
 @dataclass(frozen=True)
 class ShardLayout:
@@ -211,25 +217,24 @@ def global_bits(spec: RoundSpec, words, piece: ShardLayout, device) -> torch.Ten
 
 
 def round_range(
-    x: torch.Tensor, spec: RoundSpec | BlockSpec, key: Key | None, piece: ShardLayout
+    x: torch.Tensor, spec: RoundSpec | BlockSpec, key: Key | None, piece: ShardLayout, axis: int | None = None
 ) -> torch.Tensor | None:
     """``x`` (a piece, in the dtype the rounding starts from) rounded stochastically by
     fewbit's kernel (native on a CPU, Triton on a GPU) with the bits its elements have in
     the full tensor, drawn in the kernel, where the piece is runs of the flattened full
     tensor (:meth:`ShardLayout.runs`: Shard(0) one, Shard(1) a run a row); for a block
-    format (blocks along the last dimension), where the runs are whole blocks. None
-    where that does not apply, or where an element has no value in the format (the
-    caller's rounding then raises)."""
+    format, where its blocks lie along the last dimension (``axis``; None: the format's)
+    and the runs are whole blocks. None where that does not apply, or where an element
+    has no value in the format (the caller's rounding then raises)."""
     runs = piece.runs()
     if key is None or runs is None:
         return None
     if isinstance(spec, BlockSpec):
-        return _blocks_in_range(x, spec, key, piece, runs)
-    at = {"offset": runs.start, "runs": runs.count, "stride": runs.stride}
+        return _blocks_in_range(x, spec, key, piece, runs, spec.bfmt.axis if axis is None else axis)
     if native.applies(spec, x):
-        return native.rounded(x, spec, stream_words(spec, key), **at)
+        return native.rounded(x, spec, stream_words(spec, key), **runs.placed)
     if gpu.applies(spec, x):
-        return gpu.rounded(x, spec, key, **at)
+        return gpu.rounded(x, spec, key, **runs.placed)
     return None
 
 
@@ -244,28 +249,26 @@ def quantize_range(x: torch.Tensor, spec: RoundSpec, key: Key | None, piece: Sha
         return None
     shape = (*x.shape[:-1], x.shape[-1] // 2) if packed else x.shape
     out = x.new_empty(shape, dtype=torch.uint8 if packed else code_dtype(spec.fmt))
-    at = {"offset": runs.start, "runs": runs.count, "stride": runs.stride}
     if native.applies(spec, x):
-        bad = native.quantize_into(x, spec, stream_words(spec, key), None, out, packed, **at)
+        bad = native.quantize_into(x, spec, stream_words(spec, key), None, out, packed, **runs.placed)
         return out if bad < 0 else None
     if spec.fmt.has_nans and gpu.applies(spec, x):  # every element has a code there
-        return out if gpu.quantize_into(x, spec, key, None, out, packed, **at) else None
+        return out if gpu.quantize_into(x, spec, key, None, out, packed, **runs.placed) else None
     return None
 
 
-def _blocks_in_range(x: torch.Tensor, spec: BlockSpec, key: Key, piece: ShardLayout,
-                     runs: Runs) -> torch.Tensor | None:  # fmt: skip
+def _blocks_in_range(x: torch.Tensor, spec: BlockSpec, key: Key, piece: ShardLayout, runs: Runs,
+                     axis: int) -> torch.Tensor | None:  # fmt: skip
     """:func:`round_range` for a block format: each run whole blocks, from a block's first
-    element, blocks along the last dimension lying as in the full tensor (its length a
-    multiple of the block size), and no per-tensor scale (NVFP4's needs the whole
+    element, blocks along the last dimension (``axis``) lying as in the full tensor (its
+    length a multiple of the block size), and no per-tensor scale (NVFP4's needs the whole
     tensor)."""
-    size, bfmt = spec.bfmt.block_size, spec.bfmt
-    if (runs.start % size or runs.length % size or runs.stride % size or piece.global_shape[-1] % size
-            or bfmt.tensor_scale or spec.work_dtype != torch.float32):  # fmt: skip
+    size, bfmt, dims = spec.bfmt.block_size, spec.bfmt, len(piece.global_shape)
+    if (axis % dims != dims - 1 or piece.global_shape[-1] % size or runs.start % size or runs.length % size
+            or runs.stride % size or bfmt.tensor_scale or spec.work_dtype != torch.float32):  # fmt: skip
         return None
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    call = {"block_size": size, "rule": spec.rule, "offset": runs.start, "runs": runs.count,
-            "stride": runs.stride}  # fmt: skip
+    call = {"block_size": size, "rule": spec.rule, **runs.placed}
     if native.block_applies(spec.spec, x, None, size, bfmt.scale):
         bad = native.block_into(x, spec.spec, stream_words(spec.spec, key), None, out, None, **call)
         return out if bad < 0 else None
