@@ -1756,17 +1756,20 @@ int64_t run_on_threads(const Job& job, int mode, int threads) {
   return -1;
 }
 
+// The bytes of out that `count` of a job's elements take (count even for packed codes).
+int64_t out_bytes(const Job& job, int64_t count) {
+  return job.output == VALUES         ? count * (job.dtype == F32 ? 4 : 2)
+         : job.output == CODES_I16    ? count * 2
+         : job.output == CODES_PACKED ? count / 2
+                                      : count;
+}
+
 // Elements from .. from + n of a job's x as a job of their own, at stream elements offset ..
 // (from even for packed codes, a multiple of the block size with blocks).
 Job part(const Job& job, int64_t from, int64_t n, int64_t offset) {
-  const int in = job.dtype == F32 ? 4 : 2;
-  const int64_t out = job.output == VALUES         ? from * in
-                      : job.output == CODES_I16    ? from * 2
-                      : job.output == CODES_PACKED ? from / 2
-                                                   : from;
   Job p = job;
-  p.x = static_cast<const char*>(job.x) + from * in;
-  p.out = static_cast<char*>(job.out) + out;
+  p.x = static_cast<const char*>(job.x) + from * (job.dtype == F32 ? 4 : 2);
+  p.out = static_cast<char*>(job.out) + out_bytes(job, from);
   if (job.given != nullptr) p.given = job.given + from;
   if (job.blocks.scales != nullptr) p.blocks.scales = job.blocks.scales + from / job.blocks.size;
   p.n = n;
@@ -1784,7 +1787,6 @@ int64_t run_off_row(const Job& job, int mode, int threads) {
   const int64_t row = job.offset / LANES;
   const int h0 = int(job.offset - row * LANES), m = int(std::min<int64_t>(LANES - h0, job.n));
   const int in = job.dtype == F32 ? 4 : 2, B = job.blocks.size;
-  const int out_pair = job.output == VALUES ? 2 * in : job.output == CODES_PACKED ? 1 : 2;  // bytes
   alignas(64) uint8_t x_row[LANES * 4], out_row[LANES * 4], scales_row[LANES];
   alignas(64) int32_t given_row[LANES];
   std::memset(x_row, 0, size_t(h0) * in);  // (the kernel reads lanes 0 .. h0 + m)
@@ -1802,7 +1804,7 @@ int64_t run_off_row(const Job& job, int mode, int threads) {
   }
   if (job.blocks.scales != nullptr) head.blocks.scales = scales_row;
   const int64_t bad = KERNELS[mode](head, row, row + 1);
-  std::memcpy(job.out, out_row + h0 * out_pair / 2, size_t(m) * out_pair / 2);
+  std::memcpy(job.out, out_row + out_bytes(job, h0), size_t(out_bytes(job, m)));
   if (job.blocks.scales != nullptr) std::memcpy(job.blocks.scales, scales_row + h0 / B, m / B);
   if (bad >= 0) return bad - h0;  // (the zero blocks have their values)
   const int64_t later = run(part(job, m, job.n - m, job.offset + m), mode, threads);
