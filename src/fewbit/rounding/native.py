@@ -280,9 +280,9 @@ def finite_amax(x: torch.Tensor) -> float:
 
 #: native.cpp's ``Call``: x, dtype, out, output, n, offset, params, mode, the four key
 #: words, given, threads, block_size, rule, tensor_scale and scales, then runs and their
-#: stride (addresses as int64, 0 for none). The kernels read x and the given bits in memory order (made
-#: contiguous here if they are not) and write out's memory, which the callers make
-#: contiguous: no shape is needed, and no flattening view (1 us each) is made.
+#: stride (addresses as int64, 0 for none). The kernels read x and the given bits in
+#: memory order (made contiguous here if they are not) and write out's memory, which the
+#: callers make contiguous: no shape is needed, and no flattening view (1 us each) is made.
 CALL = struct.Struct("<8q4I4qdq2q")
 #: native.cpp's ``Lookup``: codes, their kind, n, table, k, the values' width, out, threads.
 LOOKUP = struct.Struct("<8q")
