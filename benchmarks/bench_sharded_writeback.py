@@ -10,7 +10,9 @@ run a row for Shard(1). Only ``_write_back`` is timed, after warm-up (first-call
 compilation), each repeat on freshly perturbed weights with a new step's key. The ranks
 take turns (a barrier between), so that each is timed alone on one torch thread, as one
 process is: what a rank costs where it has its own cores, not what two processes
-sharing this machine's cores cost. Prints per configuration the
+sharing this machine's cores cost. NVFP4's write-back holds a collective (the full
+tensors' largest magnitudes), so its ranks run together, a barrier before each
+write-back (on this 2-core VM, a core each). Prints per configuration the
 median time per write-back on the slowest rank, the elements each rank rounds, the
 time per element, and the ratio to one process.
 
@@ -68,14 +70,17 @@ def time_write_back(rank: int, world_size: int, case: Case) -> dict:
     g = torch.Generator().manual_seed(rank)
     noise = [torch.randn(t.shape, generator=g) * 1e-3 for t in pieces]
     times = []
-    for turn in range(world_size):  # one rank at a time: the ranks do not share the cores
+    together = getattr(weights.fmt, "tensor_scale", False)  # (a collective inside: no turns)
+    for turn in [None] if together else range(world_size):  # one rank at a time: the cores are not shared
         dist.barrier()
-        if turn != rank:
+        if turn not in (None, rank):
             continue
         for i in range(case.warmup + case.repeat):
             with torch.no_grad():  # an update's worth of change: every element has rounding to do
                 torch._foreach_add_(pieces, noise)
             weights.steps += 1
+            if together:
+                dist.barrier()
             start = time.perf_counter()
             weights._write_back()
             if i >= case.warmup:

@@ -232,13 +232,13 @@ def test_block_calls_along_the_last_axis_take_the_triton_kernel(monkeypatch):
     assert ran == [True] * 4
 
 
-@pytest.mark.parametrize("name", ["binary8p4", "mxfp8_e4m3"])
+@pytest.mark.parametrize("name", ["binary8p4", "mxfp8_e4m3", "nvfp4"])
 @pytest.mark.parametrize("placement", ["Shard(0)", "Shard(1)"])
 def test_shard_rounding_gpu_equals_cpu(placement, name):
     """A sharded piece's write-back rounding (sharding.round_range: the kernel draws the
     bits of the piece's elements in the full tensor, from one range of it for Shard(0),
-    a run a row for Shard(1); a block format's from a block inside a row of lanes), on
-    the GPU as on the CPU."""
+    a run a row for Shard(1); a block format's from a block inside a row of lanes; NVFP4
+    with a per-tensor scale not the piece's own), on the GPU as on the CPU."""
     from fewbit.block import check_args
     from fewbit.random import Key
     from fewbit.sharding import ShardLayout, round_range
@@ -248,8 +248,10 @@ def test_shard_rounding_gpu_equals_cpu(placement, name):
         piece = ShardLayout((1000, 64), (300, 64), (401, 0))
     else:
         piece = ShardLayout((300, 1024), (300, 64), (0, 352))
-    spec = check_args(x.dtype, name, "src", False, 3, None)
-    cpu, gpu = round_range(x, spec, Key(3, 4), piece), round_range(x.cuda(), spec, Key(3, 4), piece)
+    spec = check_args(x.dtype, name, "src", name == "nvfp4", 3, None)  # (e2m1: no NaN for an overflow)
+    ts = torch.tensor(x.abs().max().item() * 1.7 / (6 * 448)) if name == "nvfp4" else None
+    cpu = round_range(x, spec, Key(3, 4), piece, tensor_scale=ts)
+    gpu = round_range(x.cuda(), spec, Key(3, 4), piece, tensor_scale=None if ts is None else ts.cuda())
     assert cpu is not None and gpu is not None
     assert_bitwise_equal(gpu.cpu(), cpu, x, f"{placement} piece")
 

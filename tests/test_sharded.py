@@ -33,6 +33,7 @@ from fewbit.sharding import Runs, ShardLayout
 STEPS, SAVE_AT, EVERY = 50, 25, 5
 HSDP_STEPS = 20
 MX = ShardedRun(steps=STEPS, until=10, hash_every=EVERY, fmt="mxfp8_e4m3")
+NVFP4 = replace(MX, fmt="nvfp4")
 SCALIFIED = ShardedRun(steps=STEPS, until=20, hash_every=EVERY, params="scalified")
 
 
@@ -74,6 +75,8 @@ def runs(tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
             "ops": OpsProbe(),
             "mx shard0": MX,
             "mx shard1": ShardedRun(steps=STEPS, until=1, fmt="mxfp8_e4m3", placement=1),
+            "nvfp4 shard0": NVFP4,
+            "nvfp4 shard1, codes": replace(NVFP4, placement=1, store_codes=True),
             "scalified": replace(SCALIFIED, placement=1),
             "shard1": ShardedRun(steps=STEPS, hash_every=EVERY, placement=1),
             "resumed": ShardedRun(steps=STEPS, hash_every=EVERY, checkpoint_dir=ckpt, resume=True),
@@ -200,38 +203,44 @@ def test_runs_are_the_pieces_longest_runs_where_they_are_alike(shape):
     assert ShardLayout(shape, (0,) + shape[1:], (0,) * len(shape)).runs() == Runs(0, 1, 0, 0)
 
 
-@pytest.mark.parametrize("name", ["binary8p4", "mxfp8_e4m3", "mxfp4"])
+@pytest.mark.parametrize("name", ["binary8p4", "mxfp8_e4m3", "mxfp4", "nvfp4"])
 def test_round_range_of_a_piece_is_the_full_tensors_rounding_there(name):
     """sharding.round_range (the write-back's and the DTensor ops' kernel path) of a piece
     of a 12 x 384 matrix, as Shard(0) cuts it (from inside a row of lanes) and as Shard(1)
     does (a run a row), equals the full matrix rounded once, there; for a block format
-    only where the pieces hold whole blocks (cut at 16 of 32: None, the caller draws), and
-    never for NVFP4, whose per-tensor scale needs the whole tensor, nor for blocks along
-    another dimension than the last."""
+    only where the pieces hold whole blocks (cut at 8 of 16 or 32: None, the caller
+    draws), NVFP4 with the full tensor's per-tensor scale (the piece's own would differ:
+    its largest magnitude is the full tensor's / 3.3), and not for blocks along another
+    dimension than the last."""
     from fewbit.block import check_args
-    from fewbit.sharding import round_range
+    from fewbit.sharding import round_range, tensor_scales
 
     full = torch.randn(12, 384, generator=torch.Generator().manual_seed(3)) * 3
+    full[0, 0] = 3.3 * full.abs().max()  # in none of the pieces (by a power of two, no scale would move)
     key = Key(5, 6)
     spec = check_args(torch.float32, name, "src", True, 3, None)
+    (ts,) = tensor_scales([full], spec.bfmt) if name == "nvfp4" else (None,)
     expected = fewbit.block.round_to(full, name, "src", bits=3, seed=key)
     for rows, cols in [(slice(5, 12), slice(0, 384)), (slice(0, 12), slice(128, 320)),
                        (slice(2, 9), slice(64, 128))]:  # fmt: skip
         local = (rows.stop - rows.start, cols.stop - cols.start)
         piece = ShardLayout((12, 384), local, (rows.start, cols.start))
-        got = round_range(full[rows, cols], spec, key, piece)
+        got = round_range(full[rows, cols], spec, key, piece, tensor_scale=ts)
         assert got is not None and torch.equal(got, expected[rows, cols]), (rows, cols)
-    straddling = ShardLayout((12, 384), (12, 176), (0, 16))
-    assert (round_range(full[:, 16:192], spec, key, straddling) is None) == (name != "binary8p4")
-    nvfp4 = check_args(torch.float32, "nvfp4", "src", True, 3, None)
-    assert round_range(full[5:], nvfp4, key, ShardLayout((12, 384), (7, 384), (5, 0))) is None
+        if name == "nvfp4":  # the piece alone, at its own scale, rounds otherwise
+            alone = fewbit.block.round(full[rows, cols], name)
+            assert not torch.equal(alone, fewbit.block.round(full, name)[rows, cols])
+            with pytest.raises(ValueError, match="rounds with its full tensor's tensor_scale"):
+                round_range(full[rows, cols], spec, key, piece)
+    straddling = ShardLayout((12, 384), (12, 184), (0, 8))
+    cut = round_range(full[:, 8:192], spec, key, straddling, tensor_scale=ts)
+    assert (cut is None) == (name != "binary8p4")
     if name != "binary8p4":  # a format whose blocks lie along dim 0: not the kernel's, unless told
-        bfmt = fewbit.block.format(name)
-        columns = fewbit.block.BlockFormat(f"{name} along dim 0", bfmt.element, 4, bfmt.scale, axis=0)
+        columns = replace(fewbit.block.format(name), name=f"{name} along dim 0", block_size=4, axis=0)
         spec = check_args(torch.float32, columns, "src", True, 3, None)
         rows = ShardLayout((12, 384), (8, 384), (4, 0))
-        assert round_range(full[4:], spec, key, rows) is None
-        assert round_range(full[4:], spec, key, rows, axis=-1) is not None
+        assert round_range(full[4:], spec, key, rows, tensor_scale=ts) is None
+        assert round_range(full[4:], spec, key, rows, axis=-1, tensor_scale=ts) is not None
 
 
 @pytest.mark.parametrize("name, packed", [("binary8p4", False), ("binary4p2", True), ("ocp_e2m1", True)])
@@ -304,7 +313,7 @@ def test_fake_quantize_of_dtensors_equals_one_process_forward_and_backward(runs,
 #: OPS_CASES refused on every world size, and on W ranks only, with what the error says.
 OPS_REFUSED = {
     "round, compiled, shard1": "fewbit.round on a DTensor runs eagerly only",
-    "nvfp4, shard0": "nvfp4's per-tensor scale comes from the whole tensor",
+    "round out= of another dtype, shard1": "out must match x: x is torch.float32",
     "block.quantize, shard0": "fewbit.block.quantize takes no DTensor",
 }
 OPS_REFUSED_ON = {
@@ -318,9 +327,14 @@ def test_ops_on_dtensors_equal_one_process_on_the_full_tensor(runs, nproc):
     """fewbit.round, quantize, encode, decode and fewbit.block.round on DTensors: each rank
     rounds its piece with the bits of the full tensor, so the gathered result is one
     process's on the full tensor, for Shard(0), Shard(1), Replicate and Partial inputs, with
-    a seed or given bits, out=, packed codes and the gradient; what fewbit cannot place
-    (or compile) is refused alike on every rank, naming why."""
+    a seed or given bits, out=, packed codes and the gradient; NVFP4 with the full
+    tensor's per-tensor scale (its pieces alone would round otherwise); what fewbit cannot
+    place (or compile) is refused alike on every rank, naming why."""
     cfg = OpsProbe()
+    full = ops_data(cfg, (4, 64))
+    for dim in (0, 1):
+        alone = torch.cat([fewbit.block.round(c, "nvfp4") for c in full.chunk(nproc, dim)], dim)
+        assert not torch.equal(alone, fewbit.block.round(full, "nvfp4"))
     refused = {**OPS_REFUSED, **OPS_REFUSED_ON[nproc]}
     for rank in runs[nproc]["ops"]:
         for name, (_, shape, call) in OPS_CASES.items():
@@ -351,6 +365,20 @@ def test_block_formats_on_fsdp_weights_whole_blocks_equal_one_process_straddling
     for r in runs[2]["mx shard1"]:
         assert r["error"].startswith("tok.weight: mxfp8_e4m3 on a sharded tensor: blocks of 32 along dim 1 "
                                      "(of 32) would straddle ranks")  # fmt: skip
+
+
+def test_nvfp4_weights_under_fsdp2_take_their_full_tensors_scale_and_equal_one_process(runs):
+    """NVFP4 weights under FSDP2: each piece rounds with the per-tensor scale of its full
+    weight (the largest magnitude over the ranks' pieces: a collective a step), so
+    Shard(0), and Shard(1) with codes kept (32-wide rows cut at 16 hold whole blocks of
+    16), train bit-identically to one process."""
+    with fewbit.configure(compile=False):
+        single = train_single(NVFP4)
+    assert len(set(single["hashes"])) == len(single["hashes"])  # the weights moved
+    for scenario in ("nvfp4 shard0", "nvfp4 shard1, codes"):
+        for r in runs[2][scenario]:
+            assert r["hashes"] == single["hashes"], scenario
+    assert_bits_equal(runs[2]["nvfp4 shard0"][0]["weights"], single["weights"])
 
 
 def test_store_codes_keeps_codes_of_the_local_piece_only(single, runs):

@@ -21,6 +21,7 @@ import torch
 
 from . import codec
 from .block import BlockFormat, BlockTensor, check_args, element_or_block, quantize, round_to
+from .block.ops import with_tensor_scale
 from .config import configure, current
 from .formats import FloatFormat
 from .random import Key, as_key, fold_in
@@ -38,6 +39,7 @@ from .sharding import (
     quantize_range,
     replica_count,
     round_range,
+    tensor_scales,
 )  # fmt: skip
 
 __all__ = ["LowPrecisionWeights"]
@@ -91,8 +93,9 @@ class LowPrecisionWeights:
     would hold; ``store_codes`` keeps codes of the local piece only, and ``scale`` takes
     the largest magnitude of the full tensor. A block format needs whole blocks on every
     rank (the cuts along the block axis on multiples of the block size, as Shard(0) of
-    blocks along the last dimension gives) and no per-tensor scale (NVFP4): other layouts
-    are refused at construction, on every rank alike.
+    blocks along the last dimension gives; other layouts are refused at construction, on
+    every rank alike); NVFP4's per-tensor scale is the full tensor's (a collective a step
+    finds every weight's largest magnitude).
     """
 
     def __init__(
@@ -244,6 +247,7 @@ class LowPrecisionWeights:
         elif batched:
             round_foreach_([pieces[i] for i in batched], self.spec, step_key, batched, self.via)
         blocks = []
+        tensor_scale = tensor_scales(self.params, self.fmt) if block else None  # the full tensors' (NVFP4)
         for i in sorted(set(range(len(pieces))) - set(batched)):
             t, at = pieces[i], self._layouts[i]
             key = None if step_key is None else replica_key(fold_in(step_key, i), self.policy)
@@ -253,17 +257,24 @@ class LowPrecisionWeights:
                 if codes_now is not None:
                     codes[i] = codes_now
                     continue
-            done = None if block and self.store_codes else round_range(x, self.spec, key, at)
+            ts = tensor_scale[i] if block else None
+            done = None if block and self.store_codes else round_range(x, self.spec, key, at, tensor_scale=ts)
             if done is not None:  # runs of the full tensor: its bits drawn inside the kernel
                 t.copy_(done)
                 continue
             random = piece_randomness(self.spec, key, at, t.device) if t.numel() else {}
-            sr = {"bits": self.bits, **random, **extra} if random else {}
-            if block and self.store_codes:  # the codes of this very rounding (NVFP4's
-                # per-tensor scale would move if the rounded values were quantised again)
-                blocks.append(quantize(x, self.fmt, self.mode, sat=self.sat, **sr))
-            else:
+            if not block:
+                sr = {"bits": self.bits, **random, **extra} if random else {}
                 t.copy_(round_to(x, self.fmt, self.mode, sat=self.sat, **sr))
+                continue
+            axis = self.fmt.axis % x.dim()
+            drawn = {"key": random.get("seed"), "random_bits": random.get("random_bits")}
+            result = with_tensor_scale(x, self.spec, axis, ts, **drawn, fused=not self.store_codes)
+            if self.store_codes:  # the codes of this very rounding (NVFP4's per-tensor
+                # scale would move if the rounded values were quantised again)
+                blocks.append(BlockTensor(*result, ts, self.fmt, x.shape, axis))
+            else:
+                t.copy_(result[0])
         if self.store_codes:  # values of fmt, rounded just now: unchecked, so a GPU step waits for nothing
             if block:
                 self._codes = blocks

@@ -9,7 +9,8 @@ The rules are torch's own extension point for a subclass and an operator
 ``quantize``, ``encode``, ``decode``, ``fewbit.block.round`` (or their ``torch.ops.fewbit``
 operators) comes here instead of DTensor's sharding propagation, which has no strategy
 for them and could not give an element its global index. Autograd runs above: the
-gradient is the straight-through one, a DTensor laid out as the input's.
+gradient is the straight-through one, a DTensor laid out as the input's. A per-tensor
+scale (NVFP4's) is the full tensor's, found by a collective (``sharding.tensor_scales``).
 
 Limits, each refused with an error before anything is written:
 - eager only. A piece's bits depend on the rank's place in the mesh, which a traced
@@ -18,8 +19,7 @@ Limits, each refused with an error before anything is written:
   bits (seen on 4 gloo ranks, torch 2.13);
 - ``random_bits`` must be a DTensor laid out as x; ``out`` too, and neither Partial;
 - packed codes pair elements along the last dimension: a piece cut inside a pair is
-  refused, as a block format's piece cut inside a block (and NVFP4 on any sharding:
-  its per-tensor scale comes from the whole tensor);
+  refused, as a block format's piece cut inside a block;
 - ``fewbit.block.quantize`` (its codes are laid out by block, not as x).
 """
 
@@ -29,10 +29,10 @@ from collections.abc import Callable
 
 import torch
 
-from .block.ops import block_spec_of
+from .block.ops import block_spec_of, with_tensor_scale
 from .operators import LIBRARY
 from .random import Key, host_key
-from .rounding.ops import checked_spec, lookup_format
+from .rounding.ops import _check_out, checked_spec, lookup_format
 from .sharding import (
     ShardLayout,
     check_cuts,
@@ -43,6 +43,8 @@ from .sharding import (
     piece_randomness,
     quantize_range,
     round_range,
+    summed,
+    tensor_scales,
 )
 
 __all__ = ["register"]
@@ -80,18 +82,20 @@ def _drawn(spec, key, given: torch.Tensor | None, where: ShardLayout, piece: tor
 
 
 def _on_piece(spec, key, given: torch.Tensor | None, where: ShardLayout, piece: torch.Tensor,
-              op: Callable, *, packed: bool | None = None, axis: int | None = None) -> torch.Tensor | None:
+              op: Callable, *, packed: bool | None = None, axis: int | None = None,
+              tensor_scale: torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
     """The op's result on the piece, each element with the bits it has in the full tensor:
     fewbit's kernel's, which draws them itself where the piece is runs of the full tensor
-    (``sharding.round_range``, blocks along ``axis``; or its codes, ``packed`` not None:
-    ``sharding.quantize_range``), else ``op(key, random_bits)`` with the piece's bits
-    drawn first (an op that writes its ``out`` returns None)."""
+    (``sharding.round_range``, blocks along ``axis`` with the full tensor's
+    ``tensor_scale``; or its codes, ``packed`` not None: ``sharding.quantize_range``),
+    else ``op(key, random_bits)`` with the piece's bits drawn first (an op that writes its
+    ``out`` returns None)."""
     words = host_key(key)
     if given is None and type(words) is Key and not where.whole:
         if packed is not None:
             fast = quantize_range(piece, spec, words, where, packed)
         else:
-            fast = round_range(piece, spec, words, where, axis)
+            fast = round_range(piece, spec, words, where, axis, tensor_scale)
         if fast is not None:
             return fast
     return op(*_drawn(spec, key, given, where, piece))
@@ -132,6 +136,7 @@ def _round_into(cls, func, types, args, kwargs):
     given = _laid_out_as(x, random_bits, "random_bits", "fewbit.round")
     into = _laid_out_as(x, out, "out", "fewbit.round")
     piece, where = x.to_local(), layout(x)
+    _check_out(piece, into)  # (the kernel's result is copied into it)
 
     def write(*drawn) -> None:
         func(piece, fmt, rounding, sat, bits, fraction, *drawn, into)
@@ -173,39 +178,50 @@ def _decode(cls, func, types, args, kwargs):
 
 
 def _block_checks(x, call: tuple, name: str):
-    """The block op's checked spec (on x's piece), its block axis and the given bits'
-    piece; raises for a piece whose blocks straddle ranks."""
+    """The block op's checked spec (on x's piece), its block axis, the given bits' piece
+    and the full tensor's per-tensor scale (NVFP4's: a collective; None for formats
+    without one), x's Partial placements reduced first; raises for a piece whose blocks
+    straddle ranks."""
     bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule = call
     _eager(name)
     piece = x.to_local()
     spec, axis = block_spec_of(piece, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
     check_whole_blocks(x, spec.bfmt, axis, name)
-    return spec, axis, _laid_out_as(x, random_bits, "random_bits", name)
+    given = _laid_out_as(x, random_bits, "random_bits", name)
+    x = summed(x)
+    (tensor_scale,) = tensor_scales([x], spec.bfmt)
+    return x, spec, axis, given, tensor_scale
+
+
+# The block rules round a piece as the ops round a tensor (block.ops.with_tensor_scale),
+# with the full tensor's per-tensor scale, not the piece's own.
 
 
 def _block_round(cls, func, types, args, kwargs):
-    x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule = args
-    spec, block_axis, given = _block_checks(x, args[1:], "fewbit.block.round")
+    key = args[6]
+    x, spec, axis, given, ts = _block_checks(args[0], args[1:], "fewbit.block.round")
 
     def rounded(piece: torch.Tensor, where: ShardLayout) -> torch.Tensor:
-        return _on_piece(spec, key, given, where, piece,
-                         lambda *drawn: func(piece, bfmt, rounding, sat, bits, fraction, *drawn, axis, rule),
-                         axis=block_axis)  # fmt: skip
+        def op(*drawn) -> torch.Tensor:
+            return with_tensor_scale(piece, spec, axis, ts, *drawn)[0].contiguous()
+
+        return _on_piece(spec, key, given, where, piece, op, axis=axis, tensor_scale=ts)
 
     return map_piece(x, rounded)
 
 
 def _block_round_into(cls, func, types, args, kwargs):
     *call, out = args
-    x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule = call
-    spec, block_axis, given = _block_checks(x, tuple(call[1:]), "fewbit.block.round")
-    into = _laid_out_as(x, out, "out", "fewbit.block.round")
+    key = call[6]
+    x, spec, axis, given, ts = _block_checks(call[0], tuple(call[1:]), "fewbit.block.round")
+    into = _laid_out_as(call[0], out, "out", "fewbit.block.round")  # (refuses a Partial x)
     piece, where = x.to_local(), layout(x)
+    _check_out(piece, into)
 
     def write(*drawn) -> None:
-        func(piece, bfmt, rounding, sat, bits, fraction, *drawn, axis, rule, into)
+        with_tensor_scale(piece, spec, axis, ts, *drawn, into=(into,))
 
-    done = _on_piece(spec, key, given, where, piece, write, axis=block_axis)
+    done = _on_piece(spec, key, given, where, piece, write, axis=axis, tensor_scale=ts)
     if done is not None:  # the kernel's (the op wrote into itself)
         into.copy_(done)
 

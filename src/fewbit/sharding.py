@@ -24,7 +24,8 @@ from typing import NamedTuple
 import torch
 
 from .block import BlockFormat
-from .block.kernel import BlockSpec
+from .block.kernel import BlockSpec, tensor_scale_of
+from .block.ops import largest_finite
 from .codec import code_dtype
 from .random import Key
 from .rounding import gpu, native
@@ -35,7 +36,7 @@ __all__ = [
     "PairwiseReduceScatter", "Runs", "ShardLayout", "check_cuts", "check_whole_blocks", "global_amax",
     "global_bits", "is_dtensor", "layout", "local_tensor", "map_piece", "pairwise_sum", "piece_key",
     "piece_randomness", "placement_offsets", "quantize_range", "replica_count", "replica_rank", "round_range",
-    "torch_offsets",
+    "summed", "tensor_scales", "torch_offsets",
 ]  # fmt: skip
 
 
@@ -217,20 +218,23 @@ def global_bits(spec: RoundSpec, words, piece: ShardLayout, device) -> torch.Ten
 
 
 def round_range(
-    x: torch.Tensor, spec: RoundSpec | BlockSpec, key: Key | None, piece: ShardLayout, axis: int | None = None
+    x: torch.Tensor, spec: RoundSpec | BlockSpec, key: Key | None, piece: ShardLayout,
+    axis: int | None = None, tensor_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """``x`` (a piece, in the dtype the rounding starts from) rounded stochastically by
     fewbit's kernel (native on a CPU, Triton on a GPU) with the bits its elements have in
     the full tensor, drawn in the kernel, where the piece is runs of the flattened full
     tensor (:meth:`ShardLayout.runs`: Shard(0) one, Shard(1) a run a row); for a block
     format, where its blocks lie along the last dimension (``axis``; None: the format's)
-    and the runs are whole blocks. None where that does not apply, or where an element
-    has no value in the format (the caller's rounding then raises)."""
+    and the runs are whole blocks, with the full tensor's ``tensor_scale`` for a format
+    that has one (:func:`tensor_scales`). None where that does not apply, or where an
+    element has no value in the format (the caller's rounding then raises)."""
     runs = piece.runs()
     if key is None or runs is None:
         return None
     if isinstance(spec, BlockSpec):
-        return _blocks_in_range(x, spec, key, piece, runs, spec.bfmt.axis if axis is None else axis)
+        axis = spec.bfmt.axis if axis is None else axis
+        return _blocks_in_range(x, spec, key, piece, runs, axis, tensor_scale)
     if native.applies(spec, x):
         return native.rounded(x, spec, stream_words(spec, key), **runs.placed)
     if gpu.applies(spec, x):
@@ -258,22 +262,26 @@ def quantize_range(x: torch.Tensor, spec: RoundSpec, key: Key | None, piece: Sha
 
 
 def _blocks_in_range(x: torch.Tensor, spec: BlockSpec, key: Key, piece: ShardLayout, runs: Runs,
-                     axis: int) -> torch.Tensor | None:  # fmt: skip
+                     axis: int, tensor_scale: torch.Tensor | None) -> torch.Tensor | None:  # fmt: skip
     """:func:`round_range` for a block format: each run whole blocks, from a block's first
     element, blocks along the last dimension (``axis``) lying as in the full tensor (its
-    length a multiple of the block size), and no per-tensor scale (NVFP4's needs the whole
-    tensor)."""
+    length a multiple of the block size)."""
     size, bfmt, dims = spec.bfmt.block_size, spec.bfmt, len(piece.global_shape)
+    if bfmt.tensor_scale and tensor_scale is None:  # the piece's own would not be the full tensor's
+        raise ValueError(f"{bfmt.name}: a piece rounds with its full tensor's tensor_scale (tensor_scales)")
     if (axis % dims != dims - 1 or piece.global_shape[-1] % size or runs.start % size or runs.length % size
-            or runs.stride % size or bfmt.tensor_scale or spec.work_dtype != torch.float32):  # fmt: skip
+            or runs.stride % size or spec.work_dtype != torch.float32):  # fmt: skip
         return None
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     call = {"block_size": size, "rule": spec.rule, **runs.placed}
     if native.block_applies(spec.spec, x, None, size, bfmt.scale):
-        bad = native.block_into(x, spec.spec, stream_words(spec.spec, key), None, out, None, **call)
+        ts = 1.0 if tensor_scale is None else float(tensor_scale)
+        bad = native.block_into(x, spec.spec, stream_words(spec.spec, key), None, out, None, tensor_scale=ts,
+                                **call)  # fmt: skip
         return out if bad < 0 else None
     if gpu.block_applies(spec.spec, x, None, size, bfmt.scale):  # every element has a result there
-        return out if gpu.block_into(x, spec.spec, key, None, out, None, tensor_scale=None, **call) else None
+        done = gpu.block_into(x, spec.spec, key, None, out, None, tensor_scale=tensor_scale, **call)
+        return out if done else None
     return None
 
 
@@ -313,13 +321,10 @@ def check_whole_blocks(t: torch.Tensor, fmt, axis: int | None = None, name: str 
 
     A piece's blocks are whole when every cut along the axis falls on a multiple of the
     block size (or at the end, whose last block is padded in the full tensor too). A
-    per-tensor scale (NVFP4) needs the whole tensor and is refused for any sharding.
+    per-tensor scale (NVFP4's) is the full tensor's: :func:`tensor_scales`.
     """
     if not isinstance(fmt, BlockFormat) or not is_dtensor(t):
         return
-    if fmt.tensor_scale and any(p.is_shard() for p in t.placements):
-        raise ValueError(f"{name}: {fmt.name}'s per-tensor scale comes from the whole tensor; a sharded "
-                         f"tensor ({t.placements}) is not supported in it")  # fmt: skip
     check_cuts(t, fmt.axis if axis is None else axis, fmt.block_size, fmt.name, "blocks", name)
 
 
@@ -372,14 +377,31 @@ def map_piece(t: torch.Tensor, fn: Callable[[torch.Tensor, ShardLayout], torch.T
     """
     if not is_dtensor(t):
         return fn(t, layout(t))
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor
 
-    if any(p.is_partial() for p in t.placements):
-        t = t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])
+    t = summed(t)
     out = fn(t.to_local(), layout(t))
     stride = t.stride() if shape is None else torch.empty(shape, device="meta").stride()
     return DTensor.from_local(out, t.device_mesh, t.placements, run_check=False, shape=shape or t.shape,
                               stride=stride)  # fmt: skip
+
+
+def summed(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its Partial placements reduced (to Replicate, a collective): their pieces
+    are addends, and a rounding of the addends is not a rounding of their sum."""
+    if not is_dtensor(t) or not any(p.is_partial() for p in t.placements):
+        return t
+    from torch.distributed.tensor import Replicate
+
+    return t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])
+
+
+def _max_over_mesh(values: torch.Tensor, mesh) -> None:
+    """``values`` (elementwise) made the largest over every rank of ``mesh``, in place."""
+    import torch.distributed as dist
+
+    for mesh_dim in range(mesh.ndim):
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=mesh.get_group(mesh_dim))
 
 
 def global_amax(t: torch.Tensor) -> float:
@@ -390,11 +412,31 @@ def global_amax(t: torch.Tensor) -> float:
     if piece.numel():
         amax = piece.abs().amax().float().nan_to_num(nan=math.inf)
     if is_dtensor(t) and any(p.is_shard() for p in t.placements):
-        import torch.distributed as dist
-
-        for mesh_dim in range(t.device_mesh.ndim):
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=t.device_mesh.get_group(mesh_dim))
+        _max_over_mesh(amax, t.device_mesh)
     return float(amax)
+
+
+def tensor_scales(tensors: list[torch.Tensor], bfmt: BlockFormat) -> list[torch.Tensor | None]:
+    """The per-tensor scale of block format ``bfmt`` (NVFP4's) for each full tensor, from
+    the largest finite magnitude of every rank's piece, so that each piece rounds with
+    the scale its full tensor takes: one collective per mesh dimension for all the
+    DTensors on a mesh where any is sharded (placements are alike on every rank, and so
+    are the calls). None each for a format without one. No tensor may be Partial (reduce
+    it first: :func:`summed`): its pieces are addends."""
+    if not bfmt.tensor_scale:
+        return [None] * len(tensors)
+    pieces = [local_tensor(t).detach() for t in tensors]
+    amax = [largest_finite(p, bfmt) for p in pieces]
+    on_mesh: dict = {}
+    for i, t in enumerate(tensors):
+        if is_dtensor(t) and any(p.is_shard() for p in t.placements):
+            on_mesh.setdefault(t.device_mesh, []).append(i)
+    for mesh, at in on_mesh.items():
+        found = torch.stack([amax[i] for i in at])
+        _max_over_mesh(found, mesh)
+        for i, value in zip(at, found.unbind(), strict=True):
+            amax[i] = value
+    return [tensor_scale_of(p, bfmt, a) for p, a in zip(pieces, amax, strict=True)]
 
 
 def replica_count(t: torch.Tensor) -> int:

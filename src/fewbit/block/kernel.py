@@ -117,24 +117,28 @@ def block_scales(
     return scale, factor
 
 
+def finite_amax(x: torch.Tensor, found: float | torch.Tensor | None = None) -> torch.Tensor:
+    """``x``'s largest finite magnitude, a 0-d float32 tensor on x's device (0 for a
+    tensor without one). ``found``: that magnitude where the caller has it (the native
+    kernel finds it in one read, as a float; the GPU's as a 0-d float32 tensor)."""
+    if isinstance(found, torch.Tensor):
+        return found
+    if found is not None:
+        return torch.tensor(found, dtype=torch.float32, device=x.device)
+    if x.numel():
+        return torch.where(torch.isfinite(x), x, 0).abs().amax().to(torch.float32)
+    return torch.zeros((), device=x.device)
+
+
 def tensor_scale_of(x: torch.Tensor, bfmt: BlockFormat, amax: float | torch.Tensor | None = None
                     ) -> torch.Tensor | None:  # fmt: skip
     """NVFP4's per-tensor float32 scale: the finite amax over the largest value a block
     can hold (``M * scale max``), so the largest block scale lands on the scale format's
-    maximum; 1 for a tensor without a finite nonzero value. ``amax``: x's largest finite
-    magnitude where the caller has it (the native kernel finds it in one read, as a
-    float; the GPU's as a 0-d float32 tensor on x's device)."""
+    maximum; 1 for a tensor without a finite nonzero value. ``amax``: as
+    :func:`finite_amax`'s ``found`` (a sharded tensor's: the largest of every rank's)."""
     if not bfmt.tensor_scale:
         return None
-    if isinstance(amax, torch.Tensor):
-        found = amax
-    elif amax is not None:
-        found = torch.tensor(amax, dtype=torch.float32, device=x.device)
-    elif x.numel():
-        found = torch.where(torch.isfinite(x), x, 0).abs().amax().to(torch.float32)
-    else:
-        found = torch.zeros((), device=x.device)
-    ts = found / (bfmt.element.max * bfmt.scale.max)
+    ts = finite_amax(x, amax) / (bfmt.element.max * bfmt.scale.max)
     return torch.where(ts > 0, ts, 1.0)
 
 

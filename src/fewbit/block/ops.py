@@ -35,13 +35,14 @@ from .formats import format as block_format
 from .kernel import (
     BlockSpec,
     block_layout,
+    finite_amax,
     from_block_layout,
     make_block_spec,
     quantize_blocks,
     tensor_scale_of,
 )
 
-__all__ = ["block_args", "block_spec_of", "format_name", "lookup"]
+__all__ = ["block_args", "block_spec_of", "format_name", "largest_finite", "lookup", "with_tensor_scale"]
 
 _UNREGISTERED: dict[str, BlockFormat] = {}
 _KNOWN: dict[str, BlockFormat] = {}
@@ -239,16 +240,39 @@ def _checked_run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool, t
     return into
 
 
-def _tensor_scale(x: torch.Tensor, bfmt: BlockFormat) -> torch.Tensor | None:
-    """:func:`tensor_scale_of`, its amax found in one read of x by the native kernel or the
-    GPU's where they take x (torch's where/abs/amax make two temporaries of x's size)."""
-    amax = None
-    if bfmt.tensor_scale and x.numel():
+def largest_finite(x: torch.Tensor, bfmt: BlockFormat) -> torch.Tensor:
+    """``kernel.finite_amax`` of x (0-d float32 on x's device), found in one read of x by
+    the native kernel or the GPU's where they take x (torch's where/abs/amax make two
+    temporaries of x's size)."""
+    found = None
+    if x.numel():
         if native.usable(x, bfmt.element):
-            amax = native.finite_amax(x)
+            found = native.finite_amax(x)
         elif gpu.usable(x, bfmt.element):
-            amax = gpu.finite_amax(x)  # (None where Triton could not compile it)
-    return tensor_scale_of(x, bfmt, amax)
+            found = gpu.finite_amax(x)  # (None where Triton could not compile it)
+    return finite_amax(x, found)
+
+
+def _tensor_scale(x: torch.Tensor, bfmt: BlockFormat) -> torch.Tensor | None:
+    """x's own per-tensor scale (:func:`tensor_scale_of`), for formats that have one."""
+    return tensor_scale_of(x, bfmt, largest_finite(x, bfmt)) if bfmt.tensor_scale else None
+
+
+def with_tensor_scale(x: torch.Tensor, spec: BlockSpec, axis: int, tensor_scale: torch.Tensor | None,
+                      key: Key | None = None, random_bits: torch.Tensor | None = None, *, fused: bool = True,
+                      into: tuple | None = None) -> tuple:  # fmt: skip
+    """What ``fewbit::block_round`` (``fused``: the values) or ``block_quantize`` (the
+    element codes and scale codes) give x, with ``tensor_scale`` as the per-tensor scale
+    instead of x's own: a piece of a sharded tensor takes its full tensor's
+    (``fewbit.sharding.tensor_scales``), so that it rounds as it does in the full tensor.
+    ``into``: tensors to hold the results, as the ops' ``out``. Raises ValueError where
+    an element has no value; the caller has checked the rest (the DTensor rules and the
+    write-back call this below autograd, eagerly)."""
+    if x.numel():
+        return _checked_run(x, spec, key, random_bits, axis, fused, tensor_scale, into)
+    if fused:
+        return into or (torch.empty_like(x, memory_format=torch.contiguous_format),)
+    return into or _empty_codes(x, spec, axis)
 
 
 def _code_shapes(x: torch.Tensor, spec: BlockSpec, axis: int) -> tuple[tuple, tuple]:

@@ -17,6 +17,7 @@ depends on the sharding.
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 import zlib
 from dataclasses import dataclass, replace
@@ -256,7 +257,7 @@ def train_sharded(rank: int, world_size: int, cfg: ShardedRun) -> dict:
         except ReplicaDriftError as err:  # the guard: raised alike on every rank
             return {"error": str(err), "step": step + 1}
         if cfg.store_codes:  # the weights are codes until zero_grad(); read them back now
-            codes = sum(c.numel() for c in weights._codes)
+            codes = sum(math.prod(c.shape) for c in weights._codes)  # (a block format's: BlockTensors)
             weights.materialize()
         if cfg.save_at is not None and step + 1 == cfg.save_at:
             dcp.save(_checkpoint(model, weights), checkpoint_id=cfg.checkpoint_dir)
@@ -420,6 +421,11 @@ def _round_out(x, like):
     return fewbit.round(x, "binary8p4", "src", bits=3, seed=5, out=like(torch.zeros(x.shape)))
 
 
+def _round_out_of_another_dtype(x, like):
+    out = like(torch.zeros(x.shape, dtype=torch.float64))
+    return fewbit.round(x, "binary8p4", "src", bits=3, seed=5, out=out)
+
+
 def _round_in_place(x, like):
     y = x.clone()
     fewbit.round_(y, "binary8p4", "src", bits=3, seed=5)
@@ -457,6 +463,14 @@ def _nvfp4(x, like):
     return fewbit.block.round(x, "nvfp4")
 
 
+def _nvfp4_src(x, like):
+    return fewbit.block.round(x, "nvfp4", "src", bits=3, seed=5)
+
+
+def _nvfp4_out(x, like):
+    return fewbit.block.round(x, "nvfp4", "src", bits=3, seed=5, out=like(torch.zeros(x.shape)))
+
+
 def _block_codes(x, like):
     return fewbit.block.quantize(x, "mxfp8_e4m3").codes
 
@@ -471,6 +485,7 @@ OPS_CASES = {
     "round sr_fraction, shard1": ("S1", (6, 10), _sr_fraction),
     "round with given bits, shard1": ("S1", (6, 10), _given_bits),
     "round out=, shard1": ("S1", (6, 10), _round_out),
+    "round out= of another dtype, shard1": ("S1", (6, 10), _round_out_of_another_dtype),
     "round_ in place, shard0": ("S0", (7, 10), _round_in_place),
     "round, gradient, shard1": ("S1", (6, 10), _round_gradient),
     "round, compiled, shard1": ("S1", (6, 10), _compiled),
@@ -482,6 +497,9 @@ OPS_CASES = {
     "block.round out=, shard0": ("S0", (4, 64), _block_out),
     "nvfp4, replicated": ("R", (4, 64), _nvfp4),
     "nvfp4, shard0": ("S0", (4, 64), _nvfp4),
+    "nvfp4 src, shard1": ("S1", (4, 64), _nvfp4_src),
+    "nvfp4 src, partial": ("P", (4, 64), _nvfp4_src),
+    "nvfp4 out=, shard1": ("S1", (4, 64), _nvfp4_out),
     "block.quantize, shard0": ("S0", (4, 64), _block_codes),
 }
 
