@@ -701,7 +701,7 @@ constexpr int ENCODE_MAGIC = ENCODE + 4;
 // their largest magnitude by `rule` (block.formats.SCALE_RULES), and each is rounded as
 // x / S. S is 2^e (E8M0) for the first four rules, and for the last two a value of E4M3
 // times a per-tensor float32 scale (NVFP4). Rows hold whole blocks: size divides LANES
-// and the call starts on a block (on a row, but for run_off_row's first).
+// and the call starts on a block (a sharded piece's first row from a block inside it).
 enum Rule { FLOOR, CEIL, RCEIL, EVEN, NEAREST, UP };
 struct Blocks {
   int size;  // 0: no blocks
@@ -932,28 +932,28 @@ void bf16_maxima(const uint16_t* __restrict x16, uint32_t* __restrict amax) {
 }
 #endif
 
-// Each block's largest magnitude, as float32 bits, into amax: the whole blocks of lanes
-// 0 .. h1 of float32 bits or bfloat16 (FIXED_B as for scale_blocks).
+// Each block's largest magnitude, as float32 bits, into amax: the whole blocks b0 .. of
+// lanes .. h1 of float32 bits or bfloat16 (FIXED_B as for scale_blocks).
 template <int FIXED_B, typename T>
-void block_maxima(const T* __restrict xs, int h1, int B, uint32_t* __restrict amax) {
+void block_maxima(const T* __restrict xs, int b0, int h1, int B, uint32_t* __restrict amax) {
   if (FIXED_B > 0) B = FIXED_B;
 #ifdef __AVX512BW__
   if constexpr (FIXED_B > 0 && sizeof(T) == 2) {
-    if (h1 == LANES) return bf16_maxima<FIXED_B>(xs, amax);
+    if (b0 == 0 && h1 == LANES) return bf16_maxima<FIXED_B>(xs, amax);
   }
 #endif
   constexpr int WIDEN = 32 - 8 * int(sizeof(T));  // bfloat16: the high half of a float32
   constexpr T MAGNITUDE = T(~T(0)) >> 1;
-  for (int b = 0; b < h1 / B; ++b) {
+  for (int b = b0; b < h1 / B; ++b) {
     T m = 0;
     for (int i = 0; i < B; ++i) m = std::max<T>(m, xs[b * B + i] & MAGNITUDE);
     amax[b] = uint32_t(m) << WIDEN;
   }
 }
 
-// block.kernel.quantize_blocks up to the rounding, for the whole blocks of lanes 0 .. h1
-// (every row the kernels take starts at a block; B elements each; FIXED_B: B known at
-// compile time, 0: read from blocks), lane 0 being x's element pos0, from each block's
+// block.kernel.quantize_blocks up to the rounding, for the whole blocks b0 .. of lanes .. h1
+// (a call's lanes start at a block; B elements each; FIXED_B: B known at compile time, 0:
+// read from blocks), lane 0 being x's element pos0, from each block's
 // largest magnitude in amax (block_maxima): its factor S (NaN for a block holding a NaN)
 // into factor and 1 / S into inv where S is a power of two, its scale's code into
 // blocks.scales (from pos0 / B), and, unless `scaled` is null, the elements x / S into
@@ -961,7 +961,7 @@ void block_maxima(const T* __restrict xs, int h1, int B, uint32_t* __restrict am
 // and a zero would not); a block whose S is 0 holds zeros, and a NaN block's elements are
 // NaN, or 0 in an element format without NaN (the scale carries the NaN).
 template <int FIXED_B>
-void scale_blocks(const uint32_t* __restrict xs, int h1, int64_t pos0, const Blocks& blocks, const Fmt& f,
+void scale_blocks(const uint32_t* __restrict xs, int b0, int h1, int64_t pos0, const Blocks& blocks, const Fmt& f,
                   uint32_t* __restrict scaled, const uint32_t* __restrict amax, uint32_t* __restrict factor,
                   uint32_t* __restrict inv) {
   const int B = FIXED_B > 0 ? FIXED_B : blocks.size;
@@ -973,7 +973,7 @@ void scale_blocks(const uint32_t* __restrict xs, int h1, int64_t pos0, const Blo
   alignas(64) uint32_t code[LANES];
   if (pow2) {
     const int32_t ceil = blocks.rule == CEIL, rceil = blocks.rule == RCEIL, even = blocks.rule == EVEN;
-    for (int b = 0; b < b1; ++b) {
+    for (int b = b0; b < b1; ++b) {
       const int32_t nan = amax[b] > 0x7F800000u;
       const int32_t e = block_exponent(amax[b], ceil, rceil, even, f);
       factor[b] = nan ? NAN_BITS : pow2_bits(e);
@@ -982,7 +982,7 @@ void scale_blocks(const uint32_t* __restrict xs, int h1, int64_t pos0, const Blo
     }
   } else {
     const bool up = blocks.rule == UP;
-    for (int b = 0; b < b1; ++b) {
+    for (int b = b0; b < b1; ++b) {
       const double target = double(as_float(amax[b])) / double(f.max) / double(blocks.tensor_scale);
       uint32_t c;
       const float scale = float(e4m3_scale(target, up, c));
@@ -992,9 +992,9 @@ void scale_blocks(const uint32_t* __restrict xs, int h1, int64_t pos0, const Blo
     }
   }
   if (blocks.scales != nullptr)
-    for (int b = 0; b < b1; ++b) blocks.scales[pos0 / B + b] = uint8_t(code[b]);
+    for (int b = b0; b < b1; ++b) blocks.scales[pos0 / B + b] = uint8_t(code[b]);  // (pos0 / B exact)
   if (scaled == nullptr) return;
-  for (int b = 0; b < b1; ++b) {
+  for (int b = b0; b < b1; ++b) {
     const float s = as_float(pow2 ? inv[b] : factor[b]);
     const uint32_t* x = xs + b * B;
     uint32_t* out = scaled + b * B;
@@ -1309,9 +1309,9 @@ void magic_values(const uint32_t* __restrict xs, int b0, int h1, int B, const ui
 
 // Block values q * S in place, in float32 as block.kernel (FIXED_B as for scale_blocks).
 template <int FIXED_B>
-void scale_back(uint32_t* __restrict rs, int h1, int B, const uint32_t* __restrict factor) {
+void scale_back(uint32_t* __restrict rs, int b0, int h1, int B, const uint32_t* __restrict factor) {
   if (FIXED_B > 0) B = FIXED_B;
-  for (int b = 0; b < h1 / B; ++b) {
+  for (int b = b0; b < h1 / B; ++b) {
     const float s = as_float(factor[b]);
     for (int i = 0; i < B; ++i) rs[b * B + i] = __builtin_bit_cast(uint32_t, as_float(rs[b * B + i]) * s);
   }
@@ -1628,7 +1628,12 @@ __attribute__((noinline)) int64_t block_rows(const Job& job, int64_t row0, int64
   int64_t bad = -1;
   for (int64_t row = row0; row < row1; ++row) {
     const Row r(job, row);
-    int done = 0;  // the lanes before this one went out already
+    // The row's first block: 0 but in a sharded piece's first row, which starts at a block
+    // inside it (the lanes before it are not the call's, and x's memory before them is not
+    // read). The 16-bit loops take whole rows from lane 0.
+    const int first = r.h0 / B;
+    const bool sixteen = on_16_bits && first == 0;
+    int done = r.h0;  // the lanes before this one went out already (or are not the call's)
     // Ask for x's row after next now: the hardware prefetchers stop at 4 KiB pages, two
     // rows of float32, and a block row's work is long enough to wait on memory otherwise
     // (block codes went from 0.79 to 0.86 of a copy's speed at 2^24 elements).
@@ -1640,25 +1645,25 @@ __attribute__((noinline)) int64_t block_rows(const Job& job, int64_t row0, int64
     const uint32_t* xs = xbuf;
     if (job.dtype == F32) {
       xs = static_cast<const uint32_t*>(job.x) + r.pos0;
-    } else if (!on_16_bits) {  // which widens the lanes it leaves, below
-      widen(job.dtype, x16, xbuf, 0, r.h1);
+    } else if (!sixteen) {  // which widens the lanes it leaves, below
+      widen(job.dtype, x16, xbuf, r.h0, r.h1);
     }
     uint32_t* scaled = magic ? nullptr : sbuf;  // the magic loops scale as they go
     by_block_size(B, [&](auto size) {
-      if (on_16_bits) {
-        block_maxima<size()>(x16, r.h1, B, amax);
+      if (sixteen) {
+        block_maxima<size()>(x16, 0, r.h1, B, amax);
       } else {
-        block_maxima<size()>(xs, r.h1, B, amax);
+        block_maxima<size()>(xs, first, r.h1, B, amax);
       }
-      scale_blocks<size()>(xs, r.h1, r.pos0, job.blocks, f, scaled, amax, factor, inv);
+      scale_blocks<size()>(xs, first, r.h1, r.pos0, job.blocks, f, scaled, amax, factor, inv);
     });
     Fields n, sel;
     bits.at(row, r.pos0, xs, n, sel);
     if constexpr (MAGIC) {
       if (magic) {
-        int b0 = 0;  // the first block left to magic_codes or magic_values
+        int b0 = first;  // the first block left to magic_codes or magic_values
 #ifdef __AVX2__
-        if (on_16_bits) {
+        if (sixteen) {
           if (values) {
             uint16_t* out16 = static_cast<uint16_t*>(job.out) + r.pos0;
             b0 = (few ? few_block_values(x16, r.h1, B, inv, few16, out16)
@@ -1695,18 +1700,18 @@ __attribute__((noinline)) int64_t block_rows(const Job& job, int64_t row0, int64
         continue;
       }
     }
-    const int lane = round_lanes<MODE>(sbuf, rbuf, n, sel, 0, r.h1, f);
+    const int lane = round_lanes<MODE>(sbuf, rbuf, n, sel, r.h0, r.h1, f);
     if (lane >= 0 && bad < 0) bad = r.pos0 + lane;
     if (values) {
       // q * S, in float32 as block.kernel. From a bfloat16 x with S = 2^e they are bfloat16
       // values too: where q's grid times 2^e is finer than bfloat16's at x / 2^e, x / 2^e
       // lies on it and q * 2^e = x; elsewhere q * 2^e is a multiple of bfloat16's step
       // there. Other scales need the rounding.
-      by_block_size(B, [&](auto size) { scale_back<size()>(rbuf, r.h1, B, factor); });
-      write_values(job, r, rbuf, 0, pow2, streamed(job, r));
+      by_block_size(B, [&](auto size) { scale_back<size()>(rbuf, first, r.h1, B, factor); });
+      write_values(job, r, rbuf, r.h0, pow2, streamed(job, r));
     } else {
-      codes_of(rbuf, cbuf, 0, r.h1, f);
-      write_codes(job, r, cbuf, 0);
+      codes_of(rbuf, cbuf, r.h0, r.h1, f);
+      write_codes(job, r, cbuf, r.h0);
     }
   }
   return bad;
@@ -1777,44 +1782,9 @@ Job part(const Job& job, int64_t from, int64_t n, int64_t offset) {
   return p;
 }
 
-int64_t run(const Job& job, int mode, int threads);
-
-// Run a block job that starts inside a row (a sharded piece of whole blocks, from a block's
-// first element on): the block kernel takes a row from its lane 0, so the first row's
-// elements go through a copy of the row, zero blocks before them, and the rest of the job
-// starts on a row. Returns as run does.
-int64_t run_off_row(const Job& job, int mode, int threads) {
-  const int64_t row = job.offset / LANES;
-  const int h0 = int(job.offset - row * LANES), m = int(std::min<int64_t>(LANES - h0, job.n));
-  const int in = job.dtype == F32 ? 4 : 2, B = job.blocks.size;
-  alignas(64) uint8_t x_row[LANES * 4], out_row[LANES * 4], scales_row[LANES];
-  alignas(64) int32_t given_row[LANES];
-  std::memset(x_row, 0, size_t(h0) * in);  // (the kernel reads lanes 0 .. h0 + m)
-  std::memcpy(x_row + h0 * in, job.x, size_t(m) * in);
-  Job head = job;
-  head.x = x_row;
-  head.out = out_row;
-  head.offset = row * LANES;
-  head.n = h0 + m;
-  head.stream = false;
-  if (job.given != nullptr) {
-    std::memset(given_row, 0, size_t(h0) * 4);
-    std::memcpy(given_row + h0, job.given, size_t(m) * 4);
-    head.given = given_row;
-  }
-  if (job.blocks.scales != nullptr) head.blocks.scales = scales_row;
-  const int64_t bad = KERNELS[mode](head, row, row + 1);
-  std::memcpy(job.out, out_row + out_bytes(job, h0), size_t(out_bytes(job, m)));
-  if (job.blocks.scales != nullptr) std::memcpy(job.blocks.scales, scales_row + h0 / B, m / B);
-  if (bad >= 0) return bad - h0;  // (the zero blocks have their values)
-  const int64_t later = run(part(job, m, job.n - m, job.offset + m), mode, threads);
-  return later >= 0 ? later + m : -1;
-}
-
-// Run a job on `threads` threads: its rows, or run_off_row's two parts.
+// Run a job on `threads` threads.
 int64_t run(const Job& job, int mode, int threads) {
   if (job.n <= 0) return -1;
-  if (job.blocks.size > 0 && job.offset % LANES != 0) return run_off_row(job, mode, threads);
   return run_on_threads(job, mode, threads);
 }
 
