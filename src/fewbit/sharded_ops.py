@@ -135,7 +135,8 @@ def _round_into(cls, func, types, args, kwargs):
     spec = checked_spec(x.to_local(), fmt, rounding, sat, bits, fraction, key, random_bits)
     given = _laid_out_as(x, random_bits, "random_bits", "fewbit.round")
     into = _laid_out_as(x, out, "out", "fewbit.round")
-    piece, where = x.to_local(), layout(x)
+    piece = x.to_local()
+    where = layout(x, piece)
     _check_out(piece, into)  # (the kernel's result is copied into it)
 
     def write(*drawn) -> None:
@@ -215,7 +216,8 @@ def _block_round_into(cls, func, types, args, kwargs):
     key = call[6]
     x, spec, axis, given, ts = _block_checks(call[0], tuple(call[1:]), "fewbit.block.round")
     into = _laid_out_as(call[0], out, "out", "fewbit.block.round")  # (refuses a Partial x)
-    piece, where = x.to_local(), layout(x)
+    piece = x.to_local()
+    where = layout(x, piece)
     _check_out(piece, into)
 
     def write(*drawn) -> None:

@@ -15,6 +15,7 @@ only be one if that module was imported.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from collections.abc import Callable
@@ -108,6 +109,10 @@ class ShardLayout:
         it is (one run for Shard(0) or a whole tensor, a run a row for Shard(1) of a
         matrix); None where it is not (a piece cut along two dimensions with more than
         one row across a third)."""
+        return self._runs
+
+    @functools.cached_property
+    def _runs(self) -> Runs | None:  # (a layout is kept and asked again: see layout)
         if self.numel == 0:
             return Runs(0, 1, 0, 0)
         # The piece's dimensions as (size, stride in the full tensor), a size 1 dropped, and
@@ -181,19 +186,33 @@ def torch_offsets(t) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     return tuple(shape), tuple(offset)
 
 
-def layout(t: torch.Tensor) -> ShardLayout:
+#: layout's answers by (shape, mesh, placements), which are all they depend on: torch's
+#: offsets took 15-27 us a call (2-core VM), a third of a DTensor op's own time, and a
+#: model asks the same few again every step. Emptied when it reaches _LAYOUTS_KEPT.
+_LAYOUTS: dict[tuple, ShardLayout] = {}
+_LAYOUTS_KEPT = 4096
+
+
+def layout(t: torch.Tensor, piece: torch.Tensor | None = None) -> ShardLayout:
     """Where this rank's piece of ``t`` sits in the full tensor (the whole of a plain
     tensor). Raises before anything is written when the piece is not where the
-    placements say: fewbit would draw the wrong bits."""
+    placements say: fewbit would draw the wrong bits. ``piece``: ``t.to_local()``, where
+    the caller has it."""
     shape = tuple(t.shape)
     if not is_dtensor(t):
         return ShardLayout(shape, shape, (0,) * len(shape))
-    local, offset = torch_offsets(t) or placement_offsets(t)
-    actual = tuple(t.to_local().shape)
-    if local != actual:
+    key = (shape, t.device_mesh, tuple(t.placements))
+    where = _LAYOUTS.get(key)
+    if where is None:
+        if len(_LAYOUTS) >= _LAYOUTS_KEPT:
+            _LAYOUTS.clear()
+        where = _LAYOUTS[key] = ShardLayout(shape, *(torch_offsets(t) or placement_offsets(t)))
+    actual = tuple((t.to_local() if piece is None else piece).shape)
+    if where.local_shape != actual:
         raise RuntimeError(f"a DTensor of shape {shape} with placements {t.placements} holds a local "
-                           f"tensor of shape {actual}, not {local}: fewbit cannot tell its global indices")
-    return ShardLayout(shape, local, offset)
+                           f"tensor of shape {actual}, not {where.local_shape}: fewbit cannot tell its "
+                           "global indices")  # fmt: skip
+    return where
 
 
 def global_bits(spec: RoundSpec, words, piece: ShardLayout, device) -> torch.Tensor:
@@ -380,7 +399,8 @@ def map_piece(t: torch.Tensor, fn: Callable[[torch.Tensor, ShardLayout], torch.T
     from torch.distributed.tensor import DTensor
 
     t = summed(t)
-    out = fn(t.to_local(), layout(t))
+    piece = t.to_local()
+    out = fn(piece, layout(t, piece))
     stride = t.stride() if shape is None else torch.empty(shape, device="meta").stride()
     return DTensor.from_local(out, t.device_mesh, t.placements, run_check=False, shape=shape or t.shape,
                               stride=stride)  # fmt: skip
