@@ -197,6 +197,16 @@ def test_bench_refuses_sizes_and_repeats_it_cannot_time(capsys, option, message)
     assert done.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--fsdp", "--format", "nvfp5"], "unknown format 'nvfp5'"),
+    (["--format", "nvfp4"], "--format is for --fsdp"),
+])  # fmt: skip
+def test_replicas_refuses_a_format_it_cannot_train_before_starting(capsys, argv, says):
+    code, out, err = run(capsys, "replicas", *argv, "--data-dir", "/nonexistent")
+    assert code == 2 and out == ""
+    assert says in err
+
+
 @pytest.mark.parametrize("nproc", ["3", "8"])
 def test_replicas_fsdp_refuses_world_sizes_outside_its_guarantee_before_starting(capsys, nproc):
     """Bit-identity with one process holds for 2^k ranks taking one or two of the 4

@@ -10,6 +10,7 @@ from fractions import Fraction
 import torch
 
 from . import __version__, formats
+from .block import element_or_block
 from .codec import quantize
 from .formats import FloatFormat
 from .rounding import MODES, RoundMode, round
@@ -367,8 +368,9 @@ def cmd_replicas_fsdp(args: argparse.Namespace) -> int:
     from .experiments.sharded import TINY, ShardedRun, check_world, run, train_single
 
     cfg = ShardedRun(steps=args.steps, seed=args.seed, policy=args.policy, placement=args.placement,
-                     block_size=TINY.block_size, hash_every=1)  # fmt: skip
+                     block_size=TINY.block_size, hash_every=1, fmt=args.format or "binary8p4")  # fmt: skip
     check_world(cfg, args.nproc)  # before anything starts
+    element_or_block(cfg.fmt)  # a bad name, before anything starts
     data_file = _shakespeare(args)
     if data_file is None:
         return 2
@@ -381,6 +383,8 @@ def cmd_replicas_fsdp(args: argparse.Namespace) -> int:
         single = train_single(cfg)
     print(f"FSDP2 on {args.nproc} gloo processes, matrices Shard({args.placement}) ...", flush=True)
     (results,) = launch(cfg, args.nproc, train=run)
+    if "error" in results[0]:  # refused alike on every rank (a block format's blocks cut by the shards)
+        raise ValueError(results[0]["error"])
     print(f"{'step':>5}  {'sharded':16}  {'one process':16}")
     same = 0
     for step, (a, b) in enumerate(zip(results[0]["hashes"], single["hashes"], strict=True), 1):
@@ -404,6 +408,9 @@ def cmd_replicas(args: argparse.Namespace) -> int:
 
 def cmd_replicas_ddp(args: argparse.Namespace) -> int:
     from .experiments.replicas import ReplicaRun, launch
+
+    if args.format is not None:
+        raise ValueError("--format is for --fsdp (the DDP run's MLP keeps binary8p4 weights)")
 
     cfg = ReplicaRun(steps=args.steps, policy=args.policy, seed=args.seed)
     (results,) = launch(cfg, args.nproc)
@@ -542,6 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train the char GPT (tiny preset) sharded with FSDP2 and print, per step, the hash "
                         "of the full weights beside one process's")  # fmt: skip
     p.add_argument("--placement", type=int, choices=[0, 1], default=0, help="--fsdp: Shard(0) or Shard(1)")
+    p.add_argument("--format", help="--fsdp: the weights' format, an element or a block format (default "
+                                    "binary8p4; mxfp8_e4m3, nvfp4, ...)")  # fmt: skip
     _add_data_args(p)
     p.set_defaults(run=cmd_replicas)
 
