@@ -67,6 +67,7 @@ def runs(tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
             "guard without replicas": ShardedRun(steps=1, guard=True),
             "hsdp": ShardedRun(steps=STEPS, until=HSDP_STEPS, hash_every=EVERY, hsdp=True, guard=True),
             "hsdp differing": ShardedRun(steps=2, hsdp=True, policy="differing-update"),
+            "nvfp4 hsdp": replace(NVFP4, hsdp=True),
             "hsdp differing, guarded": ShardedRun(steps=2, hsdp=True, policy="differing-update", guard=True),
         },
         2: {
@@ -370,13 +371,14 @@ def test_block_formats_on_fsdp_weights_whole_blocks_equal_one_process_straddling
 def test_nvfp4_weights_under_fsdp2_take_their_full_tensors_scale_and_equal_one_process(runs):
     """NVFP4 weights under FSDP2: each piece rounds with the per-tensor scale of its full
     weight (the largest magnitude over the ranks' pieces: a collective a step), so
-    Shard(0), and Shard(1) with codes kept (32-wide rows cut at 16 hold whole blocks of
-    16), train bit-identically to one process."""
+    Shard(0), Shard(1) with codes kept (32-wide rows cut at 16 hold whole blocks of 16),
+    and HSDP on 4 ranks (2 replicas of 2 shards: the all-reduce along the shards alone)
+    train bit-identically to one process."""
     with fewbit.configure(compile=False):
         single = train_single(NVFP4)
     assert len(set(single["hashes"])) == len(single["hashes"])  # the weights moved
-    for scenario in ("nvfp4 shard0", "nvfp4 shard1, codes"):
-        for r in runs[2][scenario]:
+    for n, scenario in ((2, "nvfp4 shard0"), (2, "nvfp4 shard1, codes"), (4, "nvfp4 hsdp")):
+        for r in runs[n][scenario]:
             assert r["hashes"] == single["hashes"], scenario
     assert_bits_equal(runs[2]["nvfp4 shard0"][0]["weights"], single["weights"])
 

@@ -416,12 +416,16 @@ def summed(t: torch.Tensor) -> torch.Tensor:
     return t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])
 
 
-def _max_over_mesh(values: torch.Tensor, mesh) -> None:
-    """``values`` (elementwise) made the largest over every rank of ``mesh``, in place."""
+def _max_over_mesh(values: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """``values`` (elementwise) made the largest over the ranks that hold other pieces of
+    ``tensors`` (DTensors on one mesh), in place: an all-reduce along each mesh dimension
+    that shards any of them (along the others the pieces are copies: HSDP's replicas)."""
     import torch.distributed as dist
 
+    mesh = tensors[0].device_mesh
     for mesh_dim in range(mesh.ndim):
-        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=mesh.get_group(mesh_dim))
+        if any(t.placements[mesh_dim].is_shard() for t in tensors):
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=mesh.get_group(mesh_dim))
 
 
 def global_amax(t: torch.Tensor) -> float:
@@ -431,16 +435,16 @@ def global_amax(t: torch.Tensor) -> float:
     amax = torch.zeros((), device=piece.device)
     if piece.numel():
         amax = piece.abs().amax().float().nan_to_num(nan=math.inf)
-    if is_dtensor(t) and any(p.is_shard() for p in t.placements):
-        _max_over_mesh(amax, t.device_mesh)
+    if is_dtensor(t):
+        _max_over_mesh(amax, [t])
     return float(amax)
 
 
 def tensor_scales(tensors: list[torch.Tensor], bfmt: BlockFormat) -> list[torch.Tensor | None]:
     """The per-tensor scale of block format ``bfmt`` (NVFP4's) for each full tensor, from
     the largest finite magnitude of every rank's piece, so that each piece rounds with
-    the scale its full tensor takes: one collective per mesh dimension for all the
-    DTensors on a mesh where any is sharded (placements are alike on every rank, and so
+    the scale its full tensor takes: one all-reduce for all the DTensors of a mesh per
+    mesh dimension that shards any of them (placements are alike on every rank, and so
     are the calls). None each for a format without one. No tensor may be Partial (reduce
     it first: :func:`summed`): its pieces are addends."""
     if not bfmt.tensor_scale:
@@ -451,9 +455,9 @@ def tensor_scales(tensors: list[torch.Tensor], bfmt: BlockFormat) -> list[torch.
     for i, t in enumerate(tensors):
         if is_dtensor(t) and any(p.is_shard() for p in t.placements):
             on_mesh.setdefault(t.device_mesh, []).append(i)
-    for mesh, at in on_mesh.items():
+    for at in on_mesh.values():
         found = torch.stack([amax[i] for i in at])
-        _max_over_mesh(found, mesh)
+        _max_over_mesh(found, [tensors[i] for i in at])
         for i, value in zip(at, found.unbind(), strict=True):
             amax[i] = value
     return [tensor_scale_of(p, bfmt, a) for p, a in zip(pieces, amax, strict=True)]
