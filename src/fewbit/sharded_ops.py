@@ -86,12 +86,13 @@ def _on_piece(spec, key, given: torch.Tensor | None, where: ShardLayout, piece: 
               tensor_scale: torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
     """The op's result on the piece, each element with the bits it has in the full tensor:
     fewbit's kernel's, which draws them itself where the piece is runs of the full tensor
-    (``sharding.round_range``, blocks along ``axis`` with the full tensor's
+    (a Replicate piece is one: the kernel is called without a second pass through the
+    dispatcher; ``sharding.round_range``, blocks along ``axis`` with the full tensor's
     ``tensor_scale``; or its codes, ``packed`` not None: ``sharding.quantize_range``),
     else ``op(key, random_bits)`` with the piece's bits drawn first (an op that writes its
     ``out`` returns None)."""
     words = host_key(key)
-    if given is None and type(words) is Key and not where.whole:
+    if given is None and type(words) is Key:
         if packed is not None:
             fast = quantize_range(piece, spec, words, where, packed)
         else:
