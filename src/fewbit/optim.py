@@ -247,7 +247,7 @@ class LowPrecisionWeights:
         elif batched:
             round_foreach_([pieces[i] for i in batched], self.spec, step_key, batched, self.via)
         blocks = []
-        tensor_scale = tensor_scales(self.params, self.fmt) if block else None  # the full tensors' (NVFP4)
+        tensor_scale = tensor_scales(self.params, self.fmt, self.via) if block else None  # the full tensors'
         for i in sorted(set(range(len(pieces))) - set(batched)):
             t, at = pieces[i], self._layouts[i]
             key = None if step_key is None else replica_key(fold_in(step_key, i), self.policy)

@@ -440,17 +440,21 @@ def global_amax(t: torch.Tensor) -> float:
     return float(amax)
 
 
-def tensor_scales(tensors: list[torch.Tensor], bfmt: BlockFormat) -> list[torch.Tensor | None]:
+def tensor_scales(tensors: list[torch.Tensor], bfmt: BlockFormat, dtype: torch.dtype | None = None
+                  ) -> list[torch.Tensor | None]:  # fmt: skip
     """The per-tensor scale of block format ``bfmt`` (NVFP4's) for each full tensor, from
     the largest finite magnitude of every rank's piece, so that each piece rounds with
     the scale its full tensor takes: one all-reduce for all the DTensors of a mesh per
     mesh dimension that shards any of them (placements are alike on every rank, and so
     are the calls). None each for a format without one. No tensor may be Partial (reduce
-    it first: :func:`summed`): its pieces are addends."""
+    it first: :func:`summed`): its pieces are addends. ``dtype``: the one the tensors are
+    rounded from, where it is not theirs (the write-back's update dtype): the scale is
+    that of the tensors converted to it, as the block ops would find it (a piece at a
+    time)."""
     if not bfmt.tensor_scale:
         return [None] * len(tensors)
     pieces = [local_tensor(t).detach() for t in tensors]
-    amax = [largest_finite(p, bfmt) for p in pieces]
+    amax = [largest_finite(p if dtype is None else p.to(dtype), bfmt) for p in pieces]
     on_mesh: dict = {}
     for i, t in enumerate(tensors):
         if is_dtensor(t) and any(p.is_shard() for p in t.placements):
