@@ -16,13 +16,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .block import BlockFormat, check_args, element_or_block, round_to
+from .block import BlockFormat, element_or_block, round_to
 from .formats import FloatFormat
 from .random import Key, as_key, fold_in, key_of
 from .replicas import SeedPolicy, replica_key
 from .rounding import RoundMode
 from .rounding.modes import parse_mode
-from .sharding import ShardLayout, check_whole_blocks, is_dtensor, map_piece, piece_randomness, replica_rank
+from .sharding import replica_rank
 
 __all__ = ["FakeQuantize", "Quant", "fake_quantize", "quantize_outputs"]
 
@@ -57,23 +57,13 @@ class Quant:
                              "format")  # fmt: skip
 
     def __call__(self, x: torch.Tensor, key: Key | torch.Tensor | None) -> torch.Tensor:
-        """``x`` rounded; a DTensor piece by piece, each element with the bits of its index
-        in the full tensor (see :func:`fake_quantize`)."""
+        """``x`` rounded; a DTensor by fewbit's ops' rules for DTensors, piece by piece, each
+        element with the bits of its index in the full tensor (see :func:`fake_quantize`)."""
         if not self.mode.is_stochastic:
             key = None
         elif key is None:
             raise ValueError(f"mode {self.mode.value!r} needs a seed")
-        if is_dtensor(x):
-            check_whole_blocks(x, self.fmt, self.axis, "fake_quantize")
-        return map_piece(x, lambda piece, where: self._round(piece, where, key))
-
-    def _round(self, x: torch.Tensor, where: ShardLayout, key: Key | torch.Tensor | None) -> torch.Tensor:
-        sr = {}
-        if key is not None:  # the spec only to draw a piece's bits: a whole tensor draws its own
-            spec = None if where.whole else check_args(x.dtype, self.fmt, self.mode, self.sat, self.bits,
-                                                       self.fraction)  # fmt: skip
-            sr = {"bits": self.bits, "fraction": self.fraction,
-                  **piece_randomness(spec, key, where, x.device)}  # fmt: skip
+        sr = {} if key is None else {"bits": self.bits, "fraction": self.fraction, "seed": key}
         return round_to(x, self.fmt, self.mode, axis=self.axis, sat=self.sat, **sr)
 
 

@@ -355,6 +355,7 @@ TP_CASES = {
     "mx blocks, shard0": ("tp", "mxfp8_e4m3", (4, 64), "S0", "S0"),
     "mx blocks cut at 32, shard1": ("tp", "mxfp8_e4m3", (4, 64), "S1", "S1"),
     "mx blocks straddling ranks": ("tp", "mxfp8_e4m3", (4, 32), "S1", "S1"),
+    "nvfp4, shard1, gradient partial": ("tp", "nvfp4", (4, 64), "S1", "P"),
 }
 
 
