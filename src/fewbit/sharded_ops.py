@@ -179,20 +179,23 @@ def _decode(cls, func, types, args, kwargs):
     return map_piece(codes, lambda piece, where: func(piece, fmt, dtype, packed), shape)
 
 
-def _block_checks(x, call: tuple, name: str):
-    """The block op's checked spec (on x's piece), its block axis, the given bits' piece
-    and the full tensor's per-tensor scale (NVFP4's: a collective; None for formats
-    without one), x's Partial placements reduced first; raises for a piece whose blocks
-    straddle ranks."""
+def _block_checks(x, call: tuple, name: str, out: torch.Tensor | None = None):
+    """The block op's checked spec (on x's piece), its block axis, the pieces of the given
+    bits and of ``out``, and the full tensor's per-tensor scale (NVFP4's: a collective;
+    None for formats without one), x's Partial placements reduced first; raises, before
+    any collective, for a piece whose blocks straddle ranks or a bad argument."""
     bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule = call
     _eager(name)
     piece = x.to_local()
     spec, axis = block_spec_of(piece, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
     check_whole_blocks(x, spec.bfmt, axis, name)
     given = _laid_out_as(x, random_bits, "random_bits", name)
+    into = _laid_out_as(x, out, "out", name)  # (refuses a Partial x)
+    if into is not None:
+        _check_out(piece, into)
     x = summed(x)
     (tensor_scale,) = tensor_scales([x], spec.bfmt)
-    return x, spec, axis, given, tensor_scale
+    return x, spec, axis, given, into, tensor_scale
 
 
 # The block rules round a piece as the ops round a tensor (block.ops.with_tensor_scale),
@@ -201,7 +204,7 @@ def _block_checks(x, call: tuple, name: str):
 
 def _block_round(cls, func, types, args, kwargs):
     key = args[6]
-    x, spec, axis, given, ts = _block_checks(args[0], args[1:], "fewbit.block.round")
+    x, spec, axis, given, _, ts = _block_checks(args[0], args[1:], "fewbit.block.round")
 
     def rounded(piece: torch.Tensor, where: ShardLayout) -> torch.Tensor:
         def op(*drawn) -> torch.Tensor:
@@ -215,11 +218,9 @@ def _block_round(cls, func, types, args, kwargs):
 def _block_round_into(cls, func, types, args, kwargs):
     *call, out = args
     key = call[6]
-    x, spec, axis, given, ts = _block_checks(call[0], tuple(call[1:]), "fewbit.block.round")
-    into = _laid_out_as(call[0], out, "out", "fewbit.block.round")  # (refuses a Partial x)
+    x, spec, axis, given, into, ts = _block_checks(call[0], tuple(call[1:]), "fewbit.block.round", out)
     piece = x.to_local()
     where = layout(x, piece)
-    _check_out(piece, into)
 
     def write(*drawn) -> None:
         with_tensor_scale(piece, spec, axis, ts, *drawn, into=(into,))

@@ -261,13 +261,13 @@ def _tensor_scale(x: torch.Tensor, bfmt: BlockFormat) -> torch.Tensor | None:
 def with_tensor_scale(x: torch.Tensor, spec: BlockSpec, axis: int, tensor_scale: torch.Tensor | None,
                       key: Key | None = None, random_bits: torch.Tensor | None = None, *, fused: bool = True,
                       into: tuple | None = None) -> tuple:  # fmt: skip
-    """What ``fewbit::block_round`` (``fused``: the values) or ``block_quantize`` (the
-    element codes and scale codes) give x, with ``tensor_scale`` as the per-tensor scale
-    instead of x's own: a piece of a sharded tensor takes its full tensor's
-    (``fewbit.sharding.tensor_scales``), so that it rounds as it does in the full tensor.
-    ``into``: tensors to hold the results, as the ops' ``out``. Raises ValueError where
-    an element has no value; the caller has checked the rest (the DTensor rules and the
-    write-back call this below autograd, eagerly)."""
+    """The block ops' results for x: the rounded values (``fused``) or the element codes
+    and scale codes, with ``tensor_scale`` as the per-tensor scale. The ops give x's own;
+    a piece of a sharded tensor takes its full tensor's (``fewbit.sharding.tensor_scales``),
+    so that it rounds as it does in the full tensor (the DTensor rules and the write-back
+    call this below autograd, eagerly). ``into``: tensors to hold the results, as the ops'
+    ``out``. Raises ValueError where an element has no value; the caller has checked the
+    rest."""
     if x.numel():
         return _checked_run(x, spec, key, random_bits, axis, fused, tensor_scale, into)
     if fused:
@@ -300,9 +300,7 @@ def block_round_op(
 ) -> torch.Tensor:
     """``fewbit.block.round`` as an operator (see there)."""
     spec, axis = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
-    if x.numel() == 0:
-        return torch.empty_like(x, memory_format=torch.contiguous_format)
-    (out,) = _checked_run(x, spec, key, random_bits, axis, True, _tensor_scale(x, spec.bfmt))
+    (out,) = with_tensor_scale(x, spec, axis, _tensor_scale(x, spec.bfmt), key, random_bits)
     return out.contiguous()
 
 
@@ -334,8 +332,7 @@ def block_round_into_op(
     """``fewbit.block.round(..., out=out)`` as an operator."""
     spec, axis = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
     _check_out(x, out)
-    if x.numel():
-        _checked_run(x, spec, key, random_bits, axis, True, _tensor_scale(x, spec.bfmt), (out,))
+    with_tensor_scale(x, spec, axis, _tensor_scale(x, spec.bfmt), key, random_bits, into=(out,))
 
 
 @block_round_into_op.register_fake
@@ -354,10 +351,7 @@ def block_quantize_op(
     scale (float32, 1 for formats without one)."""
     spec, axis = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
     ts = _tensor_scale(x, spec.bfmt)
-    if x.numel() == 0:
-        codes, scales = _empty_codes(x, spec, axis)
-    else:
-        codes, scales = _checked_run(x, spec, key, random_bits, axis, False, ts)
+    codes, scales = with_tensor_scale(x, spec, axis, ts, key, random_bits, fused=False)
     return codes, scales, torch.ones((), device=x.device) if ts is None else ts
 
 
@@ -397,8 +391,7 @@ def block_quantize_into_op(
     spec, axis = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
     _check_codes(x, spec, axis, stored_format, stored_axis, codes, scales, tensor_scale)
     ts = _tensor_scale(x, spec.bfmt)
-    if x.numel():
-        _checked_run(x, spec, key, random_bits, axis, False, ts, (codes, scales))
+    with_tensor_scale(x, spec, axis, ts, key, random_bits, fused=False, into=(codes, scales))
     if ts is None:
         tensor_scale.fill_(1.0)
     else:
