@@ -214,3 +214,17 @@ def test_replicas_fsdp_refuses_world_sizes_outside_its_guarantee_before_starting
     code, out, err = run(capsys, "replicas", "--fsdp", "--nproc", nproc, "--data-dir", "/nonexistent")
     assert code == 2 and out == ""
     assert f"got {nproc} ranks for 4 micro-batches" in err
+
+
+def test_replicas_fsdp_refuses_blocks_the_shards_cut_before_the_one_process_run(capsys, tmp_path):
+    """The tiny preset's 32-wide rows cut at 16 straddle mxfp8_e4m3's blocks of 32: the
+    ranks refuse as they start, and the one-process run (tens of seconds) is not begun."""
+    from fewbit.experiments.data import prepare_shakespeare
+    from test_train import fake_tarball
+
+    prepare_shakespeare(tmp_path, fake_tarball(tmp_path / "s.tar.gz"))
+    argv = ["--fsdp", "--format", "mxfp8_e4m3", "--placement", "1", "--nproc", "2", "--steps", "2"]
+    code, out, err = run(capsys, "replicas", *argv, "--data-dir", str(tmp_path))
+    assert code == 2
+    assert "tok.weight: mxfp8_e4m3 on a sharded tensor: blocks of 32 along dim 1" in err
+    assert "FSDP2 on 2 gloo processes" in out and "one process" not in out

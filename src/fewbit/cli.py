@@ -378,13 +378,15 @@ def cmd_replicas_fsdp(args: argparse.Namespace) -> int:
     print(f"char GPT (tiny preset) on Shakespeare: {args.steps} steps of AdamW with LowPrecisionWeights "
           f"({cfg.fmt}, {cfg.mode}, N={cfg.bits}), batches of {TINY.batch_size} in {cfg.micro_batches} "
           f"micro-batches, policy {args.policy}")  # fmt: skip
+    # The sharded run first: its ranks refuse a block format whose blocks the shards would cut
+    # as they start, before the one-process run's time is spent.
+    print(f"FSDP2 on {args.nproc} gloo processes, matrices Shard({args.placement}) ...", flush=True)
+    (results,) = launch(cfg, args.nproc, train=run)
+    if "error" in results[0]:  # refused alike on every rank
+        raise ValueError(results[0]["error"])
     print("one process, without torch.distributed ...", flush=True)
     with configure(compile=False):  # its first compilation would take longer than the run
         single = train_single(cfg)
-    print(f"FSDP2 on {args.nproc} gloo processes, matrices Shard({args.placement}) ...", flush=True)
-    (results,) = launch(cfg, args.nproc, train=run)
-    if "error" in results[0]:  # refused alike on every rank (a block format's blocks cut by the shards)
-        raise ValueError(results[0]["error"])
     print(f"{'step':>5}  {'sharded':16}  {'one process':16}")
     same = 0
     for step, (a, b) in enumerate(zip(results[0]["hashes"], single["hashes"], strict=True), 1):
