@@ -239,6 +239,15 @@ def test_padding_and_shapes():
     assert block.round(torch.empty(0, 32), "mxfp4").shape == (0, 32)
 
 
+@pytest.mark.parametrize("shape, axis", [((0, 64), -1), ((2, 0, 32), -1), ((64, 0), 0), ((4, 0), -1)])
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "hbfp4"])
+def test_codes_of_a_tensor_without_elements_decode_to_its_shape(shape, axis, name):
+    """A weight with a dimension of size 0 (kept as codes by LowPrecisionWeights'
+    store_codes, say): its codes hold no rows, and decode back to its shape."""
+    codes = block.quantize(torch.empty(shape), name, axis=axis)
+    assert codes.dequantize(torch.bfloat16).shape == shape and codes.codes.numel() == 0
+
+
 def test_dtypes():
     x = torch.randn(4, 64)
     want = block.round(x, "mxfp8_e4m3")

@@ -72,7 +72,8 @@ def from_block_layout(blocks: torch.Tensor, shape: torch.Size, axis: int) -> tor
     """The inverse of :func:`block_layout` for a tensor of ``shape``."""
     moved_shape = list(shape)
     length = moved_shape.pop(axis)
-    flat = blocks.reshape(*moved_shape, -1)[..., :length]
+    padded = blocks.shape[-2] * blocks.shape[-1]  # (not -1: ambiguous for a tensor with no rows)
+    flat = blocks.reshape(*moved_shape, padded)[..., :length]
     return flat.movedim(-1, axis)
 
 
