@@ -191,6 +191,26 @@ def test_store_codes_frees_floats_and_restores_the_same_weights():
     assert mem["float_bytes"] == 4 * mem["elements"] and mem["code_bytes"] == mem["elements"]
 
 
+@pytest.mark.parametrize("fmt", [FMT, "mxfp4"])
+def test_store_codes_keeps_floats_until_the_first_step(fmt):
+    """The rounding at construction keeps the weights as floats: a checkpoint loaded into
+    the model after wrapping it, and a forward before the first zero_grad(), find them
+    (before, their storage was freed there: the load crashed the process)."""
+    a, b = model(), model()
+    lpw_a = LowPrecisionWeights(torch.optim.AdamW(a.parameters(), lr=0.01), fmt, "src", seed=4)
+    lpw_b = LowPrecisionWeights(torch.optim.AdamW(b.parameters(), lr=0.01), fmt, "src", seed=4,
+                                store_codes=True)  # fmt: skip
+    assert all(p.untyped_storage().nbytes() == 4 * p.numel() for p in lpw_b.params)
+    b.load_state_dict(a.state_dict())  # the rounded weights, as a checkpoint would hold them
+    loss_of(b, 0).backward()  # forward and backward, then the step
+    lpw_b.step()
+    train(a, lpw_a, 1)
+    assert all(p.untyped_storage().nbytes() == 0 for p in lpw_b.params)  # codes from the step on
+    lpw_b.materialize()
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert bits_equal(pa.detach(), pb.detach())
+
+
 def test_power_of_two_scale_keeps_small_weights():
     """Weights of order 1e-5 are below binary8p4's subnormals; scaled, they keep 4 bits."""
     torch.manual_seed(0)

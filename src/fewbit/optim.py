@@ -78,7 +78,10 @@ class LowPrecisionWeights:
         store_codes: between a step and the next :meth:`zero_grad` (or
             :meth:`materialize`), keep the selected weights only as codes of ``fmt``
             (uint8 for formats of up to 8 bits; a ``fewbit.block.BlockTensor`` per weight
-            for a block format) and free their float storage.
+            for a block format) and free their float storage. In that window the
+            parameters have no storage: call :meth:`materialize` before reading, saving
+            or loading them (an evaluation, a checkpoint). The rounding at construction
+            keeps them as floats.
         policy: under data parallelism the write-back is ``"identical"`` on every
             replica (seed 000); ``"differing"`` folds in the rank (wrong: for tests).
         guard: before each step, check across ranks that every selected weight and its
@@ -171,7 +174,9 @@ class LowPrecisionWeights:
         self._scales: list[float] = [1.0] * len(self.params)
         self._stored = False  # weights held only as codes
         self.steps = 0
-        self._write_back()  # Algorithm 1 starts from rounded initial weights
+        # Algorithm 1 starts from rounded initial weights; kept as floats, since a model is
+        # often loaded from a checkpoint or run forward before the first step.
+        self._write_back(store=False)
 
     def _select(self, params) -> tuple[list[str], list[torch.Tensor]]:
         owned = [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -216,11 +221,11 @@ class LowPrecisionWeights:
     # stays fewbit's own call (its compiled kernel, as eager), not traced into their graph.
     @torch.compiler.disable
     @torch.no_grad()
-    def _write_back(self) -> None:
+    def _write_back(self, store: bool = True) -> None:
         with configure(compile_threshold=min(current().compile_threshold, COMPILE_FROM)):
-            self._round_all()
+            self._round_all(store and self.store_codes)
 
-    def _round_all(self) -> None:
+    def _round_all(self, store: bool) -> None:
         # fold_in(key, t, i) is fold_in(fold_in(key, t), i): the step's key, derived once.
         step_key = fold_in(self.key, self.steps) if self.mode.is_stochastic else None
         pieces = [local_tensor(p) for p in self.params]  # a DTensor's piece shares its storage
@@ -238,7 +243,7 @@ class LowPrecisionWeights:
             batched = [i for i, at in enumerate(self._layouts) if at.whole]
         extra = {"fraction": self.fraction} if self.mode is RoundMode.SR_FRACTION else {}
         codes = {}
-        if batched and self.store_codes:  # straight to codes, a pass each: the floats go below
+        if batched and store:  # straight to codes, a pass each: the floats go below
             for i in batched:
                 kw = {"sat": self.sat, "bits": self.bits, **extra}
                 if step_key is not None:
@@ -252,13 +257,13 @@ class LowPrecisionWeights:
             t, at = pieces[i], self._layouts[i]
             key = None if step_key is None else replica_key(fold_in(step_key, i), self.policy)
             x = t.to(self.via)
-            if self.store_codes and not block:  # the codes in the pass that rounds: t is freed below
+            if store and not block:  # the codes in the pass that rounds: t is freed below
                 codes_now = quantize_range(x, self.spec, key, at, packed=False)
                 if codes_now is not None:
                     codes[i] = codes_now
                     continue
             ts = tensor_scale[i] if block else None
-            done = None if block and self.store_codes else round_range(x, self.spec, key, at, tensor_scale=ts)
+            done = None if block and store else round_range(x, self.spec, key, at, tensor_scale=ts)
             if done is not None:  # runs of the full tensor: its bits drawn inside the kernel
                 t.copy_(done)
                 continue
@@ -269,13 +274,13 @@ class LowPrecisionWeights:
                 continue
             axis = self.fmt.axis % x.dim()
             drawn = {"key": random.get("seed"), "random_bits": random.get("random_bits")}
-            result = with_tensor_scale(x, self.spec, axis, ts, **drawn, fused=not self.store_codes)
-            if self.store_codes:  # the codes of this very rounding (NVFP4's per-tensor
+            result = with_tensor_scale(x, self.spec, axis, ts, **drawn, fused=not store)
+            if store:  # the codes of this very rounding (NVFP4's per-tensor
                 # scale would move if the rounded values were quantised again)
                 blocks.append(BlockTensor(*result, ts, self.fmt, x.shape, axis))
             else:
                 t.copy_(result[0])
-        if self.store_codes:  # values of fmt, rounded just now: unchecked, so a GPU step waits for nothing
+        if store:  # values of fmt, rounded just now: unchecked, so a GPU step waits for nothing
             if block:
                 self._codes = blocks
             else:
