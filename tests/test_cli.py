@@ -200,11 +200,46 @@ def test_bench_refuses_sizes_and_repeats_it_cannot_time(capsys, option, message)
 @pytest.mark.parametrize("argv, says", [
     (["--fsdp", "--format", "nvfp5"], "unknown format 'nvfp5'"),
     (["--format", "nvfp4"], "--format is for --fsdp"),
+    (["--placement", "0"], "--placement is for --fsdp"),
 ])  # fmt: skip
 def test_replicas_refuses_a_format_it_cannot_train_before_starting(capsys, argv, says):
     code, out, err = run(capsys, "replicas", *argv, "--data-dir", "/nonexistent")
     assert code == 2 and out == ""
     assert says in err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["replicas", "--steps", "0"], "--steps: must be >= 1, got 0"),
+    (["replicas", "--seed", "-1"], "--seed: must be in 0..18446744073709551615, got -1"),
+    (["replicas", "--nproc", "0"], "--nproc: must be >= 1, got 0"),
+    (["train", "--time-steps", "0"], "--time-steps: must be >= 1, got 0"),
+    (["ratchet", "--iters", "0"], "--iters: must be >= 1, got 0"),
+    (["ratchet", "--seeds", "-1"], "--seeds: must be in 0..18446744073709551615, got -1"),
+])  # fmt: skip
+def test_counts_and_seeds_out_of_range_are_refused_by_the_parser(capsys, argv, says):
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["train", "--time-steps", "2", "--sweep", "figure3"], "--sweep figure3 runs a study"),
+    (["train", "--time-steps", "2", "--mode", "fp32"], "--mode fp32 has none"),
+    (["ratchet", "--seeds", "0", "0", "--iters", "1"], "seeds must differ, got [0, 0]"),
+])  # fmt: skip
+def test_options_that_would_mislead_are_refused_before_any_work(capsys, tmp_path, argv, says):
+    data = ["--data-dir", "/nonexistent"] if argv[0] == "train" else []
+    code, out, err = run(capsys, *argv, "--out", str(tmp_path), *data)
+    assert code == 2 and out == ""
+    assert says in err
+
+
+def test_round_says_a_negative_value_is_below_an_unsigned_format(capsys):
+    """p3109_k8p4ue has no negative values: no neighbours (its code 0x00 twice, before)."""
+    code, out, _ = run(capsys, "round", "--format", "p3109_k8p4ue", "--", "-0.3")
+    assert code == 0
+    assert "x is below 0, the smallest value of p3109_k8p4ue (an unsigned format)" in out
+    assert "neighbours" not in out
 
 
 @pytest.mark.parametrize("nproc", ["3", "8"])

@@ -199,6 +199,16 @@ def test_bad_configurations():
     for bits in (0, 33, -2):  # fewbit.round's own check, and message
         with pytest.raises(ValueError, match=re.escape(f"bits must be in 1..32, got {bits}")):
             TrainConfig(mode="src", bits=bits)
+    # Modes that take no bits still hand them to LowPrecisionWeights and Quant, which check
+    # them: refused here, before any worker starts (they failed in the worker).
+    with pytest.raises(ValueError, match=re.escape("bits must be in 1..32, got 40")):
+        TrainConfig(mode="rne", bits=40)
+    with pytest.raises(ValueError, match=re.escape("grad_bits must be in 1..32, got 40")):
+        TrainConfig(grad_format="e4m3", grad_mode="rne", grad_bits=40)
+    with pytest.raises(ValueError, match=re.escape("seed must be in [0, 2**64), got -1")):
+        TrainConfig(seed=-1)
+    with pytest.raises(ValueError, match="device 'foo' is not a torch device"):
+        TrainConfig(device="foo")
     with pytest.raises(TypeError, match="needs fraction=p"):
         TrainConfig(mode="sr_fraction")
     with pytest.raises(ValueError, match="unknown format"):

@@ -131,6 +131,8 @@ def cmd_round(args: argparse.Namespace) -> int:
         print("x is NaN")
     elif abs(stored) > fmt.max:
         print(f"x is beyond the largest finite value of {fmt.name}, {fmt.max!r}")
+    elif stored < 0 and not fmt.signed:
+        print(f"x is below 0, the smallest value of {fmt.name} (an unsigned format)")
     else:
         lo = round(x.abs(), fmt, "rtz", sat=True).double().item()
         hi = round(x.abs(), fmt, "rup", sat=True).double().item()
@@ -284,7 +286,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .experiments.sweep import SWEEP_DEFAULTS, format_diagnostics, format_summary, run_sweep, summarise
-    from .experiments.train import SPEED_OPTIONS, config_from
+    from .experiments.train import PLAIN_MODES, SPEED_OPTIONS, config_from
 
     given = dict(
         mode=args.mode, weight_format=args.format, bits=args.bits, fraction=args.fraction,
@@ -296,13 +298,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         given.update(dict.fromkeys(SPEED_OPTIONS, args.fast))
     given = {k: v for k, v in given.items() if v is not None}
     base = config_from(args.preset, **{**SWEEP_DEFAULTS.get(args.sweep, {}), **given})
+    if args.time_steps is not None and (args.sweep or base.mode in PLAIN_MODES):
+        what = f"--sweep {args.sweep} runs a study" if args.sweep else f"--mode {base.mode} has none"
+        raise ValueError(f"--time-steps times one configuration's write-back; {what}")
     if base.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--preset {args.preset} trains on a GPU ({base.device}) and there is none here; "
                          "--device cpu runs it on the CPU")  # fmt: skip
     data_file = _shakespeare(args)
     if data_file is None:
         return 2
-    if args.time_steps:
+    if args.time_steps is not None:
         return _time_steps(base, data_file, args.time_steps)
     start = time.perf_counter()
     out = Path(args.out or Path("runs") / (args.sweep or base.mode))
@@ -367,7 +372,7 @@ def cmd_replicas_fsdp(args: argparse.Namespace) -> int:
     from .experiments.replicas import launch
     from .experiments.sharded import TINY, ShardedRun, check_world, run, train_single
 
-    cfg = ShardedRun(steps=args.steps, seed=args.seed, policy=args.policy, placement=args.placement,
+    cfg = ShardedRun(steps=args.steps, seed=args.seed, policy=args.policy, placement=args.placement or 0,
                      block_size=TINY.block_size, hash_every=1, fmt=args.format or "binary8p4")  # fmt: skip
     check_world(cfg, args.nproc)  # before anything starts
     element_or_block(cfg.fmt)  # a bad name, before anything starts
@@ -380,7 +385,7 @@ def cmd_replicas_fsdp(args: argparse.Namespace) -> int:
           f"micro-batches, policy {args.policy}")  # fmt: skip
     # The sharded run first: its ranks refuse a block format whose blocks the shards would cut
     # as they start, before the one-process run's time is spent.
-    print(f"FSDP2 on {args.nproc} gloo processes, matrices Shard({args.placement}) ...", flush=True)
+    print(f"FSDP2 on {args.nproc} gloo processes, matrices Shard({cfg.placement}) ...", flush=True)
     (results,) = launch(cfg, args.nproc, train=run)
     if "error" in results[0]:  # refused alike on every rank
         raise ValueError(results[0]["error"])
@@ -413,6 +418,8 @@ def cmd_replicas_ddp(args: argparse.Namespace) -> int:
 
     if args.format is not None:
         raise ValueError("--format is for --fsdp (the DDP run's MLP keeps binary8p4 weights)")
+    if args.placement is not None:
+        raise ValueError("--placement is for --fsdp (the DDP run's replicas hold whole weights)")
 
     cfg = ReplicaRun(steps=args.steps, policy=args.policy, seed=args.seed)
     (results,) = launch(cfg, args.nproc)
@@ -454,8 +461,8 @@ def cmd_ratchet(args: argparse.Namespace) -> int:
 
 def _add_ratchet(sub) -> None:
     p = sub.add_parser("ratchet", help="SRF's outward drift on a noisy quadratic (seconds, any CPU)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--iters", type=int, default=5000, help="AdamW steps (the paper preset's 5000)")
+    p.add_argument("--seeds", type=_int_in(0, 2**64 - 1), nargs="+", default=[0, 1, 2])
+    p.add_argument("--iters", type=_int_in(1), default=5000, help="AdamW steps (the paper preset's 5000)")
     p.add_argument("--out", default="docs", help="folder for ratchet.png and its CSVs")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_ratchet)
@@ -529,7 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="cpu or cuda")
     p.add_argument("--fast", action=argparse.BooleanOptionalAction,
                    help="bfloat16 autocast, compiled model, fused AdamW (default: on for --preset paper)")
-    p.add_argument("--time-steps", type=int, metavar="STEPS",
+    p.add_argument("--time-steps", type=_int_in(1), metavar="STEPS",
                    help="no training: time STEPS steps (5 times, median) with the write-back and with "
                         "float32 weights, and print the write-back's share")  # fmt: skip
     p.add_argument("--workers", type=int, default=2, help="runs side by side (one thread each)")
@@ -542,15 +549,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_train)
 
     p = sub.add_parser("replicas", help="data-parallel SR training, sync checked each step")
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--nproc", type=_int_in(1), default=2)
+    p.add_argument("--steps", type=_int_in(1), default=20)
     p.add_argument("--policy", choices=["default", "differing-update"], default="default",
                    help="differing-update: the weight update keyed with the rank (wrong)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=0)
     p.add_argument("--fsdp", action="store_true",
                    help="train the char GPT (tiny preset) sharded with FSDP2 and print, per step, the hash "
                         "of the full weights beside one process's")  # fmt: skip
-    p.add_argument("--placement", type=int, choices=[0, 1], default=0, help="--fsdp: Shard(0) or Shard(1)")
+    p.add_argument("--placement", type=int, choices=[0, 1], help="--fsdp: Shard(0) (default) or Shard(1)")
     p.add_argument("--format", help="--fsdp: the weights' format, an element or a block format (default "
                                     "binary8p4; mxfp8_e4m3, nvfp4, ...)")  # fmt: skip
     _add_data_args(p)

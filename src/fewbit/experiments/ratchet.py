@@ -121,6 +121,8 @@ def run_all(seeds: list[int], iters: int = 5000, progress_bar: bool = True) -> R
     """Every arm for every seed: each arm's histories, in seed order."""
     from tqdm import tqdm
 
+    if len(set(seeds)) < len(seeds):  # a repeated seed repeats its runs in the summary's spread
+        raise ValueError(f"seeds must differ, got {list(seeds)}")
     configs = [RatchetConfig(**arm, iters=iters, seed=s) for arm in ARMS for s in seeds]
     results: Results = {}
     for cfg in tqdm(configs, unit="run", disable=not progress_bar):

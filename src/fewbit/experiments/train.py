@@ -93,6 +93,17 @@ class TrainConfig:
             check_round_args(probe, self.weight_format, self.mode, True, bits, self.fraction)
         if (q := self.grad_quant) is not None:  # the same, for the gradients' rounding
             check_args(torch.float32, q.fmt, q.mode, q.sat, q.bits, q.fraction)
+        for name in ("bits", "grad_bits"):  # (range-checked by LowPrecisionWeights and Quant in any mode)
+            n = getattr(self, name)
+            if n is not None and not 1 <= n <= 32:
+                raise ValueError(f"{name} must be in 1..32, got {n}")
+        if not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        try:
+            torch.device(self.device)
+        except RuntimeError as err:
+            known = str(err).split(":")[0]
+            raise ValueError(f"device {self.device!r} is not a torch device ({known})") from None
         for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "iters", "eval_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
