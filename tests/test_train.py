@@ -231,6 +231,8 @@ def test_bad_configurations():
         TrainConfig(mode="sr_fraction")
     with pytest.raises(ValueError, match="unknown format"):
         TrainConfig(weight_format="e9m9")
+    with pytest.raises(ValueError, match="'mxfp4' is a block format: these runs keep element-format"):
+        TrainConfig(weight_format="mxfp4")  # (was "unknown format 'mxfp4'; closest: fp64")
     with pytest.raises(ValueError, match="nor is it a block format"):
         TrainConfig(grad_format="hbfp")
     with pytest.raises(TypeError, match="needs fraction=p"):

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from ..block import check_args
+from ..block.formats import names as block_names
 from ..nn import Quant, quantize_outputs
 from ..optim import LowPrecisionWeights
 from ..random import as_key, fold_in
@@ -85,6 +86,10 @@ class TrainConfig:
         if self.update_dtype not in UPDATE_DTYPES:
             known = sorted(UPDATE_DTYPES)
             raise ValueError(f"update_dtype must be one of {known}, not {self.update_dtype!r}")
+        if self.mode not in PLAIN_MODES and self.weight_format in block_names():
+            raise ValueError(f"weight_format {self.weight_format!r} is a block format: these runs keep "
+                             "element-format weights (block formats go to grad_format, or, for weights, "
+                             "to LowPrecisionWeights and `fewbit replicas --fsdp --format`)")  # fmt: skip
         if self.mode not in PLAIN_MODES:
             # The write-back's own checks, here: a bad format, N or p is reported before
             # any worker starts, in fewbit.round's words.
