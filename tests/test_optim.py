@@ -211,6 +211,29 @@ def test_store_codes_keeps_floats_until_the_first_step(fmt):
         assert bits_equal(pa.detach(), pb.detach())
 
 
+@pytest.mark.parametrize("store_codes", [False, True])
+def test_a_weight_without_a_gradient_is_left_as_it_is(store_codes):
+    """A frozen weight (or one this step did not reach) is not rounded again after a step,
+    as the inner optimizer does not update it. In HBFP rounding is not a fixed point:
+    [-1.9, 0.25] rounds to [-2.0, 0.25] (a 4-bit mantissa of -8 at step 1/4), whose largest
+    magnitude, 2, takes the next exponent, where 0.25 rounds to 0."""
+    frozen = torch.zeros(2, 64)
+    frozen[0, :2] = torch.tensor([-1.9, 0.25])
+    frozen = torch.nn.Parameter(frozen, requires_grad=False)
+    trained = torch.nn.Parameter(torch.randn(4, 64, generator=torch.Generator().manual_seed(0)))
+    lpw = LowPrecisionWeights(torch.optim.AdamW([frozen, trained], lr=0.5), "hbfp4", "rne",
+                              params=[frozen, trained], store_codes=store_codes)  # fmt: skip
+    assert frozen[0, :2].tolist() == [-2.0, 0.25]  # rounded once, at construction
+    start = trained.detach().clone()
+    for _ in range(3):
+        lpw.zero_grad()
+        trained.pow(2).sum().backward()
+        lpw.step()
+    lpw.materialize()
+    assert frozen[0, :2].tolist() == [-2.0, 0.25] and not frozen[1].any()
+    assert not torch.equal(trained, start)
+
+
 def test_power_of_two_scale_keeps_small_weights():
     """Weights of order 1e-5 are below binary8p4's subnormals; scaled, they keep 4 bits."""
     torch.manual_seed(0)

@@ -176,7 +176,7 @@ class LowPrecisionWeights:
         self.steps = 0
         # Algorithm 1 starts from rounded initial weights; kept as floats, since a model is
         # often loaded from a checkpoint or run forward before the first step.
-        self._write_back(store=False)
+        self._write_back(initial=True)
 
     def _select(self, params) -> tuple[list[str], list[torch.Tensor]]:
         owned = [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -214,24 +214,30 @@ class LowPrecisionWeights:
             )  # fmt: skip
         loss = self.optimizer.step(closure)
         self.steps += 1
-        self._write_back()
+        self._write_back(initial=False)
         return loss
 
     # A user's torch.compile of step() compiles the inner optimizer's update; the write-back
     # stays fewbit's own call (its compiled kernel, as eager), not traced into their graph.
     @torch.compiler.disable
     @torch.no_grad()
-    def _write_back(self, store: bool = True) -> None:
+    def _write_back(self, initial: bool) -> None:
+        # After a step, a parameter without a gradient is left as it is, as the inner
+        # optimizer leaves it: rounding it again would move it where rounding is not a
+        # fixed point on the format's values (HBFP's, NVFP4's), and costs a pass (frozen
+        # weights). At construction every one is rounded, and kept as floats.
+        live = [i for i, p in enumerate(self.params) if initial or p.grad is not None]
         with configure(compile_threshold=min(current().compile_threshold, COMPILE_FROM)):
-            self._round_all(store and self.store_codes)
+            self._round_all(live, store=self.store_codes and not initial)
 
-    def _round_all(self, store: bool) -> None:
+    def _round_all(self, live: list[int], store: bool) -> None:
         # fold_in(key, t, i) is fold_in(fold_in(key, t), i): the step's key, derived once.
         step_key = fold_in(self.key, self.steps) if self.mode.is_stochastic else None
         pieces = [local_tensor(p) for p in self.params]  # a DTensor's piece shares its storage
         if self.scale:  # powers of two: exact both ways
-            self._scales = [self._power_of_two_scale(p) for p in self.params]
-            torch._foreach_mul_(pieces, self._scales)
+            self._scales = [self._power_of_two_scale(p) if i in live else 1.0
+                            for i, p in enumerate(self.params)]  # fmt: skip
+            torch._foreach_mul_([pieces[i] for i in live], [self._scales[i] for i in live])
         # Whole tensors in formats with a NaN, under the identical policy (no rank to fold
         # in), go through one call for all, tensor i with the key fold_in(step_key, i) (kept
         # as codes: one fewbit.quantize each, which rounds and encodes in one pass); a
@@ -240,7 +246,7 @@ class LowPrecisionWeights:
         block = isinstance(self.fmt, BlockFormat)
         batched = []
         if not block and self.fmt.has_nans and self.policy is SeedPolicy.IDENTICAL:
-            batched = [i for i, at in enumerate(self._layouts) if at.whole]
+            batched = [i for i in live if self._layouts[i].whole]
         extra = {"fraction": self.fraction} if self.mode is RoundMode.SR_FRACTION else {}
         codes = {}
         if batched and store:  # straight to codes, a pass each: the floats go below
@@ -251,9 +257,11 @@ class LowPrecisionWeights:
                 codes[i] = codec.quantize(pieces[i].to(self.via), self.fmt, self.mode, **kw)
         elif batched:
             round_foreach_([pieces[i] for i in batched], self.spec, step_key, batched, self.via)
-        blocks = []
-        tensor_scale = tensor_scales(self.params, self.fmt, self.via) if block else None  # the full tensors'
-        for i in sorted(set(range(len(pieces))) - set(batched)):
+        blocks = {}
+        if block:  # the full tensors'
+            tensor_scale = dict(zip(live, tensor_scales([self.params[i] for i in live], self.fmt, self.via),
+                                    strict=True))  # fmt: skip
+        for i in [i for i in live if i not in batched]:
             t, at = pieces[i], self._layouts[i]
             key = None if step_key is None else replica_key(fold_in(step_key, i), self.policy)
             x = t.to(self.via)
@@ -277,23 +285,23 @@ class LowPrecisionWeights:
             result = with_tensor_scale(x, self.spec, axis, ts, **drawn, fused=not store)
             if store:  # the codes of this very rounding (NVFP4's per-tensor
                 # scale would move if the rounded values were quantised again)
-                blocks.append(BlockTensor(*result, ts, self.fmt, x.shape, axis))
+                blocks[i] = BlockTensor(*result, ts, self.fmt, x.shape, axis)
             else:
                 t.copy_(result[0])
         if store:  # values of fmt, rounded just now: unchecked, so a GPU step waits for nothing
-            if block:
-                self._codes = blocks
-            else:
-                self._codes = [codes[i] if i in codes else codec.encode(t, self.fmt, check=False)
-                               for i, t in enumerate(pieces)]  # fmt: skip
+            # (None for a parameter left as it is: it keeps its floats.)
+            if not block:
+                blocks = {i: codes[i] if i in codes else codec.encode(pieces[i], self.fmt, check=False)
+                          for i in live}  # fmt: skip
+            self._codes = [blocks.get(i) for i in range(len(pieces))]
             # The size of the whole storage: a piece may be a view into a larger one (FSDP2
             # pads its shards), which must come back at its size.
             self._nbytes = [t.untyped_storage().nbytes() for t in pieces]
-            for t in pieces:
-                t.untyped_storage().resize_(0)
+            for i in live:
+                pieces[i].untyped_storage().resize_(0)
             self._stored = True
         elif self.scale:
-            torch._foreach_div_(pieces, self._scales)
+            torch._foreach_div_([pieces[i] for i in live], [self._scales[i] for i in live])
 
     def _power_of_two_scale(self, w: torch.Tensor) -> float:
         amax = global_amax(w)
@@ -308,6 +316,8 @@ class LowPrecisionWeights:
         if not self._stored:
             return
         for p, codes, s, nbytes in zip(self.params, self._codes, self._scales, self._nbytes, strict=True):
+            if codes is None:  # left as it was at the step: never freed
+                continue
             t = local_tensor(p)
             t.untyped_storage().resize_(nbytes)
             if isinstance(codes, BlockTensor):  # as fewbit.block.round gives the values in via

@@ -257,7 +257,8 @@ def train_sharded(rank: int, world_size: int, cfg: ShardedRun) -> dict:
         except ReplicaDriftError as err:  # the guard: raised alike on every rank
             return {"error": str(err), "step": step + 1}
         if cfg.store_codes:  # the weights are codes until zero_grad(); read them back now
-            codes = sum(math.prod(c.shape) for c in weights._codes)  # (a block format's: BlockTensors)
+            # (a block format's: BlockTensors; None for a weight without a gradient, left as floats)
+            codes = sum(math.prod(c.shape) for c in weights._codes if c is not None)
             weights.materialize()
         if cfg.save_at is not None and step + 1 == cfg.save_at:
             dcp.save(_checkpoint(model, weights), checkpoint_id=cfg.checkpoint_dir)
