@@ -179,5 +179,10 @@ def test_gpu_presets_say_so_without_a_gpu(capsys):
     if torch.cuda.is_available():
         pytest.skip("a GPU is here")
     assert main(["train", "--preset", "gpt2-medium", "--sweep", "figure4", "--out", "unused"]) == 2
-    assert capsys.readouterr().err == ("fewbit: error: --preset gpt2-medium trains on a GPU (cuda) and there "
-                                       "is none here; --device cpu runs it on the CPU\n")  # fmt: skip
+    assert capsys.readouterr().err == ("fewbit: error: --preset gpt2-medium trains on a GPU (cuda) and "
+                                       "there is no CUDA device here; --device cpu runs it on the "
+                                       "CPU\n")  # fmt: skip
+    # Asked for by --device, not by the preset (which said "--preset tiny trains on a GPU").
+    assert main(["train", "--preset", "tiny", "--device", "cuda:1", "--out", "unused"]) == 2
+    assert capsys.readouterr().err == ("fewbit: error: --device cuda:1 asks for a GPU and there is no CUDA "
+                                       "device here; --device cpu runs it on the CPU\n")  # fmt: skip

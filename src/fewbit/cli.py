@@ -302,8 +302,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         what = f"--sweep {args.sweep} runs a study" if args.sweep else f"--mode {base.mode} has none"
         raise ValueError(f"--time-steps times one configuration's write-back; {what}")
     if base.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--preset {args.preset} trains on a GPU ({base.device}) and there is none here; "
-                         "--device cpu runs it on the CPU")  # fmt: skip
+        asked = (f"--device {args.device} asks for a GPU" if args.device
+                 else f"--preset {args.preset} trains on a GPU ({base.device})")  # fmt: skip
+        raise ValueError(f"{asked} and there is no CUDA device here; --device cpu runs it on the CPU")
     data_file = _shakespeare(args)
     if data_file is None:
         return 2
