@@ -146,13 +146,14 @@ CASES = {
     "mm": (lambda x, y: x @ y.t(), lambda a, b: a * b),
     "bmm": (lambda x, y: torch.bmm(x.unsqueeze(0), y.t().unsqueeze(0)), lambda a, b: a * b),
     "matmul_3d": (lambda x, y: x.reshape(2, 2, 6) @ y.t(), lambda a, b: a * b),
-    "addmm": (lambda x, y: torch.addmm(x[:, :4], x, y.t()), lambda a, b: a * b),
+    # With a bias: seed 003's add, max(|alpha| sa sb, |beta| s_bias).
+    "addmm": (lambda x, y: torch.addmm(x[:, :4], x, y.t()), lambda a, b: max(a * b, a)),
     "baddbmm": (lambda x, y: torch.baddbmm(x[:, :4].unsqueeze(0), x.unsqueeze(0), y.t().unsqueeze(0),
-                                           alpha=0.5, beta=2), lambda a, b: a * b),
-    "linear": (lambda x, y: F.linear(x, y[:3], y[3, :3]), lambda a, b: a * b),
-    "linear_3d": (lambda x, y: F.linear(x.reshape(2, 2, 6), y[:3], y[3, :3]), lambda a, b: a * b),
+                                           alpha=0.5, beta=2), lambda a, b: max(0.5 * a * b, 2 * a)),
+    "linear": (lambda x, y: F.linear(x, y[:3], y[3, :3]), lambda a, b: max(a * b, b)),
+    "linear_3d": (lambda x, y: F.linear(x.reshape(2, 2, 6), y[:3], y[3, :3]), lambda a, b: max(a * b, b)),
     "conv1d": (lambda x, y: F.conv1d(x.reshape(1, 4, 6), y[:2, :4].reshape(2, 4, 1).expand(2, 4, 2),
-                                     y[0, :2]), lambda a, b: a * b),
+                                     y[0, :2]), lambda a, b: max(a * b, b)),
     "conv2d": (lambda x, y: F.conv2d(x.reshape(1, 1, 4, 6), y[:2, :4].reshape(2, 1, 2, 2), padding=1),
                lambda a, b: a * b),
     "sdpa": (lambda x, y: F.scaled_dot_product_attention(x.reshape(1, 2, 2, 6), y.reshape(1, 2, 2, 6),
@@ -231,6 +232,63 @@ def test_unit_scaling_factor():
         out = a @ b  # K = 6: factor 2^round(log2(sqrt 6)) = 2
     assert scale_of(out) == 2.0 and out.static_scale == 2.0
     close(out, X @ Y.t(), 1e-14)
+
+
+#: Linear maps with a bias, name -> (f(x, w, c), alpha, beta): x (8, 16), w (32, 16),
+#: c (32,); K = 16 in each.
+BIASED = {
+    "addmm": (lambda x, w, c: torch.addmm(c, x, w.t()), 1.0, 1.0),
+    "addmm_alpha_beta": (lambda x, w, c: torch.addmm(c, x, w.t(), beta=-0.5, alpha=4.0), 4.0, -0.5),
+    "baddbmm": (lambda x, w, c: torch.baddbmm(c, x.unsqueeze(0), w.t().unsqueeze(0), beta=2.0, alpha=0.25),
+                0.25, 2.0),
+    "conv2d": (lambda x, w, c: F.conv2d(x.reshape(2, 4, 4, 4), w.reshape(32, 4, 2, 2), c), 1.0, 1.0),
+}
+
+
+@pytest.mark.parametrize("unit", [False, True], ids=["no_unit", "unit"])
+@pytest.mark.parametrize("larger", ["bias", "product"])
+@pytest.mark.parametrize("form", ["static", "host"])
+@pytest.mark.parametrize("name", list(BIASED))
+def test_bias_has_its_part_in_the_scale(name, form, larger, unit):
+    """float16 data: the output's scale is seed 003's add, max(|alpha| sx sw f, |beta|
+    s_bias) (f the unit-scaling factor), and the value float64's on the values, to
+    float16's rounding. A bias far larger than the product (an input scale of 2^-20)
+    overflowed float16 at the product's scale. Where the product's term is the larger
+    and alpha is 1, one fused op on the data, bit for bit as on plain tensors."""
+    f, alpha, beta = BIASED[name]
+    g = torch.Generator().manual_seed(6)
+    xd, wd, cd = (torch.randn(shape, generator=g).half() for shape in ((8, 16), (32, 16), (32,)))
+    sx, sw, sc = (2.0**-20, 2.0**-3, 2.0**-2) if larger == "bias" else (2.0**-3, 2.0**-3, 2.0**-40)
+
+    def scaled(d, s):
+        return as_scaled(d, s if form == "static" else torch.tensor(s))
+
+    with configure(unit_scaling=unit):
+        out = f(scaled(xd, sx), scaled(wd, sw), scaled(cd, sc))
+    ref = f(xd.double() * sx, wd.double() * sw, cd.double() * sc)
+    factor = 4.0 if unit else 1.0  # 2^round(log2(sqrt(16)))
+    assert scale_of(out) == max(abs(alpha) * sx * sw * factor, abs(beta) * sc)
+    top = float(ref.abs().max())
+    close(out.dequantize(F64) / top, ref / top, 2e-3)
+    if larger == "product" and alpha == 1:
+        rebalanced = (cd.float() * (sc / (sx * sw))).half()
+        assert torch.equal(out.unscaled, f(xd, wd, rebalanced) * (1 / factor))
+
+
+def test_float16_mlp_with_biases_at_a_small_input_scale():
+    """The README's example: a scalify'd float16 MLP on an input at scale 2^-20. Its
+    biases (about 0.25) at the products' scale (about 2^-23) overflowed float16: NaN."""
+    torch.manual_seed(0)
+    model = scalify(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), dtype=torch.float16)
+    x = as_scaled(torch.randn(8, 16).half(), 2.0**-20)
+    target = torch.randint(0, 4, (8,))
+    logits = model(x)
+    loss = F.cross_entropy(logits.dequantize(torch.float32), target)
+    w0, b0, w1, b1 = (p.detach().dequantize(F64) for p in model.parameters())
+    ref = F.relu(x.dequantize(F64) @ w0.t() + b0) @ w1.t() + b1
+    top = float(ref.abs().max())
+    close(logits.dequantize(F64) / top, ref / top, 1e-3)  # float16's rounding, 2^-11, and a little
+    assert loss.item() == pytest.approx(F.cross_entropy(ref, target).item(), rel=1e-4)
 
 
 # --- seed 003's special scales ----------------------------------------------------------
@@ -628,6 +686,48 @@ def test_float16_gradients_survive_with_scaling():
     close(scaled.weight.grad, ref.weight.grad, 2e-3)
 
 
+@pytest.mark.parametrize("form", list(SCALE_FORMS))
+def test_cast_to_float16_moves_what_would_overflow_into_the_scale(form):
+    """x.to(float16) of float32 data beyond float16's range keeps the value (to float16's
+    rounding): a power of two moves from the data into the scale, which keeps its form,
+    so that max |data| is in (1/2, 1]. Data that fit are cast as before, scale and all."""
+    s = SCALE_FORMS[form](2.0**-20)
+    x = as_scaled(X.float() * 2.0**17, s)  # data up to about 2^18: inf in float16
+    y = x.to(torch.float16)
+    assert y.dtype == torch.float16 and (y.static_scale is None) == (form != "static")
+    close(y.dequantize(F64), x.dequantize(F64), 2.0**-11)
+    assert 0.5 < float(y.unscaled.abs().max()) <= 1.0
+    ratio = (y.scale / x.scale).unique()
+    assert ratio.numel() == 1 and float(ratio) == 2.0 ** round(math.log2(float(ratio)))
+    fits = as_scaled(X.float(), s)
+    z = fits.half()
+    assert torch.equal(z.unscaled, X.float().half()) and torch.equal(z.scale, fits.scale)
+    assert z.static_scale == fits.static_scale
+
+
+def test_traced_cast_to_float16_moves_what_would_overflow_into_the_scale():
+    """Traced, the data have no values to read: the factor is a tensor (1 where the data
+    fit), and the values are eager's."""
+    torch._dynamo.reset()
+    cast = torch.compile(lambda t: t.to(torch.float16), backend="aot_eager", fullgraph=True)
+    for data in (X.float() * 2.0**17, X.float()):
+        x = as_scaled(data, torch.tensor(2.0**-20))
+        y = cast(x)
+        close(y.dequantize(F64), x.dequantize(F64), 2.0**-11)
+        assert torch.equal(y.dequantize(F64), x.to(torch.float16).dequantize(F64))
+
+
+def test_float8_data_is_refused():
+    """torch has no add, mul or matmul on float8 dtypes: a ScaledTensor refuses such data,
+    from as_scaled, a cast or a factory, instead of failing in a later op."""
+    x = as_scaled(X.float())
+    for make in (lambda: as_scaled(X.float().to(torch.float8_e4m3fn), 0.5),
+                 lambda: x.to(torch.float8_e5m2),
+                 lambda: torch.zeros_like(x, dtype=torch.float8_e4m3fn)):
+        with pytest.raises(TypeError, match="float8.* not supported.*float16, bfloat16 or float32"):
+            make()
+
+
 def _demo_text_data():
     # A small generated corpus: words drawn at random, so there is something to learn.
     from fewbit.experiments.data import CharDataset
@@ -677,6 +777,35 @@ def test_per_channel_scales():
     close(x @ as_scaled(Y.t().contiguous(), 0.5), (X * s.double()) @ (0.5 * Y.t()))
 
 
+@pytest.mark.parametrize("fill", [0.0, -1.5, 3.0, float("-inf")])
+def test_per_channel_masked_fill(fill):
+    """masked_fill of a per-channel ScaledTensor by a number: the fill meets each channel
+    at its common scale max(s, |fill|), per channel."""
+    s = torch.tensor([[0.5], [2.0], [4.0], [0.25]])
+    mask = Y > 0
+    ref = (X * s.double()).masked_fill(mask, fill)
+
+    def check(t):
+        v = t.dequantize()
+        assert torch.equal(v.isinf(), ref.isinf())
+        close(v.nan_to_num(posinf=0.0, neginf=0.0), ref.nan_to_num(posinf=0.0, neginf=0.0), 5e-7)
+
+    check(as_scaled(X, s).masked_fill(mask, fill))  # 5e-7: float32 ratios of scales
+    x = as_scaled(X.clone(), s)
+    x.masked_fill_(mask, fill)
+    check(x)
+
+
+def test_per_channel_norm_gradient():
+    """norm's backward masks by masked_fill at the per-channel scale of its input."""
+    s = torch.tensor([[0.5], [2.0], [4.0], [0.25]])
+    x = as_scaled(X, s).requires_grad_()
+    ref = (X * s.double()).requires_grad_()
+    x.norm().backward()
+    ref.norm().backward()
+    close(x.grad, ref.grad, 1e-12)
+
+
 # --- errors and the fallback ------------------------------------------------------------------
 
 def test_bad_input_is_refused():
@@ -719,3 +848,66 @@ def test_fallback_warns_once_or_raises():
     assert sum("aten.frac" in str(w.message) for w in caught) == 1
     assert a.static_scale == 1.0
     assert torch.equal(a.dequantize(), torch.frac(X)) and torch.equal(b.unscaled, a.unscaled)
+
+
+@pytest.mark.parametrize("pow2", [True, False], ids=["pow2", "float32"])
+def test_fused_adamw_without_a_rule_updates_scaled_parameters(pow2, monkeypatch):
+    """torch's fused AdamW is one op without a rule (_fused_adamw_) that writes the
+    parameters and the optimizer state in place: the fallback runs it on the values and
+    writes them back. With power-of-two scales the parameters and the state are the
+    plain step's bit for bit (data * scale and value / scale are exact); with float32
+    scales a write-back rounds once per step. Gradients, which it leaves unchanged,
+    keep their data."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3))
+    scaled = scalify(copy.deepcopy(plain), pow2=pow2)
+    pairs = list(zip(scaled.parameters(), plain.parameters(), strict=True))
+    with torch.no_grad():
+        for p, q in pairs:
+            q.copy_(p.dequantize())  # the same values
+    scales = [p.scale.clone() for p, _ in pairs]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (scaled, plain)]
+    g = torch.Generator().manual_seed(7)
+    monkeypatch.setattr(fewbit.scaled.tensor, "_warned", set())  # it warns once per op and process
+    with configure(scaled_fallback="warn"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            for p, q in pairs:
+                p.grad = as_scaled(torch.randn(q.shape, generator=g), 3 * 2.0**-12)
+                q.grad = p.grad.dequantize()
+            grads = [p.grad.unscaled.clone() for p, _ in pairs]
+            for opt in opts:
+                opt.step()
+            for (p, _), before in zip(pairs, grads, strict=True):
+                assert torch.equal(p.grad.unscaled, before)
+    assert sum("no rule for aten._fused_adamw_" in str(w.message) for w in caught) == 1
+    for (p, q), scale in zip(pairs, scales, strict=True):
+        assert isinstance(p, ScaledTensor) and torch.equal(p.scale, scale)
+        states = (opts[0].state[p], opts[1].state[q])
+        if pow2:
+            assert torch.equal(p.dequantize(), q.detach())
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(states[0][key].dequantize(), states[1][key])
+        else:
+            close(p, q, 1e-6)
+
+
+def test_in_place_op_without_a_rule_writes_back():
+    """frac_ (and frac with out=) have no rule: the fallback writes the new value into
+    the ScaledTensor, at its scale, and returns it. One that would resize a ScaledTensor,
+    or write into a view of the zero array, is refused before anything is written."""
+    x = as_scaled(X * 4, 0.25)
+    out = as_scaled(torch.zeros_like(X), 2.0)
+    with configure(scaled_fallback="warn"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert x.frac_() is x
+        assert x.static_scale == 0.25 and torch.equal(x.dequantize(), torch.frac(X))
+        y = as_scaled(X * 4, 0.25)
+        assert torch.frac(y, out=out) is out
+        assert out.static_scale == 2.0 and torch.equal(out.dequantize(), torch.frac(X))
+        with pytest.raises(NoRuleError, match="resizes"):
+            torch.frac(y, out=as_scaled(torch.zeros(0, dtype=F64), 2.0))
+        zero = torch.zeros_like(y)
+        with pytest.raises(ValueError, match="view of a zero-scale"):
+            zero[0].frac_()
+    assert torch.equal(y.unscaled, X * 4) and zero.static_scale == 0.0

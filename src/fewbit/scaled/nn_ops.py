@@ -11,14 +11,20 @@ scale (times the scale of any linear factor).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from ..config import current
-from .ops import at_scale
+from .ops import at_scale, lincomb, scale_of
 from .tensor import (
+    Scale,
+    ScaledTensor,
     aten,
+    coefficient,
     compute_dtype,
+    is_static,
     parts,
     rule,
     scalar_scale,
@@ -30,13 +36,12 @@ from .tensor import (
 )
 
 
-def _unit(data: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
-    # Unit scaling: divide the data by a power of two near sqrt(k) (exact) and put it
-    # in the scale, so that a sum of k unit terms stays near 1.
+def _unit(k: int) -> float:
+    # Unit scaling: a power of two near sqrt(k), by which the data of a sum of k unit
+    # terms is divided (exact) and the scale multiplied, so that the data stays near 1.
     if not current().unit_scaling or k <= 1:
-        return data, 1.0
-    f = 2.0 ** round(0.5 * math.log2(k))
-    return data * (1.0 / f), f
+        return 1.0
+    return 2.0 ** round(0.5 * math.log2(k))
 
 
 def _to(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -51,34 +56,68 @@ def _mm(func, a, b):
     unit-scaling factor when fewbit's setting unit_scaling is on)."""
     da, sa = parts(scalar_scale(a))
     db, sb = parts(scalar_scale(b))
-    out, f = _unit(func(da, db), da.shape[-1])
-    return wrap(out, smul(smul(sa, sb), f))
+    return _product(func(da, db), smul(sa, sb), da.shape[-1])
+
+
+def _product(data: torch.Tensor, p: Scale, k: int) -> ScaledTensor:
+    # A linear map's output data, summed over k terms of scale p, with the unit factor.
+    f = _unit(k)
+    return wrap(times(data, 1.0 / f), smul(p, f))
+
+
+def _with_bias(fused: Callable, product: Callable, p: Scale, k: int, bias: Any, alpha: float = 1,
+               beta: float = 1) -> ScaledTensor:
+    """alpha * P + beta * bias for a product P of scale p summed over k terms, at seed
+    003's add scale max(|alpha| p f, |beta| s_bias) (f: the unit-scaling factor), so that
+    a bias larger than the product keeps its data in range.
+
+    ``product()`` is the op on the data without the bias; ``fused(c, alpha)`` the op with
+    bias data c (times the op's beta) and the product's coefficient alpha.
+    """
+    bias = scalar_scale(bias)
+    sc = scale_of(bias)
+    f = _unit(k)
+    if is_static(p, 1.0) and is_static(sc, 1.0) and f == 1.0:
+        # Plain tensors: the op itself, bit for bit (seed 003's scale 1).
+        return wrap(fused(parts(bias)[0], alpha), 1.0)
+    q = smul(p, abs(alpha))  # the product term's scale, before the unit factor
+    # Which term is larger needs the scales as numbers: read where that is free.
+    nq, nc = coefficient(q), coefficient(sc)
+    if is_static(nq) and is_static(nc) and nq > 0 and nq * f >= abs(beta) * nc:
+        # The product's term is: one fused op on the data, with |alpha| in the scale
+        # and the bias, no larger than that term, in range at it.
+        return _product(fused(at_scale(bias, q), math.copysign(1.0, alpha)), q, k)
+    return wrap(*lincomb([(_product(product(), p, k), alpha), (bias, beta)]))
 
 
 @rule(aten.addmm, aten.baddbmm)
 def _addmm(func, bias, a, b, *, beta=1, alpha=1):
-    """addmm, baddbmm (linear with a bias): scale sa sb (times the unit factor); the
-    bias is rebalanced to it."""
+    """addmm, baddbmm (linear with a bias): alpha (a @ b) at scale sa sb (times the unit
+    factor) plus beta bias, so scale max(|alpha| sa sb, |beta| s_bias)."""
     da, sa = parts(scalar_scale(a))
     db, sb = parts(scalar_scale(b))
-    p = smul(sa, sb)
-    out = func(at_scale(scalar_scale(bias), p), da, db, beta=beta, alpha=alpha)
-    out, f = _unit(out, da.shape[-1])
-    return wrap(out, smul(p, f))
+    mm = aten.mm if func.overloadpacket is aten.addmm else aten.bmm
+    return _with_bias(lambda c, coef: func(c, da, db, beta=beta, alpha=coef), lambda: mm(da, db),
+                      smul(sa, sb), da.shape[-1], bias, alpha, beta)
 
 
 @rule(aten.convolution)
 def _convolution(func, x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
-    """convolution (conv1d/2d/3d): scale sx sw (times the unit factor, K = fan-in);
-    the bias is rebalanced to it."""
+    """convolution (conv1d/2d/3d): scale sx sw (times the unit factor, K = fan-in); with
+    a bias, max(sx sw, s_bias)."""
     dx, sx = parts(scalar_scale(x))
     dw, sw = parts(scalar_scale(weight))
-    p = smul(sx, sw)
-    b = None if bias is None else at_scale(scalar_scale(bias), p)
-    out = func(dx, dw, b, stride, padding, dilation, transposed, output_padding, groups)
     fan_in = (dw.shape[0] // groups if transposed else dw.shape[1]) * math.prod(dw.shape[2:])
-    out, f = _unit(out, fan_in)
-    return wrap(out, smul(p, f))
+
+    def conv(c: torch.Tensor | None) -> torch.Tensor:
+        return func(dx, dw, c, stride, padding, dilation, transposed, output_padding, groups)
+
+    if bias is None:
+        return _product(conv(None), smul(sx, sw), fan_in)
+    # The bias as (C, 1, ..., 1), to broadcast over the output's spatial dims in a sum.
+    db, sb = parts(scalar_scale(bias))
+    channels = wrap(db.reshape(-1, *(1,) * (dw.dim() - 2)), sb)
+    return _with_bias(lambda c, _: conv(c.reshape(-1)), lambda: conv(None), smul(sx, sw), fan_in, channels)
 
 
 @rule(aten.convolution_backward)

@@ -16,12 +16,14 @@ from typing import Any
 
 import torch
 
+from .casts import round_pow2
 from .tensor import (
     REDUCED,
     Scale,
     ScaledTensor,
     assign,
     aten,
+    check_dtype,
     coefficient,
     compute_dtype,
     inplace,
@@ -86,15 +88,34 @@ def _keep(func, x, *args, **kwargs):
 
 @rule(aten._to_copy)
 def _to_copy(func, x, **kwargs):
-    """Cast or move: scale s (moved with the data); a non-float dtype gives a plain tensor."""
+    """Cast or move: scale s (moved with the data); a non-float dtype gives a plain tensor.
+    A cast to a narrower dtype that would overflow (float32 data beyond float16's range)
+    rebalances first: a power of two moves from the data to the scale (exactly), so that
+    max |data| is in (1/2, 1] as with ``dynamic_rescale_max(pow2=True)``."""
     dtype = kwargs.get("dtype")
     if dtype is not None and not dtype.is_floating_point:
         return func(value(x), **kwargs)
+    if dtype is not None:
+        check_dtype(dtype)  # before the cast
     d, s = parts(x)
     out = func(d, **kwargs)
+    f = _overflow_factor(d, out, s)
+    if not is_static(f, 1.0):
+        out, s = func(times(d, sdiv(1.0, f)), **kwargs), smul(s, f)
     if isinstance(s, torch.Tensor) and s.device != out.device:
         s = s.to(out.device)
     return wrap(out, s)
+
+
+def _overflow_factor(d: torch.Tensor, out: torch.Tensor, s: Scale) -> Scale:
+    # 1 where out, d cast, holds d's finite values; else the power of two 2^k >= max |d|.
+    # A number where it can be read: eager on the host, or a static scale (which stays
+    # static; an accelerator syncs). Traced, a tensor (1 where the data fit).
+    if torch.finfo(out.dtype).max >= torch.finfo(d.dtype).max:
+        return 1.0
+    top = torch.where(d.isfinite(), d.abs(), 0).amax()
+    f = torch.where(top.to(out.dtype).isinf(), round_pow2(top.float(), "up"), 1.0)
+    return f.item() if type(f) is torch.Tensor and (f.is_cpu or is_static(s)) else f
 
 
 @rule(aten.copy)
@@ -550,7 +571,11 @@ def _masked_fill(func, x, mask, fill):
     if _unit_scales(x, fill):
         return _on_data(func, x, mask, fill)
     s = common_scale(x, fill)
-    return wrap(torch.masked_fill(at_scale(x, s), mask, at_scale(fill, s)), s)
+    d, c = at_scale(x, s), at_scale(fill, s)
+    if isinstance(c, torch.Tensor) and c.dim():
+        # A per-channel scale makes the fill's data per channel; masked_fill takes one value.
+        return wrap(torch.where(mask, c.to(d.dtype), d), s)
+    return wrap(torch.masked_fill(d, mask, c), s)
 
 
 @rule(aten.cat, aten.stack)

@@ -38,6 +38,16 @@ TINY = torch.finfo(torch.float32).tiny
 REDUCED = (torch.float16, torch.bfloat16)
 
 
+def check_dtype(dtype: torch.dtype) -> None:
+    """Raise TypeError for a data dtype that ScaledTensor refuses: 8-bit (and packed
+    4-bit) floats, on which torch has almost no arithmetic (no add, mul, matmul), so
+    that rules would fail deep inside an op instead of here."""
+    if dtype.is_floating_point and dtype.itemsize == 1:
+        raise TypeError(f"ScaledTensor data of dtype {dtype} is not supported: torch computes almost "
+                        "nothing on it. Keep an 8-bit format's values in float16, bfloat16 or float32 "
+                        "data (cast(t, 'ocp_e4m3')) and store their codes with fewbit.codec.encode")
+
+
 class NoRuleError(NotImplementedError):
     """An op without a rule met a ScaledTensor while fewbit's setting ``scaled_fallback``
     is ``"error"`` (``with fewbit.configure(scaled_fallback="error"): ...``)."""
@@ -64,8 +74,10 @@ class ScaledTensor(torch.Tensor):
 
     @classmethod
     def _make(cls, data: torch.Tensor, scale: Scale) -> ScaledTensor:
-        """Wrap without checks (rules call this). A tensor scale must be float32 on
-        data's device with a shape broadcastable to data's."""
+        """Wrap without checks of the scale (rules call this). A tensor scale must be
+        float32 on data's device with a shape broadcastable to data's. Data of a refused
+        dtype (``check_dtype``) raises TypeError, whichever op made it."""
+        check_dtype(data.dtype)
         t = torch.Tensor._make_wrapper_subclass(
             cls, data.shape, strides=data.stride(), storage_offset=data.storage_offset(),
             dtype=data.dtype, device=data.device, layout=data.layout, requires_grad=False,
@@ -260,9 +272,9 @@ def as_scaled(data: torch.Tensor, scale: torch.Tensor | float | None = None) -> 
     """``ScaledTensor`` with value ``data * scale`` (scale None means 1).
 
     A float scale is static (known while tracing); a tensor scale is cast to float32
-    and may be per-channel (broadcastable to data). Raises TypeError for non-float data
-    or scale, ValueError for a scale that does not broadcast to data, lies on another
-    device, or is negative or not finite.
+    and may be per-channel (broadcastable to data). Raises TypeError for non-float or
+    8-bit float data (``check_dtype``) or a non-float scale, ValueError for a scale that
+    does not broadcast to data, lies on another device, or is negative or not finite.
     """
     return ScaledTensor(data, scale)
 
@@ -381,6 +393,10 @@ _warned: set[str] = set()
 
 
 def _fallback(func, args: tuple, kwargs: dict):
+    """func on the dequantized values; float outputs get scale 1. An argument that func
+    writes in place (its schema's ``Tensor(a!)``, ``Tensor(a!)[]``: fused optimizers,
+    ``frac_``, ``out=``) gets the new value back, as in-place rules store theirs
+    (``assign``), and an in-place op returns that argument itself."""
     name = str(func)
     if current().scaled_fallback == "error":
         raise NoRuleError(f"fewbit.scaled: no rule for {name}")
@@ -388,8 +404,53 @@ def _fallback(func, args: tuple, kwargs: dict):
         _warned.add(name)
         warnings.warn(f"fewbit.scaled: no rule for {name}; it runs on dequantized values and "
                       "returns scale 1", stacklevel=3)
-    out = func(*_tree_map(dequantize_any, args), **_tree_map(dequantize_any, kwargs))
-    return _tree_map(lambda t: wrap(t, 1.0) if _is_float(t) else t, out)
+    written = _written(func, args, kwargs)
+    for dest in written.values():  # refused before any write
+        check_writable(dest)
+    plain: dict[int, torch.Tensor] = {}  # id of a ScaledTensor -> its value, one per tensor
+
+    def dequantized(x: Any) -> Any:
+        if not isinstance(x, ScaledTensor):
+            return x
+        if id(x) not in plain:
+            v = value(x, x.dtype)
+            # Scale 1 gives the data itself: a written argument gets a copy, so that
+            # func writes nothing into a ScaledTensor before the checks below.
+            plain[id(x)] = v.clone() if v is x._data and id(x) in written else v
+        return plain[id(x)]
+
+    out = func(*_tree_map(dequantized, args), **_tree_map(dequantized, kwargs))
+    for dest in written.values():
+        if plain[id(dest)].shape != dest.shape:
+            raise NoRuleError(f"fewbit.scaled: no rule for {name}, which resizes a ScaledTensor "
+                              "argument in place")
+    for dest in written.values():
+        new = plain[id(dest)]
+        # An argument func left unchanged (fused Adam's gradients) keeps its data: a
+        # round trip through its value could move it by an ulp.
+        if not torch.equal(new, value(dest, dest.dtype)):
+            assign(dest, new)
+    originals = {id(plain[i]): dest for i, dest in written.items()}
+
+    def result(t: Any) -> Any:
+        if id(t) in originals:
+            return originals[id(t)]
+        return wrap(t, 1.0) if _is_float(t) else t
+
+    return _tree_map(result, out)
+
+
+def _written(func, args: tuple, kwargs: dict) -> dict[int, ScaledTensor]:
+    # The ScaledTensors among the arguments that func's schema marks as written, by id.
+    found = {}
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        x = args[i] if i < len(args) else kwargs.get(arg.name)
+        for t in x if isinstance(x, (list, tuple)) else (x,):
+            if isinstance(t, ScaledTensor):
+                found[id(t)] = t
+    return found
 
 
 def _is_float(x: Any) -> bool:
@@ -542,6 +603,14 @@ def is_partial_view(d: torch.Tensor) -> bool:
     return d.storage_offset() != 0 or d.untyped_storage().nbytes() != d.numel() * d.element_size()
 
 
+def check_writable(dest: ScaledTensor) -> None:
+    """Raise ValueError if ``assign`` cannot store into dest: a view of a zero-scale
+    ScaledTensor, whose scale the write would change in the view only."""
+    if dest._static == 0.0 and is_partial_view(dest._data):
+        raise ValueError("in-place write into a view of a zero-scale ScaledTensor: rebalance its "
+                         "base to a non-zero scale first")
+
+
 def assign(dest: torch.Tensor, out: Any) -> torch.Tensor:
     """Store the result of an in-place op into dest, and return dest.
 
@@ -552,11 +621,9 @@ def assign(dest: torch.Tensor, out: Any) -> torch.Tensor:
     if not isinstance(dest, ScaledTensor):
         dest.copy_(dequantize_any(out))
         return dest
+    check_writable(dest)
     d, s = parts(out)
     if dest._static == 0.0:
-        if is_partial_view(dest._data):
-            raise ValueError("in-place write into a view of a zero-scale ScaledTensor: rebalance its "
-                             "base to a non-zero scale first")
         dest._data.copy_(d)
         dest._scale, dest._static = (_canonical(s, d.dim()), None) if isinstance(s, torch.Tensor) \
             else (None, float(s))
