@@ -296,6 +296,36 @@ def test_bad_input_errors():
         fewbit.round(x, "e4m3", sat=1)
 
 
+@pytest.mark.parametrize("call", [
+    lambda t: fewbit.round(t, "binary8p4"), lambda t: fewbit.quantize(t, "binary8p4"),
+    lambda t: fewbit.encode(t, "binary8p4"), lambda t: fewbit.decode(t, "binary8p4"),
+    lambda t: fewbit.block.round(t, "mxfp4"), lambda t: fewbit.block.quantize(t, "mxfp4"),
+], ids=["round", "quantize", "encode", "decode", "block.round", "block.quantize"])  # fmt: skip
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_sparse_tensors_are_refused_with_the_reason(call, layout):
+    # (torch's own error from inside the op, before: "memory format option is only
+    # supported by strided tensors")
+    dense = torch.zeros(4, 32)
+    sparse = dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+    with pytest.raises(TypeError, match=r"must be a dense \(strided\) tensor, not torch.sparse_"):
+        call(sparse)
+
+
+def test_an_inference_tensor_is_refused_as_out_before_it_is_written():
+    """Outside inference mode torch refuses to write an inference tensor; the refusal
+    came after the kernel had written it (round_), or not at all (out=)."""
+    with torch.inference_mode():
+        x = torch.linspace(-3, 3, 64)
+    before = x.clone()
+    for call in (lambda: fewbit.round_(x, "binary8p4"), lambda: fewbit.round(before, "binary8p4", out=x),
+                 lambda: fewbit.block.round(before, "mxfp4", out=x)):  # fmt: skip
+        with pytest.raises(RuntimeError, match="out is an inference tensor"):
+            call()
+        assert torch.equal(x, before)
+    with torch.inference_mode():  # inside, as torch's own ops
+        assert torch.equal(fewbit.round_(x, "binary8p4"), fewbit.round(before, "binary8p4"))
+
+
 @pytest.mark.parametrize("fmt", ["e2m1", "e3m2", "e2m3", "int8"])
 def test_formats_without_inf_or_nan_refuse_what_they_cannot_hold(fmt):
     f = fewbit.format(fmt)

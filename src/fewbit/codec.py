@@ -25,7 +25,7 @@ from .formats import FloatFormat, format
 from .operators import operator
 from .random import Key, host_key
 from .rounding import RoundMode, gpu, native
-from .rounding.checks import check_random_bits, dtype_format
+from .rounding.checks import check_random_bits, check_tensor, dtype_format
 from .rounding.compiled import stream_words
 from .rounding.fast import _LAYOUT, decompose, working_dtype
 from .rounding.ops import checked_spec, fake_checks, format_name, lookup_format, no_result, op_args
@@ -61,8 +61,7 @@ def encode(x: torch.Tensor, fmt: FloatFormat | str, packed: bool = False, check:
     results): an element that is not gets an unspecified code, never an error. On a GPU
     the check reads a flag back, which waits for the kernel; without it the call queues
     its kernel and returns, as a plain op does (and may be captured in a CUDA graph)."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, not {type(x).__name__}")
+    check_tensor(x)
     if not isinstance(check, bool):
         raise TypeError(f"check must be a bool, not {type(check).__name__}")
     return _encode(x, format_name(fmt), bool(packed), check)
@@ -75,8 +74,7 @@ def decode(
     packed: bool = False,
 ) -> torch.Tensor:
     """Values of ``codes`` in ``fmt`` as a tensor of ``dtype`` (NaN codes give NaN)."""
-    if not isinstance(codes, torch.Tensor):
-        raise TypeError(f"codes must be a torch.Tensor, not {type(codes).__name__}")
+    check_tensor(codes, "codes")
     return _decode(codes, format_name(fmt), dtype, bool(packed))
 
 

@@ -18,7 +18,7 @@ from ..codec import codes_of, pack_pairs
 from ..operators import operator
 from ..random import Key, host_key
 from ..rounding import gpu, native
-from ..rounding.checks import check_random_bits, scalar_args
+from ..rounding.checks import check_random_bits, check_tensor, scalar_args
 from ..rounding.compiled import (
     _own,
     _warn_eager,
@@ -67,8 +67,7 @@ def lookup(name: str) -> BlockFormat:
 
 def block_args(x, bfmt, mode, sat, bits, fraction, seed, random_bits, axis, rule) -> tuple:
     """The ops' arguments from a user's call."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, not {type(x).__name__}")
+    check_tensor(x)
     mode = parse_mode(mode).value
     sat, bits, fraction = scalar_args(sat, bits, fraction)
     name = format_name(bfmt)

@@ -38,7 +38,7 @@ def round(
     """Round ``x`` to the values of ``fmt``; the result keeps x's dtype and shape.
 
     Args:
-        x: float32, float64, bfloat16 or float16 tensor, any device and layout.
+        x: float32, float64, bfloat16 or float16 tensor, dense (not sparse), on any device.
         fmt: a FloatFormat or a name such as ``"binary8p4"`` or ``"e4m3"``.
         mode: a RoundMode or its lower-case name (``"rne"``, ``"src"``, ...).
         sat: overflow goes to the largest finite value instead of Inf/NaN.

@@ -84,6 +84,15 @@ def scalar_args(sat, bits, fraction) -> tuple[bool, int | None, float | None]:
     return bool(sat), bits, fraction
 
 
+def check_tensor(x, name: str = "x") -> None:
+    """Raise TypeError unless ``x`` is a dense (strided) torch.Tensor: the kernels read
+    its elements in memory, which a sparse tensor does not lay out."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, not {type(x).__name__}")
+    if x.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, not {x.layout}: .to_dense() converts it")
+
+
 def check_round_args(
     x: torch.Tensor,
     fmt: FloatFormat | str,
@@ -93,8 +102,7 @@ def check_round_args(
     fraction: float | None,
 ) -> RoundSpec:
     """Validate everything but the random bits themselves; return the call's spec."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, not {type(x).__name__}")
+    check_tensor(x)
     return make_spec(x.dtype, format(fmt), parse_mode(mode), *scalar_args(sat, bits, fraction))
 
 

@@ -27,7 +27,7 @@ from ..formats import FloatFormat, format
 from ..operators import operator
 from ..random import Key, as_key, host_key, key_of
 from . import gpu, native
-from .checks import RoundSpec, check_random_bits, make_spec, scalar_args
+from .checks import RoundSpec, check_random_bits, check_tensor, make_spec, scalar_args
 from .compiled import compiled_round, range_bits, round_body, stream_words, use_compiled
 from .modes import RoundMode, parse_mode
 
@@ -72,8 +72,7 @@ def lookup_format(name: str) -> FloatFormat:
 
 def op_args(x, fmt, mode, sat, bits, fraction, seed, random_bits) -> tuple:
     """The op's arguments: names for the format and mode, Python scalars, a key tensor."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, not {type(x).__name__}")
+    check_tensor(x)
     if isinstance(mode, RoundMode):
         mode = mode.value
     elif not isinstance(mode, str):
@@ -264,7 +263,8 @@ def _(x, fmt, rounding, sat, bits, fraction, key, random_bits, out):
 def call_with_out(functional, into, args: tuple, x: torch.Tensor, out: torch.Tensor | None,
                   name: str) -> torch.Tensor:  # fmt: skip
     """``functional(*args)``, or with ``out`` the writing op ``into(*args, out)``, returning
-    out; refused where autograd would be asked to go through it, as torch's ``out=`` is."""
+    out; refused where autograd would be asked to go through it, as torch's ``out=`` is, and
+    for an inference tensor outside inference mode, before anything is written."""
     if out is None:
         return functional(*args)
     if torch.is_grad_enabled() and (x.requires_grad or out.requires_grad):
@@ -272,6 +272,9 @@ def call_with_out(functional, into, args: tuple, x: torch.Tensor, out: torch.Ten
                          else (f"{name}(..., out=...)", "call it without out="))  # fmt: skip
         raise RuntimeError(f"{call} does not support automatic differentiation, and an argument "
                            f"requires grad; {instead}")
+    if out.is_inference() and not torch.is_inference_mode_enabled():  # torch refuses it once written
+        raise RuntimeError(f"{name}: out is an inference tensor (made under torch.inference_mode), which "
+                           "cannot be written outside inference mode")  # fmt: skip
     into(*args, out)
     return out
 
