@@ -238,6 +238,10 @@ def test_encode_same_codes_and_errors_as_torch(dtype):
                 refused += 1
             else:
                 assert torch.equal(got, expected), name
+            for pack in {packed, False}:  # unchecked, each element's code is still K bits
+                codes = torch.empty(x.numel() // 2 if pack else x.numel(), dtype=fewbit.codec.code_dtype(fmt))
+                gpu.encode_into(x, fmt, codes, pack, check=False)
+                assert int(_element_codes(codes, pack).max()) < 2**fmt.k, (name, pack)
     assert refused >= 20
 
 

@@ -1,5 +1,6 @@
 """encode/decode: exact round trips, torch float8 interop, packing, bad input."""
 
+import itertools
 import math
 
 import pytest
@@ -113,8 +114,9 @@ def _element_codes(codes: torch.Tensor, packed: bool) -> torch.Tensor:
 def test_unchecked_encode_keeps_each_elements_code_to_itself(name, native):
     """check=False: the codes of values as with the check; an element that is no value
     (beyond the range, far beyond, a NaN without NaN, between two values, negative and
-    unsigned) raises nothing and leaves its neighbours' codes as they are: in a packed
-    pair, on either side of the byte."""
+    unsigned) raises nothing, gets a code of K bits (which decode takes: the native
+    kernel's were wider, 255 in e2m1) and leaves its neighbours' codes as they are: in a
+    packed pair, on either side of the byte."""
     fmt = fewbit.format(name)
     packed = fmt.k <= 4
     values = fewbit.decode(torch.arange(2**fmt.k).to(fewbit.codec.code_dtype(fmt)), fmt)
@@ -128,8 +130,14 @@ def test_unchecked_encode_keeps_each_elements_code_to_itself(name, native):
         assert torch.equal(fewbit.encode(values, fmt, packed=packed, check=False), want)
         with pytest.raises(ValueError, match="not a value"):
             fewbit.encode(x, fmt, packed=packed)
-        got = _element_codes(fewbit.encode(x, fmt, packed=packed, check=False), packed)
-        assert torch.equal(got[still], _element_codes(fewbit.encode(x[still], fmt), False))
+        for dtype, pack in itertools.product((torch.float32, torch.bfloat16, torch.float16), {packed, False}):
+            if not dtype_format(dtype).contains(fmt):
+                continue
+            codes = fewbit.encode(x.to(dtype), fmt, packed=pack, check=False)
+            got = _element_codes(codes, pack)
+            assert torch.equal(got[still], _element_codes(fewbit.encode(x[still], fmt), False)), dtype
+            assert int(got.max()) < 2**fmt.k, (dtype, pack)
+            assert fewbit.decode(codes, fmt, packed=pack).shape == x.shape, (dtype, pack)
     with pytest.raises(TypeError, match="check must be a bool"):
         fewbit.encode(values, fmt, check=1)
 

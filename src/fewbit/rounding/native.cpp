@@ -543,6 +543,7 @@ inline bool encode_bf16_row(const uint16_t* x16, uint8_t* o, const Bf16x16& c, c
   const __m256i inf_code = _mm256_set1_epi16(int16_t(f[CODE_OF_MAX] + 1));
   const __m256i nan_code = _mm256_set1_epi16(int16_t(f[CODE_OF_NAN]));
   const __m256i sign_code = _mm256_set1_epi16(int16_t(1 << (f[K] - 1)));
+  const __m256i k_bits = _mm256_set1_epi16(int16_t((1 << f[K]) - 1));
   const __m256i nz = _mm256_set1_epi16(int16_t(f.has_nz ? -1 : 0));
   const __m256i nan_bad = _mm256_set1_epi16(int16_t(f.has_nans ? 0 : -1));  // a NaN is no value
   __m256i bad = c.zero;
@@ -568,6 +569,7 @@ inline bool encode_bf16_row(const uint16_t* x16, uint8_t* o, const Bf16x16& c, c
     const __m256i dropped = _mm256_or_si256(nan, _mm256_andnot_si256(nz, _mm256_cmpeq_epi16(code, c.zero)));
     const __m256i keep = _mm256_andnot_si256(dropped, _mm256_cmpgt_epi16(c.zero, v));
     code = _mm256_or_si256(code, _mm256_and_si256(keep, sign_code));
+    code = _mm256_and_si256(code, k_bits);  // K bits, as code_of keeps them
     if constexpr (CHECK) {
       // not_a_value: rounding changed x (as float32s: -0 and +0 alike), or a NaN without NaNs
       const __m256i same = _mm256_or_si256(
@@ -658,7 +660,9 @@ FEWBIT_LANE uint32_t code_of(uint32_t bits_in, const Fmt& f) {
   // on a zero only with a negative zero, never on a NaN.
   if (TWOS_COMPLEMENT) return ((mag ^ (0u - negative)) + negative) & ((1u << k) - 1);
   const uint32_t keep_sign = negative & (is_nan ^ 1) & (f.has_nz | (mag != 0)) & f.is_signed;
-  return mag | (keep_sign << (k - 1));
+  // (Kept to K bits: an element that is no value, which encode without its check lets
+  // through, has a magnitude of more bits; its code is unspecified, but a code.)
+  return (mag | (keep_sign << (k - 1))) & ((1u << k) - 1);
 }
 
 // code_of over lanes h0 .. h1, with the format's kind known to the compiler in each loop.

@@ -595,7 +595,9 @@ def _code_of(b, T: tl.constexpr, EMIN: tl.constexpr, K: tl.constexpr, CODE_OF_MA
         if not HAS_NZ:
             keep_sign = keep_sign & (mag != 0)
         code = tl.where(keep_sign, mag | (1 << (K - 1)), mag)
-    return code
+    # (Kept to K bits, as native.cpp's: a code, if unspecified, for an element that is no
+    # value, which encode without its check lets through.)
+    return code & ((1 << K) - 1)
 
 
 @triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["x_ptr", "out_ptr", "bad_ptr"])
