@@ -272,7 +272,8 @@ def call_with_out(functional, into, args: tuple, x: torch.Tensor, out: torch.Ten
                          else (f"{name}(..., out=...)", "call it without out="))  # fmt: skip
         raise RuntimeError(f"{call} does not support automatic differentiation, and an argument "
                            f"requires grad; {instead}")
-    if out.is_inference() and not torch.is_inference_mode_enabled():  # torch refuses it once written
+    # torch refuses it once written (eager: Dynamo cannot trace these queries)
+    if not torch.compiler.is_compiling() and out.is_inference() and not torch.is_inference_mode_enabled():
         raise RuntimeError(f"{name}: out is an inference tensor (made under torch.inference_mode), which "
                            "cannot be written outside inference mode")  # fmt: skip
     into(*args, out)
