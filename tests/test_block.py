@@ -194,6 +194,11 @@ def test_quantize_dequantize_equals_round_and_reports_bytes():
         bfmt = block.format(name)
         stored = block.quantize(x, bfmt, "src", bits=2, seed=3, axis=0)
         assert torch.equal(stored.dequantize(), block.round(x, bfmt, "src", bits=2, seed=3, axis=0))
+        for dtype in (torch.float64, torch.bfloat16, torch.float16):  # (float64: NVFP4's q S in float64)
+            wide = (x * 3).to(dtype)
+            want = block.round(wide, bfmt, "src", bits=2, seed=3, axis=0)
+            stored = block.quantize(wide, bfmt, "src", bits=2, seed=3, axis=0)
+            assert torch.equal(stored.dequantize(dtype), want), (name, dtype)
         assert stored.shape == x.shape and stored.axis == 0
         blocks = -(-6 // bfmt.block_size) * 100
         per_block = bfmt.block_size // 2 if bfmt.packed else bfmt.block_size

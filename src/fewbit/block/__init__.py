@@ -28,7 +28,7 @@ from ..rounding import RoundMode
 from ..rounding.checks import check_round_args
 from ..rounding.ops import call_with_out
 from .formats import SCALE_RULES, BlockFormat, ScaleRule, format, names
-from .kernel import from_block_layout
+from .kernel import from_block_layout, work_dtype
 from .ops import (
     block_args,
     block_quantize_into_op,
@@ -83,8 +83,10 @@ class BlockTensor:
         return decode(codes, self.format.element, dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The values, ``q * S``, in x's shape (a NaN scale makes its block NaN)."""
-        values = self.elements(torch.float32) * self.block_scales()[..., None]
+        """The values, ``q * S``, in x's shape (a NaN scale makes its block NaN), formed
+        as ``block.round`` forms them for data of ``dtype`` (in float64 for float64)."""
+        work = work_dtype(self.format, dtype == torch.float64)
+        values = self.elements(work) * self.block_scales(work)[..., None]
         return from_block_layout(values, self.shape, self.axis).to(dtype)
 
 

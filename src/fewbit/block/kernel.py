@@ -45,8 +45,14 @@ class BlockSpec:
 
     @property
     def work_dtype(self) -> torch.dtype:
-        fine = self.bfmt.element.min_ulp_exponent < _FLOAT32_FLOOR
-        return torch.float64 if fine or self.spec.source.k == 64 else torch.float32
+        return work_dtype(self.bfmt, self.spec.source.k == 64)
+
+
+def work_dtype(bfmt: BlockFormat, wide: bool) -> torch.dtype:
+    """The dtype a block's values ``q * S`` are formed in: float64 for float64 data
+    (``wide``) or an element format finer than float32 holds, else float32."""
+    fine = bfmt.element.min_ulp_exponent < _FLOAT32_FLOOR
+    return torch.float64 if fine or wide else torch.float32
 
 
 def make_block_spec(dtype: torch.dtype, bfmt: BlockFormat, rule: str, mode: RoundMode, sat: bool,
