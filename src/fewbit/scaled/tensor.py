@@ -402,8 +402,8 @@ def _fallback(func, args: tuple, kwargs: dict):
         raise NoRuleError(f"fewbit.scaled: no rule for {name}")
     if name not in _warned:
         _warned.add(name)
-        warnings.warn(f"fewbit.scaled: no rule for {name}; it runs on dequantized values and "
-                      "returns scale 1", stacklevel=3)
+        warnings.warn(f"fewbit.scaled: no rule for {name}; it runs on dequantized values, its outputs "
+                      "take scale 1 and the arguments it writes keep theirs", stacklevel=3)
     written = _written(func, args, kwargs)
     for dest in written.values():  # refused before any write
         check_writable(dest)
@@ -558,12 +558,6 @@ def coefficient(s: Scale) -> Scale:
     if type(s) is torch.Tensor and s.is_cpu and s.dim() == 0:
         return s.item()
     return s
-
-
-def at_scale(x: Any, s: Scale) -> Any:
-    """Data of operand x rebalanced to scale s (x's value = result * s)."""
-    d, sx = parts(x)
-    return times(d, sdiv(sx, s))
 
 
 def value(x: Any, dtype: torch.dtype | None = None) -> Any:
