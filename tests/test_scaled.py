@@ -705,6 +705,20 @@ def test_cast_to_float16_moves_what_would_overflow_into_the_scale(form):
     assert z.static_scale == fits.static_scale
 
 
+@pytest.mark.parametrize("dest_scale", [1.0, 0.0])
+def test_copy_into_float16_casts_as_to_does(dest_scale):
+    """copy_ of float32 data beyond float16's range into a float16 ScaledTensor keeps the
+    value, as x.to(float16) does (it cast the data at src's scale: inf); a plain float16
+    destination takes the values."""
+    x = as_scaled(X.float() * 2.0**17, 2.0**-20)
+    dest = as_scaled(torch.zeros(X.shape, dtype=torch.float16), dest_scale)
+    dest.copy_(x)
+    assert dest.dtype == torch.float16 and bool(torch.isfinite(dest.unscaled).all())
+    close(dest.dequantize(F64), x.dequantize(F64), 2.0**-11)
+    plain = torch.zeros(X.shape, dtype=torch.float16).copy_(x)
+    assert torch.equal(plain, x.dequantize(torch.float32).half())
+
+
 def test_traced_cast_to_float16_moves_what_would_overflow_into_the_scale():
     """Traced, the data have no values to read: the factor is a tensor (1 where the data
     fit), and the values are eager's."""

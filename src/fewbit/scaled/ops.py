@@ -120,7 +120,11 @@ def _overflow_factor(d: torch.Tensor, out: torch.Tensor, s: Scale) -> Scale:
 
 @rule(aten.copy)
 def _copy(func, dest, src, non_blocking=False):
-    """Functional copy (for copy_): src's values in dest's shape and dtype, scale of src."""
+    """Functional copy (for copy_): src's values in dest's shape and dtype, scale of src
+    (cast by the cast's rule first: where its data would overflow dest's dtype, a power
+    of two moves into the scale)."""
+    if isinstance(src, ScaledTensor) and src.dtype != dest.dtype and dest.dtype.is_floating_point:
+        src = aten._to_copy.default(src, dtype=dest.dtype)
     d, s = parts(src)
     return wrap(func(parts(dest)[0], d, non_blocking), s)
 
