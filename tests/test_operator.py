@@ -4,6 +4,7 @@ outputs that never share memory; the configuration object."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -87,6 +88,105 @@ def test_int_seed_under_compile_recompiles_at_most_once():
     for s in range(4):
         assert torch.equal(cf(x, s), f(x, s))
     assert counters["stats"]["unique_graphs"] <= 2  # Dynamo specialises an int once
+
+
+def test_an_int_seed_beyond_int64_under_compile():
+    """Inductor's graph takes its int inputs as int64. A seed in [2**63, 2**64), which Dynamo
+    would pass to the graph made for a symbolic seed (from the second seed on), is a
+    constant of a graph of its own, and rounds as eagerly."""
+    def f(x, s):
+        return fewbit.round(x, "e4m3", "src", bits=3, seed=s)
+
+    cf = torch.compile(f, fullgraph=True)
+    x = torch.randn(100)
+    for s in (0, 1, 2**63 + 1, 2**64 - 1, 2):
+        assert torch.equal(cf(x, s), f(x, s)), s
+
+
+CALLS_WITH_BITS = {
+    "round": lambda x, n: fewbit.round(x, "binary8p4", "src", bits=n, seed=1),
+    "quantize": lambda x, n: fewbit.quantize(x, "binary8p4", "src", bits=n, seed=1),
+    "block.round": lambda x, n: fewbit.block.round(x, "mxfp8_e4m3", "src", bits=n, seed=1),
+    "block.quantize": lambda x, n: fewbit.block.quantize(x, "mxfp8_e4m3", "src", bits=n, seed=1).codes,
+}
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+@pytest.mark.parametrize("call", CALLS_WITH_BITS)
+def test_bits_under_compile_is_static_a_graph_for_each_value(call, dynamic):
+    """bits picks the kernel's constants: the int that Dynamo makes symbolic (from its second
+    value, or its first with dynamic=True) is specialised, a graph for each value, and each
+    rounds as eagerly."""
+    from torch._dynamo.testing import CompileCounter
+
+    f, counter = CALLS_WITH_BITS[call], CompileCounter()
+    cf = torch.compile(f, fullgraph=True, dynamic=dynamic, backend=counter)
+    x = torch.randn(4, 64)
+    for n in (3, 2, 5, 2, 3):
+        assert torch.equal(cf(x, n), f(x, n)), n
+    assert counter.frame_count == 3
+
+
+def test_formats_made_by_hand_under_compile_and_export():
+    """A format made by hand goes to an op as its repr, which states the whole format: from
+    the first call, under torch.compile and torch.export (strict or not, saved and loaded),
+    it rounds, encodes and decodes as the registered format of the same fields does
+    eagerly."""
+    import io
+
+    mine = dataclasses.replace(fewbit.format("binary8p4"), name="test_made_b8p4")
+    block_mine = dataclasses.replace(fewbit.block.format("mxfp8_e4m3"), name="test_made_mx")
+
+    def calls(fmt, bfmt):
+        def f(x):
+            codes = fewbit.encode(fewbit.round(x, fmt), fmt)
+            return (fewbit.round(x, fmt, "src", bits=3, seed=2), fewbit.quantize(x, fmt), codes,
+                    fewbit.decode(codes, fmt), fewbit.block.round(x, bfmt),
+                    fewbit.block.quantize(x, bfmt, "src", bits=3, seed=2).codes)  # fmt: skip
+        return f
+
+    class Calls(torch.nn.Module):
+        def forward(self, x):
+            return calls(mine, block_mine)(x)
+
+    x = torch.randn(4, 64)
+    want = calls("binary8p4", "mxfp8_e4m3")(x)
+    compiled = torch.compile(calls(mine, block_mine), fullgraph=True, backend="aot_eager")
+    results = {"compiled": compiled(x)}
+    for strict in (False, True):
+        buffer = io.BytesIO()
+        torch.export.save(torch.export.export(Calls(), (x,), strict=strict), buffer)
+        buffer.seek(0)
+        results[f"exported, strict={strict}"] = torch.export.load(buffer).module()(x)
+    results["eager"] = calls(mine, block_mine)(x)
+    for how, got in results.items():
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(a, b), (how, i)
+
+
+def test_two_formats_of_one_name_are_refused_under_compile_too():
+    """A name is one format: under torch.compile, as eagerly, a second format of a name
+    taken is refused, whichever of the two came first (it never rounds as the other)."""
+    from fewbit.block import BlockFormat
+    from fewbit.formats import FloatFormat
+
+    def compiled(fn):
+        return torch.compile(fn, fullgraph=True, backend="aot_eager")
+
+    x = torch.randn(4, 64)
+    e8m0 = fewbit.format("ocp_e8m0")
+    for what, first, second, call in [
+        ("formats", FloatFormat("test_clash", 8, 4, 8), FloatFormat("test_clash", 8, 2, 32), fewbit.round),
+        ("block formats", BlockFormat("test_clash", fewbit.format("e4m3"), 32, e8m0),
+         BlockFormat("test_clash", fewbit.format("e5m2"), 32, e8m0), fewbit.block.round),
+    ]:  # fmt: skip
+        call(x, first)
+        with pytest.raises(Exception, match=f"two {what} are named 'test_clash'"):
+            compiled(lambda v: call(v, second))(x)
+        renamed = [dataclasses.replace(f, name="test_clash_2") for f in (first, second)]
+        compiled(lambda v: call(v, renamed[0]))(x)
+        with pytest.raises(ValueError, match=f"two {what} are named 'test_clash_2'"):
+            call(x, renamed[1])
 
 
 def test_export_of_a_module_with_fake_quantize():

@@ -461,6 +461,27 @@ def test_torch_compile_matches_eager_without_recompiling():
         assert torch.equal(got_range, eager_range) and torch.equal(got_index, eager_index)
 
 
+@pytest.mark.filterwarnings("error:Dynamo detected a call to a `functools.lru_cache`")
+def test_fold_in_of_int_steps_under_compile_gives_eager_keys_in_two_graphs():
+    """An int step is symbolic from its second value on; folded in under torch.compile it
+    gives the key eager fold_in gives (Threefry in Python ints), with one graph for all
+    steps after the first (Threefry on a symbolic Python int never finished compiling),
+    and ints beyond int64 too. (Inductor's refusal of those as graph inputs:
+    test_operator.py's test_an_int_seed_beyond_int64_under_compile.)"""
+    from torch._dynamo.utils import counters
+
+    derive = torch.compile(lambda step: fold_in(KEY, step, 5), fullgraph=True, backend="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    for step in range(5):
+        want = fold_in(KEY, step, 5)
+        assert derive(step).tolist() == [want.k0, want.k1], step
+    assert counters["stats"]["unique_graphs"] == 2
+    for step in (2**63 + 5, 2**64 - 1, 6):
+        want = fold_in(KEY, step, 5)
+        assert derive(step).tolist() == [want.k0, want.k1], step
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_cpu():
     for bits in [1, 3, 8, 13, 32]:

@@ -16,6 +16,7 @@ one infinity when the domain is extended. Formats without negative zero use the 
 
 from __future__ import annotations
 
+import ast
 import difflib
 import math
 import re
@@ -24,7 +25,7 @@ from functools import cache
 
 import numpy as np
 
-__all__ = ["FloatFormat", "format", "integer", "names", "p3109"]
+__all__ = ["FloatFormat", "format", "from_repr", "integer", "names", "p3109"]
 
 
 @dataclass(frozen=True)
@@ -371,3 +372,24 @@ def format(name: str | FloatFormat) -> FloatFormat:
     close = difflib.get_close_matches(key, _all_spellings(), n=5, cutoff=0.5)
     hint = f"; closest: {', '.join(close)}" if close else ""
     raise ValueError(f"unknown format {name!r}{hint} (fewbit.formats.names() lists all)")
+
+
+@cache
+def from_repr(text: str, kinds: tuple[type, ...] = (FloatFormat,)):
+    """The format whose ``repr`` is ``text``: a dataclass of ``kinds`` called with keywords
+    that are literals or such formats (nothing else is evaluated). An op takes a format
+    made by hand by its repr, and reads it back here: its name alone states the format."""
+    by_name = {kind.__name__: kind for kind in kinds}
+
+    def build(node: ast.expr):
+        if not isinstance(node, ast.Call):
+            return ast.literal_eval(node)
+        kind = by_name.get(node.func.id if isinstance(node.func, ast.Name) else None)
+        if kind is None or node.args:
+            raise ValueError(f"not a format's repr: {text!r}")
+        return kind(**{kw.arg: build(kw.value) for kw in node.keywords})
+
+    try:
+        return build(ast.parse(text, mode="eval").body)
+    except (SyntaxError, TypeError) as err:
+        raise ValueError(f"not a format's repr: {text!r}") from err

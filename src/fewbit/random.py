@@ -50,6 +50,7 @@ from __future__ import annotations
 import array
 import functools
 import numbers
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -217,23 +218,25 @@ def fold_in(key: Key | int | torch.Tensor, *ints: int | torch.Tensor) -> Key | t
     With a key tensor (:func:`key_of`) or a value held in a 0-d integer tensor (in
     ``[0, 2**63)``: a step counter, say), the same words come back as a key tensor,
     computed by torch ops: compiled code then folds in a new step without recompiling.
+    Under ``torch.compile`` ints are folded in so too, and give a key tensor.
     """
-    if not isinstance(key, torch.Tensor) and not any(isinstance(v, torch.Tensor) for v in ints):
+    tensors = [t for t in (key, *ints) if isinstance(t, torch.Tensor)]
+    if not tensors and not torch.compiler.is_compiling():
         key = as_key(key)
         for v in ints:
             v = _check_uint(v, _MAX_U64, "fold_in value")
             key = Key._of_words(*threefry2x32_int(v & MASK32, v >> 32, key.k0, key.k1))
         return key
-    device = next(t.device for t in (key, *ints) if isinstance(t, torch.Tensor))
+    # Traced, ints come here too: Dynamo makes an int argument (a step) symbolic once it has
+    # seen two values, and Threefry in Python ints on a symbolic one builds sympy expressions
+    # that never finish simplifying; on tensors, one graph serves every step.
+    device = tensors[0].device if tensors else None
     k = key_of(key, device)
     for v in ints:
         if not isinstance(v, torch.Tensor):
             v = _check_uint(v, _MAX_U64, "fold_in value")
-            c0, c1 = (torch.tensor(c, dtype=torch.int64, device=device) for c in (v & MASK32, v >> 32))
-        else:
-            v = v.to(device=device, dtype=torch.int64)
-            c0, c1 = v & MASK32, v >> 32
-        k = torch.stack(threefry2x32(c0, c1, k[0], k[1]))
+        c = key_of(v, device)  # the counter (v mod 2**32, v // 2**32): a seed's two words
+        k = torch.stack(threefry2x32(c[0], c[1], k[0], k[1]))
     return k
 
 
@@ -266,6 +269,11 @@ def key_of(seed: Key | int | torch.Tensor, device: torch.device | str | None = N
         return torch.stack((seed & MASK32, seed >> 32))
     if isinstance(seed, torch.SymInt):
         return key_of(torch.tensor(seed, dtype=torch.int64, device=device), device)
+    if torch.compiler.is_compiling() and _is_int(seed) and seed // 2**63:
+        # A compiled graph takes an int that Dynamo made symbolic as an int64 input, with no
+        # guard on its range (Dynamo sees an int, not a SymInt, here): one beyond [0, 2**63)
+        # is made a constant of a graph of its own, split (or refused) as a Python int.
+        seed = operator.index(seed)
     key = as_key(seed)
     return key_tensor([key.k0, key.k1], device)
 

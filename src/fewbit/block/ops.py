@@ -11,10 +11,12 @@ eager. Gradient of ``block_round``: straight-through, as ``fewbit::round``'s (se
 from __future__ import annotations
 
 import functools
+from operator import index
 
 import torch
 
 from ..codec import codes_of, pack_pairs
+from ..formats import FloatFormat, from_repr
 from ..operators import operator
 from ..random import Key, host_key
 from ..rounding import gpu, native
@@ -50,18 +52,21 @@ _CACHE: dict[tuple, object] = {}
 _BROKEN: set[tuple] = set()
 
 
+@torch.compiler.assume_constant_result  # (as rounding.ops.format_name)
 def format_name(bfmt: BlockFormat | str) -> str:
-    """The name an op takes for ``bfmt`` (one made by hand is kept here by its name)."""
+    """The name an op takes for ``bfmt`` (``name_for_op``: one made by hand, its repr)."""
     return name_for_op(bfmt, BlockFormat, block_format, _UNREGISTERED, "block format")
 
 
 def lookup(name: str) -> BlockFormat:
-    """The block format an op's name stands for. Kept in a plain dict: a traced caller
-    (``quantize`` under torch.compile, once the op's checks have looked the name up) reads
-    it there instead of tracing the registry's cache."""
+    """The block format an op's name stands for (a registered one, or one made by hand by
+    its repr). Kept in a plain dict: a traced caller (``quantize`` under torch.compile, once
+    the op's checks have looked the name up) reads it there instead of tracing the
+    registry's cache."""
     fmt = _KNOWN.get(name)
     if fmt is None:
-        fmt = _KNOWN[name] = _UNREGISTERED.get(name) or block_format(name)
+        made = "(" in name
+        fmt = _KNOWN[name] = from_repr(name, (BlockFormat, FloatFormat)) if made else block_format(name)
     return fmt
 
 
@@ -70,6 +75,8 @@ def block_args(x, bfmt, mode, sat, bits, fraction, seed, random_bits, axis, rule
     check_tensor(x)
     mode = parse_mode(mode).value
     sat, bits, fraction = scalar_args(sat, bits, fraction)
+    if bits is not None:  # static, as rounding.ops.op_args makes it
+        bits = index(bits)
     name = format_name(bfmt)
     if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int)):
         raise TypeError(f"axis must be an int, not {type(axis).__name__}")

@@ -19,11 +19,12 @@ gradient there would pin a value at the format's maximum.
 from __future__ import annotations
 
 import functools
+from operator import index
 
 import torch
 
 from ..config import current
-from ..formats import FloatFormat, format
+from ..formats import FloatFormat, format, from_repr
 from ..operators import operator
 from ..random import Key, as_key, host_key, key_of
 from . import gpu, native
@@ -36,38 +37,45 @@ __all__ = [
     "no_result", "op_args", "round_into",
 ]  # fmt: skip
 
-#: Formats made by hand (not in the registry) that went through an op, by name.
+#: Formats made by hand (not in the registry) that went through an op, by name: a name is one format.
 _UNREGISTERED: dict[str, FloatFormat] = {}
 
 
 def name_for_op(fmt, kind: type, registry, unregistered: dict, what: str = "format") -> str:
-    """The name an op takes for ``fmt`` (a name, or an object of ``kind``). One outside
-    ``registry`` (the lookup by name) is kept in ``unregistered`` under its name; two
-    different ones of one name are refused."""
+    """The name an op takes for ``fmt`` (a name, or an object of ``kind``): a registered
+    format's name, or for one outside ``registry`` (the lookup by name) its repr, which
+    states every field: the op reads the format back from that alone (:func:`lookup_format`),
+    in a compiled graph or an exported program as eagerly. One made by hand is kept in
+    ``unregistered`` under its name, and a different one of its name is refused, as is one
+    that takes a registered name."""
     if isinstance(fmt, str):
         return fmt
     if not isinstance(fmt, kind):
         raise TypeError(f"a {what} is a name or a {kind.__name__}, not {type(fmt).__name__}")
-    if torch.compiler.is_compiling():  # the registry is read by the op, not traced
-        return fmt.name
-    try:
-        known = registry(fmt.name)
-    except ValueError:
-        known = unregistered.setdefault(fmt.name, fmt)
-    if known != fmt:
+    made = unregistered.get(fmt.name)
+    if made is None:
+        try:
+            if registry(fmt.name) == fmt:
+                return fmt.name
+        except ValueError:  # a name of its own
+            made = unregistered[fmt.name] = fmt
+    if made != fmt:  # (None: the registered format of that name is another)
         raise ValueError(f"two {what}s are named {fmt.name!r}: rename the one made by hand")
-    return fmt.name
+    return repr(fmt)
 
 
+@torch.compiler.assume_constant_result
 def format_name(fmt: FloatFormat | str) -> str:
-    """The name an op takes for ``fmt`` (:func:`name_for_op`)."""
+    """The name an op takes for ``fmt`` (:func:`name_for_op`). Under torch.compile it runs as
+    eagerly, at trace time, and its name is a constant of the graph: Dynamo cannot trace the
+    registry's search for close names, and would put off keeping a new format past the graph."""
     return name_for_op(fmt, FloatFormat, format, _UNREGISTERED)
 
 
 def lookup_format(name: str) -> FloatFormat:
-    """The format an op names (the registry, or one made by hand that went through
-    :func:`format_name`)."""
-    return _UNREGISTERED.get(name) or format(name)
+    """The format an op names: a registered one, or one made by hand by its repr
+    (:func:`name_for_op`)."""
+    return from_repr(name) if "(" in name else format(name)
 
 
 def op_args(x, fmt, mode, sat, bits, fraction, seed, random_bits) -> tuple:
@@ -78,6 +86,10 @@ def op_args(x, fmt, mode, sat, bits, fraction, seed, random_bits) -> tuple:
     elif not isinstance(mode, str):
         raise TypeError(f"mode must be a RoundMode or a string, not {type(mode).__name__}")
     sat, bits, fraction = scalar_args(sat, bits, fraction)
+    if bits is not None:
+        # bits picks the kernel's constants: an int that Dynamo made symbolic (after a second
+        # value; it looks like an int) is specialised, a graph for each value as for fraction.
+        bits = index(bits)
     name = fmt if isinstance(fmt, str) else format_name(fmt)  # (most calls give a name: two frames less)
     return x, name, mode, sat, bits, fraction, op_key(seed, x), random_bits
 
