@@ -235,8 +235,9 @@ class LowPrecisionWeights:
         step_key = fold_in(self.key, self.steps) if self.mode.is_stochastic else None
         pieces = [local_tensor(p) for p in self.params]  # a DTensor's piece shares its storage
         if self.scale:  # powers of two: exact both ways
-            self._scales = [self._power_of_two_scale(p) if i in live else 1.0
-                            for i, p in enumerate(self.params)]  # fmt: skip
+            self._scales = [1.0] * len(pieces)
+            for i in live:
+                self._scales[i] = self._power_of_two_scale(self.params[i])
             torch._foreach_mul_([pieces[i] for i in live], [self._scales[i] for i in live])
         # Whole tensors in formats with a NaN, under the identical policy (no rank to fold
         # in), go through one call for all, tensor i with the key fold_in(step_key, i) (kept
@@ -257,11 +258,11 @@ class LowPrecisionWeights:
                 codes[i] = codec.quantize(pieces[i].to(self.via), self.fmt, self.mode, **kw)
         elif batched:
             round_foreach_([pieces[i] for i in batched], self.spec, step_key, batched, self.via)
-        blocks = {}
         if block:  # the full tensors'
             tensor_scale = dict(zip(live, tensor_scales([self.params[i] for i in live], self.fmt, self.via),
                                     strict=True))  # fmt: skip
-        for i in [i for i in live if i not in batched]:
+        in_batch = set(batched)
+        for i in [i for i in live if i not in in_batch]:
             t, at = pieces[i], self._layouts[i]
             key = None if step_key is None else replica_key(fold_in(step_key, i), self.policy)
             x = t.to(self.via)
@@ -285,15 +286,15 @@ class LowPrecisionWeights:
             result = with_tensor_scale(x, self.spec, axis, ts, **drawn, fused=not store)
             if store:  # the codes of this very rounding (NVFP4's per-tensor
                 # scale would move if the rounded values were quantised again)
-                blocks[i] = BlockTensor(*result, ts, self.fmt, x.shape, axis)
+                codes[i] = BlockTensor(*result, ts, self.fmt, x.shape, axis)
             else:
                 t.copy_(result[0])
-        if store:  # values of fmt, rounded just now: unchecked, so a GPU step waits for nothing
-            # (None for a parameter left as it is: it keeps its floats.)
-            if not block:
-                blocks = {i: codes[i] if i in codes else codec.encode(pieces[i], self.fmt, check=False)
-                          for i in live}  # fmt: skip
-            self._codes = [blocks.get(i) for i in range(len(pieces))]
+        if store:
+            # The rest: values of fmt, rounded just now (unchecked: a GPU step waits for nothing).
+            for i in live:
+                if i not in codes:
+                    codes[i] = codec.encode(pieces[i], self.fmt, check=False)
+            self._codes = [codes.get(i) for i in range(len(pieces))]  # (None: left as it is, in floats)
             # The size of the whole storage: a piece may be a view into a larger one (FSDP2
             # pads its shards), which must come back at its size.
             self._nbytes = [t.untyped_storage().nbytes() for t in pieces]
