@@ -677,6 +677,29 @@ def test_vmap_rounds_each_sample_as_a_call_of_its_own():
             batched = torch.vmap(f, in_dims=dims)(*args)
             along_1 = torch.vmap(f, in_dims=(1,) + dims[1:])(x.transpose(0, 1), *args[1:])
         assert torch.equal(batched, alone) and torch.equal(along_1, alone), i
+    # The codec's ops: codes, values and quantize, element by element (torch's per-sample
+    # fallback, before, with its warning that the ops have no batching rule).
+    values = fewbit.round(x, "ocp_e2m1", sat=True)
+    codec_cases = [
+        (lambda s: fewbit.encode(s, "ocp_e2m1"), values),
+        (lambda s: fewbit.encode(s, "ocp_e2m1", packed=True), values),
+        (lambda c: fewbit.decode(c, "ocp_e2m1", packed=True), fewbit.encode(values, "ocp_e2m1", packed=True)),
+        (lambda s: fewbit.quantize(s, "binary8p4", "srf", bits=3, random_bits=given), x),
+        (lambda s: fewbit.quantize(s, "binary8p4", "src", bits=3, seed=4), x),
+    ]
+    for i, (f, t) in enumerate(codec_cases):
+        alone = torch.stack([f(t[b]) for b in range(4)])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert torch.equal(torch.vmap(f)(t), alone), i
+            assert torch.equal(torch.vmap(f, in_dims=1)(t.transpose(0, 1)), alone), i
+    for (f, t), op, calls in ((codec_cases[1], "encode", 1), (codec_cases[2], "decode", 1),
+                              (codec_cases[3], "quantize", 1), (codec_cases[4], "quantize", 4)):  # fmt: skip
+        with torch.profiler.profile() as profile:  # (torch's fallback warns in C++, not in Python)
+            torch.vmap(f)(t)
+        assert sum(e.name == f"fewbit::{op}" for e in profile.events()) == 1 + calls, op
+    with pytest.raises(ValueError, match="0-d"):  # a sample of one element has no pairs
+        torch.vmap(lambda c: fewbit.decode(c, "ocp_e2m1", packed=True))(torch.zeros(4, dtype=torch.uint8))
     for f, calls in ((cases[0][0], 1), (cases[3][0], 4)):  # the batch as one call, or a call each
         with torch.profiler.profile() as profile:
             torch.vmap(f)(x)

@@ -195,6 +195,14 @@ def _not_a_value(value: float, fmt: FloatFormat):
     raise ValueError(f"{value!r} is not a value of {fmt.name}; round it first (fewbit.round)")
 
 
+@_encode.register_vmap
+def _(x, fmt, packed, check):
+    """One call for the batch: each element's code is its own, and pairs lie along each
+    sample's last dimension (a sample of one element, 0-d, has none to pack: a call each,
+    which refuses it)."""
+    return None if packed and x.dim() < 2 else (x, fmt, packed, check)
+
+
 @_encode.register_fake
 def _(x, fmt, packed, check):
     fmt = lookup_format(fmt)
@@ -226,6 +234,16 @@ def _quantize(
     values = torch.empty_like(x, memory_format=torch.contiguous_format)
     round_values_into(x, spec, key, random_bits, values)  # raises where a value has no result
     return _codes(values, spec.fmt, packed, check=False)  # values of the format: nothing to check
+
+
+@_quantize.register_vmap
+def _(x, fmt, rounding, sat, bits, fraction, key, random_bits, packed):
+    """As round's and encode's: one call for a batch rounded deterministically or with
+    bits given the same for every sample (a key draws each sample's own: a call each)."""
+    if key is not None or (packed and x.dim() < 2):
+        return None
+    given = None if random_bits is None else random_bits.expand(x.shape)
+    return x, fmt, rounding, sat, bits, fraction, key, given, packed
 
 
 @_quantize.register_fake
@@ -284,6 +302,12 @@ def _decode(codes: torch.Tensor, fmt: str, dtype: torch.dtype, packed: bool) -> 
 
 def _no_code(fmt: FloatFormat) -> ValueError:
     return ValueError(f"codes of {fmt.name} lie in [0, {1 << fmt.k})")
+
+
+@_decode.register_vmap
+def _(codes, fmt, dtype, packed):
+    """One call for the batch, as encode's."""
+    return None if packed and codes.dim() < 2 else (codes, fmt, dtype, packed)
 
 
 @_decode.register_fake
