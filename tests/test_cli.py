@@ -226,6 +226,8 @@ def test_counts_and_seeds_out_of_range_are_refused_by_the_parser(capsys, argv, s
     (["train", "--time-steps", "2", "--sweep", "figure3"], "--sweep figure3 runs a study"),
     (["train", "--time-steps", "2", "--mode", "fp32"], "--mode fp32 has none"),
     (["ratchet", "--seeds", "0", "0", "--iters", "1"], "seeds must differ, got [0, 0]"),
+    (["train", "--sweep", "srf", "--mode", "rne"], "--mode sets one run's rounding; --sweep srf runs"),
+    (["train", "--grad-mode", "src"], "round the gradients of --grad-format; give it"),
 ])  # fmt: skip
 def test_options_that_would_mislead_are_refused_before_any_work(capsys, tmp_path, argv, says):
     data = ["--data-dir", "/nonexistent"] if argv[0] == "train" else []

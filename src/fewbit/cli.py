@@ -294,10 +294,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         grad_bits=args.grad_bits, grad_fraction=args.grad_fraction, iters=args.iters,
         eval_interval=args.eval_interval, device=args.device,
     )  # fmt: skip
+    # Options that the run would ignore are refused, not dropped.
+    if args.sweep and args.mode:
+        raise ValueError(f"--mode sets one run's rounding; --sweep {args.sweep} runs its own arms")
     if args.fast is not None:
         given.update(dict.fromkeys(SPEED_OPTIONS, args.fast))
     given = {k: v for k, v in given.items() if v is not None}
     base = config_from(args.preset, **{**SWEEP_DEFAULTS.get(args.sweep, {}), **given})
+    if base.grad_format is None and (args.grad_mode or args.grad_bits or args.grad_fraction is not None):
+        raise ValueError("--grad-mode, --grad-bits and --grad-fraction round the gradients of --grad-format; "
+                         "give it")  # fmt: skip
     if args.time_steps is not None and (args.sweep or base.mode in PLAIN_MODES):
         what = f"--sweep {args.sweep} runs a study" if args.sweep else f"--mode {base.mode} has none"
         raise ValueError(f"--time-steps times one configuration's write-back; {what}")
