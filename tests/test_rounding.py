@@ -302,6 +302,7 @@ def test_bad_input_errors():
     lambda t: fewbit.block.round(t, "mxfp4"), lambda t: fewbit.block.quantize(t, "mxfp4"),
 ], ids=["round", "quantize", "encode", "decode", "block.round", "block.quantize"])  # fmt: skip
 @pytest.mark.parametrize("layout", ["coo", "csr"])
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")  # (torch's, making the input)
 def test_sparse_tensors_are_refused_with_the_reason(call, layout):
     # (torch's own error from inside the op, before: "memory format option is only
     # supported by strided tensors")
