@@ -731,6 +731,20 @@ def test_traced_cast_to_float16_moves_what_would_overflow_into_the_scale():
         assert torch.equal(y.dequantize(F64), x.to(torch.float16).dequantize(F64))
 
 
+def test_a_checkpoint_of_scaled_tensors_loads_with_torch_loads_default(tmp_path):
+    """torch.load's weights_only=True (its default) refused ScaledTensors: a scalify'd
+    model's state_dict saved with torch.save did not load back without weights_only=False."""
+    model = scalify(torch.nn.Linear(4, 3), dtype=torch.float16)
+    per_channel = as_scaled(torch.ones(3, 2), torch.tensor([[1.0], [2.0], [4.0]]))
+    state = {**model.state_dict(), "per_channel": per_channel}
+    torch.save(state, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt")
+    for name, t in state.items():
+        assert type(loaded[name]) is ScaledTensor and loaded[name].dtype == t.dtype, name
+        assert torch.equal(loaded[name].unscaled, t.unscaled), name
+        assert torch.equal(loaded[name].scale, t.scale), name
+
+
 def test_float8_data_is_refused():
     """torch has no add, mul or matmul on float8 dtypes: a ScaledTensor refuses such data,
     from as_scaled, a cast or a factory, instead of failing in a later op."""

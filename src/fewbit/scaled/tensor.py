@@ -192,6 +192,11 @@ class _Dequantize(torch.autograd.Function):
         return dynamic_rescale_max(g, pow2=True).to(ctx.dtype), None
 
 
+# A checkpoint of ScaledTensors loads with torch.load's default (weights_only=True), as one
+# of plain tensors does: the type rebuilds from its data, scale and numbers alone.
+torch.serialization.add_safe_globals([ScaledTensor])
+
+
 # --- checks ------------------------------------------------------------------------
 
 def _checked(data: torch.Tensor, scale: torch.Tensor | float | None) -> tuple[torch.Tensor, Scale]:
