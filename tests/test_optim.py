@@ -162,6 +162,9 @@ def test_resume_from_state_dict_is_bit_identical():
     for pa, pc in zip(a.parameters(), c.parameters(), strict=True):
         assert bits_equal(pa.detach(), pc.detach())
     assert lpw_c.steps == 6
+    # The inner optimizer's state, as code written for a torch optimizer reads it.
+    state_a, state_c = lpw.state[next(a.parameters())], lpw_c.state[next(c.parameters())]
+    assert state_c["step"] == 6 and torch.equal(state_c["exp_avg"], state_a["exp_avg"])
 
 
 def test_different_seeds_round_differently():

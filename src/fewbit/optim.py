@@ -198,6 +198,11 @@ class LowPrecisionWeights:
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
 
+    @property
+    def state(self) -> dict:
+        """The inner optimizer's per-parameter state (AdamW's moments, say)."""
+        return self.optimizer.state
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The inner optimizer's zero_grad; restores weights kept as codes first."""
         self.materialize()
