@@ -31,7 +31,7 @@ import torch
 from ..optim import LowPrecisionWeights
 from .data import write_atomically
 from .probe import StepProbe
-from .sweep import pyplot, write_csv, write_summary
+from .sweep import check_distinct, pyplot, write_csv, write_summary
 from .train import PRESETS, UPDATE_DTYPES, learning_rate, rounding_label
 
 #: The weights' (and the noise's) scale: GPT-2's initialisation.
@@ -121,8 +121,7 @@ def run_all(seeds: list[int], iters: int = 5000, progress_bar: bool = True) -> R
     """Every arm for every seed: each arm's histories, in seed order."""
     from tqdm import tqdm
 
-    if len(set(seeds)) < len(seeds):  # a repeated seed repeats its runs in the summary's spread
-        raise ValueError(f"seeds must differ, got {list(seeds)}")
+    check_distinct(seeds)  # a repeated seed would repeat its runs in the summary's spread
     configs = [RatchetConfig(**arm, iters=iters, seed=s) for arm in ARMS for s in seeds]
     results: Results = {}
     for cfg in tqdm(configs, unit="run", disable=not progress_bar):

@@ -105,12 +105,17 @@ class RunResult:
     diagnostics: list[dict] = field(default_factory=list)
 
 
+def check_distinct(seeds: Sequence[int]) -> None:
+    """Raise ValueError where a seed is given twice: its runs would count twice."""
+    if len(set(seeds)) < len(seeds):
+        raise ValueError(f"seeds must differ, got {list(seeds)}")
+
+
 def arm_configs(sweep: str | None, base: TrainConfig, seeds: Sequence[int]) -> list[TrainConfig]:
     """Every (arm, seed) of a named sweep; ``None``: the base configuration alone."""
     if sweep is not None and sweep not in SWEEPS:
         raise ValueError(f"unknown sweep {sweep!r}; choose from {sorted(SWEEPS)}")
-    if len(set(seeds)) < len(seeds):  # two workers would train one run folder
-        raise ValueError(f"seeds must differ, got {list(seeds)}")
+    check_distinct(seeds)  # two workers would train one run folder
     arms = SWEEPS[sweep] if sweep else [{}]
     return [replace(base, **arm, seed=s) for arm in arms for s in seeds]
 

@@ -102,8 +102,7 @@ class TrainConfig:
             n = getattr(self, name)
             if n is not None and not 1 <= n <= 32:
                 raise ValueError(f"{name} must be in 1..32, got {n}")
-        if not 0 <= self.seed < 2**64:
-            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        as_key(self.seed)  # the run's key: a seed outside [0, 2**64) raises there
         try:
             torch.device(self.device)
         except RuntimeError as err:
