@@ -404,3 +404,41 @@ def test_quantize_and_out_under_torch_compile():
     assert torch.equal(buf, block.round(x, "mxfp4", "src", bits=3, seed=5))
     assert torch.equal(stored.codes, block.quantize(x, "mxfp8_e4m3", "src", bits=3, seed=5).codes)
     assert torch.equal(values, block.round(x, "bfp5_b16", "src", bits=3, seed=5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_nvfp4_edges_of_the_tensor_scale(dtype):
+    """NVFP4's per-tensor scale is a float32: float64 data beyond its range saturate (not
+    NaN everywhere), and a tensor too small for amax / 2688 in float32 keeps its values
+    (the smallest positive float32 as its tensor scale, not 1, which flushed them all)."""
+    big = torch.tensor([1e39 if dtype == torch.float64 else 3e38] + [1.0] * 15, dtype=dtype)
+    out = block.round(big, "nvfp4")
+    top = min(big[0].item(), torch.finfo(torch.float32).max)
+    assert bool(torch.isfinite(out).all()) and 0.99 * top <= out[0] <= 1.01 * top, out[:2]
+    assert torch.equal(out, block_round_reference(big, "nvfp4"))
+    tiny = torch.tensor([6e-43, 3e-43] + [0.0] * 14, dtype=dtype)
+    t = block.quantize(tiny, "nvfp4")
+    assert t.tensor_scale == 2.0**-149
+    # 9 * 2^-146 is the block scale (E4M3 72 times 2^-149): 6e-43 is 5.95 of it, so 6, and
+    # 3e-43 is 2.97 of it, so 3.
+    assert torch.equal(block.round(tiny, "nvfp4")[:2], torch.tensor([54, 27], dtype=dtype) * 2.0**-146)
+    assert torch.equal(t.dequantize(dtype), block.round(tiny, "nvfp4"))
+    assert torch.equal(block.round(tiny, "nvfp4"), block_round_reference(tiny, "nvfp4"))
+
+
+def test_nvfp4_quotients_are_formed_in_the_working_dtype_and_never_flush():
+    """The reference forms x / S as the kernel does: in float64 for float64 data, and a
+    nonzero quotient below the working float's normal range rounds as the exact one
+    (directed modes away from 0 give the smallest element, not 0)."""
+    x = torch.zeros(16)
+    x[0] = 1.0
+    # S = 1/6 (rounded to float32): x / S is 5.99999998 in float64 (rtz: 4), 6 in float32.
+    assert block.round(x, "nvfp4", "rtz")[0] == 1.0
+    wide = block.round(x.double(), "nvfp4", "rtz")
+    assert wide[0] < 0.7 and torch.equal(wide, block_round_reference(x.double(), "nvfp4", "rtz"))
+    y = torch.zeros(32)
+    y[0], y[16] = 1e30, 1e-30  # the second block's scale is E4M3's smallest times ~1e30/2688
+    for mode in ("rup", "rne", "rdn"):
+        got = block.round(y, "nvfp4", mode, rule="up")
+        assert torch.equal(got, block_round_reference(y, "nvfp4", mode, rule="up")), mode
+    assert block.round(y, "nvfp4", "rup", rule="up")[16] > 0

@@ -31,6 +31,8 @@ __all__ = ["BlockSpec", "block_layout", "block_scales", "quantize_blocks"]
 
 #: An element format whose smallest subnormal is below 2^-92 is rounded in float64 (see above).
 _FLOAT32_FLOOR = -92
+#: float32's smallest positive (subnormal) value.
+_SMALLEST_FLOAT32 = 2.0**-149
 
 
 @dataclass(frozen=True)
@@ -142,11 +144,16 @@ def tensor_scale_of(x: torch.Tensor, bfmt: BlockFormat, amax: float | torch.Tens
     """NVFP4's per-tensor float32 scale: the finite amax over the largest value a block
     can hold (``M * scale max``), so the largest block scale lands on the scale format's
     maximum; 1 for a tensor without a finite nonzero value. ``amax``: as
-    :func:`finite_amax`'s ``found`` (a sharded tensor's: the largest of every rank's)."""
+    :func:`finite_amax`'s ``found`` (a sharded tensor's: the largest of every rank's).
+
+    The scale is a float32, at its limits: float64 data beyond float32's range take
+    float32's largest value as amax (their blocks saturate), and a tiny amax whose
+    quotient underflows takes float32's smallest positive value (1 would flush them all)."""
     if not bfmt.tensor_scale:
         return None
-    ts = finite_amax(x, amax) / (bfmt.element.max * bfmt.scale.max)
-    return torch.where(ts > 0, ts, 1.0)
+    found = finite_amax(x, amax).clamp(max=torch.finfo(torch.float32).max)
+    ts = found / (bfmt.element.max * bfmt.scale.max)
+    return torch.where(found > 0, ts.clamp(min=_SMALLEST_FLOAT32), 1.0)
 
 
 def quantize_blocks(

@@ -10,8 +10,15 @@ For each block of ``B`` values along the axis (zero-padded at the end):
    to ``P`` bits, ties to even), ``e`` clipped to ``[-127, 127]``, -127 for an all-zero
    block; for E4M3/float32, ``amax / M`` (over the per-tensor scale, if any) rounded to
    the scale format (``nearest``: ties to even; ``up``), times the per-tensor scale in
-   float32. NaN anywhere in the block makes ``S`` NaN;
-3. ``q_i`` = ``x_i / S`` rounded to the element format (``fewbit.rounding.round_reference``);
+   float32. The per-tensor scale (NVFP4) is the tensor's largest finite magnitude in
+   float32 (at most float32's largest value) over ``M`` times the scale format's
+   largest, at least float32's smallest positive value; 1 for a tensor without a finite
+   nonzero value. NaN anywhere in the block makes ``S`` NaN;
+3. ``q_i`` = ``x_i / S`` rounded to the element format (``fewbit.rounding.round_reference``),
+   the quotient one division in the working float (``kernel.work_dtype``: float64 for
+   float64 data, else float32) where S is not a power of two; a nonzero quotient below
+   that float's normal range counts as its smallest normal (which every mode rounds as
+   the exact quotient);
 4. the block's values are ``q_i * S``.
 """
 
@@ -27,6 +34,7 @@ from ..rounding.checks import dtype_format
 from ..rounding.modes import MODES, natural_sr_bits, parse_mode
 from ..rounding.reference import round_reference
 from .formats import BlockFormat, format
+from .kernel import work_dtype
 
 __all__ = ["block_round_reference", "scale_reference"]
 
@@ -82,12 +90,15 @@ def block_round_reference(
     rule = rule or bfmt.rule
     size = bfmt.block_size
     values = x.detach().double().movedim(axis, -1).cpu().numpy()
+    work = np.float64 if work_dtype(bfmt, x.dtype == torch.float64) == torch.float64 else np.float32
     rand = None if random_bits is None else random_bits.movedim(axis, -1).cpu().numpy()
     tensor_scale = None
     if bfmt.tensor_scale:
         finite = values[np.isfinite(values)]
-        amax_t = np.float32(np.abs(finite).max()) if finite.size else np.float32(0)
-        tensor_scale = float(amax_t / np.float32(bfmt.element.max * bfmt.scale.max)) or 1.0
+        # amax in float32, at most its largest value; the quotient at least its smallest.
+        amax_t = np.float32(min(np.abs(finite).max(), np.finfo(np.float32).max)) if finite.size else 0
+        quotient = np.float32(amax_t) / np.float32(bfmt.element.max * bfmt.scale.max)
+        tensor_scale = max(float(quotient), 2.0**-149) if amax_t else 1.0
     out = np.empty_like(values)
     for row in np.ndindex(values.shape[:-1]):
         for start in range(0, values.shape[-1], size):
@@ -98,9 +109,14 @@ def block_round_reference(
                 continue
             if bfmt.power_of_two:
                 scaled = block / scale  # exact: a power of two
-            else:
-                quotient = block.astype(np.float32) / np.float32(scale) if scale else 0 * block
-                scaled = quotient.astype(np.float64)
+            elif scale:  # one division in the working float; a nonzero quotient below its
+                # normal range rounds as the exact one does, so it counts as the smallest normal
+                quotient = block.astype(work) / work(scale)
+                tiny = np.finfo(work).tiny
+                flushed = (np.abs(quotient) < tiny) & (block != 0)
+                scaled = np.where(flushed, np.copysign(tiny, block), quotient).astype(np.float64)
+            else:  # a scale that underflowed holds zeros
+                scaled = 0 * block
             n = None if rand is None else torch.from_numpy(rand[row][start : start + size].copy())
             q = round_reference(torch.from_numpy(np.asarray(scaled, dtype=np.float64)), bfmt.element, mode,
                                 sat=sat, bits=bits, random_bits=n, fraction=fraction)
