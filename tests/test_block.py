@@ -12,6 +12,7 @@ import fewbit
 import fewbit.block as block
 from conftest import DETERMINISTIC_MODES, gfloat_mode, stable_seed
 from fewbit.block.reference import block_round_reference
+from fewbit.optim import LowPrecisionWeights
 from fewbit.random import key_of, random_bits
 from fewbit.rounding import natural_sr_bits
 
@@ -442,3 +443,34 @@ def test_nvfp4_quotients_are_formed_in_the_working_dtype_and_never_flush():
         got = block.round(y, "nvfp4", mode, rule="up")
         assert torch.equal(got, block_round_reference(y, "nvfp4", mode, rule="up")), mode
     assert block.round(y, "nvfp4", "rup", rule="up")[16] > 0
+
+
+def test_a_block_format_with_float32_scales_rounds_but_is_not_stored():
+    """block.quantize keeps uint8 scale codes: a float32 scale has none, and quantize
+    says so (block.round works)."""
+    bf = block.BlockFormat("e2m1_f32", fewbit.format("e2m1"), 16, fewbit.format("binary32"), rule="nearest")
+    x = torch.randn(4, 64)
+    assert torch.equal(block.round(x, bf), block_round_reference(x, bf))
+    with pytest.raises(ValueError, match="binary32 scales have no 8-bit code"):
+        block.quantize(x, bf)
+    with pytest.raises(Exception, match="binary32 scales have no 8-bit code"):  # Dynamo wraps it
+        torch.compile(lambda t: block.quantize(t, bf).codes, fullgraph=True, backend="eager")(x)
+    with pytest.raises(ValueError, match="binary32 scales have no 8-bit code"):
+        LowPrecisionWeights(torch.optim.SGD([torch.nn.Parameter(x)], lr=0.1), bf, store_codes=True)
+
+
+def test_a_format_has_one_name_whichever_alias_reaches_it():
+    """Aliases name one format: ``out=`` of one takes a call of the other."""
+    names = [("mx_e2m1", "mxfp4_e2m1"), ("mx_ocp_e4m3", "mxfp8_e4m3"), ("mx_int8", "mxint8"),
+             ("hbfp08", "hbfp8"), ("bfp6_b064", "hbfp6"), ("bfp8_b32", "mxint8"), ("MXFP4", "mxfp4_e2m1")]
+    for alias, name in names:
+        assert block.format(alias) == block.format(name) and block.format(alias).name == name, alias
+    x = torch.randn(4, 64)
+    stored = block.quantize(x, "mxfp4")
+    assert block.quantize(x * 2, "mx_e2m1", out=stored) is stored
+    assert torch.equal(stored.dequantize(), block.round(x * 2, "mxfp4"))
+
+
+def test_a_0d_tensor_is_refused_for_what_it_is():
+    with pytest.raises(ValueError, match="at least one dimension"):
+        block.round(torch.tensor(1.0), "mxfp4")

@@ -21,6 +21,7 @@ import torch
 
 from . import codec
 from .block import BlockFormat, BlockTensor, check_args, element_or_block, quantize, round_to
+from .block.formats import check_storable
 from .block.ops import with_tensor_scale
 from .config import configure, current
 from .formats import FloatFormat
@@ -167,6 +168,8 @@ class LowPrecisionWeights:
         self.spec = check_args(self.via, self.fmt, self.mode, sat, self.bits, fraction)
         if block and scale:
             raise ValueError(f"scale=True is for element formats: {self.fmt.name} scales each block itself")
+        if self.store_codes and block:
+            check_storable(self.fmt)
         if self.store_codes and not block and self.fmt.k > 8:
             raise ValueError(f"store_codes keeps uint8 codes; {self.fmt.name} has {self.fmt.k} bits")
         self._codes: list[torch.Tensor] | list[BlockTensor] | None = None

@@ -18,6 +18,9 @@ name                      element   B      scale         rule        per-tensor 
 ``bfp<m>_b<B>``           int<m>    B      E8M0          floor       no
 ========================  ========  =====  ============  ==========  =====================
 
+A format has one name: the first row that describes it (``mx_e2m1`` is ``mxfp4_e2m1``,
+``bfp8_b32`` is ``mxint8``, ``bfp6_b64`` is ``hbfp6``).
+
 The MX rows follow the OCP Microscaling Formats (MX) v1.0 specification (block of 32, E8M0
 scale ``2^e``, ``e = floor(log2(amax)) - emax_element``). NVFP4 follows NVIDIA's public
 description (the NVIDIA technical blog "Introducing NVFP4 for Efficient and Accurate
@@ -167,6 +170,14 @@ class BlockFormat:
         return self.name
 
 
+def check_storable(bfmt: BlockFormat) -> None:
+    """Raise ValueError unless ``bfmt``'s scales have uint8 codes, as a BlockTensor keeps
+    them (a binary32 scale has none: ``block.round`` takes such a format, ``quantize`` not)."""
+    if bfmt.scale.k > 8:
+        raise ValueError(f"{bfmt.name}: its {bfmt.scale.name} scales have no 8-bit code, and block codes "
+                         "keep uint8 scale codes; fewbit.block.round rounds to it without codes")
+
+
 def check_rule(rule: str, scale: FloatFormat) -> str:
     """``rule``, once it is known and fits the scale format."""
     if rule not in SCALE_RULES:
@@ -191,12 +202,23 @@ _BFP = re.compile(r"bfp(\d+)_b(\d+)")
 _MX = re.compile(r"mx_(.+)")
 
 
-def _mx(name: str, element: str) -> BlockFormat:
-    return BlockFormat(name, element_format(element), 32, element_format("ocp_e8m0"))
+_MX_NAMES = {element: name for name, element in _MX_ELEMENTS.items()}
 
 
-def _bfp(name: str, m: str, block: int) -> BlockFormat:
-    return BlockFormat(name, element_format(f"int{int(m)}"), block, element_format("ocp_e8m0"))
+def _e8m0_blocks(element: FloatFormat, block: int) -> BlockFormat:
+    """Blocks of ``element`` under an E8M0 scale, named by their row of the module table
+    whichever name reached them (``mx_e2m1`` is ``mxfp4_e2m1``, ``bfp8_b32`` is
+    ``mxint8``, ``bfp6_b64`` is ``hbfp6``): one format, one name, so that an ``out=``
+    made under one name takes a call under another."""
+    integer = re.fullmatch(r"(?:ocp_)?int(\d+)", element.name)
+    if block == 32 and element.name in _MX_NAMES:
+        name = _MX_NAMES[element.name]
+    elif integer:
+        m = integer.group(1)
+        name = f"hbfp{m}" if block == _HBFP_BLOCK else f"bfp{m}_b{block}"
+    else:
+        name = f"mx_{element.name}"
+    return BlockFormat(name, element, block, element_format("ocp_e8m0"))
 
 
 def names() -> tuple[str, ...]:
@@ -214,16 +236,16 @@ def format(name: str | BlockFormat) -> BlockFormat:
     key = name.strip().lower()
     key = _ALIASES.get(key, key)
     if key in _MX_ELEMENTS:
-        return _mx(key, _MX_ELEMENTS[key])
+        return _e8m0_blocks(element_format(_MX_ELEMENTS[key]), 32)
     if key == "nvfp4":
         return BlockFormat("nvfp4", element_format("ocp_e2m1"), 16, element_format("ocp_e4m3"),
                            rule="nearest", tensor_scale=True)
     if m := _HBFP.fullmatch(key):
-        return _bfp(key, m.group(1), _HBFP_BLOCK)
+        return _e8m0_blocks(element_format(f"int{int(m.group(1))}"), _HBFP_BLOCK)
     if m := _BFP.fullmatch(key):
-        return _bfp(key, m.group(1), int(m.group(2)))
+        return _e8m0_blocks(element_format(f"int{int(m.group(1))}"), int(m.group(2)))
     if m := _MX.fullmatch(key):
-        return _mx(key, m.group(1))
+        return _e8m0_blocks(element_format(m.group(1)), 32)
     close = difflib.get_close_matches(key, [*names(), "hbfp8", "bfp8_b32", "mx_binary8p4"], n=4, cutoff=0.5)
     hint = f"; closest: {', '.join(close)}" if close else ""
     raise ValueError(f"unknown block format {name!r}{hint} (also: hbfp<m>, bfp<m>_b<size>, mx_<element>)")

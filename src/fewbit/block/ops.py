@@ -32,7 +32,7 @@ from ..rounding.compiled import (
 )
 from ..rounding.modes import parse_mode
 from ..rounding.ops import _check_out, _overlaps, check_key, name_for_op, op_key
-from .formats import BlockFormat, check_rule
+from .formats import BlockFormat, check_rule, check_storable
 from .formats import format as block_format
 from .kernel import (
     BlockSpec,
@@ -100,10 +100,10 @@ def block_spec_of(
         raise TypeError(f"x must be a float tensor, not {x.dtype}")
     spec = _spec(x.dtype, name, rounding, sat, bits, fraction, rule)
     axis = spec.bfmt.axis if axis is None else axis
-    if not -x.dim() <= axis < max(x.dim(), 1):
-        raise ValueError(f"axis {axis} is out of range for a tensor of {x.dim()} dimensions")
     if x.dim() == 0:
         raise ValueError("block formats need a tensor of at least one dimension")
+    if not -x.dim() <= axis < x.dim():
+        raise ValueError(f"axis {axis} is out of range for a tensor of {x.dim()} dimensions")
     check_key(spec.spec, x, key, random_bits)
     return spec, axis
 
@@ -274,6 +274,8 @@ def with_tensor_scale(x: torch.Tensor, spec: BlockSpec, axis: int, tensor_scale:
     call this below autograd, eagerly). ``into``: tensors to hold the results, as the ops'
     ``out``. Raises ValueError where an element has no value; the caller has checked the
     rest."""
+    if not fused:
+        check_storable(spec.bfmt)
     if x.numel():
         return _checked_run(x, spec, key, random_bits, axis, fused, tensor_scale, into)
     if fused:
@@ -282,7 +284,8 @@ def with_tensor_scale(x: torch.Tensor, spec: BlockSpec, axis: int, tensor_scale:
 
 
 def _code_shapes(x: torch.Tensor, spec: BlockSpec, axis: int) -> tuple[tuple, tuple]:
-    """Shapes of :func:`_kernel`'s codes and scale codes for ``x``."""
+    """Shapes of :func:`_kernel`'s codes and scale codes for ``x`` (for a format that has them)."""
+    check_storable(spec.bfmt)
     size = spec.bfmt.block_size
     length = x.shape[axis]
     blocks = -(-length // size)
