@@ -316,6 +316,10 @@ OPS_REFUSED = {
     "round, compiled, shard1": "fewbit.round on a DTensor runs eagerly only",
     "round out= of another dtype, shard1": "out must match x: x is torch.float32",
     "block.quantize, shard0": "fewbit.block.quantize takes no DTensor",
+    # An element without a result in the last rank's piece: every rank refuses, none writes.
+    "round out= refused on one rank, shard1": "refused, nothing written",
+    "block.round out= refused on one rank, shard0": "refused, nothing written",
+    "encode refused on one rank, shard1": "refused, nothing written",
 }
 OPS_REFUSED_ON = {
     2: {"quantize packed, shard1": "pairs of 2 along dim 1 (of 6) would straddle ranks, cut at [3]"},

@@ -280,9 +280,7 @@ def _decode(codes: torch.Tensor, fmt: str, dtype: torch.dtype, packed: bool) -> 
         if native.decode_into(codes, fmt.k, table, out, packed) >= 0:
             raise _no_code(fmt)
         return out
-    # Checked only where the codes' dtype holds a number that is no code: the check waits
-    # for a GPU, and uint8 codes of 8 bits (or 16 of 16, or packed 4 of 4) are all codes.
-    check = (4 if packed else {torch.uint8: 8, torch.int16: 16}.get(codes.dtype)) != fmt.k
+    check = decode_checks_codes(codes.dtype, fmt, packed)
     if gpu.decodes(codes, dtype):  # the same lookup in one kernel (None: it did not compile)
         out = _empty(codes, shape, dtype)
         bad = gpu.decode_into(codes, fmt.k, _table(fmt, dtype, codes.device), out, packed, check)
@@ -298,6 +296,13 @@ def _decode(codes: torch.Tensor, fmt: str, dtype: torch.dtype, packed: bool) -> 
     if code.numel() and check and (int(code.min()) < 0 or int(code.max()) >= 1 << fmt.k):
         raise _no_code(fmt)
     return _lookup(code, fmt, dtype)
+
+
+def decode_checks_codes(dtype: torch.dtype, fmt: FloatFormat, packed: bool) -> bool:
+    """Whether decode checks codes of ``dtype`` for range: only where the dtype holds a
+    number that is no code (the check waits for a GPU, and uint8 codes of 8 bits, or 16
+    of 16, or packed 4 of 4, are all codes)."""
+    return (4 if packed else {torch.uint8: 8, torch.int16: 16}.get(dtype)) != fmt.k
 
 
 def _no_code(fmt: FloatFormat) -> ValueError:

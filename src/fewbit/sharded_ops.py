@@ -21,15 +21,22 @@ Limits, each refused with an error before anything is written:
 - packed codes pair elements along the last dimension: a piece cut inside a pair is
   refused, as a block format's piece cut inside a block;
 - ``fewbit.block.quantize`` (its codes are laid out by block, not as x).
+
+Where an element may have no result, found only once rounded (a NaN, or a value beyond
+the range without ``sat``, in a format without NaN; a value ``encode`` has no code for),
+only the ranks that hold it would see it. Such calls agree first (one all-reduce of a
+flag): every rank raises, and none has written its piece of ``out``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from .block.ops import block_spec_of, with_tensor_scale
+from .codec import decode_checks_codes
 from .operators import LIBRARY
 from .random import Key, host_key
 from .rounding.ops import _check_out, checked_spec, lookup_format
@@ -40,6 +47,7 @@ from .sharding import (
     is_dtensor,
     layout,
     map_piece,
+    max_over_mesh,
     piece_randomness,
     quantize_range,
     round_range,
@@ -54,6 +62,30 @@ def _eager(name: str) -> None:
     if torch.compiler.is_compiling():
         raise NotImplementedError(f"{name} on a DTensor runs eagerly only: a piece's bits depend on "
                                   "its rank; torch's compile caches share graphs across ranks")  # fmt: skip
+
+
+T = TypeVar("T")
+
+
+def _alike(x, may_refuse: bool, name: str, compute: Callable[..., T], *args, **kwargs) -> T:
+    """``compute(*args, **kwargs)`` on this rank's piece of DTensor ``x``. Where the call
+    ``may_refuse`` an element once it is rounded, the ranks agree first (one all-reduce of
+    a flag): if any rank's piece was refused, every rank raises, none having written
+    ``out`` (a rank that went on would wait at its next collective for those that raised)."""
+    if not may_refuse:
+        return compute(*args, **kwargs)
+    try:
+        result, error = compute(*args, **kwargs), None
+    except ValueError as err:
+        result, error = None, err
+    refused = torch.tensor(float(error is not None), device=x.to_local().device)
+    max_over_mesh(refused, [x])
+    if error is not None:
+        raise error
+    if refused:
+        raise ValueError(f"{name}: another rank's piece of x holds an element without a result (see "
+                         "its error); nothing was written")  # fmt: skip
+    return result
 
 
 def _laid_out_as(x, other, what: str, name: str) -> torch.Tensor | None:
@@ -126,7 +158,7 @@ def _round(cls, func, types, args, kwargs):
         return _on_piece(spec, key, given, where, piece,
                          lambda *drawn: func(piece, fmt, rounding, sat, bits, fraction, *drawn))  # fmt: skip
 
-    return map_piece(x, rounded)
+    return _alike(x, spec.may_refuse, "fewbit.round", map_piece, x, rounded)
 
 
 def _round_into(cls, func, types, args, kwargs):
@@ -140,11 +172,14 @@ def _round_into(cls, func, types, args, kwargs):
     where = layout(x, piece)
     _check_out(piece, into)  # (the kernel's result is copied into it)
 
-    def write(*drawn) -> None:
+    def write(*drawn) -> torch.Tensor | None:
+        if spec.may_refuse:  # a result, copied once every rank has one
+            return torch.ops.fewbit.round.default(piece, fmt, rounding, sat, bits, fraction, *drawn)
         func(piece, fmt, rounding, sat, bits, fraction, *drawn, into)
+        return None
 
-    done = _on_piece(spec, key, given, where, piece, write)
-    if done is not None:  # the kernel's (the op wrote into itself)
+    done = _alike(x, spec.may_refuse, "fewbit.round", _on_piece, spec, key, given, where, piece, write)
+    if done is not None:  # the kernel's, or one to copy (else the op wrote into itself)
         into.copy_(done)
 
 
@@ -160,7 +195,7 @@ def _quantize(cls, func, types, args, kwargs):
                          lambda *drawn: func(piece, fmt, rounding, sat, bits, fraction, *drawn, packed),
                          packed=packed)  # fmt: skip
 
-    return map_piece(x, codes, shape)
+    return _alike(x, spec.may_refuse, "fewbit.quantize", map_piece, x, codes, shape)
 
 
 def _encode(cls, func, types, args, kwargs):
@@ -168,15 +203,17 @@ def _encode(cls, func, types, args, kwargs):
     _eager("fewbit.encode")
     lookup_format(fmt)  # (a bad name: the op's own error, before any collective)
     shape = _pairs_whole(x, packed, "fewbit.encode")
-    return map_piece(x, lambda piece, where: func(piece, fmt, packed, check), shape)
+    return _alike(x, check, "fewbit.encode", map_piece, x,
+                  lambda piece, where: func(piece, fmt, packed, check), shape)  # fmt: skip
 
 
 def _decode(cls, func, types, args, kwargs):
     codes, fmt, dtype, packed = args
     _eager("fewbit.decode")
-    lookup_format(fmt)
+    checked = decode_checks_codes(codes.dtype, lookup_format(fmt), packed)
     shape = _pairs_whole(codes, packed, "fewbit.decode", 2 * codes.shape[-1] if codes.dim() else None)
-    return map_piece(codes, lambda piece, where: func(piece, fmt, dtype, packed), shape)
+    return _alike(codes, checked, "fewbit.decode", map_piece, codes,
+                  lambda piece, where: func(piece, fmt, dtype, packed), shape)  # fmt: skip
 
 
 def _block_checks(x, call: tuple, name: str, out: torch.Tensor | None = None):
@@ -212,7 +249,7 @@ def _block_round(cls, func, types, args, kwargs):
 
         return _on_piece(spec, key, given, where, piece, op, axis=axis, tensor_scale=ts)
 
-    return map_piece(x, rounded)
+    return _alike(x, spec.may_refuse, "fewbit.block.round", map_piece, x, rounded)
 
 
 def _block_round_into(cls, func, types, args, kwargs):
@@ -222,11 +259,14 @@ def _block_round_into(cls, func, types, args, kwargs):
     piece = x.to_local()
     where = layout(x, piece)
 
-    def write(*drawn) -> None:
-        with_tensor_scale(piece, spec, axis, ts, *drawn, into=(into,))
+    def write(*drawn) -> torch.Tensor | None:
+        # A call that may refuse an element keeps its result until every rank has one.
+        result = with_tensor_scale(piece, spec, axis, ts, *drawn, into=None if spec.may_refuse else (into,))
+        return result[0] if spec.may_refuse else None
 
-    done = _on_piece(spec, key, given, where, piece, write, axis=axis, tensor_scale=ts)
-    if done is not None:  # the kernel's (the op wrote into itself)
+    done = _alike(x, spec.may_refuse, "fewbit.block.round", _on_piece, spec, key, given, where, piece, write,
+                  axis=axis, tensor_scale=ts)  # fmt: skip
+    if done is not None:  # the kernel's, or one to copy (else the op wrote into itself)
         into.copy_(done)
 
 

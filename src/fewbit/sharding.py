@@ -416,7 +416,7 @@ def summed(t: torch.Tensor) -> torch.Tensor:
     return t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])
 
 
-def _max_over_mesh(values: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+def max_over_mesh(values: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     """``values`` (elementwise) made the largest over the ranks that hold other pieces of
     ``tensors`` (DTensors on one mesh), in place: an all-reduce along each mesh dimension
     that shards any of them (along the others the pieces are copies: HSDP's replicas)."""
@@ -436,7 +436,7 @@ def global_amax(t: torch.Tensor) -> float:
     if piece.numel():
         amax = piece.abs().amax().float().nan_to_num(nan=math.inf)
     if is_dtensor(t):
-        _max_over_mesh(amax, [t])
+        max_over_mesh(amax, [t])
     return float(amax)
 
 
@@ -461,7 +461,7 @@ def tensor_scales(tensors: list[torch.Tensor], bfmt: BlockFormat, dtype: torch.d
             on_mesh.setdefault(t.device_mesh, []).append(i)
     for at in on_mesh.values():
         found = torch.stack([amax[i] for i in at])
-        _max_over_mesh(found, [tensors[i] for i in at])
+        max_over_mesh(found, [tensors[i] for i in at])
         for i, value in zip(at, found.unbind(), strict=True):
             amax[i] = value
     return [tensor_scale_of(p, bfmt, a) for p, a in zip(pieces, amax, strict=True)]

@@ -49,6 +49,12 @@ class BlockSpec:
     def work_dtype(self) -> torch.dtype:
         return work_dtype(self.bfmt, self.spec.source.k == 64)
 
+    @property
+    def may_refuse(self) -> bool:
+        """Whether an element may have no value, found only once rounded: overflow without
+        sat in an element format without Inf or NaN (a NaN is held in the scale)."""
+        return not (self.spec.sat or self.spec.fmt.has_nans)
+
 
 def work_dtype(bfmt: BlockFormat, wide: bool) -> torch.dtype:
     """The dtype a block's values ``q * S`` are formed in: float64 for float64 data

@@ -126,7 +126,7 @@ def _kernel(blocks, words, rand, tensor_scale, *, spec: BlockSpec, fused: bool):
     if words is not None:
         rand = range_bits(spec.spec, words, 0, blocks.numel(), blocks.device).view(blocks.shape)
     q, scale, factor = quantize_blocks(blocks, spec, rand, tensor_scale)
-    invalid = torch.isnan(q).any() if not (spec.spec.sat or spec.spec.fmt.has_nans) else None
+    invalid = torch.isnan(q).any() if spec.may_refuse else None
     if fused:
         return (q * factor).to(blocks.dtype), invalid
     codes = codes_of(q, spec.bfmt.element)
@@ -233,8 +233,8 @@ def _checked_run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool, t
     them (round's ``out``; quantize's codes and scales). The kernel writes them directly
     only where nothing can be refused after it starts (sat, or elements with NaN), they
     are contiguous and apart from x; else they are copied once the call is valid."""
-    direct = (into is not None and (spec.spec.sat or spec.spec.fmt.has_nans)
-              and all(t.is_contiguous() and not _overlaps(t, x) for t in into))  # fmt: skip
+    direct = into is not None and not spec.may_refuse and all(
+        t.is_contiguous() and not _overlaps(t, x) for t in into)  # fmt: skip
     *result, invalid = _run(x, spec, key, random_bits, axis, fused, ts, into if direct else None)
     if invalid is not None and bool(invalid):
         raise ValueError(f"{spec.spec.fmt.name} has no Inf or NaN for a value beyond its range; use sat=True")

@@ -477,6 +477,37 @@ def _block_codes(x, like):
     return fewbit.block.quantize(x, "mxfp8_e4m3").codes
 
 
+def _refused_alike(op, full: torch.Tensor, like, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``op(x)`` of ``full`` laid out as x, which one element, in the last rank's piece,
+    makes refuse: the error, saying whether this rank wrote its piece of ``out`` first."""
+    try:
+        return op(like(full))
+    except ValueError as err:
+        kept = out is None or bool((out.to_local() == 7.0).all())
+        raise ValueError(f"refused, {'nothing written' if kept else 'out written'}: {err}") from err
+
+
+def _no_result_out(x, like):
+    full = x.full_tensor()
+    full[0, -1] = 1e9  # beyond e2m1's range, without sat
+    out = like(torch.full(full.shape, 7.0))
+    return _refused_alike(lambda t: fewbit.round(t, "ocp_e2m1", "src", bits=3, seed=5, sat=False, out=out),
+                          full, like, out)  # fmt: skip
+
+
+def _block_no_result_out(x, like):
+    full = fewbit.block.round(x.full_tensor(), "mxfp4")  # every block fits, but
+    full[-1, 0] = 7.0  # this one's scale becomes 1: 7 is beyond e2m1's range, without sat
+    out = like(torch.full(full.shape, 7.0))
+    return _refused_alike(lambda t: fewbit.block.round(t, "mxfp4", sat=False, out=out), full, like, out)
+
+
+def _no_code(x, like):
+    full = fewbit.round(x.full_tensor(), "ocp_e2m1", sat=True)
+    full[0, -1] = 0.3  # not a value of e2m1
+    return _refused_alike(lambda t: fewbit.encode(t, "ocp_e2m1"), full, like)
+
+
 #: name -> (x's placement: S0, S1, R or P, its shape, the call of x and of ``like``, which
 #: lays a full tensor out as x). A Partial x is the ranks' equal shares of the tensor.
 OPS_CASES = {
@@ -503,6 +534,9 @@ OPS_CASES = {
     "nvfp4 src, partial": ("P", (4, 64), _nvfp4_src),
     "nvfp4 out=, shard1": ("S1", (4, 64), _nvfp4_out),
     "block.quantize, shard0": ("S0", (4, 64), _block_codes),
+    "round out= refused on one rank, shard1": ("S1", (6, 10), _no_result_out),
+    "block.round out= refused on one rank, shard0": ("S0", (4, 64), _block_no_result_out),
+    "encode refused on one rank, shard1": ("S1", (6, 10), _no_code),
 }
 
 

@@ -61,6 +61,12 @@ class RoundSpec:
         return hash((self.fmt, self.source, self.mode, self.sat, self.bits, self.select_below))
 
     @property
+    def may_refuse(self) -> bool:
+        """Whether an element may have no result, found only once rounded: a format without
+        NaN (a NaN input, or a value beyond its range without sat)."""
+        return not self.fmt.has_nans
+
+    @property
     def random_range(self) -> int:
         extra = SELECT_BITS if "select" in MODES[self.mode].streams else 0
         return 1 << (self.bits + extra)

@@ -151,12 +151,11 @@ def round_into(x, spec: RoundSpec, key, random_bits, out: torch.Tensor) -> None:
     # The kernels write contiguous memory. out is that unless it is strided, or overlaps x
     # (an in-place call), or a format without NaN may still refuse the call once rounded:
     # then a temporary takes the result first.
-    nans = spec.fmt.has_nans
-    direct = out.is_contiguous() and nans and not _overlaps(out, x)
+    direct = out.is_contiguous() and not spec.may_refuse and not _overlaps(out, x)
     result = out if direct else torch.empty_like(x, memory_format=torch.contiguous_format)
     ints = host_key(key)
     if gpu.applies(spec, x, rand) and gpu.round_into(x, spec, ints, rand, result):  # as native, on a GPU
-        invalid = not nans
+        invalid = spec.may_refuse
     elif native.applies(spec, x, rand):  # it reads x in memory order, any shape
         words = None if ints is None else stream_words(spec, ints)
         invalid = native.round_into(x, spec, words, rand, result) >= 0
@@ -165,7 +164,7 @@ def round_into(x, spec: RoundSpec, key, random_bits, out: torch.Tensor) -> None:
         flat_rand = None if rand is None else rand.reshape(-1)
         if not (use_compiled(flat.numel()) and compiled_round(flat, spec, key, flat_rand, flat_result)):
             _in_chunks(flat, spec, ints, flat_rand, flat_result)
-        invalid = not nans  # found out by the check below
+        invalid = spec.may_refuse  # found out by the check below
     if invalid:
         _raise_on_invalid(x, result, spec)
     if not direct:
