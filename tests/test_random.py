@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import fewbit
 from fewbit import random as fr
 from fewbit.random import (
     Key,
@@ -19,6 +20,7 @@ from fewbit.random import (
     bits_from_index,
     bits_from_range,
     fold_in,
+    key_of,
     random_bits,
     random_words,
     threefry2x32,
@@ -213,6 +215,18 @@ def test_fold_in_distinct_and_deterministic():
 def test_fold_in_bad_values(bad, exc):
     with pytest.raises(exc, match="fold_in"):
         fold_in(KEY, bad)
+
+
+def test_a_negative_seed_tensor_stands_for_its_64_bit_pattern():
+    """int64 holds seeds below 2^63; a negative one is read as a uint64 would be (no host
+    sync could refuse it on a GPU or in a graph), eager and compiled alike."""
+    assert torch.equal(key_of(torch.tensor(-5)), key_of(2**64 - 5))
+    assert torch.equal(fold_in(KEY, torch.tensor(-1)), key_of(fold_in(KEY, 2**64 - 1)))
+    compiled = torch.compile(lambda k, v: fold_in(k, v), fullgraph=True, backend="eager")
+    assert torch.equal(compiled(key_of(KEY), torch.tensor(-1)), key_of(fold_in(KEY, 2**64 - 1)))
+    x = torch.randn(1000)
+    assert torch.equal(fewbit.round(x, "binary8p4", "src", bits=3, seed=torch.tensor(-5)),
+                       fewbit.round(x, "binary8p4", "src", bits=3, seed=2**64 - 5))  # fmt: skip
 
 
 # ------------------------------------------------------------------ layout

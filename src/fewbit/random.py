@@ -215,10 +215,11 @@ def fold_in(key: Key | int | torch.Tensor, *ints: int | torch.Tensor) -> Key | t
     ``k``'s own stream (words ``2v, 2v + 1``): derive children for separate
     uses rather than also drawing from the parent.
 
-    With a key tensor (:func:`key_of`) or a value held in a 0-d integer tensor (in
-    ``[0, 2**63)``: a step counter, say), the same words come back as a key tensor,
-    computed by torch ops: compiled code then folds in a new step without recompiling.
-    Under ``torch.compile`` ints are folded in so too, and give a key tensor.
+    With a key tensor (:func:`key_of`) or a value held in a 0-d integer tensor (a step
+    counter, say; a negative one stands for ``v + 2**64``, as in :func:`key_of`), the
+    same words come back as a key tensor, computed by torch ops: compiled code then folds
+    in a new step without recompiling. Under ``torch.compile`` ints are folded in so
+    too, and give a key tensor.
     """
     tensors = [t for t in (key, *ints) if isinstance(t, torch.Tensor)]
     if not tensors and not torch.compiler.is_compiling():
@@ -254,8 +255,10 @@ def key_of(seed: Key | int | torch.Tensor, device: torch.device | str | None = N
 
     ``seed``: a :class:`Key`, an int seed (as :meth:`Key.from_seed`), an int64 tensor of
     shape ``(2,)`` (a key tensor, passed through), or a 0-d integer tensor holding a seed
-    in ``[0, 2**63)`` (split as :meth:`Key.from_seed` splits an int). Under
-    ``torch.compile`` an int seed that Dynamo made symbolic is split alike.
+    (split as :meth:`Key.from_seed` splits an int; int64 holds ``[0, 2**63)``, and a
+    negative value stands for its 64-bit pattern, ``v + 2**64``, as a uint64 would: no
+    host sync checks it). Under ``torch.compile`` an int seed that Dynamo made symbolic
+    is split alike.
     """
     if isinstance(seed, torch.Tensor):
         if seed.dtype in (torch.bool,) or seed.is_floating_point() or seed.is_complex():
@@ -266,7 +269,7 @@ def key_of(seed: Key | int | torch.Tensor, device: torch.device | str | None = N
         if seed.dim() != 0:
             raise ValueError(f"a seed tensor is 0-d (a seed) or of shape (2,) (a key), "
                              f"not {tuple(seed.shape)}")
-        return torch.stack((seed & MASK32, seed >> 32))
+        return torch.stack((seed & MASK32, (seed >> 32) & MASK32))
     if isinstance(seed, torch.SymInt):
         return key_of(torch.tensor(seed, dtype=torch.int64, device=device), device)
     if torch.compiler.is_compiling() and _is_int(seed) and seed // 2**63:
