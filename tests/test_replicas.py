@@ -20,6 +20,8 @@ from fewbit.replicas import (
     ReplicaContext,
     SeedPolicy,
     _digest,
+    _distance,
+    _ordered,
     check_in_sync,
     drift_report,
     replica_key,
@@ -72,6 +74,7 @@ BROKEN = {
     "fewbit+extra draw": ReplicaRun(steps=10, extra_draw_rank=1),
     "skip all-reduce": ReplicaRun(steps=3, skip_allreduce="2.weight"),
     "skip all-reduce, guarded": ReplicaRun(steps=3, skip_allreduce="2.weight", guard=True),
+    "gradient dropped on one rank, guarded": ReplicaRun(steps=3, drop_grad="2.weight", guard=True),
 }
 
 
@@ -137,6 +140,23 @@ def test_gradient_left_out_of_the_all_reduce_is_named(runs):
     assert runs[2]["skip all-reduce"][0]["log"][0]["first"] == "2.weight"
     for r in runs[2]["skip all-reduce, guarded"]:
         assert "2.weight.grad differs across ranks" in r["error"]
+
+
+def test_a_gradient_missing_on_one_rank_is_named_on_every_rank(runs):
+    """The guard's check gathers as many digests from every rank: a rank holding fewer
+    tensors (a gradient left None) is named alike on every rank, not a gloo abort."""
+    for r in runs[2]["gradient dropped on one rank, guarded"]:
+        assert "beside rank 0, rank 1 lacks 2.weight.grad" in r["error"], r
+
+
+@pytest.mark.parametrize(("dtype", "apart"), [(torch.float64, 2**63 - 1), (torch.float32, 2**31),
+                                               (torch.bfloat16, 2**15), (torch.float16, 2**15)])  # fmt: skip
+def test_drift_of_opposite_signs_does_not_wrap(dtype, apart):
+    """2 and -2 lie 2 * 2^(bits - 2) positions apart in their dtype: float64's 2^63 is
+    beyond int64 and saturates (it wrapped to -2^63, whose abs is itself, and read 0)."""
+    two = torch.tensor([2.0], dtype=dtype)
+    assert _distance(_ordered(two, None), _ordered(-two, None)) == apart
+    assert _distance(_ordered(two, None), _ordered(two.nextafter(torch.tensor(3.0, dtype=dtype)), None)) == 1
 
 
 def test_resume_on_all_ranks_equals_the_uninterrupted_run(runs):

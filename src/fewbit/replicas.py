@@ -161,16 +161,15 @@ def check_in_sync(tensors: torch.nn.Module | Iterable | torch.Tensor, group=None
     # Which ranks must agree: equal keys (an empty piece, None, gets a key of its own).
     keys = [piece_key(t) for _, t in named]
     keys = [-1 - rank if k is None else k for k in keys]
-    # One all_gather of integers: the names' hash, then each tensor's digest, then its key.
-    names_digest = _digest(torch.tensor(list("|".join(names).encode())))
-    mine = torch.tensor([names_digest] + [_digest(t) for _, t in named] + keys)
+    if size > 1:
+        _check_same_names(names, group, size)
+    # One all_gather of integers: each tensor's digest, then its key.
+    mine = torch.tensor([_digest(t) for _, t in named] + keys, dtype=torch.int64)
     everyone = [mine]
     if size > 1:
         everyone = [torch.empty_like(mine) for _ in range(size)]
         torch.distributed.all_gather(everyone, mine, group=group)
-    if any(d[0] != mine[0] for d in everyone):
-        raise ReplicaDriftError("ranks hold different sets of tensors")
-    table = torch.stack(everyone)[:, 1:].tolist()
+    table = torch.stack(everyone).tolist()
     differing, unchecked = [], []
     for i, name in enumerate(names):
         holders: dict[int, list[int]] = {}  # piece key -> the digests of the ranks holding it
@@ -181,6 +180,29 @@ def check_in_sync(tensors: torch.nn.Module | Iterable | torch.Tensor, group=None
         elif size > 1 and all(len(digests) < 2 for digests in holders.values()):
             unchecked.append(name)
     return SyncResult(names, differing, size, unchecked)
+
+
+def _check_same_names(names: list[str], group, size: int) -> None:
+    """Raise ReplicaDriftError on every rank unless every rank holds the same names in the
+    same order. The digests' gather needs as many on every rank: first an all_gather of
+    two integers (the names' hash and count), then, only where they differ, the names."""
+    mine = torch.tensor([_digest(torch.tensor(list("|".join(names).encode()))), len(names)])
+    everyone = [torch.empty_like(mine) for _ in range(size)]
+    torch.distributed.all_gather(everyone, mine, group=group)
+    if all(torch.equal(e, mine) for e in everyone):
+        return
+    lists: list = [None] * size
+    torch.distributed.all_gather_object(lists, names, group=group)
+    differences = []
+    for r, other in enumerate(lists[1:], 1):
+        lacks = ", ".join(n for n in lists[0] if n not in other)
+        extra = ", ".join(n for n in other if n not in lists[0])
+        said = [f"lacks {lacks}"] * bool(lacks) + [f"also holds {extra}"] * bool(extra)
+        if said:
+            differences.append(f"rank {r} {' and '.join(said)}")
+    if not differences:
+        raise ReplicaDriftError("ranks hold the same tensors in different orders")
+    raise ReplicaDriftError(f"ranks hold different sets of tensors: beside rank 0, {'; '.join(differences)}")
 
 
 def _ordered(t: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
@@ -223,8 +245,20 @@ def drift_report(
         if size > 1:
             gathered = [torch.empty_like(here) for _ in range(size)]
             torch.distributed.all_gather(gathered, here, group=group)
-        report[name] = int(max((g - gathered[0]).abs().max() if g.numel() else 0 for g in gathered))
+        report[name] = max(_distance(g, gathered[0]) for g in gathered)
     return report
+
+
+def _distance(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The largest ``|a - b|`` of positions from :func:`_ordered` (0 for no elements),
+    without int64's wrap-around: float64's positions of opposite signs lie up to 2^64
+    apart, which saturates at 2^63 - 1."""
+    if not a.numel():
+        return 0
+    top = torch.iinfo(torch.int64).max
+    same_sign = (a >= 0) == (b >= 0)  # (positions lie in [-top, top]: abs is exact)
+    apart = torch.where(a.abs() > top - b.abs(), top, a.abs() + b.abs())
+    return int(torch.where(same_sign, (a - b).abs(), apart).max())
 
 
 def _piece_drift(t: torch.Tensor, table: torch.Tensor | None, group, size: int) -> int | None:
@@ -241,8 +275,7 @@ def _piece_drift(t: torch.Tensor, table: torch.Tensor | None, group, size: int) 
         if key is None:
             continue
         if key in first:
-            gap = int((values - first[key]).abs().max()) if values.numel() else 0
-            worst = max(worst or 0, gap)
+            worst = max(worst or 0, _distance(values, first[key]))
         else:
             first[key] = values
     return worst

@@ -47,6 +47,7 @@ class ReplicaRun:
     update_rng: str = "fewbit"  #: "fewbit" keys, or "randint": SR bits from torch's global generator
     extra_draw_rank: int | None = None  #: this rank draws one extra number every step
     skip_allreduce: str | None = None  #: this parameter's gradient is not all-reduced
+    drop_grad: str | None = None  #: the last rank drops this parameter's gradient before each step
     guard: bool = False
     save_at: int | None = None  #: write a checkpoint after this many steps
     checkpoint_dir: str | None = None
@@ -136,6 +137,8 @@ def _train(rank: int, world_size: int, cfg: ReplicaRun) -> dict:
             torch.rand(1)  # e.g. a data-dependent augmentation on this rank only
         weights.zero_grad()
         torch.nn.functional.mse_loss(ddp(x), y).backward()
+        if cfg.drop_grad and rank == world_size - 1:
+            model.get_parameter(cfg.drop_grad).grad = None
         if cfg.update_rng == "randint":
             _randint_sr_step(opt, named, cfg.fmt)
         else:
