@@ -316,6 +316,7 @@ OPS_REFUSED = {
     "round, compiled, shard1": "fewbit.round on a DTensor runs eagerly only",
     "round out= of another dtype, shard1": "out must match x: x is torch.float32",
     "block.quantize, shard0": "fewbit.block.quantize takes no DTensor",
+    "round_ in place, partial": "x is Partial ((Partial(sum),)); with an in-place rounding, reduce it first",
     # An element without a result in the last rank's piece: every rank refuses, none writes.
     "round out= refused on one rank, shard1": "refused, nothing written",
     "block.round out= refused on one rank, shard0": "refused, nothing written",

@@ -167,7 +167,7 @@ def _round_into(cls, func, types, args, kwargs):
     _eager("fewbit.round")
     spec = checked_spec(x.to_local(), fmt, rounding, sat, bits, fraction, key, random_bits)
     given = _laid_out_as(x, random_bits, "random_bits", "fewbit.round")
-    into = _laid_out_as(x, out, "out", "fewbit.round")
+    into = _laid_out_as(x, out, "out" if out is not x else "an in-place rounding", "fewbit.round")
     piece = x.to_local()
     where = layout(x, piece)
     _check_out(piece, into)  # (the kernel's result is copied into it)

@@ -434,6 +434,11 @@ def _round_in_place(x, like):
     return y
 
 
+def _round_x_in_place(x, like):  # (a clone of a Partial x is Replicate)
+    fewbit.round_(x, "binary8p4", "src", bits=3, seed=5)
+    return x
+
+
 def _round_gradient(x, like):
     x.requires_grad_()
     fewbit.round(x, "binary8p4", "src", bits=3, seed=5).backward(like(torch.arange(x.numel()).view(x.shape)))
@@ -520,6 +525,7 @@ OPS_CASES = {
     "round out=, shard1": ("S1", (6, 10), _round_out),
     "round out= of another dtype, shard1": ("S1", (6, 10), _round_out_of_another_dtype),
     "round_ in place, shard0": ("S0", (7, 10), _round_in_place),
+    "round_ in place, partial": ("P", (6, 10), _round_x_in_place),
     "round, gradient, shard1": ("S1", (6, 10), _round_gradient),
     "round, compiled, shard1": ("S1", (6, 10), _compiled),
     "quantize packed, shard0": ("S0", (6, 6), _packed_codes),
