@@ -10,8 +10,10 @@ import torch
 
 import fewbit
 from fewbit.optim import LowPrecisionWeights
-from fewbit.random import fold_in
+from fewbit.random import as_key, fold_in
 from fewbit.rounding import compiled
+from fewbit.rounding.checks import check_round_args
+from fewbit.rounding.foreach import round_foreach_
 
 FMT = "binary8p4"
 
@@ -124,6 +126,20 @@ def test_compiled_write_back_equals_eager(mode):
             results.append([p.detach().clone() for p in m.parameters()])
     for a, b in zip(*results, strict=True):
         assert bits_equal(a, b)
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a failed compilation warns, then runs eager
+def test_compiled_write_back_compiles_for_each_format():
+    """Where the native kernel does not apply, the write-back's compiled kernel serves a
+    second format too: compiled dynamic, Dynamo made the second spec's ints symbols and
+    failed (the same bits, eager, with a RuntimeWarning)."""
+    x = torch.rand(37, 19) + 0.5
+    with fewbit.configure(native=False, compile_threshold=1):
+        for fmt in ("binary8p4", "ocp_e5m2"):
+            spec = check_round_args(x, fmt, "src", True, 3, None)
+            t = x.clone()
+            round_foreach_([t], spec, as_key(1), [0], torch.float32)
+            assert torch.equal(t, fewbit.round(x, fmt, "src", bits=3, seed=fold_in(as_key(1), 0))), fmt
 
 
 @pytest.mark.parametrize("via", [torch.bfloat16, torch.float16])

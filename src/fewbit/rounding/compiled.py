@@ -6,8 +6,10 @@ applies, else ``fast.round_fast``, fed by ``fewbit.random``), so compiled and ea
 results are bit-identical. With generated bits it works on rows of
 ``fewbit.random.LANES`` elements, the stream's own layout, so each row of elements
 reads a row of random words as contiguous vectors; the last, partial row is padded
-to a whole one. Compilation is dynamic in the shape, so each spec compiles once;
-the key is a tensor argument, so a new seed does not recompile either.
+to a whole one. Compilation is dynamic in the shape, so each spec compiles once (the
+write-back's kernel over a list of tensors excepted: it compiles once per list of
+shapes, which a training run keeps); the key is a tensor argument, so a new seed does
+not recompile either.
 ``fewbit.configure(compile=False)`` (or ``FEWBIT_EAGER=1``) never compiles.
 """
 
@@ -232,7 +234,10 @@ def foreach_compiled_(
     if use_compiled(total) and cache_key not in _BROKEN:
         fn = _CACHE.get(cache_key)
         if fn is None:
-            fn = _CACHE[cache_key] = torch.compile(_own(_foreach_kernel, spec=spec, via=via), fullgraph=True)
+            # Not dynamic: Dynamo made a second spec's ints symbols (its compilation failed
+            # in math.ldexp); a write-back's list keeps its shapes, so one graph serves it.
+            fn = _CACHE[cache_key] = torch.compile(_own(_foreach_kernel, spec=spec, via=via), fullgraph=True,
+                                                   dynamic=False)  # fmt: skip
         try:
             with below_autograd():
                 return fn(tensors, keys)
