@@ -49,7 +49,7 @@ def test_closed_forms_match_where_the_paper_says_they_are_tight():
         for mode in ("srff", "srf", "src"):
             assert bias.exact(mode, bits) == bias.closed_form(mode, bits)
         for excess in range(1, 41):
-            tight = {"srff": bits <= excess, "srf": bits < excess, "src": True}
+            tight = {"srff": bits <= excess, "srf": bits < excess, "src": bits <= excess}
             for mode, is_tight in tight.items():
                 if is_tight:
                     assert bias.exact(mode, bits, excess) == bias.closed_form(mode, bits, excess)
@@ -59,9 +59,14 @@ def test_where_the_closed_forms_are_not_tight():
     # SRF with N = D is exact SR: unbiased, not 2^-(D+1).
     for n in range(1, 9):
         assert bias.exact("srf", n, n) == 0 != bias.closed_form("srf", n, n)
-    # With fewer excess bits than random bits every fraction is exact on N bits.
+    # With fewer excess bits than random bits every fraction is exact on N bits: the paper
+    # states its forms for N <= D only, and closed_form refuses to give one beyond.
     for mode in ("srff", "srf"):
-        assert bias.exact(mode, 8, 3) == 0 != bias.closed_form(mode, 8, 3)
+        assert bias.exact(mode, 8, 3) == 0
+        with pytest.raises(ValueError, match="closed forms are for N <= D, not N = 8 > D = 3"):
+            bias.closed_form(mode, 8, 3)
+    with pytest.raises(ValueError, match="bits must be an int >= 1, got 0"):
+        bias.closed_form("srff", 0)
 
 
 def test_paper_headline_numbers():

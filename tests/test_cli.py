@@ -236,6 +236,31 @@ def test_options_that_would_mislead_are_refused_before_any_work(capsys, tmp_path
     assert says in err
 
 
+@pytest.mark.parametrize(("fmt", "value", "neighbours"), [
+    ("int8", "-1.99", "neighbours: -1.984375 and -2.0 (codes 0x81, 0x80); ulp = 0.015625"),
+    ("int4", "-1.9", "neighbours: -1.75 and -2.0 (codes 0x9, 0x8); ulp = 0.25"),
+    ("e4m3", "-0.0", "neighbours: -0.0 and -0.0 (codes 0x80, 0x80); ulp = 0.0"),
+])  # fmt: skip
+def test_round_finds_the_neighbours_of_x_itself(capsys, fmt, value, neighbours):
+    """Two's complement intM reaches -2, one step beyond -max: -1.99 lies inside int8 (it
+    was called beyond its range), and -0 keeps its sign beside its code."""
+    code, out, _ = run(capsys, "round", "--format", fmt, "--mode", "src", "--", value)
+    assert code == 0 and neighbours in out and "beyond" not in out
+
+
+def test_bias_prints_nothing_before_refusing_an_argument(capsys):
+    code, out, err = run(capsys, "bias", "--format", "binary8p4", "--from", "bf16", "--bits", "0")
+    assert code == 2 and out == "" and "needs bits=N in 1..32, got 0" in err
+
+
+def test_bias_shows_the_papers_form_only_where_the_paper_states_it(capsys):
+    """The paper gives its closed forms for N <= D; beyond, every few-bit mode is exact SR."""
+    _, out, _ = run(capsys, "bias", "--bits", "5", "--excess", "2")
+    assert "paper" not in out and "srff N=5 D=2" in out
+    _, out, _ = run(capsys, "bias", "--bits", "3", "--excess", "4", "--mode", "srf")
+    assert "paper +0.03125000" in out
+
+
 def test_round_says_a_negative_value_is_below_an_unsigned_format(capsys):
     """p3109_k8p4ue has no negative values: no neighbours (its code 0x00 twice, before)."""
     code, out, _ = run(capsys, "round", "--format", "p3109_k8p4ue", "--", "-0.3")

@@ -207,10 +207,15 @@ def closed_form(mode: RoundMode | str, bits: int, excess: int | None = None) -> 
 
     Where they equal :func:`exact`: SRFF for ``N <= D``; SRF for ``N < D`` (its
     appendix derivation needs D > N; at ``N = D`` SRF is exact SR and unbiased,
-    although the main text says ``N <= D``); SRC always."""
+    although the main text says ``N <= D``); SRC wherever given. The paper states them
+    for ``N <= D`` (with ``N > D`` every few-bit mode is exact SR): ValueError beyond."""
     mode = parse_mode(mode)
     if mode not in (RoundMode.SRFF, RoundMode.SRF, RoundMode.SRC):
         raise ValueError(f"the paper gives closed forms for srff, srf and src, not {mode.value!r}")
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits < 1:
+        raise ValueError(f"bits must be an int >= 1, got {bits!r}")
+    if excess is not None and bits > excess:
+        raise ValueError(f"the paper's closed forms are for N <= D, not N = {bits} > D = {excess}")
     two = Fraction(2)
     if excess is None:
         return -(two ** -(bits + 1)) if mode is RoundMode.SRFF else Fraction(0)

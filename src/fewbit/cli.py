@@ -129,23 +129,25 @@ def cmd_round(args: argparse.Namespace) -> int:
     ulp = None
     if math.isnan(stored):
         print("x is NaN")
-    elif abs(stored) > fmt.max:
-        print(f"x is beyond the largest finite value of {fmt.name}, {fmt.max!r}")
     elif stored < 0 and not fmt.signed:
         print(f"x is below 0, the smallest value of {fmt.name} (an unsigned format)")
+    elif stored > fmt.max:
+        print(f"x is beyond the largest finite value of {fmt.name}, {fmt.max!r}")
+    elif stored < fmt.min:  # (two's complement intM reaches one step further below: -2)
+        print(f"x is beyond the most negative finite value of {fmt.name}, {fmt.min!r}")
     else:
-        lo = round(x.abs(), fmt, "rtz", sat=True).double().item()
-        hi = round(x.abs(), fmt, "rup", sat=True).double().item()
-        sign = -1.0 if stored < 0 else 1.0
-        ulp = Fraction(hi - lo)
-        d = (abs(Fraction(stored)) - Fraction(lo)) / ulp if ulp else Fraction(0)
+        # The neighbours: x rounded toward zero and away from it (x itself, not |x|: a
+        # two's complement format reaches further below zero than above).
+        directions = ("rtz", "rup" if stored >= 0 else "rdn")
+        toward, away = (round(x, fmt, m, sat=True).double().item() for m in directions)
+        ulp = abs(Fraction(away) - Fraction(toward))
+        d = abs(Fraction(stored) - Fraction(toward)) / ulp if ulp else Fraction(0)
         codes = ""
-        if fmt.k <= 16:  # the neighbours' codes: x rounded toward zero and away from it
-            bits = [int(quantize(x, fmt, m, sat=True)) & ((1 << fmt.k) - 1)
-                    for m in ("rtz", "rup" if stored >= 0 else "rdn")]  # fmt: skip
+        if fmt.k <= 16:
+            bits = [int(quantize(x, fmt, m, sat=True)) & ((1 << fmt.k) - 1) for m in directions]
             codes = " (codes " + ", ".join(f"0x{b:0{-(-fmt.k // 4)}x}" for b in bits) + ")"
         ulp_d = f"ulp = {float(ulp)!r}; d = {float(d):.10g}"
-        print(f"neighbours: {sign * lo!r} and {sign * hi!r}{codes}; {ulp_d}")
+        print(f"neighbours: {toward!r} and {away!r}{codes}; {ulp_d}")
     rows = [["mode", "result", "P(away)", "E[result]", "bias/ulp"]]
     for mode, spec, first, last, p in outcomes:
         label = mode.value + (f" N={spec.bits}" if spec.bits is not None else "")
@@ -260,11 +262,12 @@ def cmd_bias(args: argparse.Namespace) -> int:
                 print(f"{mode + ' N=' + str(n):10}{cells}")
         return 0
     excess = args.excess
+    lines = []  # every row computed (and every argument checked) before anything is printed
     if args.format:
         if not args.source:
             raise ValueError("--format needs --from, the input format")
         excess = bias.excess_bits(args.format, args.source)
-        print(f"{args.source} -> {args.format}: D = {excess} excess bits")
+        lines.append(f"{args.source} -> {args.format}: D = {excess} excess bits")
     modes = [args.mode] if args.mode else ["srff", "srf", "src", "src_odd", "sr"]
     for mode in modes:
         bits = args.bits if RoundMode(mode).takes_bits else None
@@ -276,7 +279,8 @@ def cmd_bias(args: argparse.Namespace) -> int:
             line += f"   paper {float(paper):+.8f}"
         except ValueError:
             pass
-        print(line)
+        lines.append(line)
+    print("\n".join(lines))
     return 0
 
 
