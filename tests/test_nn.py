@@ -47,6 +47,16 @@ def test_stochastic_needs_a_seed_and_quant_checks_its_arguments():
         Quant("binary8p9")
     with pytest.raises(ValueError, match="mode"):
         Quant("ocp_e4m3", "nearest")
+    # As fewbit.round refuses them, at construction (they were dropped, or refused at the
+    # first forward pass).
+    with pytest.raises(ValueError, match="fraction is only for mode 'sr_fraction', not 'rne'"):
+        Quant("ocp_e4m3", "rne", fraction=0.5)
+    with pytest.raises(ValueError, match="mode 'src' needs bits=N"):
+        Quant("ocp_e4m3", "src")
+    with pytest.raises(ValueError, match="bits must be in 1..32, got 0"):
+        Quant("mxfp4", "src", bits=0)
+    with pytest.raises(TypeError, match="needs fraction=p"):
+        Quant("ocp_e4m3", "sr_fraction", bits=3)
 
 
 def test_module_draws_fresh_bits_per_call_and_resumes_from_state_dict():
@@ -78,6 +88,19 @@ def test_quantize_outputs_of_every_linear():
     ) * (h > 0)
     assert torch.allclose(model[0].weight.grad, grad_h.T @ x, rtol=1e-6, atol=1e-6)
     assert "0.output_quant.calls" in model.state_dict()
+
+
+def test_quantize_outputs_again_replaces_the_rounding_without_a_second_hook():
+    """A second call hooked each module again: every output was rounded twice, and its
+    stream advanced twice a call."""
+    torch.manual_seed(0)
+    once, twice = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    twice.load_state_dict(once.state_dict())
+    quantize_outputs(once, Quant("binary8p4", "src", bits=3), seed=1)
+    quantize_outputs(twice, Quant("ocp_e5m2"), seed=9)
+    quantize_outputs(twice, Quant("binary8p4", "src", bits=3), seed=1)
+    x = torch.randn(64, 4)
+    assert torch.equal(once(x), twice(x)) and int(twice.output_quant.calls) == 1
 
 
 # Block formats: the same Quant, with fewbit.block.round behind it and the same keys.

@@ -21,6 +21,7 @@ from .formats import FloatFormat
 from .random import Key, as_key, fold_in, key_of
 from .replicas import SeedPolicy, replica_key
 from .rounding import RoundMode
+from .rounding.checks import check_mode_args, scalar_args
 from .rounding.modes import parse_mode
 from .sharding import replica_rank
 
@@ -50,8 +51,12 @@ class Quant:
     def __post_init__(self) -> None:
         object.__setattr__(self, "fmt", element_or_block(self.fmt))
         object.__setattr__(self, "mode", parse_mode(self.mode))
-        if self.bits is not None and not self.mode.is_stochastic:
-            raise ValueError(f"mode {self.mode.value!r} is deterministic and takes no bits")
+        # Refused here, as fewbit.round refuses them, not at the first forward pass (N for
+        # classical SR, which depends on the dtype rounded from, is checked there).
+        sat, bits, fraction = scalar_args(self.sat, self.bits, self.fraction)
+        check_mode_args(self.mode, bits, fraction)
+        for name, value in (("sat", sat), ("bits", bits), ("fraction", fraction)):
+            object.__setattr__(self, name, value)
         if self.axis is not None and not isinstance(self.fmt, BlockFormat):
             raise ValueError(f"axis is the block axis of a block format; {self.fmt.name} is an element "
                              "format")  # fmt: skip
@@ -158,13 +163,16 @@ def quantize_outputs(
     """Fake-quantise the output of every submodule of ``types`` (and, in backward, the
     gradient flowing into it). Each gets a :class:`FakeQuantize` child named
     ``output_quant`` (in the state_dict, so resumable) with key ``fold_in(seed, i)``;
-    returns the modules changed. ``del module.output_quant`` and the hook stop it.
+    returns the modules changed. ``del module.output_quant`` and the hook stop it;
+    calling this again replaces each module's ``output_quant`` (its one hook reads it).
     """
     key = as_key(seed)
     changed = [m for m in model.modules() if isinstance(m, types)]
     for i, m in enumerate(changed):
         m.output_quant = FakeQuantize(forward, backward, fold_in(key, i), policy)
-        m.register_forward_hook(_quantize_output)
+        if not getattr(m, "_output_quant_hooked", False):  # a second hook would round twice
+            m.register_forward_hook(_quantize_output)
+            m._output_quant_hooked = True
     return changed
 
 

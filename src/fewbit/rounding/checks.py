@@ -114,6 +114,29 @@ def check_round_args(
 
 
 @functools.cache
+def check_mode_args(mode: RoundMode, bits: int | None, fraction: float | None) -> int | None:
+    """The checks of ``bits`` and ``fraction`` (scalars already normalised) that hold
+    whatever the dtype; returns ``select_below`` (see :class:`RoundSpec`)."""
+    info = MODES[mode]
+    if "select" in info.streams:
+        if fraction is None:
+            raise TypeError(f"mode {mode.value!r} needs fraction=p, a number in [0, 1]")
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"fraction must be in [0, 1], got {fraction}")
+        select_below = round(fraction * (1 << SELECT_BITS))
+    elif fraction is not None:
+        raise ValueError(f"fraction is only for mode 'sr_fraction', not {mode.value!r}")
+    else:
+        select_below = None
+    if info.bits == "none" and bits is not None:
+        raise ValueError(f"mode {mode.value!r} is deterministic and takes no bits")
+    if bits is None and info.bits == "required":
+        raise ValueError(f"mode {mode.value!r} needs bits=N, the random bits per element")
+    if bits is not None and not 1 <= bits <= 32:
+        raise ValueError(f"bits must be in 1..32, got {bits}")
+    return select_below
+
+
 def make_spec(
     dtype: torch.dtype, fmt: FloatFormat, mode: RoundMode, sat: bool, bits: int | None, fraction: float | None
 ) -> RoundSpec:
@@ -125,27 +148,12 @@ def make_spec(
             f"a {dtype} tensor cannot hold every value of {fmt.name}: round into a "
             f"wider dtype (float32 holds every format of up to 24 significand bits)"
         )
-    if "select" in info.streams:
-        if fraction is None:
-            raise TypeError(f"mode {mode.value!r} needs fraction=p, a number in [0, 1]")
-        if not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"fraction must be in [0, 1], got {fraction}")
-        select_below = round(fraction * (1 << SELECT_BITS))
-    elif fraction is not None:
-        raise ValueError(f"fraction is only for mode 'sr_fraction', not {mode.value!r}")
-    else:
-        select_below = None
+    select_below = check_mode_args(mode, bits, fraction)
     if info.bits == "none":
-        if bits is not None:
-            raise ValueError(f"mode {mode.value!r} is deterministic and takes no bits")
         return RoundSpec(fmt, source, mode, sat, None, None)
     natural = natural_sr_bits(source, fmt)
     if bits is None:
-        if info.bits == "required":
-            raise ValueError(f"mode {mode.value!r} needs bits=N, the random bits per element")
         bits = natural
-    if not 1 <= bits <= 32:
-        raise ValueError(f"bits must be in 1..32, got {bits}")
     if info.bits == "natural" and bits != natural:
         raise ValueError(
             f"mode {mode.value!r} uses N = min(D, 32) = {natural} bits for {source.name} -> "
