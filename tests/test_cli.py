@@ -22,6 +22,9 @@ def test_formats_table_lists_the_registry(capsys):
     row = next(line for line in out.splitlines() if line.startswith("ocp_e4m3"))
     assert row.split()[1:7] == ["8", "4", "4", "448", "0.015625", "0.00195312"]
     assert "inf=no nan=2 -0=yes" in row
+    # intM has no normal values (its min normal, 2, lay beyond its max, 1.98438).
+    row = next(line for line in out.splitlines() if line.startswith("ocp_int8"))
+    assert row.split()[1:7] == ["8", "8", "0", "1.98438", "-", "0.015625"]
     code, out, _ = run(capsys, "formats", "--all")
     assert sum(1 for line in out.splitlines()[1:] if line.strip()) == len(fewbit.formats.names())
 
@@ -228,6 +231,9 @@ def test_counts_and_seeds_out_of_range_are_refused_by_the_parser(capsys, argv, s
     (["ratchet", "--seeds", "0", "0", "--iters", "1"], "seeds must differ, got [0, 0]"),
     (["train", "--sweep", "srf", "--mode", "rne"], "--mode sets one run's rounding; --sweep srf runs"),
     (["train", "--grad-mode", "src"], "round the gradients of --grad-format; give it"),
+    (["bias", "--mode", "sr", "--bits", "5"], "mode 'sr' takes its N from the excess bits"),
+    (["bias", "--table", "--bits", "4"], "--table (every few-bit mode, N and D) takes no --bits"),
+    (["bias", "--figure", "1", "--mode", "srf"], "Figure 1, as drawn there) takes no --mode"),
 ])  # fmt: skip
 def test_options_that_would_mislead_are_refused_before_any_work(capsys, tmp_path, argv, says):
     data = ["--data-dir", "/nonexistent"] if argv[0] == "train" else []

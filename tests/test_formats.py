@@ -69,6 +69,11 @@ def test_unknown_names_suggest_close_ones():
         fewbit.format("e4m4")
     with pytest.raises(TypeError):
         fewbit.format(8)
+    # Digits are ASCII: Python's int() reads other scripts' digits, and \d matched them.
+    with pytest.raises(ValueError, match="closest: .*binary8p4"):
+        fewbit.format("binary\u0668p4")
+    with pytest.raises(ValueError, match="closest: hbfp8"):
+        fewbit.block.format("hbfp\u0668")
 
 
 @pytest.mark.parametrize("k, p", [(2, 1), (17, 4), (8, 8), (8, 0)])

@@ -56,7 +56,8 @@ def cmd_formats(args: argparse.Namespace) -> int:
     for name in shown:
         fmt = formats.format(name)
         try:
-            nums = f"{_num(fmt.max):>12} {_num(fmt.smallest_normal):>12} {_num(fmt.smallest_subnormal):>13}"
+            normal = _num(fmt.smallest_normal) if fmt.exp_bits else "-"  # intM: every value is subnormal
+            nums = f"{_num(fmt.max):>12} {normal:>12} {_num(fmt.smallest_subnormal):>13}"
         except ValueError:
             nums = f"{'beyond float64 range':>39}"
         print(f"{fmt.name:15} {fmt.k:>2} {fmt.p:>2} {fmt.exp_bits:>2} {nums}  {_specials(fmt)}")
@@ -196,15 +197,26 @@ def _exact_cell(value: Fraction, notes: list[str], label: str, width: int = 12) 
     return f"{float(value):.4g} [{len(notes)}]"
 
 
+#: fewbit bias's options, by the attribute argparse gives each.
+_BIAS_OPTIONS = {"--mode": "mode", "--bits": "bits", "--excess": "excess", "--format": "format",
+                 "--from": "source", "--figure": "figure"}  # fmt: skip
+#: Those that set one row: what --table and --figure would ignore.
+_ROW_OPTIONS = ("--mode", "--bits", "--excess", "--format", "--from")
+
+
+def _refuse_options(args: argparse.Namespace, what: str, flags: tuple[str, ...]) -> None:
+    """A ValueError naming which of ``flags`` (fewbit bias's options) ``what`` would ignore."""
+    given = [flag for flag in flags if getattr(args, _BIAS_OPTIONS[flag]) is not None]
+    if given:
+        raise ValueError(f"{what} takes no {', '.join(given)}")
+
+
 def _block_bias(args: argparse.Namespace) -> int:
     from .block import format as block_format
     from .block.bias import TABLE_MODES, block_table, rules_for
 
-    others = (("--excess", args.excess), ("--format", args.format), ("--from", args.source),
-              ("--figure", args.figure))
-    given = [flag for flag, value in others if value is not None]
-    if given:
-        raise ValueError(f"--block takes no {', '.join(given)}")
+    _refuse_options(args, "--block", ("--excess", "--format", "--from", "--figure"))
+    args.bits = 3 if args.bits is None else args.bits
     bfmt = block_format(args.block)
     modes = (args.mode,) if args.mode else TABLE_MODES
     rules = (args.rule,) if args.rule else tuple(rules_for(bfmt))
@@ -246,12 +258,14 @@ def cmd_bias(args: argparse.Namespace) -> int:
     if args.rule:
         raise ValueError("--rule is for --block")
     if args.figure:
+        _refuse_options(args, f"--figure (the paper's Figure {args.figure}, as drawn there)", _ROW_OPTIONS)
         for r in bias.figure(args.figure, args.out, samples=args.samples):
             print(f"figure {args.figure} {r['mode']:5} measured {r['measured']:+.5f} "
                   f"+- {r['stderr']:.5f} ulp, exact {r['exact']:+.5f}")
         print(f"wrote {args.out}/figure{args.figure}.png")
         return 0
     if args.table:
+        _refuse_options(args, "--table (every few-bit mode, N and D)", _ROW_OPTIONS)
         modes = ["srff", "srf", "src", "src_odd"]
         excesses = [*range(1, 13), None]
         print("exact bias in ulps (rows: mode and N; columns: excess bits D, inf = infinite precision)")
@@ -270,7 +284,7 @@ def cmd_bias(args: argparse.Namespace) -> int:
         lines.append(f"{args.source} -> {args.format}: D = {excess} excess bits")
     modes = [args.mode] if args.mode else ["srff", "srf", "src", "src_odd", "sr"]
     for mode in modes:
-        bits = args.bits if RoundMode(mode).takes_bits else None
+        bits = _bits_for(RoundMode(mode), args)  # (given with --mode sr: refused, as bias.exact does)
         value = bias.exact(mode, bits, excess)
         label = f"{mode}" + (f" N={bits}" if bits else "") + f" D={'inf' if excess is None else excess}"
         line = f"{label:24} exact {str(value):>24} = {float(value):+.8f} ulp"
@@ -513,7 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bias", help="exact bias of rounding modes, in ulps")
     p.add_argument("--mode", "-m", choices=[m.value for m in _ROW_MODES])
-    p.add_argument("--bits", "-N", type=int, default=3)
+    p.add_argument("--bits", "-N", type=int, help="N for srff/srf/src/src_odd (default 3)")
     p.add_argument("--excess", "-D", type=int, help="excess input bits (default: infinite precision)")
     p.add_argument("--format", help="target format: works D out with --from")
     p.add_argument("--from", dest="source", help="input format, e.g. bf16")

@@ -313,8 +313,9 @@ _ALIASES = {
     **{n[len("ocp_"):]: n for n in _FIXED if n.startswith("ocp_")},
 }
 
-_P3109 = re.compile(r"(?:binary(\d+)p(\d+)|p3109_k(\d+)p(\d+)([su])([ef]))")
-_INT = re.compile(r"int(\d+)")
+# ASCII digits only (\d would take other scripts' digits, which int() reads too).
+_P3109 = re.compile(r"(?:binary(\d+)p(\d+)|p3109_k(\d+)p(\d+)([su])([ef]))", re.ASCII)
+_INT = re.compile(r"int(\d+)", re.ASCII)
 
 
 def integer(m: int) -> FloatFormat:

@@ -197,8 +197,8 @@ _MX_ELEMENTS = {
 }
 _ALIASES = {"mxfp4": "mxfp4_e2m1"}
 _HBFP_BLOCK = 64
-_HBFP = re.compile(r"hbfp(\d+)")
-_BFP = re.compile(r"bfp(\d+)_b(\d+)")
+_HBFP = re.compile(r"hbfp(\d+)", re.ASCII)  # (ASCII digits, as fewbit.formats' patterns)
+_BFP = re.compile(r"bfp(\d+)_b(\d+)", re.ASCII)
 _MX = re.compile(r"mx_(.+)")
 
 
@@ -210,7 +210,7 @@ def _e8m0_blocks(element: FloatFormat, block: int) -> BlockFormat:
     whichever name reached them (``mx_e2m1`` is ``mxfp4_e2m1``, ``bfp8_b32`` is
     ``mxint8``, ``bfp6_b64`` is ``hbfp6``): one format, one name, so that an ``out=``
     made under one name takes a call under another."""
-    integer = re.fullmatch(r"(?:ocp_)?int(\d+)", element.name)
+    integer = re.fullmatch(r"(?:ocp_)?int(\d+)", element.name, re.ASCII)
     if block == 32 and element.name in _MX_NAMES:
         name = _MX_NAMES[element.name]
     elif integer:
