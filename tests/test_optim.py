@@ -270,6 +270,25 @@ def test_power_of_two_scale_keeps_small_weights():
     assert amax * s <= fewbit.format(FMT).max / 2
 
 
+def test_a_checkpoint_before_the_first_step_leaves_the_run_as_it_was():
+    """state_dict(model=) has torch fill AdamW's state by a step at learning rate 0 (its
+    count then 1): left in the live optimizer, every later bias correction was a step off."""
+
+    def run(checkpoint: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        m = torch.nn.Linear(16, 16)
+        lpw = LowPrecisionWeights(torch.optim.AdamW(m.parameters(), lr=1e-2), FMT, "src", seed=3)
+        if checkpoint:
+            assert lpw.state_dict(model=m)["optimizer"]["state"]  # the checkpoint keeps torch's state
+        for t in range(3):
+            lpw.zero_grad()
+            m(torch.randn(4, 16, generator=torch.Generator().manual_seed(t))).square().mean().backward()
+            lpw.step()
+        return m.weight.detach().clone()
+
+    assert bits_equal(run(False), run(True))
+
+
 def test_bad_input():
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -293,8 +312,19 @@ def test_bad_input():
         LowPrecisionWeights(opt, FMT, "sr_fraction")
     lpw = LowPrecisionWeights(torch.optim.SGD(m.parameters(), lr=0.1), FMT, "src", seed=1)
     other = LowPrecisionWeights(torch.optim.SGD(m.parameters(), lr=0.1), FMT, "src", seed=2)
-    with pytest.raises(ValueError, match="checkpoint was written with"):
+    with pytest.raises(ValueError, match=r"checkpoint was written with key \[1, 0\] \(here \[2, 0\]\)"):
         other.load_state_dict(lpw.state_dict())
+    # The selection decides the bits as the seed does: parameter i takes fold_in(key, t, i).
+    m2 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    both = [m2[0].weight, m2[1].weight]
+    written = LowPrecisionWeights(torch.optim.SGD(m2.parameters(), lr=0.1), FMT, params=both).state_dict()
+    for params in (both[::-1], both[:1]):
+        with pytest.raises(ValueError, match="checkpoint was written with params"):
+            LowPrecisionWeights(torch.optim.SGD(m2.parameters(), lr=0.1), FMT, params=params).load_state_dict(
+                written)  # fmt: skip
+    LowPrecisionWeights(torch.optim.SGD(m2.parameters(), lr=0.1), FMT, params=both).load_state_dict(written)
+    old = {**written, "config": {k: v for k, v in written["config"].items() if k != "params"}}
+    LowPrecisionWeights(torch.optim.SGD(m2.parameters(), lr=0.1), FMT, params=both).load_state_dict(old)
 
 
 def test_a_compiled_step_keeps_the_write_back_out_of_the_graph():

@@ -352,9 +352,15 @@ class LowPrecisionWeights:
                 "saved_bytes": float_bytes - code_bytes}  # fmt: skip
 
     def _config(self) -> dict:
+        # The selection too: step t rounds parameter i with fold_in(key, t, i), so which
+        # parameters, in which order, decides the bits as the seed does (each by its
+        # place among the optimizer's parameters, and its full shape).
+        owned = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        selected = [(owned[id(p)], *p.shape) for p in self.params]
         return {"fmt": self.fmt.name, "mode": self.mode.value, "bits": self.bits, "fraction": self.fraction,
                 "sat": self.sat, "key": (self.key.k0, self.key.k1), "scale": self.scale,
-                "update_dtype": str(self.update_dtype), "policy": self.policy.value}  # fmt: skip
+                "update_dtype": str(self.update_dtype), "policy": self.policy.value,
+                "params": selected}  # fmt: skip
 
     def state_dict(self, model: torch.nn.Module | None = None) -> dict:
         """The inner optimizer's state, the step count and the rounding set-up.
@@ -362,8 +368,10 @@ class LowPrecisionWeights:
         With ``model`` (sharded training), the inner state is torch's
         ``get_optimizer_state_dict(model, optimizer)``: keyed by parameter names, sharded
         state as DTensors, so ``torch.distributed.checkpoint`` saves it and loads it on
-        another number of ranks. Before the first step that fills the state with zeros
-        by an inner step at learning rate 0, as torch does (the weights do not change).
+        another number of ranks. Before the first step torch fills the state for it by an
+        inner step at learning rate 0 (AdamW's count becomes 1, so a run resumed from it
+        counts from 1, as torch's own resumes do); the live optimizer is left as it was, so
+        taking the checkpoint does not change the run.
         """
         if model is None:
             inner = self.optimizer.state_dict()
@@ -371,16 +379,21 @@ class LowPrecisionWeights:
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
             self.materialize()  # torch may take an inner step, which reads the weights
+            fresh = not self.optimizer.state
             inner = get_optimizer_state_dict(model, self.optimizer)
+            if fresh:  # the checkpoint keeps the state torch made; the optimizer drops it
+                self.optimizer.state.clear()
         return {"optimizer": inner, "steps": self.steps, "config": self._config()}
 
     def load_state_dict(self, state: dict, model: torch.nn.Module | None = None) -> None:
         """Resume: the next step draws the bits an uninterrupted run would. Pass the
         ``model`` that :meth:`state_dict` was given."""
-        if _plain(state["config"]) != _plain(self._config()):
-            raise ValueError(
-                f"checkpoint was written with {state['config']}, this wrapper has {self._config()}"
-            )
+        mine = _plain(self._config())
+        saved = _plain({"params": mine["params"], **state["config"]})  # (older checkpoints: unchecked)
+        differ = [f"{k} {saved.get(k)!r} (here {mine.get(k)!r})"
+                  for k in {**saved, **mine} if saved.get(k) != mine.get(k)]  # fmt: skip
+        if differ:
+            raise ValueError(f"checkpoint was written with {'; '.join(differ)}: its bits would not continue")
         if model is None:
             self.optimizer.load_state_dict(state["optimizer"])
         else:
@@ -392,4 +405,8 @@ class LowPrecisionWeights:
 
 def _plain(config: dict) -> dict:
     """A configuration with tuples as lists: a checkpoint format may store either."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}
+    return {k: _plain_value(v) for k, v in config.items()}
+
+
+def _plain_value(value):
+    return [_plain_value(v) for v in value] if isinstance(value, tuple | list) else value
