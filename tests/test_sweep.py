@@ -247,3 +247,21 @@ def test_a_killed_sweep_leaves_no_lock_behind(data_dir, tmp_path):
     # workers, should it have started any, end on their own).
     with hold(tmp_path):
         assert holder(tmp_path) == os.getpid()
+
+
+def test_a_run_that_finished_as_the_stop_came_is_counted_and_written(data_dir, tmp_path, monkeypatch, capsys):
+    """A run may write its result as a stop comes, before its worker's message is read:
+    the stop line said '0 of 5 runs finished' and the outputs left it out until the next
+    call. The finished runs are the results on disk."""
+    from fewbit.experiments import sweep
+
+    def stopped_as_one_finished(configs, folders, *args, **kwargs):
+        result = {"iters": [0, 10, 20], "train": [4.2, 3.1, 2.7], "val": [4.2, 3.2, 2.8], "seconds": 1.0}
+        (folders[0] / "result.json").write_text(json.dumps(result))
+        return sweep.SweepOutcome(total=len(configs), stopped=signal.SIGINT)
+
+    monkeypatch.setattr(sweep, "run_many", stopped_as_one_finished)
+    code = main([*SWEEP, "--data-dir", str(data_dir), "--out", str(tmp_path)])
+    assert code == 128 + signal.SIGINT
+    assert "1 of 5 runs finished" in capsys.readouterr().err
+    assert "2.8" in (tmp_path / "losses.csv").read_text()

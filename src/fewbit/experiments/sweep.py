@@ -495,8 +495,12 @@ def run_sweep(
             written[:] = write_outputs(results, out_dir, name, title)
 
         outcome = run_many(configs, folders, data_file, workers, progress_bar, on_finish=write)
-        if not written:  # no run ended in this call: the results of earlier ones, written again
-            write(outcome.results)
+        # A run may have written its result as a stop came, before its worker's message
+        # was read: the finished runs are the results on disk.
+        on_disk = [r for c, f in zip(configs, folders, strict=True) if (r := read_result(c, f)) is not None]
+        if not written or len(on_disk) > len(outcome.results):  # (none ended in this call: written again)
+            outcome.results = on_disk
+            write(on_disk)
         outcome.written = written
         outcome.checkpointed = _checkpointed(folders)
         return outcome
