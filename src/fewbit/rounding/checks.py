@@ -113,7 +113,6 @@ def check_round_args(
     return make_spec(x.dtype, format(fmt), parse_mode(mode), *scalar_args(sat, bits, fraction))
 
 
-@functools.cache
 def check_mode_args(mode: RoundMode, bits: int | None, fraction: float | None) -> int | None:
     """The checks of ``bits`` and ``fraction`` (scalars already normalised) that hold
     whatever the dtype; returns ``select_below`` (see :class:`RoundSpec`)."""
@@ -137,6 +136,7 @@ def check_mode_args(mode: RoundMode, bits: int | None, fraction: float | None) -
     return select_below
 
 
+@functools.cache
 def make_spec(
     dtype: torch.dtype, fmt: FloatFormat, mode: RoundMode, sat: bool, bits: int | None, fraction: float | None
 ) -> RoundSpec:
