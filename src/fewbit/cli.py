@@ -216,15 +216,15 @@ def _block_bias(args: argparse.Namespace) -> int:
     from .block.bias import TABLE_MODES, block_table, rules_for
 
     _refuse_options(args, "--block", ("--excess", "--format", "--from", "--figure"))
-    args.bits = 3 if args.bits is None else args.bits
+    bits = 3 if args.bits is None else args.bits
     bfmt = block_format(args.block)
     modes = (args.mode,) if args.mode else TABLE_MODES
     rules = (args.rule,) if args.rule else tuple(rules_for(bfmt))
-    rows = block_table(bfmt, args.bits, modes, rules, samples=args.samples)  # checks every row first
+    rows = block_table(bfmt, bits, modes, rules, samples=args.samples)  # checks every row first
     sampled = args.samples is not None
     scale = "E8M0 scale" if bfmt.power_of_two else f"{bfmt.scale.name} scale (per-tensor scale 1)"
     print(f"{bfmt.name}: {bfmt.element.name} elements, blocks of {bfmt.block_size}, {scale}; "
-          f"N = {args.bits} (sr: ideal SR{', N = min(D, 32) on float32 when sampled' if sampled else ''})")
+          f"N = {bits} (sr: ideal SR{', N = min(D, 32) on float32 when sampled' if sampled else ''})")
     print("mean error of |x| per element (negative: toward zero) and share of elements clipped to the "
           "element max")
     print("  uniform: magnitudes i.i.d. uniform in [1, 2), exact; units of 2^k for [2^k, 2^(k+1))")

@@ -428,13 +428,7 @@ def _round_out_of_another_dtype(x, like):
     return fewbit.round(x, "binary8p4", "src", bits=3, seed=5, out=out)
 
 
-def _round_in_place(x, like):
-    y = x.clone()
-    fewbit.round_(y, "binary8p4", "src", bits=3, seed=5)
-    return y
-
-
-def _round_x_in_place(x, like):  # (a clone of a Partial x is Replicate)
+def _round_in_place(x, like):  # (x itself, each case's own: a clone of a Partial x is Replicate)
     fewbit.round_(x, "binary8p4", "src", bits=3, seed=5)
     return x
 
@@ -525,7 +519,7 @@ OPS_CASES = {
     "round out=, shard1": ("S1", (6, 10), _round_out),
     "round out= of another dtype, shard1": ("S1", (6, 10), _round_out_of_another_dtype),
     "round_ in place, shard0": ("S0", (7, 10), _round_in_place),
-    "round_ in place, partial": ("P", (6, 10), _round_x_in_place),
+    "round_ in place, partial": ("P", (6, 10), _round_in_place),
     "round, gradient, shard1": ("S1", (6, 10), _round_gradient),
     "round, compiled, shard1": ("S1", (6, 10), _compiled),
     "quantize packed, shard0": ("S0", (6, 6), _packed_codes),
