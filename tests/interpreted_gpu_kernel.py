@@ -184,16 +184,16 @@ def test_codes_of_runs_are_the_native_kernels(name, packed):
 def test_a_key_in_host_memory_draws_the_same_bits(mode):
     """A key the host holds (an int seed's) travels as the launch's words k0, k1 (and the
     selection stream's s0, s1), not in a tensor: the same bits as a key tensor's, at any
-    offset, with words small, of 1, and with the top bit set."""
-    x = torch.randn(3 * 512 * 2 * 10 + 77, generator=torch.Generator().manual_seed(4)) * 4
+    offset, with words small, of 1, and with the top bit set. (x reaches into a second row
+    of Threefry blocks; the interpreter takes seconds a call for sr_fraction's two streams.)"""
+    x = torch.randn(512 * 2 * 10 + 77, generator=torch.Generator().manual_seed(4)) * 4
     kw = {"sat": True, **{k: v for k, v in MODE_ARGS[mode].items() if k != "seed"}}
     for seed in (5, (1 << 32) + 1, (1 << 63) + (1 << 31)):
-        for offset in (0, 333):
-            got = kernel(x, "binary8p4", mode, offset=offset, host=True, seed=seed, **kw)
-            expected = kernel(x, "binary8p4", mode, offset=offset, seed=seed, **kw)
-            assert_bitwise_equal(got, expected, x, f"{mode} seed {seed} offset {offset}")
         got = kernel(x, "binary8p4", mode, host=True, seed=seed, **kw)
         assert_bitwise_equal(got, eager(x, "binary8p4", mode, seed=seed, **kw), x, f"{mode} seed {seed}")
+        got = kernel(x, "binary8p4", mode, offset=333, host=True, seed=seed, **kw)
+        expected = kernel(x, "binary8p4", mode, offset=333, seed=seed, **kw)
+        assert_bitwise_equal(got, expected, x, f"{mode} seed {seed} offset 333")
 
 
 def encoded(x, fmt, packed=False):
@@ -304,7 +304,8 @@ def test_rounded_codes_are_the_native_kernels(dtype):
         for mode, sat in itertools.product(("rne", "src", "sr", "srff", "rtz"), (False, True)):
             kw = MODE_ARGS[mode]
             spec = make_spec(dtype, fmt, RoundMode(mode), sat, kw.get("bits"), None)
-            keys = [None] if spec.bits is None else [key_of(kw["seed"]), Key.from_seed(kw["seed"])]
+            # Drawn bits: the key in a tensor without sat, the launch's words with it.
+            keys = [None] if spec.bits is None else [Key.from_seed(kw["seed"]) if sat else key_of(kw["seed"])]
             for key in keys:
                 out = torch.full((x.numel() // 2 if packed else x.numel(),), 0x55,
                                  dtype=fewbit.codec.code_dtype(fmt))  # fmt: skip
@@ -520,10 +521,10 @@ def test_block_scale_rules_same_as_torch(name, rules):
     """Every scale rule, on blocks whose largest magnitudes fall on both sides of each
     rule's bound (a block's largest value m 2^E with m's fraction spread over [1, 2))."""
     gen = torch.Generator().manual_seed(2)
-    x = torch.rand(64, 512, generator=gen) - 0.5
-    near_one = torch.where(torch.rand(64, 16, generator=gen) < 0.5, 1, 1e-3)  # (m just above 1, for ceil)
-    top = 1 + torch.rand(64, 16, generator=gen) * near_one
-    x.view(64, 16, 32)[:, :, 0] = -top * 2.0 ** torch.randint(-20, 20, (64, 16), generator=gen)
+    x = torch.rand(32, 512, generator=gen) - 0.5
+    near_one = torch.where(torch.rand(32, 16, generator=gen) < 0.5, 1, 1e-3)  # (m just above 1, for ceil)
+    top = 1 + torch.rand(32, 16, generator=gen) * near_one
+    x.view(32, 16, 32)[:, :, 0] = -top * 2.0 ** torch.randint(-20, 20, (32, 16), generator=gen)
     for rule in rules:
         assert_block_same_as_torch(x, name, "rne", rule=rule)
         assert_block_same_as_torch(x.bfloat16(), name, "src", rule=rule, bits=4, seed=3)

@@ -336,7 +336,17 @@ def test_a_kernel_triton_cannot_compile_leaves_the_call_to_torch(monkeypatch):
     assert Failing.launches == 2 and torch.equal(out, torch.full_like(x, 7.0))
 
 
-def test_gpu_kernel_under_the_interpreter():
+#: The interpreted tests in three processes (each about a third of their time on a CI
+#: machine), so that pytest-xdist's workers share them: the last part runs the rest.
+_INTERPRETED_PARTS = [
+    "test_every_format_same_bits_as_torch or test_block_scale_rules_same_as_torch",
+    "test_rounded_codes_are_the_native_kernels or test_runs_draw_the_bits_of_their_place_in_the_stream"
+    " or test_16_bit_inputs_same_bits_as_torch",
+]
+
+
+@pytest.mark.parametrize("part", range(len(_INTERPRETED_PARTS) + 1))
+def test_gpu_kernel_under_the_interpreter(part):
     # Triton 3.6's interpreter (the GPU image's) turns a loop bound into an int by int() of
     # a one-element array, which numpy 2.4 refuses; with numpy 2.3, or Triton 3.7 on, the
     # same tests pass. There tests/test_gpu.py checks the compiled kernel instead.
@@ -346,7 +356,9 @@ def test_gpu_kernel_under_the_interpreter():
         pytest.skip(f"Triton {triton.__version__}'s interpreter cannot loop over tensor bounds with "
                     f"numpy {np.__version__}")  # fmt: skip
     tests = Path(__file__).with_name("interpreted_gpu_kernel.py")
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)]
+    rest = " and ".join(f"not ({names})" for names in _INTERPRETED_PARTS)
+    chosen = _INTERPRETED_PARTS[part] if part < len(_INTERPRETED_PARTS) else rest
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests), "-k", chosen]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
