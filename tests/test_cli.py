@@ -83,12 +83,19 @@ def test_errors_are_clear(capsys):
     assert code == 2 and "cannot hold" in err
 
 
-def test_bench_json_rows(capsys):
-    """`fewbit bench --quick --json`: every row the issue asks for, each with its ratios."""
+def test_bench_json_rows(capsys, monkeypatch):
+    """`fewbit bench --quick --json`: every row the issue asks for, each with its ratios;
+    on a CPU whose last-level cache holds the data, a warning first, naming a size beyond it."""
     import json
 
-    code, out, _ = run(capsys, "bench", "--quick", "--log2-size", "12", "--repeat", "1", "--json")
+    from fewbit import bench
+
+    monkeypatch.setattr(bench, "last_level_cache_bytes", lambda: 1 << 20)  # 1 MiB: 2^17 fit, 2^17 + 1 not
+    code, out, err = run(capsys, "bench", "--quick", "--log2-size", "12", "--repeat", "1", "--json")
     assert code == 0
+    assert "fewbit bench: 2^12 float32 elements and their output (0.0328 MB) fit in" in err
+    assert err.splitlines()[0].endswith("(1.05 MB): the ratios to copy_ depend on what the cache holds; "
+                                        "--log2-size 18 goes beyond it")
     rows = json.loads(out[out.index("[") :])
     per_call = [r for r in rows if "us_per_call" in r]
     assert {r["mode"] for r in per_call} == {"copy_", "rne", "src"}
@@ -187,6 +194,27 @@ def test_help_lists_every_command_and_version(capsys):
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.startswith(f"fewbit {fewbit.__version__} ")
+
+
+def test_last_level_cache_is_the_highest_data_cache(tmp_path):
+    """sysfs's cache folders: the highest level that holds data (not instructions), in
+    its units; None where none can be read."""
+    from fewbit.bench import cache_note, last_level_cache_bytes
+
+    caches = {"index0": ("1", "Data", "48K"), "index1": ("1", "Instruction", "32K"),
+              "index2": ("2", "Unified", "2048K"), "index3": ("3", "Unified", "300M"),
+              "index4": ("4", "Instruction", "1G"), "index5": ("5", "Data", "garbled")}  # fmt: skip
+    for name, (level, kind, size) in caches.items():
+        (tmp_path / name).mkdir()
+        for field, text in (("level", level), ("type", kind), ("size", size)):
+            (tmp_path / name / field).write_text(text + "\n")
+    assert last_level_cache_bytes(tmp_path) == 300 << 20
+    assert last_level_cache_bytes(tmp_path / "none") is None
+    # 2^24 float32 elements and their output are 128 MiB; 2^26's, 512 MiB, exceed 300 MiB.
+    assert cache_note(24, 300 << 20).endswith("--log2-size 26 goes beyond it")
+    assert cache_note(25, 300 << 20) is not None
+    assert cache_note(26, 300 << 20) is None and cache_note(24, 32 << 20) is None
+    assert cache_note(24, None) is None
 
 
 @pytest.mark.parametrize(("option", "message"), [

@@ -29,6 +29,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -253,6 +254,43 @@ def block_rows(log2_size: int, device: str, repeat: int, sync: Callable[[], None
                 if device.startswith("cuda"):
                     rows[-1]["device_x_copy"] = device_ratio(functools.partial(call, into=into), copy, repeat)
     return rows
+
+
+#: Where Linux describes CPU 0's caches, one folder per cache.
+CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def last_level_cache_bytes(caches: Path = CACHES) -> int | None:
+    """The size of the CPU's last-level data cache, from Linux's sysfs; None where it
+    cannot be read (another system, or a VM that hides it)."""
+    found: tuple[int, int] | None = None
+    for index in caches.glob("index*"):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            level, size = int((index / "level").read_text()), (index / "size").read_text().strip()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+            size_bytes = int(size.rstrip("KMG")) * scale
+        except (OSError, ValueError):
+            continue
+        if found is None or level > found[0]:
+            found = (level, size_bytes)
+    return None if found is None else found[1]
+
+
+def cache_note(log2_size: int, cache_bytes: int | None) -> str | None:
+    """A warning where a float32 input of 2^log2_size elements and its output fit in the
+    last-level cache together: ``copy_`` timed after fewbit's non-temporal stores then
+    runs from memory, and alone from the cache, so the ratios measure the cache's state."""
+    moved = 8 << log2_size
+    if cache_bytes is None or moved > cache_bytes:
+        return None
+    beyond = log2_size
+    while 8 << beyond <= cache_bytes:
+        beyond += 1
+    return (f"fewbit bench: 2^{log2_size} float32 elements and their output ({moved / 1e6:.3g} MB) fit in "
+            f"this CPU's last-level cache ({cache_bytes / 1e6:.3g} MB): the ratios to copy_ depend on what "
+            f"the cache holds; --log2-size {beyond} goes beyond it")
 
 
 #: Elements of the per-call rows: small enough that the call's overhead is all there is.

@@ -173,6 +173,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device here")
+    note = None if args.device != "cpu" else bench.cache_note(args.log2_size, bench.last_level_cache_bytes())
+    if note:
+        print(note, file=sys.stderr)
     step = 0
 
     def progress(label: str) -> None:
