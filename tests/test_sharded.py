@@ -321,6 +321,7 @@ OPS_REFUSED = {
     "round out= refused on one rank, shard1": "refused, nothing written",
     "block.round out= refused on one rank, shard0": "refused, nothing written",
     "encode refused on one rank, shard1": "refused, nothing written",
+    "write-back refused on one rank, shard1": "write-back refused: ",
 }
 OPS_REFUSED_ON = {
     2: {"quantize packed, shard1": "pairs of 2 along dim 1 (of 6) would straddle ranks, cut at [3]"},

@@ -38,6 +38,7 @@ from .sharding import (
     local_tensor,
     piece_randomness,
     quantize_range,
+    refuse_alike,
     replica_count,
     round_range,
     tensor_scales,
@@ -235,8 +236,21 @@ class LowPrecisionWeights:
         # fixed point on the format's values (HBFP's, NVFP4's), and costs a pass (frozen
         # weights). At construction every one is rounded, and kept as floats.
         live = [i for i, p in enumerate(self.params) if initial or p.grad is not None]
+        store = self.store_codes and not initial
         with configure(compile_threshold=min(current().compile_threshold, COMPILE_FROM)):
-            self._round_all(live, store=self.store_codes and not initial)
+            if not self.spec.may_refuse:
+                self._round_all(live, store)
+                return
+            # A value may have no result in fmt (a NaN, in a format without one): where one
+            # rank's piece of a sharded weight holds it, every rank raises.
+            try:
+                self._round_all(live, store)
+                error = None
+            except ValueError as err:
+                error = err
+            refuse_alike(error, self.params, f"another rank's piece of a weight holds a value without a "
+                                             f"result in {self.fmt.name} (see its error): that rank's "
+                                             "write-back stopped part way; restore from a checkpoint")
 
     def _round_all(self, live: list[int], store: bool) -> None:
         # fold_in(key, t, i) is fold_in(fold_in(key, t), i): the step's key, derived once.

@@ -47,9 +47,9 @@ from .sharding import (
     is_dtensor,
     layout,
     map_piece,
-    max_over_mesh,
     piece_randomness,
     quantize_range,
+    refuse_alike,
     round_range,
     summed,
     tensor_scales,
@@ -78,13 +78,8 @@ def _alike(x, may_refuse: bool, name: str, compute: Callable[..., T], *args, **k
         result, error = compute(*args, **kwargs), None
     except ValueError as err:
         result, error = None, err
-    refused = torch.tensor(float(error is not None), device=x.to_local().device)
-    max_over_mesh(refused, [x])
-    if error is not None:
-        raise error
-    if refused:
-        raise ValueError(f"{name}: another rank's piece of x holds an element without a result (see "
-                         "its error); nothing was written")  # fmt: skip
+    refuse_alike(error, [x], f"{name}: another rank's piece of x holds an element without a result (see "
+                             "its error); nothing was written")  # fmt: skip
     return result
 
 

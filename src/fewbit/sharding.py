@@ -36,8 +36,8 @@ from .rounding.compiled import index_bits, range_bits, stream_words
 __all__ = [
     "PairwiseReduceScatter", "Runs", "ShardLayout", "check_cuts", "check_whole_blocks", "global_amax",
     "global_bits", "is_dtensor", "layout", "local_tensor", "map_piece", "pairwise_sum", "piece_key",
-    "piece_randomness", "placement_offsets", "quantize_range", "replica_count", "replica_rank", "round_range",
-    "summed", "tensor_scales", "torch_offsets",
+    "piece_randomness", "placement_offsets", "quantize_range", "refuse_alike", "replica_count",
+    "replica_rank", "round_range", "summed", "tensor_scales", "torch_offsets",
 ]  # fmt: skip
 
 
@@ -426,6 +426,26 @@ def max_over_mesh(values: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     for mesh_dim in range(mesh.ndim):
         if any(t.placements[mesh_dim].is_shard() for t in tensors):
             dist.all_reduce(values, op=dist.ReduceOp.MAX, group=mesh.get_group(mesh_dim))
+
+
+def refuse_alike(error: ValueError | None, tensors: list[torch.Tensor], others: str) -> None:
+    """Raise on every rank if any rank that holds pieces of ``tensors`` met a ValueError
+    (``error``: this rank's, or None): one all-reduce of a flag per mesh that shards any
+    of them, so that no rank goes on to wait at a collective that ranks which raised never
+    reach. This rank raises its own error, or a ValueError saying ``others``. Without
+    sharded DTensors among ``tensors``, only its own."""
+    on_mesh: dict = {}
+    for t in tensors:
+        if is_dtensor(t) and any(p.is_shard() for p in t.placements):
+            on_mesh.setdefault(t.device_mesh, []).append(t)
+    if on_mesh:
+        refused = torch.tensor(float(error is not None), device=local_tensor(tensors[0]).device)
+        for group in on_mesh.values():
+            max_over_mesh(refused, group)
+        if error is None and refused:
+            raise ValueError(others)
+    if error is not None:
+        raise error
 
 
 def global_amax(t: torch.Tensor) -> float:

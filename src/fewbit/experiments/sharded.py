@@ -507,6 +507,23 @@ def _no_code(x, like):
     return _refused_alike(lambda t: fewbit.encode(t, "ocp_e2m1"), full, like)
 
 
+def _write_back_refused(x, like):
+    """LowPrecisionWeights over a weight laid out as x, in a format without NaN, after
+    the last rank's piece turned NaN: the step's error, on every rank."""
+    w = torch.nn.Parameter(x.detach().clone())
+    weights = LowPrecisionWeights(torch.optim.SGD([w], lr=0.1), "ocp_e2m1", params=[w])
+    full = x.full_tensor()
+    full[0, -1] = math.nan
+    with torch.no_grad():
+        w.copy_(like(full))
+    w.grad = like(torch.zeros(full.shape))
+    try:
+        weights.step()
+    except ValueError as err:
+        raise ValueError(f"write-back refused: {err}") from err
+    return w
+
+
 #: name -> (x's placement: S0, S1, R or P, its shape, the call of x and of ``like``, which
 #: lays a full tensor out as x). A Partial x is the ranks' equal shares of the tensor.
 OPS_CASES = {
@@ -537,6 +554,7 @@ OPS_CASES = {
     "round out= refused on one rank, shard1": ("S1", (6, 10), _no_result_out),
     "block.round out= refused on one rank, shard0": ("S0", (4, 64), _block_no_result_out),
     "encode refused on one rank, shard1": ("S1", (6, 10), _no_code),
+    "write-back refused on one rank, shard1": ("S1", (6, 10), _write_back_refused),
 }
 
 
