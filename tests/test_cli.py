@@ -299,8 +299,21 @@ def test_round_says_a_negative_value_is_below_an_unsigned_format(capsys):
     """p3109_k8p4ue has no negative values: no neighbours (its code 0x00 twice, before)."""
     code, out, _ = run(capsys, "round", "--format", "p3109_k8p4ue", "--", "-0.3")
     assert code == 0
-    assert "x is below 0, the smallest value of p3109_k8p4ue (an unsigned format)" in out
+    assert "x is below 0, and p3109_k8p4ue is unsigned: its smallest value is 0.0" in out
     assert "neighbours" not in out
+
+
+@pytest.mark.parametrize("x, says, rne", [
+    ("0", "x is below the smallest value of ocp_e8m0, 5.877471754111438e-39 (it has no zero)",
+     "5.877471754111438e-39"),
+    ("-1", "x is below 0, and ocp_e8m0 is unsigned: its smallest value is 5.877471754111438e-39", "nan"),
+])  # fmt: skip
+def test_round_says_where_x_lies_below_e8m0(capsys, x, says, rne):
+    """E8M0 holds 2^-127 .. 2^127 and no zero: 0 lies below its smallest value, not beyond
+    a most negative one (as it said), and rounds to 2^-127; -1 has no value (NaN)."""
+    code, out, _ = run(capsys, "round", "--format", "ocp_e8m0", "--", x)
+    assert code == 0 and says in out and "neighbours" not in out
+    assert out.splitlines()[3].split() == ["rne", rne, rne]
 
 
 @pytest.mark.parametrize("nproc", ["3", "8"])

@@ -131,9 +131,11 @@ def cmd_round(args: argparse.Namespace) -> int:
     if math.isnan(stored):
         print("x is NaN")
     elif stored < 0 and not fmt.signed:
-        print(f"x is below 0, the smallest value of {fmt.name} (an unsigned format)")
+        print(f"x is below 0, and {fmt.name} is unsigned: its smallest value is {fmt.min!r}")
     elif stored > fmt.max:
         print(f"x is beyond the largest finite value of {fmt.name}, {fmt.max!r}")
+    elif stored < fmt.min and fmt.min > 0:  # E8M0: no zero
+        print(f"x is below the smallest value of {fmt.name}, {fmt.min!r} (it has no zero)")
     elif stored < fmt.min:  # (two's complement intM reaches one step further below: -2)
         print(f"x is beyond the most negative finite value of {fmt.name}, {fmt.min!r}")
     else:
