@@ -153,14 +153,16 @@ def from_e8m0(data: torch.Tensor, codes: torch.Tensor) -> ScaledTensor:
 def _statistic(t: ScaledTensor, stat: Stat) -> torch.Tensor:
     d, s = parts(t)
     a = d.to(compute_dtype(d.dtype)).abs()
-    if stat == "max":
+    if stat not in ("max", "l1", "l2"):
+        raise ValueError(f"statistic must be 'max', 'l1' or 'l2', not {stat!r}")
+    if a.numel() == 0:
+        v = a.new_zeros(())  # no data: 0, which keeps the scale (dynamic_scale)
+    elif stat == "max":
         v = a.amax()
     elif stat == "l1":
         v = a.mean()
-    elif stat == "l2":
-        v = a.square().mean().sqrt()
     else:
-        raise ValueError(f"statistic must be 'max', 'l1' or 'l2', not {stat!r}")
+        v = a.square().mean().sqrt()
     return (v if is_static(s, 1.0) else v * s).to(torch.float32)
 
 

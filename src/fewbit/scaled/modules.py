@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .casts import Stat, dynamic_scale
-from .tensor import ScaledTensor, as_scaled, wrap
+from .tensor import ScaledTensor, as_scaled, compute_dtype, wrap
 
 
 def scalify(module: nn.Module, dtype: torch.dtype | None = None, rescale: Stat | None = "l2",
@@ -26,13 +26,16 @@ def scalify(module: nn.Module, dtype: torch.dtype | None = None, rescale: Stat |
             if p is None or isinstance(p, ScaledTensor):
                 continue
             if id(p) not in done:
-                data = p.detach().to(dtype or p.dtype, copy=True)
+                # The scale from the parameter itself, divided out in the wider of its dtype
+                # and the compute dtype, then rounded once: a narrower dtype would first
+                # flush small parameters to zero and large ones to inf.
+                store = dtype or p.dtype
+                data = p.detach().to(torch.promote_types(compute_dtype(p.dtype), store), copy=True)
                 if rescale is not None:
                     s = dynamic_scale(as_scaled(data), rescale, 1.0, pow2)
-                    t = wrap(data / s if data.dtype not in (torch.float16, torch.bfloat16)
-                             else (data.float() / s).to(data.dtype), s)
+                    t = wrap((data / s).to(store), s)
                 else:
-                    t = as_scaled(data)
+                    t = as_scaled(data.to(store))
                 done[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
             m._parameters[name] = done[id(p)]
     return module

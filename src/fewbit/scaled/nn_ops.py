@@ -50,10 +50,10 @@ def _to(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 # --- matmuls and convolutions ----------------------------------------------------------
 
-@rule(aten.mm, aten.bmm)
+@rule(aten.mm, aten.bmm, aten.mv, aten.dot)
 def _mm(func, a, b):
-    """mm, bmm (and matmul, linear, which decompose into them): scale sa sb (times the
-    unit-scaling factor when fewbit's setting unit_scaling is on)."""
+    """mm, bmm, mv, dot (and matmul, linear, which decompose into them): scale sa sb
+    (times the unit-scaling factor when fewbit's setting unit_scaling is on)."""
     da, sa = parts(scalar_scale(a))
     db, sb = parts(scalar_scale(b))
     return _product(func(da, db), smul(sa, sb), da.shape[-1])
@@ -90,13 +90,17 @@ def _with_bias(fused: Callable, product: Callable, p: Scale, k: int, bias: Any, 
     return wrap(*lincomb([(_product(product(), p, k), alpha), (bias, beta)]))
 
 
-@rule(aten.addmm, aten.baddbmm)
+#: The product of each op with a bias: addmm's is mm.
+_WITHOUT_BIAS = {aten.addmm: aten.mm, aten.baddbmm: aten.bmm, aten.addmv: aten.mv}
+
+
+@rule(*_WITHOUT_BIAS)
 def _addmm(func, bias, a, b, *, beta=1, alpha=1):
-    """addmm, baddbmm (linear with a bias): alpha (a @ b) at scale sa sb (times the unit
-    factor) plus beta bias, so scale max(|alpha| sa sb, |beta| s_bias)."""
+    """addmm, baddbmm, addmv (linear with a bias): alpha (a @ b) at scale sa sb (times the
+    unit factor) plus beta bias, so scale max(|alpha| sa sb, |beta| s_bias)."""
     da, sa = parts(scalar_scale(a))
     db, sb = parts(scalar_scale(b))
-    mm = aten.mm if func.overloadpacket is aten.addmm else aten.bmm
+    mm = _WITHOUT_BIAS[func.overloadpacket]
     return _with_bias(lambda c, coef: func(c, da, db, beta=beta, alpha=coef), lambda: mm(da, db),
                       smul(sa, sb), da.shape[-1], bias, alpha, beta)
 

@@ -72,6 +72,17 @@ def _layout(func, x, *args, **kwargs):
     return wrap(out, _compact(so))
 
 
+@rule(aten.view.dtype)
+def _view_dtype(func, x, dtype):
+    """view(dtype) of another dtype: refused (TypeError); the data's bits read as another
+    dtype have no value at the scale (view ``t.unscaled`` instead)."""
+    if dtype != x.dtype:
+        raise TypeError(f"view({dtype}) of a ScaledTensor of {x.dtype}: its data's bits have no value "
+                        "at its scale; view t.unscaled instead")
+    d, s = parts(x)
+    return wrap(func(d, dtype), s)
+
+
 @rule(aten.as_strided)
 def _as_strided(func, x, *args, **kwargs):
     """as_strided: scale s (a per-channel scale is first made one scale)."""
@@ -111,10 +122,15 @@ def _overflow_factor(d: torch.Tensor, out: torch.Tensor, s: Scale) -> Scale:
     # 1 where out, d cast, holds d's finite values; else the power of two 2^k >= max |d|.
     # A number where it can be read: eager on the host, or a static scale (which stays
     # static; an accelerator syncs). Traced, a tensor (1 where the data fit).
-    if torch.finfo(out.dtype).max >= torch.finfo(d.dtype).max:
+    info = torch.finfo(out.dtype)
+    if info.max >= torch.finfo(d.dtype).max or d.numel() == 0:
         return 1.0
-    top = torch.where(d.isfinite(), d.abs(), 0).amax()
-    f = torch.where(top.to(out.dtype).isinf(), round_pow2(top.float(), "up"), 1.0)
+    # A cast overflows from max + half an ulp of the top binade (it rounds to nearest).
+    # Compared with that, not tested on a cast (isinf), which Inductor leaves out: the
+    # same bits eager and compiled.
+    edge = info.max + info.eps * 2.0 ** math.floor(math.log2(info.max)) / 2
+    top = torch.where(d.isfinite(), d.abs(), 0).amax().to(compute_dtype(d.dtype))
+    f = torch.where(top >= edge, round_pow2(top.float(), "up"), 1.0)
     return f.item() if type(f) is torch.Tensor and (f.is_cpu or is_static(s)) else f
 
 
@@ -122,8 +138,10 @@ def _overflow_factor(d: torch.Tensor, out: torch.Tensor, s: Scale) -> Scale:
 def _copy(func, dest, src, non_blocking=False):
     """Functional copy (for copy_): src's values in dest's shape and dtype, scale of src
     (cast by the cast's rule first: where its data would overflow dest's dtype, a power
-    of two moves into the scale)."""
-    if isinstance(src, ScaledTensor) and src.dtype != dest.dtype and dest.dtype.is_floating_point:
+    of two moves into the scale); into a non-float dest, src's values (a plain tensor)."""
+    if not dest.dtype.is_floating_point:
+        return func(dest, value(src), non_blocking)
+    if isinstance(src, ScaledTensor) and src.dtype != dest.dtype:
         src = aten._to_copy.default(src, dtype=dest.dtype)
     d, s = parts(src)
     return wrap(func(parts(dest)[0], d, non_blocking), s)
@@ -136,10 +154,10 @@ def _factory(func, x, args, kwargs, fill_scale: float):
     return wrap(out, fill_scale) if out.is_floating_point() else out
 
 
-@rule(aten.zeros_like, aten.zero)
+@rule(aten.zeros_like, aten.zero, aten.empty_like, aten.new_empty, aten.new_empty_strided)
 def _zeros(func, x, *args, **kwargs):
-    """Zeros: scale 0, the zero array (optimizer state starts here and takes the scale
-    of the first value written into it)."""
+    """Zeros, empty: scale 0, the zero array (optimizer state starts here and takes the
+    scale of the first value written into it, as ``empty_like(x).copy_(x)`` takes x's)."""
     return _factory(func, x, args, kwargs, 0.0)
 
 
@@ -153,10 +171,9 @@ def _new_zeros(func, x, *args, **kwargs):
     return _factory(func, x, args, kwargs, s.amax() if isinstance(s, torch.Tensor) and s.dim() else s)
 
 
-@rule(aten.ones_like, aten.new_ones, aten.empty_like, aten.new_empty, aten.new_empty_strided,
-      aten.rand_like, aten.randn_like)
+@rule(aten.ones_like, aten.new_ones, aten.rand_like, aten.randn_like)
 def _ones(func, x, *args, **kwargs):
-    """Ones, empty, random: scale 1 (the seed of backward is ``ones_like(loss)``)."""
+    """Ones, random: scale 1 (the seed of backward is ``ones_like(loss)``)."""
     return _factory(func, x, args, kwargs, 1.0)
 
 
@@ -542,14 +559,21 @@ def _maximum(func, a, b):
 
 @rule(aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default)
 def _clamp(func, x, lo=None, hi=None):
-    """clamp by numbers: scale s (the bounds are divided by s)."""
+    """clamp by numbers: scale s (the bounds are divided by s; one beyond the data
+    dtype's range is ±inf there, which bounds no finite data)."""
     d, s = parts(x)
     if is_static(s, 0.0):
         return _on_values(func, x, lo, hi) if hi is not None else _on_values(func, x, lo)
     if func.overloadpacket is aten.clamp_max:
         lo, hi = None, lo
-    bound = [None if c is None else at_scale(c, s) for c in (lo, hi)]
-    return wrap(torch.clamp(d, *bound), s)
+
+    def bound(c: Any) -> Any:
+        b = at_scale(c, s)
+        if is_static(b) and abs(b) > torch.finfo(d.dtype).max:
+            return math.copysign(math.inf, b)
+        return b
+
+    return wrap(torch.clamp(d, *(None if c is None else bound(c) for c in (lo, hi))), s)
 
 
 @rule(aten.clamp.Tensor)
@@ -598,8 +622,11 @@ def _merge(func, x, *args, **kwargs):
     i = 1 if func.overloadpacket is aten.index_put else 2
     src = scalar_scale(args[i])
     s = common_scale(x, src)
-    args = (*args[:i], at_scale(src, s), *args[i + 1:])
-    return wrap(func(at_scale(x, s), *args, **kwargs), s)
+    d, v = at_scale(x, s), at_scale(src, s)
+    if func is aten.scatter.value and isinstance(v, torch.Tensor):
+        # A number at a tensor scale is a tensor, which scatter.value does not take.
+        func, v = aten.scatter.src, v.to(d.dtype).expand(args[1].shape)
+    return wrap(func(d, *args[:i], v, *args[i + 1:], **kwargs), s)
 
 
 # --- reductions ----------------------------------------------------------------------
@@ -611,6 +638,13 @@ def _reduce(func, x, *args, **kwargs):
         return _on_values(func, x, *args, **kwargs)
     d, s = parts(scalar_scale(x))
     return wrap(func(d, *args, **kwargs), s)
+
+
+@rule(aten._foreach_norm)
+def _foreach_norm(func, tensors, ord=2, dtype=None):
+    """_foreach_norm (clip_grad_norm_'s foreach path): linalg_vector_norm of each tensor,
+    scale s."""
+    return [aten.linalg_vector_norm.default(t, ord, dtype=dtype) for t in tensors]
 
 
 @rule(aten.max.default, aten.min.default, aten.max.dim, aten.min.dim)

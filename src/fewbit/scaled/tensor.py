@@ -14,10 +14,10 @@ sees a constant.
 
 from __future__ import annotations
 
-import math
+import copy
 import warnings
 from collections.abc import Callable
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -51,6 +51,13 @@ def check_dtype(dtype: torch.dtype) -> None:
 class NoRuleError(NotImplementedError):
     """An op without a rule met a ScaledTensor while fewbit's setting ``scaled_fallback``
     is ``"error"`` (``with fewbit.configure(scaled_fallback="error"): ...``)."""
+
+
+#: Whether this torch has the private functions that rebuild a wrapper subclass
+#: (ScaledTensor.__reduce_ex__).
+_REBUILD = all(hasattr(module, name) for module, name in (
+    (torch._utils, "_rebuild_wrapper_subclass"), (torch._utils, "_get_obj_state"),
+    (torch._tensor, "_rebuild_from_type_v2"), (torch.Tensor, "_clear_non_serializable_cached_data")))
 
 
 class ScaledTensor(torch.Tensor):
@@ -137,6 +144,34 @@ class ScaledTensor(torch.Tensor):
 
         return post_all_gather(self, outputs, metadata, param_dtype, out=out)
 
+    # torch pickles and deep-copies a wrapper subclass (a tensor without storage of its
+    # own) from its metadata and Python state where data_ptr() == 0, which a view at a
+    # storage offset (t[1:]) is not. There, the same as torch does at offset 0, through
+    # torch's private rebuild functions (where this torch has them: _REBUILD; else
+    # torch's own way, which fails for such a view as before; tests/test_scaled.py fails first).
+    def _wrapper_args(self) -> tuple:
+        return (type(self), self.dtype, tuple(self.size()), self.stride(), self.storage_offset(),
+                self.layout, self.device, self.requires_grad)
+
+    def __reduce_ex__(self, proto):
+        if self.storage_offset() == 0 or not _REBUILD:
+            return super().__reduce_ex__(proto)
+        self._clear_non_serializable_cached_data()
+        state = torch._utils._get_obj_state(self)
+        return (torch._tensor._rebuild_from_type_v2,
+                (torch._utils._rebuild_wrapper_subclass, type(self), self._wrapper_args(), state))
+
+    def __deepcopy__(self, memo: dict) -> ScaledTensor:
+        if self.storage_offset() == 0 or not _REBUILD:
+            return super().__deepcopy__(memo)
+        if id(self) not in memo:
+            new = torch._utils._rebuild_wrapper_subclass(*self._wrapper_args())
+            new.__dict__ = copy.deepcopy(self.__dict__, memo)
+            if self.grad is not None:
+                new.grad = copy.deepcopy(self.grad, memo)
+            memo[id(self)] = new
+        return memo[id(self)]
+
     def __tensor_flatten__(self) -> tuple[list[str], tuple]:
         inner = ["_data"] if self._scale is None else ["_data", "_scale"]
         return inner, (self._static,)
@@ -212,13 +247,13 @@ def _checked(data: torch.Tensor, scale: torch.Tensor | float | None) -> tuple[to
 def check_scale(scale: torch.Tensor | float, data: torch.Tensor, positive: bool = False) -> Scale:
     """scale as rules hold it (a float, or a float32 tensor), after checking that it is
     a number or float tensor on data's device, broadcastable to data, finite and >= 0
-    (> 0 with ``positive``). Raises TypeError or ValueError naming the problem."""
-    bound = "> 0" if positive else ">= 0"
+    (> 0 with ``positive``) as a float32 number: one that float32 rounds to inf, or to 0
+    from a nonzero value, is refused too. Raises TypeError or ValueError naming the problem."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float, torch.Tensor)):
         raise TypeError(f"scale must be a float or a float tensor, not {type(scale).__name__}")
     if not isinstance(scale, torch.Tensor):
-        if not (math.isfinite(scale) and (scale > 0 if positive else scale >= 0)):
-            raise ValueError(f"scale must be finite and {bound}, got {scale}")
+        # A static scale is float32 too (``ScaledTensor.scale``), though held as a float.
+        _check_float32(torch.tensor(float(scale), dtype=torch.float64), positive, f", got {scale}")
         return float(scale)
     if not scale.is_floating_point():
         raise TypeError(f"scale must have a floating dtype, not {scale.dtype}")
@@ -231,11 +266,18 @@ def check_scale(scale: torch.Tensor | float, data: torch.Tensor, positive: bool 
     if shape != data.shape:
         raise ValueError(f"scale of shape {tuple(scale.shape)} does not broadcast to data's "
                          f"shape {tuple(data.shape)}")
-    scale = scale.detach().to(torch.float32)
-    ok = torch.isfinite(scale) & ((scale > 0) if positive else (scale >= 0))
+    return _check_float32(scale.detach(), positive, " everywhere")
+
+
+def _check_float32(scale: torch.Tensor, positive: bool, where: str) -> torch.Tensor:
+    # scale as float32, or ValueError: not finite, negative (zero with positive), or
+    # rounded to inf or to 0 from a nonzero value by the cast.
+    s = scale.to(torch.float32)
+    ok = torch.isfinite(s) & ((s > 0) if positive else (s >= 0)) & ((s != 0) | (scale == 0))
     if not bool(ok.all()):
-        raise ValueError(f"scale must be finite and {bound} everywhere")
-    return scale
+        raise ValueError(f"scale must be finite and {'> 0' if positive else '>= 0'} in float32 "
+                         f"(2^-149 to 2^128){where}")
+    return s
 
 
 def _canonical(scale: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -340,13 +382,17 @@ def _lookup(func: torch._ops.OpOverload) -> Callable | None:
         if any(_lookup(o) for o in _overloads(func.overloadpacket) if o is not func):
             found = partial(_out_variant, func.overloadpacket)
     if found is None and name.startswith("_foreach_"):
-        base = getattr(aten, name[len("_foreach_"):], None)
+        op = name[len("_foreach_"):]
+        # An in-place op that aten lacks (maximum_, Adam's amsgrad): the functional one,
+        # stored back.
+        store = op.endswith("_") and not hasattr(aten, op)
+        base = getattr(aten, op[:-1] if store else op, None)
         if base is not None and any(_lookup(o) for o in _overloads(base)):
-            found = partial(_foreach, base, name.endswith("_"))
+            found = partial(_foreach, base, name.endswith("_"), store)
     elif found is None and name.endswith("_") and not name.startswith("_"):
         functional = _functional(func)
         if functional is not None and _lookup(functional) is not None:
-            found = inplace
+            found = _view_in_place if torch.Tag.inplace_view in func.tags else inplace
     if found is not None and _is_aliasing(func):
         found = partial(_aliasing, found)
     _CACHE[func] = found
@@ -359,10 +405,20 @@ def _aliasing(rule: Callable, func, *args, **kwargs):
     return return_and_correct_aliasing(func, args, kwargs, rule(func, *args, **kwargs))
 
 
+@cache
 def _functional(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
-    # aten.op_.overload -> aten.op.overload
+    # aten.op_.overload -> the aten.op overload with the same arguments: the same name
+    # where that matches, as it mostly does (pow_.Scalar is pow(Tensor, Scalar), which is
+    # pow.Tensor_Scalar; pow.Scalar is pow(Scalar, Tensor)).
     packet = getattr(aten, func.overloadpacket.__name__[:-1], None)
-    return getattr(packet, func._overloadname, None)
+    if packet is None:
+        return None
+
+    def signature(op: torch._ops.OpOverload) -> list:
+        return [(a.name, a.type, a.kwarg_only) for a in op._schema.arguments]
+
+    ops = sorted(_overloads(packet), key=lambda o: o._overloadname != func._overloadname)
+    return next((o for o in ops if signature(o) == signature(func)), None)
 
 
 def inplace(func, dest, *args, **kwargs):
@@ -371,14 +427,24 @@ def inplace(func, dest, *args, **kwargs):
     return assign(dest, _functional(func)(dest, *args, **kwargs))
 
 
+def _view_in_place(func, x, *args, **kwargs):
+    # squeeze_, t_, ... (torch.Tag.inplace_view): x becomes its view by the functional op.
+    # Its data and scale are new objects (as_scaled's caller may hold the data, other
+    # ScaledTensors the scale), and the wrapper takes the view's shape and strides.
+    new = _functional(func)(x, *args, **kwargs)
+    x._data, x._scale, x._static = new._data, new._scale, new._static
+    return return_and_correct_aliasing(func, (x, *args), kwargs, x)
+
+
 def _out_variant(packet, func, *args, out, **kwargs):
     # op(..., out=t) is op(...) stored into t.
     return assign(out, packet(*args, **kwargs))
 
 
-def _foreach(base, inplace: bool, func, *args, **kwargs):
+def _foreach(base, inplace: bool, store: bool, func, *args, **kwargs):
     # _foreach_op(lists...) is op on each index; a non-list argument goes to every call.
-    # Arguments keyword-only in op (alpha, value) come positionally in _foreach_op.
+    # Arguments keyword-only in op (alpha, value) come positionally in _foreach_op. With
+    # store, base is functional and each result is stored into the first list's tensor.
     schema = getattr(base, base.overloads()[0])._schema.arguments[:len(args)]
 
     def call(i: int):
@@ -388,7 +454,8 @@ def _foreach(base, inplace: bool, func, *args, **kwargs):
         pos = [pick(a) for a, arg in zip(args, schema, strict=True) if not arg.kwarg_only]
         kw = {arg.name: pick(a) for a, arg in zip(args, schema, strict=True) if arg.kwarg_only}
         kw.update({k: pick(v) for k, v in kwargs.items()})
-        return base(*pos, **kw)
+        out = base(*pos, **kw)
+        return assign(pos[0], out) if store else out
 
     outs = [call(i) for i in range(len(args[0]))]
     return None if inplace else outs
