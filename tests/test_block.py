@@ -474,3 +474,21 @@ def test_a_format_has_one_name_whichever_alias_reaches_it():
 def test_a_0d_tensor_is_refused_for_what_it_is():
     with pytest.raises(ValueError, match="at least one dimension"):
         block.round(torch.tensor(1.0), "mxfp4")
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4"])
+def test_quantize_refuses_an_inference_blocktensor_as_out_before_writing_it(name):
+    """Outside inference mode torch refuses to write an inference tensor: quantize refuses
+    such an out first, as fewbit.round(out=) and block.round(out=) do, and writes none of
+    its codes, scales or tensor scale (before: written, then refused, or not at all)."""
+    x = torch.linspace(-3, 3, 4 * 64).view(4, 64)
+    with torch.inference_mode():
+        stored = block.quantize(torch.zeros(4, 64), name)
+    before = [t.clone() for t in (stored.codes, stored.scales, stored.tensor_scale) if t is not None]
+    with pytest.raises(RuntimeError, match="fewbit.block.quantize: out is an inference tensor"):
+        block.quantize(x, name, out=stored)
+    after = [t for t in (stored.codes, stored.scales, stored.tensor_scale) if t is not None]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    with torch.inference_mode():  # inside, as torch's own ops
+        assert block.quantize(x, name, out=stored) is stored
+        assert torch.equal(stored.dequantize(), block.round(x, name))

@@ -184,3 +184,42 @@ def test_native_decode_is_the_torch_lookup(name, code_dtype, packed):
                     fewbit.decode(bad, fmt)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_decode_refuses_codes_that_wrap_in_32_bits():
+    """Codes wider than 32 bits are checked as they are: 2^32 + 5 is no code of an 8-bit
+    format (as int32 it would be code 5), and a uint64 of 2^63 or more neither."""
+    want = fewbit.decode(torch.tensor([5], dtype=torch.uint8), "binary8p4")
+    assert torch.equal(fewbit.decode(torch.tensor([5]), "binary8p4"), want)
+    bad = [torch.tensor([2**32 + 5]), torch.tensor([-(2**32) + 5]), torch.tensor([2**40]),
+           torch.tensor([5, 2**32 + 5], dtype=torch.uint64), torch.tensor([2**63 + 5], dtype=torch.uint64)]
+    for codes in bad:
+        with pytest.raises(ValueError, match=r"codes of binary8p4 lie in \[0, 256\)"):
+            fewbit.decode(codes, "binary8p4")
+    with pytest.raises(ValueError, match=r"codes of binary16 lie in \[0, 65536\)"):
+        fewbit.decode(torch.tensor([2**32 + 5]), "binary16")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_encode_and_decode_of_strided_tensors_give_contiguous_results_as_compiled(native):
+    """encode and decode of a transposed tensor give contiguous results, as their fake
+    kernels say: a compiled caller lays out what follows by those (before: a crash on the
+    strides under torch.compile)."""
+    from fewbit.config import configure
+
+    gen = torch.Generator().manual_seed(5)
+    x = fewbit.round(torch.randn(6, 8, generator=gen, dtype=torch.float64), "ocp_e2m1", sat=True).t()
+    codes = torch.randint(0, 1 << 4, (6, 8), generator=gen).t()  # int64, as torch.randint gives
+    calls = [
+        (lambda t: fewbit.encode(t, "ocp_e2m1"), x),
+        (lambda t: fewbit.encode(t, "ocp_e2m1", packed=True), x.float()),
+        (lambda t: fewbit.decode(t, "ocp_e2m1"), codes),
+        (lambda t: fewbit.decode(t, "ocp_e2m1"), codes.to(torch.uint8)),
+    ]
+    with configure(native=native, compile=native):
+        for i, (f, t) in enumerate(calls):
+            want = f(t.contiguous())
+            got = f(t)
+            assert torch.equal(got, want) and got.is_contiguous(), i
+            compiled = torch.compile(lambda t, f=f: f(t) + 1, fullgraph=True)
+            assert torch.equal(compiled(t), want + 1), i

@@ -704,3 +704,34 @@ def test_vmap_rounds_each_sample_as_a_call_of_its_own():
         with torch.profiler.profile() as profile:
             torch.vmap(f)(x)
         assert sum(e.name == "fewbit::round" for e in profile.events()) == 1 + calls  # (1: vmap's own)
+
+
+def test_vmap_refuses_a_block_axis_that_a_call_on_a_sample_refuses():
+    """A block axis that is none of a sample's, and a 0-d sample, are refused under
+    torch.vmap with the error a call on a sample gives (before: the axis named the
+    batch's, and blocks ran across samples). A negative axis within a sample's counts
+    from its end."""
+    rows = torch.tensor([[1.0, 0.3], [0.01, 2.5], [100.0, 0.2]])
+    with pytest.raises(ValueError, match="axis -2 is out of range for a tensor of 1 dimensions"):
+        torch.vmap(lambda s: fewbit.block.round(s, "mxfp4", axis=-2))(rows)
+    with pytest.raises(ValueError, match="at least one dimension"):
+        torch.vmap(lambda s: fewbit.block.round(s, "mxfp4"))(rows[:, 0])
+    x = torch.randn(3, 5, 2, generator=torch.Generator().manual_seed(4)) * 10
+    for axis in (-2, -1, 0, 1):
+        f = lambda s, axis=axis: fewbit.block.round(s, "mxfp4", axis=axis)  # noqa: E731
+        assert torch.equal(torch.vmap(f)(x), torch.stack([f(s) for s in x])), axis
+
+
+def test_vmap_refuses_random_bits_shaped_otherwise_than_a_sample():
+    """Bits given alike for every sample have a sample's shape: others are refused under
+    torch.vmap with the error a call on a sample gives (before: broadcast over the batch)."""
+    one = torch.tensor([5], dtype=torch.int32)
+    calls = [lambda s: fewbit.round(s, "binary8p4", "srf", bits=3, random_bits=one),
+             lambda s: fewbit.quantize(s, "binary8p4", "srf", bits=3, random_bits=one),
+             lambda s: fewbit.block.round(s, "mxfp8_e4m3", "srf", bits=3, random_bits=one)]  # fmt: skip
+    samples = torch.randn(3, 32)
+    for f in calls:
+        with pytest.raises(ValueError, match=r"random_bits has shape \(1,\), x has \(32,\)"):
+            f(samples[0])
+        with pytest.raises(ValueError, match=r"random_bits has shape \(1,\), x has \(32,\)"):
+            torch.vmap(f)(samples)

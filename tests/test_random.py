@@ -516,3 +516,24 @@ def test_cuda_matches_cpu():
     assert torch.equal(
         compiled(9, *KEY.tensors("cuda")).cpu(), random_bits(100_003, 3, KEY, offset=9)
     )
+
+
+@pytest.mark.parametrize("tracing_mode", ["fake", "symbolic"])
+def test_an_int_or_key_seed_under_fake_tensors_and_make_fx(tracing_mode):
+    """Under a dispatch mode (fake tensors, make_fx) a seed's key tensor is made by torch
+    ops, which the mode sees: a fake tensor, a constant of the graph (before: a real
+    tensor, refused among fake ones). The graph, run on real inputs, draws eager's bits."""
+    import functools
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    assert fr._DISPATCH_MODES is not None, "torch lost the query: every key is made the slow way"
+    gen = torch.Generator().manual_seed(8)
+    for seed in (1, Key(3, 4)):
+        f = functools.partial(fewbit.round, fmt="e4m3", mode="src", bits=3, seed=seed)
+        graph = make_fx(f, tracing_mode=tracing_mode)(torch.randn(4, 8))
+        x = torch.randn(4, 8, generator=gen)
+        assert torch.equal(graph(x), f(x)), seed
+        with FakeTensorMode():
+            assert fewbit.round(torch.randn(4, 8), "e4m3", "src", bits=3, seed=seed).shape == (4, 8)

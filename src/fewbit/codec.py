@@ -28,7 +28,15 @@ from .rounding import RoundMode, gpu, native
 from .rounding.checks import check_random_bits, check_tensor, dtype_format
 from .rounding.compiled import stream_words
 from .rounding.fast import _LAYOUT, decompose, working_dtype
-from .rounding.ops import checked_spec, fake_checks, format_name, lookup_format, no_result, op_args
+from .rounding.ops import (
+    batch_bits,
+    checked_spec,
+    fake_checks,
+    format_name,
+    lookup_format,
+    no_result,
+    op_args,
+)
 from .rounding.ops import round_into as round_values_into
 
 __all__ = ["code_dtype", "codes_of", "decode", "encode", "pack_pairs", "quantize"]
@@ -180,7 +188,7 @@ def _codes(x: torch.Tensor, fmt: FloatFormat, packed: bool, check: bool) -> torc
         code = code & ((1 << fmt.k) - 1)
     if packed:
         code = pack_pairs(code)
-    return code.to(dtype)
+    return code.to(dtype, memory_format=torch.contiguous_format)  # as the fake kernel's (x's may be strided)
 
 
 def _empty(like: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -239,11 +247,11 @@ def _quantize(
 @_quantize.register_vmap
 def _(x, fmt, rounding, sat, bits, fraction, key, random_bits, packed):
     """As round's and encode's: one call for a batch rounded deterministically or with
-    bits given the same for every sample (a key draws each sample's own: a call each)."""
-    if key is not None or (packed and x.dim() < 2):
+    bits given the same for every sample (``batch_bits``)."""
+    given = batch_bits(x, key, random_bits)
+    if given is None or (packed and x.dim() < 2):
         return None
-    given = None if random_bits is None else random_bits.expand(x.shape)
-    return x, fmt, rounding, sat, bits, fraction, key, given, packed
+    return x, fmt, rounding, sat, bits, fraction, key, *given, packed
 
 
 @_quantize.register_fake
@@ -288,7 +296,11 @@ def _decode(codes: torch.Tensor, fmt: str, dtype: torch.dtype, packed: bool) -> 
             if bad >= 0:
                 raise _no_code(fmt)
             return out
-    code = codes.to(torch.int32)
+    # Contiguous, as the fake kernel's result. Codes wider than 32 bits are checked before
+    # they narrow (int32 of an int64 2^32 + 5 is code 5); uint64, which has no min/max, as
+    # int64, where one of 2^63 or more is negative and refused like one.
+    wide = codes.element_size() > 4
+    code = codes.to(torch.int64 if wide else torch.int32).contiguous()  # (to() may alias strided int64)
     if codes.dtype == torch.int16:
         code = code & 0xFFFF  # int16 holds the 16-bit pattern
     if packed:

@@ -179,12 +179,19 @@ class Key:
         return key_tensor([self.k0, self.k1], device).unbind()
 
 
+#: torch's private count of the dispatch modes active (fake tensors, make_fx, a user's), as
+#: ``operators.unseen`` reads it; None where this torch lacks it (tests/test_random.py fails first).
+_DISPATCH_MODES = getattr(torch._C, "_len_torch_dispatch_stack", None)
+
+
 def key_tensor(values: Sequence[int], device: torch.device | str | None) -> torch.Tensor:
     """int64 tensor of ``values`` on ``device``, for keys that a kernel takes as data.
     To a GPU it travels from pinned memory without blocking: a copy from ordinary
     memory first waits for all queued work, which would put each call's host overhead
     after the previous call's kernel instead of beside it."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _DISPATCH_MODES is None or _DISPATCH_MODES():
+        # Made by torch ops, which the active mode sees (a fake tensor under FakeTensorMode, a
+        # constant of make_fx's graph): frombuffer makes a real tensor that no mode sees.
         return torch.tensor(values, dtype=torch.int64, device=device)
     # Made per call with a seed: over an array, 1.5 us; torch.tensor of a list takes 5.
     host = torch.frombuffer(array.array("q", values), dtype=torch.int64)

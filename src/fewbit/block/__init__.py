@@ -26,7 +26,7 @@ from ..formats import format as element_format
 from ..random import Key
 from ..rounding import RoundMode
 from ..rounding.checks import check_round_args
-from ..rounding.ops import call_with_out
+from ..rounding.ops import call_with_out, check_writable
 from .formats import SCALE_RULES, BlockFormat, ScaleRule, format, names
 from .kernel import from_block_layout, work_dtype
 from .ops import (
@@ -131,6 +131,7 @@ def quantize(
     if out.shape != x.shape:
         raise ValueError(f"out holds a tensor of shape {tuple(out.shape)}, x has {tuple(x.shape)}")
     ts = out.tensor_scale if out.tensor_scale is not None else x.new_ones((), dtype=torch.float32)
+    check_writable("fewbit.block.quantize", out.codes, out.scales, ts)
     block_quantize_into_op(*args, out.format.name, out.axis, out.codes, out.scales, ts)
     return out
 

@@ -31,7 +31,7 @@ from ..rounding.compiled import (
     word_tensors,
 )
 from ..rounding.modes import parse_mode
-from ..rounding.ops import _check_out, _overlaps, check_key, name_for_op, op_key
+from ..rounding.ops import _check_out, _overlaps, batch_bits, check_key, name_for_op, op_key
 from .formats import BlockFormat, check_rule, check_storable
 from .formats import format as block_format
 from .kernel import (
@@ -316,14 +316,17 @@ def block_round_op(
 @block_round_op.register_vmap
 def _(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule):
     """One call for a batch rounded deterministically, or with bits given the same for
-    every sample, its block axis counted past the batch's (a key draws each sample's own
-    bits, and NVFP4 takes each sample's own tensor scale: a call each)."""
+    every sample (``batch_bits``), its block axis counted past the batch's. A call each
+    where NVFP4 takes each sample's own tensor scale, and where the axis is none of a
+    sample's (or a sample is 0-d): that call refuses it, which one call would take for
+    another axis of the batch."""
     fmt = lookup(bfmt)
-    if key is not None or fmt.tensor_scale:
-        return None
+    given = batch_bits(x, key, random_bits)
     axis = fmt.axis if axis is None else axis
-    given = None if random_bits is None else random_bits.expand(x.shape)
-    return x, bfmt, rounding, sat, bits, fraction, key, given, axis + 1 if axis >= 0 else axis, rule
+    dims = x.dim() - 1  # a sample's
+    if given is None or fmt.tensor_scale or not -dims <= axis < dims:
+        return None
+    return x, bfmt, rounding, sat, bits, fraction, key, *given, axis % dims + 1, rule
 
 
 @block_round_op.register_fake

@@ -33,8 +33,8 @@ from .compiled import compiled_round, range_bits, round_body, stream_words, use_
 from .modes import RoundMode, parse_mode
 
 __all__ = [
-    "check_key", "checked_spec", "fake_checks", "format_name", "lookup_format", "name_for_op",
-    "no_result", "op_args", "round_into",
+    "batch_bits", "check_key", "check_writable", "checked_spec", "fake_checks", "format_name",
+    "lookup_format", "name_for_op", "no_result", "op_args", "round_into",
 ]  # fmt: skip
 
 #: Formats made by hand (not in the registry) that went through an op, by name: a name is one format.
@@ -238,14 +238,23 @@ def round_op(
     return out
 
 
+def batch_bits(x: torch.Tensor, key, random_bits: torch.Tensor | None) -> tuple[torch.Tensor | None] | None:
+    """For an op's vmap rule (x with its batch first): in a 1-tuple, the random_bits of one
+    call on the whole batch (bits every sample shares, expanded over the batch; None where
+    none are given); or None where each sample takes a call of its own: a key draws each
+    sample's own bits, and bits not shaped as a sample are refused by that call, as a call
+    on the sample alone refuses them (one call would broadcast them)."""
+    if key is not None or (random_bits is not None and random_bits.shape != x.shape[1:]):
+        return None
+    return (None if random_bits is None else random_bits.expand(x.shape),)
+
+
 @round_op.register_vmap
 def _(x, fmt, rounding, sat, bits, fraction, key, random_bits):
     """One call for a batch rounded deterministically, or with bits given the same for
-    every sample (a key draws each sample's own: a call each)."""
-    if key is not None:
-        return None
-    given = None if random_bits is None else random_bits.expand(x.shape)
-    return x, fmt, rounding, sat, bits, fraction, key, given
+    every sample (:func:`batch_bits`)."""
+    given = batch_bits(x, key, random_bits)
+    return None if given is None else (x, fmt, rounding, sat, bits, fraction, key, *given)
 
 
 @round_op.register_fake
@@ -283,12 +292,20 @@ def call_with_out(functional, into, args: tuple, x: torch.Tensor, out: torch.Ten
                          else (f"{name}(..., out=...)", "call it without out="))  # fmt: skip
         raise RuntimeError(f"{call} does not support automatic differentiation, and an argument "
                            f"requires grad; {instead}")
-    # torch refuses it once written (eager: Dynamo cannot trace these queries)
-    if not torch.compiler.is_compiling() and out.is_inference() and not torch.is_inference_mode_enabled():
-        raise RuntimeError(f"{name}: out is an inference tensor (made under torch.inference_mode), which "
-                           "cannot be written outside inference mode")  # fmt: skip
+    check_writable(name, out)
     into(*args, out)
     return out
+
+
+def check_writable(name: str, *outs: torch.Tensor) -> None:
+    """Refuse, before anything is written, outputs that are inference tensors outside
+    inference mode: torch refuses them once written (eager: Dynamo cannot trace these queries)."""
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+        return
+    for out in outs:  # (a loop: round(out=) calls this per tensor, and any() of a generator costs more)
+        if out.is_inference():
+            raise RuntimeError(f"{name}: out is an inference tensor (made under torch.inference_mode), "
+                               "which cannot be written outside inference mode")  # fmt: skip
 
 
 def _check_out(x: torch.Tensor, out: torch.Tensor) -> None:
