@@ -37,7 +37,7 @@ __all__ = [
     "PairwiseReduceScatter", "Runs", "ShardLayout", "check_cuts", "check_whole_blocks", "global_amax",
     "global_bits", "is_dtensor", "layout", "local_tensor", "map_piece", "pairwise_sum", "piece_key",
     "piece_randomness", "placement_offsets", "quantize_range", "refuse_alike", "replica_count",
-    "replica_rank", "round_range", "summed", "tensor_scales", "torch_offsets",
+    "replica_rank", "round_range", "sharded_by_mesh", "summed", "tensor_scales", "torch_offsets",
 ]  # fmt: skip
 
 
@@ -434,18 +434,26 @@ def refuse_alike(error: ValueError | None, tensors: list[torch.Tensor], others: 
     of them, so that no rank goes on to wait at a collective that ranks which raised never
     reach. This rank raises its own error, or a ValueError saying ``others``. Without
     sharded DTensors among ``tensors``, only its own."""
-    on_mesh: dict = {}
-    for t in tensors:
-        if is_dtensor(t) and any(p.is_shard() for p in t.placements):
-            on_mesh.setdefault(t.device_mesh, []).append(t)
+    on_mesh = sharded_by_mesh(tensors)
     if on_mesh:
-        refused = torch.tensor(float(error is not None), device=local_tensor(tensors[0]).device)
-        for group in on_mesh.values():
-            max_over_mesh(refused, group)
+        first = tensors[next(iter(on_mesh.values()))[0]]  # (the collectives' device)
+        refused = torch.tensor(float(error is not None), device=local_tensor(first).device)
+        for at in on_mesh.values():
+            max_over_mesh(refused, [tensors[i] for i in at])
         if error is None and refused:
             raise ValueError(others)
     if error is not None:
         raise error
+
+
+def sharded_by_mesh(tensors: list[torch.Tensor]) -> dict:
+    """The places in ``tensors`` of the DTensors sharded along some mesh dimension, by
+    their mesh (in their order: alike on every rank, as the collectives over them must be)."""
+    on_mesh: dict = {}
+    for i, t in enumerate(tensors):
+        if is_dtensor(t) and any(p.is_shard() for p in t.placements):
+            on_mesh.setdefault(t.device_mesh, []).append(i)
+    return on_mesh
 
 
 def global_amax(t: torch.Tensor) -> float:
@@ -475,11 +483,7 @@ def tensor_scales(tensors: list[torch.Tensor], bfmt: BlockFormat, dtype: torch.d
         return [None] * len(tensors)
     pieces = [local_tensor(t).detach() for t in tensors]
     amax = [largest_finite(p if dtype is None else p.to(dtype), bfmt) for p in pieces]
-    on_mesh: dict = {}
-    for i, t in enumerate(tensors):
-        if is_dtensor(t) and any(p.is_shard() for p in t.placements):
-            on_mesh.setdefault(t.device_mesh, []).append(i)
-    for at in on_mesh.values():
+    for at in sharded_by_mesh(tensors).values():
         found = torch.stack([amax[i] for i in at])
         max_over_mesh(found, [tensors[i] for i in at])
         for i, value in zip(at, found.unbind(), strict=True):
