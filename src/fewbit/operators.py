@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .random import Key, key_of
+from .random import _DISPATCH_MODES, Key, key_of
 
 __all__ = ["Operator", "operator"]
 
@@ -162,8 +162,10 @@ def _private_state() -> tuple[Callable[[], object], ...] | None:
     whether a profiler records, and whether torch.jit traces (``torch.jit.is_tracing``
     less its check for TorchScript, which never runs this). None where this torch lacks
     one: every call then goes through the dispatcher (tests/test_operator.py fails first)."""
+    if _DISPATCH_MODES is None:
+        return None
     try:
-        return (torch._C._len_torch_dispatch_stack, torch._C._functorch.peek_interpreter_stack,
+        return (_DISPATCH_MODES, torch._C._functorch.peek_interpreter_stack,
                 torch._C._autograd._profiler_enabled, torch._C._is_tracing)  # fmt: skip
     except AttributeError:
         return None

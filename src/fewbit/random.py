@@ -179,8 +179,9 @@ class Key:
         return key_tensor([self.k0, self.k1], device).unbind()
 
 
-#: torch's private count of the dispatch modes active (fake tensors, make_fx, a user's), as
-#: ``operators.unseen`` reads it; None where this torch lacks it (tests/test_random.py fails first).
+#: torch's private count of the dispatch modes active (fake tensors, make_fx, a user's),
+#: which ``operators.unseen`` reads too; None where this torch lacks it (tests/test_random.py
+#: fails first).
 _DISPATCH_MODES = getattr(torch._C, "_len_torch_dispatch_stack", None)
 
 
