@@ -182,8 +182,12 @@ class LowPrecisionWeights:
         # often loaded from a checkpoint or run forward before the first step.
         self._write_back(initial=True)
 
+    def _owned(self) -> list[torch.Tensor]:
+        """The optimizer's parameters, in its order."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
     def _select(self, params) -> tuple[list[str], list[torch.Tensor]]:
-        owned = [p for group in self.optimizer.param_groups for p in group["params"]]
+        owned = self._owned()
         if params is None:
             chosen = [(f"param {i}", p) for i, p in enumerate(owned) if p.dim() >= 2]
         else:
@@ -369,7 +373,7 @@ class LowPrecisionWeights:
         # The selection too: step t rounds parameter i with fold_in(key, t, i), so which
         # parameters, in which order, decides the bits as the seed does (each by its
         # place among the optimizer's parameters, and its full shape).
-        owned = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        owned = {id(p): i for i, p in enumerate(self._owned())}
         selected = [(owned[id(p)], *p.shape) for p in self.params]
         return {"fmt": self.fmt.name, "mode": self.mode.value, "bits": self.bits, "fraction": self.fraction,
                 "sat": self.sat, "key": (self.key.k0, self.key.k1), "scale": self.scale,
