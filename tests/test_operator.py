@@ -646,6 +646,40 @@ def test_torch_func_transforms_take_the_straight_through_gradient():
         torch.func.grad(lambda t: op(t, "binary8p4", "rne", False, None, None, None, None).sum())(x)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch.func.jvp
+@pytest.mark.parametrize("level_known", [True, False])
+def test_forward_mode_passes_the_tangent_straight_through(monkeypatch, level_known):
+    """Forward-mode AD through fewbit.round, block.round and fake_quantize (dual tensors of
+    forward_ad, torch.func.jvp, jacfwd) gives the values a plain call gives and the
+    tangent unchanged: the forward-mode side of the straight-through gradient. Also where
+    torch would not say that a dual level is active (its private record gone): then each
+    call asks x for a tangent."""
+    import torch.autograd.forward_ad as fwAD
+
+    from fewbit import operators
+    from fewbit.nn import fake_quantize
+
+    if not level_known:
+        monkeypatch.setattr(operators, "_LEVEL_KNOWN", False)
+        monkeypatch.setattr(operators, "_PRIVATE", None)
+    gen = torch.Generator().manual_seed(13)
+    x, t = torch.randn(6, 32, generator=gen), torch.randn(6, 32, generator=gen)
+    calls = {
+        "round": lambda v: fewbit.round(v, "binary8p4", "src", bits=3, seed=1),
+        "block.round": lambda v: fewbit.block.round(v, "mxfp8_e4m3", "src", bits=3, seed=1),
+        "fake_quantize": lambda v: fake_quantize(v, Quant("binary8p4"), Quant("binary8p4", "src", bits=3), 2),
+    }
+    for name, f in calls.items():
+        expected = f(x)
+        assert not torch.equal(expected, x), name
+        with fwAD.dual_level():
+            values, tangent = fwAD.unpack_dual(f(fwAD.make_dual(x, t)))
+        assert torch.equal(values, expected) and tangent is not None and torch.equal(tangent, t), name
+        values, tangent = torch.func.jvp(f, (x,), (t,))
+        assert torch.equal(values, expected) and torch.equal(tangent, t), name
+    assert torch.equal(torch.func.jacfwd(calls["round"])(x[0, :5]), torch.eye(5))
+
+
 def test_vmap_rounds_each_sample_as_a_call_of_its_own():
     """torch.vmap of fewbit.round and fewbit.block.round gives each sample what a call on
     it alone gives, batched along any dimension, for the block axis of each sample, with

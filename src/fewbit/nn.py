@@ -90,6 +90,10 @@ class _StraightThrough(torch.autograd.Function):
         out = grad if q is None else q(grad.contiguous(), None if key is None else fold_in(key, _BACKWARD))
         return out, None, None, None
 
+    @staticmethod
+    def jvp(ctx, tangent, *_):
+        return tangent  # forward mode: straight through, unrounded (the backward Quant is reverse mode's)
+
 
 def fake_quantize(
     x: torch.Tensor,

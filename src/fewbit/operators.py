@@ -10,9 +10,11 @@ with torch.library's lower-level API (``define``, ``Library.impl``, ``register_f
 
 - one kernel for every device (``CompositeExplicitAutograd``, as custom_op registers), and a
   fake implementation for tracing;
-- autograd: the given backward (``register_autograd``), or for an op without one, a
-  fallthrough: its outputs carry no gradient, and its kernel runs under ``no_grad`` so that
-  no torch op inside records a graph on an input that requires grad;
+- autograd: for a straight-through op, the identity with respect to its first argument
+  (``register_autograd``'s backward, and a forward-mode tangent where fewbit's functions
+  call it); for any other op, a fallthrough: its outputs carry no gradient, and its kernel
+  runs under ``no_grad`` so that no torch op inside records a graph on an input that
+  requires grad;
 - the version counter of each written argument is bumped once the kernel has written it
   (``torch.autograd.graph.increment_version``), so that autograd still refuses a backward
   through a tensor saved before the write.
@@ -55,7 +57,7 @@ class Operator:
         self.qualname = qualname
         self.op = getattr(torch.ops.fewbit, qualname.split("::")[1]).default
         self._direct = direct
-        self._transformable = None if backward is None else _transformable(self.op, backward)
+        self._differentiable = None if backward is None else _differentiable(self.op, backward)
         # Its tensor arguments, picked in one call: itemgetter gives several as a tuple, but
         # one as itself, so that one is picked as a slice.
         picked = tensors if len(tensors) > 1 else [slice(tensors[0], tensors[0] + 1)]
@@ -67,8 +69,8 @@ class Operator:
         if unseen(self._tensors(args)):
             return self._direct(*args)
         args = tuple(key_of(a) if isinstance(a, Key) else a for a in args)  # the schema's key tensor
-        if self._transformable is not None and _transformed():
-            return self._transformable.apply(*args)
+        if self._differentiable is not None and (_transformed() or _dual(args[0])):
+            return self._differentiable.apply(*args)
         return self.op(*args)
 
     def register_fake(self, fake: Callable) -> Callable:
@@ -97,12 +99,13 @@ class Operator:
 
 
 def operator(
-    qualname: str, *, mutates_args: tuple[str, ...] = (), backward: Callable | None = None
+    qualname: str, *, mutates_args: tuple[str, ...] = (), straight_through: bool = False
 ) -> Callable[[Callable], Operator]:
     """Define the operator ``qualname`` (``"fewbit::name"``) with the decorated function
     as its kernel, its schema inferred from the type hints; ``mutates_args`` names the
-    arguments it writes, ``backward`` is the gradient (``register_autograd``'s), or None
-    for an op whose outputs carry none."""
+    arguments it writes. ``straight_through``: the op's derivative is the identity with
+    respect to its first argument (none for the others); else its outputs carry no
+    gradient."""
 
     def define(fn: Callable) -> Operator:
         torch.library.define(qualname, torch.library.infer_schema(fn, mutates_args=mutates_args), lib=LIBRARY)
@@ -110,24 +113,32 @@ def operator(
         written = tuple(list(parameters).index(name) for name in mutates_args)
         tensors = tuple(i for i, p in enumerate(parameters.values()) if "Tensor" in str(p.annotation))
         name = qualname.split("::")[1]
-        LIBRARY.impl(name, _kernel(fn, written, grad_off=backward is None), "CompositeExplicitAutograd")
-        if backward is None:
-            LIBRARY.impl(name, torch.library.fallthrough_kernel, "Autograd")
-        else:
+        LIBRARY.impl(name, _kernel(fn, written, grad_off=not straight_through), "CompositeExplicitAutograd")
+        backward = None
+        if straight_through:
+            nones = (None,) * (len(parameters) - 1)
+
+            def backward(ctx, grad: torch.Tensor) -> tuple:
+                return (grad, *nones)
+
             torch.library.register_autograd(qualname, backward, lib=LIBRARY)
+        else:
+            LIBRARY.impl(name, torch.library.fallthrough_kernel, "Autograd")
         # Called directly, nothing requires grad (unseen): the kernel without no_grad.
         return Operator(qualname, _kernel(fn, written, grad_off=False), tensors, backward)
 
     return define
 
 
-def _transformable(op: torch._ops.OpOverload, backward: Callable) -> type[torch.autograd.Function]:
-    """``op`` with ``backward`` as its gradient, as an autograd.Function that torch.func's
-    transforms take (grad, vjp, jacrev, vmap of them): they refuse the one that
-    ``register_autograd`` makes, which has no ``setup_context`` (pytorch/pytorch#170834,
-    open in torch 2.13; tests/test_operator.py fails once torch takes it)."""
+def _differentiable(op: torch._ops.OpOverload, backward: Callable) -> type[torch.autograd.Function]:
+    """``op`` with ``backward`` as its gradient and the identity as its forward-mode
+    derivative in its first argument, as an autograd.Function: torch.func's transforms
+    (grad, vjp, jacrev, vmap of them) refuse the one that ``register_autograd`` makes,
+    which has no ``setup_context`` (pytorch/pytorch#170834, open in torch 2.13;
+    tests/test_operator.py fails once torch takes it), and forward mode (``jvp``,
+    ``jacfwd``, ``forward_ad``) has no formula through the op: it drops the tangent."""
 
-    class Transformable(torch.autograd.Function):
+    class Differentiable(torch.autograd.Function):
         generate_vmap_rule = True
 
         @staticmethod
@@ -142,12 +153,31 @@ def _transformable(op: torch._ops.OpOverload, backward: Callable) -> type[torch.
         def backward(ctx, grad):
             return backward(ctx, grad)
 
-    return Transformable
+        @staticmethod
+        def jvp(ctx, tangent, *_):
+            return tangent  # (only x is floating point: key and random_bits carry no tangent)
+
+    return Differentiable
 
 
 def _transformed() -> bool:
     """Whether a torch.func transform is active (False where this torch lacks the query)."""
     return _PRIVATE is not None and _PRIVATE[1]() is not None
+
+
+_FORWARD_AD = torch.autograd.forward_ad
+#: Whether this torch keeps the forward-AD level active as ``forward_ad._current_level``
+#: (private; -1 while none is), which :func:`_dual` reads in 0.07 us where the public
+#: ``unpack_dual`` takes 0.8.
+_LEVEL_KNOWN = isinstance(getattr(_FORWARD_AD, "_current_level", None), int)
+
+
+def _dual(x: torch.Tensor) -> bool:
+    """Whether ``x`` may carry a forward-AD tangent: a dual level is active, or where this
+    torch does not say so, x has a tangent."""
+    if _LEVEL_KNOWN:
+        return _FORWARD_AD._current_level >= 0
+    return _FORWARD_AD.unpack_dual(x).tangent is not None
 
 
 #: Tensors a call may run on directly: torch's own, whose __torch_function__ is torch's.
@@ -160,9 +190,10 @@ def _private_state() -> tuple[Callable[[], object], ...] | None:
     """torch's private queries of what would see an op call: the dispatch modes stacked
     (tracing, fake tensors, a user's mode), the functorch transforms active (vmap, grad),
     whether a profiler records, and whether torch.jit traces (``torch.jit.is_tracing``
-    less its check for TorchScript, which never runs this). None where this torch lacks
-    one: every call then goes through the dispatcher (tests/test_operator.py fails first)."""
-    if _DISPATCH_MODES is None:
+    less its check for TorchScript, which never runs this); and forward AD's level
+    (:data:`_LEVEL_KNOWN`). None where this torch lacks one: every call then goes through
+    the dispatcher (tests/test_operator.py fails first)."""
+    if _DISPATCH_MODES is None or not _LEVEL_KNOWN:
         return None
     try:
         return (_DISPATCH_MODES, torch._C._functorch.peek_interpreter_stack,
@@ -179,13 +210,15 @@ def unseen(tensors: Sequence[torch.Tensor | Key | None]) -> bool:
     host Key for a key tensor) needs nothing of torch's dispatcher: nothing traces it
     (torch.jit, a dispatch mode) or transforms it (functorch, a torch function mode), no
     profiler records it, autograd has nothing to record (no tensor requires grad, or grad
-    is off), and the tensors are torch's own, strided, on a CPU or a CUDA device. Its
-    kernel then runs as called (``Operator``), without the dispatcher's 5 us (2-core VM;
-    a kernel rounds 4096 elements in 2)."""
+    is off; no forward-AD level is active), and the tensors are torch's own, strided, on
+    a CPU or a CUDA device. Its kernel then runs as called (``Operator``), without the
+    dispatcher's 5 us (2-core VM; a kernel rounds 4096 elements in 2)."""
     if _PRIVATE is None:
         return False
     dispatch_modes, transforms, profiling, tracing = _PRIVATE
     if dispatch_modes() or transforms() is not None or profiling() or tracing():
+        return False
+    if _FORWARD_AD._current_level >= 0:
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:

@@ -298,11 +298,7 @@ def _empty_codes(x: torch.Tensor, spec: BlockSpec, axis: int) -> tuple[torch.Ten
     return tuple(x.new_empty(shape, dtype=torch.uint8) for shape in _code_shapes(x, spec, axis))
 
 
-def _straight_through(ctx, grad: torch.Tensor):
-    return (grad,) + (None,) * 9
-
-
-@operator("fewbit::block_round", backward=_straight_through)
+@operator("fewbit::block_round", straight_through=True)
 def block_round_op(
     x: torch.Tensor, bfmt: str, rounding: str, sat: bool, bits: int | None, fraction: float | None,
     key: torch.Tensor | None, random_bits: torch.Tensor | None, axis: int | None, rule: str | None,

@@ -222,11 +222,7 @@ def fake_checks(x, fmt, rounding, sat, bits, fraction, key, random_bits) -> None
         check_random_bits(x, spec, random_bits, values=False)
 
 
-def _straight_through(ctx, grad: torch.Tensor):
-    return grad, None, None, None, None, None, None, None
-
-
-@operator("fewbit::round", backward=_straight_through)
+@operator("fewbit::round", straight_through=True)
 def round_op(
     x: torch.Tensor, fmt: str, rounding: str, sat: bool, bits: int | None, fraction: float | None,
     key: torch.Tensor | None, random_bits: torch.Tensor | None,
