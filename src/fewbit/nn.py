@@ -18,6 +18,7 @@ from torch import nn
 
 from .block import BlockFormat, element_or_block, round_to
 from .formats import FloatFormat
+from .operators import may_carry_tangent
 from .random import Key, as_key, fold_in, key_of
 from .replicas import SeedPolicy, replica_key
 from .rounding import RoundMode
@@ -90,9 +91,15 @@ class _StraightThrough(torch.autograd.Function):
         out = grad if q is None else q(grad.contiguous(), None if key is None else fold_in(key, _BACKWARD))
         return out, None, None, None
 
+
+class _ForwardMode(_StraightThrough):
+    """_StraightThrough with a forward-mode derivative: the tangent straight through,
+    unrounded (the backward Quant rounds reverse mode's gradients). A class apart, taken
+    only while a tangent may come: Dynamo refuses a Function that defines ``jvp``."""
+
     @staticmethod
     def jvp(ctx, tangent, *_):
-        return tangent  # forward mode: straight through, unrounded (the backward Quant is reverse mode's)
+        return tangent
 
 
 def fake_quantize(
@@ -119,7 +126,8 @@ def fake_quantize(
     """
     if seed is not None:
         seed = key_of(seed, x.device) if isinstance(seed, torch.Tensor) else as_key(seed)
-    return _StraightThrough.apply(x, forward, backward, seed)
+    forward_mode = not torch.compiler.is_compiling() and may_carry_tangent(x)
+    return (_ForwardMode if forward_mode else _StraightThrough).apply(x, forward, backward, seed)
 
 
 class FakeQuantize(nn.Module):
