@@ -1016,14 +1016,51 @@ def test_inductor_cast_to_float16_moves_what_would_overflow_into_the_scale():
     the data's maximum to float16 and asked isinf, and Inductor leaves such a cast out. A cast
     overflows from 65520 (65504 plus half an ulp); 65519 rounds to 65504 and keeps the scale."""
     torch._dynamo.reset()
-    # AOTAutograd's cache is keyed by the graph of t.half(), not by the rules run inside it.
-    with torch._functorch.config.patch(enable_autograd_cache=False):
-        half = torch.compile(lambda t: t.half(), fullgraph=True)
-        for top, moves in ((1e5, True), (65520.0, True), (65519.0, False)):
-            x = as_scaled(torch.tensor([top, 1.0]), torch.tensor(2.0**-20))
-            for y in (half(x), x.half()):
-                assert (scale_of(y) != 2.0**-20) == moves
-                close(y.dequantize(F64), torch.tensor([top, 1.0], dtype=F64) * 2.0**-20, 2.0**-11)
+    half = torch.compile(lambda t: t.half(), fullgraph=True)
+    for top, moves in ((1e5, True), (65520.0, True), (65519.0, False)):
+        x = as_scaled(torch.tensor([top, 1.0]), torch.tensor(2.0**-20))
+        for y in (half(x), x.half()):
+            assert (scale_of(y) != 2.0**-20) == moves
+            close(y.dequantize(F64), torch.tensor([top, 1.0], dtype=F64) * 2.0**-20, 2.0**-11)
+
+
+#: AOTAutograd's cache hits and misses for two fresh compiles of ``t.half()`` on a ScaledTensor.
+_HALF_CACHE_COUNTS = """
+import torch
+from torch._dynamo.utils import counters
+from fewbit.scaled import as_scaled
+for _ in range(2):
+    torch._dynamo.reset()
+    counters.clear()
+    torch.compile(lambda t: t.half(), fullgraph=True)(as_scaled(torch.tensor([1e5, 1.0]), 2.0**-20))
+    print(counters["aot_autograd"]["autograd_cache_hit"], counters["aot_autograd"]["autograd_cache_miss"])
+"""
+
+
+@pytest.mark.slow
+def test_compile_caches_know_the_rules(tmp_path):
+    """AOTAutograd's cache on disk keeps what a graph of ScaledTensors compiled to, and it
+    was keyed by the graph (t.half()), not by the rules run inside it: after a fix of the
+    float16 cast's rule, the cached code of the old one still loaded, and gave inf. The
+    rules' source is now part of torch's cache key (``tensor.CACHE_TAG``): the graph loads
+    from the cache while the rules are the same (a second compile in the process), and
+    compiles again in a process whose fewbit has one rule file changed (by a comment)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    other = tmp_path / "other"
+    shutil.copytree(Path(fewbit.__file__).parent, other / "fewbit", ignore=shutil.ignore_patterns("*.pyc"))
+    with open(other / "fewbit" / "scaled" / "ops.py", "a") as f:
+        f.write("# another version of the rules\n")
+    # (One compile thread: no pool of compile workers to start.)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "c"), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    for path in (os.environ.get("PYTHONPATH", ""), str(other)):  # installed fewbit, then the other
+        run = subprocess.run([sys.executable, "-c", _HALF_CACHE_COUNTS], env={**env, "PYTHONPATH": path},
+                             capture_output=True, text=True)  # fmt: skip
+        assert run.stdout.split() == ["0", "1", "1", "0"], (path, run.stdout + run.stderr[-2000:])
 
 
 def test_copy_into_an_integer_tensor_takes_the_value():

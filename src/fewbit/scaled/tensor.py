@@ -15,9 +15,11 @@ sees a constant.
 from __future__ import annotations
 
 import copy
+import hashlib
 import warnings
 from collections.abc import Callable
 from functools import cache, partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,6 +54,22 @@ class NoRuleError(NotImplementedError):
     """An op without a rule met a ScaledTensor while fewbit's setting ``scaled_fallback``
     is ``"error"`` (``with fewbit.configure(scaled_fallback="error"): ...``)."""
 
+
+def _key_compile_caches() -> str:
+    """Add a digest of this package's source, the rules, to torch's compile-cache key tag
+    (``torch.compiler.config.cache_key_tag``, public, after any tag of the user's), and
+    return it. AOTAutograd caches on disk what a graph of ScaledTensors compiled to, keyed
+    by the graph (``t.half()``) and not by the rules that ran inside it: a graph cached by
+    a fewbit with other rules would load those rules, old bugs and all."""
+    source = b"".join(path.read_bytes() for path in sorted(Path(__file__).parent.glob("*.py")))
+    tag = f"fewbit.scaled-{hashlib.sha256(source).hexdigest()[:16]}"
+    user = torch.compiler.config.cache_key_tag
+    if tag not in user:
+        torch.compiler.config.cache_key_tag = f"{user}+{tag}" if user else tag
+    return tag
+
+
+CACHE_TAG = _key_compile_caches()
 
 #: Whether this torch has the private functions that rebuild a wrapper subclass
 #: (ScaledTensor.__reduce_ex__).
