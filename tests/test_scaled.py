@@ -1024,6 +1024,38 @@ def test_inductor_cast_to_float16_moves_what_would_overflow_into_the_scale():
             close(y.dequantize(F64), torch.tensor([top, 1.0], dtype=F64) * 2.0**-20, 2.0**-11)
 
 
+def test_compiled_graphs_follow_the_settings_the_rules_read():
+    """torch.compile traced unit_scaling and scaled_fallback into a graph, and a change
+    after compiling went unseen: a matmul kept scale 1 under unit_scaling, and an op
+    without a rule ran where eager raised. Both are now in each ScaledTensor's flatten
+    context, on which Dynamo guards: a change compiles again, for inputs and for a
+    scalify'd module's parameters alike, and going back reuses the first graph."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    gen = torch.Generator().manual_seed(5)
+    a, b = (as_scaled(torch.randn(*shape, generator=gen), 1.0) for shape in ((4, 64), (64, 4)))
+    model = scalify(nn.Linear(64, 4, bias=False))
+    matmul = torch.compile(lambda u, v: u @ v, backend="aot_eager", fullgraph=True)
+    linear = torch.compile(model, backend="aot_eager", fullgraph=True)
+    scales = {}
+    for unit in (False, True, False):
+        with configure(unit_scaling=unit):
+            for name, compiled, eager in (("matmul", matmul(a, b), a @ b), ("linear", linear(a), model(a))):
+                assert float(compiled.scale) == float(eager.scale), (name, unit)
+                scales[name, unit] = float(eager.scale)
+    assert all(scales[name, True] == 8 * scales[name, False] for name in ("matmul", "linear"))  # 64 terms
+    assert counters["stats"]["unique_graphs"] == 4
+    erfinv = torch.compile(lambda t: torch.erfinv(t), backend="aot_eager", fullgraph=True)
+    x = as_scaled(torch.full((4,), 0.25), 2.0)
+    with configure(scaled_fallback="warn"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (warned once a process, maybe by another test)
+        assert torch.equal(erfinv(x), torch.erfinv(torch.full((4,), 0.5)))
+    with pytest.raises(Exception, match="no rule for aten.erfinv"):  # this file's setting: "error"
+        erfinv(x)
+
+
 #: AOTAutograd's cache hits and misses for two fresh compiles of ``t.half()`` on a ScaledTensor.
 _HALF_CACHE_COUNTS = """
 import torch

@@ -71,6 +71,15 @@ def _key_compile_caches() -> str:
 
 CACHE_TAG = _key_compile_caches()
 
+def traced_settings() -> tuple[bool, str]:
+    """The settings that rules read (``unit_scaling``, ``scaled_fallback``), which
+    torch.compile bakes into a graph as it traces them: part of each ScaledTensor's
+    flatten context, on which Dynamo guards, so that a change of them compiles again (and
+    of AOTAutograd's cache key)."""
+    config = current()
+    return config.unit_scaling, config.scaled_fallback
+
+
 #: Whether this torch has the private functions that rebuild a wrapper subclass
 #: (ScaledTensor.__reduce_ex__).
 _REBUILD = all(hasattr(module, name) for module, name in (
@@ -192,11 +201,11 @@ class ScaledTensor(torch.Tensor):
 
     def __tensor_flatten__(self) -> tuple[list[str], tuple]:
         inner = ["_data"] if self._scale is None else ["_data", "_scale"]
-        return inner, (self._static,)
+        return inner, (self._static, *traced_settings())
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, ctx: tuple, outer_size, outer_stride) -> ScaledTensor:
-        (static,) = ctx
+        static = ctx[0]
         return ScaledTensor._make(inner["_data"], inner["_scale"] if static is None else static)
 
     def __coerce_same_metadata_as_tangent__(self, expected_metadata: tuple, expected_type=None):
@@ -204,7 +213,7 @@ class ScaledTensor(torch.Tensor):
         # gradient that form, with the same value.
         if expected_type not in (None, type(self)):
             return None
-        (static,) = expected_metadata
+        static = expected_metadata[0]
         if static == self._static:
             return self
         if static is None:
@@ -216,7 +225,7 @@ class ScaledTensor(torch.Tensor):
         def meta(t: torch.Tensor | None) -> str:
             return "-" if t is None else f"{t.dtype}{tuple(t.shape)}{t.stride()}{t.device}"
 
-        return f"ScaledTensor({meta(self._data)},{meta(self._scale)},{self._static!r})"
+        return f"ScaledTensor({meta(self._data)},{meta(self._scale)},{self._static!r},{traced_settings()})"
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
