@@ -186,10 +186,12 @@ def test_a_key_in_host_memory_draws_the_same_bits(mode):
     """A key the host holds (an int seed's) travels as the launch's words k0, k1 (and the
     selection stream's s0, s1), not in a tensor: the same bits as a key tensor's, at any
     offset, with words small, of 1, and with the top bit set. (x reaches into a second row
-    of Threefry blocks; the interpreter takes seconds a call for sr_fraction's two streams.)"""
+    of Threefry blocks; the interpreter takes seconds a call for sr_fraction's two streams,
+    whose words travel as the others': it takes the top bit's seed only.)"""
     x = torch.randn(512 * 2 * 10 + 77, generator=torch.Generator().manual_seed(4)) * 4
     kw = {"sat": True, **{k: v for k, v in MODE_ARGS[mode].items() if k != "seed"}}
-    for seed in (5, (1 << 32) + 1, (1 << 63) + (1 << 31)):
+    seeds = (5, (1 << 32) + 1, (1 << 63) + (1 << 31))
+    for seed in seeds[-1:] if mode == "sr_fraction" else seeds:
         got = kernel(x, "binary8p4", mode, host=True, seed=seed, **kw)
         assert_bitwise_equal(got, eager(x, "binary8p4", mode, seed=seed, **kw), x, f"{mode} seed {seed}")
         got = kernel(x, "binary8p4", mode, offset=333, host=True, seed=seed, **kw)
