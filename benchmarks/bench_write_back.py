@@ -71,10 +71,11 @@ def main() -> None:
     with torch.no_grad():  # an update's worth off the grid: every element has rounding to do
         for _, t in named:
             t.add_(torch.randn_like(t) * 1e-3)
+            t.grad = torch.zeros_like(t)  # a step's write-back rounds only the weights with a gradient
 
     def write_back() -> None:
         weights.steps += 1
-        weights._write_back()
+        weights._write_back(initial=False)
 
     n = sum(t.numel() for _, t in named)
     source = torch.randn(n, device=device)
@@ -90,7 +91,7 @@ def main() -> None:
     def to_codes_and_back() -> None:
         kept.materialize()
         kept.steps += 1
-        kept._write_back()
+        kept._write_back(initial=False)
 
     rows.append(("store_codes: codes, decode back", timed(to_codes_and_back, device, args.repeat)))
     kept.materialize()

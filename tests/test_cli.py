@@ -1,7 +1,10 @@
-"""The fewbit command line."""
+"""The fewbit command line, and the benchmark scripts' (benchmarks/)."""
 
+import importlib
 import re
+import sys
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,7 +86,8 @@ def test_errors_are_clear(capsys):
     assert code == 2 and "cannot hold" in err
 
 
-def test_bench_json_rows(capsys, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", "cpu:0"])
+def test_bench_json_rows(capsys, monkeypatch, device):
     """`fewbit bench --quick --json`: every row the issue asks for, each with its ratios;
     on a CPU whose last-level cache holds the data, a warning first, naming a size beyond it."""
     import json
@@ -91,7 +95,8 @@ def test_bench_json_rows(capsys, monkeypatch):
     from fewbit import bench
 
     monkeypatch.setattr(bench, "last_level_cache_bytes", lambda: 1 << 20)  # 1 MiB: 2^17 fit, 2^17 + 1 not
-    code, out, err = run(capsys, "bench", "--quick", "--log2-size", "12", "--repeat", "1", "--json")
+    code, out, err = run(capsys, "bench", "--quick", "--log2-size", "12", "--repeat", "1", "--json",
+                         "--device", device)  # fmt: skip
     assert code == 0
     assert "fewbit bench: 2^12 float32 elements and their output (0.0328 MB) fit in" in err
     assert err.splitlines()[0].endswith("(1.05 MB): the ratios to copy_ depend on what the cache holds; "
@@ -226,6 +231,71 @@ def test_bench_refuses_sizes_and_repeats_it_cannot_time(capsys, option, message)
     with pytest.raises(SystemExit) as done:
         main(["bench", *option])
     assert done.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device", ["foo", "mps", "meta"])
+def test_bench_refuses_devices_it_cannot_run_on(capsys, device):
+    code, out, err = run(capsys, "bench", "--device", device)
+    assert (code, out) == (2, "")
+    assert err == f"fewbit: error: --device {device}: fewbit bench runs on cpu or cuda (cuda:1, say)\n"
+
+
+def test_bench_refuses_a_size_beyond_the_devices_memory_before_allocating(capsys, monkeypatch):
+    from fewbit import bench
+
+    monkeypatch.setattr(bench, "memory_bytes", lambda device: 1 << 30)
+    monkeypatch.setattr(bench, "run", lambda *args, **kwargs: [])  # what was not refused: nothing timed
+    code, out, err = run(capsys, "bench", "--log2-size", "25")
+    assert (code, out) == (2, "")
+    assert err == ("fewbit: error: --log2-size 25: the run holds about 4.0 GiB at once, most of it for "
+                   "gfloat (--no-gfloat); memory of cpu: 1.0 GiB\n")
+    assert run(capsys, "bench", "--log2-size", "25", "--no-gfloat")[0] == 0  # 0.75 GiB
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def benchmark(monkeypatch, name: str, *argv: str):
+    """The script benchmarks/<name>.py imported (its folder on the path, for its own
+    imports), with ``argv`` as its command line."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
+    return importlib.import_module(name)
+
+
+def test_write_back_benchmark_runs_on_a_tiny_gpt(capsys, monkeypatch):
+    """Every row at the tiny preset, eager (nothing to compile): a change of what the
+    script calls fails here, not on a GPU lease (benchmarks/gpu_runbook.sh runs it)."""
+    script = benchmark(monkeypatch, "bench_write_back", "--preset", "tiny", "--device", "cpu",
+                       "--repeat", "1")  # fmt: skip
+    with fewbit.configure(compile=False):
+        script.main()
+    names = [row.rsplit(maxsplit=3)[0] for row in capsys.readouterr().out.splitlines()[2:]]
+    assert names == ["copy_ of the weights' bytes", "fewbit", "one torch.compile'd call",
+                     "store_codes: codes, decode back"]
+
+
+@pytest.mark.parametrize("placement", [None, 0, 1])
+def test_sharded_write_back_benchmark_times_a_tiny_gpt(monkeypatch, placement):
+    """What each rank runs, on one rank in this process (eager): whole tensors, and FSDP2's
+    Shard(0) and Shard(1) pieces."""
+    import torch.distributed as dist
+
+    script = benchmark(monkeypatch, "bench_sharded_writeback")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with fewbit.configure(compile=False):
+            result = script.time_write_back(0, 1, script.Case("tiny", placement, repeat=1, warmup=1))
+    finally:
+        dist.destroy_process_group()
+    assert result["seconds"] > 0 and result["elements"] > 0
+
+
+def test_per_call_benchmark_refuses_no_calls(capsys, monkeypatch):
+    script = benchmark(monkeypatch, "bench_per_call", "--calls", "0")
+    with pytest.raises(SystemExit) as done:
+        script.main()
+    assert done.value.code == 2 and "--calls: must be >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -10,6 +10,8 @@ import functools
 import os
 import shutil
 import subprocess
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -347,7 +349,7 @@ def test_build_failure_warns_and_falls_back(monkeypatch, tmp_path):
     assert same_bits(weights, expected)
 
 
-def test_the_cache_keeps_the_builds_used_last(tmp_path):
+def test_the_cache_keeps_the_builds_used_last(tmp_path, monkeypatch):
     """Each edit of native.cpp (or new flags, compiler, CPU) builds another library: a
     build keeps the KEEP_BUILDS used most recently, a build found there counting as used."""
     names = [f"native-{age:016x}.so" for age in range(native.KEEP_BUILDS + 3)]
@@ -359,12 +361,112 @@ def test_the_cache_keeps_the_builds_used_last(tmp_path):
     native._prune(tmp_path)
     assert sorted(p.name for p in tmp_path.glob("native-*.so")) == names[: native.KEEP_BUILDS]
     assert other.exists()
-    # The oldest kept, found by _build: returned as it is (no compiler run), now newer than all.
+    # The oldest kept, found when loading: loaded as it is (no compiler run), now newer than all.
     found = tmp_path / native._file_name(native._compiler())
     os.replace(tmp_path / names[native.KEEP_BUILDS - 1], found)
+    monkeypatch.setattr(native, "_open", lambda path: path)  # the empty file loads
     with configure(native_cache=str(tmp_path)):
-        assert native._build() == found
+        assert native._cached_or_built() == found
     assert found.stat().st_size == 0 and found.stat().st_mtime > 1e9 + 1
+
+
+#: Stand-ins for native.cpp's library: its three functions (doing nothing), and none of them.
+STUB_SOURCES = {
+    "fewbit": 'extern "C" { long fewbit_round(const char*) { return -1; } long fewbit_decode(const char*) '
+              '{ return -1; } float fewbit_finite_amax(void*, int, long, int) { return 0; } }',
+    "other": 'extern "C" int other() { return 1; }',
+}
+
+
+@pytest.fixture(scope="module")
+def stubs(tmp_path_factory) -> dict[str, Path]:
+    """The stand-ins built (in well under a second, where native.cpp takes 15 s)."""
+    folder = tmp_path_factory.mktemp("stubs")
+    built = {}
+    for name, source in STUB_SOURCES.items():
+        (folder / f"{name}.cpp").write_text(source)
+        built[name] = folder / f"{name}.so"
+        subprocess.run(["c++", "-shared", "-fPIC", "-o", str(built[name]), str(folder / f"{name}.cpp")],
+                       check=True, capture_output=True)  # fmt: skip
+    return built
+
+
+def fake_compiler(monkeypatch, folder: Path, library: Path | None) -> str:
+    """A c++ that says it succeeded, copying ``library`` to its -o argument (nothing for
+    None), made the loader's compiler, the loader reset to load anew."""
+    script = folder / "fake-c++"
+    copy = f'[ "$1" = -o ] && cp {library} "$2"; ' if library else ""
+    script.write_text(f"#!/bin/sh\nwhile [ $# -gt 0 ]; do {copy}shift; done\n")
+    script.chmod(0o755)
+    monkeypatch.setattr(native, "_compiler", lambda: str(script))
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_failed", False)
+    return str(script)
+
+
+def test_a_compiler_that_writes_nothing_leaves_nothing_in_the_cache(monkeypatch, tmp_path):
+    fake_compiler(monkeypatch, tmp_path, None)
+    with configure(native_cache=str(tmp_path / "cache")):
+        with pytest.warns(RuntimeWarning, match="could not be built .*exited with success and wrote nothing"):
+            assert native._load() is None
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+@pytest.mark.parametrize("cached", ["cut short", "not a library", "not fewbit's"])
+def test_a_cached_build_that_does_not_load_is_built_again_in_its_place(cached, stubs, monkeypatch, tmp_path):
+    """Left there, it would fail every process that shares the cache (or, cut short,
+    kill it with SIGBUS inside dlopen)."""
+    target = tmp_path / "cache" / native._file_name(fake_compiler(monkeypatch, tmp_path, stubs["fewbit"]))
+    target.parent.mkdir()
+    good = stubs["fewbit"].read_bytes()
+    target.write_bytes({"cut short": good[: len(good) // 2], "not a library": b"not a library",
+                        "not fewbit's": stubs["other"].read_bytes()}[cached])  # fmt: skip
+    with configure(native_cache=str(target.parent)), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native._load().fewbit_round is not None
+    assert target.read_bytes() == good
+
+
+@pytest.mark.parametrize("keep", [1 - 1 / 4096, 1 / 2, 1 / 64])
+def test_a_library_cut_short_never_reaches_dlopen(keep, stubs, tmp_path):
+    cut = tmp_path / "cut.so"
+    good = stubs["fewbit"].read_bytes()
+    cut.write_bytes(good[: int(len(good) * keep)])
+    with pytest.raises(OSError, match="cut short"):
+        native._open(cut)
+    assert native._open(stubs["fewbit"]).fewbit_round is not None
+
+
+def test_a_build_that_does_not_load_falls_back_with_one_warning_saying_so(stubs, monkeypatch, tmp_path):
+    fake_compiler(monkeypatch, tmp_path, stubs["other"])
+    with configure(native_cache=str(tmp_path / "cache")):
+        with pytest.warns(RuntimeWarning, match="could not be loaded .*fewbit_round"):
+            assert native._load() is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert native._load() is None
+    assert list((tmp_path / "cache").iterdir()) == []  # and the next process builds it again
+
+
+def test_a_build_is_readable_by_every_user_of_a_shared_cache(stubs, monkeypatch, tmp_path):
+    target = tmp_path / "cache" / native._file_name(fake_compiler(monkeypatch, tmp_path, stubs["fewbit"]))
+    umask = os.umask(0o022)
+    try:
+        with configure(native_cache=str(target.parent)):
+            assert native._load() is not None
+    finally:
+        os.umask(umask)
+    assert target.stat().st_mode & 0o444 == 0o444
+
+
+def test_a_cache_in_the_working_folder_is_loaded_by_its_path(stubs, monkeypatch, tmp_path):
+    """dlopen looks a bare file name up on the library path, not in the working folder."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / native._file_name(fake_compiler(monkeypatch, tmp_path, None))).write_bytes(
+        stubs["fewbit"].read_bytes())
+    with configure(native_cache="."), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native._load() is not None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -467,6 +467,49 @@ def test_configure_restores_and_refuses_unknown_names():
     assert fewbit.config.current() == before
 
 
+def test_configure_blocks_of_two_threads_that_overlap_each_undo_only_their_own():
+    """A enters, then B; A ends while B is open: B's change stays, A's goes, and after B
+    nothing remains (restoring what each block found would bring A's back for good)."""
+    import threading
+
+    before = fewbit.config.current()
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def a():
+        with fewbit.configure(eager_chunk=111):
+            a_in.set()
+            b_in.wait()
+        a_out.set()
+
+    def b():
+        a_in.wait()
+        with fewbit.configure(compile_threshold=222):
+            b_in.set()
+            a_out.wait()
+            seen["after A"] = fewbit.config.current()
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen["after A"] == dataclasses.replace(before, compile_threshold=222)
+    assert fewbit.config.current() == before
+
+
+@pytest.mark.parametrize("cache", [None, 5, ""])
+def test_configure_refuses_a_native_cache_that_is_not_a_path(cache):
+    with pytest.raises(ValueError, match="native_cache must be a folder's path"):
+        with fewbit.configure(native_cache=cache):
+            pass
+
+
+def test_an_empty_environment_variable_is_unset():
+    assert fewbit.config.Config.from_env({"FEWBIT_COMPILE_THRESHOLD": "", "FEWBIT_CACHE": "",
+                                          "FEWBIT_EAGER": ""}) == fewbit.config.Config()
+
+
 def test_environment_is_read_once():
     Config = fewbit.config.Config
     assert not Config.from_env({"FEWBIT_EAGER": "1"}).compile

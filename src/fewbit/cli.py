@@ -173,9 +173,22 @@ def cmd_round(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:  # not a device name
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {args.device}: fewbit bench runs on cpu or cuda (cuda:1, say)")
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device here")
-    note = None if args.device != "cpu" else bench.cache_note(args.log2_size, bench.last_level_cache_bytes())
+    # Refused before anything is allocated: the allowed sizes reach beyond most machines.
+    gfloat = not args.no_gfloat and device.type == "cpu"
+    needed, memory = bench.bytes_held(args.log2_size, gfloat), bench.memory_bytes(device)
+    if needed > memory:
+        raise ValueError(f"--log2-size {args.log2_size}: the run holds about {needed / 2**30:.1f} GiB at once"
+                         f"{', most of it for gfloat (--no-gfloat)' if gfloat else ''}; memory of {device}: "
+                         f"{memory / 2**30:.1f} GiB")  # fmt: skip
+    note = None if device.type != "cpu" else bench.cache_note(args.log2_size, bench.last_level_cache_bytes())
     if note:
         print(note, file=sys.stderr)
     step = 0

@@ -26,13 +26,15 @@ setting                environment (import)   meaning
 
 The settings are process-wide: a ``with configure(...)`` block changes them for every
 thread until it ends, autograd's backward threads included (a per-thread setting would
-not reach those). Nothing in fewbit reads the environment after import.
+not reach those); blocks of several threads may overlap, each taking out only its own
+changes when it ends. Nothing in fewbit reads the environment after import.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -54,8 +56,8 @@ class Config:
     scaled_fallback: Literal["warn", "error"] = "warn"
     unit_scaling: bool = False
     native: bool = True
-    native_cache: str = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                                     "fewbit")
+    native_cache: str | os.PathLike[str] = os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fewbit")
 
     def __post_init__(self) -> None:
         for name in ("compile", "unit_scaling", "native"):
@@ -67,6 +69,9 @@ class Config:
                 raise ValueError(f"{name} must be an int >= {int(name == 'eager_chunk')}, got {value!r}")
         if self.scaled_fallback not in ("warn", "error"):
             raise ValueError(f"scaled_fallback must be 'warn' or 'error', got {self.scaled_fallback!r}")
+        if not isinstance(self.native_cache, str | os.PathLike) or not os.fspath(self.native_cache):
+            raise ValueError(f"native_cache must be a folder's path (a non-empty str or os.PathLike), "
+                             f"got {self.native_cache!r}")
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Config:
@@ -81,7 +86,7 @@ class Config:
         if env.get("FEWBIT_CACHE"):
             changes["native_cache"] = env["FEWBIT_CACHE"]
         threshold = env.get("FEWBIT_COMPILE_THRESHOLD")
-        if threshold is not None:
+        if threshold:  # set and empty means unset, as for the others
             try:
                 changes["compile_threshold"] = int(threshold)
             except ValueError:
@@ -90,6 +95,12 @@ class Config:
 
 
 _current = Config.from_env()
+#: The settings outside every open configure block, and the open blocks' changes (a key
+#: each) in the order they were entered: the settings in force are rebuilt from them when
+#: a block ends, since blocks of two threads may end in any order.
+_base = _current
+_open: dict[object, dict[str, Any]] = {}
+_lock = threading.Lock()
 
 
 def current() -> Config:
@@ -101,14 +112,24 @@ def current() -> Config:
 def configure(**changes: Any) -> Iterator[Config]:
     """Change settings inside a ``with`` block: ``with fewbit.configure(compile=False): ...``.
     Unknown names and bad values raise before anything changes."""
-    global _current
+    global _current, _base
     names = {f.name for f in dataclasses.fields(Config)}
     unknown = sorted(set(changes) - names)
     if unknown:
         raise ValueError(f"unknown setting(s) {unknown}; known: {sorted(names)}")
-    before = _current
-    _current = dataclasses.replace(before, **changes)
+    key = object()
+    with _lock:
+        entered = dataclasses.replace(_current, **changes)
+        if not _open:
+            _base = _current
+        _open[key] = changes
+        _current = entered
     try:
-        yield _current
+        yield entered
     finally:
-        _current = before
+        with _lock:
+            del _open[key]
+            config = _base
+            for still_open in _open.values():
+                config = dataclasses.replace(config, **still_open)
+            _current = config

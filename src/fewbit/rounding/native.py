@@ -6,9 +6,9 @@ Inductor's C++ loops did not overlap Threefry with the memory traffic, and every
 at first use with the system compiler (``c++``, about 15 s on one core) into
 ``fewbit.config``'s ``native_cache`` under a name that hashes the source, the flags,
 the compiler and the CPU, and loaded with ``ctypes`` (which releases the GIL).
-Where it cannot be built, or does not apply (float64 inputs, formats beyond float32's
-range, N > 30), the torch kernels run instead: ``fast.round_fast`` compiled or eager,
-whose bits it reproduces (tests/test_native.py). On a GPU, gpu.py's Triton kernel
+Where it cannot be built or loaded, or does not apply (float64 inputs, formats beyond
+float32's range, N > 30), the torch kernels run instead: ``fast.round_fast`` compiled or
+eager, whose bits it reproduces (tests/test_native.py). On a GPU, gpu.py's Triton kernel
 takes the same calls with the same arithmetic.
 """
 
@@ -322,38 +322,54 @@ def _load() -> ctypes.CDLL | None:
     with _lock:
         if _library is None and not _failed:
             try:
-                _library = _open(_build())
+                _library = _cached_or_built()
             except (OSError, subprocess.CalledProcessError) as err:
                 _failed = True
+                what = "loaded" if isinstance(err, _LoadFailed) else "built"
                 detail = getattr(err, "stderr", None) or err
-                warnings.warn(f"fewbit: the native CPU kernel could not be built ({detail!s:.300}); "
+                warnings.warn(f"fewbit: the native CPU kernel could not be {what} ({detail!s:.300}); "
                               "torch kernels run instead (same bits, slower)", RuntimeWarning, stacklevel=4)
     return _library
 
 
-def _build() -> Path:
-    """Path of the shared library, compiled into the cache unless it is there already."""
+class _LoadFailed(OSError):
+    """A library that did not load: dlopen refused it, it is cut short, or it lacks fewbit's functions."""
+
+
+def _cached_or_built() -> ctypes.CDLL:
+    """The kernel from the cache, built into it unless it is there already. One there that
+    does not load (cut short by a full disk or a killed copy, or not fewbit's) is built
+    again once, in its place: left there, it would fail every process that shares the cache."""
     compiler = _compiler()
-    cache = Path(current().native_cache)
-    target = cache / _file_name(compiler)
+    # Absolute: dlopen looks a name without a slash up on the library path, not here.
+    target = Path(current().native_cache).resolve() / _file_name(compiler)
     if target.exists():
         with contextlib.suppress(OSError):  # marked used now, which _prune goes by (unless read-only)
             os.utime(target)
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    # Built beside its final name and moved there in one step: processes building at the
-    # same time (test workers) each load a whole file.
-    fd, partial = tempfile.mkstemp(suffix=".so", dir=cache)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True,
+        with contextlib.suppress(_LoadFailed):
+            return _open(target)
+    return _build(compiler, target)
+
+
+def _build(compiler: str, target: Path) -> ctypes.CDLL:
+    """Compile the kernel into ``target``, in its cache, and load it."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built and loaded in a folder of its own, then moved to its name in one step:
+    # processes building at the same time (test workers) each load a whole file, and a
+    # build that does not load stays out of the cache. Loaded there, since dlopen hands
+    # back a library already loaded under the same name (the one this build replaces).
+    # The compiler creates the file, so its mode is a new library's: whoever the umask
+    # lets read it (other users of a shared cache) can load it.
+    with tempfile.TemporaryDirectory(dir=target.parent) as folder:
+        partial = Path(folder, target.name)
+        subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE)], capture_output=True, text=True,
                        check=True)  # fmt: skip
+        if not partial.exists() or partial.stat().st_size == 0:  # a broken compiler wrapper (ccache, say)
+            raise OSError(f"{compiler} exited with success and wrote nothing")
+        library = _open(partial)
         os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    _prune(cache)
-    return target
+    _prune(target.parent)
+    return library
 
 
 #: Builds a cache keeps: every edit of the source, new flags, compiler or CPU make another,
@@ -396,14 +412,39 @@ def _cpu() -> str:
 
 
 def _open(path: Path) -> ctypes.CDLL:
-    library = ctypes.CDLL(str(path))
-    library.fewbit_round.restype = ctypes.c_int64
-    library.fewbit_round.argtypes = [ctypes.c_char_p]  # a packed CALL
-    library.fewbit_decode.restype = ctypes.c_int64
-    library.fewbit_decode.argtypes = [ctypes.c_char_p]  # a packed LOOKUP
-    library.fewbit_finite_amax.restype = ctypes.c_float
-    library.fewbit_finite_amax.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int]
+    """The library at ``path`` loaded, its functions typed; :class:`_LoadFailed` where it does not load."""
+    try:
+        if not _whole(path):
+            raise OSError(f"{path} is cut short")
+        library = ctypes.CDLL(str(path))
+        library.fewbit_round.restype = ctypes.c_int64
+        library.fewbit_round.argtypes = [ctypes.c_char_p]  # a packed CALL
+        library.fewbit_decode.restype = ctypes.c_int64
+        library.fewbit_decode.argtypes = [ctypes.c_char_p]  # a packed LOOKUP
+        library.fewbit_finite_amax.restype = ctypes.c_float
+        library.fewbit_finite_amax.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int]
+    except (OSError, AttributeError) as err:  # unreadable, cut short, not a library, or not fewbit's
+        raise _LoadFailed(str(err)) from err
     return library
+
+
+def _whole(path: Path) -> bool:
+    """Whether an ELF file at ``path`` is as long as its header says. dlopen maps a file cut
+    short past its end, and the process dies of SIGBUS at the first touch there; the linker
+    writes the section header table last, so any cut takes off its end. (A checksum beside
+    the build would also need checking builds made before it, and a second file that
+    cannot be replaced in the same step.) Other files are left to dlopen, which refuses
+    what is not a library with an error."""
+    with open(path, "rb") as f:
+        header = f.read(64)
+    if header[:4] != b"\x7fELF":
+        return True
+    if len(header) < 64:
+        return False
+    # e_shoff, then e_shentsize and e_shnum 10 bytes after it; 64- or 32-bit, either byte order.
+    layout, at = ("Q10xHH", 0x28) if header[4] == 2 else ("I10xHH", 0x20)
+    table, entry_size, entries = struct.unpack_from(("<" if header[5] == 1 else ">") + layout, header, at)
+    return table + entry_size * entries <= path.stat().st_size
 
 
 assert SELECT_BITS == 16, "native.cpp draws the selection stream's fields 16 bits wide"
