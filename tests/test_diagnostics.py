@@ -132,7 +132,9 @@ def test_srf_sweep_arms_and_outputs(tmp_path, capsys, monkeypatch):
 def test_time_steps_prints_both_steps_and_the_write_back(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("FEWBIT_EAGER", "1")
     args, _ = tiny_sweep(tmp_path, "srf", 4)
-    args = [a for a in args if a not in ("--sweep", "srf")] + ["--time-steps", "2"]
+    # --time-steps refuses the options of a sweep it would ignore: the data's alone.
+    data = args[args.index("--data-dir") : args.index("--out")]
+    args = ["train", "--preset", "tiny", "--time-steps", "2", *data]
     assert main(args) == 0
     printed = capsys.readouterr().out
     times = re.findall(r"  (?:step with|the write-back).*? ([0-9.]+) ms", printed)

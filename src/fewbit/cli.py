@@ -319,30 +319,49 @@ def cmd_bias(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     import signal
     import time
+    from dataclasses import asdict
     from pathlib import Path
 
-    from .experiments.sweep import SWEEP_DEFAULTS, format_diagnostics, format_summary, run_sweep, summarise
-    from .experiments.train import PLAIN_MODES, SPEED_OPTIONS, config_from
+    from .experiments.sweep import (
+        SWEEP_DEFAULTS,
+        SWEEPS,
+        arm_configs,
+        format_diagnostics,
+        format_summary,
+        run_sweep,
+        summarise,
+    )
+    from .experiments.train import OPTIONS, SPEED_OPTIONS, TrainConfig, config_from, unused_fields
 
-    given = dict(
-        mode=args.mode, weight_format=args.format, bits=args.bits, fraction=args.fraction,
-        update_dtype=args.update_dtype, grad_format=args.grad_format, grad_mode=args.grad_mode,
-        grad_bits=args.grad_bits, grad_fraction=args.grad_fraction, iters=args.iters,
-        eval_interval=args.eval_interval, device=args.device,
-    )  # fmt: skip
-    # Options that the run would ignore are refused, not dropped.
-    if args.sweep and args.mode:
-        raise ValueError(f"--mode sets one run's rounding; --sweep {args.sweep} runs its own arms")
+    given = {field: value for field, option in OPTIONS.items()
+             if (value := getattr(args, option[2:].replace("-", "_"))) is not None}  # fmt: skip
     if args.fast is not None:
         given.update(dict.fromkeys(SPEED_OPTIONS, args.fast))
-    given = {k: v for k, v in given.items() if v is not None}
-    base = config_from(args.preset, **{**SWEEP_DEFAULTS.get(args.sweep, {}), **given})
-    if base.grad_format is None and (args.grad_mode or args.grad_bits or args.grad_fraction is not None):
-        raise ValueError("--grad-mode, --grad-bits and --grad-fraction round the gradients of --grad-format; "
-                         "give it")  # fmt: skip
-    if args.time_steps is not None and (args.sweep or base.mode in PLAIN_MODES):
-        what = f"--sweep {args.sweep} runs a study" if args.sweep else f"--mode {base.mode} has none"
-        raise ValueError(f"--time-steps times one configuration's write-back; {what}")
+    fields = {**asdict(config_from(args.preset)), **SWEEP_DEFAULTS.get(args.sweep, {}), **given}
+    # Options that the runs would not use are refused, not dropped (nor written into their
+    # config.json): an arm of a sweep takes one from the command line unless it sets it itself.
+    arms = SWEEPS[args.sweep] if args.sweep else [{}]
+    for name in given:
+        takers = [{**fields, **arm} for arm in arms if name not in arm]
+        why = [unused_fields(run["mode"], run["grad_format"], run["grad_mode"]).get(name) for run in takers]
+        if all(why) and args.sweep:  # (every arm sets it, or those that do not, do not read it)
+            raise ValueError(f"{OPTIONS[name]} sets one run's rounding; --sweep {args.sweep} runs its own "
+                             "arms, which set it themselves or do not use it: leave it out")  # fmt: skip
+        if all(why):
+            raise ValueError(f"{OPTIONS[name]} is not used here: {why[0]}")
+    base = TrainConfig(**fields)
+    seeds = args.seeds if args.seeds is not None else ([0, 1] if args.sweep else [0])
+    if args.time_steps is not None:
+        if args.sweep or base.mode == "fp32":
+            what = f"--sweep {args.sweep} runs a study" if args.sweep else "--mode fp32 has none"
+            raise ValueError(f"--time-steps times one configuration's write-back; {what}")
+        ignored = {"--out": args.out, "--workers": args.workers, "--restart": args.restart,
+                   "--iters": args.iters, "--eval-interval": args.eval_interval,
+                   "--seeds (one at most)": len(seeds) > 1}  # fmt: skip
+        if named := [option for option, value in ignored.items() if value]:
+            raise ValueError(f"--time-steps times steps of one run, and trains and writes nothing: leave out "
+                             f"{', '.join(named)}")  # fmt: skip
+    configs = arm_configs(args.sweep, base, seeds)
     if base.device.startswith("cuda") and not torch.cuda.is_available():
         asked = (f"--device {args.device} asks for a GPU" if args.device
                  else f"--preset {args.preset} trains on a GPU ({base.device})")  # fmt: skip
@@ -351,11 +370,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if data_file is None:
         return 2
     if args.time_steps is not None:
-        return _time_steps(base, data_file, args.time_steps)
+        return _time_steps(configs[0], data_file, args.time_steps)
     start = time.perf_counter()
     out = Path(args.out or Path("runs") / (args.sweep or base.mode))
-    seeds = args.seeds if args.seeds is not None else ([0, 1] if args.sweep else [0])
-    outcome = run_sweep(args.sweep, base, data_file, seeds, out, workers=args.workers,
+    outcome = run_sweep(args.sweep, configs, data_file, out, workers=args.workers or 2,
                         progress_bar=not args.quiet, restart=args.restart)  # fmt: skip
     if outcome.results:
         print(format_summary(summarise(outcome.results)))
@@ -564,25 +582,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cpu-small (2 CPU cores), paper or gpt2-medium (GPU), or tiny")
     p.add_argument("--sweep", choices=["figure3", "stagnation", "hbfp", "srf", "figure4"],
                    help="run every arm of a study")
-    p.add_argument("--mode", help="fp32, fp16 (binary16 baseline) or a rounding mode (src, srff, rne, ...)")
+    p.add_argument("--mode", type=str.lower,
+                   help="fp32, fp16 (binary16 baseline) or a rounding mode (src, srff, rne, ...)")
     p.add_argument("--format", help="weight format (default binary8p4)")
     p.add_argument("--bits", type=int, help="N, random bits per SR (default 3)")
     p.add_argument("--fraction", type=float, help="p for sr_fraction")
     p.add_argument("--update-dtype", choices=["fp32", "bf16", "fp16"], help="dtype of w + u (default bf16)")
     p.add_argument("--grad-format", help="round Linear output and weight gradients to this (e.g. hbfp3)")
-    p.add_argument("--grad-mode", help="their rounding mode (default rne)")
+    p.add_argument("--grad-mode", type=str.lower, help="their rounding mode (default rne)")
     p.add_argument("--grad-bits", type=int, help="N for the gradients' SR (default 8)")
     p.add_argument("--grad-fraction", type=float, help="p for the gradients' sr_fraction")
     p.add_argument("--seeds", type=int, nargs="+", help="seeds (default: 0 1 for a sweep, else 0)")
     p.add_argument("--iters", type=int)
     p.add_argument("--eval-interval", type=int)
-    p.add_argument("--device", help="cpu or cuda")
+    p.add_argument("--device", help="cpu or cuda (cuda:N: one of several GPUs)")
     p.add_argument("--fast", action=argparse.BooleanOptionalAction,
                    help="bfloat16 autocast, compiled model, fused AdamW (default: on for --preset paper)")
     p.add_argument("--time-steps", type=_int_in(1), metavar="STEPS",
                    help="no training: time STEPS steps (5 times, median) with the write-back and with "
                         "float32 weights, and print the write-back's share")  # fmt: skip
-    p.add_argument("--workers", type=int, default=2, help="runs side by side (one thread each)")
+    p.add_argument("--workers", type=_int_in(1), help="runs side by side, one thread each (default 2)")
     p.add_argument("--out", help="output directory (default runs/<sweep or mode>); one sweep at a time: "
                                  "while one runs there, another is refused, naming its pid")  # fmt: skip
     p.add_argument("--restart", action="store_true",

