@@ -27,6 +27,7 @@ from .tensor import (
     is_static,
     parts,
     sdiv,
+    set_scale,
     times,
     wrap,
 )
@@ -43,7 +44,12 @@ def _scaled(t: torch.Tensor) -> ScaledTensor:
 
 
 # --- cast ----------------------------------------------------------------------------
+#
+# cast and rebalance build a new ScaledTensor, which Dynamo cannot trace: their autograd
+# Functions go into the graph whole (allow_in_graph), and AOTAutograd traces them below,
+# as it traces the rules, so that they compile with torch.compile(fullgraph=True).
 
+@torch.compiler.allow_in_graph
 class _Cast(torch.autograd.Function):
     # Rounding with a straight-through gradient, the usual estimator for quantisation.
     @staticmethod
@@ -79,6 +85,7 @@ def cast_(t: ScaledTensor, fmt: FloatFormat | str, mode: RoundMode | str = "rne"
 
 # --- rebalance -----------------------------------------------------------------------
 
+@torch.compiler.allow_in_graph
 class _Rebalance(torch.autograd.Function):
     # Same value, new scale: the identity for autograd.
     @staticmethod
@@ -111,8 +118,7 @@ def rebalance_(t: ScaledTensor, s: torch.Tensor | float) -> ScaledTensor:
     with torch.no_grad():
         d, old = parts(t)
         t._data.copy_(times(d, sdiv(old, s)))
-    new = wrap(t._data, s)
-    t._scale, t._static = new._scale, new._static
+    set_scale(t, s)
     torch.autograd.graph.increment_version(t)
     return t
 
@@ -121,13 +127,14 @@ def rebalance_(t: ScaledTensor, s: torch.Tensor | float) -> ScaledTensor:
 
 def round_pow2(s: Scale, rounding: Pow2 = "down") -> Scale:
     """Scale s rounded to a power of two (down, up or to the nearest), through E8M0:
-    2^-127 .. 2^127; 0 stays 0."""
+    2^-127 .. 2^127; 0 stays 0. A number gives a number, except under torch.compile,
+    where reading the rounded tensor would break the graph: there it stays a tensor."""
     if rounding not in _POW2_MODES:
         raise ValueError(f"rounding must be one of {sorted(_POW2_MODES)}, not {rounding!r}")
     t = s if isinstance(s, torch.Tensor) else torch.tensor(float(s))
     r = fewbit_round(t.to(torch.float32), _E8M0, _POW2_MODES[rounding], sat=True)
     r = torch.where(t == 0, 0.0, r)
-    return r if isinstance(s, torch.Tensor) else r.item()
+    return r if isinstance(s, torch.Tensor) or torch.compiler.is_compiling() else r.item()
 
 
 def pow2_scale(t: torch.Tensor, rounding: Pow2 = "down") -> ScaledTensor:
@@ -151,26 +158,29 @@ def from_e8m0(data: torch.Tensor, codes: torch.Tensor) -> ScaledTensor:
 # --- dynamic rescaling -------------------------------------------------------------------
 
 def _statistic(t: ScaledTensor, stat: Stat) -> torch.Tensor:
+    # Of the finite values only: an inf or NaN would make the scale inf or NaN, and every
+    # value with it (the non-finite ones stay what they are at any scale).
     d, s = parts(t)
-    a = d.to(compute_dtype(d.dtype)).abs()
+    finite = d.isfinite()
+    a = torch.where(finite, d.to(compute_dtype(d.dtype)).abs(), 0)
     if stat not in ("max", "l1", "l2"):
         raise ValueError(f"statistic must be 'max', 'l1' or 'l2', not {stat!r}")
     if a.numel() == 0:
         v = a.new_zeros(())  # no data: 0, which keeps the scale (dynamic_scale)
     elif stat == "max":
         v = a.amax()
-    elif stat == "l1":
-        v = a.mean()
     else:
-        v = a.square().mean().sqrt()
+        n = finite.sum().clamp_min(1)
+        v = a.sum() / n if stat == "l1" else (a.square().sum() / n).sqrt()
     return (v if is_static(s, 1.0) else v * s).to(torch.float32)
 
 
 def dynamic_scale(t: torch.Tensor, stat: Stat = "max", target: float = 1.0,
                   pow2: bool = False) -> torch.Tensor:
     """The scale that brings ``stat`` of t's data to ``target`` (max |x|, mean |x| or
-    RMS), as a float32 tensor; with pow2 a power of two (rounded up for max, so the
-    data stays within target; to the nearest otherwise). An all-zero t keeps its scale.
+    RMS) of its finite values, as a float32 tensor; with pow2 a power of two (rounded up
+    for max, so the data stays within target; to the nearest otherwise). Where that is 0
+    (an all-zero t) or beyond float32, t keeps its scale.
     """
     if not target > 0:
         raise ValueError(f"target must be positive, got {target}")
@@ -178,7 +188,7 @@ def dynamic_scale(t: torch.Tensor, stat: Stat = "max", target: float = 1.0,
     new = _statistic(t, stat) / target
     if pow2:
         new = round_pow2(new, "up" if stat == "max" else "nearest")
-    return torch.where(new > 0, new, parts(t)[1])
+    return torch.where((new > 0) & new.isfinite(), new, parts(t)[1])
 
 
 def dynamic_rescale(t: torch.Tensor, stat: Stat = "max", target: float = 1.0,

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed.fsdp  # noqa: F401  (defines the fsdp:: ops named below)
 
-from .tensor import ScaledTensor, parts, rule, value
+from .tensor import ScaledTensor, parts, rule, set_scale, value
 
 __all__ = ["post_all_gather", "pre_all_gather"]
 
@@ -51,14 +51,15 @@ def post_all_gather(t: ScaledTensor, outputs: tuple[torch.Tensor, ...], scale: A
                     *, out: torch.Tensor | None = None):  # fmt: skip
     """The unsharded parameter: the gathered data with the scale. FSDP2 passes ``out``
     from the second all-gather on: the parameter it made the first time, whose data
-    already views the buffer it gathered into again; only its scale is set."""
+    already views the buffer it gathered into again; only its scale is set (and its
+    views')."""
     (data,) = outputs
     if out is not None:
         local = out._local_tensor if hasattr(out, "_local_tensor") else out
         if parts(local)[0].untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
             raise RuntimeError("FSDP2 gathered a ScaledTensor's data into a buffer its unsharded "
                                "parameter does not view")  # fmt: skip
-        local._scale, local._static = (scale, None) if isinstance(scale, torch.Tensor) else (None, scale)
+        set_scale(local, scale)
         return None
     # Nothing to free beyond the gathered buffer, which FSDP2 frees itself.
     return ScaledTensor._make(data, scale), ()

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..config import current
+from .casts import round_pow2
 from .ops import at_scale, lincomb, scale_of
 from .tensor import (
     Scale,
@@ -158,16 +159,21 @@ def _sdpa(func, q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scal
 
 @rule(aten._scaled_dot_product_flash_attention_for_cpu_backward)
 def _sdpa_backward(func, g, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None):
-    """Gradients of attention: q and k sg sv, v sg (the kernel runs on the gradient's
-    data and the output's data at v's scale, which are linear in those scales)."""
+    """Gradients of attention: q sg sv sk, k sg sv sq, v sg (the kernel runs on the
+    gradient's data and the output's data at v's scale, which are linear in those scales;
+    q's gradient is linear in k, k's in q, whose values it takes)."""
     vq, vk, dv, sv, mask = _attention_inputs(q, k, v, attn_mask)
     dg, sg = parts(scalar_scale(g))
     cdt = dv.dtype
     gq, gk, gv = func(dg.to(cdt), vq, vk, dv, at_scale(out, sv).to(cdt), lse, dropout_p, is_causal,
                       attn_mask=mask, scale=scale)
     s = smul(sg, sv)
-    return (wrap(gq.to(parts(q)[0].dtype), s), wrap(gk.to(parts(k)[0].dtype), s),
-            wrap(gv.to(parts(v)[0].dtype), sg))
+
+    def linear_in(grad: torch.Tensor, x: Any, other: Any) -> ScaledTensor:
+        so = parts(scalar_scale(other))[1]
+        return wrap(times(grad, sdiv(1.0, so)).to(parts(x)[0].dtype), smul(s, so))
+
+    return linear_in(gq, q, k), linear_in(gk, k, q), wrap(gv.to(parts(v)[0].dtype), sg)
 
 
 @rule(aten._fused_sdp_choice)
@@ -199,14 +205,25 @@ def _layer_norm(func, x, normalized_shape, weight, bias, eps):
     return wrap(out.to(d.dtype), sw), mean, rstd
 
 
+def _normalized_input_gradient(gi: torch.Tensor, x: Any, sg: Scale, sw: Scale,
+                               rstd: torch.Tensor) -> ScaledTensor:
+    """The input's gradient of a normalisation, computed in float32 on the data of the
+    gradient and the weight: its size is theirs times rstd = 1/sigma(x), which the scale
+    takes, sg sw times rstd's largest (rounded up to a power of two, an exact division),
+    so that 16-bit data neither overflows (sigma small) nor underflows (sigma large)."""
+    f = round_pow2(rstd.amax(), "up") if rstd.numel() else 1.0
+    return wrap(times(gi, sdiv(1.0, f)).to(parts(x)[0].dtype), smul(smul(sg, sw), f))
+
+
 @rule(aten.native_layer_norm_backward)
 def _layer_norm_backward(func, g, x, normalized_shape, mean, rstd, weight, bias, output_mask):
-    """Gradients of layer_norm: input sg sw, weight sg, bias sg."""
+    """Gradients of layer_norm: input sg sw times rstd's largest (a power of two), weight
+    sg, bias sg."""
     dg, sg = parts(scalar_scale(g))
     cdt = compute_dtype(dg.dtype)
     w, b, sw = _affine(weight, bias, cdt)
     gi, gw, gb = func(dg.to(cdt), value(x, cdt), normalized_shape, mean, rstd, w, b, output_mask)
-    return (None if gi is None else wrap(gi.to(parts(x)[0].dtype), smul(sg, sw)),
+    return (None if gi is None else _normalized_input_gradient(gi, x, sg, sw, rstd),
             None if gw is None else wrap(gw.to(parts(weight)[0].dtype), sg),
             None if gb is None else wrap(gb.to(parts(bias)[0].dtype), sg))
 
@@ -225,12 +242,12 @@ def _rms_norm(func, x, normalized_shape, weight, eps):
 
 @rule(aten._fused_rms_norm_backward)
 def _rms_norm_backward(func, g, x, normalized_shape, rstd, weight, output_mask):
-    """Gradients of rms_norm: input sg sw, weight sg."""
+    """Gradients of rms_norm: input sg sw times rstd's largest (a power of two), weight sg."""
     dg, sg = parts(scalar_scale(g))
     cdt = compute_dtype(dg.dtype)
     w, _, sw = _affine(weight, None, cdt)
     gi, gw = func(dg.to(cdt), value(x, cdt), normalized_shape, rstd, w, output_mask)
-    return (None if gi is None else wrap(gi.to(parts(x)[0].dtype), smul(sg, sw)),
+    return (None if gi is None else _normalized_input_gradient(gi, x, sg, sw, rstd),
             None if gw is None else wrap(gw.to(parts(weight)[0].dtype), sg))
 
 

@@ -1,4 +1,5 @@
-"""Rules of the general aten ops: layout, arithmetic, reductions, comparisons, factories.
+"""Rules of the general aten ops (layout, arithmetic, reductions, comparisons, factories)
+and of torch.distributed's broadcast and scatter.
 
 Each rule states its output scale in its docstring (``s`` is the input's scale, ``sa``
 and ``sb`` those of two operands, ``c`` a Python number). A plain tensor operand has
@@ -11,6 +12,7 @@ maxima. In-place and ``_foreach_`` ops need no rule of their own (see ``tensor``
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import reduce
 from typing import Any
 
@@ -19,6 +21,7 @@ import torch
 from .casts import round_pow2
 from .tensor import (
     REDUCED,
+    NoRuleError,
     Scale,
     ScaledTensor,
     assign,
@@ -27,11 +30,13 @@ from .tensor import (
     coefficient,
     compute_dtype,
     inplace,
+    is_partial_view,
     is_static,
     parts,
     rule,
     scalar_scale,
     sdiv,
+    set_scale,
     smax,
     smul,
     spow,
@@ -165,8 +170,8 @@ def _zeros(func, x, *args, **kwargs):
 def _new_zeros(func, x, *args, **kwargs):
     """A zero buffer of another shape: zeros at x's scale (one scale: a per-channel one's
     largest), to be filled with x's pieces, as FSDP2 builds a shard: ``x.new_zeros(n)``,
-    then a copy into a view of it. A view made by a rule has its own scale, so a zero
-    array's scale, taken by the first write, would move in the view only."""
+    then a copy into a view of it, which keeps x's data as it is (the zero array would
+    first zero itself to take the scale)."""
     s = parts(x)[1]
     return _factory(func, x, args, kwargs, s.amax() if isinstance(s, torch.Tensor) and s.dim() else s)
 
@@ -187,6 +192,19 @@ def _full(func, x, *args, **kwargs):
         return _factory(func, x, tuple(args), kwargs, 1.0)
     args[i] = math.copysign(1.0, c) if c else 0.0
     return _factory(func, x, tuple(args), kwargs, abs(c))
+
+
+@rule(aten.zero_)
+def _zero_(func, dest):
+    """Zeroing in place: the zero array (scale 0, as ``zero``), so that the next value
+    stored (a gradient accumulated after ``zero_grad(set_to_none=False)``) brings its own
+    scale instead of meeting the old one in 16-bit data. A view of part of a tensor
+    keeps the scale, which the rest of the tensor still has."""
+    d = parts(dest)[0]
+    func(d)
+    if not is_partial_view(d):
+        set_scale(dest, 0.0)
+    return dest
 
 
 @rule(aten.bernoulli_, aten.uniform_, aten.normal_, aten.exponential_)
@@ -606,6 +624,16 @@ def _masked_fill(func, x, mask, fill):
     return wrap(torch.masked_fill(d, mask, c), s)
 
 
+@rule(aten.constant_pad_nd)
+def _pad(func, x, pad, value=0):
+    """Padding (F.pad, and so distribute_tensor's uneven shards): with zeros, scale s (a
+    per-channel one's largest); with another number, computed on the value."""
+    if value != 0:
+        return _on_values(func, x, pad, value)
+    d, s = parts(scalar_scale(x))
+    return wrap(func(d, pad, 0.0), s)
+
+
 @rule(aten.cat, aten.stack)
 def _cat(func, tensors, dim=0):
     """cat, stack: scale max of the scales."""
@@ -698,3 +726,62 @@ def _item(func, x):
 def _same_size(func, a, b):
     """is_same_size: compares shapes."""
     return a.shape == b.shape
+
+
+# --- collectives: every rank takes the root's data and scale -----------------------------
+#
+# A ScaledTensor travels as one buffer, its scale and the scale's form (static, tensor,
+# per channel) as two float64 numbers and then its data's bytes, so that receivers
+# hold the root's data and scale bit for bit and replicas stay equal. Every rank passes
+# a ScaledTensor: a plain tensor elsewhere would take those bytes for its values (gloo
+# stops on the size). Other collectives raise NoRuleError (``tensor._fallback``).
+
+def _packed(t: torch.Tensor) -> torch.Tensor:
+    d, s = parts(t)
+    number, form = (s, 0.0) if is_static(s) else (s, 1.0) if s.dim() == 0 else (0.0, 2.0)
+    head = torch.stack([torch.as_tensor(number, dtype=torch.float64, device=d.device),
+                        torch.tensor(form, dtype=torch.float64, device=d.device)])
+    return torch.cat([head.view(torch.uint8), d.contiguous().reshape(-1).view(torch.uint8)])
+
+
+def _receive(t: torch.Tensor, buffer: torch.Tensor) -> None:
+    # t takes the data and scale in buffer (``_packed``); a view of part of a tensor, or a
+    # plain tensor, takes their value at its own scale.
+    d = parts(t)[0]
+    number, form = buffer[:16].view(torch.float64).tolist()
+    if form == 2.0:
+        raise NoRuleError("fewbit.scaled: a collective of a ScaledTensor with a per-channel scale: "
+                          "rebalance it to one scale first")
+    data = buffer[16:].view(d.dtype).view(d.shape)
+    s = number if form == 0.0 else torch.tensor(number, dtype=torch.float32, device=d.device)
+    if isinstance(t, ScaledTensor) and not is_partial_view(d):
+        d.copy_(data)
+        set_scale(t, s)
+    else:
+        assign(t, wrap(data, s))
+
+
+def _exchange(tensors: list, run: Callable) -> Any:
+    # run(buffers) starts the collective on the packed tensors and returns its work; the
+    # tensors take what arrived once it is done.
+    buffers = [_packed(t) for t in tensors]
+    work = run(buffers)
+    work.wait()
+    for t, buffer in zip(tensors, buffers, strict=True):
+        _receive(t, buffer)
+    return work
+
+
+if torch.distributed.is_available():
+    @rule(torch.ops.c10d.broadcast_)
+    def _broadcast(func, tensors, group, root, root_tensor, async_op=True, timeout=-1):
+        """broadcast (``dist.broadcast``, DDP's first sync, ``distribute_tensor`` with
+        Replicate): every rank takes the root's data and scale; done when it returns."""
+        return tensors, _exchange(tensors, lambda b: func(b, group, root, root_tensor, async_op, timeout)[1])
+
+    @rule(torch.ops.c10d.scatter_)
+    def _scatter(func, outputs, inputs, group, root, async_op=True, timeout=-1):
+        """scatter (``distribute_tensor`` with Shard): each rank takes the data and scale
+        of its piece on the root; done when it returns."""
+        pieces = [[_packed(t) for t in ts] for ts in inputs]
+        return outputs, _exchange(outputs, lambda b: func(b, pieces, group, root, async_op, timeout)[1])

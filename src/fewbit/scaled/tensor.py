@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import warnings
+import weakref
 from collections.abc import Callable
 from functools import cache, partial
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..config import current
 
@@ -52,7 +54,8 @@ def check_dtype(dtype: torch.dtype) -> None:
 
 class NoRuleError(NotImplementedError):
     """An op without a rule met a ScaledTensor while fewbit's setting ``scaled_fallback``
-    is ``"error"`` (``with fewbit.configure(scaled_fallback="error"): ...``)."""
+    is ``"error"`` (``with fewbit.configure(scaled_fallback="error"): ...``), or a
+    torch.distributed collective without a rule did, whatever the setting."""
 
 
 def _key_compile_caches() -> str:
@@ -293,6 +296,10 @@ def check_scale(scale: torch.Tensor | float, data: torch.Tensor, positive: bool 
     if shape != data.shape:
         raise ValueError(f"scale of shape {tuple(scale.shape)} does not broadcast to data's "
                          f"shape {tuple(data.shape)}")
+    if torch.compiler.is_compiling():
+        # Traced, its values are not known (a check would break the graph): they are
+        # checked where the same code runs eager.
+        return scale.detach().to(torch.float32)
     return _check_float32(scale.detach(), positive, " everywhere")
 
 
@@ -351,6 +358,58 @@ def as_scaled(data: torch.Tensor, scale: torch.Tensor | float | None = None) -> 
     does not broadcast to data, lies on another device, or is negative or not finite.
     """
     return ScaledTensor(data, scale)
+
+
+# --- views share their base's scale ------------------------------------------------
+
+class _Views:
+    """The ScaledTensors that view one tensor's data: the tensor and the views rules made
+    of it (and of them). They share its scale: a write that sets the scale of one (the
+    zero array's first value, ``zero_``, ``rebalance_``, a broadcast) sets it on all, so
+    none reads the data at a scale it no longer has."""
+
+    __slots__ = ("base", "members")
+
+    def __init__(self, base: ScaledTensor):
+        self.base = base._data  # what they view (the zero array zeroes it: ``assign``)
+        self.members = weakref.WeakValueDictionary({id(base): base})
+
+
+#: Each ScaledTensor that has views, or is one -> their _Views.
+_VIEWS = WeakIdKeyDictionary()
+
+
+def _share_scale(base: ScaledTensor, view: ScaledTensor) -> None:
+    views = _VIEWS.get(base)
+    if views is None:
+        views = _VIEWS[base] = _Views(base)
+    views.members[id(view)] = view
+    _VIEWS[view] = views
+
+
+def _aliases(t: ScaledTensor) -> list[ScaledTensor]:
+    # t and every live view of its data.
+    views = _VIEWS.get(t)
+    return [t] if views is None else [t, *(m for m in views.members.values() if m is not t)]
+
+
+def _one_geometry(t: ScaledTensor) -> bool:
+    # Whether every view of t's data has t's shape and strides (a per-channel scale then
+    # fits them all).
+    key = (t.shape, t._data.stride(), t._data.storage_offset())
+    return all((m.shape, m._data.stride(), m._data.storage_offset()) == key for m in _aliases(t))
+
+
+def set_scale(t: ScaledTensor, s: Scale) -> None:
+    """Give t, and every view of its data, the scale s (their data is not changed).
+    ValueError for a per-channel s where a view has another shape or strides: s has no
+    form there."""
+    if isinstance(s, torch.Tensor) and s.dim() and not _one_geometry(t):
+        raise ValueError("a per-channel scale for a ScaledTensor with views of other shapes: give it "
+                         "one scale, or drop the views first")
+    for m in _aliases(t):
+        m._scale, m._static = (_canonical(s, m._data.dim()), None) if isinstance(s, torch.Tensor) \
+            else (None, float(s))
 
 
 # --- the op table ------------------------------------------------------------------
@@ -427,9 +486,13 @@ def _lookup(func: torch._ops.OpOverload) -> Callable | None:
 
 
 def _aliasing(rule: Callable, func, *args, **kwargs):
-    # View ops: autograd and torch.compile need the wrapper's aliasing to match the
-    # op's schema.
-    return return_and_correct_aliasing(func, args, kwargs, rule(func, *args, **kwargs))
+    # View ops: the output views the input's data, so it shares its scale (``_Views``);
+    # autograd and torch.compile need the wrapper's aliasing to match the op's schema.
+    out = rule(func, *args, **kwargs)
+    for view in out if isinstance(out, (list, tuple)) else (out,):
+        if isinstance(view, ScaledTensor) and isinstance(args[0], ScaledTensor):
+            _share_scale(args[0], view)
+    return return_and_correct_aliasing(func, args, kwargs, out)
 
 
 @cache
@@ -497,6 +560,12 @@ def _fallback(func, args: tuple, kwargs: dict):
     ``frac_``, ``out=``) gets the new value back, as in-place rules store theirs
     (``assign``), and an in-place op returns that argument itself."""
     name = str(func)
+    if func.namespace == "c10d":
+        # A collective writes its tensors without its schema saying so: run on values, it
+        # would leave each rank's ScaledTensors as they were.
+        raise NoRuleError(f"fewbit.scaled: no rule for {name}, a collective on a ScaledTensor (broadcast "
+                          "and scatter have rules): run it on t.dequantize(), or rebalance every rank's "
+                          "tensor to one scale and run it on t.unscaled")
     if current().scaled_fallback == "error":
         raise NoRuleError(f"fewbit.scaled: no rule for {name}")
     if name not in _warned:
@@ -504,8 +573,6 @@ def _fallback(func, args: tuple, kwargs: dict):
         warnings.warn(f"fewbit.scaled: no rule for {name}; it runs on dequantized values, its outputs "
                       "take scale 1 and the arguments it writes keep theirs", stacklevel=3)
     written = _written(func, args, kwargs)
-    for dest in written.values():  # refused before any write
-        check_writable(dest)
     plain: dict[int, torch.Tensor] = {}  # id of a ScaledTensor -> its value, one per tensor
 
     def dequantized(x: Any) -> Any:
@@ -696,30 +763,27 @@ def is_partial_view(d: torch.Tensor) -> bool:
     return d.storage_offset() != 0 or d.untyped_storage().nbytes() != d.numel() * d.element_size()
 
 
-def check_writable(dest: ScaledTensor) -> None:
-    """Raise ValueError if ``assign`` cannot store into dest: a view of a zero-scale
-    ScaledTensor, whose scale the write would change in the view only."""
-    if dest._static == 0.0 and is_partial_view(dest._data):
-        raise ValueError("in-place write into a view of a zero-scale ScaledTensor: rebalance its "
-                         "base to a non-zero scale first")
-
-
 def assign(dest: torch.Tensor, out: Any) -> torch.Tensor:
     """Store the result of an in-place op into dest, and return dest.
 
-    dest keeps its scale (its views share it), except a zero scale: the zero array
-    takes the result's scale, as optimizer state created by ``zeros_like`` does (views
-    taken of it before the write keep scale 0; a write into such a view is refused).
+    dest keeps its scale, except a zero scale: the zero array takes the result's scale,
+    as optimizer state created by ``zeros_like`` does, and so do all views of its data
+    (``set_scale``; one scale where they differ in shape from dest and the result's is
+    per channel). Written through a view, the rest of the zero array becomes zeros
+    first: its data may be anything (``empty_like``), which the new scale would show.
     """
     if not isinstance(dest, ScaledTensor):
         dest.copy_(dequantize_any(out))
         return dest
-    check_writable(dest)
     d, s = parts(out)
-    if dest._static == 0.0:
-        dest._data.copy_(d)
-        dest._scale, dest._static = (_canonical(s, d.dim()), None) if isinstance(s, torch.Tensor) \
-            else (None, float(s))
+    if dest._static != 0.0:
+        dest._data.copy_(times(d, sdiv(s, parts(dest)[1])))
         return dest
-    dest._data.copy_(times(d, sdiv(s, parts(dest)[1])))
+    if isinstance(s, torch.Tensor) and s.dim() and not _one_geometry(dest):
+        d, s = parts(scalar_scale(out))
+    views = _VIEWS.get(dest)
+    if views is not None and views.base is not dest._data and not is_static(s, 0.0):
+        views.base.zero_()
+    dest._data.copy_(d)
+    set_scale(dest, s)
     return dest
