@@ -1069,9 +1069,9 @@ def test_compile_caches_know_the_rules(tmp_path):
     """AOTAutograd's cache on disk keeps what a graph of ScaledTensors compiled to, and it
     was keyed by the graph (t.half()), not by the rules run inside it: after a fix of the
     float16 cast's rule, the cached code of the old one still loaded, and gave inf. The
-    rules' source is now part of torch's cache key (``tensor.CACHE_TAG``): the graph loads
-    from the cache while the rules are the same (a second compile in the process), and
-    compiles again in a process whose fewbit has one rule file changed (by a comment)."""
+    rules' source is now part of each ScaledTensor's cache hash (``tensor.RULES_DIGEST``):
+    the graph loads from the cache while the rules are the same (a second compile in the
+    process), and compiles again in a process whose fewbit has one rule file changed."""
     import os
     import shutil
     import subprocess

@@ -58,21 +58,17 @@ class NoRuleError(NotImplementedError):
     torch.distributed collective without a rule did, whatever the setting."""
 
 
-def _key_compile_caches() -> str:
-    """Add a digest of this package's source, the rules, to torch's compile-cache key tag
-    (``torch.compiler.config.cache_key_tag``, public, after any tag of the user's), and
-    return it. AOTAutograd caches on disk what a graph of ScaledTensors compiled to, keyed
-    by the graph (``t.half()``) and not by the rules that ran inside it: a graph cached by
-    a fewbit with other rules would load those rules, old bugs and all."""
+def _rules_digest() -> str:
+    """A digest of this package's source, the rules. AOTAutograd caches on disk what a
+    graph of ScaledTensors compiled to, keyed by the graph (``t.half()``) and by its inputs'
+    ``_stable_hash_for_caching``, not by the rules that ran inside it: a graph cached by a
+    fewbit with other rules would load those rules, old bugs and all. The digest is part
+    of each ScaledTensor's hash."""
     source = b"".join(path.read_bytes() for path in sorted(Path(__file__).parent.glob("*.py")))
-    tag = f"fewbit.scaled-{hashlib.sha256(source).hexdigest()[:16]}"
-    user = torch.compiler.config.cache_key_tag
-    if tag not in user:
-        torch.compiler.config.cache_key_tag = f"{user}+{tag}" if user else tag
-    return tag
+    return hashlib.sha256(source).hexdigest()[:16]
 
 
-CACHE_TAG = _key_compile_caches()
+RULES_DIGEST = _rules_digest()
 
 def traced_settings() -> tuple[bool, str]:
     """The settings that rules read (``unit_scaling``, ``scaled_fallback``), which
@@ -224,11 +220,13 @@ class ScaledTensor(torch.Tensor):
         return ScaledTensor._make(times(self._data, sdiv(parts(self)[1], static)), static)
 
     def _stable_hash_for_caching(self) -> str:
-        # AOTAutograd's cache key: what the compiled code depends on, not the values.
+        # AOTAutograd's cache key (its extension point for subclasses): what the compiled
+        # code depends on, the rules included, not the values.
         def meta(t: torch.Tensor | None) -> str:
             return "-" if t is None else f"{t.dtype}{tuple(t.shape)}{t.stride()}{t.device}"
 
-        return f"ScaledTensor({meta(self._data)},{meta(self._scale)},{self._static!r},{traced_settings()})"
+        return (f"ScaledTensor[{RULES_DIGEST}]({meta(self._data)},{meta(self._scale)},{self._static!r},"
+                f"{traced_settings()})")
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
