@@ -520,15 +520,19 @@ def test_environment_is_read_once():
 
 def test_no_environment_read_per_call(monkeypatch):
     class Untouchable(dict):
-        def __getitem__(self, name):
+        def __getitem__(self, name, default=None):
             raise AssertionError(f"read {name} from the environment")
 
         get = __getitem__
 
-    monkeypatch.setattr(os, "environ", Untouchable())
     x = torch.randn(1 << 17)
-    fewbit.round(x, "e4m3", "src", bits=3, seed=1)
-    fewbit.decode(fewbit.encode(fewbit.round(x, "e4m3"), "e4m3"), "e4m3")
+    calls = [lambda: fewbit.round(x, "e4m3", "src", bits=3, seed=1),
+             lambda: fewbit.decode(fewbit.encode(fewbit.round(x, "e4m3"), "e4m3"), "e4m3")]  # fmt: skip
+    for call in calls:  # first uses: the native kernel's loading looks for the compiler on PATH
+        call()
+    monkeypatch.setattr(os, "environ", Untouchable())
+    for call in calls:
+        call()
 
 
 def test_the_private_dispatch_guard_is_still_there():
