@@ -116,10 +116,7 @@ class ScaledTensor(torch.Tensor):
             dtype=data.dtype, device=data.device, layout=data.layout, requires_grad=False,
         )
         t._data = data
-        if isinstance(scale, torch.Tensor):
-            t._scale, t._static = _canonical(scale, data.dim()), None
-        else:
-            t._scale, t._static = None, float(scale)
+        _hold(t, scale)
         return t
 
     @property
@@ -406,8 +403,15 @@ def set_scale(t: ScaledTensor, s: Scale) -> None:
         raise ValueError("a per-channel scale for a ScaledTensor with views of other shapes: give it "
                          "one scale, or drop the views first")
     for m in _aliases(t):
-        m._scale, m._static = (_canonical(s, m._data.dim()), None) if isinstance(s, torch.Tensor) \
-            else (None, float(s))
+        _hold(m, s)
+
+
+def _hold(t: ScaledTensor, s: Scale) -> None:
+    # t's scale: a tensor s in the form t's data broadcasts with, a number as static.
+    if isinstance(s, torch.Tensor):
+        t._scale, t._static = _canonical(s, t._data.dim()), None
+    else:
+        t._scale, t._static = None, float(s)
 
 
 # --- the op table ------------------------------------------------------------------
