@@ -230,6 +230,60 @@ def test_store_codes_keeps_floats_until_the_first_step(fmt):
         assert bits_equal(pa.detach(), pb.detach())
 
 
+@pytest.mark.parametrize("fmt", [FMT, "mxfp4"])
+def test_reading_a_weight_held_as_codes_decodes_it_first(fmt):
+    """Between a step and zero_grad() the weights' storage is freed; reading one (a
+    forward, a checkpoint, a print, a copy, a load) first decodes them all, where it
+    crashed the process before (SIGSEGV: a read of 0-byte storage). Metadata, gradients
+    and the optimizer's state keyed by the weight are read without decoding."""
+    import copy
+    import io
+
+    a, b = model(), model()
+    lpw_a = LowPrecisionWeights(torch.optim.AdamW(a.parameters(), lr=0.01), fmt, "src", seed=4)
+    lpw_b = LowPrecisionWeights(torch.optim.AdamW(b.parameters(), lr=0.01), fmt, "src", seed=4,
+                                store_codes=True)  # fmt: skip
+    x = torch.randn(3, 16)
+    reads = {
+        "forward": lambda: b(x),
+        "state_dict": lambda: torch.save(b.state_dict(), io.BytesIO()),
+        "repr": lambda: repr(b[0].weight),
+        "deepcopy": lambda: copy.deepcopy(b),
+        "load": lambda: b.load_state_dict(a.state_dict()),
+    }
+    for t, (name, read) in enumerate(reads.items()):
+        train(a, lpw_a, 1, start=t)
+        train(b, lpw_b, 1, start=t)
+        w = b[0].weight
+        assert w.shape == (32, 16) and w.grad is not None and lpw_b.state[w]["step"] == t + 1
+        assert lpw_b._stored, "metadata decoded the weights"
+        result = read()
+        assert not lpw_b._stored, name
+        assert all(type(p) is torch.nn.Parameter for p in b.parameters()), name
+        if name == "forward":
+            assert torch.equal(result, a(x))
+        if name == "deepcopy":
+            assert all(type(p) is torch.nn.Parameter for p in result.parameters())
+        for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+            assert bits_equal(pa.detach(), pb.detach()), name
+
+
+def test_compiled_code_reading_a_weight_held_as_codes_decodes_it_and_warns():
+    """torch.compile's first look at a weight held as codes decodes it (a fullgraph
+    forward gives the values eager would), and warns that it compiles again."""
+    a, b = model(), model()
+    lpw_a = LowPrecisionWeights(torch.optim.AdamW(a.parameters(), lr=0.01), FMT, "src", seed=4)
+    lpw_b = LowPrecisionWeights(torch.optim.AdamW(b.parameters(), lr=0.01), FMT, "src", seed=4,
+                                store_codes=True)  # fmt: skip
+    forward = torch.compile(b, fullgraph=True, backend="eager")
+    x = torch.randn(3, 16)
+    train(a, lpw_a, 1)
+    train(b, lpw_b, 1)
+    with pytest.warns(UserWarning, match="compiles again: call materialize"):
+        y = forward(x)
+    assert not lpw_b._stored and torch.equal(y, a(x))
+
+
 @pytest.mark.parametrize("store_codes", [False, True])
 def test_a_weight_without_a_gradient_is_left_as_it_is(store_codes):
     """A frozen weight (or one this step did not reach) is not rounded again after a step,

@@ -14,7 +14,9 @@ the full weights do not depend on the number of ranks or the placement.
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -52,6 +54,62 @@ _UPDATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 #: it runs every step, so the one compilation per run is soon repaid.
 COMPILE_FROM = 1 << 13
 
+#: What a weight held as codes answers without its values: its metadata, its gradient,
+#: its hash (the optimizer's state is keyed by it) and its (empty) storage.
+_METADATA = frozenset({
+    *(getattr(torch.Tensor, name).__get__ for name in (
+        "shape", "dtype", "device", "layout", "ndim", "grad", "requires_grad", "is_leaf")),
+    torch.Tensor.grad.__set__, torch.Tensor.__hash__, torch.Tensor.size, torch.Tensor.dim,
+    torch.Tensor.numel, torch.Tensor.element_size, torch.Tensor.is_floating_point,
+    torch.Tensor.untyped_storage,
+})  # fmt: skip
+
+
+class _HeldAsCodes:
+    """A selected weight between a step and :meth:`LowPrecisionWeights.materialize` under
+    ``store_codes``: its storage is freed. Any use that reads its values first decodes
+    every weight of its wrapper back (before, such a read crashed the process)."""
+
+    __slots__ = ()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA:  # the tensor's own class's (Parameter's: func as is)
+            return super().__torch_function__(func, types, args, kwargs)
+        for t in _tensors((args, kwargs)):
+            holder = getattr(t, "_fewbit_codes_of", None)  # (None: traced, decoded already)
+            if holder is None:
+                continue
+            if torch.compiler.is_compiling():  # torch.compile's first look at the weight
+                warnings.warn("torch.compile read a weight that LowPrecisionWeights(store_codes=True) "
+                              "held as codes, and decoded it; each such read after a step compiles "
+                              "again: call materialize() or zero_grad() first", stacklevel=2)  # fmt: skip
+            holder.materialize()
+        return func(*args, **kwargs)  # as called, now on plain tensors
+
+    def __deepcopy__(self, memo):  # (Parameter's would copy the held class)
+        self._fewbit_codes_of.materialize()
+        return self.__deepcopy__(memo)
+
+
+@functools.cache
+def _held_class(plain: type) -> type:
+    """``plain`` (Parameter, DTensor, ...) with :class:`_HeldAsCodes` in front."""
+    return type(f"{plain.__name__}HeldAsCodes", (_HeldAsCodes, plain), {"__slots__": (), "plain": plain})
+
+
+def _tensors(tree):
+    """The tensors in nested tuples, lists and dicts (a torch function's arguments)."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, tuple | list):
+        for item in tree:
+            yield from _tensors(item)
+    elif isinstance(tree, dict):
+        for item in tree.values():
+            yield from _tensors(item)
+
 
 class LowPrecisionWeights:
     """Wrap ``optimizer`` so that the selected parameters always hold values of ``fmt``.
@@ -80,10 +138,13 @@ class LowPrecisionWeights:
         store_codes: between a step and the next :meth:`zero_grad` (or
             :meth:`materialize`), keep the selected weights only as codes of ``fmt``
             (uint8 for formats of up to 8 bits; a ``fewbit.block.BlockTensor`` per weight
-            for a block format) and free their float storage. In that window the
-            parameters have no storage: call :meth:`materialize` before reading, saving
-            or loading them (an evaluation, a checkpoint). The rounding at construction
-            keeps them as floats.
+            for a block format) and free their float storage. In that window a read of
+            a weight (a forward, a checkpoint, a print, a load) first decodes them all,
+            as :meth:`materialize` does; its metadata, gradient and optimizer state
+            are read without. Compiled code that reads them compiles again each time
+            (it warns), and FSDP2's forward reads its shards' storage directly: call
+            :meth:`materialize` first there. The rounding at construction keeps them
+            as floats.
         policy: under data parallelism the write-back is ``"identical"`` on every
             replica (seed 000); ``"differing"`` folds in the rank (wrong: for tests).
         guard: before each step, check across ranks that every selected weight and its
@@ -326,6 +387,9 @@ class LowPrecisionWeights:
             self._nbytes = [t.untyped_storage().nbytes() for t in pieces]
             for i in live:
                 pieces[i].untyped_storage().resize_(0)
+                p = self.params[i]  # until materialize(): a read decodes first
+                p._fewbit_codes_of = self  # (held by the weight: its codes live as long)
+                p.__class__ = _held_class(type(p))
             self._stored = True
         elif self.scale:
             torch._foreach_div_([pieces[i] for i in live], [self._scales[i] for i in live])
@@ -345,6 +409,8 @@ class LowPrecisionWeights:
         for p, codes, s, nbytes in zip(self.params, self._codes, self._scales, self._nbytes, strict=True):
             if codes is None:  # left as it was at the step: never freed
                 continue
+            p.__class__ = type(p).plain
+            del p._fewbit_codes_of
             t = local_tensor(p)
             t.untyped_storage().resize_(nbytes)
             if isinstance(codes, BlockTensor):  # as fewbit.block.round gives the values in via
