@@ -81,6 +81,34 @@ def test_write_back_is_the_documented_rounding(fmt, mode):
     assert lpw.names == ["param 0", "param 2"]  # vectors (biases) are left in float32
 
 
+def test_an_added_param_group_is_kept_in_the_format():
+    """add_param_group after two steps: the group's matrices are rounded at once with
+    fold_in(key, 2, i), i their places after the weights selected before, its vectors are
+    left alone, and the next step writes both back as any selected weight; a group the
+    write-back cannot hold is refused before the inner optimizer takes it."""
+    a = model()
+    lpw = LowPrecisionWeights(torch.optim.SGD(a.parameters(), lr=0.1), FMT, "src", seed=4)
+    train(a, lpw, 2)
+    extra = torch.nn.Linear(4, 8)
+    w0, bias0 = extra.weight.detach().clone(), extra.bias.detach().clone()
+    key = fewbit.random.Key.from_seed(4)
+    lpw.add_param_group({"params": extra.parameters(), "lr": 0.05})
+    assert bits_equal(extra.weight.detach(), fewbit.round(w0, FMT, "src", bits=3, seed=fold_in(key, 2, 2),
+                                                          sat=True))  # fmt: skip
+    assert torch.equal(extra.bias.detach(), bias0)
+    assert lpw.names == ["param 0", "param 2", "param 4"] and lpw.param_groups[1]["lr"] == 0.05
+    extra.weight.grad, extra.bias.grad = torch.ones(8, 4), torch.ones(8)
+    w1 = extra.weight.detach() - 0.05
+    lpw.step()
+    assert bits_equal(extra.weight.detach(), fewbit.round(w1, FMT, "src", bits=3, seed=fold_in(key, 3, 2),
+                                                          sat=True))  # fmt: skip
+    assert torch.equal(extra.bias.detach(), bias0 - 0.05)
+    for bad in (torch.nn.Parameter(torch.ones(4, 4, dtype=torch.float64)), lpw.params[0]):
+        with pytest.raises(ValueError, match="mix dtypes|more than one parameter group"):
+            lpw.add_param_group({"params": [bad]})
+        assert len(lpw.param_groups) == 2 and len(lpw.params) == 3
+
+
 def test_sr_keeps_updates_below_half_an_ulp_and_rne_loses_them():
     """w = 1, u = -2^-7: an eighth of binary8p4's ulp (1/16) below 1. RNE keeps 1 for
     ever; SRC with N = D = 4 (bfloat16 updates) is exact SR, so unbiased."""

@@ -203,28 +203,15 @@ class LowPrecisionWeights:
         self.policy = SeedPolicy(policy)
         self.guard = guard
         self.names, self.params = self._select(params)
+        if not self.params:
+            raise ValueError("no parameters selected: pass params=")
+        self._check(self.names, self.params)
         #: Where each rank's piece of each parameter lies in the full tensor.
         self._layouts = [layout(p) for p in self.params]
         if guard and world()[1] > 1 and all(is_dtensor(p) and replica_count(p) == 1 for p in self.params):
             raise ValueError("guard=True has nothing to compare: every selected weight is sharded and "
                              "no two ranks hold the same piece (FSDP without replication); use HSDP "
                              "or drop guard")  # fmt: skip
-        for name, p in zip(self.names, self.params, strict=True):
-            # A block's scale needs all its elements: a piece must hold whole blocks.
-            check_whole_blocks(p, self.fmt, name=name)
-        # For a block format the element format is checked: a block's values are elements
-        # times a power of two (float32's exponent range), or for NVFP4 a product that the
-        # kernel rounds to the dtype anyway.
-        element = self.fmt.element if block else self.fmt
-        for name, p in zip(self.names, self.params, strict=True):
-            for dtype in {p.dtype, update_dtype or p.dtype}:
-                if not dtype_format(dtype).contains(element):
-                    raise ValueError(f"{name} ({dtype}) cannot hold every value of {element.name}")
-        # Every selected parameter shares one dtype: the write-back rounds them together.
-        dtypes = {p.dtype for p in self.params} | {p.device.type for p in self.params}
-        if len(dtypes) > 2:
-            raise ValueError(f"selected parameters mix dtypes or devices ({sorted(map(str, dtypes))}): "
-                             "wrap each group in its own LowPrecisionWeights")  # fmt: skip
         #: The dtype ``w + u`` is rounded from.
         self.via = update_dtype or self.params[0].dtype
         self.spec = check_args(self.via, self.fmt, self.mode, sat, self.bits, fraction)
@@ -247,21 +234,63 @@ class LowPrecisionWeights:
         """The optimizer's parameters, in its order."""
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    def _select(self, params) -> tuple[list[str], list[torch.Tensor]]:
-        owned = self._owned()
+    def _select(self, params, owned: list[torch.Tensor] | None = None,
+                start: int = 0) -> tuple[list[str], list[torch.Tensor]]:  # fmt: skip
+        """``params`` named, checked to be among ``owned`` (the optimizer's parameters,
+        the first of them number ``start``); None: those of two or more dimensions."""
+        owned = self._owned() if owned is None else owned
         if params is None:
-            chosen = [(f"param {i}", p) for i, p in enumerate(owned) if p.dim() >= 2]
+            chosen = [(f"param {start + i}", p) for i, p in enumerate(owned) if p.dim() >= 2]
         else:
             chosen = [
-                item if isinstance(item, tuple) else (f"param {i}", item) for i, item in enumerate(params)
+                item if isinstance(item, tuple) else (f"param {start + i}", item)
+                for i, item in enumerate(params)
             ]
             ids = {id(p) for p in owned}
             for name, p in chosen:
                 if id(p) not in ids:
                     raise ValueError(f"{name} is not among the optimizer's parameters")
-        if not chosen:
-            raise ValueError("no parameters selected: pass params=")
         return [n for n, _ in chosen], [p for _, p in chosen]
+
+    def _check(self, names: list[str], params: list[torch.Tensor]) -> None:
+        """Refuse parameters the write-back cannot hold: a piece without whole blocks, a
+        dtype without every value of the format, or a mix of dtypes or devices (among
+        them and the parameters already selected)."""
+        # For a block format the element format is checked: a block's values are elements
+        # times a power of two (float32's exponent range), or for NVFP4 a product that the
+        # kernel rounds to the dtype anyway.
+        element = self.fmt.element if isinstance(self.fmt, BlockFormat) else self.fmt
+        for name, p in zip(names, params, strict=True):
+            # A block's scale needs all its elements: a piece must hold whole blocks.
+            check_whole_blocks(p, self.fmt, name=name)
+            for dtype in {p.dtype, self.update_dtype or p.dtype}:
+                if not dtype_format(dtype).contains(element):
+                    raise ValueError(f"{name} ({dtype}) cannot hold every value of {element.name}")
+        # Every selected parameter shares one dtype: the write-back rounds them together.
+        every = [*self.params, *params]
+        dtypes = {p.dtype for p in every} | {p.device.type for p in every}
+        if len(dtypes) > 2:
+            raise ValueError(f"selected parameters mix dtypes or devices ({sorted(map(str, dtypes))}): "
+                             "wrap each group in its own LowPrecisionWeights")  # fmt: skip
+
+    def add_param_group(self, group: dict, params: Iterable | None = None) -> None:
+        """The inner optimizer's ``add_param_group``, with the group's ``params`` (as
+        ``__init__`` takes them; default: those of two or more dimensions) kept in ``fmt``
+        from now on: checked before the group is added, rounded at once (key
+        ``fold_in(seed, t, i)`` at step count t, i their places after the weights
+        selected before), then written back every step as the others."""
+        self.materialize()
+        added = group["params"]
+        group["params"] = added = [added] if isinstance(added, torch.Tensor) else list(added)
+        names, chosen = self._select(params, owned=added, start=len(self._owned()))
+        self._check(names, chosen)
+        self.optimizer.add_param_group(group)
+        first = len(self.params)
+        self.names += names
+        self.params += chosen
+        self._layouts += [layout(p) for p in chosen]
+        self._scales += [1.0] * len(chosen)
+        self._write_back(initial=True, only=range(first, len(self.params)))
 
     @property
     def param_groups(self) -> list[dict]:
@@ -295,12 +324,14 @@ class LowPrecisionWeights:
     # stays fewbit's own call (its compiled kernel, as eager), not traced into their graph.
     @torch.compiler.disable
     @torch.no_grad()
-    def _write_back(self, initial: bool) -> None:
+    def _write_back(self, initial: bool, only: range | None = None) -> None:
         # After a step, a parameter without a gradient is left as it is, as the inner
         # optimizer leaves it: rounding it again would move it where rounding is not a
         # fixed point on the format's values (HBFP's, NVFP4's), and costs a pass (frozen
-        # weights). At construction every one is rounded, and kept as floats.
+        # weights). At construction every one is rounded (added ones: ``only`` those),
+        # and kept as floats.
         live = [i for i, p in enumerate(self.params) if initial or p.grad is not None]
+        live = live if only is None else [i for i in live if i in only]
         store = self.store_codes and not initial
         with configure(compile_threshold=min(current().compile_threshold, COMPILE_FROM)):
             if not self.spec.may_refuse:
