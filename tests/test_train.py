@@ -269,6 +269,10 @@ def test_bad_configurations():
         TrainConfig(weight_format="mxfp4")  # (was "unknown format 'mxfp4'; closest: fp64")
     with pytest.raises(ValueError, match="nor is it a block format"):
         TrainConfig(grad_format="hbfp")
+    for unsigned in ({"weight_format": "e8m0"}, {"grad_format": "p3109_k8p4uf"}):
+        with pytest.raises(ValueError, match="is unsigned: every negative value would round to its smallest"):
+            TrainConfig(**unsigned)
+    TrainConfig(mode="fp32", weight_format="e8m0")  # (unused: refused by name in cmd_train)
     with pytest.raises(TypeError, match="grad_mode 'sr_fraction' needs grad_fraction=p"):
         TrainConfig(grad_format="hbfp3", grad_mode="sr_fraction")
     with pytest.raises(ValueError, match="update_dtype"):

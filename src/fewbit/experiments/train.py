@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from ..block import check_args
+from ..block import check_args, element_or_block
 from ..block.formats import names as block_names
 from ..nn import Quant, quantize_outputs
 from ..optim import LowPrecisionWeights
@@ -98,6 +98,13 @@ class TrainConfig:
             raise ValueError(f"weight_format {self.weight_format!r} is a block format: these runs keep "
                              "element-format weights (block formats go to grad_format, or, for weights, "
                              "to LowPrecisionWeights and `fewbit replicas --fsdp --format`)")  # fmt: skip
+        for name in ("weight_format", "grad_format"):  # (weights and gradients take both signs)
+            fmt = getattr(self, name)
+            if fmt is None or (name == "weight_format" and self.mode in PLAIN_MODES):
+                continue
+            if not getattr(element_or_block(fmt), "signed", True):
+                raise ValueError(f"{name} {fmt!r} is unsigned: every negative value would round to "
+                                 "its smallest; give a signed format")  # fmt: skip
         if self.mode not in PLAIN_MODES:
             # The write-back's own checks, here: a bad format, N or p is reported before
             # any worker starts, in fewbit.round's words.
