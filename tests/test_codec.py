@@ -97,6 +97,18 @@ def test_bad_input():
         fewbit.decode(torch.tensor([1], dtype=torch.uint8), "binary8p1", dtype=torch.float16)
 
 
+def test_packed_is_a_bool():
+    """packed went through bool(): "no" packed, None did not, while check=1 was refused."""
+    x = torch.tensor([1.0, 2.0])
+    codes = fewbit.encode(x, "e2m1")
+    for call in (lambda: fewbit.encode(x, "e2m1", packed="no"),
+                 lambda: fewbit.encode(x, "e2m1", packed=None),
+                 lambda: fewbit.decode(codes, "e2m1", packed=2),
+                 lambda: fewbit.quantize(x, "e2m1", packed="no")):  # fmt: skip
+        with pytest.raises(TypeError, match="packed must be a bool"):
+            call()
+
+
 def test_empty_and_scalar():
     assert fewbit.encode(torch.empty(0), "e4m3").shape == (0,)
     code = fewbit.encode(torch.tensor(1.0), "e4m3")

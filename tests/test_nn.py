@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,6 +58,34 @@ def test_stochastic_needs_a_seed_and_quant_checks_its_arguments():
         Quant("mxfp4", "src", bits=0)
     with pytest.raises(TypeError, match="needs fraction=p"):
         Quant("ocp_e4m3", "sr_fraction", bits=3)
+
+
+def test_a_format_stands_for_its_quant_and_bad_arguments_are_refused_at_the_call():
+    """A name where a Quant is due ran into 'str' object is not callable (in backward for
+    the backward direction), and a stochastic backward Quant without a seed passed the
+    forward pass: all are decided at the call now."""
+    x = torch.tensor([1.03, 500.0, 0.3], requires_grad=True)
+    # By hand: OCP E4M3 steps 1/8 on [1, 2), 1/32 on [1/4, 1/2), max 448 (saturated).
+    e4m3 = torch.tensor([1.0, 448.0, 0.3125])
+    assert torch.equal(fake_quantize(x, "ocp_e4m3"), e4m3)
+    assert torch.equal(FakeQuantize(fewbit.format("ocp_e4m3"))(x), e4m3)
+    # E5M2 steps 1/4 on [1, 2), 1/16 on [1/4, 1/2), 64 on [256, 512): 500 -> 512.
+    fake_quantize(x, None, "ocp_e5m2").backward(x.detach())
+    assert torch.equal(x.grad, torch.tensor([1.0, 512.0, 0.3125]))
+    for bad in (3, b"ocp_e4m3"):
+        with pytest.raises(TypeError, match="forward must be a fewbit.nn.Quant"):
+            fake_quantize(x, bad)
+        with pytest.raises(TypeError, match="backward must be a fewbit.nn.Quant"):
+            FakeQuantize(None, bad)
+    with pytest.raises(ValueError, match="mode 'src' needs a seed"):
+        fake_quantize(x, E4M3, E5M2_SR)
+
+
+def test_quant_refuses_a_bad_axis_at_construction():
+    for bad in (True, 1.5, "x"):
+        with pytest.raises(TypeError, match="axis must be an int"):
+            Quant("hbfp4", axis=bad)
+    assert type(Quant("hbfp4", axis=np.int64(0)).axis) is int  # as fewbit.block.round takes it
 
 
 def test_module_draws_fresh_bits_per_call_and_resumes_from_state_dict():

@@ -229,6 +229,34 @@ def test_a_negative_seed_tensor_stands_for_its_64_bit_pattern():
                        fewbit.round(x, "binary8p4", "src", bits=3, seed=2**64 - 5))  # fmt: skip
 
 
+def test_a_key_loads_with_torch_loads_default():
+    """torch.load (weights_only=True by default) refused a checkpoint holding a Key."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save({"key": KEY}, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer) == {"key": KEY}
+
+
+def test_fold_in_refuses_a_value_tensor_of_several_elements():
+    """A (2,) tensor was taken as a counter's two words, unchecked: [2**32 + 1, 0] folded
+    in as 1."""
+    for key in (KEY, key_of(KEY)):
+        with pytest.raises(ValueError, match="fold_in value tensor is 0-d"):
+            fold_in(key, torch.tensor([2**32 + 1, 0]))
+
+
+def test_an_int32_key_tensor_holds_the_words_bit_patterns():
+    """fold_in read an int32 key tensor's words mod 2**32; fewbit.round on a CPU refused
+    a negative one."""
+    key, held = Key(2**32 - 1, 5), torch.tensor([-1, 5], dtype=torch.int32)
+    x = torch.full((1000,), 1.03)  # between binary8p4 neighbours: the key decides each
+    want = fewbit.round(x, "binary8p4", "src", bits=3, seed=key)
+    assert torch.equal(fewbit.round(x, "binary8p4", "src", bits=3, seed=held), want)
+    assert torch.equal(fold_in(held, 3), key_of(fold_in(key, 3)))
+
+
 # ------------------------------------------------------------------ layout
 
 
@@ -247,6 +275,15 @@ def test_random_words_layout():
             block = (row // 2) * LANES + lane
             expected = threefry2x32_int(block & 0xFFFFFFFF, block >> 32, KEY.k0, KEY.k1)[row % 2]
             assert w == expected
+
+
+def test_fold_in_is_the_parents_block_at_the_documented_words():
+    """fold_in's docstring: the child of v is words w and w + LANES of the parent's stream,
+    w = 2 * LANES * (v // LANES) + v % LANES (it said words 2v, 2v + 1)."""
+    for v in (0, 1, 5, LANES - 1, 600, 2**40 + 3):
+        w = 2 * LANES * (v // LANES) + v % LANES
+        words = random_words(LANES + 1, KEY, offset=w)
+        assert fold_in(KEY, v) == Key(int(words[0]), int(words[LANES])), v
 
 
 @pytest.mark.parametrize("bits", [1, 3, 5, 7, 8, 11, 16, 17, 31, 32])

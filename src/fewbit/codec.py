@@ -70,9 +70,9 @@ def encode(x: torch.Tensor, fmt: FloatFormat | str, packed: bool = False, check:
     the check reads a flag back, which waits for the kernel; without it the call queues
     its kernel and returns, as a plain op does (and may be captured in a CUDA graph)."""
     check_tensor(x)
-    if not isinstance(check, bool):
-        raise TypeError(f"check must be a bool, not {type(check).__name__}")
-    return _encode(x, format_name(fmt), bool(packed), check)
+    _check_flag(packed, "packed")
+    _check_flag(check, "check")
+    return _encode(x, format_name(fmt), packed, check)
 
 
 def decode(
@@ -83,7 +83,8 @@ def decode(
 ) -> torch.Tensor:
     """Values of ``codes`` in ``fmt`` as a tensor of ``dtype`` (NaN codes give NaN)."""
     check_tensor(codes, "codes")
-    return _decode(codes, format_name(fmt), dtype, bool(packed))
+    _check_flag(packed, "packed")
+    return _decode(codes, format_name(fmt), dtype, packed)
 
 
 def quantize(
@@ -112,7 +113,14 @@ def quantize(
     NaN), and :func:`encode`'s errors for the codes (K > 16; ``packed`` needs K <= 4 and
     an even last dimension)."""
     args = op_args(x, fmt, mode, sat, bits, fraction, seed, random_bits)
-    return _quantize(*args, bool(packed))
+    _check_flag(packed, "packed")
+    return _quantize(*args, packed)
+
+
+def _check_flag(value: object, name: str) -> None:
+    # Strict: bool() would take "no" or 2 as True and None as False.
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), not {type(value).__name__}: {value!r}")
 
 
 def _encode_checks(x: torch.Tensor, fmt: FloatFormat, packed: bool) -> tuple[torch.Size, torch.dtype]:

@@ -3,7 +3,8 @@
 The forward pass rounds a tensor to one format and mode; the backward pass rounds the
 incoming gradient to another (or passes it through unchanged, the straight-through
 estimator). A format is an element format (``"e4m3"``, ``"binary8p4"``) or a block format
-(``"mxfp8_e4m3"``, ``"nvfp4"``, ``"hbfp4"``; ``fewbit.block``), by name or object. A
+(``"mxfp8_e4m3"``, ``"nvfp4"``, ``"hbfp4"``; ``fewbit.block``), by name or object; where a
+:class:`Quant` is taken, a format alone stands for ``Quant(fmt)`` (RNE, saturating). A
 :class:`FakeQuantize` module counts its calls in a buffer, so each call draws fresh random
 bits and a model restored from its ``state_dict`` draws the same bits as one that never
 stopped.
@@ -19,7 +20,7 @@ from torch import nn
 from .block import BlockFormat, element_or_block, round_to
 from .formats import FloatFormat
 from .operators import may_carry_tangent
-from .random import Key, as_key, fold_in, key_of
+from .random import Key, _is_int, as_key, fold_in, key_of
 from .replicas import SeedPolicy, replica_key
 from .rounding import RoundMode
 from .rounding.checks import check_mode_args, scalar_args
@@ -58,19 +59,35 @@ class Quant:
         check_mode_args(self.mode, bits, fraction)
         for name, value in (("sat", sat), ("bits", bits), ("fraction", fraction)):
             object.__setattr__(self, name, value)
-        if self.axis is not None and not isinstance(self.fmt, BlockFormat):
-            raise ValueError(f"axis is the block axis of a block format; {self.fmt.name} is an element "
-                             "format")  # fmt: skip
+        if self.axis is not None:
+            if not _is_int(self.axis):  # a bool is no axis
+                raise TypeError(f"axis must be an int, not {type(self.axis).__name__}")
+            if not isinstance(self.fmt, BlockFormat):
+                raise ValueError(f"axis is the block axis of a block format; {self.fmt.name} is an "
+                                 "element format")  # fmt: skip
+            object.__setattr__(self, "axis", int(self.axis))
+
+    def check_seed(self, key: Key | torch.Tensor | None) -> None:
+        """Refuse a missing key for a stochastic mode."""
+        if key is None and self.mode.is_stochastic:
+            raise ValueError(f"mode {self.mode.value!r} needs a seed (an int, a Key or a key tensor)")
 
     def __call__(self, x: torch.Tensor, key: Key | torch.Tensor | None) -> torch.Tensor:
         """``x`` rounded; a DTensor by fewbit's ops' rules for DTensors, piece by piece, each
         element with the bits of its index in the full tensor (see :func:`fake_quantize`)."""
-        if not self.mode.is_stochastic:
-            key = None
-        elif key is None:
-            raise ValueError(f"mode {self.mode.value!r} needs a seed")
-        sr = {} if key is None else {"bits": self.bits, "fraction": self.fraction, "seed": key}
+        self.check_seed(key)
+        sr = {"bits": self.bits, "fraction": self.fraction, "seed": key} if self.mode.is_stochastic else {}
         return round_to(x, self.fmt, self.mode, axis=self.axis, sat=self.sat, **sr)
+
+
+def _as_quant(q: Quant | FloatFormat | BlockFormat | str | None, what: str) -> Quant | None:
+    """``q`` as a Quant (a format alone: ``Quant(fmt)``); None stays None."""
+    if q is None or isinstance(q, Quant):
+        return q
+    if isinstance(q, (FloatFormat, BlockFormat, str)):
+        return Quant(q)
+    raise TypeError(f"{what} must be a fewbit.nn.Quant, a format or its name, or None; "
+                    f"got {type(q).__name__}: {q!r}")  # fmt: skip
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -104,14 +121,16 @@ class _ForwardMode(_StraightThrough):
 
 def fake_quantize(
     x: torch.Tensor,
-    forward: Quant | None = None,
-    backward: Quant | None = None,
+    forward: Quant | FloatFormat | BlockFormat | str | None = None,
+    backward: Quant | FloatFormat | BlockFormat | str | None = None,
     seed: int | Key | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Round ``x`` with ``forward`` and its gradient with ``backward`` (None: unchanged).
+    """Round ``x`` with ``forward`` and its gradient with ``backward`` (None: unchanged; a
+    format: ``Quant(fmt)``).
 
     Stochastic roundings need ``seed`` (an int, a Key, or a seed or key tensor as
-    ``fewbit.round`` takes); the two directions draw from separate streams.
+    ``fewbit.round`` takes), refused here without one (not in the backward pass); the two
+    directions draw from separate streams.
 
     DTensors (tensor parallelism): each rank rounds its own piece with the bits its
     elements have in the full tensor, forward and backward, so the full result is the one
@@ -124,6 +143,10 @@ def fake_quantize(
     whole blocks on every rank (``fewbit.sharding.check_whole_blocks``); the seed must be
     the same on every rank of the mesh (:class:`FakeQuantize` sees to it).
     """
+    forward, backward = _as_quant(forward, "forward"), _as_quant(backward, "backward")
+    for q in (forward, backward):
+        if q is not None:
+            q.check_seed(seed)
     if seed is not None:
         seed = key_of(seed, x.device) if isinstance(seed, torch.Tensor) else as_key(seed)
     forward_mode = not torch.compiler.is_compiling() and may_carry_tangent(x)
@@ -139,13 +162,14 @@ class FakeQuantize(nn.Module):
 
     def __init__(
         self,
-        forward: Quant | None = None,
-        backward: Quant | None = None,
+        forward: Quant | FloatFormat | BlockFormat | str | None = None,
+        backward: Quant | FloatFormat | BlockFormat | str | None = None,
         seed: int | Key = 0,
         policy: SeedPolicy | str = SeedPolicy.DIFFERING,
     ):
         super().__init__()
-        self.forward_quant, self.backward_quant = forward, backward
+        self.forward_quant = _as_quant(forward, "forward")
+        self.backward_quant = _as_quant(backward, "backward")
         self.key = as_key(seed)
         self.policy = SeedPolicy(policy)
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
@@ -166,8 +190,8 @@ class FakeQuantize(nn.Module):
 
 def quantize_outputs(
     model: nn.Module,
-    forward: Quant | None = None,
-    backward: Quant | None = None,
+    forward: Quant | FloatFormat | BlockFormat | str | None = None,
+    backward: Quant | FloatFormat | BlockFormat | str | None = None,
     types: tuple[type[nn.Module], ...] = (nn.Linear,),
     seed: int | Key = 0,
     policy: SeedPolicy | str = SeedPolicy.DIFFERING,
@@ -178,6 +202,8 @@ def quantize_outputs(
     returns the modules changed. ``del module.output_quant`` and the hook stop it;
     calling this again replaces each module's ``output_quant`` (its one hook reads it).
     """
+    # Checked before any module changes, and once for all of them.
+    forward, backward = _as_quant(forward, "forward"), _as_quant(backward, "backward")
     key = as_key(seed)
     changed = [m for m in model.modules() if isinstance(m, types)]
     for i, m in enumerate(changed):

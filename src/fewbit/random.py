@@ -214,14 +214,20 @@ def as_key(seed_or_key: Key | int) -> Key:
     )
 
 
+# A checkpoint holding a Key (a run's, a module's) loads with torch.load's default
+# (weights_only=True): the type rebuilds from its two words alone.
+torch.serialization.add_safe_globals([Key])
+
+
 def fold_in(key: Key | int | torch.Tensor, *ints: int | torch.Tensor) -> Key | torch.Tensor:
     """Derive a new key from ``key`` and each int in turn (each in ``[0, 2**64)``).
 
     One step is ``Key(*threefry2x32_20(counter=(v mod 2**32, v // 2**32), key))``,
     as in JAX's ``fold_in``. ``fold_in(k, a, b) == fold_in(fold_in(k, a), b)``;
     ``fold_in(k)`` is ``k``. As in JAX, the child key equals block ``v`` of
-    ``k``'s own stream (words ``2v, 2v + 1``): derive children for separate
-    uses rather than also drawing from the parent.
+    ``k``'s own stream: ``(k0, k1)`` are its words ``w`` and ``w + LANES``, where
+    ``w = 2 * LANES * (v // LANES) + v % LANES`` (see :func:`random_words`). Derive
+    children for separate uses rather than also drawing from the parent.
 
     With a key tensor (:func:`key_of`) or a value held in a 0-d integer tensor (a step
     counter, say; a negative one stands for ``v + 2**64``, as in :func:`key_of`), the
@@ -244,6 +250,9 @@ def fold_in(key: Key | int | torch.Tensor, *ints: int | torch.Tensor) -> Key | t
     for v in ints:
         if not isinstance(v, torch.Tensor):
             v = _check_uint(v, _MAX_U64, "fold_in value")
+        elif v.dim():  # key_of would take a (2,) tensor as a counter's words, unchecked
+            raise ValueError(f"a fold_in value tensor is 0-d (one value), not of shape {tuple(v.shape)}; "
+                             "fold in several values as separate arguments")  # fmt: skip
         c = key_of(v, device)  # the counter (v mod 2**32, v // 2**32): a seed's two words
         k = torch.stack(threefry2x32(c[0], c[1], k[0], k[1]))
     return k
@@ -254,15 +263,20 @@ def host_key(key: Key | torch.Tensor | None) -> Key | torch.Tensor | None:
     eager generator and the GPU kernel's launch take; a key on a device as it is."""
     if key is None or type(key) is Key:  # most calls: isinstance of a non-tensor takes 90 ns
         return key
-    return Key(*key.tolist()) if isinstance(key, torch.Tensor) and key.is_cpu else key
+    if isinstance(key, torch.Tensor) and key.is_cpu:
+        k0, k1 = key.tolist()
+        # The words mod 2**32, as Threefry reads a key tensor: int32 holds a word's bit pattern.
+        return Key._of_words(k0 & MASK32, k1 & MASK32)
+    return key
 
 
 def key_of(seed: Key | int | torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
     """A key as a tensor: int64 ``(k0, k1)`` of shape ``(2,)`` on ``device``, the form
     fewbit's operators take (a new key is new data, not a new graph).
 
-    ``seed``: a :class:`Key`, an int seed (as :meth:`Key.from_seed`), an int64 tensor of
-    shape ``(2,)`` (a key tensor, passed through), or a 0-d integer tensor holding a seed
+    ``seed``: a :class:`Key`, an int seed (as :meth:`Key.from_seed`), an integer tensor of
+    shape ``(2,)`` (a key tensor, passed through as int64; its words are read mod ``2**32``,
+    so int32 may hold their bit patterns), or a 0-d integer tensor holding a seed
     (split as :meth:`Key.from_seed` splits an int; int64 holds ``[0, 2**63)``, and a
     negative value stands for its 64-bit pattern, ``v + 2**64``, as a uint64 would: no
     host sync checks it). Under ``torch.compile`` an int seed that Dynamo made symbolic
