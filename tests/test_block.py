@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ import fewbit
 import fewbit.block as block
 from conftest import DETERMINISTIC_MODES, gfloat_mode, stable_seed
 from fewbit.block.reference import block_round_reference
+from fewbit.formats import FloatFormat
 from fewbit.optim import LowPrecisionWeights
 from fewbit.random import key_of, random_bits
 from fewbit.rounding import natural_sr_bits
@@ -492,3 +495,74 @@ def test_quantize_refuses_an_inference_blocktensor_as_out_before_writing_it(name
     with torch.inference_mode():  # inside, as torch's own ops
         assert block.quantize(x, name, out=stored) is stored
         assert torch.equal(stored.dequantize(), block.round(x, name))
+
+
+def test_a_per_tensor_scale_is_refused_unless_the_block_scale_is_e4m3():
+    """An E8M0 (or float32) scale with tensor_scale=True was accepted, and the native kernel,
+    the torch path and quantize().dequantize() gave three different answers."""
+    e2m1, e8m0 = fewbit.format("e2m1"), fewbit.format("e8m0")
+    with pytest.raises(ValueError, match="per-tensor scale is for ocp_e4m3 block scales.*not ocp_e8m0"):
+        block.BlockFormat("mx_ts", e2m1, 32, e8m0, tensor_scale=True)
+    with pytest.raises(ValueError, match="not binary32; set tensor_scale=False"):
+        block.BlockFormat("f32_ts", e2m1, 16, fewbit.format("binary32"), rule="nearest", tensor_scale=True)
+    nvfp4 = block.format("nvfp4")
+    assert block.BlockFormat("nvfp4_again", e2m1, 16, fewbit.format("e4m3"), "nearest", True) == replace(
+        nvfp4, name="nvfp4_again")
+
+
+def test_a_block_formats_element_and_scale_keep_their_names():
+    """A hand-made element format under a registered name (other fields) was rounded to by
+    block.round and quantize; a scale named ocp_e8m0 with P = 2 passed a name-only check."""
+    fake_e2m1 = FloatFormat("ocp_e2m1", 4, 3, 0, extended=False, has_nz=True)
+    e8m0 = fewbit.format("e8m0")
+    x = torch.randn(2, 64)
+    bf = block.BlockFormat("blocks_of_fake_e2m1", fake_e2m1, 32, e8m0)
+    for call in (block.round, block.quantize):
+        with pytest.raises(ValueError, match="two formats are named 'ocp_e2m1'"):
+            call(x, bf)
+    # Refused before the block format's name was taken: one with the real e2m1 may have it.
+    good = block.BlockFormat("blocks_of_fake_e2m1", fewbit.format("e2m1"), 32, e8m0)
+    assert torch.equal(block.round(x, good), block.round(x, "mxfp4"))
+    fake_e8m0 = FloatFormat("ocp_e8m0", 8, 2, 127, signed=False, extended=False, num_high_nans=1)
+    with pytest.raises(ValueError, match="scale format must be one of"):
+        block.BlockFormat("fake_scale", fewbit.format("e2m1"), 32, fake_e8m0, rule="nearest")
+
+
+def test_block_formats_take_format_names_and_refuse_impossible_fields():
+    e2m1, e8m0 = fewbit.format("e2m1"), fewbit.format("e8m0")
+    named = block.BlockFormat("by_name", "e2m1", 32, "e8m0")
+    assert (named.element, named.scale) == (e2m1, e8m0)
+    with pytest.raises(ValueError, match="unknown format 'e2m2'"):
+        block.BlockFormat("b", "e2m2", 32, e8m0)
+    with pytest.raises(TypeError, match="a format is a name or a FloatFormat, not int"):
+        block.BlockFormat("b", 4, 32, e8m0)
+    with pytest.raises(TypeError, match="axis must be of type int, not str"):
+        block.BlockFormat("b", e2m1, 32, e8m0, axis="a")
+    with pytest.raises(TypeError, match="block_size must be of type int, not float"):
+        block.BlockFormat("b", e2m1, 32.0, e8m0)
+    with pytest.raises(TypeError, match="tensor_scale must be of type bool"):
+        block.BlockFormat("b", e2m1, 32, e8m0, tensor_scale=0)
+    with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+        block.BlockFormat("b", e2m1, 0, e8m0)
+
+
+def test_blocktensors_compare_by_identity():
+    """== on two BlockTensors compared their tensors and raised (a == b, a in [b])."""
+    x = torch.randn(4, 64)
+    a, b = block.quantize(x, "mxfp4"), block.quantize(x, "mxfp4")
+    assert a == a and a != b and a in [b, a] and b not in [a] and len({a, b, a}) == 2
+
+
+def test_blocktensors_and_formats_load_with_torch_loads_defaults():
+    """torch.load (weights_only=True by default) refused BlockTensor, BlockFormat and FloatFormat."""
+    x = torch.linspace(-5, 5, 2 * 32).view(2, 32)
+    stored = block.quantize(x, "nvfp4")
+    saved = {"t": stored, "bf": block.format("mxfp6_e3m2"), "f": fewbit.format("e4m3")}
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)
+    assert (loaded["bf"], loaded["f"], loaded["t"].format) == (saved["bf"], saved["f"], stored.format)
+    assert (loaded["t"].shape, loaded["t"].axis) == (stored.shape, stored.axis)
+    for name in ("codes", "scales", "tensor_scale"):
+        assert torch.equal(getattr(loaded["t"], name), getattr(stored, name)), name

@@ -5,10 +5,11 @@ import math
 import gfloat
 import numpy as np
 import pytest
+import torch
 
 import fewbit
 from conftest import gfloat_format, has_finite_max
-from fewbit.formats import names, p3109
+from fewbit.formats import FloatFormat, integer, names, p3109
 
 # Published maxima and minima (OCP OFP8 and MX specs, IEEE 754, P3109 interim report).
 SPEC_RANGES = {
@@ -118,6 +119,77 @@ def test_contains():
     assert fp16.contains(fewbit.format("e5m2")) and bf16.contains(fewbit.format("e4m3"))
     assert bf16.contains(fewbit.format("binary8p1"))  # 2^62 fits bf16's range
     assert not fp16.contains(fewbit.format("binary8p1"))
+
+
+def _value_set(fmt: FloatFormat) -> tuple[frozenset, bool]:
+    """fmt's non-NaN values as float64 bit patterns (-0 apart from +0), and whether it has a NaN."""
+    v = fmt.values()
+    nan = np.isnan(v)
+    return frozenset(v[~nan].view(np.int64).tolist()), bool(nan.any())
+
+
+def test_contains_agrees_with_the_value_tables():
+    # contains is True exactly when other's values (-0, Inf and NaN included) are self's: for
+    # every pair among the registered formats of up to 8 bits, intM, a few made by hand
+    # (many NaNs, few values) and 16-bit ones; float32 and float64 hold what numpy's casts keep.
+    few = [
+        FloatFormat("many_nans", 6, 2, 3, extended=False, has_nz=True, num_high_nans=5),
+        FloatFormat("nans_no_nz", 7, 5, 4, extended=False, num_high_nans=2),
+        FloatFormat("few_values", 5, 3, 1, num_high_nans=13),
+        FloatFormat("few_unsigned", 5, 3, 2, signed=False, num_high_nans=29),
+    ]
+    fmts = [fewbit.format(n) for n in names() if fewbit.format(n).k <= 8]
+    fmts += [integer(m) for m in (2, 3, 4, 5, 7, 9, 12, 16)] + few
+    fmts += [fewbit.format(n) for n in ("binary16", "bfloat16", "binary12p5", "p3109_k10p3uf")]
+    tables = {f: _value_set(f) for f in fmts}
+    wrong = [
+        (a.name, b.name) for a in fmts for b in fmts
+        if a.contains(b) != (tables[b][0] <= tables[a][0] and (tables[a][1] or not tables[b][1]))
+    ]
+    assert not wrong, wrong[:10]
+    for name, dtype in (("binary32", np.float32), ("binary64", np.float64)):
+        for b in fmts:
+            v = b.values()[~np.isnan(b.values())]
+            kept = np.array_equal(v.astype(dtype).astype(np.float64).view(np.int64), v.view(np.int64))
+            assert fewbit.format(name).contains(b) == kept, (name, b.name)
+    assert fewbit.format("fp64").contains(fewbit.format("fp32"))
+    assert not fewbit.format("fp32").contains(fewbit.format("fp64"))
+
+
+def test_a_dtype_that_holds_every_value_of_an_int_format_rounds_and_decodes_to_it():
+    # int9 (k * 2^-7) fits bfloat16 and int12 (k * 2^-10) float16: the sign is not a significand bit.
+    int9 = torch.tensor(integer(9).values(), dtype=torch.bfloat16)
+    assert torch.equal(fewbit.round(int9, "int9"), int9)
+    ties = torch.tensor([2.0**-8, 3 * 2.0**-8, -(2.0**-8) * 511], dtype=torch.bfloat16)
+    expected = torch.tensor([0.0, 2.0**-6, -2.0], dtype=torch.bfloat16)  # ties to even, -2 = -256 * 2^-7
+    assert torch.equal(fewbit.round(ties, "int9"), expected)
+    codes = torch.arange(4096, dtype=torch.int32).to(torch.int16)
+    decoded = fewbit.codec.decode(codes, "int12", torch.float16)
+    assert torch.equal(decoded.double(), torch.tensor(integer(12).values()))
+
+
+def test_formats_refuse_impossible_fields_when_made():
+    good = {"name": "mine", "k": 8, "p": 4, "bias": 7}
+    with pytest.raises(TypeError, match="k must be of type int, not float"):
+        FloatFormat(**{**good, "k": 8.0})
+    with pytest.raises(TypeError, match="bias must be of type int"):
+        FloatFormat(**{**good, "bias": 7.5})
+    with pytest.raises(TypeError, match="p must be of type int, not bool"):
+        FloatFormat(**{**good, "p": True})
+    with pytest.raises(TypeError, match="signed must be of type bool"):
+        FloatFormat(**good, signed=1)
+    with pytest.raises(ValueError, match=r"num_high_nans must be in 0\.\.125"):
+        FloatFormat(**good, num_high_nans=200)
+    with pytest.raises(ValueError, match="num_high_nans must be in"):
+        FloatFormat(**good, num_high_nans=-1)
+    with pytest.raises(ValueError, match="unsigned format has no negative zero"):
+        FloatFormat(**good, signed=False, has_nz=True)
+    with pytest.raises(ValueError, match="two's-complement"):
+        FloatFormat("uint4", 4, 4, 0, signed=False, extended=False, twos_complement=True)
+    with pytest.raises(ValueError, match="no code for a finite value"):
+        FloatFormat("k2", 2, 1, 0)
+    # The most NaNs leave one finite non-zero magnitude: the smallest subnormal, 2^(1 - 7 - 3).
+    assert FloatFormat(**good, num_high_nans=125).max == 2.0**-9
 
 
 def test_smallest_subnormal_without_nonzero_subnormals():

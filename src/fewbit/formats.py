@@ -20,12 +20,14 @@ import ast
 import difflib
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cache
 
 import numpy as np
 
 __all__ = ["FloatFormat", "format", "from_repr", "integer", "names", "p3109"]
+
+_FIELD_TYPES = {"str": str, "int": int, "bool": bool}
 
 
 @dataclass(frozen=True)
@@ -57,12 +59,33 @@ class FloatFormat:
         return hash(self.name)
 
     def __post_init__(self) -> None:
+        for field in fields(self):  # (annotations are strings: "str", "int", "bool")
+            value, kind = getattr(self, field.name), _FIELD_TYPES[field.type]
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise TypeError(f"FloatFormat {self.name!r}: {field.name} must be of type {field.type}, "
+                                f"not {type(value).__name__} ({value!r})")
         if not (2 <= self.k <= 64):
             raise ValueError(f"{self.name}: K must be in 2..64, got {self.k}")
         if not (1 <= self.p <= self.k):
             raise ValueError(f"{self.name}: P must be in 1..K={self.k}, got {self.p}")
         if self.exp_bits < 0:
             raise ValueError(f"{self.name}: K={self.k} leaves no room for P={self.p} and a sign")
+        if self.has_nz and not self.signed:
+            raise ValueError(f"{self.name}: an unsigned format has no negative zero; set has_nz=False")
+        if self.twos_complement and not (
+            self.signed and self.p == self.k and self.has_subnormals
+            and not (self.extended or self.has_nz or self.num_high_nans)
+        ):
+            raise ValueError(f"{self.name}: a two's-complement format is signed fixed point (intM): "
+                             "P = K, has_subnormals, and no Inf, NaN or -0 (extended, has_nz, num_high_nans)")
+        # Code 1 (the least non-zero magnitude where code 0 is zero) must stay finite.
+        most = (1 << (self.k - self.sign_bits)) - 2 - self.extended
+        if most < 0:
+            raise ValueError(f"{self.name}: K={self.k} signed and extended leaves no code for a finite "
+                             "value but zero; use extended=False or a larger K")
+        if not 0 <= self.num_high_nans <= most:
+            raise ValueError(f"{self.name}: num_high_nans must be in 0..{most} (K={self.k}), so that a "
+                             f"finite value other than zero remains, got {self.num_high_nans}")
 
     # Layout
 
@@ -146,10 +169,15 @@ class FloatFormat:
 
     def decode_magnitude(self, code: int) -> float:
         """Value of a code's magnitude bits (sign bit cleared), as an exact float."""
+        return self._ldexp(*self._magnitude(code))
+
+    def _magnitude(self, code: int) -> tuple[int, int]:
+        """A code's magnitude bits as ``(m, e)``, the value ``m * 2^e``, in integers (exact
+        at any exponent)."""
         exp_field, frac = code >> self.t, code & ((1 << self.t) - 1)
         if exp_field == 0 and self.has_subnormals:
-            return self._ldexp(frac, self.emin - self.t)
-        return self._ldexp((1 << self.t) + frac, exp_field - self.bias - self.t)
+            return frac, self.min_ulp_exponent
+        return (1 << self.t) + frac, exp_field - self.bias - self.t
 
     def _ldexp(self, m: int, e: int) -> float:
         # Wide P3109 formats (K - P >= 11) reach beyond float64; say so instead of
@@ -199,15 +227,50 @@ class FloatFormat:
         return math.ldexp(1.0, -self.t)
 
     def contains(self, other: FloatFormat) -> bool:
-        """True when every value of ``other`` (specials included) is a value of self."""
-        # Two's complement adds -2^emin beyond -max, one binade up.
-        top = max(other.emax, other.emin) if other.twos_complement else other.emax
-        return (
-            other.p <= self.p
-            and (top < self.emax or (top == self.emax and other.max <= self.max))
-            and other.min_ulp_exponent >= self.min_ulp_exponent
+        """True when every value of ``other`` is a value of self: its finite values, zero,
+        +-Inf and NaN (one value, whatever its codes). -0 counts as a value of its own: a
+        format with -0 is contained only in one with -0 (one without it would turn -0 into +0)."""
+        # (Only a signed format with zero has -0: has_nz on one without subnormals is -2^emin.)
+        specials = (
+            (self.has_zero or not other.has_zero)
+            and (self.has_nz and self.has_zero or not (other.has_nz and other.has_zero))
             and (self.has_infs or not other.has_infs)
             and (self.has_nans or not other.has_nans)
+        )
+        return specials and all(self._holds(negative, *value) for negative, value in other._extremes())
+
+    def _extremes(self):
+        """Finite non-zero values ``-+m * 2^e`` of self, as ``(negative, (m, e))``, that a
+        format holding them holds every finite value of self with: for each sign the smallest
+        and the largest magnitude, one with the lowest last bit (code 1; code 0 for P = 1) and
+        one with the most significant bits (one of the top two codes has an odd fraction)."""
+        top = self.code_of_max
+        for negative in (False, True)[: 1 + self.sign_bits]:
+            # Code 0 is zero, or 2^emin without subnormals, whose negative is the NaN without -0.
+            low = 1 if self.has_subnormals or (negative and not self.has_nz) else 0
+            for code in {low, 1, top - 1, top}:
+                if low <= code <= top:
+                    yield negative, self._magnitude(code)
+        if self.twos_complement:
+            yield True, (1, self.emin)  # -2^emin, the code 100...0
+
+    def _holds(self, negative: bool, m: int, e: int) -> bool:
+        """Whether the finite value ``-+m * 2^e`` (``m > 0``) is one of self's."""
+        if negative and not self.signed:
+            return False
+        shift = (m & -m).bit_length() - 1
+        m, e = m >> shift, e + shift  # m odd: its bits are the value's significant bits
+        if negative and (m, e) == (1, self.emin):
+            if self.twos_complement:
+                return True  # the code 100...0
+            if not (self.has_subnormals or self.has_nz):
+                return False  # the negative of code 0 (2^emin) is the NaN
+        top_m, top_e = self._magnitude(self.code_of_max)
+        return (
+            m.bit_length() <= self.p
+            and e >= self.min_ulp_exponent
+            and (self.has_subnormals or e + m.bit_length() - 1 >= self.emin)
+            and _order(m, e) <= _order(top_m, top_e)
         )
 
     # Value table
@@ -220,6 +283,11 @@ class FloatFormat:
 
     def __str__(self) -> str:
         return self.name
+
+
+def _order(m: int, e: int) -> tuple[int, int]:
+    """A key that orders values ``m * 2^e`` (``0 < m < 2^64``) without shifting by ``e``."""
+    return e + m.bit_length(), m << (64 - m.bit_length())
 
 
 @cache

@@ -45,7 +45,7 @@ __all__ = [
 ]  # fmt: skip
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # equal only to itself: == on its tensors has no one answer
 class BlockTensor:
     """A tensor stored in a block format.
 
@@ -88,6 +88,12 @@ class BlockTensor:
         work = work_dtype(self.format, dtype == torch.float64)
         values = self.elements(work) * self.block_scales(work)[..., None]
         return from_block_layout(values, self.shape, self.axis).to(dtype)
+
+
+# A checkpoint of BlockTensors or formats loads with torch.load's default (weights_only=True):
+# they rebuild from tensors, numbers and strings alone. (Registered here: the formats' own
+# modules are pure data, without torch.)
+torch.serialization.add_safe_globals([BlockTensor, BlockFormat, FloatFormat])
 
 
 def quantize(

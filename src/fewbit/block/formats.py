@@ -119,11 +119,13 @@ class BlockFormat:
 
     Attributes:
         name: the registry name (or any name, for a format made by hand).
-        element: the element format (any fewbit FloatFormat; ``intM`` for HBFP/BFP).
+        element: the element format (any fewbit FloatFormat, or its name; ``intM`` for HBFP/BFP).
         block_size: B, elements per block.
-        scale: ``ocp_e8m0`` (a power of two), ``ocp_e4m3`` (positive values) or ``binary32``.
+        scale: ``ocp_e8m0`` (a power of two), ``ocp_e4m3`` (positive values) or ``binary32``
+            (those FloatFormats, or their names).
         rule: the default scale rule (:data:`SCALE_RULES`).
-        tensor_scale: a second, per-tensor float32 scale above the block scales (NVFP4).
+        tensor_scale: a second, per-tensor float32 scale above the block scales (NVFP4):
+            for ``ocp_e4m3`` scales only, whose range it moves to the tensor's.
         axis: the default block axis.
     """
 
@@ -136,11 +138,24 @@ class BlockFormat:
     axis: int = -1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
-            raise ValueError(f"{self.name}: block_size must be an int >= 1, got {self.block_size!r}")
-        if self.scale.name not in SCALE_FORMATS:
-            raise ValueError(f"{self.name}: the scale format must be one of {', '.join(SCALE_FORMATS)}, "
-                             f"not {self.scale.name}")
+        for field in ("element", "scale"):  # a name stands for its format
+            object.__setattr__(self, field, element_format(getattr(self, field)))
+        for field, kind in (("name", str), ("block_size", int), ("rule", str), ("tensor_scale", bool),
+                            ("axis", int)):  # fmt: skip
+            value = getattr(self, field)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise TypeError(f"BlockFormat {self.name!r}: {field} must be of type {kind.__name__}, "
+                                f"not {type(value).__name__} ({value!r})")
+        if self.block_size < 1:
+            raise ValueError(f"{self.name}: block_size must be >= 1, got {self.block_size}")
+        if self.scale.name not in SCALE_FORMATS or self.scale != element_format(self.scale.name):
+            raise ValueError(f"{self.name}: the scale format must be one of {', '.join(SCALE_FORMATS)} "
+                             f"(fewbit.format(name)), not {self.scale!r}")
+        if self.tensor_scale and self.scale.name != "ocp_e4m3":
+            # E8M0 and float32 scales span any data alone; the per-tensor scale, amax over
+            # (M * the scale's max), serves E4M3's narrow range (for the others it underflows).
+            raise ValueError(f"{self.name}: a per-tensor scale is for ocp_e4m3 block scales (NVFP4), "
+                             f"not {self.scale.name}; set tensor_scale=False")
         if self.element.k > 8:
             raise ValueError(f"{self.name}: block elements have at most 8 bits, not {self.element.k} "
                              f"({self.element.name})")

@@ -32,6 +32,7 @@ from ..rounding.compiled import (
 )
 from ..rounding.modes import parse_mode
 from ..rounding.ops import _check_out, _overlaps, batch_bits, check_key, name_for_op, op_key
+from ..rounding.ops import format_name as element_name
 from .formats import BlockFormat, check_rule, check_storable
 from .formats import format as block_format
 from .kernel import (
@@ -47,6 +48,8 @@ from .kernel import (
 __all__ = ["block_args", "block_spec_of", "format_name", "largest_finite", "lookup", "with_tensor_scale"]
 
 _UNREGISTERED: dict[str, BlockFormat] = {}
+#: By name, the last block format whose element's name was checked (each object once).
+_ELEMENT_CHECKED: dict[str, BlockFormat] = {}
 _KNOWN: dict[str, BlockFormat] = {}
 _CACHE: dict[tuple, object] = {}
 _BROKEN: set[tuple] = set()
@@ -54,7 +57,12 @@ _BROKEN: set[tuple] = set()
 
 @torch.compiler.assume_constant_result  # (as rounding.ops.format_name)
 def format_name(bfmt: BlockFormat | str) -> str:
-    """The name an op takes for ``bfmt`` (``name_for_op``: one made by hand, its repr)."""
+    """The name an op takes for ``bfmt`` (``name_for_op``: one made by hand, its repr).
+    Its element format keeps its name as ``fewbit.round``'s formats do: one made by hand
+    under another format's name is refused (the scale is checked when the format is made)."""
+    if isinstance(bfmt, BlockFormat) and _ELEMENT_CHECKED.get(bfmt.name) is not bfmt:
+        element_name(bfmt.element)
+        _ELEMENT_CHECKED[bfmt.name] = bfmt
     return name_for_op(bfmt, BlockFormat, block_format, _UNREGISTERED, "block format")
 
 
