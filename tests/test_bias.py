@@ -76,6 +76,14 @@ def test_paper_headline_numbers():
     assert bias.excess_bits("binary8p4", "bf16") == 4
 
 
+def test_excess_bits_of_a_twos_complement_format_leave_out_its_sign():
+    """OCP INT8 holds k / 64: 7 significant bits in [1, 2), its top binade, though its P is 8
+    (the sign bit counts): float16's 11 leave D = 4 there (it said 3, so SRF unbiased), and
+    INT8's 7 leave E4M3's 4 D = 3 (it said 4)."""
+    assert bias.excess_bits("ocp_int8", "binary16") == 4
+    assert bias.excess_bits("e4m3", "ocp_int8") == 3
+
+
 def test_bias_at_one_fraction():
     assert bias.bias_at("srff", 2, Fraction(3, 8)) == Fraction(1, 4) - Fraction(3, 8)
     assert bias.bias_at("src", 2, Fraction(3, 8)) == Fraction(2, 4) - Fraction(3, 8)

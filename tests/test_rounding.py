@@ -153,6 +153,17 @@ def test_sr_rounds_away_with_probability_equal_to_the_discarded_fraction():
     assert torch.equal(away_count, expected)
 
 
+def test_sr_into_a_twos_complement_format_keeps_every_discarded_bit():
+    """OCP INT8's values in [1, 2) are k / 64: 7 significant bits, as its P = 8 counts the
+    sign. From float32 (24) sr keeps D = 17 bits, so 1 + 2^-23, 2^-17 of an ulp above 1,
+    rounds up for exactly one n of 2^17 (with N = P_x - P = 16 it never did)."""
+    int8 = fewbit.format("ocp_int8")
+    assert natural_sr_bits(dtype_format(torch.float32), int8) == 17
+    n = torch.arange(1 << 17)
+    x = torch.full(n.shape, 1 + 2.0**-23)
+    assert int((fewbit.round(x, int8, "sr", random_bits=n) == 1 + 2.0**-6).sum()) == 1
+
+
 def test_sr_near_zero_is_rne_except_where_rne_gives_zero():
     fmt = "binary8p4"
     x = _all_finite(torch.float32 if False else torch.bfloat16).float()

@@ -227,11 +227,13 @@ def closed_form(mode: RoundMode | str, bits: int, excess: int | None = None) -> 
 
 
 def excess_bits(target: FloatFormat | str, source: FloatFormat | str) -> int:
-    """D for inputs of ``source`` rounded to ``target`` in the normal range: P_s - P_t."""
+    """D for inputs of ``source`` rounded to ``target`` in the normal range (for intM,
+    whose values are all subnormal, the top binade): P_s - P_t, an intM's P less its
+    sign bit (``FloatFormat.top_p``)."""
     target, source = format(target), format(source)
-    if source.p < target.p:
+    if source.top_p < target.top_p:
         raise ValueError(f"{source.name} has fewer significand bits than {target.name}")
-    return source.p - target.p
+    return source.top_p - target.top_p
 
 
 def measure(

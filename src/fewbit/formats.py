@@ -95,6 +95,12 @@ class FloatFormat:
         return self.p - 1
 
     @property
+    def top_p(self) -> int:
+        """Significant bits of a value in the top binade: P, but ``P - 1`` for two's
+        complement (intM), whose P counts the sign bit, as gfloat's does."""
+        return self.p - 1 if self.twos_complement else self.p
+
+    @property
     def sign_bits(self) -> int:
         return 1 if self.signed else 0
 

@@ -140,12 +140,13 @@ SELECT_KEY = 0x5E1EC7
 
 
 def natural_sr_bits(source: FloatFormat, target: FloatFormat) -> int:
-    """N for classical SR: D = P_source - P_target discarded bits, kept within 1..32.
+    """N for classical SR: D = P_source - P_target discarded bits, kept within 1..32
+    (intM's P less its sign bit: ``FloatFormat.top_p``).
 
     For normal results N = D makes SRC exact; results in the target's subnormal range
     discard more bits, and their fraction is rounded to N bits first.
     """
-    return min(max(source.p - target.p, 1), 32)
+    return min(max(source.top_p - target.top_p, 1), 32)
 
 
 def parse_mode(mode: RoundMode | str) -> RoundMode:
