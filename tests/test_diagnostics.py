@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import re
+import sys
 from dataclasses import replace
 
 import pytest
@@ -175,6 +176,21 @@ def test_ratchet_cli_writes_its_table_and_plot(tmp_path, capsys):
     rows = list(csv.DictReader(open(tmp_path / "ratchet.csv")))
     assert len(rows) == 8 * 2 * (300 // 250 + 1)  # every arm and seed at steps 250 and 300
     assert (tmp_path / "ratchet.png").stat().st_size > 10_000
+
+
+def test_without_matplotlib_an_earlier_plot_is_removed_not_left_beside_new_csvs(tmp_path, monkeypatch):
+    from fewbit.experiments import sweep
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    stale = [tmp_path / name for name in ("ratchet.png", "srf.png", "srf_diagnostics.png")]
+    for path in stale:
+        path.write_bytes(b"an earlier run's plot")
+    history = ratchet.run(ratchet.RatchetConfig(iters=1, shape=(2, 2), eval_interval=1))
+    written = ratchet.write_outputs({"binary8p4 SRF N=3": [history]}, tmp_path)
+    assert [p.name for p in written] == ["ratchet.csv", "ratchet_summary.csv"]
+    # The sweeps' plots (fewbit train), as their write_outputs draws them.
+    assert sweep.plot([], stale[1], "srf") is False and sweep.plot_diagnostics([], stale[2], "srf") is False
+    assert not any(path.exists() for path in stale)
 
 
 def test_gpu_presets_say_so_without_a_gpu(capsys):

@@ -779,11 +779,12 @@ def test_demo_runs_show_the_underflow():
     assert final["scaled e4m3"] < 0.85 * start
 
 
-def test_cli_scaled_demo_writes_png_and_csv(tmp_path, capsys, monkeypatch):
-    from fewbit.experiments import data
+def test_cli_scaled_demo_writes_png_and_csv(tmp_path, capsys):
+    from fewbit.experiments.data import prepare_shakespeare
+    from test_train import fake_tarball
 
-    monkeypatch.setattr(data, "load_shakespeare", _demo_text_data)  # no download in tests
-    assert cli_main(["scaled-demo", "--steps", "2", "--out", str(tmp_path)]) == 0
+    prepare_shakespeare(tmp_path, fake_tarball(tmp_path / "s.tar.gz"))  # no download in tests
+    assert cli_main(["scaled-demo", "--steps", "2", "--out", str(tmp_path), "--data-dir", str(tmp_path)]) == 0
     assert (tmp_path / "scaled_demo.png").stat().st_size > 0
     lines = (tmp_path / "scaled_demo.csv").read_text().splitlines()
     assert lines[0] == "step,fp32,fp16,scaled fp16,scaled e4m3" and len(lines) == 3

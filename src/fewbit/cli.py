@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from fractions import Fraction
+from pathlib import Path
 
 import torch
 
@@ -35,6 +37,11 @@ def _int_in(lo: int, hi: int | None = None):
 
     parse.__name__ = "int"  # argparse's "invalid int value" for a non-number
     return parse
+
+
+#: What argparse takes for a negative number, not an option: any float syntax (argparse's
+#: own pattern takes -0.3, but not -1e-3, -inf or -nan).
+_NEGATIVE_FLOAT = re.compile(r"^-(\.?\d|inf(inity)?$|nan$)", re.IGNORECASE)
 
 
 def _num(v: float) -> str:
@@ -164,7 +171,9 @@ def cmd_round(args: argparse.Namespace) -> int:
         if ulp is None or not math.isfinite(expected):
             bias = ""
         else:
-            bias = f"{float((Fraction(expected) - Fraction(stored)) / ulp) if ulp else 0.0:.4f}"
+            # |E| - |x|, negative toward zero: fewbit bias's and bias.outward_error's sign
+            outward = abs(Fraction(expected)) - abs(Fraction(stored))
+            bias = f"{float(outward / ulp) if ulp else 0.0:.4f}"
         rows.append([label, result, shown_p, repr(float(expected)), bias])
     print(_table(rows))
     return 0
@@ -215,25 +224,48 @@ def _exact_cell(value: Fraction, notes: list[str], label: str, width: int = 12) 
     return f"{float(value):.4g} [{len(notes)}]"
 
 
+def _exact_text(value: Fraction) -> str:
+    """An exact bias as a fraction while its denominator is below 2^32, beyond as a sum of
+    signed powers of two (its non-adjacent form): srff N=3 D=70 is -2^-4 + 2^-71, not a
+    fraction of 45 characters (nor, for D=15000, one of 9,000 digits)."""
+    den = value.denominator
+    if den < 1 << 32 or den & (den - 1):  # short, or not dyadic: as it is
+        return str(value)
+    num, exponent, terms = value.numerator, 1 - den.bit_length(), []
+    while num:
+        if num & 1:
+            digit = 2 - (num & 3)  # +-1, leaving the next digit 0
+            num -= digit
+            terms.append(f"{'-' if digit < 0 else '+'} 2^{exponent}")
+        num >>= 1
+        exponent += 1
+    text = " ".join(reversed(terms))
+    return text[2:] if text.startswith("+") else "-" + text[2:]
+
+
 #: fewbit bias's options, by the attribute argparse gives each.
 _BIAS_OPTIONS = {"--mode": "mode", "--bits": "bits", "--excess": "excess", "--format": "format",
-                 "--from": "source", "--figure": "figure"}  # fmt: skip
+                 "--from": "source", "--figure": "figure", "--table": "table"}  # fmt: skip
 #: Those that set one row: what --table and --figure would ignore.
 _ROW_OPTIONS = ("--mode", "--bits", "--excess", "--format", "--from")
 
 
 def _refuse_options(args: argparse.Namespace, what: str, flags: tuple[str, ...]) -> None:
     """A ValueError naming which of ``flags`` (fewbit bias's options) ``what`` would ignore."""
-    given = [flag for flag in flags if getattr(args, _BIAS_OPTIONS[flag]) is not None]
+    given = [flag for flag in flags if (value := getattr(args, _BIAS_OPTIONS[flag])) is not None
+             and value is not False]  # (--table: False when not given)
     if given:
         raise ValueError(f"{what} takes no {', '.join(given)}")
 
 
 def _block_bias(args: argparse.Namespace) -> int:
+    from .bias import check_mode
     from .block import format as block_format
     from .block.bias import TABLE_MODES, block_table, rules_for
 
     _refuse_options(args, "--block", ("--excess", "--format", "--from", "--figure"))
+    if args.mode:  # refused as the rows without --block refuse it
+        check_mode(args.mode, _bits_for(RoundMode(args.mode), args))
     bits = 3 if args.bits is None else args.bits
     bfmt = block_format(args.block)
     modes = (args.mode,) if args.mode else TABLE_MODES
@@ -275,8 +307,18 @@ def cmd_bias(args: argparse.Namespace) -> int:
         return _block_bias(args)
     if args.rule:
         raise ValueError("--rule is for --block")
+    if args.samples is not None and not args.figure:
+        raise ValueError("--samples is for --figure and --block")
     if args.figure:
-        _refuse_options(args, f"--figure (the paper's Figure {args.figure}, as drawn there)", _ROW_OPTIONS)
+        what = f"--figure (the paper's Figure {args.figure}, as drawn there)"
+        _refuse_options(args, what, (*_ROW_OPTIONS, "--table"))
+        try:
+            import matplotlib  # noqa: F401  (bias.figure draws with it)
+        except ImportError:
+            raise ValueError("--figure draws with matplotlib: pip install 'fewbit[plot]'") from None
+        from .experiments.sweep import make_out_dir
+
+        make_out_dir(Path(args.out))
         for r in bias.figure(args.figure, args.out, samples=args.samples):
             print(f"figure {args.figure} {r['mode']:5} measured {r['measured']:+.5f} "
                   f"+- {r['stderr']:.5f} ulp, exact {r['exact']:+.5f}")
@@ -295,9 +337,13 @@ def cmd_bias(args: argparse.Namespace) -> int:
         return 0
     excess = args.excess
     lines = []  # every row computed (and every argument checked) before anything is printed
+    if args.source and not args.format:
+        raise ValueError("--from needs --format, the target format")
     if args.format:
         if not args.source:
             raise ValueError("--format needs --from, the input format")
+        if excess is not None:
+            raise ValueError("--excess and --format/--from both set D: give one")
         excess = bias.excess_bits(args.format, args.source)
         lines.append(f"{args.source} -> {args.format}: D = {excess} excess bits")
     modes = [args.mode] if args.mode else ["srff", "srf", "src", "src_odd", "sr"]
@@ -305,7 +351,7 @@ def cmd_bias(args: argparse.Namespace) -> int:
         bits = _bits_for(RoundMode(mode), args)  # (given with --mode sr: refused, as bias.exact does)
         value = bias.exact(mode, bits, excess)
         label = f"{mode}" + (f" N={bits}" if bits else "") + f" D={'inf' if excess is None else excess}"
-        line = f"{label:24} exact {str(value):>24} = {float(value):+.8f} ulp"
+        line = f"{label:24} exact {_exact_text(value):>24} = {float(value):+.8f} ulp"
         try:
             paper = bias.closed_form(mode, bits, excess)
             line += f"   paper {float(paper):+.8f}"
@@ -320,7 +366,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     import signal
     import time
     from dataclasses import asdict
-    from pathlib import Path
 
     from .experiments.sweep import (
         SWEEP_DEFAULTS,
@@ -447,7 +492,7 @@ def cmd_replicas_fsdp(args: argparse.Namespace) -> int:
     # The sharded run first: its ranks refuse a block format whose blocks the shards would cut
     # as they start, before the one-process run's time is spent.
     print(f"FSDP2 on {args.nproc} gloo processes, matrices Shard({cfg.placement}) ...", flush=True)
-    (results,) = launch(cfg, args.nproc, train=run)
+    (results,) = launch(cfg, args.nproc, timeout=None, train=run)  # as long as --steps takes
     if "error" in results[0]:  # refused alike on every rank
         raise ValueError(results[0]["error"])
     print("one process, without torch.distributed ...", flush=True)
@@ -481,9 +526,13 @@ def cmd_replicas_ddp(args: argparse.Namespace) -> int:
         raise ValueError("--format is for --fsdp (the DDP run's MLP keeps binary8p4 weights)")
     if args.placement is not None:
         raise ValueError("--placement is for --fsdp (the DDP run's replicas hold whole weights)")
+    if data := [flag for flag, value in (("--data-dir", args.data_dir), ("--data-tarball", args.data_tarball))
+                if value is not None]:
+        raise ValueError(f"{' and '.join(data)} {'is' if len(data) == 1 else 'are'} for --fsdp (the DDP "
+                         "run's MLP learns generated data, not Shakespeare)")  # fmt: skip
 
     cfg = ReplicaRun(steps=args.steps, policy=args.policy, seed=args.seed)
-    (results,) = launch(cfg, args.nproc)
+    (results,) = launch(cfg, args.nproc, timeout=None)  # as long as --steps takes; Ctrl-C stops it
     print(f"{args.nproc} gloo processes, {args.steps} steps, policy {args.policy}, weights {cfg.fmt}")
     shares = ", ".join(f"{r['disagreement']:.3f}" for r in results)
     print(f"forward SR disagreement with rank 0 per rank: {shares} (independent: 0.375 expected)")
@@ -497,22 +546,29 @@ def cmd_replicas_ddp(args: argparse.Namespace) -> int:
 
 def cmd_scaled_demo(args: argparse.Namespace) -> int:
     from .experiments import scaled_demo
+    from .experiments.data import CharDataset
+    from .experiments.sweep import make_out_dir
 
-    return scaled_demo.main(args.steps, args.out)
+    make_out_dir(Path(args.out))
+    data_file = _shakespeare(args)
+    if data_file is None:
+        return 2
+    return scaled_demo.main(args.steps, args.out, CharDataset.load(data_file))
 
 
 def _add_scaled_demo(sub) -> None:
     p = sub.add_parser("scaled-demo", help="ScaledTensor fp16/e4m3 vs fp32/fp16 training curves")
-    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--steps", type=_int_in(1), default=1000)
     p.add_argument("--out", default="docs", help="folder for scaled_demo.png and scaled_demo.csv")
+    _add_data_args(p)
     p.set_defaults(run=cmd_scaled_demo)
 
 
 def cmd_ratchet(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from .experiments import ratchet
+    from .experiments.sweep import make_out_dir
 
+    make_out_dir(Path(args.out))
     torch.set_num_threads(1)  # 8192 weights: threads cost more than they give
     results = ratchet.run_all(args.seeds, iters=args.iters, progress_bar=not args.quiet)
     print(ratchet.format_summary(ratchet.summarise(results)))
@@ -542,6 +598,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_formats)
 
     p = sub.add_parser("round", help="round one value in every mode, with SR probabilities")
+    p._negative_number_matcher = _NEGATIVE_FLOAT  # -1e-3, -inf, -nan: the value, not options
     p.add_argument("value", type=float)
     p.add_argument("--format", "-f", required=True)
     p.add_argument("--mode", "-m", choices=[m.value for m in _ROW_MODES])

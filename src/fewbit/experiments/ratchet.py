@@ -169,7 +169,7 @@ def write_outputs(results: Results, out_dir: Path) -> list[Path]:
 
 
 def _plot(results: Results, path: Path) -> bool:
-    if (plt := pyplot()) is None:
+    if (plt := pyplot(path)) is None:
         return False
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))

@@ -71,7 +71,8 @@ def build_model(cfg: ReplicaRun) -> torch.nn.Module:
 
 def batch(cfg: ReplicaRun, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each rank's own data: a linear teacher plus noise."""
-    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1009 + rank)
+    # mod 2^64, the generator's seeds: every --seed up to 2^64 - 1 (small ones as before)
+    g = torch.Generator().manual_seed((cfg.seed * 1_000_003 + step * 1009 + rank) % 2**64)
     x = torch.randn(32, 16, generator=g)
     teacher = torch.linspace(-1, 1, 64).reshape(16, 4)
     return x, x @ teacher + 0.1 * torch.randn(32, 4, generator=g)
@@ -170,9 +171,10 @@ def _randint_sr_step(opt: torch.optim.Optimizer, named, fmt: str) -> None:
 JOB = "job.pkl"
 
 
-def launch(cfgs, nproc: int, timeout: float = 600, train=None) -> list[list[dict]]:
+def launch(cfgs, nproc: int, timeout: float | None = 600, train=None) -> list[list[dict]]:
     """Run each configuration in turn on the same ``nproc`` gloo processes (one start-up
-    for all); ``result[i][rank]`` is configuration i's result on that rank.
+    for all); ``result[i][rank]`` is configuration i's result on that rank, within
+    ``timeout`` seconds in all (None: no limit).
     ``train(rank, world_size, cfg)`` (a function the ranks import by name: defined at the
     top level of a module, not of the script ``__main__``; default: the DDP run of a
     :class:`ReplicaRun`) returns a dict, whose ``weights`` are numpy arrays.
@@ -187,10 +189,10 @@ def launch(cfgs, nproc: int, timeout: float = 600, train=None) -> list[list[dict
         ranks = [children.add(Child(__name__, tmp, str(r), str(nproc), stdin=subprocess.DEVNULL))
                  for r in range(nproc)]  # fmt: skip
         results = {rank: b"" for rank in ranks}
-        deadline = time.monotonic() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         while any(map(children.reading, ranks)) and not children.stopped:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
                 raise RuntimeError(f"replica processes gave no result within {timeout} s")
             for rank, fd, chunk in children.read(timeout=left):
                 if fd == rank.proc.stdout.fileno():

@@ -49,6 +49,7 @@ from ..scaled import (
 )
 from .data import CharDataset
 from .gpt import GPT, GPTConfig
+from .sweep import pyplot
 from .train import batch_generator
 
 SMALL = 2.0**-16
@@ -148,13 +149,9 @@ def train(steps: int = 1000, data: CharDataset | None = None, lr: float = 0.3, b
     return curves
 
 
-def write(curves: dict[str, list[tuple[int, float]]], out: Path) -> tuple[Path, Path]:
-    """The curves as scaled_demo.csv and scaled_demo.png in folder out."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def write(curves: dict[str, list[tuple[int, float]]], out: Path) -> list[Path]:
+    """The curves as scaled_demo.csv and, with matplotlib, scaled_demo.png in folder out;
+    the files written."""
     out.mkdir(parents=True, exist_ok=True)
     csv_path, png_path = out / "scaled_demo.csv", out / "scaled_demo.png"
     with csv_path.open("w", newline="") as f:
@@ -162,6 +159,8 @@ def write(curves: dict[str, list[tuple[int, float]]], out: Path) -> tuple[Path, 
         w.writerow(["step", *curves])
         for row in zip(*curves.values(), strict=True):
             w.writerow([row[0][0], *(f"{v:.6g}" for _, v in row)])
+    if (plt := pyplot(png_path)) is None:
+        return [csv_path]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     style = {"fp32": dict(color="0.6", linewidth=4), "fp16": dict(linestyle="--")}
     for run, curve in curves.items():
@@ -174,25 +173,19 @@ def write(curves: dict[str, list[tuple[int, float]]], out: Path) -> tuple[Path, 
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
-    return csv_path, png_path
+    return [csv_path, png_path]
 
 
-def main(steps: int, out: str, data: CharDataset | None = None) -> int:
-    """``fewbit scaled-demo``: train with a progress bar, write the CSV and PNG, print
-    the final losses."""
+def main(steps: int, out: str, data: CharDataset) -> int:
+    """``fewbit scaled-demo`` on ``data``: train with a progress bar, write the CSV (and,
+    with matplotlib, the PNG), print the final losses."""
     from tqdm import tqdm
 
-    if steps < 1:
-        raise ValueError(f"--steps must be at least 1, got {steps}")
-    if data is None:
-        from .data import load_shakespeare
-
-        data = load_shakespeare()
     with tqdm(total=steps * len(RUNS), desc="scaled-demo", unit="step") as bar:
         curves = train(steps, data, progress=bar.update)
-    csv_path, png_path = write(curves, Path(out))
+    written = write(curves, Path(out))
     for run, curve in curves.items():
         print(f"{run:12} validation cross-entropy: {curve[0][1]:.4g} at start, {curve[-1][1]:.4g} after "
               f"{curve[-1][0]} steps")
-    print(f"wrote {csv_path} and {png_path}")
+    print("wrote " + ", ".join(map(str, written)))
     return 0

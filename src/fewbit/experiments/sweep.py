@@ -157,6 +157,19 @@ def read_result(cfg: TrainConfig, folder: Path) -> RunResult | None:
 LOCK = ".lock"
 
 
+def make_out_dir(out_dir: Path) -> None:
+    """Make ``out_dir`` (parents too) for a command's outputs, or raise a ValueError naming
+    it: called before the command's work, so that a bad ``--out`` costs none."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"{out_dir} is a file, or inside one, not a folder: pass another --out") from None
+    except OSError as err:
+        raise ValueError(f"cannot make the folder {out_dir} ({err.strerror}): pass another --out") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"{out_dir} is not writable: pass another --out")
+
+
 @contextmanager
 def hold(out_dir: Path) -> Iterator[None]:
     """Hold ``out_dir`` for one sweep: an exclusive OS advisory lock (``flock``) on
@@ -164,10 +177,7 @@ def hold(out_dir: Path) -> Iterator[None]:
     ends, however it ends, so a crashed or killed sweep leaves no stale lock (the file
     stays; the next sweep takes it). A directory held by another process is a ValueError
     naming it and that pid, raised before anything is written."""
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise ValueError(f"{out_dir} is a file, or inside one, not a folder: pass another --out") from None
+    make_out_dir(out_dir)
     fd = os.open(out_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)  # an existing file is left as it is
     try:
         try:
@@ -411,12 +421,14 @@ def format_summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def pyplot():
-    """matplotlib's pyplot drawing to files (the Agg backend), or None without matplotlib
-    (an optional dependency)."""
+def pyplot(path: Path):
+    """matplotlib's pyplot drawing to files (the Agg backend), to draw ``path``; or None
+    without matplotlib (an optional dependency), ``path`` removed: a plot of earlier runs
+    must not sit beside the new data as if it drew them."""
     try:
         import matplotlib
     except ImportError:
+        path.unlink(missing_ok=True)
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -427,7 +439,7 @@ def pyplot():
 def plot(results: list[RunResult], path: Path, title: str) -> bool:
     """Validation loss per arm: mean over seeds, the min-max band shaded. False, and no
     file, without matplotlib (an optional dependency)."""
-    if (plt := pyplot()) is None:
+    if (plt := pyplot(path)) is None:
         return False
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -453,7 +465,7 @@ def plot_diagnostics(results: list[RunResult], path: Path, title: str) -> bool:
     """Mean |w|, the share of weights changed by the step before each evaluation and the
     write-back's error in ulps, per arm (mean over seeds), against iteration. False, and
     no file, without matplotlib."""
-    if (plt := pyplot()) is None:
+    if (plt := pyplot(path)) is None:
         return False
 
     measures = {"mean_abs": "mean |w|", "changed": "share changed by the step",

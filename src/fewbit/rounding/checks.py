@@ -136,6 +136,18 @@ def check_mode_args(mode: RoundMode, bits: int | None, fraction: float | None) -
     return select_below
 
 
+def _cannot_hold(dtype: torch.dtype, source: FloatFormat, fmt: FloatFormat) -> str:
+    """Why a ``dtype`` tensor cannot hold ``fmt`` (its precision, its exponent range, or
+    both), and the narrowest dtype that can, where one does."""
+    short = [f"{fmt.top_p} significand bits to {source.name}'s {source.p}"] if fmt.top_p > source.p else []
+    if fmt.emax > source.emax or fmt.min_ulp_exponent < source.min_ulp_exponent:
+        short.append("a wider exponent range" + ("" if short else f" than {source.name}'s"))
+    holders = [d for d, name in _DTYPE_FORMATS.items() if format(name).contains(fmt)]
+    fix = (f"a {min(holders, key=lambda d: d.itemsize)} tensor holds it" if holders
+           else "no dtype fewbit rounds holds it (float64 is the widest)")
+    return f"a {dtype} tensor cannot hold every value of {fmt.name} ({', and '.join(short)}): {fix}"
+
+
 @functools.cache
 def make_spec(
     dtype: torch.dtype, fmt: FloatFormat, mode: RoundMode, sat: bool, bits: int | None, fraction: float | None
@@ -144,10 +156,7 @@ def make_spec(
     source = dtype_format(dtype)
     info = MODES[mode]
     if not source.contains(fmt):
-        raise ValueError(
-            f"a {dtype} tensor cannot hold every value of {fmt.name}: round into a "
-            f"wider dtype (float32 holds every format of up to 24 significand bits)"
-        )
+        raise ValueError(_cannot_hold(dtype, source, fmt))
     select_below = check_mode_args(mode, bits, fraction)
     if info.bits == "none":
         return RoundSpec(fmt, source, mode, sat, None, None)
