@@ -312,6 +312,57 @@ def test_compiled_code_reading_a_weight_held_as_codes_decodes_it_and_warns():
     assert not lpw_b._stored and torch.equal(y, a(x))
 
 
+def test_store_codes_refuses_weights_it_cannot_free_alone_and_leaves_a_set_one_as_set():
+    """The write-back frees a weight's whole storage: a flat buffer's other parameters, or a
+    second weight on it, were freed too, and a read of them segfaulted. A weight given other
+    storage in the window (set_) had the decoded values copied over the user's tensor."""
+    flat = torch.zeros(40)
+    w, b = torch.nn.Parameter(flat[:32].view(4, 8)), torch.nn.Parameter(flat[32:])
+    with pytest.raises(ValueError, match="param 0's holds more than it"):
+        LowPrecisionWeights(torch.optim.SGD([w, b], lr=0.1), FMT, store_codes=True)
+    v = torch.nn.Parameter(torch.ones(4, 8))
+    alias = torch.nn.Parameter(v.detach())
+    with pytest.raises(ValueError, match="param 1's holds more than it"):
+        LowPrecisionWeights(torch.optim.SGD([v, alias], lr=0.1), FMT, store_codes=True)
+    lpw = LowPrecisionWeights(torch.optim.SGD([v], lr=0.1), FMT, store_codes=True)
+    v.grad = torch.zeros(4, 8)
+    lpw.step()
+    new = torch.full((4, 8), 7.0)
+    with torch.no_grad():
+        v.set_(new)
+    lpw.zero_grad()
+    assert torch.equal(new, torch.full((4, 8), 7.0)) and torch.equal(v.detach(), new)
+
+
+def test_scale_stays_within_the_weights_dtype_and_a_refused_write_back_unscales():
+    """A float16 weight of largest magnitude 2^-9 into E4M3 took the scale 2^16, inf in
+    float16: 0 became NaN and the rest inf / inf. Its values here are E4M3's times 2^-15,
+    so the largest scale float16 holds keeps them exactly. And a write-back refused part
+    way (a NaN, E2M1 has none) left the other weights multiplied by their scale."""
+    w = torch.nn.Parameter(torch.tensor([[0.0, 2**-9, -(2**-10), 3 * 2**-12]], dtype=torch.float16))
+    kept = w.detach().clone()
+    LowPrecisionWeights(torch.optim.SGD([w], lr=0.1), "e4m3", "rne", scale=True)
+    assert torch.equal(w.detach().view(torch.int16), kept.view(torch.int16))
+    bad, good = torch.nn.Parameter(torch.ones(2, 4)), torch.nn.Parameter(torch.full((2, 4), 2**-7))
+    lpw = LowPrecisionWeights(torch.optim.SGD([bad, good], lr=1.0), "e2m1", "rne", scale=True)
+    bad.grad, good.grad = torch.full((2, 4), float("nan")), torch.zeros(2, 4)
+    with pytest.raises(ValueError, match="NaN"):
+        lpw.step()
+    assert torch.equal(good.detach(), torch.full((2, 4), 2**-7))
+
+
+def test_selection_is_named_by_the_optimizers_places_and_refuses_a_weight_twice():
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    assert LowPrecisionWeights(opt, FMT, params=[m[2].weight]).names == ["param 2"]
+    with pytest.raises(ValueError, match="param 2 is selected twice"):
+        LowPrecisionWeights(opt, FMT, params=[m[2].weight, m[2].weight])
+    with pytest.raises(TypeError, match="scale must be a bool"):
+        LowPrecisionWeights(opt, FMT, scale="yes")
+    # fp32 "codes" take 4 bytes an element: nothing saved (it said 2 and 8 KB saved)
+    assert LowPrecisionWeights(opt, "fp32", "rne", params=[m[0].weight]).memory()["saved_bytes"] == 0
+
+
 @pytest.mark.parametrize("store_codes", [False, True])
 def test_a_weight_without_a_gradient_is_left_as_it_is(store_codes):
     """A frozen weight (or one this step did not reach) is not rounded again after a step,

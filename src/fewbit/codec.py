@@ -25,7 +25,7 @@ from .formats import FloatFormat, format
 from .operators import operator
 from .random import Key, host_key
 from .rounding import RoundMode, gpu, native
-from .rounding.checks import check_random_bits, check_tensor, dtype_format
+from .rounding.checks import check_flag, check_random_bits, check_tensor, dtype_format
 from .rounding.compiled import stream_words
 from .rounding.fast import _LAYOUT, decompose, working_dtype
 from .rounding.ops import (
@@ -70,8 +70,8 @@ def encode(x: torch.Tensor, fmt: FloatFormat | str, packed: bool = False, check:
     the check reads a flag back, which waits for the kernel; without it the call queues
     its kernel and returns, as a plain op does (and may be captured in a CUDA graph)."""
     check_tensor(x)
-    _check_flag(packed, "packed")
-    _check_flag(check, "check")
+    check_flag(packed, "packed")
+    check_flag(check, "check")
     return _encode(x, format_name(fmt), packed, check)
 
 
@@ -83,7 +83,7 @@ def decode(
 ) -> torch.Tensor:
     """Values of ``codes`` in ``fmt`` as a tensor of ``dtype`` (NaN codes give NaN)."""
     check_tensor(codes, "codes")
-    _check_flag(packed, "packed")
+    check_flag(packed, "packed")
     return _decode(codes, format_name(fmt), dtype, packed)
 
 
@@ -113,14 +113,8 @@ def quantize(
     NaN), and :func:`encode`'s errors for the codes (K > 16; ``packed`` needs K <= 4 and
     an even last dimension)."""
     args = op_args(x, fmt, mode, sat, bits, fraction, seed, random_bits)
-    _check_flag(packed, "packed")
+    check_flag(packed, "packed")
     return _quantize(*args, packed)
-
-
-def _check_flag(value: object, name: str) -> None:
-    # Strict: bool() would take "no" or 2 as True and None as False.
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool (True or False), not {type(value).__name__}: {value!r}")
 
 
 def _encode_checks(x: torch.Tensor, fmt: FloatFormat, packed: bool) -> tuple[torch.Size, torch.dtype]:

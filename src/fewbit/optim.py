@@ -30,6 +30,7 @@ from .formats import FloatFormat
 from .random import Key, as_key, fold_in
 from .replicas import SeedPolicy, assert_identical_inputs, replica_key, world
 from .rounding import RoundMode, dtype_format
+from .rounding.checks import check_flag
 from .rounding.foreach import round_foreach_
 from .rounding.modes import parse_mode
 from .sharding import (
@@ -143,7 +144,10 @@ class LowPrecisionWeights:
             as :meth:`materialize` does; its metadata, gradient and optimizer state
             are read without. Compiled code that reads them compiles again each time
             (it warns), and FSDP2's forward reads its shards' storage directly: call
-            :meth:`materialize` first there. The rounding at construction keeps them
+            :meth:`materialize` first there. A tensor that shares a weight's storage
+            (its ``.data`` or ``.detach()`` taken before the step) shares its freeing:
+            read it only after :meth:`materialize`; a weight whose storage holds more
+            than it (a flat buffer) is refused. The rounding at construction keeps them
             as floats.
         policy: under data parallelism the write-back is ``"identical"`` on every
             replica (seed 000); ``"differing"`` folds in the rank (wrong: for tests).
@@ -183,6 +187,8 @@ class LowPrecisionWeights:
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
+        for name, flag in (("scale", scale), ("store_codes", store_codes), ("guard", guard)):
+            check_flag(flag, name)
         self.optimizer = optimizer
         self.fmt = element_or_block(fmt)
         block = isinstance(self.fmt, BlockFormat)
@@ -239,17 +245,21 @@ class LowPrecisionWeights:
         """``params`` named, checked to be among ``owned`` (the optimizer's parameters,
         the first of them number ``start``); None: those of two or more dimensions."""
         owned = self._owned() if owned is None else owned
+        place = {id(p): start + i for i, p in enumerate(owned)}  # its place among the optimizer's
         if params is None:
-            chosen = [(f"param {start + i}", p) for i, p in enumerate(owned) if p.dim() >= 2]
+            chosen = [(f"param {place[id(p)]}", p) for p in owned if p.dim() >= 2]
         else:
-            chosen = [
-                item if isinstance(item, tuple) else (f"param {start + i}", item)
-                for i, item in enumerate(params)
-            ]
-            ids = {id(p) for p in owned}
-            for name, p in chosen:
-                if id(p) not in ids:
-                    raise ValueError(f"{name} is not among the optimizer's parameters")
+            chosen = []
+            for i, item in enumerate(params):
+                name, p = item if isinstance(item, tuple) else (None, item)
+                if id(p) not in place:
+                    raise ValueError(f"{name or f'params[{i}]'} is not among the optimizer's parameters")
+                chosen.append((name or f"param {place[id(p)]}", p))
+        seen = set()
+        for name, p in chosen:  # rounded twice a step, with two keys, it would be neither
+            if id(p) in seen:
+                raise ValueError(f"{name} is selected twice: select each weight once")
+            seen.add(id(p))
         return [n for n, _ in chosen], [p for _, p in chosen]
 
     def _check(self, names: list[str], params: list[torch.Tensor]) -> None:
@@ -272,6 +282,25 @@ class LowPrecisionWeights:
         if len(dtypes) > 2:
             raise ValueError(f"selected parameters mix dtypes or devices ({sorted(map(str, dtypes))}): "
                              "wrap each group in its own LowPrecisionWeights")  # fmt: skip
+        if self.store_codes:
+            self._check_own_storage([*zip(self.names, self.params, strict=True),
+                                     *zip(names, params, strict=True)])  # fmt: skip
+
+    @staticmethod
+    def _check_own_storage(named: list[tuple[str, torch.Tensor]]) -> None:
+        """store_codes frees each weight's whole storage: refuse one whose storage holds more
+        than it (a flat buffer of several parameters, another weight). A DTensor's piece is
+        exempt: FSDP2 pads each shard in a storage of its own."""
+        first = {}  # data pointer -> the name of the first weight seen on it
+        for name, p in {id(p): (name, p) for name, p in named}.values():
+            if is_dtensor(p) or not p.numel():
+                continue
+            storage = p.untyped_storage()
+            shared = first.setdefault(storage.data_ptr(), name) != name
+            if shared or storage.nbytes() > p.numel() * p.element_size():
+                raise ValueError(f"store_codes frees each selected weight's storage, and {name}'s holds more "
+                                 "than it (a flat buffer, or another weight): give it storage of its own, "
+                                 "or pass store_codes=False")  # fmt: skip
 
     def add_param_group(self, group: dict, params: Iterable | None = None) -> None:
         """The inner optimizer's ``add_param_group``, with the group's ``params`` (as
@@ -349,14 +378,27 @@ class LowPrecisionWeights:
                                              "write-back stopped part way; restore from a checkpoint")
 
     def _round_all(self, live: list[int], store: bool) -> None:
+        pieces = [local_tensor(p) for p in self.params]  # a DTensor's piece shares its storage
+        if not self.scale:
+            self._round_pieces(live, store, pieces)
+            return
+        # Powers of two: exact both ways. Codes keep the scaled values (materialize divides).
+        self._scales = [1.0] * len(pieces)
+        for i in live:
+            self._scales[i] = self._power_of_two_scale(self.params[i])
+        scaled, scales = [pieces[i] for i in live], [self._scales[i] for i in live]
+        torch._foreach_mul_(scaled, scales)
+        try:
+            self._round_pieces(live, store, pieces)
+        except BaseException:  # a write-back that stops leaves no weight scaled
+            torch._foreach_div_(scaled, scales)
+            raise
+        if not store:
+            torch._foreach_div_(scaled, scales)
+
+    def _round_pieces(self, live: list[int], store: bool, pieces: list[torch.Tensor]) -> None:
         # fold_in(key, t, i) is fold_in(fold_in(key, t), i): the step's key, derived once.
         step_key = fold_in(self.key, self.steps) if self.mode.is_stochastic else None
-        pieces = [local_tensor(p) for p in self.params]  # a DTensor's piece shares its storage
-        if self.scale:  # powers of two: exact both ways
-            self._scales = [1.0] * len(pieces)
-            for i in live:
-                self._scales[i] = self._power_of_two_scale(self.params[i])
-            torch._foreach_mul_([pieces[i] for i in live], [self._scales[i] for i in live])
         # Whole tensors in formats with a NaN, under the identical policy (no rank to fold
         # in), go through one call for all, tensor i with the key fold_in(step_key, i) (kept
         # as codes: one fewbit.quantize each, which rounds and encodes in one pass); a
@@ -422,14 +464,15 @@ class LowPrecisionWeights:
                 p._fewbit_codes_of = self  # (held by the weight: its codes live as long)
                 p.__class__ = _held_class(type(p))
             self._stored = True
-        elif self.scale:
-            torch._foreach_div_([pieces[i] for i in live], [self._scales[i] for i in live])
 
     def _power_of_two_scale(self, w: torch.Tensor) -> float:
         amax = global_amax(w)
         if amax == 0.0 or not math.isfinite(amax):
             return 1.0
-        return 2.0 ** math.floor(math.log2(self.fmt.max / 2 / amax))
+        # At most the largest power of two w's dtype holds: w is scaled in place (a float16
+        # weight of largest magnitude 2^-9 into E4M3 would take 2^16, inf in float16).
+        exponent = min(math.floor(math.log2(self.fmt.max / 2 / amax)), dtype_format(w.dtype).emax)
+        return 2.0**exponent
 
     @torch.compiler.disable
     @torch.no_grad()
@@ -443,6 +486,8 @@ class LowPrecisionWeights:
             p.__class__ = type(p).plain
             del p._fewbit_codes_of
             t = local_tensor(p)
+            if t.untyped_storage().nbytes():  # given other storage meanwhile (set_): the user's
+                continue
             t.untyped_storage().resize_(nbytes)
             if isinstance(codes, BlockTensor):  # as fewbit.block.round gives the values in via
                 t.copy_(codes.dequantize(self.via))
@@ -462,7 +507,7 @@ class LowPrecisionWeights:
             shapes = [torch.empty(at.local_shape, dtype=self.via, device="meta") for at in self._layouts]
             code_bytes = sum(quantize(t, self.fmt).nbytes for t in shapes)
         else:
-            code_bytes = n * (1 if self.fmt.k <= 8 else 2)
+            code_bytes = n * (1 << (math.ceil(self.fmt.k / 8) - 1).bit_length())  # 1, 2, 4 or 8 a code
         return {"elements": n, "float_bytes": float_bytes, "code_bytes": code_bytes,
                 "saved_bytes": float_bytes - code_bytes}  # fmt: skip
 

@@ -72,6 +72,12 @@ class RoundSpec:
         return 1 << (self.bits + extra)
 
 
+def check_flag(value: object, name: str) -> None:
+    """Refuse a flag that is not a bool: bool() would take "no" or 2 as True, None as False."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), not {type(value).__name__}: {value!r}")
+
+
 def scalar_args(sat, bits, fraction) -> tuple[bool, int | None, float | None]:
     """``sat``, ``bits`` and ``fraction`` as Python scalars: numpy bools, integers and
     floats are accepted as their Python kinds; a bool is not a number here."""
