@@ -134,8 +134,9 @@ class LowPrecisionWeights:
         update_dtype: hold ``w + u`` in this dtype (RNE) before rounding to ``fmt``;
             ``torch.bfloat16`` is the paper's set-up. None: the parameters' own dtype.
         scale: scale each tensor by a power of two so that its largest magnitude lands in
-            the top binade below half the format's maximum, round, and scale back (element
-            formats: a block format scales each block itself).
+            the top binade below half the format's maximum (at most the largest power of
+            two its dtype holds), round, and scale back (element formats: a block format
+            scales each block itself).
         store_codes: between a step and the next :meth:`zero_grad` (or
             :meth:`materialize`), keep the selected weights only as codes of ``fmt``
             (uint8 for formats of up to 8 bits; a ``fewbit.block.BlockTensor`` per weight
