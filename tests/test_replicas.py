@@ -149,6 +149,21 @@ def test_a_gradient_missing_on_one_rank_is_named_on_every_rank(runs):
         assert "beside rank 0, rank 1 lacks 2.weight.grad" in r["error"], r
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_drift_of_float8_counts_its_ulps(dtype):
+    """Its bits order its values as a wider float's do (it was a bare KeyError)."""
+    values = torch.tensor([2.0, -2.0]).to(dtype)
+    assert drift_report({"w": values}) == {"w": 0}
+    assert _distance(_ordered(values, None), _ordered(torch.tensor([-2.0, 2.0]).to(dtype), None)) == 2**7
+    one_up = values.view(torch.uint8).add(1).view(dtype)  # 2 and -2 a step further from 0
+    assert _distance(_ordered(values, None), _ordered(one_up, None)) == 1
+
+
+def test_drift_of_a_dtype_without_ulps_asks_for_fmt():
+    with pytest.raises(ValueError, match="give fmt"):
+        drift_report({"w": torch.ones(2, dtype=torch.float8_e8m0fnu)})
+
+
 @pytest.mark.parametrize(("dtype", "apart"), [(torch.float64, 2**63 - 1), (torch.float32, 2**31),
                                                (torch.bfloat16, 2**15), (torch.float16, 2**15)])  # fmt: skip
 def test_drift_of_opposite_signs_does_not_wrap(dtype, apart):

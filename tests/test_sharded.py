@@ -5,7 +5,10 @@ saved on 4 ranks and resumed on 2; the pieces' global indices and bits; the sync
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
+import math
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,10 +28,11 @@ from fewbit.experiments.sharded import (
     tp_data,
     train_single,
 )  # fmt: skip
+from fewbit.formats import format
 from fewbit.nn import FakeQuantize, Quant, fake_quantize
 from fewbit.random import Key, fold_in, random_bits
-from fewbit.replicas import replica_key
-from fewbit.sharding import Runs, ShardLayout
+from fewbit.replicas import check_in_sync, drift_report, replica_key
+from fewbit.sharding import Runs, ShardLayout, global_amax, tensor_scales
 
 STEPS, SAVE_AT, EVERY = 50, 25, 5
 HSDP_STEPS = 20
@@ -52,6 +56,75 @@ def scalified_single() -> dict:
     return train_single(SCALIFIED)
 
 
+@dataclass(frozen=True)
+class EdgeProbe:
+    """This file's own cases on a launch's ranks (:func:`edge_cases`)."""
+
+
+def probe_or_run(rank: int, world_size: int, cfg) -> dict:
+    """``run``, and the :class:`EdgeProbe` (the ranks import this file: see ``runs``)."""
+    return edge_cases(rank, world_size) if isinstance(cfg, EdgeProbe) else run(rank, world_size, cfg)
+
+
+def _outcome(call):
+    try:
+        return call()
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+
+
+def edge_cases(rank: int, world_size: int) -> dict:
+    """Each case's result on this rank, or its error: errors every rank must raise alike
+    (a rank that did not would hang the others or abort gloo), the strided shards fewbit
+    refuses and those it keeps, ranks outside a mesh."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    full = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+
+    def rounded(x):
+        return fewbit.round(x, "binary8p4", "sr", seed=2)
+
+    def nvfp4(x):
+        return fewbit.block.round(x, "nvfp4", "sr", seed=2)
+
+    if world_size == 4:
+        fsdp_tp = [_StridedShard(0, split_factor=2), Shard(0)]
+        tp = distribute_tensor(full, init_device_mesh("cpu", (2, 2)), fsdp_tp)
+        half = distribute_tensor(full, DeviceMesh("cpu", [0, 1]), [Shard(0)])  # ranks 2 and 3 outside
+        cases = {
+            "fsdp2 with tp": lambda: [torch.equal(rounded(tp).full_tensor(), rounded(full)),
+                                      torch.equal(nvfp4(tp).full_tensor(), nvfp4(full)),
+                                      global_amax(tp) == global_amax(full)],  # fmt: skip
+            "outside the mesh": lambda: [global_amax(half), tuple(nvfp4(half).to_local().shape),
+                                         tuple(fewbit.round(half, "e2m1", "sr", seed=1).to_local().shape)],
+        }  # fmt: skip
+    else:
+        mesh = init_device_mesh("cpu", (2,))
+        top, inf = format("binary8p4").max, math.inf
+        ends = torch.tensor([-top, top, inf] if rank == 0 else [-inf, inf, math.nan])
+        ends = dict(zip("abc", ends.split(1), strict=True))
+        # 7 rows lie 4 and 3 on 2 ranks: rank 1's 4 are not where the placements say
+        misplaced = DTensor.from_local(full[:4], mesh, [Shard(0)], run_check=False, shape=(7, 32),
+                                       stride=(32, 1))  # fmt: skip
+        partial = DTensor.from_local(torch.ones(2), mesh, [Partial()])
+        others = {"a": torch.ones(2), **({"b": torch.ones(2)} if rank else {})}
+        viewed = distribute_tensor(full.view(8, 4, 8), mesh, [Shard(1)]).view(32, 8)
+        cases = {
+            "strided view": lambda: rounded(viewed),
+            "strided": lambda: rounded(distribute_tensor(full, mesh, [_StridedShard(0, split_factor=2)])),
+            "piece not where placed": lambda: fewbit.round(misplaced, "e2m1", "sr", seed=1),
+            "sync, None on one rank": lambda: check_in_sync([("w.grad", None if rank else torch.ones(3))]),
+            "drift, other shapes": lambda: drift_report({"w": torch.ones(3 + rank)}),
+            "drift, other names": lambda: drift_report(others),
+            "drift in a format, at its ends": lambda: drift_report(ends, fmt="binary8p4"),
+            "amax of a partial": lambda: global_amax(partial),
+            "scales of a partial": lambda: tensor_scales([partial], fewbit.block.format("nvfp4")),
+        }
+    return {"cases": {name: _outcome(call) for name, call in cases.items()}}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
     """Scenario -> per-rank results, for 4 ranks, then 2 (which resume the 4 ranks'
@@ -62,6 +135,7 @@ def runs(tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
             "layouts": LayoutProbe(),
             "tensor parallel": TensorParallelProbe(),
             "ops": OpsProbe(),
+            "edges": EdgeProbe(),
             "scalified": SCALIFIED,
             "shard0": ShardedRun(steps=STEPS, hash_every=EVERY, save_at=SAVE_AT, checkpoint_dir=ckpt),
             "guard without replicas": ShardedRun(steps=1, guard=True),
@@ -74,6 +148,7 @@ def runs(tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
             "layouts": LayoutProbe(),
             "tensor parallel": TensorParallelProbe(),
             "ops": OpsProbe(),
+            "edges": EdgeProbe(),
             "mx shard0": MX,
             "mx shard1": ShardedRun(steps=STEPS, until=1, fmt="mxfp8_e4m3", placement=1),
             "nvfp4 shard0": NVFP4,
@@ -85,8 +160,10 @@ def runs(tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
             "scaled": ShardedRun(steps=STEPS, until=10, hash_every=EVERY, scale=True, placement=1),
         },
     }
-    return {n: dict(zip(plan, launch(list(plan.values()), n, train=run), strict=True))
-            for n, plan in plans.items()}  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:  # the ranks unpickle probe_or_run from this file
+        patch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.getenv("PYTHONPATH", "")]))
+        return {n: dict(zip(plan, launch(list(plan.values()), n, train=probe_or_run), strict=True))
+                for n, plan in plans.items()}  # fmt: skip
 
 
 def assert_bits_equal(a: dict, b: dict) -> None:
@@ -423,3 +500,68 @@ def test_scalified_model_under_fsdp2_equals_one_process_bit_for_bit(scalified_si
         assert r["scales"] == single["scales"]  # every piece a ScaledTensor, at the full tensor's scale
         assert r["hashes"] == single["hashes"]
     assert_bits_equal(runs[nproc]["scalified"][0]["weights"], single["weights"])
+
+
+def test_strided_shards_whose_pieces_are_no_block_are_refused_on_every_rank(runs):
+    """A _StridedShard (a view of a sharded DTensor) gives a rank rows apart: their bits
+    were drawn as if they were one block from the first."""
+    for r in runs[2]["edges"]:
+        for case in ("strided view", "strided"):
+            assert r["cases"][case].startswith("ValueError: a DTensor of shape"), r["cases"][case]
+            assert "redistribute it to Shard or Replicate" in r["cases"][case]
+
+
+def test_fsdp2_with_tp_strided_shards_equal_one_process(runs):
+    """Its even pieces are blocks, kept; its strided mesh dimension shards too (the full
+    tensor's amax, NVFP4's scale), though torch's is_shard says not."""
+    for r in runs[4]["edges"]:
+        assert r["cases"]["fsdp2 with tp"] == [True, True, True]
+
+
+def test_a_piece_not_where_placed_is_refused_on_every_rank(runs):
+    """Only rank 1's piece is misplaced: rank 0 must not wait for it in the agreement."""
+    first, second = (r["cases"]["piece not where placed"] for r in runs[2]["edges"])
+    assert first.startswith("ValueError: fewbit.round: another rank's piece of x was refused"), first
+    assert second.startswith("RuntimeError: a DTensor of shape (7, 32)"), second
+
+
+def test_ranks_outside_the_mesh_get_empty_pieces(runs):
+    amax = float(torch.randn(8, 32, generator=torch.Generator().manual_seed(0)).abs().max())
+    got = [r["cases"]["outside the mesh"] for r in runs[4]["edges"]]
+    assert got == [[amax, (4, 32), (4, 32)]] * 2 + [[0.0, (0,), (0,)]] * 2
+
+
+def test_sync_checks_refuse_other_tensors_alike_on_every_rank(runs):
+    """A None on one rank, other shapes or names: the gathers would not pair (a hang, a gloo
+    abort, or a bogus report)."""
+    f32 = "torch.float32, shape"
+    said = {"sync, None on one rank": "rank 1 lacks w.grad and also holds w.grad (None)",
+            "drift, other shapes": f"lacks w ({f32} (3,)) and also holds w ({f32} (4,))",
+            "drift, other names": f"beside rank 0, rank 1 also holds b ({f32} (2,))"}  # fmt: skip
+    for r in runs[2]["edges"]:
+        for case, error in said.items():
+            got = r["cases"][case]
+            assert got.startswith("ReplicaDriftError: ") and error in got, got
+
+
+def test_drift_in_a_format_puts_inf_beyond_max_and_nan_beyond_inf(runs):
+    """-max against -inf, max against inf, inf against NaN: each one step."""
+    for r in runs[2]["edges"]:
+        assert r["cases"]["drift in a format, at its ends"] == {"a": 1, "b": 1, "c": 1}
+
+
+@pytest.mark.parametrize(("values", "amax"), [([1.0, math.inf], math.inf), ([-math.inf, 2.0], math.inf),
+                                              ([1.0, math.nan], math.inf), ([], 0.0)])  # fmt: skip
+def test_global_amax_of_a_tensor_keeps_inf(values, amax):
+    assert global_amax(torch.tensor(values)) == amax
+
+
+def test_global_amax_of_float64_keeps_its_range():
+    assert global_amax(torch.tensor([-1e300, 2.0], dtype=torch.float64)) == 1e300
+
+
+def test_global_amax_and_tensor_scales_refuse_a_partial_alike(runs):
+    """Its pieces are addends: their largest is not the sum's (and nothing was reduced)."""
+    for r in runs[2]["edges"]:
+        for case in ("amax of a partial", "scales of a partial"):
+            assert r["cases"][case].startswith("ValueError: ") and "holds addends" in r["cases"][case], r

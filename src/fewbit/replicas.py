@@ -154,7 +154,8 @@ class SyncResult:
 def check_in_sync(tensors: torch.nn.Module | Iterable | torch.Tensor, group=None) -> SyncResult:
     """Compare a digest of every tensor's bits across the ranks of ``group`` (a collective:
     every rank must call it). A module contributes its state_dict (parameters, buffers).
-    A DTensor is compared between the ranks that hold the same piece of it."""
+    A DTensor is compared between the ranks that hold the same piece of it. A tensor None
+    (a gradient not computed) must be None on every rank."""
     named = _named_tensors(tensors)
     names = [n for n, _ in named]
     rank, size = world(group)
@@ -162,9 +163,9 @@ def check_in_sync(tensors: torch.nn.Module | Iterable | torch.Tensor, group=None
     keys = [piece_key(t) for _, t in named]
     keys = [-1 - rank if k is None else k for k in keys]
     if size > 1:
-        _check_same_names(names, group, size)
+        _check_same_names([f"{n} (None)" if t is None else n for n, t in named], group, size)
     # One all_gather of integers: each tensor's digest, then its key.
-    mine = torch.tensor([_digest(t) for _, t in named] + keys, dtype=torch.int64)
+    mine = torch.tensor([0 if t is None else _digest(t) for _, t in named] + keys, dtype=torch.int64)
     everyone = [mine]
     if size > 1:
         everyone = [torch.empty_like(mine) for _ in range(size)]
@@ -184,8 +185,9 @@ def check_in_sync(tensors: torch.nn.Module | Iterable | torch.Tensor, group=None
 
 def _check_same_names(names: list[str], group, size: int) -> None:
     """Raise ReplicaDriftError on every rank unless every rank holds the same names in the
-    same order. The digests' gather needs as many on every rank: first an all_gather of
-    two integers (the names' hash and count), then, only where they differ, the names."""
+    same order (each with what else must agree for the gathers that follow: "w (None)").
+    The gathers need as many, as large, on every rank: first an all_gather of two integers
+    (the names' hash and count), then, only where they differ, the names."""
     mine = torch.tensor([_digest(torch.tensor(list("|".join(names).encode()))), len(names)])
     everyone = [torch.empty_like(mine) for _ in range(size)]
     torch.distributed.all_gather(everyone, mine, group=group)
@@ -205,14 +207,22 @@ def _check_same_names(names: list[str], group, size: int) -> None:
     raise ReplicaDriftError(f"ranks hold different sets of tensors: beside rank 0, {'; '.join(differences)}")
 
 
+#: The signed integer dtype of each float dtype's width whose sign-magnitude bits _ordered
+#: makes monotone (not the unsigned float8_e8m0fnu, nor the fnuz ones, whose NaN is -0's bits).
+_SAME_WIDTH = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
+               torch.float16: torch.int16, torch.float8_e4m3fn: torch.int8, torch.float8_e5m2: torch.int8}
+
+
 def _ordered(t: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
     """Each value's position in value order, so that adjacent values differ by 1: in the
     tensor's own dtype (its bits, sign-magnitude made monotone), or in ``table``, the
-    sorted finite values of a format."""
+    sorted values of a format between -inf and inf (NaN comes after inf, as in a dtype)."""
     if table is not None:
         return torch.searchsorted(table.to(t.device), t.detach().double().contiguous())
-    ints = {torch.float64: torch.int64, torch.float32: torch.int32,
-            torch.bfloat16: torch.int16, torch.float16: torch.int16}[t.dtype]  # fmt: skip
+    ints = _SAME_WIDTH.get(t.dtype)
+    if ints is None:  # (the same dtype on every rank: all raise, before any gather)
+        raise ValueError(f"drift_report: {t.dtype} has no ulps fewbit counts by its bits; give fmt, the "
+                         "format its values belong to")  # fmt: skip
     i = t.detach().contiguous().view(ints).to(torch.int64)
     sign_bit = 1 << (8 * t.element_size() - 1)
     return torch.where(i < 0, -(i + sign_bit), i)
@@ -223,17 +233,23 @@ def drift_report(
 ) -> dict[str, int]:
     """For each floating tensor, the largest distance in ulps between any rank's value and
     rank 0's (0 everywhere when in sync): ulps of the tensor's dtype, or of ``fmt`` (a
-    format of up to 16 bits the values belong to, e.g. the weights' format). A DTensor is
-    measured between the ranks that hold the same piece (from the first of them), and left
-    out where no two do. A collective: every rank must call it."""
+    format of up to 16 bits the values belong to, e.g. the weights' format, where -inf
+    and inf lie a step beyond -max and max, and NaN one beyond inf). A DTensor is measured
+    between the ranks that hold the same piece (from the first of them), and left out where
+    no two do. A collective: every rank must call it, with the same names, dtypes and
+    shapes (else a ReplicaDriftError on every rank)."""
     table = None
     if fmt is not None:
         finite = {v for v in format(fmt).values() if math.isfinite(v)}
-        table = torch.tensor(sorted(finite), dtype=torch.float64)
+        table = torch.tensor([-math.inf, *sorted(finite), math.inf], dtype=torch.float64)
     _, size = world(group)
+    named = _named_tensors(tensors)
+    if size > 1:  # the gathers below need as many tensors, as large, on every rank
+        _check_same_names([f"{n} ({'None' if t is None else f'{t.dtype}, shape {tuple(t.shape)}'})"
+                           for n, t in named], group, size)  # fmt: skip
     report = {}
-    for name, t in _named_tensors(tensors):
-        if not t.is_floating_point():
+    for name, t in named:
+        if t is None or not t.is_floating_point():
             continue
         if is_dtensor(t):
             distance = _piece_drift(t, table, group, size)

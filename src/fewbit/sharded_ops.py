@@ -71,15 +71,18 @@ def _alike(x, may_refuse: bool, name: str, compute: Callable[..., T], *args, **k
     """``compute(*args, **kwargs)`` on this rank's piece of DTensor ``x``. Where the call
     ``may_refuse`` an element once it is rounded, the ranks agree first (one all-reduce of
     a flag): if any rank's piece was refused, every rank raises, none having written
-    ``out`` (a rank that went on would wait at its next collective for those that raised)."""
+    ``out`` (a rank that went on would wait at its next collective for those that raised).
+    Any error counts, not a ValueError alone: a rank whose piece is not where the placements
+    say raises a RuntimeError, and the others wait for it in the all-reduce otherwise."""
     if not may_refuse:
         return compute(*args, **kwargs)
     try:
         result, error = compute(*args, **kwargs), None
-    except ValueError as err:
+    except Exception as err:  # (not a KeyboardInterrupt: that ends the process)
         result, error = None, err
-    refuse_alike(error, [x], f"{name}: another rank's piece of x holds an element without a result (see "
-                             "its error); nothing was written")  # fmt: skip
+    refuse_alike(error, [x], f"{name}: another rank's piece of x was refused (see its error: an element "
+                             "without a result, or a piece not where the placements say); nothing was "
+                             "written")  # fmt: skip
     return result
 
 

@@ -16,6 +16,7 @@ only be one if that module was imported.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import sys
 from collections.abc import Callable
@@ -176,14 +177,48 @@ def placement_offsets(t) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def torch_offsets(t) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """torch's own answer where this torch has it (a private function: it also knows the
-    strided shards that FSDP2 with tensor parallelism makes); None otherwise."""
+    """torch's own answer where this torch has it (a private function: it also places the
+    strided shards that FSDP2 with tensor parallelism makes, by their first offset alone:
+    :func:`_check_strided` first); None otherwise."""
     try:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     except ImportError:
         return None
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return tuple(shape), tuple(offset)
+
+
+def _splits(placement, dim: int | None = None) -> bool:
+    """Whether ``placement`` shards (dimension ``dim``, or any): a Shard, or a _StridedShard,
+    which torch's ``is_shard`` does not count."""
+    return placement.is_shard(dim) or (_is_strided(placement) and dim in (None, placement.dim))
+
+
+def _is_strided(placement) -> bool:
+    return type(placement).__name__ == "_StridedShard"  # (private to torch: not imported to be named)
+
+
+def _check_strided(t) -> None:
+    """Raise ValueError where a _StridedShard (``.view`` of a sharded DTensor, FSDP2 with
+    tensor parallelism) gives some rank rows along its dimension that are not one run of
+    the full tensor's: a piece is then no block of it, and fewbit has no global indices
+    for it. Alike on every rank: it splits the dimension's indices as the placements split
+    a tensor, for every rank's coordinates. FSDP2 with TP's evenly split pieces are runs."""
+    placements, mesh = t.placements, t.device_mesh
+    for d in sorted({p.dim for p in placements if _is_strided(p)}):
+        along = [(i, p) for i, p in enumerate(placements) if _splits(p, d)]
+        for coordinate in itertools.product(*(range(mesh.size(i)) for i, _ in along)):
+            rows = torch.arange(t.shape[d])
+            for (i, p), c in zip(along, coordinate, strict=True):
+                # torch's private split (its placements' own); without it, no strided shard is
+                # placed (tests/test_sharded.py's FSDP2 with TP case then fails)
+                split = getattr(p, "_split_tensor", None)
+                rows = rows[:0] if split is None else split(rows, mesh.size(i), with_padding=False)[0][c]
+            if split is None or (rows.diff() != 1).any():
+                raise ValueError(f"a DTensor of shape {tuple(t.shape)} with placements {placements} holds "
+                                 f"rows {rows.tolist()[:6]} of dim {d} on one rank, not a run of the full "
+                                 "tensor's: fewbit cannot place its pieces; redistribute it to Shard or "
+                                 "Replicate placements first")  # fmt: skip
 
 
 #: layout's answers by (shape, mesh, placements), which are all they depend on: torch's
@@ -206,6 +241,7 @@ def layout(t: torch.Tensor, piece: torch.Tensor | None = None) -> ShardLayout:
     if where is None:
         if len(_LAYOUTS) >= _LAYOUTS_KEPT:
             _LAYOUTS.clear()
+        _check_strided(t)
         where = _LAYOUTS[key] = ShardLayout(shape, *(torch_offsets(t) or placement_offsets(t)))
     actual = tuple((t.to_local() if piece is None else piece).shape)
     if where.local_shape != actual:
@@ -357,13 +393,13 @@ def check_cuts(t: torch.Tensor, dim: int, size: int, what: str, groups: str, nam
     from torch.distributed.tensor import Shard
 
     d = dim % t.dim()
-    along = [(i, p) for i, p in enumerate(t.placements) if p.is_shard(d)]
+    along = [(i, p) for i, p in enumerate(t.placements) if _splits(p, d)]
     if any(type(p) is not Shard for _, p in along):
         raise ValueError(f"{name}: placements {t.placements} split the {groups}' axis {d} in a way fewbit "
                          "does not place them for")  # fmt: skip
     length = t.shape[d] if length is None else length
-    splits = [t.device_mesh.size(i) for i, _ in along]
-    straddled = sorted(c for c in _cuts(length, splits) if c % size and c != length)
+    ranks = [t.device_mesh.size(i) for i, _ in along]
+    straddled = sorted(c for c in _cuts(length, ranks) if c % size and c != length)
     if straddled:
         raise ValueError(
             f"{name}: {what} on a sharded tensor: {groups} of {size} along dim {d} (of {length}) would "
@@ -419,17 +455,20 @@ def summed(t: torch.Tensor) -> torch.Tensor:
 def max_over_mesh(values: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     """``values`` (elementwise) made the largest over the ranks that hold other pieces of
     ``tensors`` (DTensors on one mesh), in place: an all-reduce along each mesh dimension
-    that shards any of them (along the others the pieces are copies: HSDP's replicas)."""
+    that shards any of them (along the others the pieces are copies: HSDP's replicas).
+    Nothing on a rank outside the mesh, which holds no piece."""
     import torch.distributed as dist
 
     mesh = tensors[0].device_mesh
+    if mesh.get_coordinate() is None:  # (it has no group along the mesh's dimensions)
+        return
     for mesh_dim in range(mesh.ndim):
-        if any(t.placements[mesh_dim].is_shard() for t in tensors):
+        if any(_splits(t.placements[mesh_dim]) for t in tensors):
             dist.all_reduce(values, op=dist.ReduceOp.MAX, group=mesh.get_group(mesh_dim))
 
 
-def refuse_alike(error: ValueError | None, tensors: list[torch.Tensor], others: str) -> None:
-    """Raise on every rank if any rank that holds pieces of ``tensors`` met a ValueError
+def refuse_alike(error: Exception | None, tensors: list[torch.Tensor], others: str) -> None:
+    """Raise on every rank if any rank that holds pieces of ``tensors`` met an error
     (``error``: this rank's, or None): one all-reduce of a flag per mesh that shards any
     of them, so that no rank goes on to wait at a collective that ranks which raised never
     reach. This rank raises its own error, or a ValueError saying ``others``. Without
@@ -451,21 +490,33 @@ def sharded_by_mesh(tensors: list[torch.Tensor]) -> dict:
     their mesh (in their order: alike on every rank, as the collectives over them must be)."""
     on_mesh: dict = {}
     for i, t in enumerate(tensors):
-        if is_dtensor(t) and any(p.is_shard() for p in t.placements):
+        if is_dtensor(t) and any(_splits(p) for p in t.placements):
             on_mesh.setdefault(t.device_mesh, []).append(i)
     return on_mesh
 
 
 def global_amax(t: torch.Tensor) -> float:
     """The largest magnitude in the full tensor (inf where any element is NaN or
-    infinite; 0 for an empty one). For a sharded DTensor, a collective over its mesh."""
+    infinite; 0 for an empty one). For a sharded DTensor, a collective over its mesh; 0 on
+    a rank outside the mesh (its piece is empty)."""
+    _check_not_partial([t], "global_amax")
     piece = local_tensor(t).detach()
-    amax = torch.zeros((), device=piece.device)
+    # float64 holds every float dtype's values (float32 made float64's large ones its max)
+    amax = torch.zeros((), dtype=torch.float64, device=piece.device)
     if piece.numel():
-        amax = piece.abs().amax().float().nan_to_num(nan=math.inf)
+        amax = piece.abs().amax().double().nan_to_num(nan=math.inf, posinf=math.inf)
     if is_dtensor(t):
         max_over_mesh(amax, [t])
     return float(amax)
+
+
+def _check_not_partial(tensors: list[torch.Tensor], name: str) -> None:
+    """Raise ValueError where a tensor is a Partial DTensor: its pieces are addends, and
+    their largest magnitude is not the sum's. Alike on every rank (so are placements)."""
+    for t in tensors:
+        if is_dtensor(t) and any(p.is_partial() for p in t.placements):
+            raise ValueError(f"{name}: a DTensor with placements {t.placements} holds addends, not pieces "
+                             "of its values: reduce it first (fewbit.sharding.summed)")  # fmt: skip
 
 
 def tensor_scales(tensors: list[torch.Tensor], bfmt: BlockFormat, dtype: torch.dtype | None = None
@@ -481,6 +532,7 @@ def tensor_scales(tensors: list[torch.Tensor], bfmt: BlockFormat, dtype: torch.d
     time)."""
     if not bfmt.tensor_scale:
         return [None] * len(tensors)
+    _check_not_partial(tensors, "tensor_scales")
     pieces = [local_tensor(t).detach() for t in tensors]
     amax = [largest_finite(p if dtype is None else p.to(dtype), bfmt) for p in pieces]
     for at in sharded_by_mesh(tensors).values():
