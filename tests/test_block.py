@@ -289,6 +289,10 @@ def test_bad_input_is_refused_before_anything_is_written():
         block.format("mx_bf16")
     with pytest.raises(TypeError, match="axis must be an int"):
         block.round(x, "mxfp4", axis=1.0)
+    with pytest.raises(TypeError, match="axis must be an int, not bool"):
+        block.round(x, "mxfp4", axis=True)
+    # A numpy int is an axis, as Quant and the keys take one (it was a TypeError).
+    assert torch.equal(block.round(x, "mxfp4", axis=np.int64(-1)), block.round(x, "mxfp4", axis=-1))
 
 
 def test_inside_torch_compile_export_and_autograd():

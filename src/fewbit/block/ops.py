@@ -18,7 +18,7 @@ import torch
 from ..codec import codes_of, pack_pairs
 from ..formats import FloatFormat, from_repr
 from ..operators import operator
-from ..random import Key, host_key
+from ..random import Key, _is_int, host_key
 from ..rounding import gpu, native
 from ..rounding.checks import check_random_bits, check_tensor, scalar_args
 from ..rounding.compiled import (
@@ -86,8 +86,10 @@ def block_args(x, bfmt, mode, sat, bits, fraction, seed, random_bits, axis, rule
     if bits is not None:  # static, as rounding.ops.op_args makes it
         bits = index(bits)
     name = format_name(bfmt)
-    if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int)):
-        raise TypeError(f"axis must be an int, not {type(axis).__name__}")
+    if axis is not None:
+        if not _is_int(axis):  # (numpy's too, as Quant and the keys take them; a bool is no axis)
+            raise TypeError(f"axis must be an int, not {type(axis).__name__}")
+        axis = int(axis)
     return x, name, mode, sat, bits, fraction, op_key(seed, x), random_bits, axis, rule
 
 
