@@ -328,7 +328,11 @@ def test_cli_block_table(capsys):
     assert rows[("srff", "ceil")][2:5] == ["-1/16", "-0.062500", "0"]
     assert len(rows[("rne", "floor")]) == 9  # sampled: each Gaussian figure with its +-
     assert main(["bias", "--block", "mxfp4", "--mode", "src", "--rule", "ceil", "--samples", "256"]) == 0
-    assert len([line for line in capsys.readouterr().out.splitlines() if line.startswith("src")]) == 1
+    out = capsys.readouterr().out
+    assert len([line for line in out.splitlines() if line.startswith("src")]) == 1
+    assert out.startswith("mxfp4_e2m1: ocp_e2m1 elements, blocks of 32, E8M0 scale; N = 3 (src)\n")
+    assert main(["bias", "--block", "mxfp4", "--mode", "rne", "--rule", "ceil"]) == 0
+    assert capsys.readouterr().out.startswith("mxfp4_e2m1: ocp_e2m1 elements, blocks of 32, E8M0 scale\n")
     # Without --samples the Gaussian figures are computed: no +- columns, six digits.
     assert main(["bias", "--block", "mxfp4", "--bits", "2", "--mode", "srff", "--rule", "floor"]) == 0
     out = capsys.readouterr().out

@@ -341,10 +341,13 @@ def test_counts_and_seeds_out_of_range_are_refused_by_the_parser(capsys, argv, s
     (["bias", "--samples", "100", "--mode", "srf"], "--samples is for --figure and --block"),
     (["bias", "--block", "mxfp4", "-m", "rne", "--bits", "5"], "mode 'rne' is deterministic and takes no"),
     (["bias", "--block", "mxfp4", "-m", "sr", "--bits", "3"], "mode 'sr' takes its N from the excess bits"),
+    (["bias", "--mode", "srf", "--out", "here"], "--out is for --figure, which draws a PNG"),
+    (["bias", "--block", "mxfp4", "--out", "here"], "--out is for --figure, which draws a PNG"),
 ])  # fmt: skip
 def test_options_that_would_mislead_are_refused_before_any_work(capsys, tmp_path, argv, says):
     data = ["--data-dir", "/nonexistent"] if argv[0] == "train" else []
-    code, out, err = run(capsys, *argv, "--out", str(tmp_path), *data)
+    where = [] if argv[0] == "bias" and "--figure" not in argv else ["--out", str(tmp_path)]  # (it has one)
+    code, out, err = run(capsys, *argv, *where, *data)
     assert code == 2 and out == ""
     assert says in err
 

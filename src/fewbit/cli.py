@@ -273,8 +273,11 @@ def _block_bias(args: argparse.Namespace) -> int:
     rows = block_table(bfmt, bits, modes, rules, samples=args.samples)  # checks every row first
     sampled = args.samples is not None
     scale = "E8M0 scale" if bfmt.power_of_two else f"{bfmt.scale.name} scale (per-tensor scale 1)"
-    print(f"{bfmt.name}: {bfmt.element.name} elements, blocks of {bfmt.block_size}, {scale}; "
-          f"N = {bits} (sr: ideal SR{', N = min(D, 32) on float32 when sampled' if sampled else ''})")
+    few_bit = [m for m in modes if MODES[RoundMode(m)].bits in ("required", "optional")]  # N is theirs
+    sr = "sr" in modes and f"sr: ideal SR{', N = min(D, 32) on float32 when sampled' if sampled else ''}"
+    bits_note = "; ".join(filter(None, [few_bit and f"N = {bits} ({', '.join(few_bit)})", sr]))
+    print(f"{bfmt.name}: {bfmt.element.name} elements, blocks of {bfmt.block_size}, {scale}"
+          + (f"; {bits_note}" if bits_note else ""))
     print("mean error of |x| per element (negative: toward zero) and share of elements clipped to the "
           "element max")
     print("  uniform: magnitudes i.i.d. uniform in [1, 2), exact; units of 2^k for [2^k, 2^(k+1))")
@@ -303,6 +306,8 @@ def _block_bias(args: argparse.Namespace) -> int:
 def cmd_bias(args: argparse.Namespace) -> int:
     from . import bias
 
+    if args.out is not None and not args.figure:
+        raise ValueError("--out is for --figure, which draws a PNG; the other rows only print")
     if args.block:
         return _block_bias(args)
     if args.rule:
@@ -318,11 +323,12 @@ def cmd_bias(args: argparse.Namespace) -> int:
             raise ValueError("--figure draws with matplotlib: pip install 'fewbit[plot]'") from None
         from .experiments.sweep import make_out_dir
 
-        make_out_dir(Path(args.out))
-        for r in bias.figure(args.figure, args.out, samples=args.samples):
+        out = args.out or "docs"
+        make_out_dir(Path(out))
+        for r in bias.figure(args.figure, out, samples=args.samples):
             print(f"figure {args.figure} {r['mode']:5} measured {r['measured']:+.5f} "
                   f"+- {r['stderr']:.5f} ulp, exact {r['exact']:+.5f}")
-        print(f"wrote {args.out}/figure{args.figure}.png")
+        print(f"wrote {out}/figure{args.figure}.png")
         return 0
     if args.table:
         _refuse_options(args, "--table (every few-bit mode, N and D)", _ROW_OPTIONS)
@@ -627,7 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--table", action="store_true",
                    help="every few-bit mode, N = 1..8, D = 1..12 and inf (with --block: every mode and rule)")
     p.add_argument("--figure", type=int, choices=[1, 2], help="draw the paper's Figure 1 or 2")
-    p.add_argument("--out", default="docs", help="folder for --figure's PNG")
+    p.add_argument("--out", help="folder for --figure's PNG (default docs)")
     p.add_argument("--samples", type=_int_in(2),
                    help="samples per X for --figure (default: the paper's); with --block, Gaussian blocks "
                         "to sample (default: computed, not sampled)")
