@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from .block import BlockFormat, element_or_block, round_to
+from .block.ops import check_axis
 from .formats import FloatFormat
 from .operators import may_carry_tangent
-from .random import Key, _is_int, as_key, fold_in, key_of
+from .random import Key, as_key, fold_in, key_of
 from .replicas import SeedPolicy, replica_key
 from .rounding import RoundMode
 from .rounding.checks import check_mode_args, scalar_args
@@ -60,12 +61,10 @@ class Quant:
         for name, value in (("sat", sat), ("bits", bits), ("fraction", fraction)):
             object.__setattr__(self, name, value)
         if self.axis is not None:
-            if not _is_int(self.axis):  # a bool is no axis
-                raise TypeError(f"axis must be an int, not {type(self.axis).__name__}")
+            object.__setattr__(self, "axis", check_axis(self.axis))
             if not isinstance(self.fmt, BlockFormat):
                 raise ValueError(f"axis is the block axis of a block format; {self.fmt.name} is an "
                                  "element format")  # fmt: skip
-            object.__setattr__(self, "axis", int(self.axis))
 
     def check_seed(self, key: Key | torch.Tensor | None) -> None:
         """Refuse a missing key for a stochastic mode."""

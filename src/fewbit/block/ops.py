@@ -45,7 +45,8 @@ from .kernel import (
     tensor_scale_of,
 )
 
-__all__ = ["block_args", "block_spec_of", "format_name", "largest_finite", "lookup", "with_tensor_scale"]
+__all__ = ["block_args", "block_spec_of", "check_axis", "format_name", "largest_finite", "lookup",
+           "with_tensor_scale"]
 
 _UNREGISTERED: dict[str, BlockFormat] = {}
 #: By name, the last block format whose element's name was checked (each object once).
@@ -86,11 +87,17 @@ def block_args(x, bfmt, mode, sat, bits, fraction, seed, random_bits, axis, rule
     if bits is not None:  # static, as rounding.ops.op_args makes it
         bits = index(bits)
     name = format_name(bfmt)
-    if axis is not None:
-        if not _is_int(axis):  # (numpy's too, as Quant and the keys take them; a bool is no axis)
-            raise TypeError(f"axis must be an int, not {type(axis).__name__}")
-        axis = int(axis)
-    return x, name, mode, sat, bits, fraction, op_key(seed, x), random_bits, axis, rule
+    return x, name, mode, sat, bits, fraction, op_key(seed, x), random_bits, check_axis(axis), rule
+
+
+def check_axis(axis: object) -> int | None:
+    """``axis`` as an int (numpy's too, as the keys take them), or None; a bool or anything
+    else is a TypeError."""
+    if axis is None:
+        return None
+    if not _is_int(axis):
+        raise TypeError(f"axis must be an int, not {type(axis).__name__}")
+    return int(axis)
 
 
 @functools.cache
