@@ -59,6 +59,29 @@ def test_round_kernel_compiles_for_the_gpu(arch, dtype, fmt, mode, bits, sat, gi
 _INTEGERS = dict.fromkeys(["n", "offset", "first_row", "per_run", "stride", "k0", "k1", "s0", "s1"], "i64")
 
 
+@pytest.mark.parametrize("dtype, fmt, mode, bits", [
+    (torch.float32, "binary8p4", "src", 1),  # 32 fields of 1 bit a word
+    (torch.float32, "binary8p4", "src", 2),
+    (torch.bfloat16, "binary8p4", "sr", None),  # N = D = 4
+    (torch.float16, "ocp_e5m2", "sr_fraction", None),  # N = 8
+    (torch.float32, "bfloat16", "sr", None),  # classical SR, N = 16
+    (torch.float32, "binary8p4", "src", 3),  # 30 of a word's 32 bits used
+])  # fmt: skip
+def test_drawn_bits_survive_the_compiler(dtype, fmt, mode, bits):
+    """Where N divides 32, a row's fields fill both words exactly. The words were once
+    joined with an int32 ``1 << 32``, which is undefined for the compiler (Triton's
+    interpreter gives 0, as numpy does): it dropped Threefry and the rounding, and every
+    such call wrote one constant (NaN) on an H200. The compiled kernel must keep Threefry's
+    20 rotations (funnel shifts), as it does for N = 3."""
+    fraction = 0.3 if mode == "sr_fraction" else None
+    spec = make_spec(dtype, fewbit.format(fmt), RoundMode(mode), True, bits, fraction)
+    constants = gpu.round_constants(spec, True, False, True, None, True)
+    assert 32 % constants["BITS"] == 0 or bits == 3
+    args = {"x_ptr": f"*{_TRITON_DTYPES[dtype]}", "out_ptr": f"*{_TRITON_DTYPES[dtype]}", **_INTEGERS}
+    ptx = gpu.compile_for("round_kernel", args, constants, 90).asm["ptx"]
+    assert ptx.count("shf.") >= 20
+
+
 @pytest.mark.parametrize("runs", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_alignment_is_what_the_host_says(dtype, runs):

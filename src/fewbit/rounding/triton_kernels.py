@@ -368,7 +368,9 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, scales_ptr, ts_ptr, n: tl.i
             # Row r's bits are field r of both words' used fields end to end (w0's PER_WORD,
             # then w1's): a 64-bit shift a row, whose low half is one funnel shift (sm_90:
             # two instructions an element less than selecting the word, then shifting).
-            used = PER_WORD * BITS
+            # (A constexpr: a plain name would hold an int32, and 1 << 32 in int32 is
+            # undefined, which let the compiler drop the whole computation for used = 32.)
+            used: tl.constexpr = PER_WORD * BITS
             words = (w0 & ((1 << used) - 1)).to(tl.uint64) | (w1.to(tl.uint64) << used)
         if MODE == 11:
             if FOREACH:  # fold_in(key, SELECT_KEY)
