@@ -422,7 +422,7 @@ def test_time_steps_times_binary16_weights_with_the_seed_given(tmp_path, monkeyp
 
     def time_steps(cfg, data, steps):
         timed.append(cfg)
-        return {"with": 2.0, "without": 1.0, "write_back": 0.5}
+        return {"with": 2.0, "without": 1.0, "write_back": 0.5, "write_back_host": 0.125}
 
     monkeypatch.setattr("fewbit.experiments.train.time_steps", time_steps)
     tarball = fake_tarball(tmp_path / "s.tar.gz")
@@ -432,6 +432,7 @@ def test_time_steps_times_binary16_weights_with_the_seed_given(tmp_path, monkeyp
     assert [(c.mode, c.seed) for c in timed] == [("fp16", 5)]
     out = " ".join(capsys.readouterr().out.split())
     assert out.startswith("binary16 on cpu") and "the write-back alone 500.000 ms (25.0% of the step" in out
+    assert "until the step returns 125.000 ms (the rest: waiting for the device)" in out
 
 
 @pytest.mark.parametrize("restart", [[], ["--restart"]])

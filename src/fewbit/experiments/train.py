@@ -411,7 +411,8 @@ def time_steps(cfg: TrainConfig, data: CharDataset, steps: int = 20, rounds: int
     run with float32 weights and no ``LowPrecisionWeights`` (``"without"``), and seconds of
     the write-back alone (``"write_back"``: from the end of the inner optimizer's step to
     the end of the step, the device synchronised at both ends, in steps of their own so
-    that the syncs do not slow the others). Each is the median of ``rounds`` timings of
+    that the syncs do not slow the others; ``"write_back_host"``: the same until the step
+    returns, before the device is waited for). Each is the median of ``rounds`` timings of
     ``steps`` steps, taking turns so that all see the same machine; ``warmup`` steps first
     (compilation)."""
     runs = {"with": Run(cfg, data), "without": Run(replace(cfg, mode="fp32"), data)}
@@ -432,7 +433,7 @@ def time_steps(cfg: TrainConfig, data: CharDataset, steps: int = 20, rounds: int
     for run in runs.values():
         for _ in range(warmup):
             run.train_step()
-    seconds: dict[str, list[float]] = {"with": [], "without": [], "write_back": []}
+    seconds: dict[str, list[float]] = {"with": [], "without": [], "write_back": [], "write_back_host": []}
     for _ in range(rounds):
         for name, run in runs.items():
             sync()
@@ -441,14 +442,17 @@ def time_steps(cfg: TrainConfig, data: CharDataset, steps: int = 20, rounds: int
                 run.train_step()
             sync()
             seconds[name].append((time.perf_counter() - start) / steps)
-        total = 0.0
+        total = host = 0.0
         for _ in range(steps):
             inner_done[:] = [0.0]
             runs["with"].train_step()
+            returned = time.perf_counter()
             sync()
             total += time.perf_counter() - inner_done[0]
+            host += returned - inner_done[0]
         inner_done.clear()
         seconds["write_back"].append(total / steps)
+        seconds["write_back_host"].append(host / steps)
     return {k: sorted(v)[len(v) // 2] for k, v in seconds.items()}
 
 
