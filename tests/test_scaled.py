@@ -308,6 +308,40 @@ def test_zero_scale_is_the_zero_array_and_drops_out():
     assert p.static_scale == 0.0 and torch.equal(p.dequantize(), torch.zeros_like(X))
     assert torch.zeros_like(x).static_scale == 0.0
 
+    # The zero array's data says nothing of its values: not in comparisons, nor where
+    # it holds inf or NaN (d * 0 would be NaN) in cat and where.
+    other = as_scaled(torch.full_like(X, 3.0), 0.0)
+    assert torch.equal(zero == other, torch.ones_like(X, dtype=torch.bool)) and torch.equal(zero, other)
+    assert not (zero < other).any()
+    odd = as_scaled(torch.tensor([math.inf, math.nan]), 0.0)
+    half = as_scaled(torch.tensor([1.0, -2.0]), 0.5)
+    assert torch.equal(torch.cat([odd, half]).dequantize(), torch.tensor([0.0, 0.0, 0.5, -1.0]))
+    picked = torch.where(torch.tensor([True, False]), odd, half)
+    assert torch.equal(picked.dequantize(), torch.tensor([0.0, -1.0]))
+
+
+def test_in_place_mul_by_a_scaled_factor_loses_no_16_bit_precision():
+    """clip_grad_norm_ on float16 gradients at a large scale: its coefficient (a 0-d
+    ScaledTensor at a tiny scale) goes into the gradient's scale, so the data keeps its
+    bits; once it went into the data, at the gradient's scale, which made it subnormal
+    (norm 1.027 for 1) or 0. div_ by a ScaledTensor takes its value, not a 16-bit copy."""
+    grad = torch.tensor([0.5, -0.25, 0.75, 1.0], dtype=torch.float16)
+    for foreach, e in ((False, 20), (True, 28)):
+        p = nn.Parameter(as_scaled(torch.ones(4, dtype=torch.float16), 1.0))
+        p.grad = as_scaled(grad.clone(), 2.0**e)
+        nn.utils.clip_grad_norm_([p], max_norm=1.0, foreach=foreach)
+        assert p.grad.dequantize(torch.float64).norm().item() == pytest.approx(1.0, rel=1e-3), foreach
+    z = as_scaled(torch.tensor([3.0], dtype=torch.float16), 2.0**10)
+    z.div_(as_scaled(torch.tensor([1.5], dtype=torch.float16), 2.0**20))  # 1.5e6: beyond float16
+    assert z.dequantize(torch.float64).item() == 3 * 2**10 / (1.5 * 2**20)
+
+
+def test_fills_and_cumprod_keep_the_dtype_asked_for():
+    x = as_scaled(torch.rand(4, dtype=torch.float16) + 1, 0.5)
+    assert torch.equal(torch.full_like(x, 5, dtype=torch.int64), torch.full((4,), 5))
+    assert torch.equal(x.new_full((2,), 7, dtype=torch.int32), torch.full((2,), 7, dtype=torch.int32))
+    assert torch.cumprod(x, 0, dtype=torch.float64).dtype == torch.float64
+
 
 def test_in_place_ops_keep_the_scale_and_zero_state_adopts():
     x = as_scaled(X.clone(), 0.5)  # as_scaled does not copy data

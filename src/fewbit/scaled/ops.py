@@ -188,8 +188,9 @@ def _full(func, x, *args, **kwargs):
     args = list(args)
     i = 0 if func.overloadpacket is aten.full_like or func is aten.fill.Scalar else 1
     c = float(args[i])
-    if not math.isfinite(c):
-        return _factory(func, x, tuple(args), kwargs, 1.0)
+    dtype = kwargs.get("dtype")
+    if not math.isfinite(c) or (dtype is not None and not dtype.is_floating_point):
+        return _factory(func, x, tuple(args), kwargs, 1.0)  # (an integer fill is a plain tensor)
     args[i] = math.copysign(1.0, c) if c else 0.0
     return _factory(func, x, tuple(args), kwargs, abs(c))
 
@@ -230,6 +231,8 @@ def at_scale(x: Any, s: Scale) -> Any:
     """x's data rebalanced to scale s (x's value = result * s)."""
     if isinstance(x, torch.Tensor):
         d, sx = parts(x)
+        if is_static(sx, 0.0):  # the zero array: 0 whatever its data holds (d * 0 is NaN for inf)
+            return torch.zeros_like(d)
         return times(d, sdiv(sx, s))
     c = float(x)
     return c * sdiv(1.0, s) if math.isfinite(c) else c
@@ -405,12 +408,21 @@ def _add_(func, dest, other, alpha=1):
 @rule(aten.mul_.Tensor, aten.mul_.Scalar, aten.div_.Tensor, aten.div_.Scalar)
 def _mul_(func, dest, other):
     """In-place mul, div: dest keeps its scale sd; the data is multiplied (divided) by
-    other's value."""
+    other's value (in the compute dtype, rounded once). But a whole dest times a 0-d
+    ScaledTensor (clip_grad_norm_'s coefficient) takes its magnitude into the scale, its
+    sign into the data: exact, where 16-bit data would become subnormal or 0."""
     if not _keeps_scale(dest):
         return inplace(func, dest, other)
-    d = parts(dest)[0]
-    factor = other if not isinstance(other, torch.Tensor) else times(*parts(other))
-    (d.mul_ if func.overloadpacket is aten.mul_ else d.div_)(factor)
+    d, sd = parts(dest)
+    factor = value(other) if isinstance(other, ScaledTensor) else other
+    if func.overloadpacket is aten.div_:
+        d.div_(factor)
+    elif (isinstance(other, ScaledTensor) and other.dim() == 0 and not is_partial_view(d)
+          and not (isinstance(sd, torch.Tensor) and sd.dim())):  # fmt: skip
+        d.mul_(torch.sign(factor))
+        set_scale(dest, smul(sd, factor.abs()))
+    else:
+        d.mul_(factor)
     return dest
 
 
@@ -534,7 +546,7 @@ def _on_values(func, *args, **kwargs):
     """func on the values (computed in float32 or wider), rounded to the data dtype;
     scale 1. Used where the result is bounded or has no useful scale."""
     out = func(*(value(a) for a in args), **kwargs)
-    return wrap(out.to(_dtype_of(args)), 1.0)
+    return wrap(out.to(kwargs.get("dtype") or _dtype_of(args)), 1.0)
 
 
 @rule(aten.tanh, aten.sigmoid, aten.exp, aten.expm1, aten.log1p, aten.erf, aten.sin, aten.cos, aten.atan,
@@ -709,7 +721,8 @@ def _compare(func, *args, **kwargs):
     when both operands share one scale)."""
     if len(args) >= 2 and all(isinstance(a, ScaledTensor) for a in args[:2]):
         (da, sa), (db, sb) = parts(args[0]), parts(args[1])
-        if sa is sb or (is_static(sa) and is_static(sb) and sa == sb and sa != 0.0):
+        same = is_static(sa) and is_static(sb) and sa == sb
+        if (sa is sb or same) and not is_static(sa, 0.0):  # (the zero array's data is no value)
             return func(da, db, *args[2:], **kwargs)
     if func.overloadpacket is aten.equal:
         return func(*(value(a, a.dtype) for a in args))
