@@ -884,6 +884,15 @@ def test_bad_input_is_refused():
         as_scaled(X, torch.tensor([[1.0], [-1.0], [1.0], [1.0]]))
     with pytest.raises(ValueError, match="device"):
         as_scaled(X, torch.tensor(1.0, device="meta"))
+    # Data that requires grad: its gradient would never come back (it was cut silently).
+    h = X.clone().requires_grad_()
+    with pytest.raises(ValueError, match="cut data from autograd"):
+        as_scaled(h, 0.5)
+    with torch.no_grad():
+        assert as_scaled(h, 0.5).static_scale == 0.5
+    r = rebalance(h, 0.5)  # the differentiable way
+    r.dequantize().sum().backward()
+    assert torch.equal(h.grad, torch.ones_like(X))
     x = as_scaled(X, 0.5)
     other = torch.ones(4, 6, dtype=F64, device="meta")
     with pytest.raises(ValueError, match="other devices"):

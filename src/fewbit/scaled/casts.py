@@ -40,7 +40,8 @@ _POW2_MODES = {"down": "rtz", "up": "rup", "nearest": "rne"}
 
 
 def _scaled(t: torch.Tensor) -> ScaledTensor:
-    return t if isinstance(t, ScaledTensor) else as_scaled(t)
+    # (wrap, not as_scaled: a plain t may require grad, which the callers carry themselves)
+    return t if isinstance(t, ScaledTensor) else wrap(t, 1.0)
 
 
 # --- cast ----------------------------------------------------------------------------

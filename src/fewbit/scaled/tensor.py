@@ -351,7 +351,13 @@ def as_scaled(data: torch.Tensor, scale: torch.Tensor | float | None = None) -> 
     and may be per-channel (broadcastable to data). Raises TypeError for non-float or
     8-bit float data (``check_dtype``) or a non-float scale, ValueError for a scale that
     does not broadcast to data, lies on another device, or is negative or not finite.
+    The result carries no gradient to data: data that requires grad (outside
+    ``torch.no_grad``) is refused rather than cut from autograd without a word.
     """
+    if isinstance(data, torch.Tensor) and data.requires_grad and torch.is_grad_enabled():
+        raise ValueError("as_scaled(data, scale) would cut data from autograd (its gradient would never "
+                         "come back); for a differentiable ScaledTensor of a tensor's value use "
+                         "fewbit.scaled.rebalance(x, scale), or pass data.detach()")
     return ScaledTensor(data, scale)
 
 
