@@ -336,6 +336,25 @@ def test_in_place_mul_by_a_scaled_factor_loses_no_16_bit_precision():
     assert z.dequantize(torch.float64).item() == 3 * 2**10 / (1.5 * 2**20)
 
 
+
+def test_a_whole_copy_takes_the_sources_scale_so_a_checkpoint_loads():
+    """load_state_dict copies each weight in place: weights at scale 2^16 into a fresh
+    float16 model at about 2^-2 overflowed to inf when the copy kept the model's scale.
+    A part of a tensor, and a plain source, keep the destination's scale."""
+    torch.manual_seed(0)
+    ckpt = {"weight": as_scaled(torch.randn(2, 4, dtype=torch.float16), 2.0**16),
+            "bias": as_scaled(torch.randn(2, dtype=torch.float16), 2.0**16)}  # fmt: skip
+    fresh = scalify(nn.Linear(4, 2), dtype=torch.float16)
+    fresh.load_state_dict(ckpt)
+    for name, t in ckpt.items():
+        assert torch.equal(getattr(fresh, name).dequantize(torch.float32), t.dequantize(torch.float32)), name
+    x = as_scaled(torch.ones(4, dtype=torch.float16), 0.25)
+    x[:2].copy_(as_scaled(torch.full((2,), 0.5, dtype=torch.float16), 2.0))
+    assert x.static_scale == 0.25 and torch.equal(x.dequantize(), torch.tensor([1.0, 1.0, 0.25, 0.25]))
+    x.copy_(torch.full((4,), 3.0))
+    assert x.static_scale == 0.25 and torch.equal(x.unscaled, torch.full((4,), 12.0, dtype=torch.float16))
+
+
 def test_fills_and_cumprod_keep_the_dtype_asked_for():
     x = as_scaled(torch.rand(4, dtype=torch.float16) + 1, 0.5)
     assert torch.equal(torch.full_like(x, 5, dtype=torch.int64), torch.full((4,), 5))

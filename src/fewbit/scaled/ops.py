@@ -152,6 +152,18 @@ def _copy(func, dest, src, non_blocking=False):
     return wrap(func(parts(dest)[0], d, non_blocking), s)
 
 
+@rule(aten.copy_)
+def _copy_(func, dest, src, non_blocking=False):
+    """copy_: a whole ScaledTensor takes a ScaledTensor source's scale with its values (as
+    the zero array takes a result's), so that weights at a larger scale load
+    (``load_state_dict``) without overflowing 16-bit data at the model's scale. A part of
+    a tensor keeps the scale the rest has, and a plain source's values go into dest's
+    data at dest's scale, as in other in-place ops."""
+    scaled = isinstance(src, ScaledTensor) and isinstance(dest, ScaledTensor)
+    whole = scaled and not is_partial_view(parts(dest)[0])
+    return assign(dest, _copy(aten.copy.default, dest, src, non_blocking), adopt=whole)
+
+
 # --- factories ---------------------------------------------------------------------
 
 def _factory(func, x, args, kwargs, fill_scale: float):

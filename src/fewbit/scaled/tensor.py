@@ -771,20 +771,21 @@ def is_partial_view(d: torch.Tensor) -> bool:
     return d.storage_offset() != 0 or d.untyped_storage().nbytes() != d.numel() * d.element_size()
 
 
-def assign(dest: torch.Tensor, out: Any) -> torch.Tensor:
+def assign(dest: torch.Tensor, out: Any, adopt: bool = False) -> torch.Tensor:
     """Store the result of an in-place op into dest, and return dest.
 
-    dest keeps its scale, except a zero scale: the zero array takes the result's scale,
-    as optimizer state created by ``zeros_like`` does, and so do all views of its data
-    (``set_scale``; one scale where they differ in shape from dest and the result's is
-    per channel). Written through a view, the rest of the zero array becomes zeros
-    first: its data may be anything (``empty_like``), which the new scale would show.
+    dest keeps its scale, except a zero scale (or ``adopt``: a whole tensor's copy_): the
+    zero array takes the result's scale, as optimizer state created by ``zeros_like``
+    does, and so do all views of its data (``set_scale``; one scale where they differ in
+    shape from dest and the result's is per channel). Written through a view, the rest
+    of the zero array becomes zeros first: its data may be anything (``empty_like``),
+    which the new scale would show.
     """
     if not isinstance(dest, ScaledTensor):
         dest.copy_(dequantize_any(out))
         return dest
     d, s = parts(out)
-    if dest._static != 0.0:
+    if dest._static != 0.0 and not adopt:
         dest._data.copy_(times(d, sdiv(s, parts(dest)[1])))
         return dest
     if isinstance(s, torch.Tensor) and s.dim() and not _one_geometry(dest):
