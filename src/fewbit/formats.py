@@ -59,11 +59,8 @@ class FloatFormat:
         return hash(self.name)
 
     def __post_init__(self) -> None:
-        for field in fields(self):  # (annotations are strings: "str", "int", "bool")
-            value, kind = getattr(self, field.name), _FIELD_TYPES[field.type]
-            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                raise TypeError(f"FloatFormat {self.name!r}: {field.name} must be of type {field.type}, "
-                                f"not {type(value).__name__} ({value!r})")
+        # (annotations are strings: "str", "int", "bool")
+        check_field_types(self, [(field.name, _FIELD_TYPES[field.type]) for field in fields(self)])
         if not (2 <= self.k <= 64):
             raise ValueError(f"{self.name}: K must be in 2..64, got {self.k}")
         if not (1 <= self.p <= self.k):
@@ -289,6 +286,16 @@ class FloatFormat:
 
     def __str__(self) -> str:
         return self.name
+
+
+def check_field_types(obj, kinds: list[tuple[str, type]]) -> None:
+    """TypeError naming the first field of a format ``obj`` (its ``name`` first among
+    them) whose value is not of its type; a bool is no int."""
+    for name, kind in kinds:
+        value = getattr(obj, name)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise TypeError(f"{type(obj).__name__} {obj.name!r}: {name} must be of type {kind.__name__}, "
+                            f"not {type(value).__name__} ({value!r})")
 
 
 def _order(m: int, e: int) -> tuple[int, int]:

@@ -45,7 +45,7 @@ import re
 from dataclasses import dataclass
 from functools import cache
 
-from ..formats import FloatFormat
+from ..formats import FloatFormat, check_field_types
 from ..formats import format as element_format
 
 __all__ = ["BlockFormat", "SCALE_RULES", "ScaleRule", "format", "names"]
@@ -140,12 +140,8 @@ class BlockFormat:
     def __post_init__(self) -> None:
         for field in ("element", "scale"):  # a name stands for its format
             object.__setattr__(self, field, element_format(getattr(self, field)))
-        for field, kind in (("name", str), ("block_size", int), ("rule", str), ("tensor_scale", bool),
-                            ("axis", int)):  # fmt: skip
-            value = getattr(self, field)
-            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                raise TypeError(f"BlockFormat {self.name!r}: {field} must be of type {kind.__name__}, "
-                                f"not {type(value).__name__} ({value!r})")
+        check_field_types(self, [("name", str), ("block_size", int), ("rule", str), ("tensor_scale", bool),
+                                 ("axis", int)])  # fmt: skip
         if self.block_size < 1:
             raise ValueError(f"{self.name}: block_size must be >= 1, got {self.block_size}")
         if self.scale.name not in SCALE_FORMATS or self.scale != element_format(self.scale.name):
