@@ -207,14 +207,14 @@ def _check_strided(t) -> None:
     placements, mesh = t.placements, t.device_mesh
     for d in sorted({p.dim for p in placements if _is_strided(p)}):
         along = [(i, p) for i, p in enumerate(placements) if _splits(p, d)]
+        # torch's private split (its placements' own); without it, no strided shard is placed
+        # (tests/test_sharded.py's FSDP2 with TP case then fails)
+        splits = [getattr(p, "_split_tensor", None) for _, p in along]
         for coordinate in itertools.product(*(range(mesh.size(i)) for i, _ in along)):
             rows = torch.arange(t.shape[d])
-            for (i, p), c in zip(along, coordinate, strict=True):
-                # torch's private split (its placements' own); without it, no strided shard is
-                # placed (tests/test_sharded.py's FSDP2 with TP case then fails)
-                split = getattr(p, "_split_tensor", None)
+            for (i, _), split, c in zip(along, splits, coordinate, strict=True):
                 rows = rows[:0] if split is None else split(rows, mesh.size(i), with_padding=False)[0][c]
-            if split is None or (rows.diff() != 1).any():
+            if None in splits or (rows.diff() != 1).any():
                 raise ValueError(f"a DTensor of shape {tuple(t.shape)} with placements {placements} holds "
                                  f"rows {rows.tolist()[:6]} of dim {d} on one rank, not a run of the full "
                                  "tensor's: fewbit cannot place its pieces; redistribute it to Shard or "
