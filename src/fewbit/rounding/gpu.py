@@ -40,7 +40,7 @@ from .native import (
     kernel_params,
     mode_id,
     takes,
-    takes_bits,
+    takes_call,
 )
 
 __all__ = [
@@ -93,7 +93,7 @@ def _enabled(t: torch.Tensor) -> bool:
 
 def applies(spec: RoundSpec, x: torch.Tensor, random_bits: torch.Tensor | None = None) -> bool:
     """Whether :func:`round_into` takes this call."""
-    return usable(x, spec.fmt) and takes_bits(spec, random_bits)
+    return _enabled(x) and takes_call(spec, x, random_bits)
 
 
 def _format_constants(spec: RoundSpec) -> dict:

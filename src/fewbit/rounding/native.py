@@ -109,15 +109,22 @@ def takes(x: torch.Tensor, fmt: FloatFormat) -> bool:
     return x.dtype in _DTYPES and fits(fmt)
 
 
-def takes_bits(spec: RoundSpec, random_bits: torch.Tensor | None) -> bool:
-    """Whether the kernels (this and gpu.py's) take a spec's N and the given bits' dtype."""
-    return (spec.bits is None or spec.bits <= MAX_BITS) and (random_bits is None
-                                                             or random_bits.dtype == torch.int32)  # fmt: skip
+@functools.lru_cache(maxsize=256)
+def covers(spec: RoundSpec) -> bool:
+    """Whether the kernels' arithmetic (this and gpu.py's) covers a spec's format and N
+    (looked up: every call asks, before its launch on a GPU)."""
+    return fits(spec.fmt) and (spec.bits is None or spec.bits <= MAX_BITS)
+
+
+def takes_call(spec: RoundSpec, x: torch.Tensor, random_bits: torch.Tensor | None) -> bool:
+    """Whether the kernels (this and gpu.py's) take a call: x's dtype, the spec
+    (:func:`covers`) and the given bits' dtype."""
+    return x.dtype in _DTYPES and covers(spec) and (random_bits is None or random_bits.dtype == torch.int32)
 
 
 def applies(spec: RoundSpec, x: torch.Tensor, random_bits: torch.Tensor | None = None) -> bool:
     """Whether :func:`round_into` takes this call."""
-    return usable(x, spec.fmt) and takes_bits(spec, random_bits)
+    return takes_call(spec, x, random_bits) and _enabled(x)
 
 
 #: Names of native.cpp's ``Param`` array, in its order (gpu.py takes them as constants).
