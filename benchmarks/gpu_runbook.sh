@@ -15,7 +15,8 @@
 #   benchmarks/gpu_runbook.sh check             #18: GPU tests, element rows at 2^27 (3.5 min on an H200)
 #   benchmarks/gpu_runbook.sh blocks            #18: block-format rows at 2^27 (more than 4 min with check)
 #   benchmarks/gpu_runbook.sh time              #19.1: the paper preset's step with and without the
-#                                               write-back, then the write-back alone (bench_write_back.py)
+#                                               write-back, then the write-back alone (bench_write_back.py),
+#                                               then both steps under torch.profiler (profile_step.py)
 #   benchmarks/gpu_runbook.sh sweep NAME PRESET [fewbit train options...]
 #       a sweep in this call, e.g. `sweep figure3 paper --seeds 0 --workers 5`; its CSVs and
 #       PNGs come back (checkpoints stay: too large to return). Stopped 40 s before the
@@ -69,6 +70,10 @@ case "${1:-}" in
       fewbit train --preset paper "$fast" --time-steps 20 "${data[@]}" | tee -a "$out/time_steps.txt"
     done
     python3 benchmarks/bench_write_back.py --preset paper --device cuda 2>&1 | tee "$out/write_back.txt"
+    # Where the step's time goes (the write-back in a step cost 5x its time alone, 2026-11-28).
+    python3 benchmarks/profile_step.py --preset paper "${data[@]}" --trace "$out/traces" 2>&1 \
+      | grep -v '^USDT' > "$out/profile_step.txt"
+    gzip -f "$out"/traces/*.json || true  # (Perfetto opens them as they are)
     ;;
   sweep)
     name="$2" preset="$3"
