@@ -738,6 +738,34 @@ def test_float16_gradients_survive_with_scaling():
     close(scaled.weight.grad, ref.weight.grad, 2e-3)
 
 
+def test_a_scalified_model_moves_and_casts():
+    """Module.to(), .half(), .float() and .cpu() of a scalify'd model raised "Couldn't swap
+    Linear.weight": Module._apply swaps a subclass parameter for its converted copy, and
+    torch.utils.swap_tensors refuses a tensor that a weak reference points to, as fewbit's
+    record of which views share a scale pointed to every parameter. The parameters stay
+    the same objects (an optimizer's, tied ones), their values and scales converted, and
+    views made afterwards share the new scale."""
+    torch.manual_seed(0)
+    model = scalify(nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2)), dtype=torch.float32)
+    weight = model[0].weight
+    # (Nothing of autograd's may hold the weight while it is swapped: torch refuses.)
+    value, scale, held = weight.detach().dequantize(F64), weight.scale, weight.detach().t()
+    model.cpu().to("cpu").to(torch.float32)
+    assert model[0].weight is weight and torch.equal(weight.dequantize(F64), value)
+    model.half()
+    assert model[0].weight is weight and type(weight) is ScaledTensor and weight.dtype == torch.float16
+    assert torch.equal(weight.scale, scale)
+    assert torch.equal(weight.dequantize(F64), (value / scale.double()).half().double() * scale.double())
+    view = weight.detach().view(-1)
+    with torch.no_grad():
+        weight.zero_()  # the zero array: its scale (0) reaches the view made since
+    assert view.static_scale == 0.0
+    model.float()
+    assert weight.dtype == torch.float32 and torch.equal(held.dequantize(F64), value.t())  # the old data's
+    out = model(as_scaled(torch.randn(3, 8)))
+    assert type(out) is ScaledTensor and out.shape == (3, 2)
+
+
 @pytest.mark.parametrize("form", list(SCALE_FORMS))
 def test_cast_to_float16_moves_what_would_overflow_into_the_scale(form):
     """x.to(float16) of float32 data beyond float16's range keeps the value (to float16's

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..config import current
 
@@ -86,6 +85,23 @@ _REBUILD = all(hasattr(module, name) for module, name in (
     (torch._tensor, "_rebuild_from_type_v2"), (torch.Tensor, "_clear_non_serializable_cached_data")))
 
 
+class _Parts:
+    """A ScaledTensor's data and scale (``scale`` None where it is ``static``), and the
+    record of the views that share them (``views``), in an object of their own: that
+    record points to these weakly, never to a tensor, because torch.utils.swap_tensors
+    (Module._apply: ``model.to()``, ``.half()``) refuses a tensor that a weak reference
+    points to."""
+
+    __slots__ = ("data", "scale", "static", "views", "__weakref__")
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor | None = None, static: float | None = None):
+        self.data, self.scale, self.static, self.views = data, scale, static, None
+
+    def __deepcopy__(self, memo: dict) -> _Parts:
+        # (A copy has no views yet.)
+        return _Parts(copy.deepcopy(self.data, memo), copy.deepcopy(self.scale, memo), self.static)
+
+
 class ScaledTensor(torch.Tensor):
     """A tensor whose value is ``data * scale``.
 
@@ -94,11 +110,34 @@ class ScaledTensor(torch.Tensor):
     ``scale`` the scale (always a tensor here), :meth:`dequantize` the value.
     """
 
-    _data: torch.Tensor
-    _scale: torch.Tensor | None  # None when the scale is static
-    _static: float | None
+    _parts: _Parts
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+
+    # The parts by the names the rules (and __tensor_flatten__) read and write.
+    @property
+    def _data(self) -> torch.Tensor:
+        return self._parts.data
+
+    @_data.setter
+    def _data(self, data: torch.Tensor) -> None:
+        self._parts.data = data
+
+    @property
+    def _scale(self) -> torch.Tensor | None:
+        return self._parts.scale
+
+    @_scale.setter
+    def _scale(self, scale: torch.Tensor | None) -> None:
+        self._parts.scale = scale
+
+    @property
+    def _static(self) -> float | None:
+        return self._parts.static
+
+    @_static.setter
+    def _static(self, static: float | None) -> None:
+        self._parts.static = static
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale: torch.Tensor | float | None = None) -> ScaledTensor:
@@ -115,8 +154,8 @@ class ScaledTensor(torch.Tensor):
             cls, data.shape, strides=data.stride(), storage_offset=data.storage_offset(),
             dtype=data.dtype, device=data.device, layout=data.layout, requires_grad=False,
         )
-        t._data = data
-        _hold(t, scale)
+        t._parts = _Parts(data)
+        _hold(t._parts, scale)
         return t
 
     @property
@@ -194,6 +233,16 @@ class ScaledTensor(torch.Tensor):
                 new.grad = copy.deepcopy(self.grad, memo)
             memo[id(self)] = new
         return memo[id(self)]
+
+    def __getstate__(self) -> dict:
+        # Pickled (torch.save) as the data and scale themselves, as they were before _Parts.
+        state = {k: v for k, v in self.__dict__.items() if k != "_parts"}
+        return {**state, "_data": self._data, "_scale": self._scale, "_static": self._static}
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        self._parts = _Parts(state.pop("_data"), state.pop("_scale"), state.pop("_static"))
+        self.__dict__.update(state)
 
     def __tensor_flatten__(self) -> tuple[list[str], tuple]:
         inner = ["_data"] if self._scale is None else ["_data", "_scale"]
@@ -373,32 +422,28 @@ class _Views:
 
     def __init__(self, base: ScaledTensor):
         self.base = base._data  # what they view (the zero array zeroes it: ``assign``)
-        self.members = weakref.WeakValueDictionary({id(base): base})
-
-
-#: Each ScaledTensor that has views, or is one -> their _Views.
-_VIEWS = WeakIdKeyDictionary()
+        self.members = weakref.WeakSet([base._parts])  # each one's _Parts
 
 
 def _share_scale(base: ScaledTensor, view: ScaledTensor) -> None:
-    views = _VIEWS.get(base)
+    views = base._parts.views
     if views is None:
-        views = _VIEWS[base] = _Views(base)
-    views.members[id(view)] = view
-    _VIEWS[view] = views
+        views = base._parts.views = _Views(base)
+    views.members.add(view._parts)
+    view._parts.views = views
 
 
-def _aliases(t: ScaledTensor) -> list[ScaledTensor]:
-    # t and every live view of its data.
-    views = _VIEWS.get(t)
-    return [t] if views is None else [t, *(m for m in views.members.values() if m is not t)]
+def _aliases(t: ScaledTensor) -> list[_Parts]:
+    # The parts of t and of every live view of its data.
+    views = t._parts.views
+    return [t._parts] if views is None else [t._parts, *(m for m in list(views.members) if m is not t._parts)]
 
 
 def _one_geometry(t: ScaledTensor) -> bool:
     # Whether every view of t's data has t's shape and strides (a per-channel scale then
     # fits them all).
     key = (t.shape, t._data.stride(), t._data.storage_offset())
-    return all((m.shape, m._data.stride(), m._data.storage_offset()) == key for m in _aliases(t))
+    return all((m.data.shape, m.data.stride(), m.data.storage_offset()) == key for m in _aliases(t))
 
 
 def set_scale(t: ScaledTensor, s: Scale) -> None:
@@ -412,12 +457,12 @@ def set_scale(t: ScaledTensor, s: Scale) -> None:
         _hold(m, s)
 
 
-def _hold(t: ScaledTensor, s: Scale) -> None:
-    # t's scale: a tensor s in the form t's data broadcasts with, a number as static.
+def _hold(p: _Parts, s: Scale) -> None:
+    # The scale s: a tensor in the form p's data broadcasts with, a number as static.
     if isinstance(s, torch.Tensor):
-        t._scale, t._static = _canonical(s, t._data.dim()), None
+        p.scale, p.static = _canonical(s, p.data.dim()), None
     else:
-        t._scale, t._static = None, float(s)
+        p.scale, p.static = None, float(s)
 
 
 # --- the op table ------------------------------------------------------------------
@@ -790,7 +835,7 @@ def assign(dest: torch.Tensor, out: Any, adopt: bool = False) -> torch.Tensor:
         return dest
     if isinstance(s, torch.Tensor) and s.dim() and not _one_geometry(dest):
         d, s = parts(scalar_scale(out))
-    views = _VIEWS.get(dest)
+    views = dest._parts.views
     if views is not None and views.base is not dest._data and not is_static(s, 0.0):
         views.base.zero_()
     dest._data.copy_(d)
