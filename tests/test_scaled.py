@@ -1306,6 +1306,20 @@ def test_writes_through_any_view_of_the_zero_array_reach_it():
     assert torch.equal(flat.dequantize(), torch.tensor([0.25, 0.5, 0.75, 0.0]))
 
 
+def test_views_copied_together_share_their_scale_in_the_copy():
+    """copy.deepcopy of a tensor with its views gave copies with scales of their own:
+    zeroing the copied tensor (the zero array: scale 0) left the copied views reading their
+    old values. The originals keep theirs."""
+    t = as_scaled(torch.arange(1.0, 7.0, dtype=F64).reshape(2, 3), 0.5)
+    pieces = {"t": t, "row": t[1], "flat": t.view(-1)}
+    got = copy.deepcopy(pieces)
+    with torch.no_grad():
+        got["t"].zero_()
+    assert got["row"].static_scale == 0.0 and got["flat"].static_scale == 0.0
+    assert not got["flat"].dequantize().any()
+    assert pieces["row"].static_scale == 0.5 and torch.equal(pieces["row"].dequantize(), t.dequantize()[1])
+
+
 @pytest.mark.parametrize("foreach", [False, True], ids=["zero_", "foreach_zero_"])
 def test_zeroing_gradients_in_place_lets_the_next_one_bring_its_scale(foreach):
     """zero_grad(set_to_none=False) (zero_, _foreach_zero_) kept the old gradient's scale,

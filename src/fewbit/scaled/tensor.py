@@ -98,8 +98,16 @@ class _Parts:
         self.data, self.scale, self.static, self.views = data, scale, static, None
 
     def __deepcopy__(self, memo: dict) -> _Parts:
-        # (A copy has no views yet.)
-        return _Parts(copy.deepcopy(self.data, memo), copy.deepcopy(self.scale, memo), self.static)
+        # The copies of views copied together (one memo: a deepcopy of a model, of a dict)
+        # share their scale as the originals do.
+        new = _Parts(copy.deepcopy(self.data, memo), copy.deepcopy(self.scale, memo), self.static)
+        if self.views is not None:
+            views = memo.get(id(self.views))
+            if views is None:
+                views = memo[id(self.views)] = _Views(new, base=copy.deepcopy(self.views.base, memo))
+            views.members.add(new)
+            new.views = views
+        return new
 
 
 class ScaledTensor(torch.Tensor):
@@ -420,15 +428,15 @@ class _Views:
 
     __slots__ = ("base", "members")
 
-    def __init__(self, base: ScaledTensor):
-        self.base = base._data  # what they view (the zero array zeroes it: ``assign``)
-        self.members = weakref.WeakSet([base._parts])  # each one's _Parts
+    def __init__(self, first: _Parts, base: torch.Tensor):
+        self.base = base  # the data they view (the zero array zeroes it: ``assign``)
+        self.members = weakref.WeakSet([first])  # each one's _Parts
 
 
 def _share_scale(base: ScaledTensor, view: ScaledTensor) -> None:
     views = base._parts.views
     if views is None:
-        views = base._parts.views = _Views(base)
+        views = base._parts.views = _Views(base._parts, base._data)
     views.members.add(view._parts)
     view._parts.views = views
 
