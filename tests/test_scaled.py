@@ -721,6 +721,37 @@ def test_power_of_two_scales_and_e8m0():
         scale_to_e8m0(x)  # 0.3 is not a power of two
 
 
+#: Pointwise ops whose result dtype torch promotes from its operands' (numbers, 0-d
+#: tensors, integer and bool tensors take no part against 16-bit data).
+PROMOTIONS = {
+    "add number": lambda t: t + 2.5, "rsub number": lambda t: 1 - t, "mul number": lambda t: t * 3,
+    "clamp": lambda t: t.clamp(0.1, 0.4), "clamp_min": lambda t: t.clamp(min=0.1),
+    "add int64": lambda t: t + torch.ones(4, 6, dtype=torch.int64),
+    "add bool": lambda t: t + torch.ones(6, dtype=torch.bool),
+    "maximum int64": lambda t: torch.maximum(t, torch.zeros(6, dtype=torch.int64)),
+    "add 0-d float64": lambda t: t + torch.tensor(2.0, dtype=F64),
+    "mul 0-d float32": lambda t: t * torch.tensor(2.0),
+    "where number": lambda t: torch.where(t > 0.2, t, 0.0),
+}
+
+
+@pytest.mark.parametrize("form", list(SCALE_FORMS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("op", list(PROMOTIONS))
+def test_pointwise_results_take_the_dtype_torch_gives(op, dtype, form):
+    """fp16 data with a per-channel scale plus a number came out float32 (the number at
+    the data's scale is a float32 tensor), as did 16-bit data with an int or bool tensor
+    and anything with a 0-d float64 tensor: a dtype torch's promotion never gives, which
+    the next op (a matmul with float16 weights) refuses; and an int or bool tensor added
+    at a per-channel scale was rebalanced in its own dtype, truncated (1 at scale 1/2
+    added 0). The result has the dtype of the same op on plain tensors, and its value."""
+    t = as_scaled(X.to(dtype), SCALE_FORMS[form](0.5))
+    got = PROMOTIONS[op](t)
+    assert got.dtype == PROMOTIONS[op](t.dequantize()).dtype
+    rtol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}.get(dtype, 1e-6)
+    close(got, PROMOTIONS[op](t.dequantize(F64)), rtol)
+
+
 # --- float16: what scaling is for -----------------------------------------------------------
 
 def test_float16_gradients_survive_with_scaling():

@@ -289,7 +289,14 @@ class ScaledTensor(torch.Tensor):
         rule = _lookup(func)
         if rule is None:
             return _fallback(func, args, kwargs)
-        return rule(func, *args, **kwargs)
+        out = rule(func, *args, **kwargs)
+        if type(out) is ScaledTensor and _promotes(func):
+            # A rule computes with scales and numbers at the data's scale, which may
+            # be wider tensors: the result takes the dtype torch gives the same op.
+            want = promoted_dtype(args)
+            if want is not None and want != out.dtype:
+                return aten._to_copy.default(out, dtype=want)
+        return out
 
 
 class _Dequantize(torch.autograd.Function):
@@ -512,6 +519,48 @@ def _is_aliasing(op: torch._ops.OpOverload) -> bool:
     # Views: outputs that alias an input without writing it. (In-place and out= rules
     # return the written tensor itself, which needs no correcting.)
     return any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
+
+
+@cache
+def _promotes(func: torch._ops.OpOverload) -> bool:
+    # A functional pointwise op: its result's dtype is its operands' promoted (an in-place
+    # or out= one keeps the written tensor's).
+    return torch.Tag.pointwise in func.tags and not func._schema.is_mutable
+
+
+def promoted_dtype(operands: tuple) -> torch.dtype | None:
+    """The dtype torch's type promotion gives a pointwise op on ``operands`` (tensors and
+    numbers; anything else takes no part): tensors with dimensions first, then 0-d ones,
+    then numbers, a later group counting only where its kind (bool, integer, floating)
+    is higher. None where a complex operand takes part (not promoted here)."""
+    groups: list[torch.dtype | None] = [None, None, None]
+    for a in operands:
+        if isinstance(a, torch.Tensor):
+            group, dtype = (0 if a.dim() else 1), a.dtype
+        elif isinstance(a, (bool, int, float)):  # (bool first: it is an int)
+            group = 2
+            dtype = torch.bool if isinstance(a, bool) else torch.int64 if isinstance(a, int) \
+                else torch.get_default_dtype()  # fmt: skip
+        elif isinstance(a, complex):
+            return None
+        else:
+            continue
+        if dtype.is_complex:
+            return None
+        groups[group] = dtype if groups[group] is None else torch.promote_types(groups[group], dtype)
+    dims, zero_dims, numbers = groups
+    return _combine(dims, _combine(zero_dims, numbers))
+
+
+def _combine(higher: torch.dtype | None, lower: torch.dtype | None) -> torch.dtype | None:
+    # The dtype of a group of operands and a group below it (c10's combine_categories,
+    # complex aside): the lower counts only where it is floating and the higher is not,
+    # or the higher is bool.
+    if higher is None or lower is None:
+        return lower if higher is None else higher
+    if not higher.is_floating_point and (higher == torch.bool or lower.is_floating_point):
+        return torch.promote_types(higher, lower)
+    return higher
 
 
 def _lookup(func: torch._ops.OpOverload) -> Callable | None:
@@ -761,13 +810,15 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def times(d: Any, r: Scale) -> Any:
-    """d * r, rounded once to d's dtype (16-bit data would first round r to 16 bits)."""
+    """d * r, rounded once to d's dtype (16-bit data would first round r to 16 bits);
+    floating for integer or bool d (an int tensor at a fractional scale)."""
     if is_static(r, 1.0):
         return d
     if not isinstance(d, torch.Tensor):
         return d * r
     if d.dtype in REDUCED or (isinstance(r, torch.Tensor) and r.dim()):
-        return (d.to(compute_dtype(d.dtype)) * r).to(d.dtype)
+        out = d.to(compute_dtype(d.dtype)) * r
+        return out.to(d.dtype) if d.is_floating_point() else out
     return d * r
 
 
