@@ -752,6 +752,34 @@ def test_pointwise_results_take_the_dtype_torch_gives(op, dtype, form):
     close(got, PROMOTIONS[op](t.dequantize(F64)), rtol)
 
 
+#: Ops of a float32 operand at a per-channel scale and a float16 one.
+MIXED = {
+    "add": lambda a, b: a + b, "sub alpha": lambda a, b: torch.sub(a, b, alpha=0.5),
+    "rsub": lambda a, b: torch.rsub(a, b), "maximum": torch.maximum, "cat": lambda a, b: torch.cat([a, b]),
+    "where": lambda a, b: torch.where(torch.tensor([[True], [False]]), a, b),
+    "addcmul": lambda a, b: torch.addcmul(a, b, b), "add_": lambda a, b: a.clone().add_(b),
+    "sum float64": lambda a, b: (a + b).sum(dtype=F64), "sum int64": lambda a, b: b.sum(dtype=torch.int64),
+}
+
+
+@pytest.mark.parametrize("op", list(MIXED))
+def test_a_narrower_operand_rounds_in_the_ops_dtype(op):
+    """A float16 operand of a float32 op was rebalanced to the common per-channel scale in
+    float16, rounding it to 11 bits before the float32 arithmetic (where(c, a, b) gave b
+    to 4 digits, a + b, maximum, cat, add_ and sum(dtype=float64) alike); rsub and cat of an
+    int tensor came out float32 from float16 (no pointwise tag, a list); sum(dtype=int64)
+    gave a ScaledTensor of the truncated data at the old scale. Each is now torch's op on
+    the values, to float32's rounding."""
+    a = as_scaled(torch.tensor([[4.0, 1.0], [-4.0, 0.5]]), torch.tensor([[0.5], [3.0]]))
+    b = as_scaled(torch.tensor([[0.3, -0.7], [0.3, 1.1]], dtype=torch.float16), torch.tensor([[1.0], [0.25]]))
+    got, want = MIXED[op](a, b), MIXED[op](a.dequantize(), b.dequantize())
+    assert got.dtype == want.dtype and type(got) is (torch.Tensor if op == "sum int64" else ScaledTensor)
+    close(got, want, 1e-6)
+    if op in ("rsub", "cat"):
+        ints = torch.ones(2, 2, dtype=torch.int64)
+        assert MIXED[op](b, ints).dtype == torch.float16
+
+
 # --- float16: what scaling is for -----------------------------------------------------------
 
 def test_float16_gradients_survive_with_scaling():

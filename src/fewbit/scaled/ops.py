@@ -33,6 +33,7 @@ from .tensor import (
     is_partial_view,
     is_static,
     parts,
+    promoted_dtype,
     rule,
     scalar_scale,
     sdiv,
@@ -239,13 +240,14 @@ def scale_of(x: Any) -> Scale:
     return abs(c) if math.isfinite(c) else 0.0
 
 
-def at_scale(x: Any, s: Scale) -> Any:
-    """x's data rebalanced to scale s (x's value = result * s)."""
+def at_scale(x: Any, s: Scale, dtype: torch.dtype | None = None) -> Any:
+    """x's data rebalanced to scale s (x's value = result * s), rounded to ``dtype``, the
+    op's, where that is wider than the data's (:func:`times`)."""
     if isinstance(x, torch.Tensor):
         d, sx = parts(x)
         if is_static(sx, 0.0):  # the zero array: 0 whatever its data holds (d * 0 is NaN for inf)
             return torch.zeros_like(d)
-        return times(d, sdiv(sx, s))
+        return times(d, sdiv(sx, s), dtype)
     c = float(x)
     return c * sdiv(1.0, s) if math.isfinite(c) else c
 
@@ -297,13 +299,14 @@ def lincomb(terms: list[tuple[Any, float]]) -> tuple[torch.Tensor, Scale]:
     term is the zero array and drops out: one term left is returned as it is.
     """
     datas = [parts(x)[0] if isinstance(x, torch.Tensor) else x for x, _ in terms]
+    dtype = promoted_dtype(tuple(x for x, _ in terms))  # each term rounds to the sum's
     live = [t for t in (_term(x, c) for x, c in terms) if t is not None]
     if not live:
         return _like(datas, 1.0, 0.0), 0.0
     s = reduce(smax, (ts for _, ts, _ in live))
     if len(live) == 1:
         d, ts, sign = live[0]
-        return _like(datas, sign, d if is_static(ts, 0.0) else times(d, sdiv(ts, s))), s
+        return _like(datas, sign, d if is_static(ts, 0.0) else times(d, sdiv(ts, s), dtype)), s
     (d0, s0, g0), (d1, s1, g1) = live[0], live[1]
     if len(live) == 2 and g0 > 0 and isinstance(d0, torch.Tensor) and is_static(s0, 1.0) \
             and is_static(s, 1.0) and is_static(s1):
@@ -311,7 +314,7 @@ def lincomb(terms: list[tuple[Any, float]]) -> tuple[torch.Tensor, Scale]:
         return torch.add(d0, d1, alpha=g1 * s1), s
     out = None
     for d, ts, sign in live:
-        term = d if is_static(ts, 0.0) else times(d, sdiv(ts, s))
+        term = d if is_static(ts, 0.0) else times(d, sdiv(ts, s), dtype)
         if out is None:
             out = -term if sign < 0 else term
         else:
@@ -364,8 +367,9 @@ def _addc(func, a, t1, t2, value=1):
         return _on_data(func, a, t1, t2, value=value)
     d1, s1 = parts(t1)
     d2, s2 = parts(t2)
-    if func.overloadpacket is aten.addcmul:
-        prod = wrap(d1 * d2, smul(s1, s2))
+    if func.overloadpacket is aten.addcmul:  # (the product in the op's compute dtype: rounded once, below)
+        cdt = compute_dtype(promoted_dtype((a, t1, t2)) or d1.dtype)
+        prod = wrap(d1.to(cdt) * d2.to(cdt), smul(s1, s2))
     else:
         prod = _divide(t1, t2)
     return wrap(*lincomb([(a, 1.0), (prod, value)]))
@@ -413,7 +417,7 @@ def _add_(func, dest, other, alpha=1):
         if r.dim() == 0:
             d.addcmul_(do, r, value=sign)
             return dest
-    d.add_(at_scale(other, sdiv(sd, abs(alpha))) if alpha else 0.0, alpha=sign)
+    d.add_(at_scale(other, sdiv(sd, abs(alpha)), promoted_dtype((dest, other))) if alpha else 0.0, alpha=sign)
     return dest
 
 
@@ -458,7 +462,7 @@ def _lerp_(func, dest, end, weight):
         w = float(weight)
         d.mul_(1.0 - w).add_(de, alpha=w * r)
     else:
-        d.lerp_(times(de, r), weight)
+        d.lerp_(times(de, r, promoted_dtype((dest, end))), weight)
     return dest
 
 
@@ -478,7 +482,7 @@ def _addc_(func, dest, t1, t2, value=1):
     if _fusable(d, r):
         op(d1, d2, value=sign * r)
     else:
-        op(times(d1, r), d2, value=sign)
+        op(times(d1, r, promoted_dtype((dest, t1, t2))), d2, value=sign)
     return dest
 
 
@@ -595,8 +599,8 @@ def _maximum(func, a, b):
             d, s = parts(x)
             bound = d.clamp_min(0) if upper else d.clamp_max(0)
             return wrap(_like([d, parts(y)[0]], 1.0, bound), s)
-    s = common_scale(a, b)
-    return wrap(op(at_scale(a, s), at_scale(b, s)), s)
+    s, dtype = common_scale(a, b), promoted_dtype((a, b))
+    return wrap(op(at_scale(a, s, dtype), at_scale(b, s, dtype)), s)
 
 
 @rule(aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default)
@@ -631,8 +635,8 @@ def _where(func, cond, a, b):
     """where(cond, a, b): scale max(sa, sb)."""
     if _unit_scales(a, b):
         return _on_data(func, cond, a, b)
-    s = common_scale(a, b)
-    return wrap(torch.where(cond, at_scale(a, s), at_scale(b, s)), s)
+    s, dtype = common_scale(a, b), promoted_dtype((a, b))
+    return wrap(torch.where(cond, at_scale(a, s, dtype), at_scale(b, s, dtype)), s)
 
 
 @rule(aten.masked_fill)
@@ -663,7 +667,8 @@ def _cat(func, tensors, dim=0):
     """cat, stack: scale max of the scales."""
     tensors = [scalar_scale(t) for t in tensors]
     s = common_scale(*tensors)
-    return wrap(func([at_scale(t, s) for t in tensors], dim), s)
+    dtype = promoted_dtype(tuple(tensors))
+    return wrap(func([at_scale(t, s, dtype) for t in tensors], dim), s)
 
 
 @rule(aten.index_put, aten.scatter.src, aten.scatter.value, aten.scatter_add, aten.index_add)
@@ -688,7 +693,10 @@ def _reduce(func, x, *args, **kwargs):
     """Sums, means, maxima, norms (homogeneous of degree 1): scale s."""
     if func.overloadpacket is aten.linalg_vector_norm and (args[:1] or [kwargs.get("ord", 2)])[0] == 0:
         return _on_values(func, x, *args, **kwargs)
-    d, s = parts(scalar_scale(x))
+    dtype = kwargs.get("dtype")
+    if dtype is not None and not dtype.is_floating_point:  # (sum(dtype=int): the values' sum, truncated)
+        return func(value(x), *args, **kwargs)
+    d, s = parts(scalar_scale(x, dtype))
     return wrap(func(d, *args, **kwargs), s)
 
 

@@ -290,10 +290,11 @@ class ScaledTensor(torch.Tensor):
         if rule is None:
             return _fallback(func, args, kwargs)
         out = rule(func, *args, **kwargs)
-        if type(out) is ScaledTensor and _promotes(func):
+        operands = _operands(func)
+        if type(out) is ScaledTensor and operands is not None:
             # A rule computes with scales and numbers at the data's scale, which may
             # be wider tensors: the result takes the dtype torch gives the same op.
-            want = promoted_dtype(args)
+            want = promoted_dtype(operands(args))
             if want is not None and want != out.dtype:
                 return aten._to_copy.default(out, dtype=want)
         return out
@@ -522,10 +523,16 @@ def _is_aliasing(op: torch._ops.OpOverload) -> bool:
 
 
 @cache
-def _promotes(func: torch._ops.OpOverload) -> bool:
-    # A functional pointwise op: its result's dtype is its operands' promoted (an in-place
-    # or out= one keeps the written tensor's).
-    return torch.Tag.pointwise in func.tags and not func._schema.is_mutable
+def _operands(func: torch._ops.OpOverload) -> Callable[[tuple], tuple] | None:
+    # Where a functional op's result has its operands' promoted dtype: a call's operands
+    # (an in-place or out= op keeps the written tensor's dtype; None: not promoted).
+    if func._schema.is_mutable:
+        return None
+    if func.overloadpacket in (aten.cat, aten.stack):
+        return lambda args: tuple(args[0])
+    if torch.Tag.pointwise in func.tags or func.overloadpacket is aten.rsub:  # (rsub has no tag)
+        return lambda args: args
+    return None
 
 
 def promoted_dtype(operands: tuple) -> torch.dtype | None:
@@ -809,16 +816,19 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def times(d: Any, r: Scale) -> Any:
-    """d * r, rounded once to d's dtype (16-bit data would first round r to 16 bits);
-    floating for integer or bool d (an int tensor at a fractional scale)."""
+def times(d: Any, r: Scale, dtype: torch.dtype | None = None) -> Any:
+    """d * r, rounded once to ``dtype``: the dtype of the op d is an operand of, where it
+    is wider than d's (a float16 operand of a float32 sum), else d's (16-bit data would
+    first round r to 16 bits); floating for integer or bool d (an int tensor at a
+    fractional scale)."""
     if is_static(r, 1.0):
         return d
     if not isinstance(d, torch.Tensor):
         return d * r
-    if d.dtype in REDUCED or (isinstance(r, torch.Tensor) and r.dim()):
-        out = d.to(compute_dtype(d.dtype)) * r
-        return out.to(d.dtype) if d.is_floating_point() else out
+    target = d.dtype if dtype is None else torch.promote_types(d.dtype, dtype)
+    if d.dtype in REDUCED or target != d.dtype or (isinstance(r, torch.Tensor) and r.dim()):
+        out = d.to(compute_dtype(target)) * r
+        return out.to(target) if target.is_floating_point else out
     return d * r
 
 
@@ -861,13 +871,14 @@ def dequantize_any(x: Any) -> Any:
     return value(x, x.dtype) if isinstance(x, ScaledTensor) else x
 
 
-def scalar_scale(x: Any) -> Any:
+def scalar_scale(x: Any, dtype: torch.dtype | None = None) -> Any:
     """x with a single scale: a per-channel ScaledTensor is rebalanced to its largest
-    scale (for rules whose op mixes elements across channels); others unchanged."""
+    scale (for rules whose op mixes elements across channels), rounded to ``dtype``
+    where that is wider (:func:`times`); others unchanged."""
     if not isinstance(x, ScaledTensor) or x._scale is None or x._scale.dim() == 0:
         return x
     top = x._scale.amax()
-    return wrap(times(x._data, sdiv(x._scale, top)), top)
+    return wrap(times(x._data, sdiv(x._scale, top), dtype), top)
 
 
 def is_partial_view(d: torch.Tensor) -> bool:
