@@ -780,6 +780,30 @@ def test_a_narrower_operand_rounds_in_the_ops_dtype(op):
         assert MIXED[op](b, ints).dtype == torch.float16
 
 
+#: Ops that leave a per-row scale's rows apart: it stays per row.
+ROWWISE = {
+    "sum": lambda t: t.sum(-1), "mean keepdim": lambda t: t.mean(1, keepdim=True),
+    "amax": lambda t: t.amax(-1), "norm": lambda t: torch.linalg.vector_norm(t, dim=-1),
+    "cumsum": lambda t: t.cumsum(1),
+    "max dim": lambda t: t.max(-1).values, "linear": lambda t: F.linear(torch.ones(2, 3, dtype=t.dtype), t),
+    "mm": lambda t: t @ torch.ones(3, 2, dtype=t.dtype), "normalize": lambda t: F.normalize(t, dim=-1),
+}
+
+
+@pytest.mark.parametrize("op", list(ROWWISE))
+def test_rows_at_far_apart_scales_keep_their_own(op):
+    """A per-row scale was collapsed to its largest before a sum along the rows (or a
+    matmul with the weight's rows as output features): float16 rows at scale 2^-20
+    beside 2^20 flushed to 0 (and F.normalize gave inf), where plain float16 holds them.
+    Each row keeps its scale, and its values."""
+    t = as_scaled(torch.tensor([[3.0, 4.0, 1.0], [3.0, 4.0, 1.0]], dtype=torch.float16),
+                  torch.tensor([[2.0**-20], [2.0**20]]))  # fmt: skip
+    got = ROWWISE[op](t)
+    assert type(got) is ScaledTensor and got.dtype == torch.float16
+    got, want = got.dequantize(F64), ROWWISE[op](t.dequantize(F64))
+    assert torch.all((got - want).abs() <= 2e-3 * want.abs()), (got, want)
+
+
 # --- float16: what scaling is for -----------------------------------------------------------
 
 def test_float16_gradients_survive_with_scaling():

@@ -51,12 +51,24 @@ def _to(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 # --- matmuls and convolutions ----------------------------------------------------------
 
+def _factors(packet, a: Any, b: Any) -> tuple[Any, Any]:
+    """a and b, each at one scale, but for mm and bmm one per-channel scale that is
+    constant along the dim they contract (a weight's per output channel, say), which the
+    product keeps per channel: at one scale, channels far below the largest would flush
+    to zero in 16-bit data. (One only: two would make a scale of the output's size.)"""
+    if packet in (aten.mm, aten.bmm):
+        for x, y, contracted in ((a, b, -1), (b, a, -2)):
+            s = parts(x)[1]
+            if isinstance(s, torch.Tensor) and s.dim() and s.shape[contracted] == 1:
+                return (x, scalar_scale(y)) if x is a else (scalar_scale(y), x)
+    return scalar_scale(a), scalar_scale(b)
+
+
 @rule(aten.mm, aten.bmm, aten.mv, aten.dot)
 def _mm(func, a, b):
     """mm, bmm, mv, dot (and matmul, linear, which decompose into them): scale sa sb
     (times the unit-scaling factor when fewbit's setting unit_scaling is on)."""
-    da, sa = parts(scalar_scale(a))
-    db, sb = parts(scalar_scale(b))
+    (da, sa), (db, sb) = map(parts, _factors(func.overloadpacket, a, b))
     return _product(func(da, db), smul(sa, sb), da.shape[-1])
 
 
@@ -99,9 +111,8 @@ _WITHOUT_BIAS = {aten.addmm: aten.mm, aten.baddbmm: aten.bmm, aten.addmv: aten.m
 def _addmm(func, bias, a, b, *, beta=1, alpha=1):
     """addmm, baddbmm, addmv (linear with a bias): alpha (a @ b) at scale sa sb (times the
     unit factor) plus beta bias, so scale max(|alpha| sa sb, |beta| s_bias)."""
-    da, sa = parts(scalar_scale(a))
-    db, sb = parts(scalar_scale(b))
     mm = _WITHOUT_BIAS[func.overloadpacket]
+    (da, sa), (db, sb) = map(parts, _factors(mm, a, b))
     return _with_bias(lambda c, coef: func(c, da, db, beta=beta, alpha=coef), lambda: mm(da, db),
                       smul(sa, sb), da.shape[-1], bias, alpha, beta)
 

@@ -688,16 +688,37 @@ def _merge(func, x, *args, **kwargs):
 
 # --- reductions ----------------------------------------------------------------------
 
+def kept_per_channel(func, x: Any, args: tuple, kwargs: dict) -> Scale | None:
+    """The scale of a reduction's output where x's per-channel scale is constant along
+    every dim it reduces (its schema's ``dim``; none given: all): x's, squeezed as the data
+    are (unless ``keepdim``; cumsum keeps every dim). None where x has one scale, or its
+    scale varies along a reduced dim: the rule then takes one scale (``scalar_scale``),
+    which would flush channels far below the largest in 16-bit data."""
+    s = parts(x)[1]
+    if not isinstance(s, torch.Tensor) or not s.dim():
+        return None
+    names = (a.name for a in func._schema.arguments[1:])
+    given = dict(zip(names, args, strict=False)) | kwargs  # (arguments left at their defaults are not given)
+    dim = given.get("dim")
+    dims = range(s.dim()) if dim is None or dim == [] else [dim] if isinstance(dim, int) else dim
+    dims = sorted({d % s.dim() for d in dims})
+    if any(s.shape[d] != 1 for d in dims):
+        return None
+    return s if given.get("keepdim") or func.overloadpacket is aten.cumsum else s.squeeze(tuple(dims))
+
+
 @rule(aten.sum, aten.mean, aten.nansum, aten.amax, aten.amin, aten.cumsum, aten.linalg_vector_norm)
 def _reduce(func, x, *args, **kwargs):
-    """Sums, means, maxima, norms (homogeneous of degree 1): scale s."""
+    """Sums, means, maxima, norms (homogeneous of degree 1): scale s (per channel where
+    the channels are not reduced)."""
     if func.overloadpacket is aten.linalg_vector_norm and (args[:1] or [kwargs.get("ord", 2)])[0] == 0:
         return _on_values(func, x, *args, **kwargs)
     dtype = kwargs.get("dtype")
     if dtype is not None and not dtype.is_floating_point:  # (sum(dtype=int): the values' sum, truncated)
         return func(value(x), *args, **kwargs)
-    d, s = parts(scalar_scale(x, dtype))
-    return wrap(func(d, *args, **kwargs), s)
+    kept = kept_per_channel(func, x, args, kwargs)
+    d, s = parts(x) if kept is not None else parts(scalar_scale(x, dtype))
+    return wrap(func(d, *args, **kwargs), s if kept is None else kept)
 
 
 @rule(aten._foreach_norm)
@@ -709,8 +730,11 @@ def _foreach_norm(func, tensors, ord=2, dtype=None):
 
 @rule(aten.max.default, aten.min.default, aten.max.dim, aten.min.dim)
 def _max(func, x, *args, **kwargs):
-    """max, min (and their indices): scale s."""
-    d, s = parts(scalar_scale(x))
+    """max, min (and their indices): scale s (per channel where the channels are not
+    reduced)."""
+    kept = kept_per_channel(func, x, args, kwargs)
+    d, s = parts(x) if kept is not None else parts(scalar_scale(x))
+    s = s if kept is None else kept
     out = func(d, *args, **kwargs)
     return (wrap(out[0], s), out[1]) if isinstance(out, tuple) else wrap(out, s)
 
