@@ -20,6 +20,13 @@ from fewbit.formats import FloatFormat
 # slower with 2 threads than with 1). One thread per worker.
 torch.set_num_threads(1)
 
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The tests marked slow first, each file's in its order: pytest-xdist hands tests out
+    in this order, so the two workers start on the long ones and the short ones even out
+    the end, where a long one left for last kept one worker busy while the other idled."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
 # Integer dtype of the same width, to compare and print bit patterns.
 INT_VIEW = {
     torch.float16: torch.int16,

@@ -368,6 +368,7 @@ _INTERPRETED_PARTS = [
 ]
 
 
+@pytest.mark.slow  # (about 70 s a part on the 2-core VM)
 @pytest.mark.parametrize("part", range(len(_INTERPRETED_PARTS) + 1))
 def test_gpu_kernel_under_the_interpreter(part):
     # Triton 3.6's interpreter (the GPU image's) turns a loop bound into an int by int() of
