@@ -4,6 +4,7 @@ optimizers, torch.compile, casts and rescaling, errors, and the demo."""
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import warnings
 
@@ -733,6 +734,29 @@ PROMOTIONS = {
     "mul 0-d float32": lambda t: t * torch.tensor(2.0),
     "where number": lambda t: torch.where(t > 0.2, t, 0.0),
 }
+
+
+def test_promoted_dtype_is_torchs():
+    """promoted_dtype (the rules' result dtype) against torch's own promotion: every pair
+    of tensors of ten dtypes, with and without dims, and numbers (torch.result_type), and
+    every triple of tensors that clamp takes (clamp promotes all three)."""
+    from fewbit.scaled.tensor import promoted_dtype
+
+    dtypes = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+              torch.bfloat16, torch.float32, torch.float64]  # fmt: skip
+    tensors = [torch.ones(shape, dtype=d) for d in dtypes for shape in ((2,), ())]
+    for a, b in itertools.product([*tensors, True, 3, 2.5], repeat=2):
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            assert promoted_dtype((a, b)) == torch.result_type(a, b), (a, b)
+    checked = 0
+    for a, b, c in itertools.product(tensors[::3], repeat=3):
+        try:
+            want = torch.clamp(a, b, c).dtype
+        except RuntimeError:  # (clamp refuses bool)
+            continue
+        assert promoted_dtype((a, b, c)) == want, (a, b, c)
+        checked += 1
+    assert checked > 100
 
 
 @pytest.mark.parametrize("form", list(SCALE_FORMS))
