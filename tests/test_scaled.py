@@ -776,6 +776,14 @@ def test_pointwise_results_take_the_dtype_torch_gives(op, dtype, form):
     close(got, PROMOTIONS[op](t.dequantize(F64)), rtol)
 
 
+def test_a_matrix_times_itself_at_a_per_column_scale():
+    """x @ x with a per-column scale kept x's scale for the left factor too, where it
+    varies along the contracted dim (the factors were told apart by identity, and both
+    are x): [[1, 2], [3, 4]] at scales (1, 8) gave 7 where the product is 49."""
+    x = as_scaled(torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=F64), torch.tensor([[1.0, 8.0]]))
+    close(x @ x, x.dequantize() @ x.dequantize(), 1e-12)
+
+
 #: Ops of a float32 operand at a per-channel scale and a float16 one.
 MIXED = {
     "add": lambda a, b: a + b, "sub alpha": lambda a, b: torch.sub(a, b, alpha=0.5),

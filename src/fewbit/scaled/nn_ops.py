@@ -57,11 +57,17 @@ def _factors(packet, a: Any, b: Any) -> tuple[Any, Any]:
     product keeps per channel: at one scale, channels far below the largest would flush
     to zero in 16-bit data. (One only: two would make a scale of the output's size.)"""
     if packet in (aten.mm, aten.bmm):
-        for x, y, contracted in ((a, b, -1), (b, a, -2)):
-            s = parts(x)[1]
-            if isinstance(s, torch.Tensor) and s.dim() and s.shape[contracted] == 1:
-                return (x, scalar_scale(y)) if x is a else (scalar_scale(y), x)
+        if _constant_along(a, -1):
+            return a, scalar_scale(b)
+        if _constant_along(b, -2):
+            return scalar_scale(a), b
     return scalar_scale(a), scalar_scale(b)
+
+
+def _constant_along(x: Any, dim: int) -> bool:
+    # Whether x has a per-channel scale that is constant along dim.
+    s = parts(x)[1]
+    return isinstance(s, torch.Tensor) and s.dim() > 0 and s.shape[dim] == 1
 
 
 @rule(aten.mm, aten.bmm, aten.mv, aten.dot)
