@@ -688,23 +688,24 @@ def _merge(func, x, *args, **kwargs):
 
 # --- reductions ----------------------------------------------------------------------
 
-def kept_per_channel(func, x: Any, args: tuple, kwargs: dict) -> Scale | None:
-    """The scale of a reduction's output where x's per-channel scale is constant along
-    every dim it reduces (its schema's ``dim``; none given: all): x's, squeezed as the data
-    are (unless ``keepdim``; cumsum keeps every dim). None where x has one scale, or its
-    scale varies along a reduced dim: the rule then takes one scale (``scalar_scale``),
-    which would flush channels far below the largest in 16-bit data."""
-    s = parts(x)[1]
+def reduced_parts(func, x: Any, args: tuple, kwargs: dict, dtype: torch.dtype | None = None) -> tuple:
+    """(data, output scale) of a reduction of x: where x's per-channel scale is constant
+    along every dim it reduces (its schema's ``dim``; none given: all), x's data and that
+    scale, squeezed as the data are (unless ``keepdim``; cumsum keeps every dim); else x
+    at one scale (``scalar_scale``, rounded to ``dtype`` where wider), which would flush
+    channels far below the largest in 16-bit data were it taken everywhere."""
+    d, s = parts(x)
     if not isinstance(s, torch.Tensor) or not s.dim():
-        return None
+        return d, s
     names = (a.name for a in func._schema.arguments[1:])
     given = dict(zip(names, args, strict=False)) | kwargs  # (arguments left at their defaults are not given)
     dim = given.get("dim")
     dims = range(s.dim()) if dim is None or dim == [] else [dim] if isinstance(dim, int) else dim
-    dims = sorted({d % s.dim() for d in dims})
-    if any(s.shape[d] != 1 for d in dims):
-        return None
-    return s if given.get("keepdim") or func.overloadpacket is aten.cumsum else s.squeeze(tuple(dims))
+    dims = sorted({i % s.dim() for i in dims})
+    if any(s.shape[i] != 1 for i in dims):
+        return parts(scalar_scale(x, dtype))
+    kept = given.get("keepdim") or func.overloadpacket is aten.cumsum
+    return d, (s if kept else s.squeeze(tuple(dims)))
 
 
 @rule(aten.sum, aten.mean, aten.nansum, aten.amax, aten.amin, aten.cumsum, aten.linalg_vector_norm)
@@ -716,9 +717,8 @@ def _reduce(func, x, *args, **kwargs):
     dtype = kwargs.get("dtype")
     if dtype is not None and not dtype.is_floating_point:  # (sum(dtype=int): the values' sum, truncated)
         return func(value(x), *args, **kwargs)
-    kept = kept_per_channel(func, x, args, kwargs)
-    d, s = parts(x) if kept is not None else parts(scalar_scale(x, dtype))
-    return wrap(func(d, *args, **kwargs), s if kept is None else kept)
+    d, s = reduced_parts(func, x, args, kwargs, dtype)
+    return wrap(func(d, *args, **kwargs), s)
 
 
 @rule(aten._foreach_norm)
@@ -732,9 +732,7 @@ def _foreach_norm(func, tensors, ord=2, dtype=None):
 def _max(func, x, *args, **kwargs):
     """max, min (and their indices): scale s (per channel where the channels are not
     reduced)."""
-    kept = kept_per_channel(func, x, args, kwargs)
-    d, s = parts(x) if kept is not None else parts(scalar_scale(x))
-    s = s if kept is None else kept
+    d, s = reduced_parts(func, x, args, kwargs)
     out = func(d, *args, **kwargs)
     return (wrap(out[0], s), out[1]) if isinstance(out, tuple) else wrap(out, s)
 
