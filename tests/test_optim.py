@@ -294,6 +294,7 @@ def test_reading_a_weight_held_as_codes_decodes_it_first(fmt):
             assert all(type(p) is torch.nn.Parameter for p in result.parameters())
         for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
             assert bits_equal(pa.detach(), pb.detach()), name
+        del result  # (the forward's graph holds a view of a weight: the next step would keep it)
 
 
 def test_compiled_code_reading_a_weight_held_as_codes_decodes_it_and_warns():
@@ -324,14 +325,62 @@ def test_store_codes_refuses_weights_it_cannot_free_alone_and_leaves_a_set_one_a
     alias = torch.nn.Parameter(v.detach())
     with pytest.raises(ValueError, match="param 1's holds more than it"):
         LowPrecisionWeights(torch.optim.SGD([v, alias], lr=0.1), FMT, store_codes=True)
+    del alias  # (else the step keeps v as floats: test_a_weight_another_tensor_shares_stays_floats)
     lpw = LowPrecisionWeights(torch.optim.SGD([v], lr=0.1), FMT, store_codes=True)
     v.grad = torch.zeros(4, 8)
     lpw.step()
+    assert lpw._stored and not v.untyped_storage().nbytes()
     new = torch.full((4, 8), 7.0)
     with torch.no_grad():
         v.set_(new)
     lpw.zero_grad()
     assert torch.equal(new, torch.full((4, 8), 7.0)) and torch.equal(v.detach(), new)
+
+
+def test_storage_holders_counts_the_tensors_on_a_storage():
+    """store_codes asks torch's private storage use count whether a weight's storage is its
+    own: this fails first if torch drops or changes it (store_codes would then free
+    storage that another tensor still reads, as it did before it asked)."""
+    from fewbit.optim import _storage_holders
+
+    w = torch.nn.Parameter(torch.ones(4, 8))
+    assert _storage_holders(w) == 1
+    d = w.detach()
+    row = d[1]
+    assert _storage_holders(w) == 3 and _storage_holders(row) == 3
+    del d, row
+    assert _storage_holders(w) == 1
+    assert _storage_holders(w.detach().clone()) == 1
+
+
+@pytest.mark.parametrize(("fmt", "scale"), [(FMT, False), (FMT, True), ("mxfp4", False)])
+def test_a_weight_another_tensor_shares_stays_floats(fmt, scale):
+    """A tensor taken from a weight before a step (.detach(), .data, a state_dict() entry,
+    a graph kept for a second backward) shares its storage: store_codes freed it there, and
+    a read of that tensor segfaulted. Such a weight now stays floats for the step, with a
+    warning naming it; the values are the same, and the other weights are kept as codes."""
+    a, b = model(), model()
+    lpw_a = LowPrecisionWeights(torch.optim.AdamW(a.parameters(), lr=0.01), fmt, "src", seed=4, scale=scale)
+    lpw_b = LowPrecisionWeights(torch.optim.AdamW(b.parameters(), lr=0.01), fmt, "src", seed=4, scale=scale,
+                                store_codes=True)  # fmt: skip
+    taken = b.state_dict()["2.weight"]
+    train(a, lpw_a, 1)
+    with pytest.warns(UserWarning, match=r"kept param 2 as floats this step: another tensor shares"):
+        train(b, lpw_b, 1)
+    assert b[0].weight.untyped_storage().nbytes() == 0 and taken.untyped_storage().nbytes() == 4 * 32 * 4
+    assert bits_equal(taken, a[2].weight.detach())  # read in the window: the step's values
+    lpw_b.materialize()
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert bits_equal(pa.detach(), pb.detach())
+    del taken
+    train(a, lpw_a, 1, start=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(b, lpw_b, 1, start=1)
+    assert all(p.untyped_storage().nbytes() == 0 for p in lpw_b.params)
+    lpw_b.materialize()
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert bits_equal(pa.detach(), pb.detach())
 
 
 def test_scale_stays_within_the_weights_dtype_and_a_refused_write_back_unscales():

@@ -100,6 +100,20 @@ def _held_class(plain: type) -> type:
     return type(f"{plain.__name__}HeldAsCodes", (_HeldAsCodes, plain), {"__slots__": (), "plain": plain})
 
 
+#: torch's count of a storage's owners (private: a version gate, ``_storage_holders``).
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _storage_holders(t: torch.Tensor) -> int | None:
+    """How many own ``t``'s storage (``t`` itself and every view or ``.detach()`` of it
+    still alive), or None where this torch cannot tell (then store_codes frees regardless,
+    as it did before it asked). tests/test_optim.py fails first if torch changes it."""
+    if _STORAGE_USE_COUNT is None:
+        return None
+    storage = t.untyped_storage()
+    return _STORAGE_USE_COUNT(storage._cdata) - 1  # (less the handle ``storage`` itself)
+
+
 def _tensors(tree):
     """The tensors in nested tuples, lists and dicts (a torch function's arguments)."""
     if isinstance(tree, torch.Tensor):
@@ -145,11 +159,13 @@ class LowPrecisionWeights:
             as :meth:`materialize` does; its metadata, gradient and optimizer state
             are read without. Compiled code that reads them compiles again each time
             (it warns), and FSDP2's forward reads its shards' storage directly: call
-            :meth:`materialize` first there. A tensor that shares a weight's storage
-            (its ``.data`` or ``.detach()`` taken before the step) shares its freeing:
-            read it only after :meth:`materialize`; a weight whose storage holds more
-            than it (a flat buffer) is refused. The rounding at construction keeps them
-            as floats.
+            :meth:`materialize` first there. A weight whose storage another tensor
+            shares at a step (its ``.data``, ``.detach()`` or ``state_dict()`` entry
+            taken before and still held, a graph kept for a second backward) stays
+            floats for that step, with a warning: freeing it would crash a read of that
+            tensor (a DTensor's piece: beyond the tensors that shared it when it was selected,
+            as FSDP2's own); a weight whose storage holds more than it (a flat buffer) is
+            refused. The rounding at construction keeps them as floats.
         policy: under data parallelism the write-back is ``"identical"`` on every
             replica (seed 000); ``"differing"`` folds in the rank (wrong: for tests).
         guard: before each step, check across ranks that every selected weight and its
@@ -231,6 +247,7 @@ class LowPrecisionWeights:
         self._codes: list[torch.Tensor] | list[BlockTensor] | None = None
         self._nbytes: list[int] = []  # storage sizes of the weights kept as codes
         self._scales: list[float] = [1.0] * len(self.params)
+        self._holders = [self._usual_holders(p) for p in self.params]
         self._stored = False  # weights held only as codes
         self.steps = 0
         # Algorithm 1 starts from rounded initial weights; kept as floats, since a model is
@@ -320,6 +337,7 @@ class LowPrecisionWeights:
         self.params += chosen
         self._layouts += [layout(p) for p in chosen]
         self._scales += [1.0] * len(chosen)
+        self._holders += [self._usual_holders(p) for p in chosen]
         self._write_back(initial=True, only=range(first, len(self.params)))
 
     @property
@@ -347,14 +365,19 @@ class LowPrecisionWeights:
             )  # fmt: skip
         loss = self.optimizer.step(closure)
         self.steps += 1
-        self._write_back(initial=False)
+        if kept := self._write_back(initial=False):
+            warnings.warn(f"store_codes kept {', '.join(kept)} as floats this step: another tensor shares "
+                          "its storage (its .data, .detach() or a state_dict() entry taken before the step, "
+                          "a graph kept for another backward), and freeing it would crash a read of that "
+                          "tensor; drop that tensor or clone it", stacklevel=3)  # fmt: skip
         return loss
 
     # A user's torch.compile of step() compiles the inner optimizer's update; the write-back
     # stays fewbit's own call (its compiled kernel, as eager), not traced into their graph.
     @torch.compiler.disable
     @torch.no_grad()
-    def _write_back(self, initial: bool, only: range | None = None) -> None:
+    def _write_back(self, initial: bool, only: range | None = None) -> list[str]:
+        """Round the weights (the names of those store_codes kept as floats: ``_freeable``)."""
         # After a step, a parameter without a gradient is left as it is, as the inner
         # optimizer leaves it: rounding it again would move it where rounding is not a
         # fixed point on the format's values (HBFP's, NVFP4's), and costs a pass (frozen
@@ -365,24 +388,37 @@ class LowPrecisionWeights:
         store = self.store_codes and not initial
         with configure(compile_threshold=min(current().compile_threshold, COMPILE_FROM)):
             if not self.spec.may_refuse:
-                self._round_all(live, store)
-                return
+                return self._round_all(live, store)
             # A value may have no result in fmt (a NaN, in a format without one): where one
             # rank's piece of a sharded weight holds it, every rank raises.
             try:
-                self._round_all(live, store)
-                error = None
+                kept, error = self._round_all(live, store), None
             except ValueError as err:
-                error = err
+                kept, error = [], err
             refuse_alike(error, self.params, f"another rank's piece of a weight holds a value without a "
                                              f"result in {self.fmt.name} (see its error): that rank's "
                                              "write-back stopped part way; restore from a checkpoint")
+            return kept
 
-    def _round_all(self, live: list[int], store: bool) -> None:
+    @staticmethod
+    def _usual_holders(p: torch.Tensor) -> int | None:
+        """The owners of p's storage (of its piece's) when nobody else holds it: p alone,
+        or a DTensor's piece and what its parallelism keeps (FSDP2 its padded shard), as
+        found when p is selected."""
+        return _storage_holders(local_tensor(p)) if is_dtensor(p) else 1
+
+    def _round_all(self, live: list[int], store: bool) -> list[str]:
+        """Round the weights of ``live`` (keep them as codes where ``store``, but for those
+        whose storage another tensor shares: freeing it would crash a read of that tensor;
+        their names are returned)."""
         pieces = [local_tensor(p) for p in self.params]  # a DTensor's piece shares its storage
+        shared = [i for i in live if store and (n := _storage_holders(pieces[i])) is not None
+                  and n > self._holders[i]]  # fmt: skip
+        stored = [i for i in live if i not in shared] if store else []
+        kept = [self.names[i] for i in shared]
         if not self.scale:
-            self._round_pieces(live, store, pieces)
-            return
+            self._round_pieces(live, stored, pieces)
+            return kept
         # Powers of two: exact both ways. Codes keep the scaled values (materialize divides).
         self._scales = [1.0] * len(pieces)
         for i in live:
@@ -390,14 +426,16 @@ class LowPrecisionWeights:
         scaled, scales = [pieces[i] for i in live], [self._scales[i] for i in live]
         torch._foreach_mul_(scaled, scales)
         try:
-            self._round_pieces(live, store, pieces)
+            self._round_pieces(live, stored, pieces)
         except BaseException:  # a write-back that stops leaves no weight scaled
             torch._foreach_div_(scaled, scales)
             raise
-        if not store:
-            torch._foreach_div_(scaled, scales)
+        if floats := [i for i in live if i not in stored]:
+            torch._foreach_div_([pieces[i] for i in floats], [self._scales[i] for i in floats])
+        return kept
 
-    def _round_pieces(self, live: list[int], store: bool, pieces: list[torch.Tensor]) -> None:
+    def _round_pieces(self, live: list[int], stored: list[int], pieces: list[torch.Tensor]) -> None:
+        """Round the weights of ``live``; keep those of ``stored`` as codes and free them."""
         # fold_in(key, t, i) is fold_in(fold_in(key, t), i): the step's key, derived once.
         step_key = fold_in(self.key, self.steps) if self.mode.is_stochastic else None
         # Whole tensors in formats with a NaN, under the identical policy (no rank to fold
@@ -410,15 +448,14 @@ class LowPrecisionWeights:
         if not block and self.fmt.has_nans and self.policy is SeedPolicy.IDENTICAL:
             batched = [i for i in live if self._layouts[i].whole]
         extra = {"fraction": self.fraction} if self.mode is RoundMode.SR_FRACTION else {}
-        codes = {}
-        if batched and store:  # straight to codes, a pass each: the floats go below
-            for i in batched:
-                kw = {"sat": self.sat, "bits": self.bits, **extra}
-                if step_key is not None:
-                    kw["seed"] = fold_in(step_key, i)
-                codes[i] = codec.quantize(pieces[i].to(self.via), self.fmt, self.mode, **kw)
-        elif batched:
-            round_foreach_([pieces[i] for i in batched], self.spec, step_key, batched, self.via)
+        codes, in_codes = {}, set(stored)
+        for i in [i for i in batched if i in in_codes]:  # straight to codes, a pass each
+            kw = {"sat": self.sat, "bits": self.bits, **extra}
+            if step_key is not None:
+                kw["seed"] = fold_in(step_key, i)
+            codes[i] = codec.quantize(pieces[i].to(self.via), self.fmt, self.mode, **kw)
+        if floats := [i for i in batched if i not in in_codes]:
+            round_foreach_([pieces[i] for i in floats], self.spec, step_key, floats, self.via)
         if block:  # the full tensors'
             tensor_scale = dict(zip(live, tensor_scales([self.params[i] for i in live], self.fmt, self.via),
                                     strict=True))  # fmt: skip
@@ -427,6 +464,7 @@ class LowPrecisionWeights:
             t, at = pieces[i], self._layouts[i]
             key = None if step_key is None else replica_key(fold_in(step_key, i), self.policy)
             x = t.to(self.via)
+            store = i in in_codes
             if store and not block:  # the codes in the pass that rounds: t is freed below
                 codes_now = quantize_range(x, self.spec, key, at, packed=False)
                 if codes_now is not None:
@@ -450,16 +488,16 @@ class LowPrecisionWeights:
                 codes[i] = BlockTensor(*result, ts, self.fmt, x.shape, axis)
             else:
                 t.copy_(result[0])
-        if store:
+        if stored:
             # The rest: values of fmt, rounded just now (unchecked: a GPU step waits for nothing).
-            for i in live:
+            for i in stored:
                 if i not in codes:
                     codes[i] = codec.encode(pieces[i], self.fmt, check=False)
             self._codes = [codes.get(i) for i in range(len(pieces))]  # (None: left as it is, in floats)
             # The size of the whole storage: a piece may be a view into a larger one (FSDP2
             # pads its shards), which must come back at its size.
             self._nbytes = [t.untyped_storage().nbytes() for t in pieces]
-            for i in live:
+            for i in stored:
                 pieces[i].untyped_storage().resize_(0)
                 p = self.params[i]  # until materialize(): a read decodes first
                 p._fewbit_codes_of = self  # (held by the weight: its codes live as long)
