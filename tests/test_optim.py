@@ -337,6 +337,33 @@ def test_store_codes_refuses_weights_it_cannot_free_alone_and_leaves_a_set_one_a
     assert torch.equal(new, torch.full((4, 8), 7.0)) and torch.equal(v.detach(), new)
 
 
+def test_a_forward_of_an_fsdp2_model_holding_codes_decodes_first():
+    """FSDP2's forward all-gathers from its shards' storage, which the step freed (a
+    forward between the step and zero_grad() segfaulted); any module's forward in that
+    window now decodes the weights first, and gives the values it gives after zero_grad()."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        m = model()
+        for layer in (m[0], m[2], m):
+            fully_shard(layer)
+        lpw = LowPrecisionWeights(torch.optim.AdamW(m.parameters(), lr=0.01), FMT, "src", store_codes=True)
+        x = torch.randn(3, 16)
+        for t in range(2):
+            train(m, lpw, 1, start=t)
+            assert lpw._stored and all(not p.to_local().untyped_storage().nbytes() for p in lpw.params)
+            with torch.no_grad():
+                y = m(x)
+            assert not lpw._stored
+            lpw.zero_grad()
+            with torch.no_grad():
+                assert torch.equal(y, m(x))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_storage_holders_counts_the_tensors_on_a_storage():
     """store_codes asks torch's private storage use count whether a weight's storage is its
     own: this fails first if torch drops or changes it (store_codes would then free

@@ -20,6 +20,8 @@ import warnings
 from collections.abc import Iterable
 
 import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from . import codec
 from .block import BlockFormat, BlockTensor, check_args, element_or_block, quantize, round_to
@@ -158,8 +160,9 @@ class LowPrecisionWeights:
             a weight (a forward, a checkpoint, a print, a load) first decodes them all,
             as :meth:`materialize` does; its metadata, gradient and optimizer state
             are read without. Compiled code that reads them compiles again each time
-            (it warns), and FSDP2's forward reads its shards' storage directly: call
-            :meth:`materialize` first there. A weight whose storage another tensor
+            (it warns). FSDP2's forward reads its shards' storage without asking the
+            weights: while DTensor weights are held, any module's forward decodes first
+            (a global forward pre-hook, removed by :meth:`materialize`). A weight whose storage another tensor
             shares at a step (its ``.data``, ``.detach()`` or ``state_dict()`` entry
             taken before and still held, a graph kept for a second backward) stays
             floats for that step, with a warning: freeing it would crash a read of that
@@ -249,6 +252,7 @@ class LowPrecisionWeights:
         self._scales: list[float] = [1.0] * len(self.params)
         self._holders = [self._usual_holders(p) for p in self.params]
         self._stored = False  # weights held only as codes
+        self._before_forward: RemovableHandle | None = None  # its global hook, while held
         self.steps = 0
         # Algorithm 1 starts from rounded initial weights; kept as floats, since a model is
         # often loaded from a checkpoint or run forward before the first step.
@@ -503,6 +507,10 @@ class LowPrecisionWeights:
                 p._fewbit_codes_of = self  # (held by the weight: its codes live as long)
                 p.__class__ = _held_class(type(p))
             self._stored = True
+            if any(is_dtensor(self.params[i]) for i in stored):
+                # FSDP2's forward all-gathers from its shards' storage without asking the
+                # weights: any module's forward decodes first (a global hook, for the window).
+                self._before_forward = register_module_forward_pre_hook(lambda *_: self.materialize())
 
     def _power_of_two_scale(self, w: torch.Tensor) -> float:
         amax = global_amax(w)
@@ -519,6 +527,9 @@ class LowPrecisionWeights:
         """Decode weights kept as codes back into the parameters (no-op otherwise)."""
         if not self._stored:
             return
+        if self._before_forward is not None:
+            self._before_forward.remove()
+            self._before_forward = None
         for p, codes, s, nbytes in zip(self.params, self._codes, self._scales, self._nbytes, strict=True):
             if codes is None:  # left as it was at the step: never freed
                 continue
