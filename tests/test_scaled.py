@@ -914,6 +914,30 @@ def test_copy_into_float16_casts_as_to_does(dest_scale):
     assert torch.equal(plain, x.dequantize(torch.float32).half())
 
 
+@pytest.mark.parametrize("form", list(SCALE_FORMS))
+def test_log_softmax_of_float16_logits_spread_beyond_its_range(form):
+    """float16 logits at scale 2^17 (values to 2^19, exact): their log-probabilities reach
+    -2^20, and log_softmax at scale 1 gave -inf, cross_entropy an inf loss. The cast's
+    rule moves a power of two into the scale; values, loss and gradient are float64's."""
+    d = torch.tensor([[1.0, -1.0, 0.5, 0.0], [0.25, 0.0, -0.75, 1.0], [2.0, -0.5, 0.125, 0.0],
+                      [-1.0, -1.5, 0.5, 0.75]], dtype=torch.float16)  # fmt: skip
+    target = torch.tensor([1, 2, 0, 3])
+    x = as_scaled(d, SCALE_FORMS[form](2.0**17)).requires_grad_()
+    ref = (d.double() * SCALE_FORMS[form](2.0**17)).requires_grad_()
+    out = F.log_softmax(x, -1)
+    assert out.dtype == torch.float16
+    close(out.dequantize(F64), F.log_softmax(ref, -1), 2.0**-11)
+    loss, ref_loss = F.cross_entropy(x, target), F.cross_entropy(ref, target)
+    close(loss.dequantize(F64), ref_loss, 2.0**-11)
+    loss.backward()
+    ref_loss.backward()
+    close(x.grad.dequantize(F64), ref.grad, 2.0**-11)
+    unit = SCALE_FORMS[form](1.0)
+    small = F.log_softmax(as_scaled(d, unit), -1)  # in range: scale 1, as before
+    assert float(small.scale.max()) == 1.0
+    assert torch.equal(small.unscaled, F.log_softmax(d.float() * unit, -1).half())
+
+
 def test_traced_cast_to_float16_moves_what_would_overflow_into_the_scale():
     """Traced, the data have no values to read: the factor is a tensor (1 where the data
     fit), and the values are eager's."""

@@ -270,12 +270,25 @@ def _rms_norm_backward(func, g, x, normalized_shape, rstd, weight, output_mask):
 
 # --- softmax and activations -------------------------------------------------------------
 
-@rule(aten._softmax, aten._log_softmax)
+@rule(aten._softmax)
 def _softmax(func, x, dim, half_to_float):
-    """softmax, log_softmax on the value: scale 1 (bounded, or log-probabilities)."""
+    """softmax on the value: scale 1 (probabilities)."""
     d = parts(x)[0]
     out = func(value(x, compute_dtype(d.dtype)), dim, False)
     return wrap(out.to(torch.float32 if half_to_float else d.dtype), 1.0)
+
+
+@rule(aten._log_softmax)
+def _log_softmax(func, x, dim, half_to_float):
+    """log_softmax on the value: scale 1, cast to the data's dtype by the cast's rule, so
+    log-probabilities beyond its range (float16 logits spread wider than 65504, at a
+    large scale) move a power of two into the scale instead of becoming -inf. Off the
+    CPU the scale is a tensor: the cast's largest magnitude is then not read on the host."""
+    d = parts(x)[0]
+    out = func(value(x, compute_dtype(d.dtype)), dim, False)
+    out = wrap(out, 1.0 if out.is_cpu else torch.ones((), device=out.device))
+    want = torch.float32 if half_to_float else d.dtype
+    return out if want == out.dtype else aten._to_copy.default(out, dtype=want)
 
 
 @rule(aten._safe_softmax)
