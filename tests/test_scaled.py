@@ -729,6 +729,8 @@ PROMOTIONS = {
     "clamp": lambda t: t.clamp(0.1, 0.4), "clamp_min": lambda t: t.clamp(min=0.1),
     "add int64": lambda t: t + torch.ones(4, 6, dtype=torch.int64),
     "add bool": lambda t: t + torch.ones(6, dtype=torch.bool),
+    "add bool alpha": lambda t: torch.add(t, torch.tensor([True, False] * 3), alpha=-2),  # (negated the bool)
+    "add_ bool alpha": lambda t: t.clone().add_(torch.tensor([True, False] * 3), alpha=-2),
     "maximum int64": lambda t: torch.maximum(t, torch.zeros(6, dtype=torch.int64)),
     "add 0-d float64": lambda t: t + torch.tensor(2.0, dtype=F64),
     "mul 0-d float32": lambda t: t * torch.tensor(2.0),

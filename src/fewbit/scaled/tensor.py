@@ -820,9 +820,11 @@ def times(d: Any, r: Scale, dtype: torch.dtype | None = None) -> Any:
     """d * r, rounded once to ``dtype``: the dtype of the op d is an operand of, where it
     is wider than d's (a float16 operand of a float32 sum), else d's (16-bit data would
     first round r to 16 bits); floating for integer or bool d (an int tensor at a
-    fractional scale)."""
+    fractional scale); bool d as 0 and 1 in ``dtype`` even at r = 1 (torch negates no
+    bool, and a sum subtracts it)."""
     if is_static(r, 1.0):
-        return d
+        bool_data = isinstance(d, torch.Tensor) and d.dtype == torch.bool and dtype is not None
+        return d.to(dtype) if bool_data else d
     if not isinstance(d, torch.Tensor):
         return d * r
     target = d.dtype if dtype is None else torch.promote_types(d.dtype, dtype)
