@@ -554,15 +554,12 @@ def _pow(func, x, p):
 
 # --- computed on the value -----------------------------------------------------------
 
-def _dtype_of(xs: tuple) -> torch.dtype:
-    return reduce(torch.promote_types, (parts(x)[0].dtype for x in xs if isinstance(x, torch.Tensor)))
-
-
 def _on_values(func, *args, **kwargs):
-    """func on the values (computed in float32 or wider), rounded to the data dtype;
-    scale 1. Used where the result is bounded or has no useful scale."""
+    """func on the values (computed in float32 or wider), rounded once to the dtype torch
+    gives the op (its ``dtype=``, else the operands' promoted); scale 1. Used where the
+    result is bounded or has no useful scale."""
     out = func(*(value(a) for a in args), **kwargs)
-    return wrap(out.to(kwargs.get("dtype") or _dtype_of(args)), 1.0)
+    return wrap(out.to(kwargs.get("dtype") or promoted_dtype(args)), 1.0)
 
 
 @rule(aten.tanh, aten.sigmoid, aten.exp, aten.expm1, aten.log1p, aten.erf, aten.sin, aten.cos, aten.atan,
