@@ -305,8 +305,8 @@ def test_zero_scale_is_the_zero_array_and_drops_out():
     assert torch.equal(d.unscaled, -X) and d.scale is x.scale
     m = torch.maximum(x, zero)  # no common scale: max(x, 0) at x's scale
     assert torch.equal(m.unscaled, X.clamp_min(0)) and m.scale is x.scale
-    p = x * zero
-    assert p.static_scale == 0.0 and torch.equal(p.dequantize(), torch.zeros_like(X))
+    p = x * zero  # 0 times x's values, at x's scale
+    assert p.scale is x.scale and torch.equal(p.dequantize(), torch.zeros_like(X))
     assert torch.zeros_like(x).static_scale == 0.0
 
     # The zero array's data says nothing of its values: not in comparisons, nor where
@@ -881,6 +881,21 @@ def test_a_scalified_model_moves_and_casts():
     assert weight.dtype == torch.float32 and torch.equal(held.dequantize(F64), value.t())  # the old data's
     out = model(as_scaled(torch.randn(3, 8)))
     assert type(out) is ScaledTensor and out.shape == (3, 2)
+
+
+@pytest.mark.parametrize("form", list(SCALE_FORMS))
+def test_zero_times_inf_or_nan_is_nan_as_in_torch(form):
+    """x * 0 and x times the zero array were the zero array, 0 whatever x held: a NaN or
+    Inf in x vanished, where torch gives NaN (and so does 0 / 0 or 0 / NaN of the zero
+    array). Finite values still give 0; the zero array divided gives 0 / b's values."""
+    d = torch.tensor([[1.0, math.inf], [-math.inf, math.nan], [0.0, -2.0], [3.0, 0.5]])
+    x = as_scaled(d, SCALE_FORMS[form](0.5))
+    zero = torch.zeros_like(x)
+    plain_x = x.dequantize()
+    for got, want in ((x * 0, plain_x * 0), (x * zero, plain_x * 0), (zero * x, 0 * plain_x),
+                      (zero / x, torch.zeros_like(plain_x) / plain_x), (x * -0.0, plain_x * -0.0)):  # fmt: skip
+        assert torch.equal(got.dequantize().isnan(), want.isnan()) and torch.equal(
+            got.dequantize().nan_to_num(), want.nan_to_num()), (got, want)  # fmt: skip
 
 
 @pytest.mark.parametrize("form", list(SCALE_FORMS))

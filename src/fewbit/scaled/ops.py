@@ -490,16 +490,22 @@ def _addc_(func, dest, t1, t2, value=1):
 
 @rule(aten.mul)
 def _mul(func, a, b):
-    """a * b: scale sa sb; a number c only changes the scale (to |c| s)."""
+    """a * b: scale sa sb; a number c only changes the scale (to |c| s). A zero factor
+    (0, or the zero array) gives 0 times the other's data at its scale: NaN where that
+    is Inf or NaN, as in torch (the zero array, scale 0, would be 0 whatever it holds)."""
     for x, c in ((a, b), (b, a)):
         if not isinstance(c, torch.Tensor):
             c = float(c)
             if not math.isfinite(c):
                 return _on_values(func, a, b)
             d, s = parts(x)
-            return wrap(-d if c < 0 else d.clone() if c > 0 else d * 0.0, smul(s, abs(c)))
+            return wrap(-d if c < 0 else d.clone() if c > 0 else d * 0.0, s if c == 0 else smul(s, abs(c)))
     da, sa = parts(a)
     db, sb = parts(b)
+    if is_static(sa, 0.0) != is_static(sb, 0.0):
+        if is_static(sa, 0.0):
+            return wrap(torch.zeros_like(da) * db, sb)
+        return wrap(da * torch.zeros_like(db), sa)
     return wrap(da * db, smul(sa, sb))
 
 
@@ -508,6 +514,8 @@ def _divide(a: Any, b: Any) -> torch.Tensor:
     db, sb = parts(b)
     if is_static(sb, 0.0):
         return wrap(value(a) / value(b), 1.0)
+    if is_static(sa, 0.0):  # the zero array: 0 / b, NaN where b is 0 or NaN, as in torch
+        return wrap(torch.zeros_like(da) / db, sdiv(1.0, sb))
     return wrap(da / db, sa if is_static(sb, 1.0) else sa / sb)
 
 
