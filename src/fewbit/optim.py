@@ -162,13 +162,14 @@ class LowPrecisionWeights:
             are read without. Compiled code that reads them compiles again each time
             (it warns). FSDP2's forward reads its shards' storage without asking the
             weights: while DTensor weights are held, any module's forward decodes first
-            (a global forward pre-hook, removed by :meth:`materialize`). A weight whose storage another tensor
-            shares at a step (its ``.data``, ``.detach()`` or ``state_dict()`` entry
-            taken before and still held, a graph kept for a second backward) stays
-            floats for that step, with a warning: freeing it would crash a read of that
-            tensor (a DTensor's piece: beyond the tensors that shared it when it was selected,
-            as FSDP2's own); a weight whose storage holds more than it (a flat buffer) is
-            refused. The rounding at construction keeps them as floats.
+            (a global forward pre-hook, removed by :meth:`materialize`). A weight whose
+            storage another tensor shares at a step (its ``.data``, ``.detach()`` or
+            ``state_dict()`` entry taken before and still held, a graph kept for a
+            second backward) stays floats for that step, with a warning: freeing it
+            would crash a read of that tensor (for a DTensor's piece: more tensors than
+            shared it when it was selected, FSDP2's own). A weight whose storage holds
+            more than it (a flat buffer) is refused. The rounding at construction keeps
+            them as floats.
         policy: under data parallelism the write-back is ``"identical"`` on every
             replica (seed 000); ``"differing"`` folds in the rank (wrong: for tests).
         guard: before each step, check across ranks that every selected weight and its
@@ -381,7 +382,7 @@ class LowPrecisionWeights:
     @torch.compiler.disable
     @torch.no_grad()
     def _write_back(self, initial: bool, only: range | None = None) -> list[str]:
-        """Round the weights (the names of those store_codes kept as floats: ``_freeable``)."""
+        """Round the weights; the names of those store_codes kept as floats (``_round_all``)."""
         # After a step, a parameter without a gradient is left as it is, as the inner
         # optimizer leaves it: rounding it again would move it where rounding is not a
         # fixed point on the format's values (HBFP's, NVFP4's), and costs a pass (frozen
