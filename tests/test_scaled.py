@@ -778,6 +778,33 @@ def test_pointwise_results_take_the_dtype_torch_gives(op, dtype, form):
     close(got, PROMOTIONS[op](t.dequantize(F64)), rtol)
 
 
+#: Calls torch refuses for their mixed dtypes, which the rules (on float32 values) took.
+MIXED_REFUSED = {
+    "linear, a float16 bias": lambda s: F.linear(s(torch.ones(2, 4)), s(torch.ones(3, 4)),
+                                                  s(torch.ones(3, dtype=torch.float16))),
+    "baddbmm, a float16 bias": lambda s: torch.baddbmm(s(torch.ones(1, 2, 3, dtype=torch.float16)),
+                                                       s(torch.ones(1, 2, 4)), s(torch.ones(1, 4, 3))),
+    "layer_norm, a float16 weight": lambda s: F.layer_norm(s(torch.ones(2, 4)), (4,),
+                                                           s(torch.ones(4, dtype=torch.float16))),
+    "layer_norm, a bfloat16 bias": lambda s: F.layer_norm(s(torch.ones(2, 4, dtype=torch.float16)), (4,),
+                                                          None, s(torch.ones(4, dtype=torch.bfloat16))),
+    "nll_loss, a float16 class weight": lambda s: F.nll_loss(s(torch.ones(2, 4)), torch.tensor([0, 1]),
+                                                             s(torch.ones(4, dtype=torch.float16))),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("call", list(MIXED_REFUSED))
+def test_mixed_dtypes_torch_refuses_are_refused(call):
+    """Plain tensors raise; ScaledTensors computed a result. Both now raise (a float32
+    weight of float16 input stays allowed in layer_norm, as in torch)."""
+    with pytest.raises(RuntimeError):
+        MIXED_REFUSED[call](lambda t: t)
+    with pytest.raises(RuntimeError, match="torch refuses mixed dtypes here"):
+        MIXED_REFUSED[call](lambda t: as_scaled(t, 0.5))
+    allowed = F.layer_norm(as_scaled(torch.ones(2, 4, dtype=torch.float16), 0.5), (4,), torch.ones(4))
+    assert allowed.dtype == torch.float16
+
+
 def test_a_matrix_times_itself_at_a_per_column_scale():
     """x @ x with a per-column scale kept x's scale for the left factor too, where it
     varies along the contracted dim (the factors were told apart by identity, and both
@@ -892,8 +919,9 @@ def test_zero_times_inf_or_nan_is_nan_as_in_torch(form):
     x = as_scaled(d, SCALE_FORMS[form](0.5))
     zero = torch.zeros_like(x)
     plain_x = x.dequantize()
+    zeros = torch.zeros_like(plain_x)
     for got, want in ((x * 0, plain_x * 0), (x * zero, plain_x * 0), (zero * x, 0 * plain_x),
-                      (zero / x, torch.zeros_like(plain_x) / plain_x), (x * -0.0, plain_x * -0.0)):  # fmt: skip
+                      (zero / x, zeros / plain_x), (x * -0.0, plain_x * -0.0)):  # fmt: skip
         assert torch.equal(got.dequantize().isnan(), want.isnan()) and torch.equal(
             got.dequantize().nan_to_num(), want.nan_to_num()), (got, want)  # fmt: skip
 

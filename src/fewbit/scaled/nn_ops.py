@@ -49,6 +49,17 @@ def _to(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if x is None else x.to(dtype)
 
 
+def _refuse_mixed(op: str, what: str, t: Any, x_dtype: torch.dtype, also_float32: bool = False) -> None:
+    """Refuse an argument of another dtype than the input's, as torch's kernel does (the
+    rules compute on float32 values, which would take it); ``also_float32``: float32 as
+    well for 16-bit input (the mixed precision torch's CPU layer_norm takes)."""
+    allowed = {x_dtype, torch.float32} if also_float32 and x_dtype in (torch.float16, torch.bfloat16) \
+        else {x_dtype}  # fmt: skip
+    if isinstance(t, torch.Tensor) and t.dtype not in allowed:
+        raise RuntimeError(f"{op}: the {what} is {t.dtype} and the input {x_dtype}: torch refuses mixed "
+                           "dtypes here; cast one of them")  # fmt: skip
+
+
 # --- matmuls and convolutions ----------------------------------------------------------
 
 def _factors(packet, a: Any, b: Any) -> tuple[Any, Any]:
@@ -118,6 +129,7 @@ def _addmm(func, bias, a, b, *, beta=1, alpha=1):
     """addmm, baddbmm, addmv (linear with a bias): alpha (a @ b) at scale sa sb (times the
     unit factor) plus beta bias, so scale max(|alpha| sa sb, |beta| s_bias)."""
     mm = _WITHOUT_BIAS[func.overloadpacket]
+    _refuse_mixed(func.overloadpacket.__name__, "bias", bias, a.dtype)
     (da, sa), (db, sb) = map(parts, _factors(mm, a, b))
     return _with_bias(lambda c, coef: func(c, da, db, beta=beta, alpha=coef), lambda: mm(da, db),
                       smul(sa, sb), da.shape[-1], bias, alpha, beta)
@@ -216,6 +228,8 @@ def _layer_norm(func, x, normalized_shape, weight, bias, eps):
     """layer_norm on the value: the output is unit-scaled, so its scale is 1, or sw with
     a scaled affine weight. mean and rstd stay in float32 (they are of the value)."""
     d = parts(x)[0]
+    for what, t in (("weight", weight), ("bias", bias)):
+        _refuse_mixed("layer_norm", what, t, d.dtype, also_float32=True)
     cdt = compute_dtype(d.dtype)
     w, b, sw = _affine(weight, bias, cdt)
     out, mean, rstd = func(value(x, cdt), normalized_shape, w, b, eps)
@@ -347,6 +361,7 @@ def _dropout(func, x, p, train):
 @rule(aten.nll_loss_forward, aten.nll_loss2d_forward)
 def _nll_loss(func, x, target, weight, reduction, ignore_index):
     """nll_loss (the end of cross_entropy, after log_softmax): scale s."""
+    _refuse_mixed("nll_loss", "class weight", weight, x.dtype)
     d, s = parts(scalar_scale(x))
     out, total = func(d, target, value(weight, d.dtype), reduction, ignore_index)
     return wrap(out, s), total
