@@ -483,12 +483,13 @@ def test_blocks_from_any_block_of_the_stream_take_their_places_bits(name, dtype)
 
 def block_inputs(dtype, rows=8):
     """Rows of 256 random values across 60 binades, with blocks that hold NaN, Inf, zeros of
-    both signs and float32 subnormals, a block of zeros, one of subnormals, and one whose
+    both signs and float32 subnormals, a block of +0 and one of -0, one of subnormals, and one whose
     small values fall below float32's normal range once scaled."""
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(rows, 256, generator=gen) * torch.logspace(-30, 30, 256)
     x[0, :8] = torch.tensor([float("nan"), 1.0, float("inf"), -2.0, 0.0, -0.0, 1e-40, -3e-39])
     x[1, :32] = 0.0
+    x[1, 32:64] = -0.0
     x[2, 16:24] = torch.tensor([-1e-45, 3e-44, 0.0, -0.0, 1e-42, -2e-41, 5e-39, 1e-38])
     x[3, 32:40] = torch.tensor([1e30, 1e-40, -1e-40, 1e-30, -3e-38, 5e-39, -1e-45, 2e-44])  # x / S underflows
     x[3, 64:96] = torch.logspace(-45, -38.5, 32) * (-1) ** torch.arange(32)  # a block of subnormals

@@ -329,6 +329,7 @@ def test_compiled_kernel_gives_the_eager_bits():
     """The compiled kernel (C++ here) and eager agree: rounding with generated bits, and
     quantising to codes with given bits (one compilation each: they take a while)."""
     x = torch.randn(5, 70) * 4
+    x[1, :16] = -0.0  # an NVFP4 block whose scale is 0: its -0 codes
     rb = torch.randint(0, 8, x.shape)
     with fewbit.configure(compile=False):
         eager = block.round(x, "mxfp4", "src", bits=3, seed=7)
@@ -337,6 +338,7 @@ def test_compiled_kernel_gives_the_eager_bits():
         assert torch.equal(block.round(x, "mxfp4", "src", bits=3, seed=7), eager)
         compiled = block.quantize(x, "nvfp4", "srf", bits=3, random_bits=rb)
     assert torch.equal(compiled.codes, stored.codes) and torch.equal(compiled.scales, stored.scales)
+    assert bool((compiled.codes[1, 0] == 0x88).all())
 
 
 @pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp4", "nvfp4", "hbfp4"])
@@ -450,6 +452,32 @@ def test_nvfp4_quotients_are_formed_in_the_working_dtype_and_never_flush():
         got = block.round(y, "nvfp4", mode, rule="up")
         assert torch.equal(got, block_round_reference(y, "nvfp4", mode, rule="up")), mode
     assert block.round(y, "nvfp4", "rup", rule="up")[16] > 0
+
+
+def test_a_block_whose_scale_is_0_keeps_its_zeros_signs():
+    """An NVFP4 block whose E4M3 scale is 0 (a block of -0.0; tiny values beside 1e30)
+    holds zeros signed as x: E2M1 has a -0 (code 0b1000), which MX blocks and fewbit.round
+    keep. Native kernel, eager torch kernel and reference, codes and values (the compiled
+    kernel: test_compiled_kernel_gives_the_eager_bits)."""
+    x = torch.ones(2, 48)
+    x[0, :16], x[0, 16] = -0.0, 1e30
+    x[1, :16] = -1e-30
+    x[1, 32:] = 1e-30 * (-1.0) ** torch.arange(16)
+    zeros = torch.zeros(2, 48, dtype=torch.bool)
+    zeros[:, :16] = zeros[1, 32:] = True
+    for mode, kw in [("rne", {}), ("rup", {}), ("src", {"bits": 3, "seed": 2}), ("sr", {"seed": 2})]:
+        for config in ({}, {"compile": False}):
+            with fewbit.configure(**config):
+                got, stored = block.round(x, "nvfp4", mode, **kw), block.quantize(x, "nvfp4", mode, **kw)
+            where = f"{mode} {config}"
+            assert bool((got[zeros] == 0).all()), where
+            assert torch.equal(torch.signbit(got[zeros]), torch.signbit(x[zeros])), where
+            assert stored.scales[0, 0] == 0 and stored.scales[1, 0] == 0, where
+            assert bool((stored.codes[:, 0] == 0x88).all()), where  # two E2M1 -0s a byte
+            assert torch.equal(torch.signbit(stored.dequantize()), torch.signbit(got)), where
+        if "seed" not in kw:
+            reference = block_round_reference(x, "nvfp4", mode, **kw)
+            assert torch.equal(torch.signbit(reference), torch.signbit(got)), mode
 
 
 def test_a_block_format_with_float32_scales_rounds_but_is_not_stored():

@@ -194,6 +194,7 @@ def test_block_formats_gpu_equals_cpu(name, mode, kw, dtype, axis):
     x = torch.randn(64, 256, generator=gen) * torch.logspace(-30, 30, 256)
     x[0, :8] = torch.tensor([float("nan"), 1.0, float("inf"), -2.0, 0.0, -0.0, 1e-40, -3e-39])
     x[1, :32] = 0.0
+    x[1, 32:64] = -0.0
     x[2, 32:40] = torch.tensor([1e30, 1e-40, -1e-40, 1e-30, -3e-38, 5e-39, -1e-45, 2e-44])  # x / S underflows
     x = x.to(dtype)
     kw = {**kw, "axis": axis}

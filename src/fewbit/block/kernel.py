@@ -175,7 +175,8 @@ def quantize_blocks(
     tiny = torch.finfo(spec.work_dtype).tiny
     underflow = (scaled.abs() < tiny) & (work != 0)
     scaled = torch.where(underflow, torch.copysign(torch.full_like(work, tiny), work), scaled)
-    scaled = torch.where(factor == 0, 0.0, scaled)  # a scale that underflowed holds zeros
+    # A scale that underflowed holds zeros, each with its element's sign (E2M1 has a -0).
+    scaled = torch.where(factor == 0, torch.copysign(torch.zeros_like(work), work), scaled)
     # In a NaN block the scale carries the NaN; elements without a NaN code hold 0.
     fill = torch.nan if spec.spec.fmt.has_nans else 0.0
     scaled = torch.where(torch.isnan(factor), fill, scaled)

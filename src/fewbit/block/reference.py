@@ -115,7 +115,7 @@ def block_round_reference(
                 tiny = np.finfo(work).tiny
                 flushed = (np.abs(quotient) < tiny) & (block != 0)
                 scaled = np.where(flushed, np.copysign(tiny, block), quotient).astype(np.float64)
-            else:  # a scale that underflowed holds zeros
+            else:  # a scale that underflowed holds zeros, signed as x (0 * -x is -0)
                 scaled = 0 * block
             n = None if rand is None else torch.from_numpy(rand[row][start : start + size].copy())
             q = round_reference(torch.from_numpy(np.asarray(scaled, dtype=np.float64)), bfmt.element, mode,

@@ -962,8 +962,8 @@ void block_maxima(const T* __restrict xs, int b0, int h1, int B, uint32_t* __res
 // into factor and 1 / S into inv where S is a power of two, its scale's code into
 // blocks.scales (from pos0 / B), and, unless `scaled` is null, the elements x / S into
 // `scaled`. A quotient below float32's normal range becomes +-2^-126 (it rounds alike,
-// and a zero would not); a block whose S is 0 holds zeros, and a NaN block's elements are
-// NaN, or 0 in an element format without NaN (the scale carries the NaN).
+// and a zero would not); a block whose S is 0 holds zeros signed as x, and a NaN block's
+// elements are NaN, or 0 in an element format without NaN (the scale carries the NaN).
 template <int FIXED_B>
 void scale_blocks(const uint32_t* __restrict xs, int b0, int h1, int64_t pos0, const Blocks& blocks, const Fmt& f,
                   uint32_t* __restrict scaled, const uint32_t* __restrict amax, uint32_t* __restrict factor,
@@ -1003,7 +1003,7 @@ void scale_blocks(const uint32_t* __restrict xs, int b0, int h1, int64_t pos0, c
     const uint32_t* x = xs + b * B;
     uint32_t* out = scaled + b * B;
     if (amax[b] > 0x7F800000u || as_float(factor[b]) == 0.0f) {  // a NaN block, or S = 0
-      for (int i = 0; i < B; ++i) out[i] = amax[b] > 0x7F800000u ? fill : 0;
+      for (int i = 0; i < B; ++i) out[i] = amax[b] > 0x7F800000u ? fill : x[i] & 0x80000000u;
     } else if (pow2 && !blocks.zero_is_not_tiny) {
       // Here x / 2^e rounds as +-2^-126 wherever it lies below it, 0 included.
       for (int i = 0; i < B; ++i) out[i] = __builtin_bit_cast(uint32_t, as_float(x[i]) * s);
@@ -1029,8 +1029,8 @@ FEWBIT_LANE bool unscaled(uint32_t amax, float by) { return amax > 0x7F800000u |
 // rounded and encoded, x * 2^-e with power-of-two scales (by: each block's 2^-e), x / S
 // with others (DIVIDE; by: each block's S). A quotient below float32's normal range needs
 // none of scale_blocks's care: these modes round it to 0, as they would +-2^-126. A block
-// whose S is 0 holds zeros. The code comes from the float adder's sum
-// y = |v| + C, whose low bits count the rounded magnitude in ulps of the binade e_t:
+// whose S is 0 holds zeros (-0 where x < 0 and the format has it). The code comes from the
+// float adder's sum y = |v| + C, whose low bits count the rounded magnitude in ulps of the binade e_t:
 // code_of's result without computing the value (nor its float32 subnormals, which cost
 // a microcode assist each for e2m1's 0.5). NaN blocks hold the codes that scale_blocks's
 // NaN elements get. (magic_values does the same for values.) Blocks b0 .. h1 / B.
@@ -1046,7 +1046,8 @@ void magic_codes(const uint32_t* __restrict xs, int b0, int h1, int B, const uin
   for (int b = b0; b < h1 / B; ++b) {
     const float s = as_float(by[b]);
     if (unscaled<DIVIDE>(amax[b], s)) {
-      for (int i = 0; i < B; ++i) codes[b * B + i] = amax[b] > 0x7F800000u ? fill : 0;
+      for (int i = 0; i < B; ++i)  // a zero keeps x's sign where the format has -0
+        codes[b * B + i] = amax[b] > 0x7F800000u ? fill : ((xs[b * B + i] >> 31) & nz) << sign_at;
       continue;
     }
     for (int i = 0; i < B; ++i) {
@@ -1299,7 +1300,8 @@ void magic_values(const uint32_t* __restrict xs, int b0, int h1, int B, const ui
   for (int b = b0; b < h1 / B; ++b) {
     const float s = as_float(by[b]), back = as_float(factor[b]);
     if (unscaled<DIVIDE>(amax[b], s)) {
-      for (int i = 0; i < B; ++i) rs[b * B + i] = amax[b] > 0x7F800000u ? NAN_BITS : 0;
+      for (int i = 0; i < B; ++i)
+        rs[b * B + i] = amax[b] > 0x7F800000u ? NAN_BITS : f.has_nz ? xs[b * B + i] & 0x80000000u : 0;
       continue;
     }
     for (int i = 0; i < B; ++i) {

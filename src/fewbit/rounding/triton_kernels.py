@@ -544,7 +544,7 @@ def _scale_blocks(b, ts, BLOCK: tl.constexpr, RULE: tl.constexpr, EMAX: tl.const
     each block's scale code. S: 2^e by RULE (E8M0; x / S then is x 2^-e, correctly rounded
     alike), or the block's E4M3 scale times ``ts`` (x / S correctly rounded; a division in
     Triton is not, by default). A quotient below float32's normal range rounds as
-    +-2^-126, a block whose S is 0 holds zeros, and a block holding a NaN has S NaN, the
+    +-2^-126, a block whose S is 0 holds zeros signed as x, and a block holding a NaN has S NaN, the
     scale code 0xFF and its elements NaN (0 without NaN in the format)."""
     a = b & 0x7FFFFFFF
     amax = tl.max(tl.reshape(a, (LANES // BLOCK, BLOCK)), axis=1)
@@ -569,7 +569,7 @@ def _scale_blocks(b, ts, BLOCK: tl.constexpr, RULE: tl.constexpr, EMAX: tl.const
     if MODE == 3 or MODE == 4 or MODE == 5 or RULE >= 4:
         q = tl.where(((q & 0x7FFFFFFF) < 0x00800000) & (a != 0), (b & SIGN_BIT) | 0x00800000, q)
     if RULE >= 4:  # (2^e is never 0)
-        q = tl.where(s == 0, 0, q)
+        q = tl.where(s == 0, b & SIGN_BIT, q)  # zeros, signed as x
     q = tl.where(s > 0x7F800000, NAN_BITS if HAS_NANS else 0, q)  # S NaN: a NaN block
     return q, s, tl.where(nan, 0xFF, code)
 
