@@ -924,6 +924,80 @@ def test_zero_times_inf_or_nan_is_nan_as_in_torch(form):
                       (zero / x, zeros / plain_x), (x * -0.0, plain_x * -0.0)):  # fmt: skip
         assert torch.equal(got.dequantize().isnan(), want.isnan()) and torch.equal(
             got.dequantize().nan_to_num(), want.nan_to_num()), (got, want)  # fmt: skip
+        assert torch.equal(got.dequantize().nan_to_num().signbit(), want.nan_to_num().signbit()), (got, want)
+
+
+def test_a_zero_factor_in_place_keeps_the_scale_and_the_signs():
+    """x.mul_(a 0-d ScaledTensor) moves the factor's magnitude into the scale, but 0, Inf
+    and NaN go into the data, as torch gives them (a scale of 0 lost every later update);
+    a tensor scale of 0 is refused: the zero array's scale is the number 0."""
+    y = torch.tensor([1.0, 2.0, 3.0])
+    for factor in (0.0, -0.0, math.inf, math.nan, -3.0):
+        x, plain = as_scaled(torch.tensor([5.0, -5.0, 0.0])), torch.tensor([5.0, -5.0, 0.0])
+        x.mul_(as_scaled(torch.tensor(factor)))
+        plain.mul_(factor)
+        got = x.dequantize()
+        assert torch.equal(got.nan_to_num(), plain.nan_to_num()), factor
+        assert torch.equal(got.isnan(), plain.isnan()) and torch.equal(got.signbit(), plain.signbit()), factor
+        x.add_(as_scaled(y, 2.0))
+        plain.add_(y * 2)
+        assert torch.equal(x.dequantize().nan_to_num(), plain.nan_to_num()), factor
+    for scale in (torch.tensor(0.0), torch.zeros(3)):
+        with pytest.raises(ValueError, match="the zero array's scale is the number 0"):
+            as_scaled(torch.zeros(2, 3), scale)
+
+
+def test_clamp_by_a_bound_beyond_the_datas_range_at_its_scale():
+    """A bound that the data's dtype cannot hold at x's scale: a lower one above that
+    range (an upper below) clamps every finite value to it (it made them all Inf); one on
+    the other side leaves finite data as they are, and Inf there stays Inf (README)."""
+    v = torch.tensor([0.5, -1.0, 1000.0, math.inf, -math.inf])
+    for dtype, scale in ((torch.float16, 2.0**-20), (torch.float32, 2.0**-140)):
+        x = as_scaled((v / scale).to(dtype), scale)
+        values = x.dequantize(F64)
+        for lo, hi in ((1.0, None), (None, -1.0), (1.0, 2.0), (-3.0, -1.0)):
+            got = x.clamp(lo, hi)
+            assert got.dtype == dtype, (dtype, lo, hi)
+            assert torch.equal(got.dequantize(F64), values.clamp(lo, hi)), (dtype, lo, hi)
+        got = x.clamp(-1.0, 1.0).dequantize(F64)
+        assert torch.equal(got, values), dtype
+
+
+def test_number_ops_whose_scale_would_leave_float32_compute_on_the_values():
+    """x * c, x / c, 1 / x and x ** p only change a static scale, unless that scale would
+    leave float32's range while the values fit: then they compute on the values."""
+    x = as_scaled(torch.tensor([1e-20, -3e-20]), 1e10)
+    v = x.dequantize(F64)
+    small = as_scaled(torch.tensor([2.0**90]), 2.0**-100)  # its value: 2^-10
+    tiny = as_scaled(torch.tensor([2.0**120]), 2.0**-130)
+    for got, want in ((x * 1e30, v * 1e30), (x / 1e-30, v / 1e-30), (x * 1e-30, v * 1e-30),
+                      (small**-1.5, torch.tensor([2.0**15])), (1 / tiny, torch.tensor([2.0**10]))):
+        close(got.dequantize(F64), want.to(F64), 2.0**-22)
+
+
+def test_in_place_results_into_an_integer_tensor_are_refused_as_in_torch():
+    """A float result stored into a plain int or bool tensor (an in-place op on it, out=)
+    is refused before anything is written, as torch refuses it; it was truncated."""
+    y = as_scaled(torch.tensor([1.7, 2.2]))
+    ints = torch.tensor([1, 1])
+    bools = torch.tensor([True, False])
+    for dest, call in ((ints, lambda d: d.add_(y)), (ints, lambda d: d.mul_(y)),
+                       (ints, lambda d: torch.add(y, y, out=d)), (bools, lambda d: d.mul_(y))):
+        before = dest.clone()
+        with pytest.raises(RuntimeError, match="can't be cast"):
+            call(dest)
+        assert torch.equal(dest, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_comparisons_at_scale_1_are_torchs(dtype):
+    """At scale 1 a ScaledTensor is a plain tensor: a number meets 16-bit data in the
+    data's dtype, as torch compares them (0.1 rounded to float16 equals float16 0.1)."""
+    d = torch.tensor([0.1, 0.3, 1 / 3]).to(dtype)
+    x = as_scaled(d)
+    for op in (lambda t: t == 0.1, lambda t: t >= 0.3, lambda t: t < 1 / 3, lambda t: t != 0.1,
+               lambda t: t.eq(torch.tensor(0.1)), lambda t: t > torch.tensor([0.3]).to(dtype)):  # fmt: skip
+        assert torch.equal(op(x), op(d))
 
 
 @pytest.mark.parametrize("form", list(SCALE_FORMS))

@@ -49,6 +49,7 @@ from .tensor import (
 # --- layout: the data moves, the scale follows ---------------------------------------
 
 _VIEWS = (aten.view, aten._unsafe_view, aten.reshape)
+_SMALLEST_FLOAT32 = 2.0**-149
 
 
 def _compact(s: torch.Tensor) -> torch.Tensor:
@@ -426,7 +427,8 @@ def _mul_(func, dest, other):
     """In-place mul, div: dest keeps its scale sd; the data is multiplied (divided) by
     other's value (in the compute dtype, rounded once). But a whole dest times a 0-d
     ScaledTensor (clip_grad_norm_'s coefficient) takes its magnitude into the scale, its
-    sign into the data: exact, where 16-bit data would become subnormal or 0."""
+    sign into the data: exact, where 16-bit data would become subnormal or 0. (A factor
+    of 0, Inf or NaN goes into the data: a scale is finite and positive.)"""
     if not _keeps_scale(dest):
         return inplace(func, dest, other)
     d, sd = parts(dest)
@@ -435,8 +437,9 @@ def _mul_(func, dest, other):
         d.div_(factor)
     elif (isinstance(other, ScaledTensor) and other.dim() == 0 and not is_partial_view(d)
           and not (isinstance(sd, torch.Tensor) and sd.dim())):  # fmt: skip
-        d.mul_(torch.sign(factor))
-        set_scale(dest, smul(sd, factor.abs()))
+        magnitude = torch.where(torch.isfinite(factor) & (factor != 0), factor.abs(), 1.0)
+        d.mul_(factor / magnitude)
+        set_scale(dest, smul(sd, magnitude))
     else:
         d.mul_(factor)
     return dest
@@ -499,7 +502,12 @@ def _mul(func, a, b):
             if not math.isfinite(c):
                 return _on_values(func, a, b)
             d, s = parts(x)
-            return wrap(-d if c < 0 else d.clone() if c > 0 else d * 0.0, s if c == 0 else smul(s, abs(c)))
+            if c == 0:  # (d * c: -0 where the signs differ, NaN for Inf and NaN)
+                return wrap(d * c, s)
+            scale = smul(s, abs(c))
+            if not _float32_scale(scale):  # the value may fit where the scale does not
+                return _on_values(func, a, b)
+            return wrap(-d if c < 0 else d.clone(), scale)
     da, sa = parts(a)
     db, sb = parts(b)
     if is_static(sa, 0.0) != is_static(sb, 0.0):
@@ -527,7 +535,10 @@ def _div(func, a, b):
         if c == 0 or not math.isfinite(c):
             return _on_values(func, a, b)
         d, s = parts(a)
-        return wrap(-d if c < 0 else d.clone(), sdiv(s, abs(c)))
+        scale = sdiv(s, abs(c))
+        if not _float32_scale(scale):
+            return _on_values(func, a, b)
+        return wrap(-d if c < 0 else d.clone(), scale)
     if not isinstance(a, torch.Tensor):
         return torch.mul(torch.reciprocal(b), a)
     return _divide(a, b)
@@ -537,7 +548,7 @@ def _div(func, a, b):
 def _reciprocal(func, x):
     """1 / x: scale 1 / s."""
     d, s = parts(x)
-    if is_static(s, 0.0):
+    if is_static(s, 0.0) or not _float32_scale(sdiv(1.0, s)):
         return _on_values(func, x)
     return wrap(torch.reciprocal(d), 1.0 / s)
 
@@ -555,9 +566,16 @@ def _sqrt(func, x):
 def _pow(func, x, p):
     """x ** p for a number p: scale s ** p."""
     d, s = parts(x)
-    if is_static(s, 0.0) or isinstance(p, complex):
+    if is_static(s, 0.0) or isinstance(p, complex) or not _float32_scale(spow(s, float(p))):
         return _on_values(func, x, p)
     return wrap(func(d, p), spow(s, float(p)))
+
+
+def _float32_scale(s: Scale) -> bool:
+    """Whether a scale a rule made is one a ScaledTensor holds: a static one between
+    float32's smallest positive value and its largest; a tensor one is taken as such
+    (reading it would wait for the device)."""
+    return not is_static(s) or _SMALLEST_FLOAT32 <= s <= torch.finfo(torch.float32).max
 
 
 # --- computed on the value -----------------------------------------------------------
@@ -610,8 +628,11 @@ def _maximum(func, a, b):
 
 @rule(aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default)
 def _clamp(func, x, lo=None, hi=None):
-    """clamp by numbers: scale s (the bounds are divided by s; one beyond the data
-    dtype's range is ±inf there, which bounds no finite data)."""
+    """clamp by numbers: scale s, the bounds divided by s. A bound beyond the data dtype's
+    range there is ±inf: a lower one below the range (an upper one above) bounds no
+    finite data, and ±inf data, whose bound that format cannot hold, stays ±inf. A lower
+    bound above the range (an upper below) clamps all finite data: computed on the
+    values, then cast to the data's dtype by the cast's rule."""
     d, s = parts(x)
     if is_static(s, 0.0):
         return _on_values(func, x, lo, hi) if hi is not None else _on_values(func, x, lo)
@@ -624,7 +645,10 @@ def _clamp(func, x, lo=None, hi=None):
             return math.copysign(math.inf, b)
         return b
 
-    return wrap(torch.clamp(d, *(None if c is None else bound(c) for c in (lo, hi))), s)
+    bounds = [None if c is None else bound(c) for c in (lo, hi)]
+    if is_static(bounds[0], math.inf) or is_static(bounds[1], -math.inf):
+        return aten._to_copy.default(wrap(torch.clamp(value(x), lo, hi), 1.0), dtype=d.dtype)
+    return wrap(torch.clamp(d, *bounds), s)
 
 
 @rule(aten.clamp.Tensor)
@@ -765,7 +789,10 @@ def _var(func, x, *args, **kwargs):
       aten.argmax, aten.argmin, aten.equal)
 def _compare(func, *args, **kwargs):
     """Comparisons and predicates: a plain result, computed on the values (on the data
-    when both operands share one scale)."""
+    when both operands share one scale; as torch computes it where every ScaledTensor has
+    scale 1, so a number meets 16-bit data in the data's dtype)."""
+    if not any(isinstance(a, ScaledTensor) and not is_static(parts(a)[1], 1.0) for a in args):
+        return func(*(parts(a)[0] if isinstance(a, ScaledTensor) else a for a in args), **kwargs)
     if len(args) >= 2 and all(isinstance(a, ScaledTensor) for a in args[:2]):
         (da, sa), (db, sb) = parts(args[0]), parts(args[1])
         same = is_static(sa) and is_static(sb) and sa == sb

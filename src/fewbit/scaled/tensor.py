@@ -337,8 +337,9 @@ def _checked(data: torch.Tensor, scale: torch.Tensor | float | None) -> tuple[to
 def check_scale(scale: torch.Tensor | float, data: torch.Tensor, positive: bool = False) -> Scale:
     """scale as rules hold it (a float, or a float32 tensor), after checking that it is
     a number or float tensor on data's device, broadcastable to data, finite and >= 0
-    (> 0 with ``positive``) as a float32 number: one that float32 rounds to inf, or to 0
-    from a nonzero value, is refused too. Raises TypeError or ValueError naming the problem."""
+    (> 0 with ``positive``, and for a tensor: the zero array's scale is the number 0) as
+    a float32 number: one that float32 rounds to inf, or to 0 from a nonzero value, is
+    refused too. Raises TypeError or ValueError naming the problem."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float, torch.Tensor)):
         raise TypeError(f"scale must be a float or a float tensor, not {type(scale).__name__}")
     if not isinstance(scale, torch.Tensor):
@@ -360,7 +361,7 @@ def check_scale(scale: torch.Tensor | float, data: torch.Tensor, positive: bool 
         # Traced, its values are not known (a check would break the graph): they are
         # checked where the same code runs eager.
         return scale.detach().to(torch.float32)
-    return _check_float32(scale.detach(), positive, " everywhere")
+    return _check_float32(scale.detach(), True, " everywhere (the zero array's scale is the number 0)")
 
 
 def _check_float32(scale: torch.Tensor, positive: bool, where: str) -> torch.Tensor:
@@ -899,6 +900,9 @@ def assign(dest: torch.Tensor, out: Any, adopt: bool = False) -> torch.Tensor:
     which the new scale would show.
     """
     if not isinstance(dest, ScaledTensor):
+        if not torch.can_cast(out.dtype, dest.dtype):  # as torch refuses float into int
+            raise RuntimeError(f"result type {out.dtype} can't be cast to the desired output type "
+                               f"{dest.dtype}")
         dest.copy_(dequantize_any(out))
         return dest
     d, s = parts(out)
