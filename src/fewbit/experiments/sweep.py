@@ -195,12 +195,16 @@ def hold(out_dir: Path) -> Iterator[None]:
 
 
 def claim_folders(configs: list[TrainConfig], out_dir: Path, restart: bool) -> list[Path]:
-    """Each run's folder, made or found; with ``restart``, emptied first. A folder that
-    holds a run of another configuration is an error, named before anything starts."""
+    """Each run's folder, made or found. With ``restart`` every run out_dir holds is
+    discarded first (a folder with a config.json), not only this command's: a later
+    command would take up a run left from before as finished. A folder that holds a run
+    of another configuration is an error, named before anything starts."""
+    if restart and out_dir.is_dir():
+        for old in out_dir.iterdir():
+            if old.is_dir() and (old / "config.json").exists():
+                shutil.rmtree(old)
     folders = [run_folder(out_dir, c) for c in configs]
     for cfg, folder in zip(configs, folders, strict=True):
-        if restart and folder.exists():
-            shutil.rmtree(folder)
         folder.mkdir(parents=True, exist_ok=True)
         written = folder / "config.json"
         if written.exists():
@@ -496,17 +500,22 @@ def write_outputs(results: list[RunResult], out_dir: Path, name: str, title: str
     run, none: earlier ones are removed, as they describe runs that are gone."""
     written = [out_dir / f for f in ("losses.csv", "summary.csv", "diagnostics.csv", "times.csv")]
     if not results:
-        for path in [*written, out_dir / f"{name}.png", out_dir / f"{name}_diagnostics.png"]:
+        for path in [*written, *_plots(out_dir, name)]:
             path.unlink(missing_ok=True)
         return []
     write_losses(results, written[0])
     write_summary(summarise(results), written[1])
     write_diagnostics(results, written[2])
     write_times(results, written[3])
-    for draw, png in ((plot, f"{name}.png"), (plot_diagnostics, f"{name}_diagnostics.png")):
-        if draw(results, out_dir / png, title):
-            written.append(out_dir / png)
+    for draw, png in zip((plot, plot_diagnostics), _plots(out_dir, name), strict=True):
+        if draw(results, png, title):
+            written.append(png)
     return written
+
+
+def _plots(out_dir: Path, name: str) -> list[Path]:
+    """The PNGs of the sweep ``name`` (``losses``: of one configuration's runs)."""
+    return [out_dir / f"{name}.png", out_dir / f"{name}_diagnostics.png"]
 
 
 def run_sweep(
@@ -539,6 +548,9 @@ def run_sweep(
 
         if not finished:  # outputs of runs discarded (--restart) or of another sweep: gone now
             write([])
+        for other in {*SWEEPS, "losses"} - {name}:  # another sweep's plots would show its runs
+            for png in _plots(out_dir, other):
+                png.unlink(missing_ok=True)
         outcome = run_many(configs, folders, data_file, workers, progress_bar, on_finish=write)
         # A run may have written its result as a stop came, before its worker's message
         # was read: the finished runs are the results on disk.
