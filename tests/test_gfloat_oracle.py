@@ -59,7 +59,7 @@ from conftest import (
     hexbits,
     stable_seed,
 )
-from fewbit.formats import names
+from fewbit.formats import FloatFormat, names
 from fewbit.rounding import dtype_format, round_reference
 
 GFLOAT_MODES = DETERMINISTIC_MODES + FEW_BIT_SR_MODES
@@ -607,3 +607,36 @@ def test_core_formats_are_testable():
     held = set(held_formats(torch.float32))
     assert set(CORE) <= held
     assert math.isfinite(fewbit.format("ocp_e8m0").max)
+
+
+def _gfloat_of_hand_made(fmt: FloatFormat):
+    """gfloat's FormatInfo of a signed, extended hand-made format (fields as fewbit's)."""
+    return gfloat.FormatInfo(name=fmt.name, k=fmt.k, precision=fmt.p, bias=fmt.bias, is_signed=True,
+                             domain=gfloat.Domain.Extended, has_nz=fmt.has_nz,
+                             num_high_nans=fmt.num_high_nans, has_subnormals=True, is_twos_complement=False)
+
+
+@pytest.mark.parametrize("fmt, dtype", [
+    (FloatFormat("k10p2_bias140", 10, 2, 140), torch.float32),  # normals below float32's (emin -139)
+    (FloatFormat("k12p2_bias1040", 12, 2, 1040), torch.float64),  # below float64's (emin -1039)
+    (FloatFormat("k4p3_subnormals", 4, 3, -2, num_high_nans=3), torch.float32),  # emax 2 < emin 3
+])  # fmt: skip
+def test_hand_made_formats_beyond_the_input_dtypes_binades(fmt, dtype):
+    """Formats whose binades the input dtype's do not cover: every value, each midpoint
+    and each value one input ulp either side, in every deterministic mode, eager and
+    native, against gfloat. (Values whose binade lay below the input's normals came back
+    orders of magnitude off; a format of subnormals alone skipped its rounding.)"""
+    values = fmt.values()
+    finite = np.unique(values[np.isfinite(values)])
+    mids = (finite[:-1] + finite[1:]) / 2
+    x = torch.from_numpy(np.concatenate([finite, mids])).to(dtype)
+    x = torch.cat([x, torch.nextafter(x, torch.tensor(math.inf, dtype=dtype)),
+                   torch.nextafter(x, torch.tensor(-math.inf, dtype=dtype))])  # fmt: skip
+    fi = _gfloat_of_hand_made(fmt)
+    for mode in DETERMINISTIC_MODES:
+        want = torch.from_numpy(gfloat.round_ndarray(fi, x.double().numpy(), gfloat_mode(mode))).to(dtype)
+        for config in ({}, {"compile": False}):
+            with fewbit.configure(**config):
+                got = fewbit.round(x, fmt, mode)
+            bad = bitwise_mismatches(got, want)
+            assert not bad.size, (mode, config, describe_mismatches(x, got, want, bad))

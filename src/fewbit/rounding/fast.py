@@ -142,10 +142,16 @@ def round_fast(x: torch.Tensor, spec: RoundSpec, random_bits: torch.Tensor | Non
     # Back to the working float: normal results by placing exponent and significand
     # (a carry into 2^P moves the exponent up by itself); subnormal ones as r * ulp.
     normal = ((e_t + (bias_in - 1)) << M) + (r << (M - t))
-    tiny = (r.to(x.dtype) * 2.0 ** fmt.min_ulp_exponent).view(itype)
     is_normal = r >= (1 << t)
     if fmt.emin < 1 - bias_in:
+        # The format's normals reach below x's: r counts ulps of e_t, 2^(e_t - t), where
+        # e_t may lie above emin while the value is subnormal in x's dtype.
         is_normal &= e_t >= 1 - bias_in
+        subnormal_power = 1 << (e_t + bias_in - 1 + M).clamp(0, M)
+        power = torch.where(e_t >= 1 - bias_in, (e_t + bias_in) << M, subnormal_power)
+        tiny = (r.to(x.dtype) * 2.0**-t * power.view(x.dtype)).view(itype)
+    else:
+        tiny = (r.to(x.dtype) * 2.0 ** fmt.min_ulp_exponent).view(itype)
     mag = torch.where(is_normal, normal, tiny)
 
     # Range: saturate, stop directed modes at the limit, or go beyond (Inf/NaN).

@@ -52,8 +52,9 @@ def magic_applies(spec: RoundSpec, dtype: torch.dtype) -> bool:
     if dtype != torch.float32 or not (spec.mode is RoundMode.RNE or src_everywhere):
         return False
     # Unsigned formats map negatives to NaN; P = 1 breaks ties on the exponent's
-    # parity; without subnormals there is no zero; two's complement has its own -max.
-    if not fmt.signed or fmt.p < 2 or not fmt.has_subnormals or fmt.twos_complement:
+    # parity; without subnormals there is no zero; two's complement has its own -max;
+    # a format of subnormals alone (emax < emin) has no binade to clamp e_t into.
+    if not fmt.signed or fmt.p < 2 or not fmt.has_subnormals or fmt.twos_complement or fmt.emax < fmt.emin:
         return False
     lowest_c = fmt.emin + 23 - fmt.t - _fraction_bits(spec)
     highest_c = fmt.emax + 23 - fmt.t - _fraction_bits(spec)
