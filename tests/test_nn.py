@@ -8,7 +8,7 @@ import torch
 
 import fewbit
 from fewbit.nn import FakeQuantize, Quant, fake_quantize, quantize_outputs
-from fewbit.random import Key, fold_in
+from fewbit.random import Key, fold_in, key_of
 from fewbit.replicas import replica_key
 
 E4M3 = Quant("ocp_e4m3")
@@ -117,6 +117,28 @@ def test_quantize_outputs_of_every_linear():
     ) * (h > 0)
     assert torch.allclose(model[0].weight.grad, grad_h.T @ x, rtol=1e-6, atol=1e-6)
     assert "0.output_quant.calls" in model.state_dict()
+
+
+def test_quantize_outputs_leaves_out_what_never_runs_its_forward():
+    """MultiheadAttention reads its out_proj's weight without calling it: hooked, it was
+    reported as quantised and never rounded. It is left out, with a warning naming it."""
+    model = torch.nn.ModuleDict({"attn": torch.nn.MultiheadAttention(8, 2), "head": torch.nn.Linear(8, 2)})
+    with pytest.warns(UserWarning, match="leaves out the out_proj of MultiheadAttention 'attn'"):
+        changed = quantize_outputs(model, E4M3)
+    assert changed == [model["head"]] and not hasattr(model["attn"].out_proj, "output_quant")
+
+
+def test_a_key_tensor_changed_before_backward_leaves_the_gradients_bits():
+    """The gradient rounds with the key of the forward call, though the caller advance
+    their key tensor in place before backward (it was read at backward time)."""
+    q = Quant("ocp_e5m2", "src", bits=3)
+    x, g = torch.randn(4, 64, requires_grad=True), torch.randn(4, 64)
+    key = key_of(7)
+    y = fake_quantize(x, None, q, seed=key)
+    key.copy_(key_of(8))
+    y.backward(g)
+    assert torch.equal(x.grad, q(g, fold_in(key_of(7), 1)))
+    assert not torch.equal(x.grad, q(g, fold_in(key_of(8), 1)))
 
 
 def test_quantize_outputs_again_replaces_the_rounding_without_a_second_hook():

@@ -5,10 +5,12 @@ from __future__ import annotations
 import functools
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
 import fewbit
+import fewbit.block as block
 from fewbit.optim import LowPrecisionWeights
 from fewbit.random import as_key, fold_in
 from fewbit.rounding import compiled
@@ -534,6 +536,29 @@ def test_bad_input():
     LowPrecisionWeights(torch.optim.SGD(m2.parameters(), lr=0.1), FMT, params=both).load_state_dict(written)
     old = {**written, "config": {k: v for k, v in written["config"].items() if k != "params"}}
     LowPrecisionWeights(torch.optim.SGD(m2.parameters(), lr=0.1), FMT, params=both).load_state_dict(old)
+
+
+def test_block_weights_without_the_block_axis_are_refused_and_numpy_scalars_are_python_ones(tmp_path):
+    """A block format whose axis a selected weight lacks (a 0-d weight; axis 2 of a 2-d
+    one) is refused before any weight changes, as fewbit.block.round refuses it (it was
+    a ZeroDivisionError after others were rounded; axis 2 wrapped to 0). numpy scalars
+    are taken as Python ones, so the checkpoint loads with torch.load's defaults."""
+    m = model()
+    before = [p.detach().clone() for p in m.parameters()]
+    opt = torch.optim.SGD([*m.parameters(), torch.nn.Parameter(torch.tensor(1.5))], lr=0.1)
+    cases = [({"params": opt.param_groups[0]["params"]}, "at least one dimension \\(param 4 is 0-d\\)"),
+             ({"params": [m[0].weight]}, "axis 2 is out of range for a tensor of 2 dimensions")]
+    for kw, message in cases:
+        fmt = block.BlockFormat("mxfp4_axis2", fewbit.format("ocp_e2m1"), 32, fewbit.format("ocp_e8m0"),
+                                axis=2) if "axis 2" in message else "mxfp4"  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            LowPrecisionWeights(opt, fmt, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))
+    numpy_scalars = {"bits": np.int64(3), "fraction": np.float64(0.5), "sat": np.bool_(True)}
+    lpw = LowPrecisionWeights(opt, FMT, "sr_fraction", **numpy_scalars)
+    torch.save(lpw.state_dict(), tmp_path / "lpw.pt")
+    config = torch.load(tmp_path / "lpw.pt")["config"]
+    assert (type(config["bits"]), type(config["fraction"]), type(config["sat"])) == (int, float, bool)
 
 
 def test_a_compiled_step_keeps_the_write_back_out_of_the_graph():

@@ -12,6 +12,7 @@ stopped.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -147,7 +148,9 @@ def fake_quantize(
         if q is not None:
             q.check_seed(seed)
     if seed is not None:
-        seed = key_of(seed, x.device) if isinstance(seed, torch.Tensor) else as_key(seed)
+        # A key tensor is copied: the gradient rounds with the key of this call, though the
+        # caller change theirs in place before backward (key_of passes (2,) int64 through).
+        seed = key_of(seed, x.device).clone() if isinstance(seed, torch.Tensor) else as_key(seed)
     forward_mode = not torch.compiler.is_compiling() and may_carry_tangent(x)
     return (_ForwardMode if forward_mode else _StraightThrough).apply(x, forward, backward, seed)
 
@@ -204,7 +207,15 @@ def quantize_outputs(
     # Checked before any module changes, and once for all of them.
     forward, backward = _as_quant(forward, "forward"), _as_quant(backward, "backward")
     key = as_key(seed)
-    changed = [m for m in model.modules() if isinstance(m, types)]
+    # MultiheadAttention reads its out_proj's weight without calling it: a hook there
+    # would never run, so that Linear is left out, and said so.
+    attention = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)]
+    unused = {id(m.out_proj): name for name, m in attention}
+    changed = [m for m in model.modules() if isinstance(m, types) and id(m) not in unused]
+    if unused and any(isinstance(m, types) for m in model.modules() if id(m) in unused):
+        warnings.warn(f"quantize_outputs leaves out the out_proj of MultiheadAttention "
+                      f"{', '.join(repr(n) for n in unused.values())}: it never runs its own forward, "
+                      "so its output cannot be hooked", stacklevel=2)  # fmt: skip
     for i, m in enumerate(changed):
         m.output_quant = FakeQuantize(forward, backward, fold_in(key, i), policy)
         if not getattr(m, "_output_quant_hooked", False):  # a second hook would round twice

@@ -26,13 +26,13 @@ from torch.utils.hooks import RemovableHandle
 from . import codec
 from .block import BlockFormat, BlockTensor, check_args, element_or_block, quantize, round_to
 from .block.formats import check_storable
-from .block.ops import with_tensor_scale
+from .block.ops import check_block_axis, with_tensor_scale
 from .config import configure, current
 from .formats import FloatFormat
 from .random import Key, as_key, fold_in
 from .replicas import SeedPolicy, assert_identical_inputs, replica_key, world
 from .rounding import RoundMode, dtype_format
-from .rounding.checks import check_flag
+from .rounding.checks import check_flag, scalar_args
 from .rounding.foreach import round_foreach_
 from .rounding.modes import parse_mode
 from .sharding import (
@@ -214,8 +214,7 @@ class LowPrecisionWeights:
         self.fmt = element_or_block(fmt)
         block = isinstance(self.fmt, BlockFormat)
         self.mode = parse_mode(mode)
-        if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int)):
-            raise TypeError(f"bits must be an int, not {type(bits).__name__}")
+        sat, bits, fraction = scalar_args(sat, bits, fraction)  # Python scalars: a checkpoint loads plainly
         if bits is not None and not 1 <= bits <= 32:
             raise ValueError(f"bits must be in 1..32, got {bits}")
         self.bits = bits if self.mode.takes_bits else None
@@ -294,6 +293,8 @@ class LowPrecisionWeights:
         # kernel rounds to the dtype anyway.
         element = self.fmt.element if isinstance(self.fmt, BlockFormat) else self.fmt
         for name, p in zip(names, params, strict=True):
+            if isinstance(self.fmt, BlockFormat):
+                check_block_axis(p, self.fmt.axis, name)
             # A block's scale needs all its elements: a piece must hold whole blocks.
             check_whole_blocks(p, self.fmt, name=name)
             for dtype in {p.dtype, self.update_dtype or p.dtype}:

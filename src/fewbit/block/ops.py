@@ -117,12 +117,17 @@ def block_spec_of(
         raise TypeError(f"x must be a float tensor, not {x.dtype}")
     spec = _spec(x.dtype, name, rounding, sat, bits, fraction, rule)
     axis = spec.bfmt.axis if axis is None else axis
-    if x.dim() == 0:
-        raise ValueError("block formats need a tensor of at least one dimension")
-    if not -x.dim() <= axis < x.dim():
-        raise ValueError(f"axis {axis} is out of range for a tensor of {x.dim()} dimensions")
+    check_block_axis(x, axis)
     check_key(spec.spec, x, key, random_bits)
     return spec, axis
+
+
+def check_block_axis(x: torch.Tensor, axis: int, name: str = "x") -> None:
+    """Raise ValueError unless ``x`` has a dimension ``axis`` to lay blocks along."""
+    if x.dim() == 0:
+        raise ValueError(f"block formats need a tensor of at least one dimension ({name} is 0-d)")
+    if not -x.dim() <= axis < x.dim():
+        raise ValueError(f"axis {axis} is out of range for a tensor of {x.dim()} dimensions ({name})")
 
 
 def _fake_checks(
