@@ -412,6 +412,25 @@ def test_a_weight_another_tensor_shares_stays_floats(fmt, scale):
         assert bits_equal(pa.detach(), pb.detach())
 
 
+def test_a_weight_whose_storage_cannot_be_resized_stays_floats_and_the_guard_leaves_it_resizable():
+    """A numpy array made from a weight leaves its storage unresizable for good: freeing
+    it raised in step(). It stays floats, with the warning; and the replica guard's
+    hashes (guard=True, check_in_sync) read a copy, so they no longer do this."""
+    from fewbit.replicas import _raw
+
+    m = model()
+    w = m[0].weight
+    _raw(w)
+    assert w.untyped_storage().resizable()
+    lpw = LowPrecisionWeights(torch.optim.SGD(m.parameters(), lr=0.1), FMT, "src", seed=1, store_codes=True)
+    w.detach().numpy()
+    with pytest.warns(UserWarning, match=r"kept param 0 as floats this step: .* a numpy array of it"):
+        train(m, lpw, 1)
+    assert w.untyped_storage().nbytes() == 32 * 16 * 4 and m[2].weight.untyped_storage().nbytes() == 0
+    lpw.materialize()
+    assert torch.equal(fewbit.round(w.detach(), FMT), w.detach())
+
+
 def test_scale_stays_within_the_weights_dtype_and_a_refused_write_back_unscales():
     """A float16 weight of largest magnitude 2^-9 into E4M3 took the scale 2^16, inf in
     float16: 0 became NaN and the rest inf / inf. Its values here are E4M3's times 2^-15,

@@ -4,6 +4,7 @@ saved on 4 ranks and resumed on 2; the pieces' global indices and bits; the sync
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -121,8 +122,33 @@ def edge_cases(rank: int, world_size: int) -> dict:
             "drift in a format, at its ends": lambda: drift_report(ends, fmt="binary8p4"),
             "amax of a partial": lambda: global_amax(partial),
             "scales of a partial": lambda: tensor_scales([partial], fewbit.block.format("nvfp4")),
+            **{f"bits out of range on rank 1, {name}": functools.partial(given_bits_out_of_range, mesh, call)
+               for name, call in BAD_BITS_CALLS.items()},
         }
     return {"cases": {name: _outcome(call) for name, call in cases.items()}}
+
+
+#: Calls given random bits, written into ``out`` (:func:`given_bits_out_of_range`).
+def _src3(op, fmt, x, bits, out):
+    return op(x, fmt, "src", bits=3, random_bits=bits, out=out)
+
+
+BAD_BITS_CALLS = {name: functools.partial(_src3, op, fmt) for name, op, fmt in (
+    ("round", fewbit.round, "binary8p4"), ("nvfp4", fewbit.block.round, "nvfp4"),
+    ("mxfp8", fewbit.block.round, "mxfp8_e4m3"))}  # fmt: skip
+
+
+def given_bits_out_of_range(mesh, call) -> list:
+    """``call`` with random bits out of range in rank 1's piece alone: its error, or its
+    result, and whether ``out`` was written."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    x = distribute_tensor(torch.randn(8, 32, generator=torch.Generator().manual_seed(0)), mesh, [Shard(0)])
+    bits = torch.randint(0, 8, (8, 32), generator=torch.Generator().manual_seed(1))
+    bits[7, 0] = 1000
+    out = distribute_tensor(torch.zeros(8, 32), mesh, [Shard(0)])
+    outcome = _outcome(lambda: call(x, distribute_tensor(bits, mesh, [Shard(0)]), out))
+    return [outcome if isinstance(outcome, str) else "a result", bool(out.to_local().any())]
 
 
 @pytest.fixture(scope="module")
@@ -523,6 +549,16 @@ def test_a_piece_not_where_placed_is_refused_on_every_rank(runs):
     first, second = (r["cases"]["piece not where placed"] for r in runs[2]["edges"])
     assert first.startswith("ValueError: fewbit.round: another rank's piece of x was refused"), first
     assert second.startswith("RuntimeError: a DTensor of shape (7, 32)"), second
+
+
+@pytest.mark.parametrize("name", list(BAD_BITS_CALLS))
+def test_given_bits_out_of_range_on_one_rank_are_refused_on_every_rank(runs, name):
+    """The bits' range is checked on each piece: rank 0 went on, out written, while rank 1
+    raised (and rank 0 then waited alone at its next collective)."""
+    first, second = (r["cases"][f"bits out of range on rank 1, {name}"] for r in runs[2]["edges"])
+    assert first[0].startswith("ValueError: fewbit.") and "another rank's piece of x was refused" in first[0]
+    assert second[0].startswith("ValueError: random_bits must lie in [0, 8)"), second
+    assert (first[1], second[1]) == (False, False)
 
 
 def test_ranks_outside_the_mesh_get_empty_pieces(runs):

@@ -374,8 +374,9 @@ class LowPrecisionWeights:
         if kept := self._write_back(initial=False):
             warnings.warn(f"store_codes kept {', '.join(kept)} as floats this step: another tensor shares "
                           "its storage (its .data, .detach() or a state_dict() entry taken before the step, "
-                          "a graph kept for another backward), and freeing it would crash a read of that "
-                          "tensor; drop that tensor or clone it", stacklevel=3)  # fmt: skip
+                          "a graph kept for another backward, a numpy array of it), and freeing it would "
+                          "crash a read of that tensor; drop that tensor or clone it",
+                          stacklevel=3)  # fmt: skip
         return loss
 
     # A user's torch.compile of step() compiles the inner optimizer's update; the write-back
@@ -418,8 +419,9 @@ class LowPrecisionWeights:
         whose storage another tensor shares: freeing it would crash a read of that tensor;
         their names are returned)."""
         pieces = [local_tensor(p) for p in self.params]  # a DTensor's piece shares its storage
-        shared = [i for i in live if store and (n := _storage_holders(pieces[i])) is not None
-                  and n > self._holders[i]]  # fmt: skip
+        # (A storage a numpy array was made from cannot be resized: it is held too.)
+        shared = [i for i in live if store and (not pieces[i].untyped_storage().resizable() or (
+            (n := _storage_holders(pieces[i])) is not None and n > self._holders[i]))]  # fmt: skip
         stored = [i for i in live if i not in shared] if store else []
         kept = [self.names[i] for i in shared]
         if not self.scale:

@@ -117,7 +117,9 @@ def _raw(t: torch.Tensor) -> bytes:
     if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
         names, context = t.__tensor_flatten__()
         return b"".join(_raw(getattr(t, n)) for n in names) + repr(context).encode()
-    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    # Of a copy: a numpy array made from a weight's own storage would leave it unresizable
+    # for good (store_codes frees a weight's storage between steps).
+    return t.detach().reshape(-1).view(torch.uint8).cpu().clone().numpy().tobytes()
 
 
 @dataclass

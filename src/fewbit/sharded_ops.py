@@ -67,6 +67,12 @@ def _eager(name: str) -> None:
 T = TypeVar("T")
 
 
+def _may_refuse(spec, given) -> bool:
+    """Whether one rank's piece may be refused where another's is not: an element without
+    a result, or given random bits out of range (each rank checks those of its piece)."""
+    return spec.may_refuse or given is not None
+
+
 def _alike(x, may_refuse: bool, name: str, compute: Callable[..., T], *args, **kwargs) -> T:
     """``compute(*args, **kwargs)`` on this rank's piece of DTensor ``x``. Where the call
     ``may_refuse`` an element once it is rounded, the ranks agree first (one all-reduce of
@@ -156,7 +162,7 @@ def _round(cls, func, types, args, kwargs):
         return _on_piece(spec, key, given, where, piece,
                          lambda *drawn: func(piece, fmt, rounding, sat, bits, fraction, *drawn))  # fmt: skip
 
-    return _alike(x, spec.may_refuse, "fewbit.round", map_piece, x, rounded)
+    return _alike(x, _may_refuse(spec, given), "fewbit.round", map_piece, x, rounded)
 
 
 def _round_into(cls, func, types, args, kwargs):
@@ -170,13 +176,15 @@ def _round_into(cls, func, types, args, kwargs):
     where = layout(x, piece)
     _check_out(piece, into)  # (the kernel's result is copied into it)
 
+    refusable = _may_refuse(spec, given)
+
     def write(*drawn) -> torch.Tensor | None:
-        if spec.may_refuse:  # a result, copied once every rank has one
+        if refusable:  # a result, copied once every rank has one
             return torch.ops.fewbit.round.default(piece, fmt, rounding, sat, bits, fraction, *drawn)
         func(piece, fmt, rounding, sat, bits, fraction, *drawn, into)
         return None
 
-    done = _alike(x, spec.may_refuse, "fewbit.round", _on_piece, spec, key, given, where, piece, write)
+    done = _alike(x, refusable, "fewbit.round", _on_piece, spec, key, given, where, piece, write)
     if done is not None:  # the kernel's, or one to copy (else the op wrote into itself)
         into.copy_(done)
 
@@ -193,7 +201,7 @@ def _quantize(cls, func, types, args, kwargs):
                          lambda *drawn: func(piece, fmt, rounding, sat, bits, fraction, *drawn, packed),
                          packed=packed)  # fmt: skip
 
-    return _alike(x, spec.may_refuse, "fewbit.quantize", map_piece, x, codes, shape)
+    return _alike(x, _may_refuse(spec, given), "fewbit.quantize", map_piece, x, codes, shape)
 
 
 def _encode(cls, func, types, args, kwargs):
@@ -247,7 +255,7 @@ def _block_round(cls, func, types, args, kwargs):
 
         return _on_piece(spec, key, given, where, piece, op, axis=axis, tensor_scale=ts)
 
-    return _alike(x, spec.may_refuse, "fewbit.block.round", map_piece, x, rounded)
+    return _alike(x, _may_refuse(spec, given), "fewbit.block.round", map_piece, x, rounded)
 
 
 def _block_round_into(cls, func, types, args, kwargs):
@@ -257,12 +265,14 @@ def _block_round_into(cls, func, types, args, kwargs):
     piece = x.to_local()
     where = layout(x, piece)
 
-    def write(*drawn) -> torch.Tensor | None:
-        # A call that may refuse an element keeps its result until every rank has one.
-        result = with_tensor_scale(piece, spec, axis, ts, *drawn, into=None if spec.may_refuse else (into,))
-        return result[0] if spec.may_refuse else None
+    refusable = _may_refuse(spec, given)
 
-    done = _alike(x, spec.may_refuse, "fewbit.block.round", _on_piece, spec, key, given, where, piece, write,
+    def write(*drawn) -> torch.Tensor | None:
+        # A call that may be refused keeps its result until every rank has one.
+        result = with_tensor_scale(piece, spec, axis, ts, *drawn, into=None if refusable else (into,))
+        return result[0] if refusable else None
+
+    done = _alike(x, refusable, "fewbit.block.round", _on_piece, spec, key, given, where, piece, write,
                   axis=axis, tensor_scale=ts)  # fmt: skip
     if done is not None:  # the kernel's, or one to copy (else the op wrote into itself)
         into.copy_(done)
