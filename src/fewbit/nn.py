@@ -209,10 +209,10 @@ def quantize_outputs(
     key = as_key(seed)
     # MultiheadAttention reads its out_proj's weight without calling it: a hook there
     # would never run, so that Linear is left out, and said so.
-    attention = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)]
-    unused = {id(m.out_proj): name for name, m in attention}
+    unused = {id(m.out_proj): name for name, m in model.named_modules()
+              if isinstance(m, nn.MultiheadAttention) and isinstance(m.out_proj, types)}  # fmt: skip
     changed = [m for m in model.modules() if isinstance(m, types) and id(m) not in unused]
-    if unused and any(isinstance(m, types) for m in model.modules() if id(m) in unused):
+    if unused:
         warnings.warn(f"quantize_outputs leaves out the out_proj of MultiheadAttention "
                       f"{', '.join(repr(n) for n in unused.values())}: it never runs its own forward, "
                       "so its output cannot be hooked", stacklevel=2)  # fmt: skip

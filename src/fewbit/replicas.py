@@ -119,7 +119,7 @@ def _raw(t: torch.Tensor) -> bytes:
         return b"".join(_raw(getattr(t, n)) for n in names) + repr(context).encode()
     # Of a copy: a numpy array made from a weight's own storage would leave it unresizable
     # for good (store_codes frees a weight's storage between steps).
-    return t.detach().reshape(-1).view(torch.uint8).cpu().clone().numpy().tobytes()
+    return t.detach().reshape(-1).view(torch.uint8).to("cpu", copy=True).numpy().tobytes()
 
 
 @dataclass

@@ -74,8 +74,8 @@ def _may_refuse(spec, given) -> bool:
 
 
 def _alike(x, may_refuse: bool, name: str, compute: Callable[..., T], *args, **kwargs) -> T:
-    """``compute(*args, **kwargs)`` on this rank's piece of DTensor ``x``. Where the call
-    ``may_refuse`` an element once it is rounded, the ranks agree first (one all-reduce of
+    """``compute(*args, **kwargs)`` on this rank's piece of DTensor ``x``. Where one rank's
+    piece ``may_refuse`` (:func:`_may_refuse`), the ranks agree first (one all-reduce of
     a flag): if any rank's piece was refused, every rank raises, none having written
     ``out`` (a rank that went on would wait at its next collective for those that raised).
     Any error counts, not a ValueError alone: a rank whose piece is not where the placements

@@ -504,10 +504,7 @@ def _mul(func, a, b):
             d, s = parts(x)
             if c == 0:  # (d * c: -0 where the signs differ, NaN for Inf and NaN)
                 return wrap(d * c, s)
-            scale = smul(s, abs(c))
-            if not _float32_scale(scale):  # the value may fit where the scale does not
-                return _on_values(func, a, b)
-            return wrap(-d if c < 0 else d.clone(), scale)
+            return _signed_at(func, (a, b), d, c, smul(s, abs(c)))
     da, sa = parts(a)
     db, sb = parts(b)
     if is_static(sa, 0.0) != is_static(sb, 0.0):
@@ -527,6 +524,14 @@ def _divide(a: Any, b: Any) -> torch.Tensor:
     return wrap(da / db, sa if is_static(sb, 1.0) else sa / sb)
 
 
+def _signed_at(func, args: tuple, d: torch.Tensor, c: float, scale: Scale) -> torch.Tensor:
+    """x times or over a nonzero number c: x's data d with c's sign at ``scale``, or func
+    on the values where that scale would leave float32's range (the value may fit)."""
+    if not _float32_scale(scale):
+        return _on_values(func, *args)
+    return wrap(-d if c < 0 else d.clone(), scale)
+
+
 @rule(aten.div.Tensor, aten.div.Scalar)
 def _div(func, a, b):
     """a / b: scale sa / sb; a number c only changes the scale (to s / |c|)."""
@@ -535,10 +540,7 @@ def _div(func, a, b):
         if c == 0 or not math.isfinite(c):
             return _on_values(func, a, b)
         d, s = parts(a)
-        scale = sdiv(s, abs(c))
-        if not _float32_scale(scale):
-            return _on_values(func, a, b)
-        return wrap(-d if c < 0 else d.clone(), scale)
+        return _signed_at(func, (a, b), d, c, sdiv(s, abs(c)))
     if not isinstance(a, torch.Tensor):
         return torch.mul(torch.reciprocal(b), a)
     return _divide(a, b)
@@ -548,9 +550,9 @@ def _div(func, a, b):
 def _reciprocal(func, x):
     """1 / x: scale 1 / s."""
     d, s = parts(x)
-    if is_static(s, 0.0) or not _float32_scale(sdiv(1.0, s)):
+    if is_static(s, 0.0) or not _float32_scale(scale := 1.0 / s):
         return _on_values(func, x)
-    return wrap(torch.reciprocal(d), 1.0 / s)
+    return wrap(torch.reciprocal(d), scale)
 
 
 @rule(aten.sqrt, aten.rsqrt)
@@ -566,9 +568,9 @@ def _sqrt(func, x):
 def _pow(func, x, p):
     """x ** p for a number p: scale s ** p."""
     d, s = parts(x)
-    if is_static(s, 0.0) or isinstance(p, complex) or not _float32_scale(spow(s, float(p))):
+    if is_static(s, 0.0) or isinstance(p, complex) or not _float32_scale(scale := spow(s, float(p))):
         return _on_values(func, x, p)
-    return wrap(func(d, p), spow(s, float(p)))
+    return wrap(func(d, p), scale)
 
 
 def _float32_scale(s: Scale) -> bool:
