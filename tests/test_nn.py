@@ -88,6 +88,13 @@ def test_quant_refuses_a_bad_axis_at_construction():
     assert type(Quant("hbfp4", axis=np.int64(0)).axis) is int  # as fewbit.block.round takes it
 
 
+def test_a_refused_call_does_not_advance_the_count():
+    q = FakeQuantize(Quant("e2m1"))
+    with pytest.raises(ValueError, match="no NaN"):
+        q(torch.tensor([float("nan")]))
+    assert int(q.calls) == 0
+
+
 def test_module_draws_fresh_bits_per_call_and_resumes_from_state_dict():
     x = torch.full((4096,), 1.03)  # between binary8p4 neighbours 1 and 1.125
     q = FakeQuantize(Quant("binary8p4", "src", bits=3), seed=7)

@@ -182,9 +182,12 @@ class FakeQuantize(nn.Module):
         count = self.calls if torch.compiler.is_compiling() else int(self.calls)
         # A DTensor's pieces are one tensor: its mesh folds in one rank for all of them.
         key = replica_key(fold_in(self.key, count), self.policy, replica_rank(x))
+        y = fake_quantize(x, self.forward_quant, self.backward_quant, key)
+        # Counted once it succeeded: a refused call draws nothing, so a retry that
+        # succeeds gets the bits a run that never failed would have drawn.
         if self.training:
             self.calls += 1
-        return fake_quantize(x, self.forward_quant, self.backward_quant, key)
+        return y
 
     def extra_repr(self) -> str:
         return f"forward={self.forward_quant}, backward={self.backward_quant}"
