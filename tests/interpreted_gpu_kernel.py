@@ -122,12 +122,13 @@ def test_given_bits_same_as_torch(mode, bits):
 @pytest.mark.parametrize("bits", [1, 3, 7, 11, 16, 20])
 def test_any_offset_draws_the_streams_bits(bits):
     """Elements offset .. offset + n get the stream's bits of their indices, whatever row
-    of blocks the first one falls in, far out too (block counters past 2^32). N from 1 to
+    of blocks the first one falls in, far out too (block counters past 2^32, the stream's end). N from 1 to
     20: the rows' fields fill both words (1, 16), leave bits unused (3, 7, 11), or take a
     word each (20)."""
     x = torch.randn(3 * 512 * 2 * (32 // bits) + 77, generator=torch.Generator().manual_seed(3))
     key = Key.from_seed(11)
-    for offset in (0, 333, 512 * 2 * (32 // bits) * (1 << 23) + 5):  # the last: block 2^32 onwards
+    # Far out: block 2^32 onwards, and the last elements of the stream (ending at 2^63).
+    for offset in (0, 333, 512 * 2 * (32 // bits) * (1 << 23) + 5, 2**63 - x.numel()):
         given = random_bits(x.shape, bits, key, offset=offset)
         expected = eager(x, "binary8p4", "src", bits=bits, random_bits=given)
         got = kernel(x, "binary8p4", "src", bits=bits, seed=11, offset=offset)

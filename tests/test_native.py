@@ -134,12 +134,13 @@ def test_given_bits_are_read_by_position_in_x_at_any_offset(dtype):
 @pytest.mark.parametrize("bits", [3, 16, 20])
 def test_any_offset_and_thread_count_draws_the_streams_bits(bits):
     """Elements offset .. offset + n get the stream's bits of their indices (fewbit.random,
-    fed as given bits), far out too (block counters past 2^32), with 1 or 2 threads."""
+    fed as given bits), far out too (block counters past 2^32, and the stream's end), with 1 or 2 threads."""
     fmt = fewbit.format("binary8p4")
     spec = make_spec(torch.float32, fmt, RoundMode.SRC, True, bits, None)
     key = Key(11, 12)
     x = torch.randn(70_000, generator=torch.Generator().manual_seed(3))
-    for offset in (0, 333, 512 * 2 * (32 // bits) * (1 << 23) + 5):  # the last: block 2^32 onwards
+    # Far out: block 2^32 onwards, and the last elements of the stream (ending at 2^63).
+    for offset in (0, 333, 512 * 2 * (32 // bits) * (1 << 23) + 5, 2**63 - x.numel()):
         given = random_bits(x.shape, bits, key, offset=offset)
         expected = fewbit.round(x, fmt, "src", bits=bits, random_bits=given, sat=True)
         for threads in (1, 2):

@@ -172,6 +172,11 @@ def test_compiled_write_back_compiles_for_each_format():
             assert torch.equal(t, fewbit.round(x, fmt, "src", bits=3, seed=fold_in(as_key(1), 0))), fmt
 
 
+def test_write_back_of_no_tensors_does_nothing():
+    spec = check_round_args(torch.ones(1), "binary8p4", "src", True, 3, None)
+    round_foreach_([], spec, as_key(1), [], torch.float32)  # was an IndexError
+
+
 @pytest.mark.parametrize("via", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("source", [torch.float32, torch.float64])
 def test_write_back_converts_to_the_update_dtype_as_torch_does(via, source):

@@ -222,12 +222,13 @@ torch.serialization.add_safe_globals([Key])
 def fold_in(key: Key | int | torch.Tensor, *ints: int | torch.Tensor) -> Key | torch.Tensor:
     """Derive a new key from ``key`` and each int in turn (each in ``[0, 2**64)``).
 
-    One step is ``Key(*threefry2x32_20(counter=(v mod 2**32, v // 2**32), key))``,
-    as in JAX's ``fold_in``. ``fold_in(k, a, b) == fold_in(fold_in(k, a), b)``;
-    ``fold_in(k)`` is ``k``. As in JAX, the child key equals block ``v`` of
-    ``k``'s own stream: ``(k0, k1)`` are its words ``w`` and ``w + LANES``, where
-    ``w = 2 * LANES * (v // LANES) + v % LANES`` (see :func:`random_words`). Derive
-    children for separate uses rather than also drawing from the parent.
+    One step is ``Key(*threefry2x32_20(counter=(v mod 2**32, v // 2**32), key))``:
+    JAX's construction, not its keys (JAX puts a 32-bit ``v`` in the other counter word).
+    ``fold_in(k, a, b) == fold_in(fold_in(k, a), b)``; ``fold_in(k)`` is ``k``. The
+    child key is block ``v`` of ``k``'s own stream: ``(k0, k1)`` are its words ``w`` and
+    ``w + LANES``, where ``w = 2 * LANES * (v // LANES) + v % LANES`` (see
+    :func:`random_words`). Derive children for separate uses rather than also drawing
+    from the parent.
 
     With a key tensor (:func:`key_of`) or a value held in a 0-d integer tensor (a step
     counter, say; a negative one stands for ``v + 2**64``, as in :func:`key_of`), the

@@ -26,6 +26,8 @@ def round_foreach_(
     the native kernel, a call per tensor (a few microseconds each); else one compiled
     call for the whole list. The caller has checked the spec against ``via``, and
     ``spec.fmt`` has a NaN for anything without a value (nothing to raise)."""
+    if not tensors:
+        return
     probe = tensors[0].new_empty(0, dtype=via)  # what the kernels would be given
     if gpu.applies(spec, probe) and gpu.round_foreach_(tensors, spec, key, indices, via):
         return

@@ -739,8 +739,6 @@ inline bool stochastic(int mode) {
   return (mode >= SRFF && mode <= FRACTION) || mode == MAGIC_SRC || mode == CLASSICAL_SR;
 }
 
-// Elements offset .. offset + n lie in rows first_row .. ; each thread takes whole rows
-// and returns the position of its first element without a valid result (or -1).
 // Copy a row's results (bytes a multiple of 32, dst 32-byte aligned) to memory past the
 // caches: an output larger than them is not read back soon, and a plain store first reads
 // each line it writes (a third of the memory traffic of a copy).
@@ -1343,7 +1341,7 @@ struct Row {
   int h0, h1;
   Row(const Job& job, int64_t row)
       : start(row * LANES), pos0(start - job.offset), h0(int(std::max<int64_t>(job.offset - start, 0))),
-        h1(int(std::min<int64_t>(job.offset + job.n - start, LANES))) {}
+        h1(int(std::min<int64_t>(job.n - pos0, LANES))) {}  // not offset + n: it may be 2^63
   bool whole() const { return h0 == 0 && h1 == LANES; }
 };
 
@@ -1752,7 +1750,8 @@ constexpr int64_t MIN_ROWS_PER_THREAD = 64;
 // result, or -1.
 int64_t run_on_threads(const Job& job, int mode, int threads) {
   const RowsFn kernel = KERNELS[mode];
-  const int64_t first = job.offset / LANES, end = (job.offset + job.n + LANES - 1) / LANES;
+  // offset + n may be the stream's end, 2^63: rounding up from it would overflow int64.
+  const int64_t first = job.offset / LANES, end = first + (job.offset % LANES + job.n + LANES - 1) / LANES;
   const int64_t rows = end - first;
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, rows / MIN_ROWS_PER_THREAD));
   if (workers == 1) return kernel(job, first, end);

@@ -384,7 +384,8 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, scales_ptr, ts_ptr, n: tl.i
         ts = 1.0
     # Only the rows that hold elements: a small tensor need not fill the program's rows.
     first = tl.maximum(offset // LANES - row0, 0)
-    end = tl.minimum((offset + n + LANES - 1) // LANES - row0, ROWS)
+    # offset + n may be the stream's end, 2^63: rounding up from it would overflow int64.
+    end = tl.minimum(offset // LANES + (offset % LANES + n + LANES - 1) // LANES - row0, ROWS)
     for r in range(first, end):
         row = row0 + r
         # Element index of lane 0, and the lanes that hold elements: the bounds as scalars, so
