@@ -1711,6 +1711,7 @@ def _two_ranks(rank: int, rendezvous: str) -> None:
     """One rank of test_collectives_take_the_roots_data_and_scale (at module level: the
     ranks are spawned)."""
     import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -1731,6 +1732,8 @@ def _two_ranks(rank: int, rendezvous: str) -> None:
             assert base.static_scale == 0.5 and torch.equal(base.unscaled, torch.ones(4))
             with pytest.raises(NoRuleError, match="allreduce_"):
                 dist.all_reduce(base)
+            with pytest.raises(NoRuleError, match="all_gather_into_tensor"):  # (DTensor's full_tensor)
+                funcol.all_gather_single(base, 0, dist.group.WORLD)
 
             def model(seed: int | None = None) -> nn.Module:
                 if seed is not None:
@@ -1756,6 +1759,17 @@ def _two_ranks(rank: int, rendezvous: str) -> None:
             set_model_state_dict(sharded, checkpoint.state_dict(), options=options)
             x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
             assert torch.equal(sharded(x).dequantize(), checkpoint(x).dequantize())
+            # Into a model that holds values: the padded rank's piece (a view of part of its
+            # buffer) takes the checkpoint's scale as the other rank's (the whole buffer) does.
+            initialised = model(seed=1)
+            fully_shard(initialised, mesh=mesh)
+            nn.init.zeros_(initialised[0].bias)  # both pieces become the zero array
+            assert initialised[0].bias.to_local().static_scale == 0.0
+            with torch.no_grad():
+                for p in checkpoint.parameters():
+                    p.mul_(64.0)
+            set_model_state_dict(initialised, checkpoint.state_dict(), options=options)
+            assert torch.equal(initialised(x).dequantize(), checkpoint(x).dequantize())
     finally:
         dist.destroy_process_group()
 

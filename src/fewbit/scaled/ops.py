@@ -29,6 +29,7 @@ from .tensor import (
     check_dtype,
     coefficient,
     compute_dtype,
+    holds_every_value,
     inplace,
     is_partial_view,
     is_static,
@@ -158,11 +159,12 @@ def _copy(func, dest, src, non_blocking=False):
 def _copy_(func, dest, src, non_blocking=False):
     """copy_: a whole ScaledTensor takes a ScaledTensor source's scale with its values (as
     the zero array takes a result's), so that weights at a larger scale load
-    (``load_state_dict``) without overflowing 16-bit data at the model's scale. A part of
-    a tensor keeps the scale the rest has, and a plain source's values go into dest's
-    data at dest's scale, as in other in-place ops."""
+    (``load_state_dict``) without overflowing 16-bit data at the model's scale; so does a
+    part of a tensor whose rest is zeros (:func:`holds_every_value`). Another part keeps
+    the scale the rest has, and a plain source's values go into dest's data at dest's
+    scale, as in other in-place ops."""
     scaled = isinstance(src, ScaledTensor) and isinstance(dest, ScaledTensor)
-    whole = scaled and not is_partial_view(parts(dest)[0])
+    whole = scaled and holds_every_value(parts(dest)[0])
     return assign(dest, _copy(aten.copy.default, dest, src, non_blocking), adopt=whole)
 
 
@@ -214,10 +216,11 @@ def _zero_(func, dest):
     """Zeroing in place: the zero array (scale 0, as ``zero``), so that the next value
     stored (a gradient accumulated after ``zero_grad(set_to_none=False)``) brings its own
     scale instead of meeting the old one in 16-bit data. A view of part of a tensor
-    keeps the scale, which the rest of the tensor still has."""
+    keeps the scale, which the rest of the tensor still has, unless the rest is zeros
+    (:func:`holds_every_value`)."""
     d = parts(dest)[0]
     func(d)
-    if not is_partial_view(d):
+    if holds_every_value(d):
         set_scale(dest, 0.0)
     return dest
 

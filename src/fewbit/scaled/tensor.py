@@ -670,6 +670,8 @@ def _foreach(base, inplace: bool, store: bool, func, *args, **kwargs):
 
 
 _warned: set[str] = set()
+#: Namespaces of torch.distributed's collectives: c10d's in-place ones, the functional ones.
+_COLLECTIVES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
 
 
 def _fallback(func, args: tuple, kwargs: dict):
@@ -678,9 +680,10 @@ def _fallback(func, args: tuple, kwargs: dict):
     ``frac_``, ``out=``) gets the new value back, as in-place rules store theirs
     (``assign``), and an in-place op returns that argument itself."""
     name = str(func)
-    if func.namespace == "c10d":
+    if func.namespace in _COLLECTIVES:
         # A collective writes its tensors without its schema saying so: run on values, it
-        # would leave each rank's ScaledTensors as they were.
+        # would leave each rank's ScaledTensors as they were. A functional one (DTensor's
+        # full_tensor) returns a buffer still being written: its values are not there yet.
         raise NoRuleError(f"fewbit.scaled: no rule for {name}, a collective on a ScaledTensor (broadcast "
                           "and scatter have rules): run it on t.dequantize(), or rebalance every rank's "
                           "tensor to one scale and run it on t.unscaled")
@@ -887,6 +890,21 @@ def scalar_scale(x: Any, dtype: torch.dtype | None = None) -> Any:
 def is_partial_view(d: torch.Tensor) -> bool:
     """Whether d covers only part of its storage (views made inside rules have no _base)."""
     return d.storage_offset() != 0 or d.untyped_storage().nbytes() != d.numel() * d.element_size()
+
+
+def holds_every_value(d: torch.Tensor) -> bool:
+    """Whether d's tensor is all there is of its values: d covers its storage, or the rest
+    of the storage holds only zeros, which a new scale leaves as they are. FSDP2 keeps a
+    short piece of an uneven Shard(0) in a buffer padded with zeros: that rank's piece
+    must take a new scale (``copy_``, ``zero_``) as the unpadded ranks' pieces do, or the
+    ranks would gather their data under different scales. Read only for a partial view,
+    and only where there are data: traced or on the meta device, it keeps the rest's
+    scale (a graph cannot branch on data)."""
+    partial = is_partial_view(d)
+    if not partial or d.is_meta or torch.compiler.is_compiling():
+        return not partial
+    storage = d.new_empty(0).set_(d.untyped_storage())
+    return bool(storage.count_nonzero() == d.count_nonzero())
 
 
 def assign(dest: torch.Tensor, out: Any, adopt: bool = False) -> torch.Tensor:
