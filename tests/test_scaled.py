@@ -33,6 +33,7 @@ from fewbit.scaled import (
     from_e8m0,
     pow2_scale,
     rebalance,
+    rebalance_,
     round_pow2,
     scale_to_e8m0,
     scalify,
@@ -695,6 +696,24 @@ def test_rebalance_and_dynamic_rescaling_keep_the_value():
     p = as_scaled(torch.randn(8) * 100)
     dynamic_rescale_(p, "max", target=2.0)
     assert float(p.unscaled.abs().max()) == pytest.approx(2.0)
+
+
+def test_rescaling_the_zero_array_gives_zeros():
+    """The zero array (scale 0: zeroed gradients, empty_like state) is 0 whatever its data
+    hold: rescaled, it stays 0 (its data were multiplied by 0: Inf and NaN became NaN), and
+    dynamic rescaling, which keeps an all-zero tensor's scale, gives it a tensor scale 1
+    (a tensor scale cannot be 0; dynamic_rescale_ refused it)."""
+    def zero_array():
+        return as_scaled(torch.tensor([float("inf"), float("nan"), 3.0]), 0.0)
+
+    for r in (rebalance(zero_array(), 2.0), dynamic_rescale_max(zero_array()), pow2_scale(zero_array())):
+        assert torch.equal(r.dequantize(), torch.zeros(3))
+    assert pow2_scale(zero_array()).static_scale == 0.0
+    assert float(dynamic_rescale_max(zero_array()).scale) == 1.0
+    for f in (lambda t: rebalance_(t, 2.0), dynamic_rescale_):
+        t = zero_array()
+        f(t)
+        assert torch.equal(t.dequantize(), torch.zeros(3)) and float(t.scale) > 0
 
 
 def test_gradient_side_rescaling():

@@ -92,11 +92,16 @@ class _Rebalance(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, s):
         d, old = parts(_scaled(t))
-        return wrap(times(d, sdiv(old, s)), s)
+        return wrap(_rebalanced(d, old, s), s)
 
     @staticmethod
     def backward(ctx, g):
         return g, None
+
+
+def _rebalanced(d: torch.Tensor, old: Scale, s: Scale) -> torch.Tensor:
+    # The zero array's data may be anything (empty_like): its value at any scale is zeros.
+    return torch.zeros_like(d) if is_static(old, 0.0) else times(d, sdiv(old, s))
 
 
 def rebalance(t: torch.Tensor, s: torch.Tensor | float) -> ScaledTensor:
@@ -118,7 +123,7 @@ def rebalance_(t: ScaledTensor, s: torch.Tensor | float) -> ScaledTensor:
     s = check_scale(s, t._data, positive=True)
     with torch.no_grad():
         d, old = parts(t)
-        t._data.copy_(times(d, sdiv(old, s)))
+        t._data.copy_(_rebalanced(d, old, s))
     set_scale(t, s)
     torch.autograd.graph.increment_version(t)
     return t
@@ -140,8 +145,8 @@ def round_pow2(s: Scale, rounding: Pow2 = "down") -> Scale:
 
 def pow2_scale(t: torch.Tensor, rounding: Pow2 = "down") -> ScaledTensor:
     """t with its scale rounded to a power of two and the same value (data * 2^k is
-    exact, so products and quotients of such scales are too)."""
-    return rebalance(t, round_pow2(parts(_scaled(t))[1], rounding))
+    exact, so products and quotients of such scales are too); the zero array stays one."""
+    return _Rebalance.apply(t, round_pow2(parts(_scaled(t))[1], rounding))
 
 
 def scale_to_e8m0(t: ScaledTensor) -> torch.Tensor:
@@ -181,7 +186,8 @@ def dynamic_scale(t: torch.Tensor, stat: Stat = "max", target: float = 1.0,
     """The scale that brings ``stat`` of t's data to ``target`` (max |x|, mean |x| or
     RMS) of its finite values, as a float32 tensor; with pow2 a power of two (rounded up
     for max, so the data stays within target; to the nearest otherwise). Where that is 0
-    (an all-zero t) or beyond float32, t keeps its scale.
+    (an all-zero t) or beyond float32, t keeps its scale; the zero array (scale 0, which
+    a tensor scale cannot be) gets 1.
     """
     if not target > 0:
         raise ValueError(f"target must be positive, got {target}")
@@ -189,7 +195,8 @@ def dynamic_scale(t: torch.Tensor, stat: Stat = "max", target: float = 1.0,
     new = _statistic(t, stat) / target
     if pow2:
         new = round_pow2(new, "up" if stat == "max" else "nearest")
-    return torch.where((new > 0) & new.isfinite(), new, parts(t)[1])
+    old = parts(t)[1]
+    return torch.where((new > 0) & new.isfinite(), new, 1.0 if is_static(old, 0.0) else old)
 
 
 def dynamic_rescale(t: torch.Tensor, stat: Stat = "max", target: float = 1.0,
