@@ -278,6 +278,35 @@ def test_bias_has_its_part_in_the_scale(name, form, larger, unit):
         assert torch.equal(out.unscaled, f(xd, wd, rebalanced) * (1 / factor))
 
 
+@pytest.mark.parametrize("op", ["addmm", "addmv"])
+def test_a_small_beta_keeps_the_bias_data_in_range(op):
+    """The fused path rebalanced the bias to the product's scale before the op applied
+    beta: bias 2^20 at a product's scale of 2 is 2^19 in float16 data (Inf) even where
+    beta = -2^-20 makes its term -1."""
+    bias = as_scaled(torch.ones(2, dtype=torch.float16), 2.0**20)
+    a = as_scaled(torch.ones(2, 3, dtype=torch.float16))
+    b = as_scaled(torch.ones(3, dtype=torch.float16), 2.0)
+    if op == "addmm":
+        got = torch.addmm(bias, a, b.unsqueeze(1).expand(3, 2), beta=-(2.0**-20))
+    else:
+        got = torch.addmv(bias, a, b, beta=-(2.0**-20))
+    assert torch.equal(got.dequantize(F64), torch.full_like(got.dequantize(F64), 5.0))  # 6 - 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_layer_norm_adds_its_bias_at_the_bias_scale(dtype):
+    """layer_norm rebalanced its bias to the weight's scale: a zero weight (the zero array,
+    as nn.init.zeros_ makes it) dropped the bias, and in float16 a weight of about 1e-5
+    (scale 2^-17) put a bias of 1 at 2^17 in the data: Inf."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(2)).to(dtype)
+    bias = torch.tensor([0.5, -1.0, 2.0, 0.25], dtype=dtype)
+    for weight in (as_scaled(torch.full((4,), 7.0, dtype=dtype), 0.0),
+                   as_scaled(torch.ones(4, dtype=dtype), 2.0**-17)):
+        got = F.layer_norm(as_scaled(x), (4,), weight, as_scaled(bias))
+        want = F.layer_norm(x.double(), (4,), weight.dequantize(F64), bias.double())
+        close(got.dequantize(F64), want, 1e-6 if dtype == torch.float32 else 1e-3)
+
+
 def test_float16_mlp_with_biases_at_a_small_input_scale():
     """The README's example: a scalify'd float16 MLP on an input at scale 2^-20. Its
     biases (about 0.25) at the products' scale (about 2^-23) overflowed float16: NaN."""
@@ -807,6 +836,9 @@ MIXED_REFUSED = {
                                                            s(torch.ones(4, dtype=torch.float16))),
     "layer_norm, a bfloat16 bias": lambda s: F.layer_norm(s(torch.ones(2, 4, dtype=torch.float16)), (4,),
                                                           None, s(torch.ones(4, dtype=torch.bfloat16))),
+    "layer_norm, a float32 weight and a float16 bias": lambda s: F.layer_norm(
+        s(torch.ones(2, 4, dtype=torch.float16)), (4,), s(torch.ones(4)),
+        s(torch.ones(4, dtype=torch.float16))),
     "nll_loss, a float16 class weight": lambda s: F.nll_loss(s(torch.ones(2, 4)), torch.tensor([0, 1]),
                                                              s(torch.ones(4, dtype=torch.float16))),
 }  # fmt: skip

@@ -101,22 +101,27 @@ def _with_bias(fused: Callable, product: Callable, p: Scale, k: int, bias: Any, 
     003's add scale max(|alpha| p f, |beta| s_bias) (f: the unit-scaling factor), so that
     a bias larger than the product keeps its data in range.
 
-    ``product()`` is the op on the data without the bias; ``fused(c, alpha)`` the op with
-    bias data c (times the op's beta) and the product's coefficient alpha.
+    ``product()`` is the op on the data without the bias; ``fused(c, alpha, beta)`` the
+    op with bias data c and the coefficients alpha and beta.
     """
     bias = scalar_scale(bias)
     sc = scale_of(bias)
     f = _unit(k)
     if is_static(p, 1.0) and is_static(sc, 1.0) and f == 1.0:
         # Plain tensors: the op itself, bit for bit (seed 003's scale 1).
-        return wrap(fused(parts(bias)[0], alpha), 1.0)
+        return wrap(fused(parts(bias)[0], alpha, beta), 1.0)
     q = smul(p, abs(alpha))  # the product term's scale, before the unit factor
     # Which term is larger needs the scales as numbers: read where that is free.
     nq, nc = coefficient(q), coefficient(sc)
     if is_static(nq) and is_static(nc) and nq > 0 and nq * f >= abs(beta) * nc:
         # The product's term is: one fused op on the data, with |alpha| in the scale
-        # and the bias, no larger than that term, in range at it.
-        return _product(fused(at_scale(bias, q), math.copysign(1.0, alpha)), q, k)
+        # and the bias term, no larger than that term, in range at it: |beta| goes into
+        # the bias's data (bias / q alone could overflow 16-bit data where |beta| < 1).
+        # beta = 0 takes no bias, not even Inf or NaN, as in torch.
+        if beta == 0:
+            return _product(fused(at_scale(bias, q), math.copysign(1.0, alpha), 0), q, k)
+        c = at_scale(bias, sdiv(q, abs(beta)))
+        return _product(fused(c, math.copysign(1.0, alpha), math.copysign(1.0, beta)), q, k)
     return wrap(*lincomb([(_product(product(), p, k), alpha), (bias, beta)]))
 
 
@@ -131,7 +136,7 @@ def _addmm(func, bias, a, b, *, beta=1, alpha=1):
     mm = _WITHOUT_BIAS[func.overloadpacket]
     _refuse_mixed(func.overloadpacket.__name__, "bias", bias, a.dtype)
     (da, sa), (db, sb) = map(parts, _factors(mm, a, b))
-    return _with_bias(lambda c, coef: func(c, da, db, beta=beta, alpha=coef), lambda: mm(da, db),
+    return _with_bias(lambda c, a_, b_: func(c, da, db, beta=b_, alpha=a_), lambda: mm(da, db),
                       smul(sa, sb), da.shape[-1], bias, alpha, beta)
 
 
@@ -151,7 +156,7 @@ def _convolution(func, x, weight, bias, stride, padding, dilation, transposed, o
     # The bias as (C, 1, ..., 1), to broadcast over the output's spatial dims in a sum.
     db, sb = parts(scalar_scale(bias))
     channels = wrap(db.reshape(-1, *(1,) * (dw.dim() - 2)), sb)
-    return _with_bias(lambda c, _: conv(c.reshape(-1)), lambda: conv(None), smul(sx, sw), fan_in, channels)
+    return _with_bias(lambda c, *_: conv(c.reshape(-1)), lambda: conv(None), smul(sx, sw), fan_in, channels)
 
 
 @rule(aten.convolution_backward)
@@ -213,27 +218,37 @@ def _sdp_choice(func, q, k, v, *args, **kwargs):
 
 # --- normalisations --------------------------------------------------------------------
 
-def _affine(weight, bias, cdt):
-    # Weight data and scale, and the bias rebalanced to the weight's scale.
+def _affine(weight, cdt):
+    # The affine weight's data, in the compute dtype, and its scale.
     if weight is None:
-        dw, sw = None, 1.0
-    else:
-        dw, sw = parts(scalar_scale(weight))
-    b = None if bias is None else at_scale(scalar_scale(bias), sw)
-    return _to(dw, cdt), _to(b, cdt), sw
+        return None, 1.0
+    dw, sw = parts(scalar_scale(weight))
+    return _to(dw, cdt), sw
 
 
 @rule(aten.native_layer_norm)
 def _layer_norm(func, x, normalized_shape, weight, bias, eps):
     """layer_norm on the value: the output is unit-scaled, so its scale is 1, or sw with
-    a scaled affine weight. mean and rstd stay in float32 (they are of the value)."""
+    a scaled affine weight; a bias at another scale is added as add adds it (scale
+    max(sw, s_bias): a zero weight leaves the bias, a small one does not push the bias's
+    data out of range). mean and rstd stay in float32 (they are of the value)."""
     d = parts(x)[0]
     for what, t in (("weight", weight), ("bias", bias)):
         _refuse_mixed("layer_norm", what, t, d.dtype, also_float32=True)
+    if isinstance(weight, torch.Tensor) and isinstance(bias, torch.Tensor) and weight.dtype != bias.dtype:
+        raise RuntimeError(f"layer_norm: the weight is {weight.dtype} and the bias {bias.dtype}: torch "
+                           "refuses mixed dtypes here; cast one of them")  # fmt: skip
     cdt = compute_dtype(d.dtype)
-    w, b, sw = _affine(weight, bias, cdt)
-    out, mean, rstd = func(value(x, cdt), normalized_shape, w, b, eps)
-    return wrap(out.to(d.dtype), sw), mean, rstd
+    w, sw = _affine(weight, cdt)
+    bias = scalar_scale(bias)
+    if bias is None or (is_static(sw) and is_static(scale_of(bias), sw) and sw != 0):
+        # One fused kernel, the bias's data taken as they are (at the weight's scale).
+        out, mean, rstd = func(value(x, cdt), normalized_shape, w, _to(parts(bias)[0], cdt) if bias is not
+                               None else None, eps)  # fmt: skip
+        return wrap(out.to(d.dtype), sw), mean, rstd
+    out, mean, rstd = func(value(x, cdt), normalized_shape, w, None, eps)
+    y, s = lincomb([(wrap(out, sw), 1.0), (bias, 1.0)])
+    return wrap(y.to(d.dtype), s), mean, rstd
 
 
 def _normalized_input_gradient(gi: torch.Tensor, x: Any, sg: Scale, sw: Scale,
@@ -252,7 +267,8 @@ def _layer_norm_backward(func, g, x, normalized_shape, mean, rstd, weight, bias,
     sg, bias sg."""
     dg, sg = parts(scalar_scale(g))
     cdt = compute_dtype(dg.dtype)
-    w, b, sw = _affine(weight, bias, cdt)
+    w, sw = _affine(weight, cdt)
+    b = None if bias is None else _to(parts(bias)[0], cdt)  # (its values are not used: its shape is)
     gi, gw, gb = func(dg.to(cdt), value(x, cdt), normalized_shape, mean, rstd, w, b, output_mask)
     return (None if gi is None else _normalized_input_gradient(gi, x, sg, sw, rstd),
             None if gw is None else wrap(gw.to(parts(weight)[0].dtype), sg),
@@ -266,7 +282,7 @@ def _rms_norm(func, x, normalized_shape, weight, eps):
     the output's scale exactly 1.)"""
     d = parts(x)[0]
     cdt = compute_dtype(d.dtype)
-    w, _, sw = _affine(weight, None, cdt)
+    w, sw = _affine(weight, cdt)
     out, rstd = func(value(x, cdt), normalized_shape, w, eps)
     return wrap(out.to(d.dtype), sw), rstd
 
@@ -276,7 +292,7 @@ def _rms_norm_backward(func, g, x, normalized_shape, rstd, weight, output_mask):
     """Gradients of rms_norm: input sg sw times rstd's largest (a power of two), weight sg."""
     dg, sg = parts(scalar_scale(g))
     cdt = compute_dtype(dg.dtype)
-    w, _, sw = _affine(weight, None, cdt)
+    w, sw = _affine(weight, cdt)
     gi, gw = func(dg.to(cdt), value(x, cdt), normalized_shape, rstd, w, output_mask)
     return (None if gi is None else _normalized_input_gradient(gi, x, sg, sw, rstd),
             None if gw is None else wrap(gw.to(parts(weight)[0].dtype), sg))
