@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fewbit.experiments.processes import Stopped, stopping_on_signals
 from fewbit.experiments.replicas import ReplicaRun, launch
 from fewbit.random import Key, fold_in
 from fewbit.replicas import (
@@ -232,3 +234,47 @@ def test_replicas_command_stopped_by_a_signal_ends_every_rank_quietly(tmp_path, 
     ]
     assert not [pid for pid in ranks if alive(pid)]
     assert session(proc.pid) == {}
+
+
+def test_a_rank_that_dies_stops_the_others_and_is_named_in_one_line(tmp_path):
+    """A rank killed (out of memory, say) left the others waiting for it in a collective
+    until gloo's 30-minute timeout, or crashing with gloo's traceback, and the command
+    printed its own traceback. Now the others are stopped and one line names the rank."""
+    env = {**ENV, "TMPDIR": str(tmp_path)}
+    cmd = [sys.executable, "-m", "fewbit.cli", "replicas", "--nproc", "2", "--steps", "1000000"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("*/rendezvous")):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no rank started within 120 s"
+            time.sleep(0.05)
+        ranks = [pid for pid in session(proc.pid) if pid != proc.pid]
+        assert len(ranks) == 2
+        os.kill(ranks[1], signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 1, err
+    # (The other rank may have logged gloo's view of the lost peer before it was stopped.)
+    assert "Traceback" not in err
+    assert re.fullmatch(r"fewbit: error: replica rank [01] killed by SIGKILL \(out of memory\?\); the other "
+                        r"ranks were stopped", err.splitlines()[-1]), err  # fmt: skip
+    assert not [pid for pid in ranks if alive(pid)]
+    assert session(proc.pid) == {}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_work_in_the_parent_stops_on_a_signal_as_the_ranks_do(sig):
+    """`fewbit replicas --fsdp` runs its one-process comparison in the parent, after the
+    ranks: SIGTERM there killed it without a word, and SIGINT gave the generic
+    interrupted line, where the README promises the replicas' stopped line."""
+    before = signal.getsignal(sig)
+    with pytest.raises(Stopped) as stop, stopping_on_signals():
+        os.kill(os.getpid(), sig)
+        time.sleep(5)  # (interrupted by the handler at once)
+    assert stop.value.signum == sig
+    assert signal.getsignal(sig) is before

@@ -516,10 +516,16 @@ def cmd_replicas_fsdp(args: argparse.Namespace) -> int:
 
 
 def cmd_replicas(args: argparse.Namespace) -> int:
-    from .experiments.processes import Stopped
+    from .experiments.processes import Stopped, stopping_on_signals
+    from .experiments.replicas import ReplicaFailure
 
     try:
-        return cmd_replicas_fsdp(args) if args.fsdp else cmd_replicas_ddp(args)
+        # The ranks' phase stops them first; the rest (data, --fsdp's one-process run) at once.
+        with stopping_on_signals():
+            return cmd_replicas_fsdp(args) if args.fsdp else cmd_replicas_ddp(args)
+    except ReplicaFailure as failure:
+        print(f"fewbit: error: {failure}", file=sys.stderr)
+        return 1
     except Stopped as stop:
         print(f"fewbit: {stop}: the {args.nproc} replica processes have ended and nothing was saved "
               "(the command keeps no checkpoints); run the same command to start again",

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -31,6 +32,22 @@ class Stopped(Exception):
     def __init__(self, signum: int):
         self.signum = signum
         super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+@contextmanager
+def stopping_on_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM raise :class:`Stopped` in the block (work in this process, which
+    has no children to stop first; :class:`Children` inside it notes them instead)."""
+
+    def stop(signum: int, frame) -> None:
+        raise Stopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 class Child:

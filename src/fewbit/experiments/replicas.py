@@ -167,6 +167,21 @@ def _randint_sr_step(opt: torch.optim.Optimizer, named, fmt: str) -> None:
         p.copy_(fewbit_round(p, fmt, "src", bits=3, random_bits=bits, sat=True))
 
 
+class ReplicaFailure(RuntimeError):
+    """A rank ended without its results; the others were stopped."""
+
+
+def _results(r: int, code: int, raw: bytes) -> list[dict]:
+    # Raised inside launch()'s block, so that leaving it stops the other ranks.
+    if code != 0:
+        raise ReplicaFailure(f"replica rank {r} {how_it_ended(code)}; the other ranks were stopped")
+    per_cfg = pickle.loads(raw)
+    if "crash" in per_cfg[-1]:
+        raise ReplicaFailure(f"replica rank {r} crashed; the other ranks were stopped:\n"
+                             f"{per_cfg[-1]['crash']}")
+    return per_cfg
+
+
 #: The file, in the ranks' temporary folder, that brings them their configurations.
 JOB = "job.pkl"
 
@@ -179,7 +194,9 @@ def launch(cfgs, nproc: int, timeout: float | None = 600, train=None) -> list[li
     top level of a module, not of the script ``__main__``; default: the DDP run of a
     :class:`ReplicaRun`) returns a dict, whose ``weights`` are numpy arrays.
 
-    SIGINT or SIGTERM stops every rank and raises :class:`~.processes.Stopped`."""
+    SIGINT or SIGTERM stops every rank and raises :class:`~.processes.Stopped`; a rank
+    that ends without its results (killed, or crashed: the others would wait for it in
+    their next collective) stops the others and raises :class:`ReplicaFailure`."""
     cfgs = list(cfgs) if isinstance(cfgs, list | tuple) else [cfgs]
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
@@ -189,8 +206,9 @@ def launch(cfgs, nproc: int, timeout: float | None = 600, train=None) -> list[li
         ranks = [children.add(Child(__name__, tmp, str(r), str(nproc), stdin=subprocess.DEVNULL))
                  for r in range(nproc)]  # fmt: skip
         results = {rank: b"" for rank in ranks}
+        out: dict[int, list[dict]] = {}
         deadline = None if timeout is None else time.monotonic() + timeout
-        while any(map(children.reading, ranks)) and not children.stopped:
+        while len(out) < nproc and not children.stopped:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise RuntimeError(f"replica processes gave no result within {timeout} s")
@@ -200,19 +218,11 @@ def launch(cfgs, nproc: int, timeout: float | None = 600, train=None) -> list[li
                 else:  # its warnings and errors
                     for line in rank.lines(fd, chunk):
                         print(line, file=sys.stderr)
+            for r, rank in enumerate(ranks):
+                if r not in out and not children.reading(rank):  # it has ended
+                    out[r] = _results(r, children.close(rank), results[rank])
         if children.stopped:
             raise Stopped(children.stopped)
-        codes = [children.close(rank) for rank in ranks]
-    out, failed = {}, []
-    for r, (rank, code) in enumerate(zip(ranks, codes, strict=True)):
-        if code != 0:
-            failed.append(f"rank {r} {how_it_ended(code)}")
-            continue
-        out[r] = pickle.loads(results[rank])
-        if "crash" in out[r][-1]:
-            failed.append(f"rank {r}:\n{out[r][-1]['crash']}")
-    if failed:
-        raise RuntimeError("replica processes failed:\n" + "\n".join(failed))
     for per_rank in out.values():
         for res in per_rank:
             res["weights"] = {n: torch.from_numpy(a) for n, a in res.get("weights", {}).items()}
