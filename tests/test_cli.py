@@ -2,7 +2,10 @@
 
 import importlib
 import re
+import signal
+import subprocess
 import sys
+import time
 from fractions import Fraction
 from pathlib import Path
 
@@ -534,3 +537,15 @@ def test_round_says_what_a_dtype_lacks_for_a_format(capsys, fmt, dtype, says):
     code, out, err = run(capsys, "round", "0.3", "-f", fmt, "--dtype", dtype)
     assert (code, out) == (2, "")
     assert err == f"fewbit: error: a torch.{dtype} tensor cannot hold every value of {says}\n"
+
+
+def test_ctrl_c_while_the_command_starts_ends_it_in_one_line():
+    """The installed command imports torch for seconds before main() runs: a Ctrl-C there
+    printed an import's KeyboardInterrupt traceback and the process died of SIGINT."""
+    script = Path(sys.executable).with_name("fewbit")  # the console script pip installed
+    proc = subprocess.Popen([str(script), "bias", "--mode", "srff", "--bits", "3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    time.sleep(0.3)  # importing torch takes longer
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (130, "fewbit: interrupted\n"), err[-3000:]
