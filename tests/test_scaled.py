@@ -727,6 +727,19 @@ def test_rebalance_and_dynamic_rescaling_keep_the_value():
     assert float(p.unscaled.abs().max()) == pytest.approx(2.0)
 
 
+def test_rebalance_of_a_view_whose_rest_is_zeros():
+    """FSDP2's short piece of an uneven Shard(0) views part of a zero-padded buffer: it
+    rebalances as the whole pieces of the other ranks do (it raised), and its base takes
+    the scale; a view of part of other values is still refused."""
+    base = as_scaled(torch.tensor([[1.0, 2.0], [3.0, 4.0], [0.0, 0.0]]), 0.5)
+    piece = base[:2]
+    rebalance_(piece, 0.25)
+    assert piece.static_scale == base.static_scale == 0.25
+    assert torch.equal(base.dequantize(), torch.tensor([[0.5, 1.0], [1.5, 2.0], [0.0, 0.0]]))
+    with pytest.raises(ValueError, match="rebalance_ of a view"):
+        rebalance_(base[1:], 0.5)
+
+
 def test_rescaling_the_zero_array_gives_zeros():
     """The zero array (scale 0: zeroed gradients, empty_like state) is 0 whatever its data
     hold: rescaled, it stays 0 (its data were multiplied by 0: Inf and NaN became NaN), and

@@ -23,7 +23,7 @@ from .tensor import (
     as_scaled,
     check_scale,
     compute_dtype,
-    is_partial_view,
+    holds_every_value,
     is_static,
     parts,
     sdiv,
@@ -115,10 +115,11 @@ def rebalance(t: torch.Tensor, s: torch.Tensor | float) -> ScaledTensor:
 
 
 def rebalance_(t: ScaledTensor, s: torch.Tensor | float) -> ScaledTensor:
-    """In-place :func:`rebalance` of a ScaledTensor that is not a view (a parameter)."""
+    """In-place :func:`rebalance` of a ScaledTensor that is not a view (a parameter; or
+    a view whose rest is zeros, as FSDP2's short piece of a padded buffer)."""
     if not isinstance(t, ScaledTensor):
         raise TypeError(f"rebalance_ needs a ScaledTensor, not {type(t).__name__}")
-    if is_partial_view(t._data):
+    if not holds_every_value(t._data):
         raise ValueError("rebalance_ of a view would leave its base with the old scale")
     s = check_scale(s, t._data, positive=True)
     with torch.no_grad():
