@@ -199,9 +199,9 @@ def alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
-@pytest.mark.parametrize("sig, to_group", [(signal.SIGINT, True), (signal.SIGTERM, False)],
-                         ids=["ctrl-c", "kill"])  # fmt: skip
-def test_replicas_command_stopped_by_a_signal_ends_every_rank_quietly(tmp_path, sig, to_group):
+def _replicas_then(tmp_path, act) -> tuple[subprocess.Popen, list[int], str, str]:
+    """Start `fewbit replicas` on 2 ranks, call ``act(proc, rank_pids)`` once a rank has
+    started torch.distributed, and return the process, its ranks' pids, stdout, stderr."""
     # The ranks' temporary folder, with their rendezvous file, lands in tmp_path.
     env = {**ENV, "TMPDIR": str(tmp_path)}
     cmd = [sys.executable, "-m", "fewbit.cli", "replicas", "--nproc", "2", "--steps", "1000000"]
@@ -216,15 +216,27 @@ def test_replicas_command_stopped_by_a_signal_ends_every_rank_quietly(tmp_path, 
             time.sleep(0.05)
         ranks = [pid for pid in session(proc.pid) if pid != proc.pid]
         assert len(ranks) == 2
-        if to_group:
-            os.killpg(proc.pid, sig)
-        else:
-            proc.send_signal(sig)
+        act(proc, ranks)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
+    assert not [pid for pid in ranks if alive(pid)]
+    assert session(proc.pid) == {}
+    return proc, ranks, out, err
+
+
+@pytest.mark.parametrize("sig, to_group", [(signal.SIGINT, True), (signal.SIGTERM, False)],
+                         ids=["ctrl-c", "kill"])  # fmt: skip
+def test_replicas_command_stopped_by_a_signal_ends_every_rank_quietly(tmp_path, sig, to_group):
+    def stop(proc, ranks):
+        if to_group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+
+    proc, ranks, out, err = _replicas_then(tmp_path, stop)
     assert proc.returncode == 128 + sig, err
     assert "Traceback" not in out + err
     assert out == ""
@@ -232,39 +244,18 @@ def test_replicas_command_stopped_by_a_signal_ends_every_rank_quietly(tmp_path, 
         f"fewbit: stopped by {sig.name}: the 2 replica processes have ended and nothing was saved "
         "(the command keeps no checkpoints); run the same command to start again"
     ]
-    assert not [pid for pid in ranks if alive(pid)]
-    assert session(proc.pid) == {}
 
 
 def test_a_rank_that_dies_stops_the_others_and_is_named_in_one_line(tmp_path):
     """A rank killed (out of memory, say) left the others waiting for it in a collective
     until gloo's 30-minute timeout, or crashing with gloo's traceback, and the command
     printed its own traceback. Now the others are stopped and one line names the rank."""
-    env = {**ENV, "TMPDIR": str(tmp_path)}
-    cmd = [sys.executable, "-m", "fewbit.cli", "replicas", "--nproc", "2", "--steps", "1000000"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while not list(tmp_path.glob("*/rendezvous")):
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "no rank started within 120 s"
-            time.sleep(0.05)
-        ranks = [pid for pid in session(proc.pid) if pid != proc.pid]
-        assert len(ranks) == 2
-        os.kill(ranks[1], signal.SIGKILL)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+    proc, ranks, out, err = _replicas_then(tmp_path, lambda proc, ranks: os.kill(ranks[1], signal.SIGKILL))
     assert proc.returncode == 1, err
     # (The other rank may have logged gloo's view of the lost peer before it was stopped.)
     assert "Traceback" not in err
     assert re.fullmatch(r"fewbit: error: replica rank [01] killed by SIGKILL \(out of memory\?\); the other "
                         r"ranks were stopped", err.splitlines()[-1]), err  # fmt: skip
-    assert not [pid for pid in ranks if alive(pid)]
-    assert session(proc.pid) == {}
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
