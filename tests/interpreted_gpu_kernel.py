@@ -27,7 +27,7 @@ from fewbit.rounding import gpu, native
 from fewbit.rounding.checks import dtype_format, make_spec
 from fewbit.rounding.compiled import stream_words
 from fewbit.rounding.modes import RoundMode
-from test_codec import _element_codes
+from test_codec import LARGE_VALUES, _element_codes, large_values
 from test_native import BLOCK_PIECES, FORMATS, MODE_ARGS, RUNS, every_bfloat16, runs_index, runs_of_a_matrix
 
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -247,6 +247,17 @@ def test_encode_same_codes_and_errors_as_torch(dtype):
                 gpu.encode_into(x, fmt, codes, pack, check=False)
                 assert int(_element_codes(codes, pack).max()) < 2**fmt.k, (name, pack)
     assert refused >= 20
+
+
+def test_encode_of_a_format_of_large_values():
+    """2^(-126 - emin), the factor from a value to its code, is below float32's smallest
+    for emin > 23: it became 0, and every code 0."""
+    codes, values = large_values()
+    assert torch.equal(encoded(values, LARGE_VALUES), codes)
+    spec = make_spec(torch.float32, LARGE_VALUES, RoundMode.RNE, False, None, None)
+    out = torch.empty_like(codes)
+    assert gpu.quantize_into(values, spec, None, None, out, False)  # fewbit.quantize's path
+    assert torch.equal(out, codes)
 
 
 @pytest.mark.parametrize("name", ["binary8p4", "ocp_e2m1"])

@@ -38,6 +38,29 @@ def test_every_code_of_every_format_round_trips():
     assert checked > 900
 
 
+#: A hand-made format of large values: emin = 24, so 2^(-126 - emin), the native and GPU
+#: kernels' factor from a value to its code, is below float32's smallest (values 2^21 ..).
+LARGE_VALUES = fewbit.FloatFormat("large_e4m3", 8, 4, -23, has_nz=True, num_high_nans=1)
+
+
+def large_values() -> tuple[torch.Tensor, torch.Tensor]:
+    """LARGE_VALUES's codes but its NaNs', and their values."""
+    codes = torch.arange(256).to(torch.uint8)
+    codes = codes[~torch.isnan(fewbit.decode(codes, LARGE_VALUES))]
+    return codes, fewbit.decode(codes, LARGE_VALUES)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_every_code_of_a_format_of_large_values_round_trips(native):
+    """The native kernel's factor underflowed to 0: every code came back 0 (and -0), with
+    no error, and so did fewbit.quantize's."""
+    codes, values = large_values()
+    assert float(values[1]) == 2.0**21  # the smallest subnormal: 2^(emin - t)
+    with fewbit.configure(native=native):
+        assert torch.equal(fewbit.encode(values, LARGE_VALUES), codes)
+        assert torch.equal(fewbit.quantize(values, LARGE_VALUES, "rne"), codes)
+
+
 @pytest.mark.parametrize("fmt, dtype", [("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)])
 def test_ocp_codes_are_torch_float8_bit_patterns(fmt, dtype):
     x = torch.randn(100_000) * 50

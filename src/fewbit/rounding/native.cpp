@@ -57,7 +57,9 @@ struct Fmt {
   int32_t p[N_PARAMS];
   int32_t p_is_1, has_nz, has_zero, sat, has_nans, stop_always, stop_negative, stop_positive;
   uint32_t extended, is_signed, twos_complement;
-  float code_scale;  // 2^(-126 - emin)
+  // 2^(-126 - emin) as one factor, or as 2^-126 then 2^-emin where it is below float32's
+  // smallest (emin > 23: a hand-made format of large values): each product is exact.
+  float code_scale, code_scale_2;
 
   float tiny_scale;  // 2^min_ulp_exponent: a subnormal result is r times it
   float max;  // the largest finite value
@@ -77,7 +79,9 @@ struct Fmt {
     p_is_1 = flag(P_IS_1), has_nz = flag(HAS_NZ), has_zero = flag(HAS_ZERO), sat = flag(SAT);
     has_nans = flag(HAS_NANS);
     extended = flag(EXTENDED), is_signed = flag(SIGNED), twos_complement = flag(TWOS_COMPLEMENT);
-    code_scale = std::ldexp(1.0f, -126 - p[EMIN]);
+    const bool split = -126 - p[EMIN] < -149;
+    code_scale = std::ldexp(1.0f, split ? -126 : -126 - p[EMIN]);
+    code_scale_2 = std::ldexp(1.0f, split ? -p[EMIN] : 0);
     stop_always = p[LIMIT_RULE] == EVERYWHERE, stop_negative = p[LIMIT_RULE] == NEGATIVE;
     stop_positive = p[LIMIT_RULE] == POSITIVE;
     beyond_code = uint32_t(sat ? p[CODE_OF_MAX] : extended ? p[CODE_OF_MAX] + 1 : p[CODE_OF_NAN]);
@@ -652,7 +656,7 @@ template <bool EXTENDED, bool HAS_NANS, bool TWOS_COMPLEMENT>
 FEWBIT_LANE uint32_t code_of(uint32_t bits_in, const Fmt& f) {
   const uint32_t a = bits_in & 0x7FFFFFFFu;
   const uint32_t is_inf = a == 0x7F800000u, is_nan = a > 0x7F800000u;
-  uint32_t mag = __builtin_bit_cast(uint32_t, as_float(a) * f.code_scale) >> (23 - f[T]);
+  uint32_t mag = __builtin_bit_cast(uint32_t, as_float(a) * f.code_scale * f.code_scale_2) >> (23 - f[T]);
   if (EXTENDED) mag = is_inf ? uint32_t(f[CODE_OF_MAX]) + 1 : mag;
   if (HAS_NANS) mag = is_nan ? uint32_t(f[CODE_OF_NAN]) : mag;
   const uint32_t negative = bits_in >> 31, k = f[K];

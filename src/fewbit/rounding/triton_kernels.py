@@ -237,7 +237,7 @@ def _magic_code(b, n, SR: tl.constexpr, EMIN: tl.constexpr, MAGIC_SCALE: tl.cons
     y, sign = _magic_core(b, n, SR, EMIN, MAGIC_SCALE, BITS)
     a = tl.abs(y)
     within = a <= tl.full((), MAX, tl.int32).to(tl.float32, bitcast=True)
-    mag = (a * (2.0 ** (-126 - EMIN))).to(tl.int32, bitcast=True) >> (23 - T)  # as _code_of's
+    mag = _code_scaled(a, EMIN).to(tl.int32, bitcast=True) >> (23 - T)  # as _code_of's
     mag = tl.where(within, mag, BEYOND_MAG)
     negative = sign != 0
     if not HAS_NZ:
@@ -576,6 +576,16 @@ def _scale_blocks(b, ts, BLOCK: tl.constexpr, RULE: tl.constexpr, EMAX: tl.const
 
 
 @triton.jit
+def _code_scaled(a, EMIN: tl.constexpr):
+    """a * 2^(-126 - emin), exact: in two steps where that factor is below float32's
+    smallest (emin > 23, a hand-made format of large values), as native.cpp's code_of."""
+    if EMIN > 23:
+        return (a * (2.0**-126)) * (2.0 ** (-EMIN))
+    else:
+        return a * (2.0 ** (-126 - EMIN))
+
+
+@triton.jit
 def _code_of(b, T: tl.constexpr, EMIN: tl.constexpr, K: tl.constexpr, CODE_OF_MAX: tl.constexpr,
              CODE_OF_NAN: tl.constexpr, HAS_NZ: tl.constexpr, HAS_NANS: tl.constexpr, EXTENDED: tl.constexpr,
              SIGNED: tl.constexpr, TWOS_COMPLEMENT: tl.constexpr):  # fmt: skip
@@ -584,7 +594,7 @@ def _code_of(b, T: tl.constexpr, EMIN: tl.constexpr, K: tl.constexpr, CODE_OF_MA
     float32 bits are its code's magnitude shifted left by 23 - t."""
     negative = b < 0
     a = b & 0x7FFFFFFF
-    mag = (a.to(tl.float32, bitcast=True) * (2.0 ** (-126 - EMIN))).to(tl.int32, bitcast=True) >> (23 - T)
+    mag = _code_scaled(a.to(tl.float32, bitcast=True), EMIN).to(tl.int32, bitcast=True) >> (23 - T)
     if EXTENDED:
         mag = tl.where(a == 0x7F800000, CODE_OF_MAX + 1, mag)
     if HAS_NANS:
