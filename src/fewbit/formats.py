@@ -226,8 +226,9 @@ class FloatFormat:
 
     @property
     def eps(self) -> float:
-        """Distance from 1.0 to the next larger value."""
-        return math.ldexp(1.0, -self.t)
+        """Distance from 1.0 to the next larger value: 2^(1 - P), for intM 2^(2 - M)
+        (gfloat's eps of intM is half that)."""
+        return math.ldexp(1.0, 1 - self.top_p)
 
     def contains(self, other: FloatFormat) -> bool:
         """True when every value of ``other`` is a value of self: its finite values, zero,
