@@ -372,6 +372,14 @@ def test_bias_prints_nothing_before_refusing_an_argument(capsys):
     assert code == 2 and out == "" and "needs bits=N in 1..32, got 0" in err
 
 
+def test_bias_of_a_block_format_points_to_block(capsys):
+    """It said "unknown format 'mxfp4'; closest: fp64"."""
+    code, out, err = run(capsys, "bias", "--format", "mxfp4", "--from", "bf16")
+    assert code == 2 and out == ""
+    assert err == ("fewbit: error: mxfp4 is a block format: its bias is `fewbit bias --block mxfp4 --bits N "
+                   "--table`\n")
+
+
 def test_bias_shows_the_papers_form_only_where_the_paper_states_it(capsys):
     """The paper gives its closed forms for N <= D; beyond, every few-bit mode is exact SR."""
     _, out, _ = run(capsys, "bias", "--bits", "5", "--excess", "2")

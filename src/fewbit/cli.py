@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from . import __version__, formats
-from .block import element_or_block
+from .block import BlockFormat, element_or_block
 from .codec import quantize
 from .formats import FloatFormat
 from .rounding import MODES, RoundMode, round
@@ -350,6 +350,9 @@ def cmd_bias(args: argparse.Namespace) -> int:
             raise ValueError("--format needs --from, the input format")
         if excess is not None:
             raise ValueError("--excess and --format/--from both set D: give one")
+        if isinstance(element_or_block(args.format), BlockFormat):
+            raise ValueError(f"{args.format} is a block format: its bias is `fewbit bias --block "
+                             f"{args.format} --bits N --table`")  # fmt: skip
         excess = bias.excess_bits(args.format, args.source)
         lines.append(f"{args.source} -> {args.format}: D = {excess} excess bits")
     modes = [args.mode] if args.mode else ["srff", "srf", "src", "src_odd", "sr"]
