@@ -738,6 +738,23 @@ def test_rebalance_of_a_view_whose_rest_is_zeros():
     assert torch.equal(base.dequantize(), torch.tensor([[0.5, 1.0], [1.5, 2.0], [0.0, 0.0]]))
     with pytest.raises(ValueError, match="rebalance_ of a view"):
         rebalance_(base[1:], 0.5)
+    # A per-channel scale where a view has another shape is refused before a write.
+    with pytest.raises(ValueError, match="views of other shapes"):
+        rebalance_(piece, torch.tensor([[2.0], [4.0]]))
+    assert torch.equal(base.dequantize(), torch.tensor([[0.5, 1.0], [1.5, 2.0], [0.0, 0.0]]))
+
+
+def test_a_view_whose_rest_is_zeros_under_fake_tensors():
+    """With fake tensors (tracing without torch.compile) there are no data to look at:
+    a copy_ into part of a tensor keeps the base's scale, as compiled code does (it
+    raised a data-dependent error)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        base = as_scaled(torch.zeros(6), 1.0)
+        base[0:3].copy_(as_scaled(torch.ones(3), 4.0))
+        base[3:].zero_()
+        assert base.static_scale == 1.0
 
 
 def test_rescaling_the_zero_array_gives_zeros():

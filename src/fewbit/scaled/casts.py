@@ -22,6 +22,7 @@ from .tensor import (
     ScaledTensor,
     as_scaled,
     check_scale,
+    check_settable,
     compute_dtype,
     holds_every_value,
     is_static,
@@ -122,6 +123,7 @@ def rebalance_(t: ScaledTensor, s: torch.Tensor | float) -> ScaledTensor:
     if not holds_every_value(t._data):
         raise ValueError("rebalance_ of a view would leave its base with the old scale")
     s = check_scale(s, t._data, positive=True)
+    check_settable(t, s)
     with torch.no_grad():
         d, old = parts(t)
         t._data.copy_(_rebalanced(d, old, s))

@@ -463,13 +463,18 @@ def _one_geometry(t: ScaledTensor) -> bool:
     return all((m.data.shape, m.data.stride(), m.data.storage_offset()) == key for m in _aliases(t))
 
 
-def set_scale(t: ScaledTensor, s: Scale) -> None:
-    """Give t, and every view of its data, the scale s (their data is not changed).
-    ValueError for a per-channel s where a view has another shape or strides: s has no
-    form there."""
+def check_settable(t: ScaledTensor, s: Scale) -> None:
+    """ValueError for a per-channel s where a view of t's data has another shape or
+    strides: s has no form there (checked before an in-place op writes anything)."""
     if isinstance(s, torch.Tensor) and s.dim() and not _one_geometry(t):
         raise ValueError("a per-channel scale for a ScaledTensor with views of other shapes: give it "
                          "one scale, or drop the views first")
+
+
+def set_scale(t: ScaledTensor, s: Scale) -> None:
+    """Give t, and every view of its data, the scale s (their data is not changed);
+    :func:`check_settable` first."""
+    check_settable(t, s)
     for m in _aliases(t):
         _hold(m, s)
 
@@ -898,10 +903,10 @@ def holds_every_value(d: torch.Tensor) -> bool:
     short piece of an uneven Shard(0) in a buffer padded with zeros: that rank's piece
     must take a new scale (``copy_``, ``zero_``) as the unpadded ranks' pieces do, or the
     ranks would gather their data under different scales. Read only for a partial view,
-    and only where there are data: traced or on the meta device, it keeps the rest's
-    scale (a graph cannot branch on data)."""
+    and only where there are data: traced, or on the meta device (fake tensors' storage
+    is there too), it keeps the rest's scale (a graph cannot branch on data)."""
     partial = is_partial_view(d)
-    if not partial or d.is_meta or torch.compiler.is_compiling():
+    if not partial or d.untyped_storage().device.type == "meta" or torch.compiler.is_compiling():
         return not partial
     storage = d.new_empty(0).set_(d.untyped_storage())
     return bool(storage.count_nonzero() == d.count_nonzero())
