@@ -21,15 +21,14 @@ from .tensor import (
     Scale,
     ScaledTensor,
     as_scaled,
+    at_scale,
     check_scale,
     check_settable,
     compute_dtype,
     holds_every_value,
     is_static,
     parts,
-    sdiv,
     set_scale,
-    times,
     wrap,
 )
 
@@ -92,17 +91,11 @@ class _Rebalance(torch.autograd.Function):
     # Same value, new scale: the identity for autograd.
     @staticmethod
     def forward(ctx, t, s):
-        d, old = parts(_scaled(t))
-        return wrap(_rebalanced(d, old, s), s)
+        return wrap(at_scale(_scaled(t), s), s)
 
     @staticmethod
     def backward(ctx, g):
         return g, None
-
-
-def _rebalanced(d: torch.Tensor, old: Scale, s: Scale) -> torch.Tensor:
-    # The zero array's data may be anything (empty_like): its value at any scale is zeros.
-    return torch.zeros_like(d) if is_static(old, 0.0) else times(d, sdiv(old, s))
 
 
 def rebalance(t: torch.Tensor, s: torch.Tensor | float) -> ScaledTensor:
@@ -125,8 +118,7 @@ def rebalance_(t: ScaledTensor, s: torch.Tensor | float) -> ScaledTensor:
     s = check_scale(s, t._data, positive=True)
     check_settable(t, s)
     with torch.no_grad():
-        d, old = parts(t)
-        t._data.copy_(_rebalanced(d, old, s))
+        t._data.copy_(at_scale(t, s))
     set_scale(t, s)
     torch.autograd.graph.increment_version(t)
     return t

@@ -18,10 +18,11 @@ import torch
 
 from ..config import current
 from .casts import round_pow2
-from .ops import at_scale, lincomb, scale_of
+from .ops import lincomb, scale_of
 from .tensor import (
     Scale,
     ScaledTensor,
+    at_scale,
     aten,
     coefficient,
     compute_dtype,
@@ -241,12 +242,12 @@ def _layer_norm(func, x, normalized_shape, weight, bias, eps):
     cdt = compute_dtype(d.dtype)
     w, sw = _affine(weight, cdt)
     bias = scalar_scale(bias)
-    if bias is None or (is_static(sw) and is_static(scale_of(bias), sw) and sw != 0):
-        # One fused kernel, the bias's data taken as they are (at the weight's scale).
-        out, mean, rstd = func(value(x, cdt), normalized_shape, w, _to(parts(bias)[0], cdt) if bias is not
-                               None else None, eps)  # fmt: skip
+    # At the weight's scale, the bias's data go into the one fused kernel as they are.
+    fused = bias is None or (is_static(sw) and is_static(scale_of(bias), sw) and sw != 0)
+    b = _to(parts(bias)[0], cdt) if fused and bias is not None else None
+    out, mean, rstd = func(value(x, cdt), normalized_shape, w, b, eps)
+    if fused:
         return wrap(out.to(d.dtype), sw), mean, rstd
-    out, mean, rstd = func(value(x, cdt), normalized_shape, w, None, eps)
     y, s = lincomb([(wrap(out, sw), 1.0), (bias, 1.0)])
     return wrap(y.to(d.dtype), s), mean, rstd
 

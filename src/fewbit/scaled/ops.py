@@ -25,6 +25,7 @@ from .tensor import (
     Scale,
     ScaledTensor,
     assign,
+    at_scale,
     aten,
     check_dtype,
     coefficient,
@@ -242,18 +243,6 @@ def scale_of(x: Any) -> Scale:
         return parts(x)[1]
     c = float(x)
     return abs(c) if math.isfinite(c) else 0.0
-
-
-def at_scale(x: Any, s: Scale, dtype: torch.dtype | None = None) -> Any:
-    """x's data rebalanced to scale s (x's value = result * s), rounded to ``dtype``, the
-    op's, where that is wider than the data's (:func:`times`)."""
-    if isinstance(x, torch.Tensor):
-        d, sx = parts(x)
-        if is_static(sx, 0.0):  # the zero array: 0 whatever its data holds (d * 0 is NaN for inf)
-            return torch.zeros_like(d)
-        return times(d, sdiv(sx, s), dtype)
-    c = float(x)
-    return c * sdiv(1.0, s) if math.isfinite(c) else c
 
 
 def common_scale(*xs: Any) -> Scale:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import math
 import warnings
 import weakref
 from collections.abc import Callable
@@ -880,6 +881,18 @@ def dequantize_any(x: Any) -> Any:
     """x's value in x's dtype when x is a ScaledTensor; anything else unchanged. For rules,
     which run below autograd: not recorded, and scale 1 gives the data itself."""
     return value(x, x.dtype) if isinstance(x, ScaledTensor) else x
+
+
+def at_scale(x: Any, s: Scale, dtype: torch.dtype | None = None) -> Any:
+    """x's data rebalanced to scale s (x's value = result * s), rounded to ``dtype``, the
+    op's, where that is wider than the data's (:func:`times`)."""
+    if isinstance(x, torch.Tensor):
+        d, sx = parts(x)
+        if is_static(sx, 0.0):  # the zero array: 0 whatever its data holds (d * 0 is NaN for inf)
+            return torch.zeros_like(d)
+        return times(d, sdiv(sx, s), dtype)
+    c = float(x)
+    return c * sdiv(1.0, s) if math.isfinite(c) else c
 
 
 def scalar_scale(x: Any, dtype: torch.dtype | None = None) -> Any:
