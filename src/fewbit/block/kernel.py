@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..formats import FloatFormat
+from ..formats import FloatFormat, format
 from ..rounding.checks import RoundSpec, make_spec
 from ..rounding.compiled import round_body
 from ..rounding.modes import RoundMode
@@ -31,8 +31,6 @@ __all__ = ["BlockSpec", "block_layout", "block_scales", "quantize_blocks"]
 
 #: An element format whose smallest subnormal is below 2^-92 is rounded in float64 (see above).
 _FLOAT32_FLOOR = -92
-#: float32's smallest positive (subnormal) value.
-_SMALLEST_FLOAT32 = 2.0**-149
 
 
 @dataclass(frozen=True)
@@ -159,7 +157,7 @@ def tensor_scale_of(x: torch.Tensor, bfmt: BlockFormat, amax: float | torch.Tens
         return None
     found = finite_amax(x, amax).clamp(max=torch.finfo(torch.float32).max)
     ts = found / (bfmt.element.max * bfmt.scale.max)
-    return torch.where(found > 0, ts.clamp(min=_SMALLEST_FLOAT32), 1.0)
+    return torch.where(found > 0, ts.clamp(min=format("binary32").smallest_subnormal), 1.0)
 
 
 def quantize_blocks(

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..formats import format
 from .casts import round_pow2
 from .tensor import (
     REDUCED,
@@ -51,7 +52,6 @@ from .tensor import (
 # --- layout: the data moves, the scale follows ---------------------------------------
 
 _VIEWS = (aten.view, aten._unsafe_view, aten.reshape)
-_SMALLEST_FLOAT32 = 2.0**-149
 
 
 def _compact(s: torch.Tensor) -> torch.Tensor:
@@ -569,7 +569,7 @@ def _float32_scale(s: Scale) -> bool:
     """Whether a scale a rule made is one a ScaledTensor holds: a static one between
     float32's smallest positive value and its largest; a tensor one is taken as such
     (reading it would wait for the device)."""
-    return not is_static(s) or _SMALLEST_FLOAT32 <= s <= torch.finfo(torch.float32).max
+    return not is_static(s) or format("binary32").smallest_subnormal <= s <= torch.finfo(torch.float32).max
 
 
 # --- computed on the value -----------------------------------------------------------
