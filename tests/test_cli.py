@@ -435,7 +435,7 @@ def test_replicas_fsdp_refuses_blocks_the_shards_cut_before_the_one_process_run(
     ["ratchet", "--iters", "1", "--seeds", "0"], ["bias", "--figure", "1", "--samples", "2"],
     ["scaled-demo", "--steps", "1"],
 ])  # fmt: skip
-@pytest.mark.parametrize("bad", ["file", "inside a file", "not writable"])
+@pytest.mark.parametrize("bad", ["file", "inside a file", "not writable", "a folder at an output"])
 def test_a_bad_out_is_refused_before_any_work(capsys, tmp_path, monkeypatch, argv, bad):
     """Not a traceback once the work is done: nothing is run, sampled or loaded first."""
     from fewbit import bias, cli
@@ -446,13 +446,19 @@ def test_a_bad_out_is_refused_before_any_work(capsys, tmp_path, monkeypatch, arg
         monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("work began before --out was checked"))
     file = tmp_path / "file"
     file.write_text("")
-    out = {"file": file, "inside a file": file / "out", "not writable": tmp_path}[bad]
+    out = {"file": file, "inside a file": file / "out", "not writable": tmp_path}.get(bad, tmp_path / "out")
     if bad == "not writable":  # (as root, which may write anywhere, only so)
         monkeypatch.setattr(sweep.os, "access", lambda path, mode: False)
+    written = {"ratchet": "ratchet.png", "bias": "figure1.png", "scaled-demo": "scaled_demo.png"}
+    output = out / written[argv[0]]
+    if bad == "a folder at an output":  # (was IsADirectoryError's traceback after the work)
+        output.mkdir(parents=True)
     code, printed, err = run(capsys, *argv, "--out", str(out))
     assert (code, printed) == (2, "")
-    why = "is not writable" if bad == "not writable" else "is a file, or inside one, not a folder"
-    assert err == f"fewbit: error: {out} {why}: pass another --out\n"
+    why = {"not writable": f"{out} is not writable:",
+           "a folder at an output": f"{output} is a folder where a file goes: move it or"}  # fmt: skip
+    why = why.get(bad, f"{out} is a file, or inside one, not a folder:")
+    assert err == f"fewbit: error: {why} pass another --out\n"
 
 
 def test_without_matplotlib_scaled_demo_writes_its_csv_and_bias_refuses_figures(capsys, tmp_path,

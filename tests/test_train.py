@@ -420,6 +420,26 @@ def test_an_out_that_is_a_file_is_refused(tmp_path):
             sweep.hold(out).__enter__()
 
 
+@pytest.mark.parametrize("output", ["summary.csv", "figure3_diagnostics.png", "losses.png"])
+def test_a_folder_where_a_sweep_writes_a_file_is_refused_before_any_run(tmp_path, output):
+    """Was IsADirectoryError's traceback when the first run finished (or, for another
+    sweep's plot, which a sweep removes, at its start)."""
+    out = tmp_path / "out"
+    (out / output).mkdir(parents=True)
+    with pytest.raises(ValueError, match=f"{out / output} is a folder where a file goes: move it"):
+        sweep.run_sweep("figure3", arm_configs("figure3", TINY, [0]), tmp_path / "absent.pt", out)
+    assert sorted(p.name for p in out.iterdir()) == [output]  # no lock, no run folders
+
+
+def test_a_failed_atomic_write_leaves_no_temporary_file(tmp_path):
+    (tmp_path / "a_folder").mkdir()
+    with pytest.raises(IsADirectoryError):
+        write_atomically(tmp_path / "a_folder", lambda f: f.write(b"x"))
+    with pytest.raises(ZeroDivisionError):
+        write_atomically(tmp_path / "out.csv", lambda f: 1 / 0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_folder"]
+
+
 def test_modes_are_named_in_any_case_and_kept_in_lower_case():
     """`--mode SRC` ran, stored as "SRC" (`--mode src` was then "another configuration"),
     and `--mode FP16` was refused."""

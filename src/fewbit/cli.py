@@ -324,7 +324,7 @@ def cmd_bias(args: argparse.Namespace) -> int:
         from .experiments.sweep import make_out_dir
 
         out = args.out or "docs"
-        make_out_dir(Path(out))
+        make_out_dir(Path(out), [f"figure{args.figure}.png"])
         for r in bias.figure(args.figure, out, samples=args.samples):
             print(f"figure {args.figure} {r['mode']:5} measured {r['measured']:+.5f} "
                   f"+- {r['stderr']:.5f} ulp, exact {r['exact']:+.5f}")
@@ -566,7 +566,7 @@ def cmd_scaled_demo(args: argparse.Namespace) -> int:
     from .experiments.data import CharDataset
     from .experiments.sweep import make_out_dir
 
-    make_out_dir(Path(args.out))
+    make_out_dir(Path(args.out), scaled_demo.OUTPUTS)
     data_file = _shakespeare(args)
     if data_file is None:
         return 2
@@ -585,7 +585,7 @@ def cmd_ratchet(args: argparse.Namespace) -> int:
     from .experiments import ratchet
     from .experiments.sweep import make_out_dir
 
-    make_out_dir(Path(args.out))
+    make_out_dir(Path(args.out), ratchet.OUTPUTS)
     torch.set_num_threads(1)  # 8192 weights: threads cost more than they give
     results = ratchet.run_all(args.seeds, iters=args.iters, progress_bar=not args.quiet)
     print(ratchet.format_summary(ratchet.summarise(results)))

@@ -38,16 +38,20 @@ def default_cache_dir() -> Path:
 def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """``write(f)`` into a temporary file beside ``path``, then rename it to ``path``: a
     crash or a kill leaves the old file or the new one there, never half of one (at most
-    a stray ``.NAME.*.tmp`` beside it)."""
+    a stray ``.NAME.*.tmp`` beside it; an exception, none)."""
     temp = tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False)
-    with temp as f:
-        write(f)
-    # A temporary file is made readable by its owner alone; the file it becomes gets the
-    # mode any new file gets (0666 less the umask), as open() would give it.
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(f.name, 0o666 & ~umask)
-    Path(f.name).replace(path)
+    try:
+        with temp as f:
+            write(f)
+        # A temporary file is made readable by its owner alone; the file it becomes gets the
+        # mode any new file gets (0666 less the umask), as open() would give it.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(f.name, 0o666 & ~umask)
+        Path(f.name).replace(path)
+    except BaseException:  # a failed write or rename (path a folder, a full disk): no stray file
+        Path(temp.name).unlink(missing_ok=True)
+        raise
 
 
 @dataclass

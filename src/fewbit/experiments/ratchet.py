@@ -155,16 +155,20 @@ def format_summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+#: The files :func:`write_outputs` writes.
+OUTPUTS = ("ratchet.csv", "ratchet_summary.csv", "ratchet.png")
+
+
 def write_outputs(results: Results, out_dir: Path) -> list[Path]:
     """ratchet.csv (every measurement), ratchet_summary.csv and ratchet.png."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = [out_dir / "ratchet.csv", out_dir / "ratchet_summary.csv"]
+    written = [out_dir / OUTPUTS[0], out_dir / OUTPUTS[1]]
     rows = [[label, h.seed, *values] for label, runs in results.items() for h in runs
             for values in zip(h.iters, h.growth, h.distance, h.error_ulp, strict=True)]  # fmt: skip
     write_csv(written[0], ["arm", "seed", "iter", "growth", "distance", "error_ulp"], rows)
     write_summary(summarise(results), written[1])
-    if _plot(results, out_dir / "ratchet.png"):
-        written.append(out_dir / "ratchet.png")
+    if _plot(results, out_dir / OUTPUTS[2]):
+        written.append(out_dir / OUTPUTS[2])
     return written
 
 

@@ -29,7 +29,6 @@ Four runs from the same initial weights and batches:
 
 from __future__ import annotations
 
-import csv
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -47,9 +46,9 @@ from ..scaled import (
     dynamic_rescale_max_grad,
     scalify,
 )
-from .data import CharDataset
+from .data import CharDataset, write_atomically
 from .gpt import GPT, GPTConfig
-from .sweep import pyplot
+from .sweep import pyplot, write_csv
 from .train import batch_generator
 
 SMALL = 2.0**-16
@@ -149,16 +148,17 @@ def train(steps: int = 1000, data: CharDataset | None = None, lr: float = 0.3, b
     return curves
 
 
+#: The files :func:`write` writes.
+OUTPUTS = ("scaled_demo.csv", "scaled_demo.png")
+
+
 def write(curves: dict[str, list[tuple[int, float]]], out: Path) -> list[Path]:
     """The curves as scaled_demo.csv and, with matplotlib, scaled_demo.png in folder out;
     the files written."""
     out.mkdir(parents=True, exist_ok=True)
-    csv_path, png_path = out / "scaled_demo.csv", out / "scaled_demo.png"
-    with csv_path.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["step", *curves])
-        for row in zip(*curves.values(), strict=True):
-            w.writerow([row[0][0], *(f"{v:.6g}" for _, v in row)])
+    csv_path, png_path = (out / name for name in OUTPUTS)
+    write_csv(csv_path, ["step", *curves],
+              [[row[0][0], *(f"{v:.6g}" for _, v in row)] for row in zip(*curves.values(), strict=True)])
     if (plt := pyplot(png_path)) is None:
         return [csv_path]
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -171,7 +171,7 @@ def write(curves: dict[str, list[tuple[int, float]]], out: Path) -> list[Path]:
     ax.legend()
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    fig.savefig(png_path, dpi=110)
+    write_atomically(png_path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
     return [csv_path, png_path]
 

@@ -33,7 +33,7 @@ import os
 import shutil
 import sys
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -157,9 +157,10 @@ def read_result(cfg: TrainConfig, folder: Path) -> RunResult | None:
 LOCK = ".lock"
 
 
-def make_out_dir(out_dir: Path) -> None:
-    """Make ``out_dir`` (parents too) for a command's outputs, or raise a ValueError naming
-    it: called before the command's work, so that a bad ``--out`` costs none."""
+def make_out_dir(out_dir: Path, files: Iterable[str] = ()) -> None:
+    """Make ``out_dir`` (parents too) for a command's outputs, the ``files`` there, or
+    raise a ValueError naming it: called before the command's work, so that a bad
+    ``--out`` costs none."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
@@ -168,16 +169,19 @@ def make_out_dir(out_dir: Path) -> None:
         raise ValueError(f"cannot make the folder {out_dir} ({err.strerror}): pass another --out") from None
     if not os.access(out_dir, os.W_OK | os.X_OK):
         raise ValueError(f"{out_dir} is not writable: pass another --out")
+    for name in files:
+        if (out_dir / name).is_dir():
+            raise ValueError(f"{out_dir / name} is a folder where a file goes: move it or pass another --out")
 
 
 @contextmanager
-def hold(out_dir: Path) -> Iterator[None]:
+def hold(out_dir: Path, files: Iterable[str] = ()) -> Iterator[None]:
     """Hold ``out_dir`` for one sweep: an exclusive OS advisory lock (``flock``) on
     ``out_dir/.lock``, which names the holder's pid. The OS releases it when the holder
     ends, however it ends, so a crashed or killed sweep leaves no stale lock (the file
     stays; the next sweep takes it). A directory held by another process is a ValueError
     naming it and that pid, raised before anything is written."""
-    make_out_dir(out_dir)
+    make_out_dir(out_dir, files)
     fd = os.open(out_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)  # an existing file is left as it is
     try:
         try:
@@ -498,7 +502,7 @@ def write_outputs(results: list[RunResult], out_dir: Path, name: str, title: str
     """losses.csv, summary.csv, diagnostics.csv, times.csv, ``name``.png and
     ``name``_diagnostics.png of the finished runs; the files written. With no finished
     run, none: earlier ones are removed, as they describe runs that are gone."""
-    written = [out_dir / f for f in ("losses.csv", "summary.csv", "diagnostics.csv", "times.csv")]
+    written = [out_dir / f for f in _TABLES]
     if not results:
         for path in [*written, *_plots(out_dir, name)]:
             path.unlink(missing_ok=True)
@@ -511,6 +515,10 @@ def write_outputs(results: list[RunResult], out_dir: Path, name: str, title: str
         if draw(results, png, title):
             written.append(png)
     return written
+
+
+#: The CSVs every sweep writes.
+_TABLES = ("losses.csv", "summary.csv", "diagnostics.csv", "times.csv")
 
 
 def _plots(out_dir: Path, name: str) -> list[Path]:
@@ -533,14 +541,15 @@ def run_sweep(
     finish and once more at the end."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    with hold(out_dir):  # until the sweep ends: no other writes here meanwhile
+    name, title = sweep or "losses", f"{sweep or configs[0].label}: char GPT on Shakespeare"
+    plots = [p.name for other in {*SWEEPS, "losses"} for p in _plots(out_dir, other)]  # removed or written
+    with hold(out_dir, [*_TABLES, *plots]):  # until the sweep ends: no other writes here meanwhile
         folders = claim_folders(configs, out_dir, restart)
         finished = sum((f / RESULT).exists() for f in folders)
         if finished or _checkpointed(folders):
             print(f"fewbit: continuing in {out_dir}: {finished} of {len(configs)} runs finished, "
                   f"{_checkpointed(folders)} resume from their last evaluation (--restart starts over)",
                   file=sys.stderr)  # fmt: skip
-        name, title = sweep or "losses", f"{sweep or configs[0].label}: char GPT on Shakespeare"
         written: list[Path] = []
 
         def write(results: list[RunResult]) -> None:
