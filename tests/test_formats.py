@@ -58,7 +58,7 @@ def test_names_parse(spelling, canonical):
 def test_every_name_round_trips_and_is_unique():
     all_names = names()
     assert len(all_names) == len(set(all_names))
-    assert len([n for n in all_names if n.startswith(("binary", "p3109")) and "p" in n[6:]]) >= 476
+    assert len([n for n in all_names if n.startswith(("binary", "p3109")) and "p" in n[6:]]) >= 504
     for name in all_names:
         assert fewbit.format(name).name == name
 
@@ -83,6 +83,16 @@ def test_impossible_p3109_parameters(k, p):
         p3109(k, p)
     with pytest.raises(ValueError):
         fewbit.format(f"binary{k}p{p}")
+    with pytest.raises(ValueError, match="unsigned ones 1 <= P <= K" if p == k else "P3109"):
+        p3109(k, p + (p == k), signed=False)
+
+
+def test_unsigned_p3109_formats_reach_p_equal_k():
+    """Without a sign bit, K = P gives one exponent bit (gfloat's format_info_p3109 makes
+    them): p3109_k8p8ue holds 0, 2^-7 .. 1.9765625, Inf and a NaN."""
+    fmt = fewbit.format("p3109_k8p8ue")
+    assert (fmt.k, fmt.p, fmt.signed, fmt.max, fmt.smallest_subnormal) == (8, 8, False, 1.9765625, 2.0**-7)
+    assert {"p3109_k3p3uf", "p3109_k16p16ue"} <= set(names()) and "p3109_k8p8se" not in names()
 
 
 def test_wide_formats_say_they_exceed_float64():

@@ -337,11 +337,13 @@ def _value_table(fmt: FloatFormat) -> np.ndarray:
 
 def p3109(k: int, p: int, signed: bool = True, extended: bool = True) -> FloatFormat:
     """IEEE P3109 ``binaryKpP`` format: no negative zero (its code is the NaN); unsigned
-    formats keep their top code as NaN."""
+    formats keep their top code as NaN. Without a sign bit P may reach K (one exponent
+    bit)."""
     if not (3 <= k <= 16):
         raise ValueError(f"P3109 formats need 3 <= K <= 16, got K={k}")
-    if not (1 <= p < k):
-        raise ValueError(f"P3109 formats need 1 <= P < K, got K={k}, P={p}")
+    if not (1 <= p < k + (not signed)):
+        bound = "1 <= P < K" if signed else "unsigned ones 1 <= P <= K"
+        raise ValueError(f"P3109 formats need {bound}, got K={k}, P={p}")
     bias = (1 << (k - p - 1)) if signed else (1 << (k - p))
     variant = ("s" if signed else "u") + ("e" if extended else "f")
     name = f"binary{k}p{p}" if variant == "se" else f"p3109_k{k}p{p}{variant}"
@@ -416,8 +418,8 @@ def names() -> tuple[str, ...]:
     """Canonical names of every registered format."""
     p3109_names = [
         p3109(k, p, s, e).name
-        for k in range(3, 17) for p in range(1, k)
-        for s in (True, False) for e in (True, False)
+        for k in range(3, 17) for p in range(1, k + 1)
+        for s in (True, False) if p < k or not s for e in (True, False)
     ]
     return tuple(_FIXED) + tuple(p3109_names)
 
