@@ -265,6 +265,32 @@ def test_dtypes():
     assert torch.equal(block.round(x.bfloat16(), "mxfp8_e4m3"), wide.bfloat16())
 
 
+@pytest.mark.parametrize("name", ["mx_binary8p2", "mx_binary8p1"])
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_16bit_data_takes_elements_of_a_wider_range_than_its_dtype(name, axis):
+    """A block's tensor holds q S (or codes), never q: float16 data into binary8p2
+    elements (exponents to 2^31) was refused as if it had to hold them. Its values are
+    those of the same data in float32 (q S of a float16 x is a float16 value, below the
+    dtype's largest), and so are its codes and scales; the natural SR takes D from
+    float16 (11 - P bits), as for any float16 call."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 256, generator=gen) * 2.0 ** torch.randint(-30, 10, (16, 1), generator=gen)
+    x[0, :32] = torch.arange(32) * 2.0**-24  # float16's subnormals, in one block
+    x = x.half()
+    if axis == 0:
+        x = x.t()
+    p = block.format(name).element.p
+    src = dict(bits=3, seed=1)
+    for mode, kw, wide_mode, wide_kw in [("rne", {}, "rne", {}), ("src", src, "src", src),
+                                         ("sr", dict(seed=2), "src", dict(bits=11 - p, seed=2))]:  # fmt: skip
+        y = block.round(x, name, mode, axis=axis, **kw)
+        want = block.round(x.float(), name, wide_mode, axis=axis, **wide_kw)
+        assert want.abs().max() < 65504 and torch.equal(y.float(), want), mode
+        codes, wide = (block.quantize(x, name, mode, axis=axis, **kw),
+                       block.quantize(x.float(), name, wide_mode, axis=axis, **wide_kw))  # fmt: skip
+        assert torch.equal(codes.codes, wide.codes) and torch.equal(codes.scales, wide.scales), mode
+
+
 def test_bad_input_is_refused_before_anything_is_written():
     x = torch.randn(4, 64)
     with pytest.raises(ValueError, match="block size must be even"):

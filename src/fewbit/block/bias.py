@@ -58,7 +58,7 @@ from ..bias import away_steps, bias_integral, check_mode
 from ..formats import FloatFormat
 from ..random import as_key, fold_in
 from ..rounding.modes import RoundMode, parse_mode
-from .formats import SCALE_RULES, BlockFormat, check_rule
+from .formats import SCALE_RULES, BlockFormat, check_rule, check_storable
 from .formats import format as block_format
 from .kernel import block_scales, make_block_spec
 
@@ -106,6 +106,7 @@ class BlockBias:
 def _checked(bfmt: BlockFormat | str, mode: RoundMode | str, bits: int | None, rule: str | None,
              distribution: str, samples: int | None) -> tuple[BlockFormat, RoundMode, int | None, str]:
     bfmt = block_format(bfmt)
+    check_storable(bfmt)  # a scale of more bits has too many steps for the exact figures
     mode, bits = check_mode(mode, bits)
     if mode in _NOT_PER_D:
         raise ValueError(f"the block bias of {mode.value!r} depends on {_NOT_PER_D[mode]}, not on d alone")
@@ -163,6 +164,7 @@ def scale_steps(bfmt: BlockFormat | str, rule: str | None = None, lo: Fraction =
     distribution. NVFP4: per-tensor scale 1.
     """
     bfmt = block_format(bfmt)
+    check_storable(bfmt)  # (a binary32 scale: 2^23 steps a binade, brackets without end)
     rule = check_rule(bfmt.rule if rule is None else rule, bfmt.scale)
     lo, hi = Fraction(lo), Fraction(hi)
     if not (0 < lo < hi and Fraction(float(lo)) == lo and Fraction(float(hi)) == hi):

@@ -68,7 +68,8 @@ def make_block_spec(dtype: torch.dtype, bfmt: BlockFormat, rule: str, mode: Roun
         # To nearest, or up for rule "up"; saturating: an Inf block takes the largest scale.
         scale_mode = RoundMode.RNE if rule == "nearest" else RoundMode.RUP
         scale_spec = make_spec(torch.float64, bfmt.scale, scale_mode, True, None, None)
-    return BlockSpec(bfmt, rule, make_spec(dtype, bfmt.element, mode, sat, bits, fraction), scale_spec)
+    element = make_spec(dtype, bfmt.element, mode, sat, bits, fraction, held=False)
+    return BlockSpec(bfmt, rule, element, scale_spec)
 
 
 def block_layout(t: torch.Tensor, axis: int, block_size: int) -> torch.Tensor:

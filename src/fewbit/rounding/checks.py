@@ -156,12 +156,15 @@ def _cannot_hold(dtype: torch.dtype, source: FloatFormat, fmt: FloatFormat) -> s
 
 @functools.cache
 def make_spec(
-    dtype: torch.dtype, fmt: FloatFormat, mode: RoundMode, sat: bool, bits: int | None, fraction: float | None
+    dtype: torch.dtype, fmt: FloatFormat, mode: RoundMode, sat: bool, bits: int | None,
+    fraction: float | None, held: bool = True,
 ) -> RoundSpec:
-    """The spec of a call on a ``dtype`` tensor (scalars already normalised)."""
+    """The spec of a call on a ``dtype`` tensor (scalars already normalised). ``held``:
+    the results are values of ``fmt`` in a ``dtype`` tensor, which must hold them all (a
+    block's elements are not: its tensor holds them times their scale, or codes)."""
     source = dtype_format(dtype)
     info = MODES[mode]
-    if not source.contains(fmt):
+    if held and not source.contains(fmt):
         raise ValueError(_cannot_hold(dtype, source, fmt))
     select_below = check_mode_args(mode, bits, fraction)
     if info.bits == "none":
