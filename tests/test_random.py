@@ -533,6 +533,20 @@ def test_fold_in_of_int_steps_under_compile_gives_eager_keys_in_two_graphs():
         assert derive(step).tolist() == [want.k0, want.k1], step
 
 
+def test_random_bits_of_int_seeds_and_keys_under_compile_in_two_graphs():
+    """Inductor's C++ kernel for the second int seed (made symbolic, mixed into int32
+    tensor arithmetic) failed to compile; the words now enter the graph as data."""
+    from torch._dynamo.utils import counters
+
+    draw = torch.compile(lambda seed: random_bits((4, 100), 5, seed), fullgraph=True)
+    for seeds in ([3, 4, 2**40 + 7, 9], [Key(1, 2), Key(3, 4), Key(2**32 - 1, 0)]):
+        torch._dynamo.reset()
+        counters.clear()
+        for seed in seeds:
+            assert torch.equal(draw(seed), random_bits((4, 100), 5, seed)), seed
+        assert counters["stats"]["unique_graphs"] == 2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_cpu():
     for bits in [1, 3, 8, 13, 32]:

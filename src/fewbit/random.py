@@ -575,6 +575,10 @@ def _bits_range(
 
     if torch.compiler.is_compiling() or not (isinstance(k0, int) and isinstance(k1, int)):
         # One functional graph; under torch.compile the bits fuse with their consumer.
+        if not isinstance(k0, torch.Tensor) and not isinstance(k1, torch.Tensor):
+            # Key words as data: ints Dynamo made symbolic, mixed into int32 tensor arithmetic,
+            # made a C++ kernel Inductor could not compile; as tensors one graph serves every key.
+            k0, k1 = key_tensor([k0, k1], device).unbind()
         values = bits_rows(first, end - first, bits, k0, k1, device=device).reshape(-1)
         return values[skip : skip + n].to(dtype)
 
@@ -617,9 +621,9 @@ def random_bits(
     accepted (ValueError otherwise). Computes each Threefry block once, for
     ``2 * per_word`` elements.
 
-    Works under ``torch.compile``, but the key's ints become constants of the
-    graph, so each new key recompiles: in compiled code that sees many keys use
-    :func:`bits_from_range` with :meth:`Key.tensors`.
+    Works under ``torch.compile``: the key's words enter the graph as data, so after the
+    second graph (Dynamo makes an int it has seen change symbolic) a new key or seed
+    does not recompile; :meth:`Key.tensors` with :func:`bits_from_range` needs one graph.
     """
     bits = _check_bits(bits)
     key = as_key(key)
