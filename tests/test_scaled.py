@@ -1786,6 +1786,50 @@ def test_casts_and_rescalings_compile_with_fullgraph():
     assert torch.equal(compiled.unscaled, w.grad.unscaled) and torch.equal(compiled.scale, w.grad.scale)
 
 
+def test_casts_of_plain_tensors_compile_and_give_plain_gradients():
+    """A plain tensor's ScaledTensor was made in the traced frame (a graph break) by the
+    rescalings and pow2_scale, and cast, rebalance and the _grad rescalings gave a plain
+    tensor a ScaledTensor gradient, which AOTAutograd refused ("Unexpected fake buffer").
+    Now a plain tensor gets its gradient's value, plain, eager and compiled alike."""
+    from fewbit.scaled import dynamic_rescale_l2_grad
+
+    fns = {
+        "cast": lambda t: cast(t, "ocp_e4m3").dequantize(),
+        "rebalance": lambda t: rebalance(t, 0.25).dequantize(),
+        "pow2_scale": lambda t: pow2_scale(t * 0.3).dequantize(),
+        "max": lambda t: dynamic_rescale_max(t, target=4.0).dequantize(),
+        "l2_grad": lambda t: dynamic_rescale_l2_grad(t) * 3.0,
+    }
+    for name, f in fns.items():
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        f(x).square().sum().backward()
+        want, x.grad = x.grad, None
+        torch._dynamo.reset()
+        got = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+        assert torch.equal(got, f(x)), name
+        got.square().sum().backward()
+        assert type(want) is type(x.grad) is torch.Tensor and torch.equal(x.grad, want), name
+
+
+def test_cast_of_int_seeds_and_keys_compiles_two_graphs_for_all():
+    """An int seed or a Key went into the graph's Function as a constant: a graph per seed,
+    up to Dynamo's limit, and a second Key failed Key's own checks on Dynamo's proxies."""
+    from torch._dynamo.utils import counters
+
+    from fewbit.random import Key
+
+    x = as_scaled(torch.randn(64, generator=torch.Generator().manual_seed(2)), 0.5)
+    f = torch.compile(lambda t, seed: cast(t, "ocp_e4m3", "src", bits=3, seed=seed), fullgraph=True,
+                      backend="aot_eager")  # fmt: skip
+    for seeds in ([0, 1, 2, 3, 2**40 + 9], [Key(0, 1), Key(1, 2), Key(5, 2**32 - 1)]):
+        torch._dynamo.reset()
+        counters.clear()
+        for seed in seeds:
+            want = cast(x, "ocp_e4m3", "src", bits=3, seed=seed)
+            assert torch.equal(f(x, seed).unscaled, want.unscaled), seed
+        assert counters["stats"]["unique_graphs"] == 2
+
+
 # --- collectives: two gloo ranks -------------------------------------------------------------
 
 def _two_ranks(rank: int, rendezvous: str) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from ..codec import decode, encode
 from ..formats import FloatFormat
+from ..random import key_of
 from ..rounding import RoundMode
 from ..rounding import round as fewbit_round
 from .tensor import (
@@ -25,6 +26,7 @@ from .tensor import (
     check_scale,
     check_settable,
     compute_dtype,
+    dequantize_any,
     holds_every_value,
     is_static,
     parts,
@@ -39,37 +41,46 @@ _E8M0 = "ocp_e8m0"
 _POW2_MODES = {"down": "rtz", "up": "rup", "nearest": "rne"}
 
 
-def _scaled(t: torch.Tensor) -> ScaledTensor:
-    # (wrap, not as_scaled: a plain t may require grad, which the callers carry themselves)
-    return t if isinstance(t, ScaledTensor) else wrap(t, 1.0)
-
-
 # --- cast ----------------------------------------------------------------------------
 #
 # cast and rebalance build a new ScaledTensor, which Dynamo cannot trace: their autograd
 # Functions go into the graph whole (allow_in_graph), and AOTAutograd traces them below,
 # as it traces the rules, so that they compile with torch.compile(fullgraph=True).
 
+def _gradient_of(ctx, g: torch.Tensor) -> torch.Tensor:
+    """The gradient of a cast or rebalance for its input: g, as its value for a plain
+    input (a ScaledTensor made a plain tensor's .grad, and under torch.compile AOTAutograd
+    failed on the scale it brought into the graph)."""
+    return dequantize_any(g) if ctx.plain else g
+
+
 @torch.compiler.allow_in_graph
 class _Cast(torch.autograd.Function):
     # Rounding with a straight-through gradient, the usual estimator for quantisation.
     @staticmethod
     def forward(ctx, t, fmt, mode, kwargs):
-        d, s = parts(_scaled(t))
+        ctx.plain = not isinstance(t, ScaledTensor)
+        d, s = parts(t)
         return wrap(fewbit_round(d, fmt, mode, **kwargs), s)
 
     @staticmethod
     def backward(ctx, g):
-        return g, None, None, None
+        return _gradient_of(ctx, g), None, None, None
 
 
 def cast(t: torch.Tensor, fmt: FloatFormat | str, mode: RoundMode | str = "rne",
          **kwargs: Any) -> ScaledTensor:
     """t with its data rounded to the values of ``fmt`` by ``fewbit.round`` (any mode,
     stochastic ones included: ``bits=``, ``seed=``, ``random_bits=``, ``sat=`` pass
-    through); the scale and the data dtype are kept. Gradients pass straight through.
+    through); the scale and the data dtype are kept. Gradients pass straight through
+    (a plain t's as their value).
     Rebalance first (e.g. ``dynamic_rescale_max``) to centre the data in fmt's range.
     """
+    seed = kwargs.get("seed")
+    if torch.compiler.is_compiling() and seed is not None and not isinstance(seed, torch.Tensor):
+        # Into the graph's Function an int or a Key went as a constant, a graph per seed
+        # (and a Key rebuilt from Dynamo's proxies failed its checks): as a key tensor, data.
+        kwargs = {**kwargs, "seed": key_of(seed, t.device)}
     return _Cast.apply(t, fmt, mode, kwargs)
 
 
@@ -91,11 +102,12 @@ class _Rebalance(torch.autograd.Function):
     # Same value, new scale: the identity for autograd.
     @staticmethod
     def forward(ctx, t, s):
-        return wrap(at_scale(_scaled(t), s), s)
+        ctx.plain = not isinstance(t, ScaledTensor)
+        return wrap(at_scale(t, s), s)
 
     @staticmethod
     def backward(ctx, g):
-        return g, None
+        return _gradient_of(ctx, g), None
 
 
 def rebalance(t: torch.Tensor, s: torch.Tensor | float) -> ScaledTensor:
@@ -141,7 +153,7 @@ def round_pow2(s: Scale, rounding: Pow2 = "down") -> Scale:
 def pow2_scale(t: torch.Tensor, rounding: Pow2 = "down") -> ScaledTensor:
     """t with its scale rounded to a power of two and the same value (data * 2^k is
     exact, so products and quotients of such scales are too); the zero array stays one."""
-    return _Rebalance.apply(t, round_pow2(parts(_scaled(t))[1], rounding))
+    return _Rebalance.apply(t, round_pow2(parts(t)[1], rounding))
 
 
 def scale_to_e8m0(t: ScaledTensor) -> torch.Tensor:
@@ -158,7 +170,7 @@ def from_e8m0(data: torch.Tensor, codes: torch.Tensor) -> ScaledTensor:
 
 # --- dynamic rescaling -------------------------------------------------------------------
 
-def _statistic(t: ScaledTensor, stat: Stat) -> torch.Tensor:
+def _statistic(t: torch.Tensor, stat: Stat) -> torch.Tensor:
     # Of the finite values only: an inf or NaN would make the scale inf or NaN, and every
     # value with it (the non-finite ones stay what they are at any scale).
     d, s = parts(t)
@@ -186,7 +198,7 @@ def dynamic_scale(t: torch.Tensor, stat: Stat = "max", target: float = 1.0,
     """
     if not target > 0:
         raise ValueError(f"target must be positive, got {target}")
-    t = _scaled(t)
+    # (Of parts, not of a ScaledTensor made from a plain t: Dynamo cannot trace making one.)
     new = _statistic(t, stat) / target
     if pow2:
         new = round_pow2(new, "up" if stat == "max" else "nearest")
@@ -226,18 +238,20 @@ class _RescaleGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, stat, target, pow2):
         ctx.args = (stat, target, pow2)
+        ctx.plain = not isinstance(t, ScaledTensor)
         return t.view_as(t)
 
     @staticmethod
     def backward(ctx, g):
-        return dynamic_rescale(g, *ctx.args), None, None, None
+        return _gradient_of(ctx, g) if ctx.plain else dynamic_rescale(g, *ctx.args), None, None, None
 
 
 def dynamic_rescale_grad(t: torch.Tensor, stat: Stat = "max", target: float = 1.0,
                          pow2: bool = False) -> torch.Tensor:
     """t itself, but the gradient flowing back through it is rebalanced (same value) so
     that ``stat`` of its data is ``target``: where the gradient's data is about to leave
-    the range of a 16- or 8-bit format, its scale takes the size instead."""
+    the range of a 16- or 8-bit format, its scale takes the size instead. A plain t's
+    gradient stays plain (its value), as for :func:`cast` and :func:`rebalance`."""
     return _RescaleGrad.apply(t, stat, target, pow2)
 
 
