@@ -265,3 +265,21 @@ def test_a_run_that_finished_as_the_stop_came_is_counted_and_written(data_dir, t
     assert code == 128 + signal.SIGINT
     assert "1 of 5 runs finished" in capsys.readouterr().err
     assert "2.8" in (tmp_path / "losses.csv").read_text()
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_the_way_on_after_a_stop_or_a_failure_keeps_what_was_saved(data_dir, tmp_path, monkeypatch, capsys,
+                                                                   restart):  # fmt: skip
+    """"Run the same command to continue" after a command with --restart discarded the
+    checkpoints it had just saved: the way on is the command without it."""
+    from fewbit.experiments import sweep
+
+    ends = [(dict(stopped=signal.SIGTERM), "to continue, with --restart to start over"),
+            (dict(failed=[(TrainConfig(), "killed by SIGKILL")]), "to continue them from")]  # fmt: skip
+    restarting = ["--restart"] if restart else []
+    for outcome, says in ends:
+        ended = sweep.SweepOutcome(5, **outcome)  # (5 runs: SWEEP's)
+        monkeypatch.setattr(sweep, "run_many", lambda *a, **k: ended)
+        main([*SWEEP, "--data-dir", str(data_dir), "--out", str(tmp_path), *restarting])
+        way = "the same command without --restart" if restart else "the same command"
+        assert f"; run {way} {says}" in capsys.readouterr().err

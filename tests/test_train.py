@@ -270,7 +270,7 @@ def test_bad_configurations():
         TrainConfig(grad_format="e4m3", grad_mode="rne", grad_bits=40)
     with pytest.raises(ValueError, match=re.escape("seed must be in [0, 2**64), got -1")):
         TrainConfig(seed=-1)
-    for device in ("foo", "mps", "meta"):  # (mps and meta crashed in the worker)
+    for device in ("foo", "mps", "meta", "cpu:7"):  # (mps and meta crashed in the worker; cpu:7 ran as cpu)
         with pytest.raises(ValueError, match=f"device must be 'cpu' or 'cuda' .*, not '{device}'"):
             TrainConfig(device=device)
     with pytest.raises(TypeError, match="needs fraction=p"):
@@ -429,6 +429,38 @@ def test_a_folder_where_a_sweep_writes_a_file_is_refused_before_any_run(tmp_path
     with pytest.raises(ValueError, match=f"{out / output} is a folder where a file goes: move it"):
         sweep.run_sweep("figure3", arm_configs("figure3", TINY, [0]), tmp_path / "absent.pt", out)
     assert sorted(p.name for p in out.iterdir()) == [output]  # no lock, no run folders
+
+
+def test_a_refused_claim_writes_nothing(tmp_path):
+    """A command refused for another configuration had written config.json into the new
+    folders before the clash, and they refused the next, valid command."""
+    first = arm_configs(None, replace(TINY, iters=10), [0])
+    sweep.claim_folders(first, tmp_path, restart=False)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(ValueError, match="another configuration"):
+        sweep.claim_folders(arm_configs(None, replace(TINY, iters=20), [1, 0]), tmp_path, restart=False)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    sweep.claim_folders(arm_configs(None, replace(TINY, iters=10), [0, 1]), tmp_path, restart=False)
+
+
+def test_a_claim_refuses_a_file_at_a_run_folder_and_a_cut_config(tmp_path):
+    """A file where a run's folder goes was FileExistsError's traceback; a config.json cut
+    short (written in place, then) a bare JSON message naming no file."""
+    configs = arm_configs("figure3", TINY, [0])
+    folders = [sweep.run_folder(tmp_path, c) for c in configs]
+    folders[1].parent.mkdir(parents=True, exist_ok=True)
+    folders[1].write_text("")
+    with pytest.raises(ValueError, match=f"{folders[1]} is a file where a run's folder goes: move it"):
+        sweep.claim_folders(configs, tmp_path, restart=False)
+    assert sorted(tmp_path.iterdir()) == [folders[1]]
+    folders[1].unlink()
+    sweep.claim_folders(configs, tmp_path, restart=False)
+    for cut in ("", '{"mode": "src", "bi', "[1, 2]"):
+        (folders[2] / "config.json").write_text(cut)
+        with pytest.raises(ValueError, match=f"{folders[2] / 'config.json'} is not a run's configuration "
+                                             r"\(cut short\?\): remove"):  # fmt: skip
+            sweep.claim_folders(configs, tmp_path, restart=False)
+    sweep.claim_folders(configs, tmp_path, restart=True)  # --restart discards it
 
 
 def test_a_failed_atomic_write_leaves_no_temporary_file(tmp_path):

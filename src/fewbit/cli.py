@@ -435,16 +435,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(format_diagnostics(outcome.results))
         print("wrote " + ", ".join(str(p) for p in outcome.written))
         print(f"{time.perf_counter() - start:.0f} s wall")
+    # (--restart again would discard what this command saved: the way on is without it.)
+    same = "the same command without --restart" if args.restart else "the same command"
     if outcome.stopped is not None:
         print(f"fewbit: stopped by {signal.Signals(outcome.stopped).name}: {len(outcome.results)} of "
               f"{outcome.total} runs finished, {outcome.checkpointed} more saved at their last evaluation "
-              f"(in {out}); run the same command to continue, with --restart to start over",
+              f"(in {out}); run {same} to continue, with --restart to start over",
               file=sys.stderr)  # fmt: skip
         return 128 + outcome.stopped
     if outcome.failed:
         lost = "; ".join(f"{cfg.label!r} seed {cfg.seed} ({how})" for cfg, how in outcome.failed)
-        print(f"fewbit: {len(outcome.failed)} of {outcome.total} runs did not finish: {lost}; run the "
-              "same command to continue them from their last checkpoint", file=sys.stderr)  # fmt: skip
+        print(f"fewbit: {len(outcome.failed)} of {outcome.total} runs did not finish: {lost}; run "
+              f"{same} to continue them from their last checkpoint", file=sys.stderr)  # fmt: skip
         return 1
     return 0
 

