@@ -1481,6 +1481,36 @@ def test_compiled_graphs_follow_the_settings_the_rules_read():
         erfinv(x)
 
 
+def test_settings_are_guarded_where_compiled_code_makes_its_scaled_tensors():
+    """A compiled function whose ScaledTensors it makes itself (as_scaled, or a cast of a
+    plain tensor) has no ScaledTensor input to guard the settings on: it kept the ones it
+    was traced under, inf where eager's unit-scaled matmul gave 80000, and no error where
+    eager refused an op without a rule."""
+    u = torch.full((4, 64), 25.0, dtype=torch.float16)
+    v = torch.full((64, 4), 25.0, dtype=torch.float16)
+    makers = {"as_scaled": lambda t: as_scaled(t, 1.0), "cast": lambda t: cast(t, "binary16"),
+              "rebalance": lambda t: rebalance(t, 1.0), "pow2_scale": pow2_scale,
+              "dynamic_rescale": lambda t: dynamic_rescale_max(t, target=25.0)}  # fmt: skip
+    for name, make in makers.items():
+        def f(u, v, make=make):
+            p = make(u) @ make(v)  # 64 x 625 = 40000 at scale 1; 2 x 40000 overflows float16
+            return (p + p).dequantize(torch.float32)
+
+        torch._dynamo.reset()
+        compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+        for unit in (False, True, False):
+            with configure(unit_scaling=unit):
+                assert torch.equal(compiled(u, v), f(u, v)), (name, unit)
+                assert torch.isfinite(f(u, v)).all() == unit, (name, unit)
+    erfinv = torch.compile(lambda t: torch.erfinv(as_scaled(t, 2.0)), backend="aot_eager", fullgraph=True)
+    x = torch.full((4,), 0.25)
+    with configure(scaled_fallback="warn"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch.equal(erfinv(x).dequantize(), torch.erfinv(torch.full((4,), 0.5)))
+    with pytest.raises(Exception, match="no rule for aten.erfinv"):  # this file's setting: "error"
+        erfinv(x)
+
+
 #: AOTAutograd's cache hits and misses for two fresh compiles of ``t.half()`` on a ScaledTensor.
 _HALF_CACHE_COUNTS = """
 import torch

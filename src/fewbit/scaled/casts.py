@@ -27,6 +27,7 @@ from .tensor import (
     check_settable,
     compute_dtype,
     dequantize_any,
+    guard_settings,
     holds_every_value,
     is_static,
     parts,
@@ -81,6 +82,7 @@ def cast(t: torch.Tensor, fmt: FloatFormat | str, mode: RoundMode | str = "rne",
         # Into the graph's Function an int or a Key went as a constant, a graph per seed
         # (and a Key rebuilt from Dynamo's proxies failed its checks): as a key tensor, data.
         kwargs = {**kwargs, "seed": key_of(seed, t.device)}
+    guard_settings()
     return _Cast.apply(t, fmt, mode, kwargs)
 
 
@@ -117,6 +119,7 @@ def rebalance(t: torch.Tensor, s: torch.Tensor | float) -> ScaledTensor:
     s: a positive float, or a float tensor broadcastable to t (on t's device).
     """
     s = check_scale(s, parts(t)[0], positive=True)
+    guard_settings()
     return _Rebalance.apply(t, s)
 
 
@@ -153,6 +156,7 @@ def round_pow2(s: Scale, rounding: Pow2 = "down") -> Scale:
 def pow2_scale(t: torch.Tensor, rounding: Pow2 = "down") -> ScaledTensor:
     """t with its scale rounded to a power of two and the same value (data * 2^k is
     exact, so products and quotients of such scales are too); the zero array stays one."""
+    guard_settings()
     return _Rebalance.apply(t, round_pow2(parts(t)[1], rounding))
 
 
@@ -209,6 +213,7 @@ def dynamic_scale(t: torch.Tensor, stat: Stat = "max", target: float = 1.0,
 def dynamic_rescale(t: torch.Tensor, stat: Stat = "max", target: float = 1.0,
                     pow2: bool = False) -> ScaledTensor:
     """t rebalanced to :func:`dynamic_scale` (same value; autograd sees the identity)."""
+    guard_settings()
     return _Rebalance.apply(t, dynamic_scale(t, stat, target, pow2))
 
 
@@ -252,6 +257,7 @@ def dynamic_rescale_grad(t: torch.Tensor, stat: Stat = "max", target: float = 1.
     that ``stat`` of its data is ``target``: where the gradient's data is about to leave
     the range of a 16- or 8-bit format, its scale takes the size instead. A plain t's
     gradient stays plain (its value), as for :func:`cast` and :func:`rebalance`."""
+    guard_settings()
     return _RescaleGrad.apply(t, stat, target, pow2)
 
 

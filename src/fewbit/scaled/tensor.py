@@ -79,6 +79,16 @@ def traced_settings() -> tuple[bool, str]:
     return config.unit_scaling, config.scaled_fallback
 
 
+def guard_settings() -> None:
+    """Under torch.compile, have Dynamo guard on :func:`traced_settings` where traced code
+    makes a ScaledTensor of plain tensors (the flatten context guards them on ScaledTensor
+    inputs alone): a graph traced under other settings would run its rules silently.
+    Dynamo guards on a value once it is used (a comparison), not on one merely read."""
+    if torch.compiler.is_compiling():
+        unit, fallback = traced_settings()
+        _ = (unit is True, fallback == "error")
+
+
 #: Whether this torch has the private functions that rebuild a wrapper subclass
 #: (ScaledTensor.__reduce_ex__).
 _REBUILD = all(hasattr(module, name) for module, name in (
@@ -425,6 +435,7 @@ def as_scaled(data: torch.Tensor, scale: torch.Tensor | float | None = None) -> 
         raise ValueError("as_scaled(data, scale) would cut data from autograd (its gradient would never "
                          "come back); for a differentiable ScaledTensor of a tensor's value use "
                          "fewbit.scaled.rebalance(x, scale), or pass data.detach()")
+    guard_settings()
     return ScaledTensor(data, scale)
 
 
