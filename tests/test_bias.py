@@ -117,6 +117,14 @@ def test_bad_input():
         bias.exact("nearest")
     with pytest.raises(ValueError, match="samples"):
         bias.measure(torch.ones(3), "e4m3", "src", 3, samples=1)
+    # closed_form took a float D (a float answer) and True as D = 1; figure took samples 0
+    # as its default and -5 as 2, where exact and measure refuse them.
+    for excess in (4.5, 7.0, True, -1):
+        with pytest.raises(ValueError, match=f"excess must be an int >= 0 or None, got {excess!r}"):
+            bias.closed_form("srff", 3, excess)
+    for samples in (0, -5, 1, 2.5):
+        with pytest.raises(ValueError, match=f"samples must be an int >= 2, got {samples!r}"):
+            bias.figure(1, "unused", samples=samples)
 
 
 def test_cli(capsys):

@@ -49,14 +49,23 @@ def __getattr__(name: str):
 _ENUMERATE_UP_TO = 1 << 12  # grid points per period summed one by one
 
 
+def _check_excess(excess: int | None) -> None:
+    if excess is not None and (isinstance(excess, bool) or not isinstance(excess, int) or excess < 0):
+        raise ValueError(f"excess must be an int >= 0 or None, got {excess!r}")
+
+
+def _check_samples(samples: int) -> None:
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 2:
+        raise ValueError(f"samples must be an int >= 2, got {samples!r}")
+
+
 def _check(mode: RoundMode | str, bits: int | None, excess: int | None) -> tuple[RoundMode, int | None]:
     mode = parse_mode(mode)
     info = MODES[mode]
     if info.composite:
         raise ValueError(f"the bias of {mode.value!r} depends on where x lies, not only on d: "
                          "use fewbit.bias.measure")
-    if excess is not None and (isinstance(excess, bool) or not isinstance(excess, int) or excess < 0):
-        raise ValueError(f"excess must be an int >= 0 or None, got {excess!r}")
+    _check_excess(excess)
     if info.bits == "natural":
         if bits is not None:
             raise ValueError(f"mode {mode.value!r} takes its N from the excess bits: N = min(D, 32)")
@@ -214,6 +223,7 @@ def closed_form(mode: RoundMode | str, bits: int, excess: int | None = None) -> 
         raise ValueError(f"the paper gives closed forms for srff, srf and src, not {mode.value!r}")
     if isinstance(bits, bool) or not isinstance(bits, int) or bits < 1:
         raise ValueError(f"bits must be an int >= 1, got {bits!r}")
+    _check_excess(excess)
     if excess is not None and bits > excess:
         raise ValueError(f"the paper's closed forms are for N <= D, not N = {bits} > D = {excess}")
     two = Fraction(2)
@@ -249,8 +259,7 @@ def measure(
     Rounds ``x`` ``samples`` times (keys ``fold_in(seed, s)``); returns the mean error
     in ulps of each input and its standard error (float64 tensors of x's shape).
     """
-    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 2:
-        raise ValueError(f"samples must be an int >= 2, got {samples!r}")
+    _check_samples(samples)
     key = as_key(seed)
     ulp = _ulp_at(x, fmt)
     total = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
@@ -306,7 +315,8 @@ def figure(number: int, out_dir: str, seed: int = 0, samples: int | None = None)
     if number not in FIGURES:
         raise ValueError(f"figure must be 1 or 2, not {number!r}")
     cfg = FIGURES[number]
-    samples = samples or cfg["samples"]
+    samples = cfg["samples"] if samples is None else samples
+    _check_samples(samples)
     if cfg["source"] == torch.bfloat16:  # every bfloat16 value in [1, 2)
         x = (1 + torch.arange(128, dtype=torch.float64) / 128).to(torch.bfloat16)
     else:
