@@ -333,7 +333,7 @@ def test_build_failure_warns_and_falls_back(monkeypatch, tmp_path):
     broken.write_text("this is not C++")
     monkeypatch.setattr(native, "SOURCE", broken)
     monkeypatch.setattr(native, "_library", None)
-    monkeypatch.setattr(native, "_failed", False)
+    monkeypatch.setattr(native, "_failed", set())
     x = torch.randn(1000)
     with configure(compile=False):
         expected = fewbit.round(x, "binary8p4", "src", bits=3, seed=1)
@@ -401,8 +401,24 @@ def fake_compiler(monkeypatch, folder: Path, library: Path | None) -> str:
     script.chmod(0o755)
     monkeypatch.setattr(native, "_compiler", lambda: str(script))
     monkeypatch.setattr(native, "_library", None)
-    monkeypatch.setattr(native, "_failed", False)
+    monkeypatch.setattr(native, "_failed", set())
     return str(script)
+
+
+def test_a_cache_folder_that_fails_costs_no_other(monkeypatch, tmp_path):
+    """A failure in one configure block's native_cache turned the kernel off for the rest
+    of the process, the setting restored: each folder is tried once."""
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_failed", set())
+    (tmp_path / "file").write_text("")
+    with configure(native_cache=str(tmp_path / "file" / "cache")):
+        with pytest.warns(RuntimeWarning, match="native CPU kernel could not be"):
+            assert native._load() is None
+        with warnings.catch_warnings(record=True) as again:
+            warnings.simplefilter("always")
+            assert native._load() is None
+        assert again == []  # tried once
+    assert native._load() is not None  # the folder in force again (the tests' own)
 
 
 def test_a_compiler_that_writes_nothing_leaves_nothing_in_the_cache(monkeypatch, tmp_path):

@@ -76,7 +76,9 @@ def even_fraction(fmt: FloatFormat) -> int:
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
-_failed = False
+#: The cache folders (setting ``native_cache``) where the kernel could not be built or
+#: loaded: each is tried once a process, so a bad folder set for a while costs no other.
+_failed: set[str] = set()
 
 
 def _bits32(value: float) -> int:
@@ -323,15 +325,18 @@ def packed(x, spec: RoundSpec, encode: bool, words, given, out: torch.Tensor, ou
 
 def _load() -> ctypes.CDLL | None:
     """The built kernel, building it at first use; None (with one warning) when that fails."""
-    global _library, _failed
-    if _library is not None or _failed:
+    global _library
+    if _library is not None:
         return _library
+    folder = os.fspath(current().native_cache)
+    if folder in _failed:
+        return None
     with _lock:
-        if _library is None and not _failed:
+        if _library is None and folder not in _failed:
             try:
                 _library = _cached_or_built()
             except (OSError, subprocess.CalledProcessError) as err:
-                _failed = True
+                _failed.add(folder)
                 what = "loaded" if isinstance(err, _LoadFailed) else "built"
                 detail = getattr(err, "stderr", None) or err
                 warnings.warn(f"fewbit: the native CPU kernel could not be {what} ({detail!s:.300}); "
