@@ -621,8 +621,8 @@ def random_bits(
     accepted (ValueError otherwise). Computes each Threefry block once, for
     ``2 * per_word`` elements.
 
-    Works under ``torch.compile``: the key's words enter the graph as data, so after the
-    second graph (Dynamo makes an int it has seen change symbolic) a new key or seed
+    Works under ``torch.compile``: the key's words enter the graph as data, so once Dynamo
+    has made the ints it saw change symbolic (a graph or two later) a new key or seed
     does not recompile; :meth:`Key.tensors` with :func:`bits_from_range` needs one graph.
     """
     bits = _check_bits(bits)
