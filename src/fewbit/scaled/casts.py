@@ -26,7 +26,6 @@ from .tensor import (
     check_scale,
     check_settable,
     compute_dtype,
-    dequantize_any,
     guard_settings,
     holds_every_value,
     is_static,
@@ -48,33 +47,24 @@ _POW2_MODES = {"down": "rtz", "up": "rup", "nearest": "rne"}
 # Functions go into the graph whole (allow_in_graph), and AOTAutograd traces them below,
 # as it traces the rules, so that they compile with torch.compile(fullgraph=True).
 
-def _gradient_of(ctx, g: torch.Tensor) -> torch.Tensor:
-    """The gradient of a cast or rebalance for its input: g, as its value for a plain
-    input (a ScaledTensor made a plain tensor's .grad, and under torch.compile AOTAutograd
-    failed on the scale it brought into the graph)."""
-    return dequantize_any(g) if ctx.plain else g
-
-
 @torch.compiler.allow_in_graph
 class _Cast(torch.autograd.Function):
     # Rounding with a straight-through gradient, the usual estimator for quantisation.
     @staticmethod
     def forward(ctx, t, fmt, mode, kwargs):
-        ctx.plain = not isinstance(t, ScaledTensor)
         d, s = parts(t)
         return wrap(fewbit_round(d, fmt, mode, **kwargs), s)
 
     @staticmethod
     def backward(ctx, g):
-        return _gradient_of(ctx, g), None, None, None
+        return g, None, None, None
 
 
 def cast(t: torch.Tensor, fmt: FloatFormat | str, mode: RoundMode | str = "rne",
          **kwargs: Any) -> ScaledTensor:
     """t with its data rounded to the values of ``fmt`` by ``fewbit.round`` (any mode,
     stochastic ones included: ``bits=``, ``seed=``, ``random_bits=``, ``sat=`` pass
-    through); the scale and the data dtype are kept. Gradients pass straight through
-    (a plain t's as their value).
+    through); the scale and the data dtype are kept. Gradients pass straight through.
     Rebalance first (e.g. ``dynamic_rescale_max``) to centre the data in fmt's range.
     """
     seed = kwargs.get("seed")
@@ -104,12 +94,11 @@ class _Rebalance(torch.autograd.Function):
     # Same value, new scale: the identity for autograd.
     @staticmethod
     def forward(ctx, t, s):
-        ctx.plain = not isinstance(t, ScaledTensor)
         return wrap(at_scale(t, s), s)
 
     @staticmethod
     def backward(ctx, g):
-        return _gradient_of(ctx, g), None
+        return g, None
 
 
 def rebalance(t: torch.Tensor, s: torch.Tensor | float) -> ScaledTensor:
@@ -243,20 +232,18 @@ class _RescaleGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, stat, target, pow2):
         ctx.args = (stat, target, pow2)
-        ctx.plain = not isinstance(t, ScaledTensor)
         return t.view_as(t)
 
     @staticmethod
     def backward(ctx, g):
-        return _gradient_of(ctx, g) if ctx.plain else dynamic_rescale(g, *ctx.args), None, None, None
+        return dynamic_rescale(g, *ctx.args), None, None, None
 
 
 def dynamic_rescale_grad(t: torch.Tensor, stat: Stat = "max", target: float = 1.0,
                          pow2: bool = False) -> torch.Tensor:
     """t itself, but the gradient flowing back through it is rebalanced (same value) so
     that ``stat`` of its data is ``target``: where the gradient's data is about to leave
-    the range of a 16- or 8-bit format, its scale takes the size instead. A plain t's
-    gradient stays plain (its value), as for :func:`cast` and :func:`rebalance`."""
+    the range of a 16- or 8-bit format, its scale takes the size instead."""
     guard_settings()
     return _RescaleGrad.apply(t, stat, target, pow2)
 
