@@ -545,6 +545,8 @@ def test_random_bits_of_int_seeds_and_keys_under_compile_in_two_graphs():
         for seed in seeds:
             assert torch.equal(draw(seed), random_bits((4, 100), 5, seed)), seed
         assert counters["stats"]["unique_graphs"] == 2
+    for seed in (2**63 + 1, 2**64 - 1):  # (beyond int64, a graph input: constants of graphs of their own)
+        assert torch.equal(draw(seed), random_bits((4, 100), 5, seed)), seed
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -512,6 +512,15 @@ def bits_rows(row0: int, n_rows: int, bits: int, k0: KeyInt, k1: KeyInt, *, devi
     return values[start : start + n_rows]
 
 
+def _key_words(key: Key | int, device) -> tuple[KeyInt, KeyInt]:
+    """A key's two words: ints, or traced, 0-d tensors (:func:`key_of`, which also takes an
+    int seed Dynamo made symbolic, and one beyond int64, as a graph input cannot be)."""
+    checked = as_key(key)
+    if torch.compiler.is_compiling():
+        return key_of(key, device).unbind()
+    return checked.k0, checked.k1
+
+
 def _check_range(offset: object, n: int) -> int:
     offset = _check_size(offset, _MAX_INDEX + 1, "offset")
     symbolic = isinstance(offset, torch.SymInt) or isinstance(n, torch.SymInt)
@@ -531,11 +540,11 @@ def random_words(
     stream (values in ``[0, 2**32)``). Word ``w`` is output ``(w // LANES) % 2``
     of the Threefry-2x32-20 block ``b = (w // (2 * LANES)) * LANES + w % LANES``,
     whose counter is ``(b mod 2**32, b // 2**32)``."""
-    key = as_key(key)
+    k0, k1 = _key_words(key, device)
     n_words = _check_size(n_words, _MAX_INDEX + 1, "n_words")
     offset = _check_range(offset, n_words)
     # With 32 bits per element, element w takes the whole of word w.
-    return _bits_range(offset, n_words, 32, key.k0, key.k1, device, torch.int64)
+    return _bits_range(offset, n_words, 32, k0, k1, device, torch.int64)
 
 
 # Integer dtypes random_bits can return, with how many value bits they hold.
@@ -626,7 +635,7 @@ def random_bits(
     does not recompile; :meth:`Key.tensors` with :func:`bits_from_range` needs one graph.
     """
     bits = _check_bits(bits)
-    key = as_key(key)
+    k0, k1 = _key_words(key, device)
     dims = _as_shape(shape)
     if dtype is None:
         dtype = _default_dtype(bits)
@@ -638,7 +647,7 @@ def random_bits(
     for d in dims:
         n *= d
     offset = _check_range(offset, n)
-    return _bits_range(offset, n, bits, key.k0, key.k1, device, dtype).reshape(dims)
+    return _bits_range(offset, n, bits, k0, k1, device, dtype).reshape(dims)
 
 
 def bits_from_range(
