@@ -124,7 +124,8 @@ class _Parts:
 class ScaledTensor(torch.Tensor):
     """A tensor whose value is ``data * scale``.
 
-    ``ScaledTensor(data, scale)`` checks its arguments as :func:`as_scaled` does. The
+    ``ScaledTensor(data, scale)`` checks its arguments as :func:`as_scaled` does (in
+    compiled code use as_scaled, which has Dynamo guard on the settings rules read). The
     tensor reports data's shape, dtype and device; ``unscaled`` is the data,
     ``scale`` the scale (always a tensor here), :meth:`dequantize` the value.
     """
