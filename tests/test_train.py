@@ -448,11 +448,12 @@ def test_a_claim_refuses_a_file_at_a_run_folder_and_a_cut_config(tmp_path):
     short (written in place, then) a bare JSON message naming no file."""
     configs = arm_configs("figure3", TINY, [0])
     folders = [sweep.run_folder(tmp_path, c) for c in configs]
-    folders[1].parent.mkdir(parents=True, exist_ok=True)
+    sweep.claim_folders(configs[:1], tmp_path, restart=False)  # a run there already
     folders[1].write_text("")
-    with pytest.raises(ValueError, match=f"{folders[1]} is a file where a run's folder goes: move it"):
-        sweep.claim_folders(configs, tmp_path, restart=False)
-    assert sorted(tmp_path.iterdir()) == [folders[1]]
+    for restart in (False, True):  # (--restart discarded the runs first, then refused)
+        with pytest.raises(ValueError, match=f"{folders[1]} is a file where a run's folder goes: move it"):
+            sweep.claim_folders(configs, tmp_path, restart=restart)
+        assert sorted(tmp_path.iterdir()) == sorted(folders[:2]) and (folders[0] / "config.json").exists()
     folders[1].unlink()
     sweep.claim_folders(configs, tmp_path, restart=False)
     for cut in ("", '{"mode": "src", "bi', "[1, 2]"):

@@ -31,6 +31,7 @@ __all__ = ["BlockSpec", "block_layout", "block_scales", "quantize_blocks"]
 
 #: An element format whose smallest subnormal is below 2^-92 is rounded in float64 (see above).
 _FLOAT32_FLOOR = -92
+_FLOAT32_SMALLEST = format("binary32").smallest_subnormal
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ def tensor_scale_of(x: torch.Tensor, bfmt: BlockFormat, amax: float | torch.Tens
         return None
     found = finite_amax(x, amax).clamp(max=torch.finfo(torch.float32).max)
     ts = found / (bfmt.element.max * bfmt.scale.max)
-    return torch.where(found > 0, ts.clamp(min=format("binary32").smallest_subnormal), 1.0)
+    return torch.where(found > 0, ts.clamp(min=_FLOAT32_SMALLEST), 1.0)
 
 
 def quantize_blocks(

@@ -203,14 +203,15 @@ def claim_folders(configs: list[TrainConfig], out_dir: Path, restart: bool) -> l
     discarded first (a folder with a config.json), not only this command's: a later
     command would take up a run left from before as finished. A folder that holds a run
     of another configuration is an error, named before anything starts."""
+    folders = [run_folder(out_dir, c) for c in configs]
+    for folder in folders:  # every check before anything is written or discarded
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"{folder} is a file where a run's folder goes: move it or pass another --out")
     if restart and out_dir.is_dir():
         for old in out_dir.iterdir():
             if old.is_dir() and (old / "config.json").exists():
                 shutil.rmtree(old)
-    folders = [run_folder(out_dir, c) for c in configs]
-    for cfg, folder in zip(configs, folders, strict=True):  # every check before any write
-        if folder.exists() and not folder.is_dir():
-            raise ValueError(f"{folder} is a file where a run's folder goes: move it or pass another --out")
+    for cfg, folder in zip(configs, folders, strict=True):
         written = folder / "config.json"
         if written.exists():
             try:

@@ -52,6 +52,8 @@ from .tensor import (
 # --- layout: the data moves, the scale follows ---------------------------------------
 
 _VIEWS = (aten.view, aten._unsafe_view, aten.reshape)
+#: The range of a static scale (:func:`_float32_scale`), read once: a rule checks each.
+_FLOAT32_SMALLEST, _FLOAT32_MAX = format("binary32").smallest_subnormal, format("binary32").max
 
 
 def _compact(s: torch.Tensor) -> torch.Tensor:
@@ -569,7 +571,7 @@ def _float32_scale(s: Scale) -> bool:
     """Whether a scale a rule made is one a ScaledTensor holds: a static one between
     float32's smallest positive value and its largest; a tensor one is taken as such
     (reading it would wait for the device)."""
-    return not is_static(s) or format("binary32").smallest_subnormal <= s <= torch.finfo(torch.float32).max
+    return not is_static(s) or _FLOAT32_SMALLEST <= s <= _FLOAT32_MAX
 
 
 # --- computed on the value -----------------------------------------------------------
