@@ -632,7 +632,8 @@ def random_bits(
 
     Works under ``torch.compile``: the key's words enter the graph as data, so once Dynamo
     has made the ints it saw change symbolic (a graph or two later) a new key or seed
-    does not recompile; :meth:`Key.tensors` with :func:`bits_from_range` needs one graph.
+    below 2**63 does not recompile (one beyond int64, which a graph input cannot hold, is
+    a graph of its own); :meth:`Key.tensors` with :func:`bits_from_range` needs one graph.
     """
     bits = _check_bits(bits)
     k0, k1 = _key_words(key, device)
