@@ -15,9 +15,9 @@ import torch
 
 from ..codec import decode, encode
 from ..formats import FloatFormat
-from ..random import key_of
 from ..rounding import RoundMode
 from ..rounding import round as fewbit_round
+from ..rounding.ops import op_key
 from .tensor import (
     Scale,
     ScaledTensor,
@@ -67,11 +67,11 @@ def cast(t: torch.Tensor, fmt: FloatFormat | str, mode: RoundMode | str = "rne",
     through); the scale and the data dtype are kept. Gradients pass straight through.
     Rebalance first (e.g. ``dynamic_rescale_max``) to centre the data in fmt's range.
     """
-    seed = kwargs.get("seed")
-    if torch.compiler.is_compiling() and seed is not None and not isinstance(seed, torch.Tensor):
-        # Into the graph's Function an int or a Key went as a constant, a graph per seed
-        # (and a Key rebuilt from Dynamo's proxies failed its checks): as a key tensor, data.
-        kwargs = {**kwargs, "seed": key_of(seed, t.device)}
+    if kwargs.get("seed") is not None:
+        # The op's own key: traced, a key tensor (into the graph's Function an int or a Key
+        # went as a constant, a graph per seed, and a Key rebuilt from Dynamo's proxies
+        # failed its checks).
+        kwargs = {**kwargs, "seed": op_key(kwargs["seed"], t)}
     guard_settings()
     return _Cast.apply(t, fmt, mode, kwargs)
 
