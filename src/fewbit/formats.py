@@ -335,13 +335,18 @@ def _value_table(fmt: FloatFormat) -> np.ndarray:
 
 # Registry
 
+def _p3109_max_p(k: int, signed: bool) -> int:
+    # At least one exponent bit: K = (sign bit) + (exponent bits) + (P - 1).
+    return k - signed
+
+
 def p3109(k: int, p: int, signed: bool = True, extended: bool = True) -> FloatFormat:
     """IEEE P3109 ``binaryKpP`` format: no negative zero (its code is the NaN); unsigned
     formats keep their top code as NaN. Without a sign bit P may reach K (one exponent
     bit)."""
     if not (3 <= k <= 16):
         raise ValueError(f"P3109 formats need 3 <= K <= 16, got K={k}")
-    if not (1 <= p < k + (not signed)):
+    if not (1 <= p <= _p3109_max_p(k, signed)):
         bound = "1 <= P < K" if signed else "unsigned ones 1 <= P <= K"
         raise ValueError(f"P3109 formats need {bound}, got K={k}, P={p}")
     bias = (1 << (k - p - 1)) if signed else (1 << (k - p))
@@ -419,7 +424,7 @@ def names() -> tuple[str, ...]:
     p3109_names = [
         p3109(k, p, s, e).name
         for k in range(3, 17) for p in range(1, k + 1)
-        for s in (True, False) if p < k or not s for e in (True, False)
+        for s in (True, False) if p <= _p3109_max_p(k, s) for e in (True, False)
     ]
     return tuple(_FIXED) + tuple(p3109_names)
 
