@@ -553,8 +553,9 @@ def run_sweep(
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     name, title = sweep or "losses", f"{sweep or configs[0].label}: char GPT on Shakespeare"
-    plots = [p.name for other in {*SWEEPS, "losses"} for p in _plots(out_dir, other)]  # removed or written
-    with hold(out_dir, [*_TABLES, *plots]):  # until the sweep ends: no other writes here meanwhile
+    plots = {other: _plots(out_dir, other) for other in {*SWEEPS, "losses"}}  # each removed or written
+    outputs = [*_TABLES, *(png.name for pngs in plots.values() for png in pngs)]
+    with hold(out_dir, outputs):  # until the sweep ends: no other writes here meanwhile
         folders = claim_folders(configs, out_dir, restart)
         finished = sum((f / RESULT).exists() for f in folders)
         if finished or _checkpointed(folders):
@@ -568,8 +569,8 @@ def run_sweep(
 
         if not finished:  # outputs of runs discarded (--restart) or of another sweep: gone now
             write([])
-        for other in {*SWEEPS, "losses"} - {name}:  # another sweep's plots would show its runs
-            for png in _plots(out_dir, other):
+        for other in plots.keys() - {name}:  # another sweep's plots would show its runs
+            for png in plots[other]:
                 png.unlink(missing_ok=True)
         outcome = run_many(configs, folders, data_file, workers, progress_bar, on_finish=write)
         # A run may have written its result as a stop came, before its worker's message
