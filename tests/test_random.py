@@ -547,6 +547,11 @@ def test_random_bits_of_int_seeds_and_keys_under_compile_in_two_graphs():
         assert counters["stats"]["unique_graphs"] == 2
     for seed in (2**63 + 1, 2**64 - 1):  # (beyond int64, a graph input: constants of graphs of their own)
         assert torch.equal(draw(seed), random_bits((4, 100), 5, seed)), seed
+    # The same seeds made into a Key inside the compiled function (Inductor failed on them).
+    torch._dynamo.reset()
+    draw_key = torch.compile(lambda seed: random_bits((4, 100), 5, Key.from_seed(seed)), fullgraph=True)
+    for seed in (3, 4, 2**63 + 1, 2**64 - 1):
+        assert torch.equal(draw_key(seed), random_bits((4, 100), 5, seed)), seed
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -159,6 +159,11 @@ class Key:
     @classmethod
     def from_seed(cls, seed: int) -> Key:
         """Key from an int seed in ``[0, 2**64)``: ``k0`` = low 32 bits, ``k1`` = high."""
+        if torch.compiler.is_compiling() and _is_int(seed) and seed // 2**63:
+            # A compiled graph takes an int that Dynamo made symbolic as an int64 input, with
+            # no guard on its range (Dynamo sees an int, not a SymInt, here): one beyond
+            # [0, 2**63) is made a constant of a graph of its own, split (or refused) as an int.
+            seed = operator.index(seed)
         seed = _check_uint(seed, _MAX_U64, "seed")
         return cls._of_words(seed & MASK32, seed >> 32)
 
@@ -295,12 +300,7 @@ def key_of(seed: Key | int | torch.Tensor, device: torch.device | str | None = N
         return torch.stack((seed & MASK32, (seed >> 32) & MASK32))
     if isinstance(seed, torch.SymInt):
         return key_of(torch.tensor(seed, dtype=torch.int64, device=device), device)
-    if torch.compiler.is_compiling() and _is_int(seed) and seed // 2**63:
-        # A compiled graph takes an int that Dynamo made symbolic as an int64 input, with no
-        # guard on its range (Dynamo sees an int, not a SymInt, here): one beyond [0, 2**63)
-        # is made a constant of a graph of its own, split (or refused) as a Python int.
-        seed = operator.index(seed)
-    key = as_key(seed)
+    key = as_key(seed)  # (a traced int seed beyond int64: see Key.from_seed)
     return key_tensor([key.k0, key.k1], device)
 
 
