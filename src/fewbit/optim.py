@@ -483,7 +483,7 @@ class LowPrecisionWeights:
             if done is not None:  # runs of the full tensor: its bits drawn inside the kernel
                 t.copy_(done)
                 continue
-            random = piece_randomness(self.spec, key, at, t.device) if t.numel() else {}
+            random = piece_randomness(self.spec, key, at, t.device)
             if not block:
                 sr = {"bits": self.bits, **random, **extra} if random else {}
                 t.copy_(round_to(x, self.fmt, self.mode, sat=self.sat, **sr))
