@@ -31,6 +31,7 @@ from fewbit.experiments.sharded import (
 )  # fmt: skip
 from fewbit.formats import format
 from fewbit.nn import FakeQuantize, Quant, fake_quantize
+from fewbit.optim import LowPrecisionWeights
 from fewbit.random import Key, fold_in, random_bits
 from fewbit.replicas import check_in_sync, drift_report, replica_key
 from fewbit.sharding import Runs, ShardLayout, global_amax, tensor_scales
@@ -124,6 +125,11 @@ def edge_cases(rank: int, world_size: int) -> dict:
             "scales of a partial": lambda: tensor_scales([partial], fewbit.block.format("nvfp4")),
             **{f"bits out of range on rank 1, {name}": functools.partial(given_bits_out_of_range, mesh, call)
                for name, call in BAD_BITS_CALLS.items()},
+            **{f"empty piece, {name}": functools.partial(empty_piece_write_back, mesh, kw)
+               for name, kw in EMPTY_PIECE_CASES.items()},
+            # A transposed Shard(1) tensor, rounded: its pieces are contiguous, and so is the result.
+            "transposed, viewed": lambda: rounded(distribute_tensor(full, mesh, [Shard(1)]).t()).view(-1)
+                                          .full_tensor().tolist(),  # fmt: skip
         }
     return {"cases": {name: _outcome(call) for name, call in cases.items()}}
 
@@ -149,6 +155,34 @@ def given_bits_out_of_range(mesh, call) -> list:
     out = distribute_tensor(torch.zeros(8, 32), mesh, [Shard(0)])
     outcome = _outcome(lambda: call(x, distribute_tensor(bits, mesh, [Shard(0)]), out))
     return [outcome if isinstance(outcome, str) else "a result", bool(out.to_local().any())]
+
+
+#: LowPrecisionWeights set-ups whose write-back the native kernel does not take (it rounds
+#: float32 alone, and only when fewbit compiles): an empty piece went the other way.
+EMPTY_PIECE_CASES = {
+    "float64 updates": dict(fmt="binary8p4", update_dtype=torch.float64),
+    "eager": dict(fmt="binary8p4", configure=dict(native=False)),
+    "eager, codes": dict(fmt="binary8p4", configure=dict(native=False), store_codes=True),
+    "eager, mxfp8": dict(fmt="mxfp8_e4m3", configure=dict(native=False)),
+}
+
+
+def empty_piece_write_back(mesh, kw: dict, world: bool = True) -> list:
+    """A (1, 32) weight (on 2 ranks, rank 1's piece is empty) after the rounding at
+    construction and a step of LowPrecisionWeights, as a list (``world=False``: one
+    process's, for the test to compare)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    kw = dict(kw)
+    fmt, settings = kw.pop("fmt"), kw.pop("configure", {})
+    w = torch.randn(1, 32, generator=torch.Generator().manual_seed(3))
+    w = torch.nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]) if world else w)
+    with fewbit.configure(**settings):
+        opt = LowPrecisionWeights(torch.optim.SGD([w], lr=0.01), fmt, "src", bits=3, seed=4, **kw)
+        w.grad = torch.ones_like(w)
+        opt.step()
+        opt.zero_grad()
+    return (w.full_tensor() if world else w).tolist()
 
 
 @pytest.fixture(scope="module")
@@ -559,6 +593,28 @@ def test_given_bits_out_of_range_on_one_rank_are_refused_on_every_rank(runs, nam
     assert first[0].startswith("ValueError: fewbit.") and "another rank's piece of x was refused" in first[0]
     assert second[0].startswith("ValueError: random_bits must lie in [0, 8)"), second
     assert (first[1], second[1]) == (False, False)
+
+
+@pytest.mark.parametrize("name", list(EMPTY_PIECE_CASES))
+def test_a_weight_with_an_empty_piece_writes_back_as_one_process(runs, name):
+    """A (1, 32) weight on 2 ranks, where the native kernel does not round the write-back:
+    rank 1's empty piece was given a stochastic rounding without its bits, and raised while
+    rank 0 went on alone (a hang, or gloo's abort)."""
+    kw = EMPTY_PIECE_CASES[name]
+    with fewbit.configure(compile=False):
+        single = empty_piece_write_back(None, kw, world=False)
+    assert single != torch.randn(1, 32, generator=torch.Generator().manual_seed(3)).tolist()  # rounded
+    for r in runs[2]["edges"]:
+        assert r["cases"][f"empty piece, {name}"] == single
+
+
+def test_ops_on_a_transposed_dtensor_give_contiguous_results(runs):
+    """A rounding's pieces are contiguous (a plain tensor's result is, whatever its input's
+    strides); the DTensor said it had the input's strides, and refused .view(-1)."""
+    full = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+    expected = fewbit.round(full.t(), "binary8p4", "sr", seed=2).view(-1).tolist()
+    for r in runs[2]["edges"]:
+        assert r["cases"]["transposed, viewed"] == expected
 
 
 def test_ranks_outside_the_mesh_get_empty_pieces(runs):

@@ -420,8 +420,8 @@ def replica_rank(t: torch.Tensor) -> int | None:
 
 def map_piece(t: torch.Tensor, fn: Callable[[torch.Tensor, ShardLayout], torch.Tensor],
               shape: tuple[int, ...] | None = None) -> torch.Tensor:  # fmt: skip
-    """``fn(piece, where)`` on this rank's piece of ``t`` and where it lies, as a tensor laid
-    out as ``t``; ``fn(t, whole)`` for a plain tensor. ``fn`` must keep the piece's shape
+    """``fn(piece, where)`` on this rank's piece of ``t`` and where it lies, as a tensor placed
+    as ``t`` (contiguous); ``fn(t, whole)`` for a plain tensor. ``fn`` must keep the piece's shape
     and act elementwise by global index (a rounding with :func:`piece_randomness`); or,
     given the full result's ``shape``, change the length of the last dimension alone (codes
     packed in pairs, or unpacked) so that the pieces still lie where ``t``'s placements
@@ -436,10 +436,12 @@ def map_piece(t: torch.Tensor, fn: Callable[[torch.Tensor, ShardLayout], torch.T
 
     t = summed(t)
     piece = t.to_local()
-    out = fn(piece, layout(t, piece))
-    stride = t.stride() if shape is None else torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(out, t.device_mesh, t.placements, run_check=False, shape=shape or t.shape,
-                              stride=stride)  # fmt: skip
+    # Contiguous, as a plain tensor's result is whatever its input's strides (the ops' pieces
+    # are: no copy), and described so: t's strides would refuse a view the plain result takes.
+    out = fn(piece, layout(t, piece)).contiguous()
+    shape = shape or t.shape
+    return DTensor.from_local(out, t.device_mesh, t.placements, run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())  # fmt: skip
 
 
 def summed(t: torch.Tensor) -> torch.Tensor:
