@@ -575,6 +575,25 @@ def test_scalify_keeps_values_ties_and_dtype():
     close(w, ref.half(), 1e-3)
 
 
+def test_scalify_leaves_integer_parameters_and_refuses_before_changing_any():
+    """An integer parameter was given a scale and kept integer data: [3, 5] became 4 * [0, 1];
+    an 8-bit float parameter or dtype was refused with the parameters before it converted."""
+    model = nn.Linear(2, 2)
+    model.register_parameter("steps", nn.Parameter(torch.tensor([3, 5]), requires_grad=False))
+    scalify(model)
+    assert isinstance(model.weight, ScaledTensor) and not isinstance(model.steps, ScaledTensor)
+    assert model.steps.tolist() == [3, 5]
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    e4m3 = nn.Parameter(torch.ones(2, dtype=torch.float8_e4m3fn), requires_grad=False)
+    model[1].register_parameter("e4m3", e4m3)
+    for call in (lambda: scalify(model), lambda: scalify(nn.Linear(2, 2), dtype=torch.float8_e4m3fn)):
+        with pytest.raises(TypeError, match="float8_e4m3fn is not supported"):
+            call()
+    with pytest.raises(TypeError, match="must be a floating dtype"):
+        scalify(model, dtype=torch.int8)
+    assert not any(isinstance(p, ScaledTensor) for p in model.parameters())
+
+
 def test_compile_fullgraph_matches_eager():
     torch._dynamo.reset()
     torch.manual_seed(0)
