@@ -594,6 +594,21 @@ def test_scalify_leaves_integer_parameters_and_refuses_before_changing_any():
     assert not any(isinstance(p, ScaledTensor) for p in model.parameters())
 
 
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adamw_on_a_float16_scalified_model_stays_finite(foreach):
+    """Adam's fresh second moment (the zero array) went through mul_(beta2) at scale 1, and
+    grad**2 and eps then underflowed float16 there: inf and NaN weights after one step."""
+    z = torch.zeros_like(as_scaled(torch.ones(3, dtype=torch.float16), torch.tensor(2.0**-10)))
+    assert z.mul(0.999).static_scale == 0.0 and (z / 3.0).static_scale == 0.0
+    torch.manual_seed(0)
+    model = scalify(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), dtype=torch.float16)
+    opt = torch.optim.AdamW(model.parameters(), foreach=foreach)
+    out = model(as_scaled(torch.randn(8, 16).half())).dequantize(torch.float32)
+    nn.functional.mse_loss(out, torch.randn(8, 4)).backward()
+    opt.step()
+    assert all(bool(p.dequantize(torch.float32).isfinite().all()) for p in model.parameters())
+
+
 def test_compile_fullgraph_matches_eager():
     torch._dynamo.reset()
     torch.manual_seed(0)

@@ -498,6 +498,8 @@ def _mul(func, a, b):
             d, s = parts(x)
             if c == 0:  # (d * c: -0 where the signs differ, NaN for Inf and NaN)
                 return wrap(d * c, s)
+            if is_static(s, 0.0):  # the zero array stays one (Adam's fresh state.mul_(beta))
+                return wrap(torch.zeros_like(d), 0.0)
             return _signed_at(func, (a, b), d, c, smul(s, abs(c)))
     da, sa = parts(a)
     db, sb = parts(b)
@@ -534,6 +536,8 @@ def _div(func, a, b):
         if c == 0 or not math.isfinite(c):
             return _on_values(func, a, b)
         d, s = parts(a)
+        if is_static(s, 0.0):  # the zero array stays one
+            return wrap(torch.zeros_like(d), 0.0)
         return _signed_at(func, (a, b), d, c, sdiv(s, abs(c)))
     if not isinstance(a, torch.Tensor):
         return torch.mul(torch.reciprocal(b), a)
