@@ -254,6 +254,19 @@ def test_bench_refuses_a_size_beyond_the_devices_memory_before_allocating(capsys
     assert run(capsys, "bench", "--log2-size", "25", "--no-gfloat")[0] == 0  # 0.75 GiB
 
 
+def test_bench_without_gfloat_says_how_to_get_it_or_leave_it_out(capsys, monkeypatch):
+    # gfloat is a test dependency ([dev]), not one of the library's.
+    from fewbit import bench
+
+    monkeypatch.setitem(sys.modules, "gfloat", None)  # as if not installed: find_spec is None
+    monkeypatch.setattr(bench, "run", lambda *args, **kwargs: [])  # what was not refused: nothing timed
+    code, out, err = run(capsys, "bench")
+    assert (code, out) == (2, "")
+    assert err == ("fewbit: error: the bench compares with gfloat, which is not installed: pip install "
+                   "'fewbit[dev]', or pass --no-gfloat\n")
+    assert run(capsys, "bench", "--no-gfloat")[0] == 0
+
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 

@@ -30,6 +30,7 @@ from fewbit.scaled import (
     dynamic_rescale_l2,
     dynamic_rescale_max,
     dynamic_rescale_max_grad,
+    dynamic_scale,
     from_e8m0,
     pow2_scale,
     rebalance,
@@ -592,6 +593,86 @@ def test_scalify_leaves_integer_parameters_and_refuses_before_changing_any():
     with pytest.raises(TypeError, match="must be a floating dtype"):
         scalify(model, dtype=torch.int8)
     assert not any(isinstance(p, ScaledTensor) for p in model.parameters())
+
+
+def test_scalify_refuses_a_lazy_module_before_changing_any():
+    """The lazy layer's uninitialised weight raised inside the converting loop, with the
+    layers before it already float16: the model no longer ran on its float32 input."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.LazyLinear(3))
+    with pytest.raises(ValueError, match="lazy module is not initialised yet"):
+        scalify(model, dtype=torch.float16)
+    assert not any(isinstance(p, ScaledTensor) for p in model.parameters())
+    model(torch.randn(2, 4))  # initialises the lazy layer
+    assert all(isinstance(p, ScaledTensor) for p in scalify(model).parameters())
+
+
+@pytest.mark.parametrize("value", [1e-23, 1e20])
+def test_scalify_rms_scale_of_weights_whose_squares_leave_float32(value):
+    """rescale="l2" squared the weights in float32: 1e-23 squared to 0 (scale 1) and 1e20 to
+    inf, which round_pow2 saturated to 2^127; float16 data then held 0 for every weight."""
+    lin = nn.Linear(8, 2)
+    with torch.no_grad():
+        lin.weight.fill_(value)
+        lin.bias.copy_(torch.tensor([value, -value]))
+    want = {name: p.detach().double() for name, p in lin.named_parameters()}
+    rms = dynamic_scale(lin.weight.detach(), "l2")
+    assert abs(float(rms) / value - 1) < 2.0**-20
+    assert float(dynamic_scale(lin.weight.detach(), "l2", pow2=True)) == 2.0 ** round(math.log2(value))
+    scalify(lin, dtype=torch.float16)
+    for name, p in lin.named_parameters():
+        err = (p.dequantize(F64) - want[name]).abs()
+        assert bool((err <= want[name].abs() * 2.0**-11).all()), name  # float16's rounding, no more
+
+
+def test_scalify_again_applies_dtype_and_rescale_to_the_same_parameters():
+    """A second scalify skipped ScaledTensor parameters: dtype= and rescale= did nothing."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(5, 4)
+    head = nn.Linear(4, 5, bias=False)
+    head.weight = emb.weight
+    model = scalify(nn.Sequential(emb, head), rescale=None)
+    want = emb.weight.dequantize(F64) * 1e-9
+    with torch.no_grad():
+        emb.weight.mul_(1e-9)  # scale 1e-9: a float16 cast of the data alone would underflow
+    w = emb.weight
+    scalify(model, dtype=torch.float16, rescale="max")
+    assert model[0].weight is w and model[1].weight is w and w.dtype == torch.float16  # in place, tied
+    assert 0.5 < float(w.unscaled.abs().max()) <= 1.0  # max: the pow2 scale rounds up
+    err = (w.dequantize(F64) - want).abs()
+    assert bool((err <= want.abs() * 2.0**-11).all())
+    scalify(model, dtype=torch.float32, rescale=None)  # keeps the scale
+    assert w.dtype == torch.float32 and torch.equal(w.dequantize(F64), (w.unscaled.double() * w.scale))
+
+
+def test_assigning_data_of_a_scaled_parameter_sets_its_value():
+    """torch's .data setter swapped a ScaledTensor's metadata only: p.data = x left the
+    value as it was (under x's shape), and nn.utils.vector_to_parameters did nothing."""
+    torch.manual_seed(0)
+    plain = nn.Linear(4, 3)
+    scaled = scalify(copy.deepcopy(plain))
+    vec = nn.utils.parameters_to_vector(plain.parameters()) * 3
+    for model in (plain, scaled):
+        nn.utils.vector_to_parameters(vec, model.parameters())
+    for p, q in zip(scaled.parameters(), plain.parameters(), strict=True):
+        assert isinstance(p, ScaledTensor) and p.requires_grad and torch.equal(p.dequantize(), q.detach())
+    w = scaled.weight
+    w.data = torch.full((5, 2), 7.0)  # another shape, as for a plain parameter
+    assert w.shape == w.unscaled.shape == (5, 2) and bool((w.dequantize() == 7).all())
+    x = as_scaled(torch.ones(5, 2), 0.5)
+    w.data = x
+    with torch.no_grad():
+        x.mul_(4)  # shared, as a plain tensor's data is
+    assert bool((w.dequantize() == 2).all())
+    with pytest.raises(TypeError, match="floating dtype"):
+        w.data = torch.zeros(5, 2, dtype=torch.int32)
+    assert w.dtype == torch.float32 and bool((w.dequantize() == 2).all())
+
+
+def test_sharing_memory_of_a_scaled_tensor_is_refused():
+    """torch's share_memory_ reached the storage of the wrapper, which has none: the process
+    died of a segmentation fault. A scale change could not reach other processes anyway."""
+    with pytest.raises(TypeError, match="cannot be put in shared memory"):
+        scalify(nn.Linear(2, 2)).share_memory()
 
 
 @pytest.mark.parametrize("foreach", [False, True])

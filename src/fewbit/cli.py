@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import re
 import sys
@@ -192,6 +193,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError("--device cuda: no CUDA device here")
     # Refused before anything is allocated: the allowed sizes reach beyond most machines.
     gfloat = not args.no_gfloat and device.type == "cpu"
+    if gfloat and importlib.util.find_spec("gfloat") is None:
+        raise ValueError("the bench compares with gfloat, which is not installed: pip install 'fewbit[dev]', "
+                         "or pass --no-gfloat")
     needed, memory = bench.bytes_held(args.log2_size, gfloat), bench.memory_bytes(device)
     if needed > memory:
         raise ValueError(f"--log2-size {args.log2_size}: the run holds about {needed / 2**30:.1f} GiB at once"

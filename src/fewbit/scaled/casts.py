@@ -177,7 +177,13 @@ def _statistic(t: torch.Tensor, stat: Stat) -> torch.Tensor:
         v = a.amax()
     else:
         n = finite.sum().clamp_min(1)
-        v = a.sum() / n if stat == "l1" else (a.square().sum() / n).sqrt()
+        if stat == "l1":
+            v = a.sum() / n
+        else:
+            # RMS relative to the largest: squares of the values themselves leave float32
+            # beyond about 1e±19, where the statistic would read 0 or inf.
+            top = a.amax()
+            v = top * ((a / torch.where(top > 0, top, 1)).square().sum() / n).sqrt()
     return (v if is_static(s, 1.0) else v * s).to(torch.float32)
 
 
@@ -193,10 +199,11 @@ def dynamic_scale(t: torch.Tensor, stat: Stat = "max", target: float = 1.0,
         raise ValueError(f"target must be positive, got {target}")
     # (Of parts, not of a ScaledTensor made from a plain t: Dynamo cannot trace making one.)
     new = _statistic(t, stat) / target
+    usable = (new > 0) & new.isfinite()  # before round_pow2, which saturates inf to 2^127
     if pow2:
         new = round_pow2(new, "up" if stat == "max" else "nearest")
     old = parts(t)[1]
-    return torch.where((new > 0) & new.isfinite(), new, 1.0 if is_static(old, 0.0) else old)
+    return torch.where(usable, new, 1.0 if is_static(old, 0.0) else old)
 
 
 def dynamic_rescale(t: torch.Tensor, stat: Stat = "max", target: float = 1.0,

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .casts import Stat, dynamic_scale
-from .tensor import ScaledTensor, as_scaled, check_dtype, compute_dtype, wrap
+from .tensor import ScaledTensor, as_scaled, check_dtype, compute_dtype, is_static, parts, wrap
 
 
 def scalify(module: nn.Module, dtype: torch.dtype | None = None, rescale: Stat | None = "l2",
@@ -16,31 +16,53 @@ def scalify(module: nn.Module, dtype: torch.dtype | None = None, rescale: Stat |
 
     dtype: storage dtype of the data (default: the parameter's). rescale: the data is
     rebalanced so that this statistic ("max", "l1", "l2" for RMS) is 1, with a
-    power-of-two scale when pow2, so the value is kept exactly; None keeps scale 1.
-    Tied parameters stay tied. Parameters of integer, bool or complex dtype are left as
-    they are (a scale would round integers away). Autograd then yields ScaledTensor
-    gradients, and torch.optim optimizers update the parameters in place. A dtype or a
-    parameter ScaledTensor refuses (8-bit floats) raises before any parameter changes.
+    power-of-two scale when pow2, so the value is kept exactly; None keeps the scale (1
+    for a plain parameter). A parameter that is already a ScaledTensor (a second
+    scalify) takes the dtype and rescale too, from its value. Tied parameters stay tied.
+    Parameters of integer, bool or complex dtype are left as they are (a scale would
+    round integers away). Autograd then yields ScaledTensor gradients, and torch.optim
+    optimizers update the parameters in place. A dtype or a parameter ScaledTensor
+    refuses (8-bit floats), or a lazy module's parameter not yet initialised, raises
+    before any parameter changes.
     """
     chosen = [(m, name, p) for m in module.modules() for name, p in m._parameters.items()
-              if p is not None and not isinstance(p, ScaledTensor) and p.is_floating_point()]  # fmt: skip
+              if p is not None and p.is_floating_point()]
     if dtype is not None and not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating dtype, not {dtype}")
+    for _, name, p in chosen:
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            raise ValueError(f"parameter {name!r} of a lazy module is not initialised yet: run the model "
+                             "once before scalify")
     for d in {dtype, *(p.dtype for _, _, p in chosen)} - {None}:
         check_dtype(d)
-    done: dict[int, nn.Parameter] = {}
+    unique = {id(p): p for _, _, p in chosen}
+    values = {i: _scalified(p.detach(), dtype or p.dtype, rescale, pow2) for i, p in unique.items()}
+    params: dict[int, nn.Parameter] = {}
+    for i, p in unique.items():
+        if isinstance(p, ScaledTensor):
+            p.data = values[i]  # in place: an optimizer that holds p keeps it
+            params[i] = p
+        else:
+            params[i] = nn.Parameter(values[i], requires_grad=p.requires_grad)
     for m, name, p in chosen:
-        if id(p) not in done:
-            # The scale from the parameter itself, divided out in the wider of its dtype
-            # and the compute dtype, then rounded once: a narrower dtype would first
-            # flush small parameters to zero and large ones to inf.
-            store = dtype or p.dtype
-            data = p.detach().to(torch.promote_types(compute_dtype(p.dtype), store), copy=True)
-            if rescale is not None:
-                s = dynamic_scale(as_scaled(data), rescale, 1.0, pow2)
-                t = wrap((data / s).to(store), s)
-            else:
-                t = as_scaled(data.to(store))
-            done[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
-        m._parameters[name] = done[id(p)]
+        m._parameters[name] = params[id(p)]
     return module
+
+
+def _scalified(p: torch.Tensor, store: torch.dtype, rescale: Stat | None, pow2: bool) -> ScaledTensor:
+    if rescale is None:
+        t = p.to(store, copy=True)
+        return t if isinstance(t, ScaledTensor) else as_scaled(t)
+    # The scale from the value itself, divided out in a dtype that holds the value
+    # exactly, then rounded once: a narrower dtype would first flush small parameters to
+    # zero and large ones to inf. A plain parameter: the wider of its dtype and the
+    # compute dtype; a ScaledTensor's data times a float32 scale: float64.
+    if isinstance(p, ScaledTensor):
+        d, s = parts(p)
+        wide = torch.float64
+        data = torch.zeros_like(d, dtype=wide) if is_static(s, 0.0) else d.to(wide) * (
+            s.to(wide) if isinstance(s, torch.Tensor) else s)
+    else:
+        data = p.to(torch.promote_types(compute_dtype(p.dtype), store), copy=True)
+    s = dynamic_scale(as_scaled(data), rescale, 1.0, pow2)
+    return wrap((data / s).to(store), s)

@@ -195,6 +195,32 @@ class ScaledTensor(torch.Tensor):
         """The scale when it is known without reading a tensor, else None."""
         return self._static
 
+    # torch's own ``.data`` setter swaps a wrapper's metadata only, and the value lives
+    # in _parts: ``p.data = x`` (nn.utils.vector_to_parameters, EMA and model surgery)
+    # would leave the value as it was, under x's shape.
+    @property
+    def data(self) -> ScaledTensor:
+        """A detached alias, as for any tensor (it shares this tensor's scale)."""
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        # new's value, without a copy, as for a plain tensor: a ScaledTensor's data and
+        # scale are shared as a view's are; a plain tensor is the data at scale 1, as
+        # ScaledTensor(new) holds it (which refuses a dtype before anything changes).
+        alias = new.detach() if isinstance(new, ScaledTensor) else ScaledTensor(new.detach())
+        torch._C.TensorBase.data.__set__(self, alias)
+        self._parts = alias._parts
+
+    def share_memory_(self) -> ScaledTensor:
+        """Refused with TypeError (``model.share_memory()`` too): an in-place op may give
+        this tensor a new scale, which other processes would not see, so they would read
+        the shared data at a scale it no longer has. (torch's own would crash the process:
+        the wrapper has no storage.)"""
+        raise TypeError("a ScaledTensor cannot be put in shared memory: an in-place op may change its "
+                        "scale, which other processes would not see; share plain tensors instead "
+                        "(t.dequantize())")
+
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The value ``data * scale`` as a new plain tensor of ``dtype`` (default data's),
         computed in float32 or wider and rounded once.
