@@ -488,6 +488,22 @@ def test_a_weight_without_a_gradient_is_left_as_it_is(store_codes):
     assert not torch.equal(trained, start)
 
 
+@pytest.mark.parametrize("store_codes", [False, True])
+def test_a_scaled_step_where_no_selected_weight_has_a_gradient_leaves_them(store_codes):
+    """With scale=True such a step (frozen weights, only the biases trained) raised from
+    torch's foreach ops, which refuse an empty list, after the inner step had run."""
+    m = model()
+    weights = [m[0].weight, m[2].weight]
+    lpw = LowPrecisionWeights(torch.optim.SGD(m.parameters(), lr=0.1), FMT, "src", seed=0, scale=True,
+                              params=weights, store_codes=store_codes)  # fmt: skip
+    lpw.materialize()
+    before = [w.detach().clone() for w in weights]
+    m[0].bias.grad = torch.ones_like(m[0].bias)
+    lpw.step()
+    lpw.materialize()
+    assert lpw.steps == 1 and all(torch.equal(w, b) for w, b in zip(weights, before, strict=True))
+
+
 def test_power_of_two_scale_keeps_small_weights():
     """Weights of order 1e-5 are below binary8p4's subnormals; scaled, they keep 4 bits."""
     torch.manual_seed(0)

@@ -418,6 +418,8 @@ class LowPrecisionWeights:
         """Round the weights of ``live`` (keep them as codes where ``store``, but for those
         whose storage another tensor shares: freeing it would crash a read of that tensor;
         their names are returned)."""
+        if not live:  # no selected weight has a gradient this step (torch's foreach ops refuse [])
+            return []
         pieces = [local_tensor(p) for p in self.params]  # a DTensor's piece shares its storage
         # (A storage a numpy array was made from cannot be resized: it is held too.)
         shared = [i for i in live if store and (not pieces[i].untyped_storage().resizable() or (
