@@ -489,7 +489,9 @@ def _addc_(func, dest, t1, t2, value=1):
 def _mul(func, a, b):
     """a * b: scale sa sb; a number c only changes the scale (to |c| s). A zero factor
     (0, or the zero array) gives 0 times the other's data at its scale: NaN where that
-    is Inf or NaN, as in torch (the zero array, scale 0, would be 0 whatever it holds)."""
+    is Inf or NaN, as in torch (the zero array, scale 0, would be 0 whatever it holds);
+    but the zero array times a nonzero number or a one-element plain tensor stays the
+    zero array (``_zero_array_by``)."""
     for x, c in ((a, b), (b, a)):
         if not isinstance(c, torch.Tensor):
             c = float(c)
@@ -498,9 +500,9 @@ def _mul(func, a, b):
             d, s = parts(x)
             if c == 0:  # (d * c: -0 where the signs differ, NaN for Inf and NaN)
                 return wrap(d * c, s)
-            if is_static(s, 0.0):  # the zero array stays one (Adam's fresh state.mul_(beta))
-                return wrap(torch.zeros_like(d), 0.0)
             return _signed_at(func, (a, b), d, c, smul(s, abs(c)))
+        if (z := _zero_array_by(x, c)) is not None:
+            return z
     da, sa = parts(a)
     db, sb = parts(b)
     if is_static(sa, 0.0) != is_static(sb, 0.0):
@@ -522,7 +524,11 @@ def _divide(a: Any, b: Any) -> torch.Tensor:
 
 def _signed_at(func, args: tuple, d: torch.Tensor, c: float, scale: Scale) -> torch.Tensor:
     """x times or over a nonzero number c: x's data d with c's sign at ``scale``, or func
-    on the values where that scale would leave float32's range (the value may fit)."""
+    on the values where that scale would leave float32's range (the value may fit). The
+    zero array stays one (Adam's fresh state, ``mul_(beta2)``); it has no sign (+0
+    where torch's zeros times a negative c give -0)."""
+    if is_static(scale, 0.0):
+        return wrap(torch.zeros_like(d), 0.0)
     if not _float32_scale(scale):
         return _on_values(func, *args)
     return wrap(-d if c < 0 else d.clone(), scale)
@@ -536,12 +542,23 @@ def _div(func, a, b):
         if c == 0 or not math.isfinite(c):
             return _on_values(func, a, b)
         d, s = parts(a)
-        if is_static(s, 0.0):  # the zero array stays one
-            return wrap(torch.zeros_like(d), 0.0)
         return _signed_at(func, (a, b), d, c, sdiv(s, abs(c)))
     if not isinstance(a, torch.Tensor):
         return torch.mul(torch.reciprocal(b), a)
+    if (z := _zero_array_by(a, b)) is not None:
+        return z
     return _divide(a, b)
+
+
+def _zero_array_by(z: Any, c: Any) -> torch.Tensor | None:
+    """The zero array z times or over c, a one-element plain tensor that leaves z's shape
+    (Adam's betas as tensors), as the zero array; None for other operands. c's value is
+    not read (on a device that would wait for it), so a NaN, Inf or 0 there gives the zero
+    array where torch's zeros give NaN."""
+    if not (isinstance(z, ScaledTensor) and z._static == 0.0 and isinstance(c, torch.Tensor)
+            and not isinstance(c, ScaledTensor) and c.numel() == 1 and c.dim() <= z.dim()):  # fmt: skip
+        return None
+    return wrap(torch.zeros_like(z._data, dtype=torch.result_type(z._data, c)), 0.0)
 
 
 @rule(aten.reciprocal)
