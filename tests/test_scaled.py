@@ -585,7 +585,7 @@ def test_scalify_leaves_integer_parameters_and_refuses_before_changing_any():
     assert isinstance(model.weight, ScaledTensor) and not isinstance(model.steps, ScaledTensor)
     assert model.steps.tolist() == [3, 5]
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    e4m3 = nn.Parameter(torch.ones(2, dtype=torch.float8_e4m3fn), requires_grad=False)
+    e4m3 = nn.Parameter(torch.tensor([448.0, -(2.0**-9)]).to(torch.float8_e4m3fn), requires_grad=False)
     model[1].register_parameter("e4m3", e4m3)
     for call in (lambda: scalify(model), lambda: scalify(nn.Linear(2, 2), dtype=torch.float8_e4m3fn)):
         with pytest.raises(TypeError, match="float8_e4m3fn is not supported"):
@@ -593,6 +593,8 @@ def test_scalify_leaves_integer_parameters_and_refuses_before_changing_any():
     with pytest.raises(TypeError, match="must be a floating dtype"):
         scalify(model, dtype=torch.int8)
     assert not any(isinstance(p, ScaledTensor) for p in model.parameters())
+    scalify(model, dtype=torch.float32)  # stored in a dtype that holds them: taken
+    assert model[1].e4m3.dtype == torch.float32 and model[1].e4m3.dequantize().tolist() == [448.0, -(2.0**-9)]
 
 
 def test_scalify_refuses_a_lazy_module_before_changing_any():
@@ -675,15 +677,18 @@ def test_sharing_memory_of_a_scaled_tensor_is_refused():
         scalify(nn.Linear(2, 2)).share_memory()
 
 
-@pytest.mark.parametrize("foreach", [False, True])
-def test_adamw_on_a_float16_scalified_model_stays_finite(foreach):
+@pytest.mark.parametrize(("foreach", "betas"), [(False, (0.9, 0.999)), (True, (0.9, 0.999)),
+                                               (False, (torch.tensor(0.9), torch.tensor(0.999)))])
+def test_adamw_on_a_float16_scalified_model_stays_finite(foreach, betas):
     """Adam's fresh second moment (the zero array) went through mul_(beta2) at scale 1, and
     grad**2 and eps then underflowed float16 there: inf and NaN weights after one step."""
     z = torch.zeros_like(as_scaled(torch.ones(3, dtype=torch.float16), torch.tensor(2.0**-10)))
-    assert z.mul(0.999).static_scale == 0.0 and (z / 3.0).static_scale == 0.0
+    for c in (0.999, -3.0, torch.tensor(0.999), torch.tensor([3.0])):
+        assert (z * c).static_scale == 0.0 and (c * z).static_scale == 0.0 and (z / c).static_scale == 0.0
+    assert (z * torch.tensor([2.0, 3.0, 4.0])).static_scale != 0.0  # more than one element: NaN-aware
     torch.manual_seed(0)
     model = scalify(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), dtype=torch.float16)
-    opt = torch.optim.AdamW(model.parameters(), foreach=foreach)
+    opt = torch.optim.AdamW(model.parameters(), foreach=foreach, betas=betas)
     out = model(as_scaled(torch.randn(8, 16).half())).dequantize(torch.float32)
     nn.functional.mse_loss(out, torch.randn(8, 4)).backward()
     opt.step()

@@ -21,9 +21,9 @@ def scalify(module: nn.Module, dtype: torch.dtype | None = None, rescale: Stat |
     scalify) takes the dtype and rescale too, from its value. Tied parameters stay tied.
     Parameters of integer, bool or complex dtype are left as they are (a scale would
     round integers away). Autograd then yields ScaledTensor gradients, and torch.optim
-    optimizers update the parameters in place. A dtype or a parameter ScaledTensor
-    refuses (8-bit floats), or a lazy module's parameter not yet initialised, raises
-    before any parameter changes.
+    optimizers update the parameters in place. A dtype ScaledTensor refuses (8-bit
+    floats; without dtype, a parameter's), or a lazy module's parameter not yet
+    initialised, raises before any parameter changes.
     """
     chosen = [(m, name, p) for m in module.modules() for name, p in m._parameters.items()
               if p is not None and p.is_floating_point()]
@@ -33,8 +33,8 @@ def scalify(module: nn.Module, dtype: torch.dtype | None = None, rescale: Stat |
         if isinstance(p, nn.parameter.UninitializedParameter):
             raise ValueError(f"parameter {name!r} of a lazy module is not initialised yet: run the model "
                              "once before scalify")
-    for d in {dtype, *(p.dtype for _, _, p in chosen)} - {None}:
-        check_dtype(d)
+    for d in {dtype} if dtype is not None else {p.dtype for _, _, p in chosen}:
+        check_dtype(d)  # (an 8-bit parameter with a wider dtype given is taken)
     unique = {id(p): p for _, _, p in chosen}
     values = {i: _scalified(p.detach(), dtype or p.dtype, rescale, pow2) for i, p in unique.items()}
     params: dict[int, nn.Parameter] = {}
@@ -63,6 +63,7 @@ def _scalified(p: torch.Tensor, store: torch.dtype, rescale: Stat | None, pow2: 
         data = torch.zeros_like(d, dtype=wide) if is_static(s, 0.0) else d.to(wide) * (
             s.to(wide) if isinstance(s, torch.Tensor) else s)
     else:
-        data = p.to(torch.promote_types(compute_dtype(p.dtype), store), copy=True)
+        wide = compute_dtype(store if p.dtype.itemsize == 1 else torch.promote_types(p.dtype, store))
+        data = p.to(wide, copy=True)
     s = dynamic_scale(as_scaled(data), rescale, 1.0, pow2)
     return wrap((data / s).to(store), s)
