@@ -504,6 +504,25 @@ def test_a_scaled_step_where_no_selected_weight_has_a_gradient_leaves_them(store
     assert lpw.steps == 1 and all(torch.equal(w, b) for w, b in zip(weights, before, strict=True))
 
 
+@pytest.mark.parametrize("store_codes", [False, True])
+@pytest.mark.parametrize("fmt", ["e2m1", "binary8p4", "mxfp8_e4m3"])
+def test_an_empty_weight_steps_beside_others(fmt, store_codes):
+    """An empty weight's stochastic rounding was given no bits: 'mode src needs bits=N'
+    from step() in one process, where the write-back is not the compiled kernel's."""
+    empty = torch.nn.Parameter(torch.zeros(0, 32))
+    full = torch.nn.Parameter(torch.randn(2, 32, generator=torch.Generator().manual_seed(0)))
+    with fewbit.configure(compile=False):
+        lpw = LowPrecisionWeights(torch.optim.SGD([empty, full], lr=0.1), fmt, "src", bits=3, seed=4,
+                                  store_codes=store_codes)  # fmt: skip
+        lpw.materialize()
+        start = full.detach().clone()
+        for p in (empty, full):
+            p.grad = torch.ones_like(p)
+        lpw.step()
+        lpw.materialize()
+    assert empty.shape == (0, 32) and not torch.equal(full, start)
+
+
 def test_power_of_two_scale_keeps_small_weights():
     """Weights of order 1e-5 are below binary8p4's subnormals; scaled, they keep 4 bits."""
     torch.manual_seed(0)

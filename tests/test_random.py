@@ -549,8 +549,12 @@ def test_random_bits_of_int_seeds_and_keys_under_compile_in_two_graphs():
         assert torch.equal(draw(seed), random_bits((4, 100), 5, seed)), seed
     # The same seeds made into a Key inside the compiled function (Inductor failed on them).
     torch._dynamo.reset()
+    counters.clear()
     draw_key = torch.compile(lambda seed: random_bits((4, 100), 5, Key.from_seed(seed)), fullgraph=True)
-    for seed in (3, 4, 2**63 + 1, 2**64 - 1):
+    for seed in (3, 4, 5, 2**40 + 7):
+        assert torch.equal(draw_key(seed), random_bits((4, 100), 5, seed)), seed
+    assert counters["stats"]["unique_graphs"] == 2  # not one per seed
+    for seed in (2**63 + 1, 2**64 - 1):
         assert torch.equal(draw_key(seed), random_bits((4, 100), 5, seed)), seed
 
 

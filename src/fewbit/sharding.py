@@ -436,8 +436,9 @@ def map_piece(t: torch.Tensor, fn: Callable[[torch.Tensor, ShardLayout], torch.T
 
     t = summed(t)
     piece = t.to_local()
-    # Contiguous, as a plain tensor's result is whatever its input's strides (the ops' pieces
-    # are: no copy), and described so: t's strides would refuse a view the plain result takes.
+    # The result is contiguous, as the ops' results on a plain tensor are whatever its strides
+    # (their pieces already are: .contiguous() copies nothing), and the DTensor says so: t's
+    # strides would refuse a view (.view(-1) of a transposed t) that the plain result takes.
     out = fn(piece, layout(t, piece)).contiguous()
     shape = shape or t.shape
     return DTensor.from_local(out, t.device_mesh, t.placements, run_check=False, shape=shape,
