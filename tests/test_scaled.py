@@ -695,6 +695,30 @@ def test_adamw_on_a_float16_scalified_model_stays_finite(foreach, betas):
     assert all(bool(p.dequantize(torch.float32).isfinite().all()) for p in model.parameters())
 
 
+def test_in_place_ops_without_a_rule_of_their_own_take_the_result_scale_on_a_whole_tensor():
+    """x.sigmoid_() kept x's scale: float16 data at scale 2^-20 held values near 1 as data
+    near 2^20, inf; Adadelta's sqrt_ then div_ on a float16 scalified model went inf."""
+    x = as_scaled(torch.tensor([-3.0, 0.0, 5.0], dtype=torch.float16), 2.0**-20)
+    for op in ("sigmoid", "exp", "sqrt"):
+        y = as_scaled(x.unscaled.abs().clone(), 2.0**-20)
+        want = getattr(y, op)()
+        assert getattr(y, op + "_")() is y
+        assert torch.equal(y.dequantize(), want.dequantize()) and bool(y.dequantize().isfinite().all()), op
+    base = as_scaled(torch.tensor([1.0, 4.0, 9.0, 16.0]), 4.0)
+    view = base[1:]
+    view.sqrt_()  # a view of part of the data: the rest keeps the base's scale
+    assert base.static_scale == 4.0 and base.dequantize().tolist() == [4.0, 4.0, 6.0, 8.0]
+    torch.manual_seed(0)
+    model = scalify(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), dtype=torch.float16)
+    opt = torch.optim.Adadelta(model.parameters())
+    for _ in range(2):
+        out = model(as_scaled(torch.randn(8, 16).half())).dequantize(torch.float32)
+        nn.functional.mse_loss(out, torch.randn(8, 4)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(bool(p.dequantize(torch.float32).isfinite().all()) for p in model.parameters())
+
+
 def test_compile_fullgraph_matches_eager():
     torch._dynamo.reset()
     torch.manual_seed(0)

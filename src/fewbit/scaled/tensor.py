@@ -675,8 +675,13 @@ def _functional(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
 
 def inplace(func, dest, *args, **kwargs):
     """The rule of an in-place op without its own: x.op_(...) is x.op(...) stored back
-    into x (see ``assign``)."""
-    return assign(dest, _functional(func)(dest, *args, **kwargs))
+    into x (see ``assign``), which takes the result's scale where x is a whole tensor
+    (:func:`holds_every_value`: FSDP2's padded piece too, as its ranks' other pieces), as
+    ``x = x.op(...)`` would: x's own scale would put a result of another size out of
+    16-bit data's range (``sigmoid_`` of float16 data at scale 2^-20: values near 1 are
+    data near 2^20, inf)."""
+    whole = isinstance(dest, ScaledTensor) and holds_every_value(dest._data)
+    return assign(dest, _functional(func)(dest, *args, **kwargs), adopt=whole)
 
 
 def _view_in_place(func, x, *args, **kwargs):
