@@ -109,6 +109,11 @@ def test_an_added_param_group_is_kept_in_the_format():
         with pytest.raises(ValueError, match="mix dtypes|more than one parameter group"):
             lpw.add_param_group({"params": [bad]})
         assert len(lpw.param_groups) == 2 and len(lpw.params) == 3
+    # A set's order changes between runs, and with it the added weights' bits (torch refuses
+    # one too; the wrapper made it a list first).
+    with pytest.raises(TypeError, match="ordered collection"):
+        lpw.add_param_group({"params": set(torch.nn.Linear(4, 4).parameters())})
+    assert len(lpw.param_groups) == 2 and len(lpw.params) == 3
 
 
 def test_sr_keeps_updates_below_half_an_ulp_and_rne_loses_them():
@@ -318,6 +323,22 @@ def test_compiled_code_reading_a_weight_held_as_codes_decodes_it_and_warns():
     with pytest.warns(UserWarning, match="compiles again: call materialize"):
         y = forward(x)
     assert not lpw_b._stored and torch.equal(y, a(x))
+
+
+def test_store_codes_frees_weights_loaded_by_torch_load(tmp_path):
+    """torch.load's storage cannot be resized: a model loaded with assign=True (a meta-device
+    init) stayed floats at every step, with a warning that blamed a sharing tensor."""
+    torch.save(model().state_dict(), tmp_path / "w.pt")
+    with torch.device("meta"):
+        m = model()
+    m.load_state_dict(torch.load(tmp_path / "w.pt"), assign=True)
+    assert not m[0].weight.untyped_storage().resizable()
+    lpw = LowPrecisionWeights(torch.optim.SGD(m.parameters(), lr=0.1), FMT, store_codes=True)
+    m(torch.randn(2, 16)).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lpw.step()
+    assert lpw._stored and not any(w.untyped_storage().nbytes() for w in lpw.params)
 
 
 def test_store_codes_refuses_weights_it_cannot_free_alone_and_leaves_a_set_one_as_set():
@@ -595,6 +616,16 @@ def test_bad_input():
     LowPrecisionWeights(torch.optim.SGD(m2.parameters(), lr=0.1), FMT, params=both).load_state_dict(written)
     old = {**written, "config": {k: v for k, v in written["config"].items() if k != "params"}}
     LowPrecisionWeights(torch.optim.SGD(m2.parameters(), lr=0.1), FMT, params=both).load_state_dict(old)
+    # A plain torch optimizer's state (KeyError 'config'), or one without steps (loaded, then
+    # KeyError 'steps'), is refused before anything is loaded.
+    fresh = LowPrecisionWeights(torch.optim.SGD(m2.parameters(), lr=0.1), FMT, params=both)
+    for state in (torch.optim.SGD(m2.parameters(), lr=0.5).state_dict(),
+                  {**{k: v for k, v in written.items() if k != "steps"}, "optimizer": {
+                      **written["optimizer"], "param_groups": [{**written["optimizer"]["param_groups"][0],
+                                                               "lr": 0.5}]}}):  # fmt: skip
+        with pytest.raises(ValueError, match=r"not a LowPrecisionWeights.state_dict\(\)"):
+            fresh.load_state_dict(state)
+        assert fresh.param_groups[0]["lr"] == 0.1
 
 
 def test_block_weights_without_the_block_axis_are_refused_and_numpy_scalars_are_python_ones(tmp_path):

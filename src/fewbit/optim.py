@@ -168,8 +168,9 @@ class LowPrecisionWeights:
             second backward) stays floats for that step, with a warning: freeing it
             would crash a read of that tensor (for a DTensor's piece: more tensors than
             shared it when it was selected, FSDP2's own). A weight whose storage holds
-            more than it (a flat buffer) is refused. The rounding at construction keeps
-            them as floats.
+            more than it (a flat buffer) is refused; one whose storage cannot be resized
+            (``torch.load``'s) and that nothing else holds is given a copy of its own.
+            The rounding at construction keeps them as floats.
         policy: under data parallelism the write-back is ``"identical"`` on every
             replica (seed 000); ``"differing"`` folds in the rank (wrong: for tests).
         guard: before each step, check across ranks that every selected weight and its
@@ -232,6 +233,7 @@ class LowPrecisionWeights:
         if not self.params:
             raise ValueError("no parameters selected: pass params=")
         self._check(self.names, self.params)
+        self._own_storage(self.params)
         #: Where each rank's piece of each parameter lies in the full tensor.
         self._layouts = [layout(p) for p in self.params]
         if guard and world()[1] > 1 and all(is_dtensor(p) and replica_count(p) == 1 for p in self.params):
@@ -326,6 +328,17 @@ class LowPrecisionWeights:
                                  "than it (a flat buffer, or another weight): give it storage of its own, "
                                  "or pass store_codes=False")  # fmt: skip
 
+    def _own_storage(self, params: list[torch.Tensor]) -> None:
+        """store_codes frees a weight's storage by resizing it: a weight whose storage cannot
+        be resized (``torch.load``'s, mmap'd) and that nothing else holds is given a copy
+        of its own, which can (else it would stay floats at every step)."""
+        if not self.store_codes:
+            return
+        for p in params:
+            if not is_dtensor(p) and p.numel() and not p.untyped_storage().resizable() and (
+                    _storage_holders(p) == 1):
+                p.data = p.detach().clone()
+
     def add_param_group(self, group: dict, params: Iterable | None = None) -> None:
         """The inner optimizer's ``add_param_group``, with the group's ``params`` (as
         ``__init__`` takes them; default: those of two or more dimensions) kept in ``fmt``
@@ -334,10 +347,14 @@ class LowPrecisionWeights:
         selected before), then written back every step as the others."""
         self.materialize()
         added = group["params"]
+        if isinstance(added, set):  # torch refuses one too, but after list() below it could not
+            raise TypeError("a group's params must be an ordered collection: a set's order changes "
+                            "between runs, and the order decides each weight's bits; use a list")
         group["params"] = added = [added] if isinstance(added, torch.Tensor) else list(added)
         names, chosen = self._select(params, owned=added, start=len(self._owned()))
         self._check(names, chosen)
         self.optimizer.add_param_group(group)
+        self._own_storage(chosen)
         first = len(self.params)
         self.names += names
         self.params += chosen
@@ -604,19 +621,23 @@ class LowPrecisionWeights:
     def load_state_dict(self, state: dict, model: torch.nn.Module | None = None) -> None:
         """Resume: the next step draws the bits an uninterrupted run would. Pass the
         ``model`` that :meth:`state_dict` was given."""
+        if not isinstance(state, dict) or not {"optimizer", "steps", "config"} <= state.keys():
+            raise ValueError("not a LowPrecisionWeights.state_dict() (it has 'optimizer', 'steps' and "
+                             "'config'): a torch optimizer's state goes to opt.optimizer.load_state_dict")
         mine = _plain(self._config())
         saved = _plain({"params": mine["params"], **state["config"]})  # (older checkpoints: unchecked)
         differ = [f"{k} {saved.get(k)!r} (here {mine.get(k)!r})"
                   for k in {**saved, **mine} if saved.get(k) != mine.get(k)]  # fmt: skip
         if differ:
             raise ValueError(f"checkpoint was written with {'; '.join(differ)}: its bits would not continue")
+        steps = int(state["steps"])
         if model is None:
             self.optimizer.load_state_dict(state["optimizer"])
         else:
             from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
             set_optimizer_state_dict(model, self.optimizer, state["optimizer"])
-        self.steps = int(state["steps"])
+        self.steps = steps
 
 
 def _plain(config: dict) -> dict:
