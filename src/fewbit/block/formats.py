@@ -103,7 +103,8 @@ SCALE_RULES: dict[str, ScaleRule] = {
     ),
     "up": ScaleRule(
         "amax / M rounded up in the scale format",
-        "nothing",
+        "nothing but float32's roundings of a per-tensor scale and of S (to nearest): with one "
+        "(NVFP4), amax / S may exceed M by a float32 ulp or two (at most M 2^-23) and saturate",
         "less than one scale ulp of range (E4M3: 1/8)",
         power_of_two=False,
     ),
