@@ -667,6 +667,8 @@ def test_assigning_data_of_a_scaled_parameter_sets_its_value():
     assert bool((w.dequantize() == 2).all())
     with pytest.raises(TypeError, match="floating dtype"):
         w.data = torch.zeros(5, 2, dtype=torch.int32)
+    with pytest.raises(TypeError, match="must be a tensor, not list"):
+        w.data = [1.0, 2.0]
     assert w.dtype == torch.float32 and bool((w.dequantize() == 2).all())
 
 

@@ -208,6 +208,8 @@ class ScaledTensor(torch.Tensor):
         # new's value, without a copy, as for a plain tensor: a ScaledTensor's data and
         # scale are shared as a view's are; a plain tensor is the data at scale 1, as
         # ScaledTensor(new) holds it (which refuses a dtype before anything changes).
+        if not isinstance(new, torch.Tensor):
+            raise TypeError(f"data must be a tensor, not {type(new).__name__}")
         alias = new.detach() if isinstance(new, ScaledTensor) else ScaledTensor(new.detach())
         torch._C.TensorBase.data.__set__(self, alias)
         self._parts = alias._parts
