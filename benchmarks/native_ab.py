@@ -111,7 +111,7 @@ def block_calls(x: torch.Tensor, args, mode: str, bits: int | None, libraries: l
     spec = _spec(x.dtype, args.format, mode, True, bits, None, None)
     size, packed = spec.bfmt.block_size, spec.bfmt.packed
     rule = native.BLOCK_RULES[spec.rule]
-    tensor_scale = _tensor_scale(x, spec.bfmt)  # NVFP4's, found as block.quantize finds it
+    tensor_scale = _tensor_scale(x, spec)  # NVFP4's, found as block.quantize finds it
     tensor_scale = 1.0 if tensor_scale is None else float(tensor_scale)
     codes = torch.empty(n // 2 if packed else n, dtype=torch.uint8)
     scales = torch.empty(n // size, dtype=torch.uint8)

@@ -27,6 +27,7 @@ from fewbit.rounding import gpu, native
 from fewbit.rounding.checks import dtype_format, make_spec
 from fewbit.rounding.compiled import stream_words
 from fewbit.rounding.modes import RoundMode
+from test_block import blocks_whose_s_rounds_short
 from test_codec import LARGE_VALUES, _element_codes, large_values
 from test_native import BLOCK_PIECES, FORMATS, MODE_ARGS, RUNS, every_bfloat16, runs_index, runs_of_a_matrix
 
@@ -446,7 +447,7 @@ def block_kernel(x, name, mode, *, codes, rule=None, sat=True, bits=None, fracti
     spec = block_ops._spec(x.dtype, name, mode, sat, bits, fraction, rule)
     bfmt = spec.bfmt
     key = None if seed is None else Key.from_seed(seed) if host else key_of(seed)
-    kw = {"block_size": bfmt.block_size, "rule": spec.rule, "tensor_scale": block_ops._tensor_scale(x, bfmt)}
+    kw = {"block_size": bfmt.block_size, "rule": spec.rule, "tensor_scale": block_ops._tensor_scale(x, spec)}
     if codes:
         out, scales = block_ops._empty_codes(x, spec, x.dim() - 1)
         assert gpu.block_into(x, spec.spec, key, random_bits, out, scales, packed=bfmt.packed, **kw)
@@ -544,6 +545,14 @@ def test_block_scale_rules_same_as_torch(name, rules):
     for rule in rules:
         assert_block_same_as_torch(x, name, "rne", rule=rule)
         assert_block_same_as_torch(x.bfloat16(), name, "src", rule=rule, bits=4, seed=3)
+
+
+def test_rule_up_takes_the_next_block_scale_where_s_rounds_short():
+    """Blocks where S = scale * ts rounds below amax / M (tests/test_block.py builds them):
+    the kernel takes the next E4M3 scale there, as the torch kernels do."""
+    bfmt, x = blocks_whose_s_rounds_short()
+    for mode in ("rne", "rup"):
+        assert_block_same_as_torch(x, block_ops.format_name(bfmt), mode)
 
 
 def test_block_bits_from_every_source():

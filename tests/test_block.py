@@ -13,7 +13,7 @@ import torch
 import fewbit
 import fewbit.block as block
 from conftest import DETERMINISTIC_MODES, gfloat_mode, stable_seed
-from fewbit.block.reference import block_round_reference
+from fewbit.block.reference import block_round_reference, tensor_scale_reference
 from fewbit.formats import FloatFormat
 from fewbit.optim import LowPrecisionWeights
 from fewbit.random import key_of, random_bits
@@ -460,6 +460,65 @@ def test_nvfp4_edges_of_the_tensor_scale(dtype):
     assert torch.equal(block.round(tiny, "nvfp4")[:2], torch.tensor([54, 27], dtype=dtype) * 2.0**-146)
     assert torch.equal(t.dequantize(dtype), block.round(tiny, "nvfp4"))
     assert torch.equal(block.round(tiny, "nvfp4"), block_round_reference(tiny, "nvfp4"))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_nvfp4_rule_up_clips_nothing(native):
+    """Under rule "up" the per-tensor scale ts = amax / 2688 and each block's S = scale * ts
+    were rounded to nearest in float32: where both rounded down, the tensor's largest
+    element lay above 6 S and saturated (below itself under rup, refused with sat=False);
+    S alone rounding down did the same to other blocks: a sixth of N(0, 1) tensors."""
+    x = torch.zeros(1, 16)
+    x[0, 0], x[0, 1] = 1.902856469154358, 0.5  # ts and 448 ts both round down
+    gen = torch.Generator().manual_seed(0)
+    xs = [x, *(torch.randn(8, 64, generator=gen) for _ in range(60))]
+    with fewbit.configure(native=native):
+        for t in xs:
+            stored = block.quantize(t, "nvfp4", "rne", rule="up")
+            factor = stored.block_scales().double().repeat_interleave(16, dim=-1)
+            assert bool((t.abs().double() <= 6 * factor).all())
+            up = block.round(t, "nvfp4", "rup", rule="up", sat=False)  # nothing overflows: no error
+            assert torch.equal(up, block_round_reference(t, "nvfp4", "rup", rule="up"))
+        # (rup is below x only where x / S, one float32 division, rounds down onto an element.)
+        assert block.round(x, "nvfp4", "rup", rule="up")[0, 0] >= x[0, 0]
+        # The per-tensor scale moves only by the float32 steps that rule "up" needs.
+        ts = block.quantize(x, "nvfp4", rule="up").tensor_scale.item()
+        nearest = np.float32(block.quantize(x, "nvfp4").tensor_scale.item())
+        assert ts == np.nextafter(nearest, np.float32(np.inf))  # one float32 step
+
+
+def blocks_whose_s_rounds_short(element: str = "e2m3") -> tuple[block.BlockFormat, torch.Tensor]:
+    """NVFP4's scaling (blocks of 16, E4M3 scales, a per-tensor scale ts) over ``element``,
+    rule "up", and a row of blocks where S = s ts, s a block's E4M3 scale (amax / M / ts
+    rounded up), rounds to nearest in float32 below amax / M: each block's largest
+    magnitude lies in (M fl32(s ts), M s ts]. Block 0 holds the tensor's largest, which
+    sets ts. (With E2M1, M = 6, no float32 lies there: only ts needs raising.)"""
+    bfmt = block.BlockFormat(f"{element}_ts", fewbit.format(element), 16, fewbit.format("e4m3"), "up", True)
+    top, big = bfmt.element.max, 5.55  # (a ts where 29 E4M3 scales need it)
+    ts = np.float32(tensor_scale_reference(big, bfmt, "up"))
+    rows = [[big] + [0.0] * 15]
+    for s in fewbit.format("e4m3").values():
+        exact = float(np.float64(s) * np.float64(ts))  # s ts, exact in float64
+        if 0 < s < bfmt.scale.max and float(np.float32(exact)) < exact:
+            a = np.float32(top * exact)
+            a = a if float(a) <= top * exact else np.nextafter(a, np.float32(-np.inf))
+            if top * float(np.float32(exact)) < float(a) <= big:
+                rows.append([float(a), -float(a) / 3, float(a) / 7] + [0.0] * 13)
+    return bfmt, torch.tensor(rows, dtype=torch.float32).reshape(1, -1)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_rule_up_takes_the_next_block_scale_where_s_rounds_short(native):
+    """S = scale * ts, rounded to nearest in float32, lay below amax / M for some blocks:
+    their largest elements saturated. The next scale is taken there (E2M3's M = 7.5)."""
+    bfmt, x = blocks_whose_s_rounds_short()
+    assert x.numel() == 16 * 30  # blocks that need it
+    with fewbit.configure(native=native):
+        stored = block.quantize(x, bfmt, "rne")
+        factor = stored.block_scales().double().repeat_interleave(16, dim=-1)
+        assert bool((x.abs().double() <= bfmt.element.max * factor).all())
+        assert torch.equal(block.round(x, bfmt, "rup", sat=False), block_round_reference(x, bfmt, "rup"))
+        assert torch.equal(stored.dequantize(), block_round_reference(x, bfmt, "rne"))
 
 
 def test_nvfp4_quotients_are_formed_in_the_working_dtype_and_never_flush():

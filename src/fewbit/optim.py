@@ -484,8 +484,8 @@ class LowPrecisionWeights:
         if floats := [i for i in batched if i not in in_codes]:
             round_foreach_([pieces[i] for i in floats], self.spec, step_key, floats, self.via)
         if block:  # the full tensors'
-            tensor_scale = dict(zip(live, tensor_scales([self.params[i] for i in live], self.fmt, self.via),
-                                    strict=True))  # fmt: skip
+            scales = tensor_scales([self.params[i] for i in live], self.fmt, self.via, self.spec.rule)
+            tensor_scale = dict(zip(live, scales, strict=True))
         in_batch = set(batched)
         for i in [i for i in live if i not in in_batch]:
             t, at = pieces[i], self._layouts[i]

@@ -237,7 +237,7 @@ def _block_checks(x, call: tuple, name: str, out: torch.Tensor | None = None):
     if into is not None:
         _check_out(piece, into)
     x = summed(x)
-    (tensor_scale,) = tensor_scales([x], spec.bfmt)
+    (tensor_scale,) = tensor_scales([x], spec.bfmt, rule=spec.rule)
     return x, spec, axis, given, into, tensor_scale
 
 

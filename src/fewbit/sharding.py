@@ -522,8 +522,8 @@ def _check_not_partial(tensors: list[torch.Tensor], name: str) -> None:
                              "of its values: reduce it first (fewbit.sharding.summed)")  # fmt: skip
 
 
-def tensor_scales(tensors: list[torch.Tensor], bfmt: BlockFormat, dtype: torch.dtype | None = None
-                  ) -> list[torch.Tensor | None]:  # fmt: skip
+def tensor_scales(tensors: list[torch.Tensor], bfmt: BlockFormat, dtype: torch.dtype | None = None,
+                  rule: str | None = None) -> list[torch.Tensor | None]:  # fmt: skip
     """The per-tensor scale of block format ``bfmt`` (NVFP4's) for each full tensor, from
     the largest finite magnitude of every rank's piece, so that each piece rounds with
     the scale its full tensor takes: one all-reduce for all the DTensors of a mesh per
@@ -532,7 +532,8 @@ def tensor_scales(tensors: list[torch.Tensor], bfmt: BlockFormat, dtype: torch.d
     it first: :func:`summed`): its pieces are addends. ``dtype``: the one the tensors are
     rounded from, where it is not theirs (the write-back's update dtype): the scale is
     that of the tensors converted to it, as the block ops would find it (a piece at a
-    time)."""
+    time). ``rule``: the scale rule in force (default: the format's), which the scale
+    depends on (:func:`fewbit.block.kernel.tensor_scale_of`)."""
     if not bfmt.tensor_scale:
         return [None] * len(tensors)
     _check_not_partial(tensors, "tensor_scales")
@@ -543,7 +544,7 @@ def tensor_scales(tensors: list[torch.Tensor], bfmt: BlockFormat, dtype: torch.d
         max_over_mesh(found, [tensors[i] for i in at])
         for i, value in zip(at, found.unbind(), strict=True):
             amax[i] = value
-    return [tensor_scale_of(p, bfmt, a) for p, a in zip(pieces, amax, strict=True)]
+    return [tensor_scale_of(p, bfmt, a, rule) for p, a in zip(pieces, amax, strict=True)]
 
 
 def replica_count(t: torch.Tensor) -> int:

@@ -103,8 +103,8 @@ SCALE_RULES: dict[str, ScaleRule] = {
     ),
     "up": ScaleRule(
         "amax / M rounded up in the scale format",
-        "nothing but float32's roundings of a per-tensor scale and of S (to nearest): with one "
-        "(NVFP4), amax / S may exceed M by a float32 ulp or two (at most M 2^-23) and saturate",
+        "nothing (with a per-tensor scale, both it and S are raised where float32's rounding "
+        "to nearest would clip)",
         "less than one scale ulp of range (E4M3: 1/8)",
         power_of_two=False,
     ),

@@ -129,6 +129,13 @@ def block_scales(
         scale = round_body(target, spec.scale_spec, None).to(work)
     scale = torch.where(torch.isnan(amax), torch.nan, scale)
     factor = scale if tensor_scale is None else (scale.float() * tensor_scale).to(work)
+    if spec.rule == "up" and tensor_scale is not None:
+        # S = scale * ts rounds to nearest in float32, maybe below amax / M: the next scale
+        # then (E4M3's values lie at least 1/16 apart, so 1 + 2^-5 lies below the next).
+        short = factor.to(torch.float64) * bfmt.element.max < amax.to(torch.float64)
+        bumped = round_body(scale.to(torch.float64) * (1 + 2.0**-5), spec.scale_spec, None).to(work)
+        scale = torch.where(short, bumped, scale)
+        factor = (scale.float() * tensor_scale).to(work)
     return scale, factor
 
 
@@ -145,12 +152,15 @@ def finite_amax(x: torch.Tensor, found: float | torch.Tensor | None = None) -> t
     return torch.zeros((), device=x.device)
 
 
-def tensor_scale_of(x: torch.Tensor, bfmt: BlockFormat, amax: float | torch.Tensor | None = None
-                    ) -> torch.Tensor | None:  # fmt: skip
+def tensor_scale_of(x: torch.Tensor, bfmt: BlockFormat, amax: float | torch.Tensor | None = None,
+                    rule: str | None = None) -> torch.Tensor | None:  # fmt: skip
     """NVFP4's per-tensor float32 scale: the finite amax over the largest value a block
     can hold (``M * scale max``), so the largest block scale lands on the scale format's
     maximum; 1 for a tensor without a finite nonzero value. ``amax``: as
     :func:`finite_amax`'s ``found`` (a sharded tensor's: the largest of every rank's).
+    Under ``rule`` "up" (default: the format's), raised by float32 steps until that
+    maximum's S, its product with the scale rounded to float32, is at least amax / M, so
+    that no block clips (to nearest, both may round down).
 
     The scale is a float32, at its limits: float64 data beyond float32's range take
     float32's largest value as amax (their blocks saturate), and a tiny amax whose
@@ -158,8 +168,14 @@ def tensor_scale_of(x: torch.Tensor, bfmt: BlockFormat, amax: float | torch.Tens
     if not bfmt.tensor_scale:
         return None
     found = finite_amax(x, amax).clamp(max=torch.finfo(torch.float32).max)
-    ts = found / (bfmt.element.max * bfmt.scale.max)
-    return torch.where(found > 0, ts.clamp(min=_FLOAT32_SMALLEST), 1.0)
+    ts = (found / (bfmt.element.max * bfmt.scale.max)).clamp(min=_FLOAT32_SMALLEST)
+    if (rule or bfmt.rule) == "up":
+        # ts and S, each rounded to nearest, are at least (1 - 2^-24) of their quotient and
+        # product, and a float32 step raises ts by at least 2^-24 of it: three steps suffice.
+        for _ in range(3):
+            short = (ts * bfmt.scale.max).double() * bfmt.element.max < found.double()
+            ts = torch.where(short, torch.nextafter(ts, torch.tensor(torch.inf, device=ts.device)), ts)
+    return torch.where(found > 0, ts, 1.0)
 
 
 def quantize_blocks(

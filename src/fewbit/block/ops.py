@@ -281,9 +281,10 @@ def largest_finite(x: torch.Tensor, bfmt: BlockFormat) -> torch.Tensor:
     return finite_amax(x, found)
 
 
-def _tensor_scale(x: torch.Tensor, bfmt: BlockFormat) -> torch.Tensor | None:
+def _tensor_scale(x: torch.Tensor, spec: BlockSpec) -> torch.Tensor | None:
     """x's own per-tensor scale (:func:`tensor_scale_of`), for formats that have one."""
-    return tensor_scale_of(x, bfmt, largest_finite(x, bfmt)) if bfmt.tensor_scale else None
+    bfmt = spec.bfmt
+    return tensor_scale_of(x, bfmt, largest_finite(x, bfmt), spec.rule) if bfmt.tensor_scale else None
 
 
 def with_tensor_scale(x: torch.Tensor, spec: BlockSpec, axis: int, tensor_scale: torch.Tensor | None,
@@ -327,7 +328,7 @@ def block_round_op(
 ) -> torch.Tensor:
     """``fewbit.block.round`` as an operator (see there)."""
     spec, axis = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
-    (out,) = with_tensor_scale(x, spec, axis, _tensor_scale(x, spec.bfmt), key, random_bits)
+    (out,) = with_tensor_scale(x, spec, axis, _tensor_scale(x, spec), key, random_bits)
     return out.contiguous()
 
 
@@ -362,7 +363,7 @@ def block_round_into_op(
     """``fewbit.block.round(..., out=out)`` as an operator."""
     spec, axis = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
     _check_out(x, out)
-    with_tensor_scale(x, spec, axis, _tensor_scale(x, spec.bfmt), key, random_bits, into=(out,))
+    with_tensor_scale(x, spec, axis, _tensor_scale(x, spec), key, random_bits, into=(out,))
 
 
 @block_round_into_op.register_fake
@@ -380,7 +381,7 @@ def block_quantize_op(
     (``B / 2`` bytes when packed), scale codes ``(rows, blocks)`` and the per-tensor
     scale (float32, 1 for formats without one)."""
     spec, axis = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
-    ts = _tensor_scale(x, spec.bfmt)
+    ts = _tensor_scale(x, spec)
     codes, scales = with_tensor_scale(x, spec, axis, ts, key, random_bits, fused=False)
     return codes, scales, torch.ones((), device=x.device) if ts is None else ts
 
@@ -420,7 +421,7 @@ def block_quantize_into_op(
     one) of a BlockTensor of ``stored_format`` along ``stored_axis``."""
     spec, axis = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
     _check_codes(x, spec, axis, stored_format, stored_axis, codes, scales, tensor_scale)
-    ts = _tensor_scale(x, spec.bfmt)
+    ts = _tensor_scale(x, spec)
     with_tensor_scale(x, spec, axis, ts, key, random_bits, fused=False, into=(codes, scales))
     if ts is None:
         tensor_scale.fill_(1.0)

@@ -13,7 +13,10 @@ For each block of ``B`` values along the axis (zero-padded at the end):
    float32. The per-tensor scale (NVFP4) is the tensor's largest finite magnitude in
    float32 (at most float32's largest value) over ``M`` times the scale format's
    largest, at least float32's smallest positive value; 1 for a tensor without a finite
-   nonzero value. NaN anywhere in the block makes ``S`` NaN;
+   nonzero value. Under ``up``, both are raised until nothing clips: the block's scale to
+   the next one while ``M S < amax``, the per-tensor scale by float32 steps while the
+   largest scale's ``S`` gives ``M S < amax`` for the tensor's largest magnitude. NaN
+   anywhere in the block makes ``S`` NaN;
 3. ``q_i`` = ``x_i / S`` rounded to the element format (``fewbit.rounding.round_reference``),
    the quotient one division in the working float (``kernel.work_dtype``: float64 for
    float64 data, else float32) where S is not a power of two; a nonzero quotient below
@@ -36,7 +39,7 @@ from ..rounding.reference import round_reference
 from .formats import BlockFormat, format
 from .kernel import work_dtype
 
-__all__ = ["block_round_reference", "scale_reference"]
+__all__ = ["block_round_reference", "scale_reference", "tensor_scale_reference"]
 
 
 def _exponent(amax: float, rule: str, bfmt: BlockFormat) -> int:
@@ -69,8 +72,31 @@ def scale_reference(amax: float, bfmt: BlockFormat, rule: str, tensor_scale: flo
         return 2.0 ** _exponent(amax, rule, bfmt)
     target = amax / bfmt.element.max / (1.0 if tensor_scale is None else tensor_scale)
     mode = "rne" if rule == "nearest" else "rup"
-    scale = round_reference(torch.tensor([target], dtype=torch.float64), bfmt.scale, mode, sat=True).item()
-    return scale if tensor_scale is None else float(np.float32(scale) * np.float32(tensor_scale))
+    scale = _to_scale(target, bfmt, mode)
+    if tensor_scale is None:
+        return scale
+    factor = float(np.float32(scale) * np.float32(tensor_scale))
+    if rule == "up" and bfmt.element.max * factor < amax and scale < bfmt.scale.max:
+        scale = _to_scale(math.nextafter(scale, math.inf), bfmt, "rup")  # the next scale
+        factor = float(np.float32(scale) * np.float32(tensor_scale))
+    return factor
+
+
+def _to_scale(target: float, bfmt: BlockFormat, mode: str) -> float:
+    return round_reference(torch.tensor([target], dtype=torch.float64), bfmt.scale, mode, sat=True).item()
+
+
+def tensor_scale_reference(amax: float, bfmt: BlockFormat, rule: str) -> float:
+    """The per-tensor scale for a tensor whose largest finite magnitude is ``amax``
+    (step 2 above)."""
+    amax_t = np.float32(min(amax, float(np.finfo(np.float32).max)))
+    if not amax_t:
+        return 1.0
+    top = bfmt.element.max * bfmt.scale.max
+    ts = max(np.float32(amax_t / np.float32(top)), np.float32(2.0**-149))
+    while rule == "up" and bfmt.element.max * float(ts * np.float32(bfmt.scale.max)) < float(amax_t):
+        ts = np.nextafter(ts, np.float32(np.inf))
+    return float(ts)
 
 
 def block_round_reference(
@@ -95,10 +121,7 @@ def block_round_reference(
     tensor_scale = None
     if bfmt.tensor_scale:
         finite = values[np.isfinite(values)]
-        # amax in float32, at most its largest value; the quotient at least its smallest.
-        amax_t = np.float32(min(np.abs(finite).max(), np.finfo(np.float32).max)) if finite.size else 0
-        quotient = np.float32(amax_t) / np.float32(bfmt.element.max * bfmt.scale.max)
-        tensor_scale = max(float(quotient), 2.0**-149) if amax_t else 1.0
+        tensor_scale = tensor_scale_reference(float(np.abs(finite).max()) if finite.size else 0.0, bfmt, rule)
     out = np.empty_like(values)
     for row in np.ndindex(values.shape[:-1]):
         for start in range(0, values.shape[-1], size):

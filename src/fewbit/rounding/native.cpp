@@ -991,7 +991,16 @@ void scale_blocks(const uint32_t* __restrict xs, int b0, int h1, int64_t pos0, c
     for (int b = b0; b < b1; ++b) {
       const double target = double(as_float(amax[b])) / double(f.max) / double(blocks.tensor_scale);
       uint32_t c;
-      const float scale = float(e4m3_scale(target, up, c));
+      float scale = float(e4m3_scale(target, up, c));
+      if (up) {
+        // S = scale * tensor scale rounds to nearest, maybe below amax / M: then the next
+        // scale (E4M3's values lie at least 1/16 apart: 1 + 2^-5 lies below the next).
+        uint32_t c_next;
+        const float next = float(e4m3_scale(double(scale) * (1 + 0x1p-5), true, c_next));
+        const bool short_ = double(scale * blocks.tensor_scale) * double(f.max) < double(as_float(amax[b]));
+        scale = short_ ? next : scale;
+        c = short_ ? c_next : c;
+      }
       const int32_t nan = amax[b] > 0x7F800000u;
       factor[b] = nan ? NAN_BITS : __builtin_bit_cast(uint32_t, scale * blocks.tensor_scale);
       code[b] = nan ? 0xFF : c;  // E4M3's NaN code, as E8M0's

@@ -556,8 +556,12 @@ def _scale_blocks(b, ts, BLOCK: tl.constexpr, RULE: tl.constexpr, EMAX: tl.const
         factor, code = _pow2_bits(e), e + 127
         q = x * _per_element(_pow2_bits(-e), BLOCK).to(tl.float32, bitcast=True)
     else:
-        target = amax.to(tl.float32, bitcast=True).to(tl.float64) / ELEMENT_MAX / ts.to(tl.float64)
-        scale, code = _e4m3_scale(target, RULE == 5)
+        top = amax.to(tl.float32, bitcast=True).to(tl.float64)
+        scale, code = _e4m3_scale(top / ELEMENT_MAX / ts.to(tl.float64), RULE == 5)
+        if RULE == 5:  # up: where S rounds below amax / M, the next scale (native.cpp's scale_blocks)
+            upper, upper_code = _e4m3_scale(scale * (1 + 2.0**-5), True)
+            short = (scale.to(tl.float32) * ts).to(tl.float64) * ELEMENT_MAX < top
+            scale, code = tl.where(short, upper, scale), tl.where(short, upper_code, code)
         factor = (scale.to(tl.float32) * ts).to(tl.int32, bitcast=True)
         q = tl.math.div_rn(x, _per_element(factor, BLOCK).to(tl.float32, bitcast=True))
     factor = tl.where(nan, NAN_BITS, factor)
