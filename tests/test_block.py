@@ -265,14 +265,30 @@ def test_dtypes():
     assert torch.equal(block.round(x.bfloat16(), "mxfp8_e4m3"), wide.bfloat16())
 
 
+@pytest.mark.parametrize(("dtype", "name", "size", "n", "ulp", "d"), [
+    (torch.bfloat16, "mxfp4", 32, 22, 0.5, 2.0**-7),  # block max 4: S = 1, E2M1's subnormal ulp 1/2
+    (torch.float16, "hbfp4", 64, 21, 0.25, 2.0**-10),  # block max 1: int4's ulp 1/4
+])  # fmt: skip
+def test_classical_sr_of_16bit_blocks_draws_the_quotients_bits(dtype, name, size, n, ulp, d):
+    """N was bfloat16's (float16's) D: an element 2^-8 in a bfloat16 mxfp4 block whose
+    largest is 4 (d = 1/128 of E2M1's subnormal ulp) never rounded up with 6 bits. N is
+    float32's D now (24 - 2 for E2M1; 24 - 3 for int4, P less its sign): SRC rounds up
+    from 2^N (1 - d) on, exactly."""
+    x = torch.zeros(1, size, dtype=dtype)
+    x[0, 0], x[0, 1] = 8 * ulp if name == "mxfp4" else 4 * ulp, d * ulp
+    for bits, want in ((2**n - round(2**n * d) - 1, 0.0), (2**n - round(2**n * d), ulp)):
+        y = block.round(x, name, "sr", random_bits=torch.full(x.shape, bits))
+        assert y[0, 1].item() == want, bits
+
+
 @pytest.mark.parametrize("name", ["mx_binary8p2", "mx_binary8p1"])
 @pytest.mark.parametrize("axis", [-1, 0])
 def test_16bit_data_takes_elements_of_a_wider_range_than_its_dtype(name, axis):
     """A block's tensor holds q S (or codes), never q: float16 data into binary8p2
     elements (exponents to 2^31) was refused as if it had to hold them. Its values are
     those of the same data in float32 (q S of a float16 x is a float16 value, below the
-    dtype's largest), and so are its codes and scales; the natural SR takes D from
-    float16 (11 - P bits), as for any float16 call."""
+    dtype's largest), and so are its codes and scales; the natural SR takes D from the
+    float32 its quotients x / S are formed in (24 - P bits), as for float32 data."""
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(16, 256, generator=gen) * 2.0 ** torch.randint(-30, 10, (16, 1), generator=gen)
     x[0, :32] = torch.arange(32) * 2.0**-24  # float16's subnormals, in one block
@@ -282,7 +298,7 @@ def test_16bit_data_takes_elements_of_a_wider_range_than_its_dtype(name, axis):
     p = block.format(name).element.p
     src = dict(bits=3, seed=1)
     for mode, kw, wide_mode, wide_kw in [("rne", {}, "rne", {}), ("src", src, "src", src),
-                                         ("sr", dict(seed=2), "src", dict(bits=11 - p, seed=2))]:  # fmt: skip
+                                         ("sr", dict(seed=2), "src", dict(bits=24 - p, seed=2))]:  # fmt: skip
         y = block.round(x, name, mode, axis=axis, **kw)
         want = block.round(x.float(), name, wide_mode, axis=axis, **wide_kw)
         assert want.abs().max() < 65504 and torch.equal(y.float(), want), mode

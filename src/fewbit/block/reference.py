@@ -106,10 +106,10 @@ def block_round_reference(
 ) -> torch.Tensor:
     """Same contract as ``fewbit.block.round``, computed block by block."""
     bfmt = format(bfmt)
-    # A default N is min(D, 32) for x's dtype (not for the float64 this works in); classical
-    # SR is src with that N.
+    # A default N is min(D, 32) for the quotients x / S, float32 for data of up to 32 bits
+    # (not for the float64 this works in); classical SR is src with that N.
     if bits is None and MODES[parse_mode(mode)].bits in ("optional", "natural"):
-        bits = natural_sr_bits(dtype_format(x.dtype), bfmt.element)
+        bits = natural_sr_bits(dtype_format(torch.promote_types(x.dtype, torch.float32)), bfmt.element)
     if mode == "sr":
         mode = "src"
     axis = bfmt.axis if axis is None else axis

@@ -161,7 +161,8 @@ def make_spec(
 ) -> RoundSpec:
     """The spec of a call on a ``dtype`` tensor (scalars already normalised). ``held``:
     the results are values of ``fmt`` in a ``dtype`` tensor, which must hold them all (a
-    block's elements are not: its tensor holds them times their scale, or codes)."""
+    block's elements are not: its tensor holds them times their scale, or codes; they
+    round quotients x / S of float32 or wider, whose D sets the default N)."""
     source = dtype_format(dtype)
     info = MODES[mode]
     if held and not source.contains(fmt):
@@ -169,12 +170,16 @@ def make_spec(
     select_below = check_mode_args(mode, bits, fraction)
     if info.bits == "none":
         return RoundSpec(fmt, source, mode, sat, None, None)
-    natural = natural_sr_bits(source, fmt)
+    # A block's elements round their quotients x / S, formed in float32 or wider (block.kernel):
+    # classical SR draws the bits of those, not of 16-bit x's, whose N = D would round the
+    # probability of every element whose result falls among the element format's subnormals.
+    quotients = source if held else dtype_format(torch.promote_types(dtype, torch.float32))
+    natural = natural_sr_bits(quotients, fmt)
     if bits is None:
         bits = natural
     if info.bits == "natural" and bits != natural:
         raise ValueError(
-            f"mode {mode.value!r} uses N = min(D, 32) = {natural} bits for {source.name} -> "
+            f"mode {mode.value!r} uses N = min(D, 32) = {natural} bits for {quotients.name} -> "
             f"{fmt.name}; use 'src' to choose N"
         )
     return RoundSpec(fmt, source, mode, sat, bits, select_below)
