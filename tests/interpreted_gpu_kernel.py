@@ -533,7 +533,8 @@ def test_block_formats_same_bits_as_torch(dtype, mode, kw):
 
 
 @pytest.mark.parametrize("name, rules", [("mxfp8_e4m3", ["floor", "ceil", "rceil", "even"]),
-                                         ("mxfp4", ["ceil", "rceil", "even"]), ("nvfp4", ["nearest", "up"])])
+                                         ("mxfp4", ["ceil", "rceil", "even"]), ("mxint8", ["even"]),
+                                         ("nvfp4", ["nearest", "up"])])
 def test_block_scale_rules_same_as_torch(name, rules):
     """Every scale rule, on blocks whose largest magnitudes fall on both sides of each
     rule's bound (a block's largest value m 2^E with m's fraction spread over [1, 2))."""

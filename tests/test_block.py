@@ -223,6 +223,21 @@ def test_scale_rules_clip_and_waste_as_the_table_says():
     assert block.quantize(y, bfmt, rule="floor").block_scales()[0, 0] == 1.0
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_even_rounds_an_int_blocks_largest_at_its_magnitude_bits(native):
+    """int4 holds 1, 1.25, 1.5, 1.75 in [1, 2): 3 bits, P less its sign. Rule even rounded
+    amax at P = 4 bits, so 1.9 stayed in the binade (scale 1) and clipped to 1.75, where
+    rounding to nearest at 3 bits gives 2 (scale 2, and 1.9 rounds to 2): as the table says,
+    even clips only what RNE would clip anyway (nothing, for intM)."""
+    bfmt = block.BlockFormat("int4_b4", fewbit.format("int4"), 4, fewbit.format("ocp_e8m0"), rule="even")
+    with fewbit.configure(native=native):
+        for amax, scale, top in ((1.9, 2.0, 2.0), (1.875, 2.0, 2.0), (1.86, 1.0, 1.75)):
+            x = torch.tensor([[amax, 0.5, -0.25, 0.0]] * 128)  # (rows enough for the native kernel)
+            assert block.quantize(x, bfmt).block_scales()[0, 0] == scale, amax
+            assert block.round(x, bfmt)[0, 0] == top, amax
+            assert torch.equal(block.round(x, bfmt), block_round_reference(x, bfmt)), amax
+
+
 def test_nan_and_inf():
     """NaN makes its block's scale NaN (every scale format has one); Inf saturates."""
     x = torch.randn(2, 32)

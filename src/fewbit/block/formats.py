@@ -90,7 +90,8 @@ SCALE_RULES: dict[str, ScaleRule] = {
         "less than one binade: amax / S lies in (M/2, M]",
     ),
     "even": ScaleRule(
-        "2^(floor(log2 amax') - E), amax' = amax rounded to P bits, ties to even (torchao's EVEN)",
+        "2^(floor(log2 amax') - E), amax' = amax rounded to P bits (intM: P less its sign bit), "
+        "ties to even (torchao's EVEN)",
         "only what rounding to nearest would clip anyway where M is the top P-bit value of its binade "
         "(e2m1, int<m>); e4m3: amax / S in (464, 496), which stays in the binade but rounds above M = 448",
         "at most the top half-ulp of a binade's values",

@@ -109,7 +109,7 @@ def _exponent_of(amax: torch.Tensor, rule: str, element: FloatFormat) -> torch.T
     elif rule == "rceil":
         e = e + (m * 2.0**element.emax > element.max).to(e.dtype)
     elif rule == "even":
-        e = e + (m >= 2.0 - 2.0**-element.p).to(e.dtype)
+        e = e + (m >= 2.0 - 2.0**-element.top_p).to(e.dtype)  # (intM: P less its sign bit)
     return torch.where(a == 0, -127, e).clamp(-127, 127)
 
 

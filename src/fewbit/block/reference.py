@@ -58,7 +58,7 @@ def _exponent(amax: float, rule: str, bfmt: BlockFormat) -> int:
         while amax > element.max * 2.0**e:
             e += 1
     else:  # even
-        ulp = Fraction(2) ** (floor_log2 - element.p + 1)
+        ulp = Fraction(2) ** (floor_log2 - element.top_p + 1)  # (intM: P less its sign bit)
         rounded = round(Fraction(amax) / ulp) * ulp  # Fraction rounds half to even
         e = math.floor(math.log2(rounded)) - element.emax
     return min(max(e, -127), 127)

@@ -75,7 +75,8 @@ struct Fmt {
     magic_scale[0] = std::ldexp(1.5f, 23 - p[T]);
     magic_scale[1] = std::ldexp(1.0f, 23 - p[T] - p[BITS]);
     rceil_fraction = uint32_t(p[MAX]) & 0x7FFFFFu;
-    even_fraction = p[T] < 23 ? 0x800000u - (1u << (22 - p[T])) : 0x800000u;  // never reached at t = 23
+    const int32_t top_t = p[T] - flag(TWOS_COMPLEMENT);  // intM's top binade: P less its sign bit
+    even_fraction = top_t < 23 ? 0x800000u - (1u << (22 - top_t)) : 0x800000u;  // never reached at t = 23
     p_is_1 = flag(P_IS_1), has_nz = flag(HAS_NZ), has_zero = flag(HAS_ZERO), sat = flag(SAT);
     has_nans = flag(HAS_NANS);
     extended = flag(EXTENDED), is_signed = flag(SIGNED), twos_complement = flag(TWOS_COMPLEMENT);

@@ -71,8 +71,10 @@ BLOCK_RULES = {"floor": 0, "ceil": 1, "rceil": 2, "even": 3, "nearest": 4, "up":
 
 def even_fraction(fmt: FloatFormat) -> int:
     """The scale rule "even"'s bound, as native.cpp's ``Fmt`` holds it: a block's largest
-    magnitude m 2^E rounds up to 2^(E+1) at P bits where m's 23 fraction bits reach it."""
-    return 0x800000 - (1 << (22 - fmt.t)) if fmt.t < 23 else 0x800000
+    magnitude m 2^E rounds up to 2^(E+1) at P bits (``top_p``: intM's less its sign bit)
+    where m's 23 fraction bits reach it."""
+    t = fmt.top_p - 1
+    return 0x800000 - (1 << (22 - t)) if t < 23 else 0x800000
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
