@@ -348,6 +348,19 @@ def test_bad_input_is_refused_before_anything_is_written():
         block.round(x, "mxfp4", axis=1.0)
     with pytest.raises(TypeError, match="axis must be an int, not bool"):
         block.round(x, "mxfp4", axis=True)
+    # Messages that named the wrong thing (an unhashable list, 'closest: fp64', an attribute).
+    with pytest.raises(TypeError, match="a block format is a name or a BlockFormat, not list"):
+        block.format(["mxfp4"])
+    with pytest.raises(ValueError, match="'mxfp4' is a block format, which fewbit.block.round"):
+        fewbit.round(x, "mxfp4")
+    with pytest.raises(ValueError, match="block size must be even, not 3"):
+        block.round_to(x, "bfp4_b3")  # (an element format or a block format: the block's reason)
+    stored = block.quantize(x, "mxfp4")
+    with pytest.raises(TypeError, match="out must be a BlockTensor, not Tensor"):
+        block.quantize(x, "mxfp4", out=torch.empty_like(x))
+    with pytest.raises(TypeError, match="out must be a tensor, not BlockTensor"):
+        block.round(x, "mxfp4", out=stored)
+    assert torch.equal(stored.dequantize(), block.round(x, "mxfp4"))
     # A numpy int is an axis, as Quant and the keys take one (it was a TypeError).
     assert torch.equal(block.round(x, "mxfp4", axis=np.int64(-1)), block.round(x, "mxfp4", axis=-1))
 

@@ -134,6 +134,8 @@ def quantize(
         fmt = lookup(name)  # after the op, whose checks looked the name up (see lookup)
         axis = (fmt.axis if axis is None else axis) % x.dim()
         return BlockTensor(codes, scales, ts if fmt.tensor_scale else None, fmt, x.shape, axis)
+    if not isinstance(out, BlockTensor):
+        raise TypeError(f"fewbit.block.quantize: out must be a BlockTensor, not {type(out).__name__}")
     if out.shape != x.shape:
         raise ValueError(f"out holds a tensor of shape {tuple(out.shape)}, x has {tuple(x.shape)}")
     ts = out.tensor_scale if out.tensor_scale is not None else x.new_ones((), dtype=torch.float32)
@@ -179,7 +181,9 @@ def element_or_block(fmt: FloatFormat | BlockFormat | str) -> FloatFormat | Bloc
     except ValueError as err:
         try:
             return format(fmt)
-        except ValueError:
+        except ValueError as refused:
+            if not str(refused).startswith("unknown block format"):
+                raise  # a block format's name, refused for its own reason (bfp4_b3: odd blocks)
             raise ValueError(f"{err}; nor is it a block format (fewbit.block.format: hbfp<m>, "
                              f"bfp<m>_b<size>, mx..., nvfp4)") from None  # fmt: skip
 

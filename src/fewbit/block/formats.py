@@ -239,13 +239,17 @@ def names() -> tuple[str, ...]:
     return (*_MX_ELEMENTS, *_ALIASES, "nvfp4")
 
 
-@cache
 def format(name: str | BlockFormat) -> BlockFormat:
     """Look a block format up by name (or pass a BlockFormat through); see the module table."""
     if isinstance(name, BlockFormat):
         return name
-    if not isinstance(name, str):
+    if not isinstance(name, str):  # (before the cache, which would hash a list first)
         raise TypeError(f"a block format is a name or a BlockFormat, not {type(name).__name__}")
+    return _named(name)
+
+
+@cache
+def _named(name: str) -> BlockFormat:
     key = name.strip().lower()
     key = _ALIASES.get(key, key)
     if key in _MX_ELEMENTS:

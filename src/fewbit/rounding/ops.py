@@ -283,6 +283,8 @@ def call_with_out(functional, into, args: tuple, x: torch.Tensor, out: torch.Ten
     for an inference tensor outside inference mode, before anything is written."""
     if out is None:
         return functional(*args)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name}: out must be a tensor, not {type(out).__name__}")
     if torch.is_grad_enabled() and (x.requires_grad or out.requires_grad):
         call, instead = ((f"{name}_ (in place)", f"call {name}(x), which returns a new tensor") if out is x
                          else (f"{name}(..., out=...)", "call it without out="))  # fmt: skip
