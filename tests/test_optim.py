@@ -474,6 +474,24 @@ def test_scale_stays_within_the_weights_dtype_and_a_refused_write_back_unscales(
     assert torch.equal(good.detach(), torch.full((2, 4), 2**-7))
 
 
+@pytest.mark.parametrize("fmt", ["e2m1", "int4"])
+def test_a_nan_weight_in_a_format_without_nan_is_refused_before_any_is_written(fmt):
+    """The rounding at selection refused the NaN weight after the weights before it were
+    rounded: construction failed with the model changed (add_param_group: with the group
+    added to the inner optimizer)."""
+    first = torch.nn.Parameter(torch.full((2, 4), 0.3))
+    nan = torch.nn.Parameter(torch.ones(2, 4))
+    with torch.no_grad():
+        nan[1, 2] = float("nan")
+    with pytest.raises(ValueError, match=f"param 1 holds a NaN, which .*{fmt} has no value for"):
+        LowPrecisionWeights(torch.optim.SGD([first, nan], lr=0.1), fmt, "src", bits=3)
+    assert bool((first == 0.3).all())
+    lpw = LowPrecisionWeights(torch.optim.SGD([first], lr=0.1), fmt, "src", bits=3)
+    with pytest.raises(ValueError, match="param 1 holds a NaN"):
+        lpw.add_param_group({"params": [nan]})
+    assert len(lpw.param_groups) == 1 and len(lpw.params) == 1
+
+
 def test_selection_is_named_by_the_optimizers_places_and_refuses_a_weight_twice():
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)

@@ -311,6 +311,16 @@ class LowPrecisionWeights:
         if self.store_codes:
             self._check_own_storage([*zip(self.names, self.params, strict=True),
                                      *zip(names, params, strict=True)])  # fmt: skip
+        # A NaN that fmt has no value for (a block format holds it in the scale) is refused
+        # here, before any weight is rounded, rather than by the rounding part way (on every
+        # rank where one rank's piece holds it).
+        if not isinstance(self.fmt, BlockFormat) and not self.fmt.has_nans:
+            nan = next((name for name, p in zip(names, params, strict=True)
+                        if bool(local_tensor(p).isnan().any())), None)  # fmt: skip
+            error = None if nan is None else ValueError(f"{nan} holds a NaN, which {self.fmt.name} has no "
+                                                        "value for")  # fmt: skip
+            refuse_alike(error, params, f"another rank's piece of a selected weight holds a NaN, which "
+                                        f"{self.fmt.name} has no value for")  # fmt: skip
 
     @staticmethod
     def _check_own_storage(named: list[tuple[str, torch.Tensor]]) -> None:
