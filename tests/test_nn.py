@@ -95,6 +95,40 @@ def test_a_refused_call_does_not_advance_the_count():
     assert int(q.calls) == 0
 
 
+def test_module_on_the_meta_device_and_its_deferred_initialisation():
+    """Read as an int, a meta count failed the call (a deterministic one too); after
+    ``to_empty`` the count was whatever the memory held, and the bits with it."""
+    q = Quant("binary8p4", "src", bits=3)
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 4), FakeQuantize(q, seed=7))
+        assert model(torch.empty(2, 8)).shape == (2, 4)
+        assert FakeQuantize("e4m3")(torch.empty(3)).is_meta
+    model.to_empty(device="cpu")
+    model[1].calls.fill_(12345)  # as the memory may hold
+    for m in model.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    x = torch.full((4096,), 1.03)
+    assert torch.equal(model[1](x), FakeQuantize(q, seed=7)(x))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace")
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+def test_traced_module_draws_each_calls_bits():
+    """make_fx and torch.jit.trace froze the count read at the trace: every replay drew
+    the bits of that one call. The trace is a call (it counts); each replay is the next."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q = Quant("binary8p4", "src", bits=3)
+    x = torch.full((4096,), 1.03)
+    for trace in (make_fx, lambda m: (lambda v: torch.jit.trace(m, v, check_trace=False))):
+        traced_module, eager = FakeQuantize(q, seed=7), FakeQuantize(q, seed=7)
+        replay = trace(traced_module)(x)
+        eager(x)
+        for _ in range(3):
+            assert torch.equal(replay(x), eager(x))
+        assert int(traced_module.calls) == 4
+
 def test_module_draws_fresh_bits_per_call_and_resumes_from_state_dict():
     x = torch.full((4096,), 1.03)  # between binary8p4 neighbours 1 and 1.125
     q = FakeQuantize(Quant("binary8p4", "src", bits=3), seed=7)

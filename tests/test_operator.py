@@ -200,6 +200,25 @@ def test_export_of_a_module_with_fake_quantize():
     assert not torch.equal(ep.module()(x), torch.nn.Sequential(m[0])(x))  # it did round
 
 
+
+@pytest.mark.parametrize("forward", [None, Quant("e4m3")], ids=["straight", "rne"])
+def test_compiled_fake_quantize_rounds_each_gradient_with_its_own_calls_key(forward):
+    """Where the forward pass draws nothing, the backward Quant's key came from the call
+    count read in the backward pass, after the graph had advanced it in place: compiled,
+    call c's gradient rounded with call c+1's key. It rounds as eagerly now."""
+    bq = Quant("binary8p4", "src", bits=3)
+    eager, compiled = FakeQuantize(forward, bq, seed=7), FakeQuantize(forward, bq, seed=7)
+    run = torch.compile(compiled, fullgraph=True, backend="aot_eager")
+    g = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 0.1 + 1.03
+    for _ in range(3):
+        grads = []
+        for module in (eager, run):
+            x = torch.zeros(4096, requires_grad=True)
+            module(x).backward(g)
+            grads.append(x.grad)
+        assert torch.equal(*grads)
+    assert int(compiled.calls) == int(eager.calls) == 3
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mode", list(RoundMode))
 def test_round_of_a_parameter_is_straight_through(mode, dtype):

@@ -21,7 +21,7 @@ from torch import nn
 from .block import BlockFormat, element_or_block, round_to
 from .block.ops import check_axis
 from .formats import FloatFormat
-from .operators import may_carry_tangent
+from .operators import may_carry_tangent, operator, recording
 from .random import Key, as_key, fold_in, key_of
 from .replicas import SeedPolicy, replica_key
 from .rounding import RoundMode
@@ -155,6 +155,22 @@ def fake_quantize(
     return (_ForwardMode if forward_mode else _StraightThrough).apply(x, forward, backward, seed)
 
 
+@operator("fewbit::count_call", mutates_args=("calls",))
+def _count_call(calls: torch.Tensor) -> torch.Tensor:
+    """The count before this call, ``calls`` advanced by one. An op of its own because a
+    graph must keep it: AOT autograd recomputes cheap ops on a graph input in the backward
+    pass, and read after the graph advanced the count in place, the input gave the key of
+    the next call (the backward Quant's key, where nothing in the forward pass needs it)."""
+    before = calls.clone()
+    calls.add_(1)
+    return before
+
+
+@_count_call.register_fake
+def _(calls: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(calls)
+
+
 class FakeQuantize(nn.Module):
     """:func:`fake_quantize` as a module with its own stream: call c uses ``fold_in(key, c)``,
     with the replica's rank folded in under the default DIFFERING policy (seed 000: forward
@@ -176,16 +192,31 @@ class FakeQuantize(nn.Module):
         self.policy = SeedPolicy(policy)
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
 
+    def reset_parameters(self) -> None:
+        """Back to call 0 (as a module made afresh; torch's deferred initialisation calls it)."""
+        self.calls.zero_()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Traced, the count stays a tensor (a new count is new data, not a new graph);
-        # eager, Python ints derive the same key at a fraction of the cost.
-        count = self.calls if torch.compiler.is_compiling() else int(self.calls)
+        # Eager, Python ints derive the key at a fraction of the cost of tensor ops. Where
+        # the ops are recorded (torch.compile, torch.export, make_fx, torch.jit.trace) or
+        # the count has no value (meta, fake tensors), it stays a tensor: a new count is
+        # new data, not a new graph, nor the same key replayed.
+        recorded = recording() or self.calls.is_meta
+        if not recorded:
+            count = int(self.calls)
+        elif self.training:
+            # Recorded, the call is counted before it rounds (the op returns the count it
+            # found); a call refused on its data as the graph runs (NaN into a format
+            # without NaN) has then counted, where an eager one has not.
+            count = _count_call(self.calls)
+        else:
+            count = self.calls
         # A DTensor's pieces are one tensor: its mesh folds in one rank for all of them.
         key = replica_key(fold_in(self.key, count), self.policy, replica_rank(x))
         y = fake_quantize(x, self.forward_quant, self.backward_quant, key)
         # Counted once it succeeded: a refused call draws nothing, so a retry that
         # succeeds gets the bits a run that never failed would have drawn.
-        if self.training:
+        if self.training and not recorded:
             self.calls += 1
         return y
 

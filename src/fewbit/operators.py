@@ -230,6 +230,16 @@ def unseen(tensors: Sequence[torch.Tensor | Key | None]) -> bool:
     return not _has_torch_function(tensors[:1])  # a torch function mode
 
 
+def recording() -> bool:
+    """Whether ops called now are recorded rather than only run on values: Dynamo traces,
+    torch.jit traces, or a dispatch mode is active (make_fx, torch.export, fake tensors, a
+    user's mode). True where this torch lacks the private queries (:func:`_private_state`):
+    a value read then would be wrong, where an op recorded is only slower."""
+    if torch.compiler.is_compiling() or _PRIVATE is None:
+        return True
+    return bool(_PRIVATE[0]()) or _PRIVATE[3]()
+
+
 def _kernel(fn: Callable, written: tuple[int, ...], grad_off: bool) -> Callable:
     """``fn`` as the op's kernel: without autograd recording where ``grad_off``, and the
     arguments at ``written`` marked as written once it returns (``fn`` itself where
