@@ -189,6 +189,26 @@ def test_two_formats_of_one_name_are_refused_under_compile_too():
             call(x, renamed[1])
 
 
+@pytest.mark.filterwarnings("error:Dynamo detected a call to a `functools.lru_cache`")
+def test_format_names_in_a_compiled_function():
+    """A name looked up inside the compiled function (Quant("hbfp4") there, or
+    fake_quantize(x, "binary8p3")) made Dynamo build a new format in the graph, which
+    failed with an internal error; only the fixed element names (e4m3) passed."""
+    from torch._dynamo.testing import CompileCounter
+
+    from fewbit.block import round_to
+    from fewbit.nn import fake_quantize
+
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    names = ["binary8p3", "int4", "p3109_k6p3se", "hbfp4", "mxfp8_e4m3", "nvfp4", "bfp6_b16", "mx_binary8p3"]
+    for name in names:
+        for call in (lambda v: fake_quantize(v, name, Quant(name, "src", bits=3), seed=1),
+                     lambda v: Quant(name, "src", bits=3)(v, fewbit.random.Key.from_seed(2)),
+                     lambda v: round_to(v, name)):  # fmt: skip
+            counter = CompileCounter()
+            assert torch.equal(torch.compile(call, fullgraph=True, backend=counter)(x), call(x)), name
+            assert counter.frame_count == 1
+
 def test_export_of_a_module_with_fake_quantize():
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(4, 8), FakeQuantize(Quant("e4m3", "src", bits=3), seed=1))

@@ -176,6 +176,30 @@ def element_or_block(fmt: FloatFormat | BlockFormat | str) -> FloatFormat | Bloc
     knows the name, else a block format (no name is both: ``"e4m3"``, ``"hbfp4"``)."""
     if isinstance(fmt, (FloatFormat, BlockFormat)):
         return fmt
+    if isinstance(fmt, str) and torch.compiler.is_compiling():
+        # Dynamo traces through the registries' caches and builds a new format in the
+        # graph, one it cannot hand to the ops' name checks (an internal error: Quant("hbfp4")
+        # in a compiled function). The name is looked up as Python runs, at trace time, and
+        # its format read back as an attribute, which Dynamo reads as it is then.
+        return getattr(_LOOKED_UP, _look_up(fmt))
+    return _named(fmt)
+
+
+class _LookedUp:
+    """The formats :func:`element_or_block` looked up while Dynamo traced, by name."""
+
+
+_LOOKED_UP = _LookedUp()
+
+
+@torch.compiler.assume_constant_result
+def _look_up(name: str) -> str:
+    if name not in vars(_LOOKED_UP):
+        setattr(_LOOKED_UP, name, _named(name))
+    return name
+
+
+def _named(fmt: str) -> FloatFormat | BlockFormat:
     try:
         return element_format(fmt)
     except ValueError as err:
