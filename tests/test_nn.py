@@ -95,6 +95,21 @@ def test_a_refused_call_does_not_advance_the_count():
     assert int(q.calls) == 0
 
 
+def test_a_backward_quant_the_gradient_cannot_take_is_refused_at_the_call():
+    """The gradient has x's dtype and dimensions: these were refused in backward, after
+    the forward pass had run and the module had counted the call."""
+    cases = [
+        (torch.randn(4, 64), Quant("hbfp4", axis=2), "axis 2 is out of range for a tensor of 2 dimensions"),
+        (torch.randn(()), Quant("hbfp4"), "need a tensor of at least one dimension"),
+        (torch.randn(8, dtype=torch.bfloat16), Quant("binary16"), "bfloat16 tensor cannot hold"),
+        (torch.randn(8), Quant("e4m3", "sr", bits=5), "mode 'sr' uses N"),
+    ]
+    for x, bad, message in cases:
+        q = FakeQuantize(None, bad, seed=1)
+        with pytest.raises(ValueError, match=f"backward Quant.*for the gradient of x: .*{message}"):
+            q(x.requires_grad_())
+        assert int(q.calls) == 0
+
 def test_module_on_the_meta_device_and_its_deferred_initialisation():
     """Read as an int, a meta count failed the call (a deterministic one too); after
     ``to_empty`` the count was whatever the memory held, and the bits with it."""

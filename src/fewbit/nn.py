@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 from torch import nn
 
-from .block import BlockFormat, element_or_block, round_to
+from .block import BlockFormat, check_args, element_or_block, round_to
 from .block.ops import check_axis
 from .formats import FloatFormat
 from .operators import may_carry_tangent, operator, recording
@@ -90,6 +91,17 @@ def _as_quant(q: Quant | FloatFormat | BlockFormat | str | None, what: str) -> Q
                     f"got {type(q).__name__}: {q!r}")  # fmt: skip
 
 
+@cache
+def _check_gradient(q: Quant, dtype: torch.dtype, ndim: int) -> None:
+    """Raise at the call what ``q`` would raise in the backward pass on x's gradient (x's
+    dtype and dimensions: a block axis out of range, a dtype that cannot hold the format,
+    N for SR), before the forward pass runs or a module counts the call."""
+    try:
+        check_args(dtype, q.fmt, q.mode, q.sat, q.bits, q.fraction, q.axis, ndim)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"backward {q}, for the gradient of x: {err}") from None
+
+
 class _StraightThrough(torch.autograd.Function):
     # forward and setup_context apart, and a vmap rule: torch.func's transforms take it.
     generate_vmap_rule = True
@@ -147,6 +159,8 @@ def fake_quantize(
     for q in (forward, backward):
         if q is not None:
             q.check_seed(seed)
+    if backward is not None and not torch.compiler.is_compiling():  # (traced, the backward is too)
+        _check_gradient(backward, x.dtype, x.dim())
     if seed is not None:
         # A key tensor is copied: the gradient rounds with the key of this call, though the
         # caller change theirs in place before backward (key_of passes (2,) int64 through).

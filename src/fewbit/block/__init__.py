@@ -213,13 +213,13 @@ def _named(fmt: str) -> FloatFormat | BlockFormat:
 
 
 def check_args(dtype: torch.dtype, fmt: FloatFormat | BlockFormat | str, mode: RoundMode | str, sat: bool,
-               bits: int | None, fraction: float | None):
-    """Raise what :func:`round_to` would raise for these arguments on a ``dtype`` tensor,
-    before there is one; return the call's spec."""
+               bits: int | None, fraction: float | None, axis: int | None = -1, ndim: int = 1):
+    """Raise what :func:`round_to` would raise for these arguments on a ``dtype`` tensor
+    of ``ndim`` dimensions, before there is one; return the call's spec."""
     fmt = element_or_block(fmt)
-    probe = torch.empty(0, dtype=dtype)
+    probe = torch.empty((0,) * ndim, dtype=dtype)
     if isinstance(fmt, BlockFormat):
-        return block_spec_of(*block_args(probe, fmt, mode, sat, bits, fraction, None, None, -1, None))[0]
+        return block_spec_of(*block_args(probe, fmt, mode, sat, bits, fraction, None, None, axis, None))[0]
     return check_round_args(probe, fmt, mode, sat, bits, fraction)
 
 
