@@ -197,6 +197,26 @@ def test_a_key_tensor_changed_before_backward_leaves_the_gradients_bits():
     assert not torch.equal(x.grad, q(g, fold_in(key_of(8), 1)))
 
 
+def test_quantize_outputs_refuses_modules_that_return_tuples():
+    """An nn.GRU taken by types= was hooked, and every forward failed in the hook with
+    "x must be a torch.Tensor, not tuple"."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GRU(4, 4))
+    with pytest.raises(TypeError, match="GRU return tuples"):
+        quantize_outputs(model, E4M3, types=(torch.nn.Linear, torch.nn.GRU))
+    assert not hasattr(model[0], "output_quant")  # refused before any module changed
+
+    class Pair(torch.nn.Module):
+        def forward(self, x):
+            return x, x
+
+    pair = Pair()
+    quantize_outputs(pair, E4M3, types=(Pair,))
+    with pytest.raises(TypeError, match="this Pair returned tuple"):
+        pair(torch.ones(2))
+    assert int(pair.output_quant.calls) == 0
+    del pair.output_quant
+    assert pair(torch.ones(2))[0].shape == (2,)
+
 def test_quantize_outputs_again_replaces_the_rounding_without_a_second_hook():
     """A second call hooked each module again: every output was rounded twice, and its
     stream advanced twice a call."""

@@ -260,6 +260,10 @@ def quantize_outputs(
     unused = {id(m.out_proj): name for name, m in model.named_modules()
               if isinstance(m, nn.MultiheadAttention) and isinstance(m.out_proj, types)}  # fmt: skip
     changed = [m for m in model.modules() if isinstance(m, types) and id(m) not in unused]
+    tuples = sorted({type(m).__name__ for m in changed if isinstance(m, _TUPLE_OUTPUTS)})
+    if tuples:
+        raise TypeError(f"quantize_outputs rounds a module's output tensor; {', '.join(tuples)} return "
+                        "tuples (round the tensors you choose with fake_quantize)")  # fmt: skip
     if unused:
         warnings.warn(f"quantize_outputs leaves out the out_proj of MultiheadAttention "
                       f"{', '.join(repr(n) for n in unused.values())}: it never runs its own forward, "
@@ -272,6 +276,15 @@ def quantize_outputs(
     return changed
 
 
+#: torch's modules that return a tuple: refused by quantize_outputs before any changes.
+_TUPLE_OUTPUTS = (nn.RNNBase, nn.MultiheadAttention)
+
+
 def _quantize_output(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
     quant = getattr(module, "output_quant", None)
-    return output if quant is None else quant(output)
+    if quant is None:
+        return output
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"quantize_outputs rounds a module's output tensor; this {type(module).__name__} "
+                        f"returned {type(output).__name__} (del its output_quant to stop)")  # fmt: skip
+    return quant(output)
