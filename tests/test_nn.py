@@ -285,3 +285,82 @@ def test_quantize_outputs_rounds_gradients_to_a_block_format_with_the_modules_ke
     grad_out = fewbit.block.round(c, "hbfp4", "src", bits=8, seed=key)
     assert not torch.equal(grad_out, c)
     assert torch.equal(model[2].bias.grad, grad_out.sum(0))
+
+
+class _Checkpointed(torch.nn.Module):
+    """Two checkpointed regions: one FakeQuantize called in both, one called twice in the
+    second; ``how`` None runs them without checkpointing."""
+
+    def __init__(self, how: dict | None):
+        super().__init__()
+        torch.manual_seed(0)
+        q = Quant("binary8p4", "src", bits=3)
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.shared, self.twice = FakeQuantize(q, q, seed=1), FakeQuantize(q, q, seed=2)
+        self.how = how
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        def run(f, v):
+            return f(v) if self.how is None else checkpoint(f, v, **self.how)
+
+        h = run(lambda v: torch.tanh(self.shared(self.a(v))), x)
+        return run(lambda v: self.twice(torch.tanh(self.twice(self.shared(self.b(v))))), h)
+
+
+def _checkpointed_steps(model: torch.nn.Module, run=None) -> list[list[torch.Tensor]]:
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    grads = []
+    for _ in range(3):
+        model.zero_grad()
+        (model if run is None else run)(x).square().sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    return grads
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_checkpoint_context_recomputes_with_the_forward_calls_bits(compiled):
+    """The recomputation of a checkpointed region was a second call of each FakeQuantize:
+    it drew the next count's bits (gradients of activations the loss never saw) and
+    advanced the count again. With checkpoint_context it draws the forward pass's bits."""
+    from fewbit.nn import checkpoint_context
+
+    seen = set()
+
+    def mine(ctx, op, *args, **kwargs):  # a policy of the user's, for every other op
+        seen.add(op)
+        return torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+    want = _checkpointed_steps(_Checkpointed(None))
+    # (Compiled, one context: each compilation takes 10 s.)
+    for context in (lambda: checkpoint_context(mine),) + (() if compiled else (checkpoint_context,)):
+        model = _Checkpointed({"use_reentrant": False, "context_fn": context})
+        run = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else None
+        got = _checkpointed_steps(model, run)
+        for a, b in zip(got, want, strict=True):
+            assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
+        assert (int(model.shared.calls), int(model.twice.calls)) == (6, 6)
+    assert torch.ops.aten.mm.default in seen or torch.ops.aten.addmm.default in seen
+
+
+@pytest.mark.parametrize("how", [{"use_reentrant": False}, {"use_reentrant": True}, "compiled"])
+def test_a_recomputation_without_checkpoint_context_is_refused(how):
+    model = _Checkpointed({"use_reentrant": False} if how == "compiled" else how)
+    run = torch.compile(model, fullgraph=True, backend="aot_eager") if how == "compiled" else None
+    with pytest.raises(RuntimeError, match="during a backward pass.*context_fn=fewbit.nn.checkpoint_context"):
+        _checkpointed_steps(model, run)
+
+
+def test_torch_still_says_when_a_backward_pass_runs():
+    """torch's private query that refuses a recomputation (torch.utils.checkpoint reads it too):
+    this fails first if torch drops or changes it."""
+    from fewbit.nn import _GRAPH_TASK_ID
+
+    assert _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() == -1
+    inside = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: inside.append(_GRAPH_TASK_ID()))
+    y.sum().backward()
+    assert inside and inside[0] != -1

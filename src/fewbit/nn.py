@@ -7,17 +7,20 @@ estimator). A format is an element format (``"e4m3"``, ``"binary8p4"``) or a blo
 :class:`Quant` is taken, a format alone stands for ``Quant(fmt)`` (RNE, saturating). A
 :class:`FakeQuantize` module counts its calls in a buffer, so each call draws fresh random
 bits and a model restored from its ``state_dict`` draws the same bits as one that never
-stopped.
+stopped; under activation checkpointing, :func:`checkpoint_context` makes the
+recomputation draw the forward pass's bits.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .block import BlockFormat, check_args, element_or_block, round_to
 from .block.ops import check_axis
@@ -30,7 +33,7 @@ from .rounding.checks import check_mode_args, scalar_args
 from .rounding.modes import parse_mode
 from .sharding import replica_rank
 
-__all__ = ["FakeQuantize", "Quant", "fake_quantize", "quantize_outputs"]
+__all__ = ["FakeQuantize", "Quant", "checkpoint_context", "fake_quantize", "quantize_outputs"]
 
 #: Streams of one call: forward and backward rounding draw from different keys.
 _FORWARD, _BACKWARD = 0, 1
@@ -169,12 +172,30 @@ def fake_quantize(
     return (_ForwardMode if forward_mode else _StraightThrough).apply(x, forward, backward, seed)
 
 
+#: torch's private query of the backward pass this thread runs (-1: none), which
+#: torch.utils.checkpoint reads too. None where this torch lacks it: a recomputation is
+#: then not refused (tests/test_nn.py fails first).
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def _refuse_in_backward() -> None:
+    """Refuse a call counted during a backward pass: activation checkpointing recomputing
+    a forward pass, where a second call would draw other bits than the first."""
+    if _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1:
+        raise RuntimeError("FakeQuantize was called in training during a backward pass, as activation "
+                           "checkpointing recomputes a forward pass: a second call would draw other bits "
+                           "than the first. Pass context_fn=fewbit.nn.checkpoint_context to "
+                           "torch.utils.checkpoint.checkpoint (use_reentrant=False)")  # fmt: skip
+
+
 @operator("fewbit::count_call", mutates_args=("calls",))
 def _count_call(calls: torch.Tensor) -> torch.Tensor:
     """The count before this call, ``calls`` advanced by one. An op of its own because a
     graph must keep it: AOT autograd recomputes cheap ops on a graph input in the backward
     pass, and read after the graph advanced the count in place, the input gave the key of
-    the next call (the backward Quant's key, where nothing in the forward pass needs it)."""
+    the next call (the backward Quant's key, where nothing in the forward pass needs it).
+    Under activation checkpointing it must be saved, not recomputed: :func:`checkpoint_context`."""
+    _refuse_in_backward()
     before = calls.clone()
     calls.add_(1)
     return before
@@ -183,6 +204,24 @@ def _count_call(calls: torch.Tensor) -> torch.Tensor:
 @_count_call.register_fake
 def _(calls: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(calls)
+
+
+def checkpoint_context(policy: Callable | None = None) -> tuple:
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False,
+    context_fn=fewbit.nn.checkpoint_context)``, eagerly and under torch.compile: torch's
+    selective checkpointing, which saves each :class:`FakeQuantize` call's count
+    (``fewbit::count_call``) and recomputes the rest, so the recomputation draws the bits
+    of the forward pass and counts nothing. ``policy``: a selective-checkpointing policy
+    of the caller's for every other op (``functools.partial`` passes it); default,
+    recompute. Without it, a FakeQuantize call in a recomputation is refused."""
+    count = torch.ops.fewbit.count_call.default
+
+    def save_counts(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op is count:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE if policy is None else policy(ctx, op, *args, **kwargs)
+
+    return create_selective_checkpoint_contexts(save_counts)
 
 
 class FakeQuantize(nn.Module):
@@ -216,15 +255,16 @@ class FakeQuantize(nn.Module):
         # the count has no value (meta, fake tensors), it stays a tensor: a new count is
         # new data, not a new graph, nor the same key replayed.
         recorded = recording() or self.calls.is_meta
-        if not recorded:
-            count = int(self.calls)
-        elif self.training:
+        if not self.training:
+            count = self.calls if recorded else int(self.calls)
+        elif recorded:
             # Recorded, the call is counted before it rounds (the op returns the count it
             # found); a call refused on its data as the graph runs (NaN into a format
             # without NaN) has then counted, where an eager one has not.
             count = _count_call(self.calls)
         else:
-            count = self.calls
+            _refuse_in_backward()
+            count = int(self.calls)
         # A DTensor's pieces are one tensor: its mesh folds in one rank for all of them.
         key = replica_key(fold_in(self.key, count), self.policy, replica_rank(x))
         y = fake_quantize(x, self.forward_quant, self.backward_quant, key)
