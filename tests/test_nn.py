@@ -364,3 +364,23 @@ def test_torch_still_says_when_a_backward_pass_runs():
     y.register_hook(lambda g: inside.append(_GRAPH_TASK_ID()))
     y.sum().backward()
     assert inside and inside[0] != -1
+
+
+def test_straight_through_apply_skips_only_torchs_argument_binding():
+    """_StraightThrough.apply calls past torch's Function.apply to skip its binding of the
+    arguments to forward's signature (20 us a call): this fails first where torch's apply
+    does anything else, or ends elsewhere."""
+    from fewbit import nn as fewbit_nn
+
+    assert fewbit_nn._DIRECT_APPLY
+    code = torch.autograd.Function.apply.__func__.__code__
+    assert sorted(code.co_names) == [
+        "RuntimeError", "_C", "_are_functorch_transforms_active", "_functorch", "_is_setup_context_defined",
+        "apply", "custom_function_call", "forward", "setup_context", "super", "torch", "unwrap_dead_wrappers",
+        "utils"]  # fmt: skip
+    assert [c.co_name for c in code.co_consts if hasattr(c, "co_name")] == ["bind_default_args"]
+    # Under a transform it is torch's apply: vmap of fake_quantize, each sample as its own call.
+    x = torch.full((3, 4096), 1.03)
+    q = Quant("binary8p4", "src", bits=3)
+    batched = torch.vmap(lambda v: fake_quantize(v, q, None, 5))(x)
+    assert torch.equal(batched[1], fake_quantize(x[1], q, None, 5))
