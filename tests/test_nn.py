@@ -352,6 +352,20 @@ def test_a_recomputation_without_checkpoint_context_is_refused(how):
         _checkpointed_steps(model, run)
 
 
+def test_a_call_in_a_backward_hook_is_a_call_of_its_own():
+    """Only a recomputation (grad on, as checkpointing runs it) is refused in backward: a
+    FakeQuantize that a backward hook calls (grad off) rounds and counts."""
+    q = FakeQuantize(Quant("binary8p4", "src", bits=3), seed=1)
+    seen = []
+    x = torch.full((4096,), 1.03, requires_grad=True)
+    y = x * 1
+    y.register_hook(lambda g: seen.append(q(g)))
+    (y * 1.03).sum().backward()  # g = 1.03, between binary8p4 neighbours 1 and 1.125
+    first_call = FakeQuantize(Quant("binary8p4", "src", bits=3), seed=1)(torch.full((4096,), 1.03))
+    assert torch.equal(seen[0], first_call)
+    assert int(q.calls) == 1
+
+
 def test_torch_still_says_when_a_backward_pass_runs():
     """torch's private query that refuses a recomputation (torch.utils.checkpoint reads it too):
     this fails first if torch drops or changes it."""

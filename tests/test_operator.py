@@ -208,6 +208,13 @@ def test_format_names_in_a_compiled_function():
             counter = CompileCounter()
             assert torch.equal(torch.compile(call, fullgraph=True, backend=counter)(x), call(x)), name
             assert counter.frame_count == 1
+    # A name refused is the ValueError it is eagerly (Dynamo's internal error, in the lookup);
+    # with fullgraph=True, Dynamo's Unsupported, which quotes it.
+    for bad, message in (("e9m9", "unknown format 'e9m9'"), ("bfp4_b3", "block size must be even")):
+        with pytest.raises(ValueError, match=message):
+            torch.compile(lambda v: fake_quantize(v, bad), backend="eager")(x)
+        with pytest.raises(torch._dynamo.exc.Unsupported, match=message):
+            torch.compile(lambda v: fake_quantize(v, bad), fullgraph=True, backend="eager")(x)
 
 def test_export_of_a_module_with_fake_quantize():
     torch.manual_seed(0)

@@ -283,7 +283,8 @@ class FakeQuantize(nn.Module):
             # without NaN) has then counted, where an eager one has not.
             count = _count_call(self.calls)
         else:
-            _refuse_in_backward()
+            if torch.is_grad_enabled():  # as a recomputation is; a backward hook's call is not
+                _refuse_in_backward()
             count = int(self.calls)
         # A DTensor's pieces are one tensor: its mesh folds in one rank for all of them.
         key = replica_key(fold_in(self.key, count), self.policy, replica_rank(x))

@@ -180,8 +180,11 @@ def element_or_block(fmt: FloatFormat | BlockFormat | str) -> FloatFormat | Bloc
         # Dynamo traces through the registries' caches and builds a new format in the
         # graph, one it cannot hand to the ops' name checks (an internal error: Quant("hbfp4")
         # in a compiled function). The name is looked up as Python runs, at trace time, and
-        # its format read back as an attribute, which Dynamo reads as it is then.
-        return getattr(_LOOKED_UP, _look_up(fmt))
+        # its format read back as an attribute, which Dynamo reads as it is then; a name
+        # refused is refused here, as eagerly (not inside the lookup: Dynamo's internal error).
+        if refused := _look_up(fmt):
+            raise ValueError(refused)
+        return getattr(_LOOKED_UP, fmt)
     return _named(fmt)
 
 
@@ -194,9 +197,13 @@ _LOOKED_UP = _LookedUp()
 
 @torch.compiler.assume_constant_result
 def _look_up(name: str) -> str:
+    """Keep the format ``name`` names in ``_LOOKED_UP``; why it is refused, or ''."""
     if name not in vars(_LOOKED_UP):
-        setattr(_LOOKED_UP, name, _named(name))
-    return name
+        try:
+            setattr(_LOOKED_UP, name, _named(name))
+        except ValueError as refused:
+            return str(refused)
+    return ""
 
 
 def _named(fmt: str) -> FloatFormat | BlockFormat:
