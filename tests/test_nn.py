@@ -109,6 +109,8 @@ def test_a_backward_quant_the_gradient_cannot_take_is_refused_at_the_call():
         with pytest.raises(ValueError, match=f"backward Quant.*for the gradient of x: .*{message}"):
             q(x.requires_grad_())
         assert int(q.calls) == 0
+        with torch.no_grad():  # no gradient comes: inference runs, as before the check
+            assert torch.equal(q(x), x)
 
 def test_module_on_the_meta_device_and_its_deferred_initialisation():
     """Read as an int, a meta count failed the call (a deterministic one too); after
@@ -204,6 +206,10 @@ def test_quantize_outputs_refuses_modules_that_return_tuples():
     with pytest.raises(TypeError, match="GRU return tuples"):
         quantize_outputs(model, E4M3, types=(torch.nn.Linear, torch.nn.GRU))
     assert not hasattr(model[0], "output_quant")  # refused before any module changed
+    for module in (torch.nn.LSTMCell(4, 4), torch.nn.MaxPool1d(2, return_indices=True)):
+        with pytest.raises(TypeError, match=f"{type(module).__name__} return tuples"):
+            quantize_outputs(module, E4M3, types=(type(module),))
+    assert quantize_outputs(torch.nn.MaxPool1d(2), E4M3, types=(torch.nn.MaxPool1d,))  # one tensor
 
     class Pair(torch.nn.Module):
         def forward(self, x):

@@ -102,7 +102,8 @@ def _check_gradient(q: Quant, dtype: torch.dtype, ndim: int) -> None:
     try:
         check_args(dtype, q.fmt, q.mode, q.sat, q.bits, q.fraction, q.axis, ndim)
     except (TypeError, ValueError) as err:
-        raise type(err)(f"backward {q}, for the gradient of x: {err}") from None
+        what = f"backward Quant({q.fmt.name!r}, {q.mode.value!r})"
+        raise type(err)(f"{what}, for the gradient of x: {err}") from None
 
 
 #: Whether this torch's autograd.Function ends in the C++ apply of torch._C._FunctionBase,
@@ -182,7 +183,9 @@ def fake_quantize(
     for q in (forward, backward):
         if q is not None:
             q.check_seed(seed)
-    if backward is not None and not torch.compiler.is_compiling():  # (traced, the backward is too)
+    # Where a gradient can come (traced, the backward pass is traced too).
+    gradient = x.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    if backward is not None and gradient:
         _check_gradient(backward, x.dtype, x.dim())
     if seed is not None:
         # A key tensor is copied: the gradient rounds with the key of this call, though the
@@ -205,7 +208,8 @@ def _refuse_in_backward() -> None:
         raise RuntimeError("FakeQuantize was called in training during a backward pass, as activation "
                            "checkpointing recomputes a forward pass: a second call would draw other bits "
                            "than the first. Pass context_fn=fewbit.nn.checkpoint_context to "
-                           "torch.utils.checkpoint.checkpoint (use_reentrant=False)")  # fmt: skip
+                           "torch.utils.checkpoint.checkpoint (use_reentrant=False); compiled, torch's "
+                           "partitioner recomputes it too under activation_memory_budget=0")  # fmt: skip
 
 
 @operator("fewbit::count_call", mutates_args=("calls",))
@@ -233,7 +237,9 @@ def checkpoint_context(policy: Callable | None = None) -> tuple:
     (``fewbit::count_call``) and recomputes the rest, so the recomputation draws the bits
     of the forward pass and counts nothing. ``policy``: a selective-checkpointing policy
     of the caller's for every other op (``functools.partial`` passes it); default,
-    recompute. Without it, a FakeQuantize call in a recomputation is refused."""
+    recompute. Without it, a FakeQuantize call in a recomputation is refused. As torch's
+    selective checkpointing, it allows one backward pass through a region (not
+    ``retain_graph=True`` and a second, nor a double backward)."""
     count = torch.ops.fewbit.count_call.default
 
     def save_counts(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -321,7 +327,8 @@ def quantize_outputs(
     unused = {id(m.out_proj): name for name, m in model.named_modules()
               if isinstance(m, nn.MultiheadAttention) and isinstance(m.out_proj, types)}  # fmt: skip
     changed = [m for m in model.modules() if isinstance(m, types) and id(m) not in unused]
-    tuples = sorted({type(m).__name__ for m in changed if isinstance(m, _TUPLE_OUTPUTS)})
+    tuples = sorted({type(m).__name__ for m in changed
+                     if isinstance(m, _TUPLE_OUTPUTS) or getattr(m, "return_indices", False)})  # fmt: skip
     if tuples:
         raise TypeError(f"quantize_outputs rounds a module's output tensor; {', '.join(tuples)} return "
                         "tuples (round the tensors you choose with fake_quantize)")  # fmt: skip
@@ -337,8 +344,9 @@ def quantize_outputs(
     return changed
 
 
-#: torch's modules that return a tuple: refused by quantize_outputs before any changes.
-_TUPLE_OUTPUTS = (nn.RNNBase, nn.MultiheadAttention)
+#: torch's modules that return a tuple (and pooling with return_indices): refused by
+#: quantize_outputs before any changes.
+_TUPLE_OUTPUTS = (nn.RNNBase, nn.LSTMCell, nn.MultiheadAttention)
 
 
 def _quantize_output(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
