@@ -228,6 +228,18 @@ def test_export_of_a_module_with_fake_quantize():
 
 
 
+def test_export_says_the_backward_quant_is_left_out():
+    """torch.export inlines fake_quantize's autograd.Function: the exported program's
+    gradient is straight through. That was silent; export (non-strict, torch's default)
+    now warns."""
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), FakeQuantize(None, Quant("e5m2"), seed=1))
+    x = torch.randn(3, 4)
+    with pytest.warns(UserWarning, match="without the backward Quant"):
+        ep = torch.export.export(m, (x,))
+    w = dict(ep.module().named_parameters())["0.weight"]
+    (ep.module()(x) * 1.03).sum().backward()  # 1.03 is no e5m2 value: rounded, it would move
+    assert torch.equal(w.grad, torch.full((8, 3), 1.03) @ x)
+
 @pytest.mark.parametrize("forward", [None, Quant("e4m3")], ids=["straight", "rne"])
 def test_compiled_fake_quantize_rounds_each_gradient_with_its_own_calls_key(forward):
     """Where the forward pass draws nothing, the backward Quant's key came from the call

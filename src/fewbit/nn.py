@@ -183,6 +183,9 @@ def fake_quantize(
     for q in (forward, backward):
         if q is not None:
             q.check_seed(seed)
+    if backward is not None and torch.compiler.is_exporting():
+        warnings.warn("torch.export keeps fake_quantize's forward rounding only: an exported program's "
+                      "gradient goes straight through, without the backward Quant", stacklevel=2)  # fmt: skip
     # Where a gradient can come (traced, the backward pass is traced too).
     gradient = x.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling()
     if backward is not None and gradient:
