@@ -826,3 +826,44 @@ def test_builds_for_lesser_cpus_give_the_same_bits(lesser_build, monkeypatch):
     for i, call in enumerate(calls):
         got = call()
         assert same_bits(got, expected[i]) if got.is_floating_point() else torch.equal(got, expected[i]), i
+
+
+def test_flushed_subnormals_or_another_rounding_direction_change_no_bit():
+    """torch.set_flush_denormal(True) sets FTZ and DAZ on a thread, and the kernel read
+    codes off values scaled into float32's subnormals: e4m3's subnormal codes came out 0,
+    every int8 code 0 (1.0 too), on the threads that had it. The kernel computes with
+    subnormals kept and rounding to nearest (the C library's fesetround), restored after."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.tensor([2.0**-9, 2.0**-7, 0.25, -(2.0**-9), 1.0, -1.0, 0.5, 2.0**-6]),
+                   torch.randn(1 << 17, generator=gen) * 0.01])  # rows for two workers  # fmt: skip
+    calls = {
+        "e4m3 codes": lambda: fewbit.quantize(x, "ocp_e4m3"),
+        "int8 codes": lambda: fewbit.encode(fewbit.round(x, "ocp_int8"), "ocp_int8"),
+        "mxint8 codes": lambda: fewbit.block.quantize(x, "mxint8").codes,
+        "src": lambda: fewbit.round(x, "binary8p4", "src", bits=3, seed=1),
+    }
+    want = {name: call() for name, call in calls.items()}
+    assert want["e4m3 codes"][:4].tolist() == [1, 4, 40, 129]  # 2^-9 is e4m3's smallest subnormal
+    assert want["int8 codes"][4:8].tolist() == [64, 192, 32, 1]  # OCP INT8: 1 is code 64 (2^-6 steps)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            torch.set_flush_denormal(True)
+            for name, call in calls.items():
+                assert torch.equal(call(), want[name]), (name, n)
+            torch.set_flush_denormal(False)
+        if os.uname().machine == "x86_64":
+            import ctypes
+
+            libm = ctypes.CDLL("libm.so.6")
+            for direction in (0xC00, 0x800):  # glibc x86: FE_TOWARDZERO, FE_UPWARD
+                assert libm.fesetround(direction) == 0
+                try:
+                    for name, call in calls.items():
+                        assert torch.equal(call(), want[name]), (name, direction)
+                finally:
+                    libm.fesetround(0)
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)

@@ -21,6 +21,9 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#ifdef __SSE2__
+#include <xmmintrin.h>
+#endif
 #ifdef __AVX__
 #include <immintrin.h>
 #endif
@@ -1760,6 +1763,37 @@ constexpr int64_t STREAM_BYTES = int64_t(16) << 20;
 // Fewer rows than this per thread cost more to start a thread for than they save.
 constexpr int64_t MIN_ROWS_PER_THREAD = 64;
 
+// The floating-point environment a call computes in, on each thread that runs part of it,
+// restored after: subnormals kept, and rounding to nearest. torch.set_flush_denormal(True)
+// sets FTZ and DAZ on a thread, and code_of scales values into float32's subnormals (a
+// flushed one is code 0: int8's 1.0 was); the float-adder paths round as nearest does.
+class CallEnv {
+#if defined(__SSE2__)
+  static constexpr unsigned FTZ = 0x8000, DAZ = 0x0040, ROUNDING = 0x6000;
+  const unsigned saved_ = _mm_getcsr();
+
+ public:
+  CallEnv() {
+    if (saved_ & (FTZ | DAZ | ROUNDING)) _mm_setcsr(saved_ & ~(FTZ | DAZ | ROUNDING));
+  }
+  ~CallEnv() {
+    if (saved_ & (FTZ | DAZ | ROUNDING)) _mm_setcsr(saved_);
+  }
+#elif defined(__aarch64__)
+  static constexpr uint64_t FZ = uint64_t(1) << 24, ROUNDING = uint64_t(3) << 22;
+  uint64_t saved_;
+
+ public:
+  CallEnv() {
+    asm volatile("mrs %0, fpcr" : "=r"(saved_));
+    if (saved_ & (FZ | ROUNDING)) asm volatile("msr fpcr, %0" : : "r"(saved_ & ~(FZ | ROUNDING)));
+  }
+  ~CallEnv() {
+    if (saved_ & (FZ | ROUNDING)) asm volatile("msr fpcr, %0" : : "r"(saved_));
+  }
+#endif
+};
+
 // Run a job's rows on `threads` OpenMP threads; returns the first position without a valid
 // result, or -1.
 int64_t run_on_threads(const Job& job, int mode, int threads) {
@@ -1773,8 +1807,10 @@ int64_t run_on_threads(const Job& job, int mode, int threads) {
   // are already there (and may still be spinning after torch's last parallel op).
   std::vector<int64_t> bad(workers, -1);
 #pragma omp parallel for num_threads(workers) schedule(static, 1)
-  for (int64_t w = 0; w < workers; ++w)
+  for (int64_t w = 0; w < workers; ++w) {
+    const CallEnv env;
     bad[w] = kernel(job, first + rows * w / workers, first + rows * (w + 1) / workers);
+  }
   for (int64_t b : bad)
     if (b >= 0) return b;  // workers hold rows in order: the first one found is the first
   return -1;
@@ -1832,7 +1868,10 @@ int64_t run_runs(const Job& job, int mode, int threads, int64_t runs, int64_t st
   if (workers == 1) return some(0, runs);
   std::vector<int64_t> bad(workers, -1);
 #pragma omp parallel for num_threads(workers) schedule(static, 1)
-  for (int64_t w = 0; w < workers; ++w) bad[w] = some(runs * w / workers, runs * (w + 1) / workers);
+  for (int64_t w = 0; w < workers; ++w) {
+    const CallEnv env;
+    bad[w] = some(runs * w / workers, runs * (w + 1) / workers);
+  }
   for (int64_t b : bad)
     if (b >= 0) return b;
   return -1;
@@ -1932,6 +1971,7 @@ static_assert(sizeof(Call) == 144, "native.py's CALL packs this layout");
 // position without a valid result, or -1. With runs > 1, x holds runs of n / runs
 // elements each, run r being stream elements offset + r * run_stride ...
 int64_t fewbit_round(const Call* c) {
+  const CallEnv env;  // before Fmt's constants (int8's code scale is 2^-127)
   const int mode = int(c->mode), dtype = int(c->dtype), output = int(c->output);
   const Blocks blocks{int(c->block_size), Rule(c->rule), float(c->tensor_scale), c->scales,
                       mode == RUP || mode == RDN || mode == RTO};
