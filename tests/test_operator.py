@@ -874,3 +874,27 @@ def test_vmap_refuses_random_bits_shaped_otherwise_than_a_sample():
             f(samples[0])
         with pytest.raises(ValueError, match=r"random_bits has shape \(1,\), x has \(32,\)"):
             torch.vmap(f)(samples)
+
+
+def test_tensors_whose_memory_is_not_their_values_are_refused():
+    """A view with torch's negative bit (memory holding -x) was read and written as its
+    memory: round gave 3.0 for -3.0, out= stored -x. A ZeroTensor (no memory) crashed the
+    process in encode, quantize and decode."""
+    from fewbit.rounding.checks import _IS_ZEROTENSOR
+
+    assert _IS_ZEROTENSOR is not None  # torch's private query: this fails first where it goes
+    negative = torch.tensor([1.25 + 3j])[:1].conj().imag  # -3.0, stored as 3.0
+    assert negative.is_neg() and float(negative) == -3.0
+    zeros = torch._efficientzerotensor(4)
+    for x, message in ((negative, "negative bit.*x.resolve_neg"), (zeros, "ZeroTensor.*x.clone")):
+        for call in (lambda v: fewbit.round(v, "binary8p4"), lambda v: fewbit.encode(v, "binary16"),
+                     lambda v: fewbit.quantize(v, "e4m3"), lambda v: fewbit.block.round(v, "mxfp8_e4m3")):  # fmt: skip
+            with pytest.raises(TypeError, match=message):
+                call(x)
+    with pytest.raises(TypeError, match="codes is a ZeroTensor"):
+        fewbit.decode(torch._efficientzerotensor(4, dtype=torch.uint8), "e4m3")
+    memory = torch.tensor([1.25 + 3j, 2.5 + 1j])
+    out = memory.conj().imag[:1]  # a view of memory with the negative bit
+    with pytest.raises(TypeError, match="out is a view with torch's negative bit"):
+        fewbit.round(torch.tensor([0.3]), "binary8p4", out=out)
+    assert torch.equal(memory, torch.tensor([1.25 + 3j, 2.5 + 1j]))  # nothing written

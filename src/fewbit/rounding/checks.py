@@ -102,8 +102,28 @@ def check_tensor(x, name: str = "x") -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, not {type(x).__name__}")
     # (Eager only: traced, in a backward torch.compile's strict mode refuses the query.)
-    if not torch.compiler.is_compiling() and x.layout != torch.strided:
+    if torch.compiler.is_compiling():
+        return
+    if x.layout != torch.strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, not {x.layout}: .to_dense() converts it")
+    if lazy := lazily_valued(x, name):
+        raise TypeError(f"{name} is {lazy}")
+
+
+def lazily_valued(t: torch.Tensor, name: str) -> str | None:
+    """Why the kernels cannot read or write ``t``'s memory as its values (a view with
+    torch's negative bit holds -t there; a ZeroTensor has none), or None."""
+    if t.is_neg():
+        return (f"a view with torch's negative bit (from .conj().imag), whose memory holds -{name}: "
+                f"{name}.resolve_neg() gives its values")  # fmt: skip
+    if _IS_ZEROTENSOR is not None and _IS_ZEROTENSOR(t):
+        return f"a ZeroTensor, which has no memory: {name}.clone() gives its zeros"
+    return None
+
+
+#: torch's private query of a ZeroTensor (which is_neg's public sibling lacks); where a
+#: torch has none, a ZeroTensor is not refused here (tests/test_codec.py fails first).
+_IS_ZEROTENSOR = getattr(torch.Tensor, "_is_zerotensor", None)
 
 
 def check_round_args(

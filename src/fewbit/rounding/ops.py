@@ -28,7 +28,7 @@ from ..formats import FloatFormat, format, from_repr
 from ..operators import operator
 from ..random import Key, as_key, host_key, key_of
 from . import gpu, native
-from .checks import RoundSpec, check_random_bits, check_tensor, make_spec, scalar_args
+from .checks import RoundSpec, check_random_bits, check_tensor, lazily_valued, make_spec, scalar_args
 from .compiled import compiled_round, range_bits, round_body, stream_words, use_compiled
 from .modes import RoundMode, parse_mode
 
@@ -296,12 +296,16 @@ def call_with_out(functional, into, args: tuple, x: torch.Tensor, out: torch.Ten
 
 
 def check_writable(name: str, *outs: torch.Tensor) -> None:
-    """Refuse, before anything is written, outputs that are inference tensors outside
-    inference mode: torch refuses them once written (eager: Dynamo cannot trace these queries)."""
-    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+    """Refuse, before anything is written, outputs whose memory is not their values
+    (:func:`lazily_valued`), and inference tensors outside inference mode: torch refuses
+    them once written (eager: Dynamo cannot trace these queries)."""
+    if torch.compiler.is_compiling():
         return
+    inference = torch.is_inference_mode_enabled()
     for out in outs:  # (a loop: round(out=) calls this per tensor, and any() of a generator costs more)
-        if out.is_inference():
+        if lazy := lazily_valued(out, "out"):
+            raise TypeError(f"{name}: out is {lazy}")
+        if not inference and out.is_inference():
             raise RuntimeError(f"{name}: out is an inference tensor (made under torch.inference_mode), "
                                "which cannot be written outside inference mode")  # fmt: skip
 
