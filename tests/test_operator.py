@@ -523,6 +523,12 @@ def test_configure_restores_and_refuses_unknown_names():
         with fewbit.configure(eager_chunk=0):
             pass
     assert fewbit.config.current() == before
+    # numpy's bool as fewbit.round's sat takes it ("compile must be a bool, not bool" before)
+    with fewbit.configure(compile=np.bool_(False)) as inside:
+        assert inside.compile is False
+    with pytest.raises(TypeError, match="compile must be a bool, not int"):
+        with fewbit.configure(compile=0):
+            pass
 
 
 def test_configure_blocks_of_two_threads_that_overlap_each_undo_only_their_own():

@@ -4,7 +4,8 @@
 them) into codes: uint8 for K <= 8, int16 holding the 16-bit pattern for K <= 16.
 With ``packed=True`` two codes of K <= 4 bits share a byte, the even element in the
 low nibble. ``decode`` looks codes up in the format's value table. OCP E4M3/E5M2
-codes are the bit patterns of ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``.
+codes are the bit patterns of ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` (but a
+NaN's: 0xFF, where torch's cast writes 0x7F).
 
 ``quantize`` rounds and encodes in one call: ``encode(round(x, fmt, mode, ...), fmt)``,
 bit for bit, where the native CPU kernel (and on a GPU the Triton kernel) writes each

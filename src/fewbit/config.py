@@ -40,6 +40,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
+
 __all__ = ["Config", "configure", "current"]
 
 
@@ -61,8 +63,11 @@ class Config:
 
     def __post_init__(self) -> None:
         for name in ("compile", "unit_scaling", "native"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, not {type(getattr(self, name)).__name__}")
+            value = getattr(self, name)
+            if isinstance(value, np.bool_):
+                object.__setattr__(self, name, bool(value))  # as fewbit.round's sat takes it
+            elif not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, not {type(value).__name__}")
         for name in ("compile_threshold", "eager_chunk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (name == "eager_chunk"):
