@@ -893,8 +893,9 @@ def test_tensors_whose_memory_is_not_their_values_are_refused():
     assert negative.is_neg() and float(negative) == -3.0
     zeros = torch._efficientzerotensor(4)
     for x, message in ((negative, "negative bit.*x.resolve_neg"), (zeros, "ZeroTensor.*x.clone")):
-        for call in (lambda v: fewbit.round(v, "binary8p4"), lambda v: fewbit.encode(v, "binary16"),
-                     lambda v: fewbit.quantize(v, "e4m3"), lambda v: fewbit.block.round(v, "mxfp8_e4m3")):  # fmt: skip
+        calls = (lambda v: fewbit.round(v, "binary8p4"), lambda v: fewbit.encode(v, "binary16"),
+                 lambda v: fewbit.quantize(v, "e4m3"), lambda v: fewbit.block.round(v, "mxfp8_e4m3"))
+        for call in calls:
             with pytest.raises(TypeError, match=message):
                 call(x)
     with pytest.raises(TypeError, match="codes is a ZeroTensor"):

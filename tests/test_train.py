@@ -435,12 +435,12 @@ def test_a_refused_claim_writes_nothing(tmp_path):
     """A command refused for another configuration had written config.json into the new
     folders before the clash, and they refused the next, valid command."""
     first = arm_configs(None, replace(TINY, iters=10), [0])
-    sweep.claim_folders(first, tmp_path, restart=False)
+    sweep.claim_folders(first, tmp_path, restart=False, data_digest="text")
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     with pytest.raises(ValueError, match="another configuration"):
-        sweep.claim_folders(arm_configs(None, replace(TINY, iters=20), [1, 0]), tmp_path, restart=False)
+        sweep.claim_folders(arm_configs(None, replace(TINY, iters=20), [1, 0]), tmp_path, False, "text")
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
-    sweep.claim_folders(arm_configs(None, replace(TINY, iters=10), [0, 1]), tmp_path, restart=False)
+    sweep.claim_folders(arm_configs(None, replace(TINY, iters=10), [0, 1]), tmp_path, False, "text")
 
 
 def test_a_claim_refuses_a_file_at_a_run_folder_and_a_cut_config(tmp_path):
@@ -448,20 +448,20 @@ def test_a_claim_refuses_a_file_at_a_run_folder_and_a_cut_config(tmp_path):
     short (written in place, then) a bare JSON message naming no file."""
     configs = arm_configs("figure3", TINY, [0])
     folders = [sweep.run_folder(tmp_path, c) for c in configs]
-    sweep.claim_folders(configs[:1], tmp_path, restart=False)  # a run there already
+    sweep.claim_folders(configs[:1], tmp_path, restart=False, data_digest="text")  # a run there already
     folders[1].write_text("")
     for restart in (False, True):  # (--restart discarded the runs first, then refused)
         with pytest.raises(ValueError, match=f"{folders[1]} is a file where a run's folder goes: move it"):
-            sweep.claim_folders(configs, tmp_path, restart=restart)
+            sweep.claim_folders(configs, tmp_path, restart=restart, data_digest="text")
         assert sorted(tmp_path.iterdir()) == sorted(folders[:2]) and (folders[0] / "config.json").exists()
     folders[1].unlink()
-    sweep.claim_folders(configs, tmp_path, restart=False)
+    sweep.claim_folders(configs, tmp_path, restart=False, data_digest="text")
     for cut in ("", '{"mode": "src", "bi', "[1, 2]"):
         (folders[2] / "config.json").write_text(cut)
         with pytest.raises(ValueError, match=f"{folders[2] / 'config.json'} is not a run's configuration "
                                              r"\(cut short\?\): remove"):  # fmt: skip
-            sweep.claim_folders(configs, tmp_path, restart=False)
-    sweep.claim_folders(configs, tmp_path, restart=True)  # --restart discards it
+            sweep.claim_folders(configs, tmp_path, restart=False, data_digest="text")
+    sweep.claim_folders(configs, tmp_path, restart=True, data_digest="text")  # --restart discards it
 
 
 def test_a_failed_atomic_write_leaves_no_temporary_file(tmp_path):
@@ -533,3 +533,54 @@ def test_summary_of_a_diverged_seed_is_the_same_in_any_order():
         (row,) = summarise(runs)
         assert math.isnan(row["final_val"]) and math.isnan(row["final_max"])
         assert (row["final_min"], row["best_val"]) == (2.0, 3.0)
+
+
+def test_a_claim_refuses_other_text_and_damaged_saves_and_restart_spares_other_folders(tmp_path):
+    """A run continued on other text (another --data-dir) trained on it silently, and its
+    finished runs counted as this text's; a checkpoint or result cut short failed in the
+    worker at every try ("run the same command"); --restart deleted any folder holding a
+    config.json, a model's too."""
+    from fewbit.experiments.worker import CHECKPOINT, RESULT
+
+    configs = arm_configs(None, replace(TINY, iters=10), [0])
+    (folder,) = sweep.claim_folders(configs, tmp_path, restart=False, data_digest="text")
+    assert (folder / sweep.DATA).read_text() == "text\n"
+    with pytest.raises(ValueError, match=f"{folder} holds a run trained on other text"):
+        sweep.claim_folders(configs, tmp_path, restart=False, data_digest="other text")
+    torch.save({"run": torch.arange(1000)}, folder / CHECKPOINT)
+    sweep.claim_folders(configs, tmp_path, restart=False, data_digest="text")  # whole: taken
+    whole = (folder / CHECKPOINT).read_bytes()
+    middle = len(whole) // 2  # (in the tensor's bytes: its record's CRC tells)
+    for cut in (whole[:middle], b"", whole[:middle] + bytes([whole[middle] ^ 1]) + whole[middle + 1:]):
+        (folder / CHECKPOINT).write_bytes(cut)
+        with pytest.raises(ValueError, match=f"{folder / CHECKPOINT} is damaged .* delete it"):
+            sweep.claim_folders(configs, tmp_path, restart=False, data_digest="text")
+    (folder / RESULT).write_text("")
+    with pytest.raises(ValueError, match=f"{folder / RESULT} is damaged"):
+        sweep.claim_folders(configs, tmp_path, restart=False, data_digest="text")
+    model = tmp_path / "a_model"  # not a run: its config.json is not TrainConfig's
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "gpt2"}')
+    (folder,) = sweep.claim_folders(configs, tmp_path, restart=True, data_digest="other text")
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", sweep.DATA]
+    assert (folder / sweep.DATA).read_text() == "other text\n" and (model / "config.json").exists()
+
+
+def test_text_digest_is_of_the_characters_and_their_split():
+    text = generated_text(500, seed=3)
+    a, b = CharDataset.from_text(text), CharDataset.from_text(text)
+    assert a.digest() == b.digest()
+    assert CharDataset.from_text(text[:-1] + "#").digest() != a.digest()
+    assert CharDataset.from_text(text, val_fraction=0.2).digest() != a.digest()
+
+
+def test_a_reader_that_leaves_stops_training_with_sigpipes_status(tmp_path, monkeypatch, capsys):
+    """`fewbit train ... 2>&1 | head`: the progress bar's write raised BrokenPipeError,
+    which stopped the workers, and the command said 0: success."""
+    def reader_left(*args, **kwargs):
+        raise BrokenPipeError
+
+    monkeypatch.setattr(sweep, "run_sweep", reader_left)
+    args, out = tiny_sweep(tmp_path, "figure3", 2)
+    assert main(args) == 128 + signal.SIGPIPE
+    assert "the output's reader left, and training stopped; run the same command" in capsys.readouterr().err

@@ -431,8 +431,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _time_steps(configs[0], data_file, args.time_steps)
     start = time.perf_counter()
     out = Path(args.out or Path("runs") / (args.sweep or base.mode))
-    outcome = run_sweep(args.sweep, configs, data_file, out, workers=args.workers or 2,
-                        progress_bar=not args.quiet, restart=args.restart)  # fmt: skip
+    try:
+        outcome = run_sweep(args.sweep, configs, data_file, out, workers=args.workers or 2,
+                            progress_bar=not args.quiet, restart=args.restart)  # fmt: skip
+    except BrokenPipeError:  # a reader of the output left (`2>&1 | head`): training stopped
+        try:
+            print(f"fewbit: the output's reader left, and training stopped; run the same command to "
+                  f"continue (in {out})", file=sys.stderr)  # fmt: skip
+        except BrokenPipeError:
+            sys.stderr.close()  # (that reader)
+        return 128 + signal.SIGPIPE  # as a shell reports a command that SIGPIPE ended
     if outcome.results:
         print(format_summary(summarise(outcome.results)))
         print()

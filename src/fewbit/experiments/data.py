@@ -9,6 +9,7 @@ from there.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -43,12 +44,19 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
     try:
         with temp as f:
             write(f)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename: a power cut leaves the old file or this one
         # A temporary file is made readable by its owner alone; the file it becomes gets the
         # mode any new file gets (0666 less the umask), as open() would give it.
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(f.name, 0o666 & ~umask)
         Path(f.name).replace(path)
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)  # the rename itself
+        finally:
+            os.close(folder)
     except BaseException:  # a failed write or rename (path a folder, a full disk): no stray file
         Path(temp.name).unlink(missing_ok=True)
         raise
@@ -82,6 +90,14 @@ class CharDataset:
     def load(cls, path: Path) -> CharDataset:
         parts = torch.load(path)
         return cls(parts["vocab"], parts["train"], parts["val"])
+
+    def digest(self) -> str:
+        """SHA-256 of the characters and their split: what a run trains and is evaluated on."""
+        h = hashlib.sha256(self.vocab.encode())
+        for part in (self.train, self.val):
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(part.contiguous().numpy().tobytes())
+        return h.hexdigest()
 
     def decode(self, ids) -> str:
         return "".join(self.vocab[int(i)] for i in ids)

@@ -32,6 +32,7 @@ import math
 import os
 import shutil
 import sys
+import zipfile
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -41,7 +42,7 @@ from statistics import fmean as mean
 
 import torch
 
-from .data import write_atomically
+from .data import CharDataset, write_atomically
 from .processes import Child, Children, how_it_ended
 from .train import OPTIONS, TrainConfig
 from .worker import CHECKPOINT, RESULT
@@ -198,18 +199,49 @@ def hold(out_dir: Path, files: Iterable[str] = ()) -> Iterator[None]:
         os.close(fd)  # the lock goes with the last descriptor of its open file
 
 
-def claim_folders(configs: list[TrainConfig], out_dir: Path, restart: bool) -> list[Path]:
+#: The file in a run's folder naming the text it trains on (CharDataset.digest).
+DATA = "data.sha256"
+
+
+def _is_run(folder: Path) -> bool:
+    """Whether ``folder`` holds a run of fewbit's: a config.json of TrainConfig's fields."""
+    try:
+        saved = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and saved.keys() <= asdict(TrainConfig()).keys()
+
+
+def _check_saved(folder: Path) -> None:
+    """Refuse a run whose checkpoint or result is damaged (cut short by a crash): loaded,
+    it would fail in the worker at every try."""
+    checkpoint, result = folder / CHECKPOINT, folder / RESULT
+    try:
+        if result.exists():
+            json.loads(result.read_text())
+        elif checkpoint.exists():
+            with zipfile.ZipFile(checkpoint) as saved:  # torch.save's zip: every record's CRC
+                if saved.testzip() is not None:
+                    raise zipfile.BadZipFile
+    except (ValueError, zipfile.BadZipFile, EOFError):
+        damaged = result if result.exists() else checkpoint
+        raise ValueError(f"{damaged} is damaged (cut short?): delete it to train that run again from "
+                         "its beginning, or pass --restart to discard every run here") from None  # fmt: skip
+
+
+def claim_folders(configs: list[TrainConfig], out_dir: Path, restart: bool, data_digest: str) -> list[Path]:
     """Each run's folder, made or found. With ``restart`` every run out_dir holds is
-    discarded first (a folder with a config.json), not only this command's: a later
-    command would take up a run left from before as finished. A folder that holds a run
-    of another configuration is an error, named before anything starts."""
+    discarded first (a folder with a config.json of TrainConfig's), not only this
+    command's: a later command would take up a run left from before as finished. A folder
+    that holds a run of another configuration, or of other text (``data_digest``), or a
+    damaged checkpoint or result, is an error, named before anything starts."""
     folders = [run_folder(out_dir, c) for c in configs]
     for folder in folders:  # every check before anything is written or discarded
         if folder.exists() and not folder.is_dir():
             raise ValueError(f"{folder} is a file where a run's folder goes: move it or pass another --out")
     if restart and out_dir.is_dir():
-        for old in out_dir.iterdir():
-            if old.is_dir() and (old / "config.json").exists():
+        for old in out_dir.iterdir():  # (this command's own folders, whatever their config.json holds)
+            if old.is_dir() and (old / "config.json").exists() and (old in folders or _is_run(old)):
                 shutil.rmtree(old)
     for cfg, folder in zip(configs, folders, strict=True):
         written = folder / "config.json"
@@ -228,11 +260,19 @@ def claim_folders(configs: list[TrainConfig], out_dir: Path, restart: bool) -> l
                     f"{folder} holds a run with another configuration ({', '.join(changed)}): pass "
                     "--restart to discard it, or --out for another folder"
                 )
+        # (A run from before the text was recorded is taken as trained on this text.)
+        if (folder / DATA).exists() and (folder / DATA).read_text().strip() != data_digest:
+            raise ValueError(f"{folder} holds a run trained on other text (another --data-dir or "
+                             "FEWBIT_DATA): pass --restart to discard it, or --out for another "
+                             "folder")  # fmt: skip
+        _check_saved(folder)
     for cfg, folder in zip(configs, folders, strict=True):
         folder.mkdir(parents=True, exist_ok=True)
         if not (folder / "config.json").exists():
             text = json.dumps(asdict(cfg), indent=1).encode()
             write_atomically(folder / "config.json", lambda f, text=text: f.write(text))
+        if not (folder / DATA).exists():
+            write_atomically(folder / DATA, lambda f: f.write(f"{data_digest}\n".encode()))
     return folders
 
 
@@ -556,7 +596,7 @@ def run_sweep(
     plots = {other: _plots(out_dir, other) for other in {*SWEEPS, "losses"}}  # each removed or written
     outputs = [*_TABLES, *(png.name for pngs in plots.values() for png in pngs)]
     with hold(out_dir, outputs):  # until the sweep ends: no other writes here meanwhile
-        folders = claim_folders(configs, out_dir, restart)
+        folders = claim_folders(configs, out_dir, restart, CharDataset.load(data_file).digest())
         finished = sum((f / RESULT).exists() for f in folders)
         if finished or _checkpointed(folders):
             print(f"fewbit: continuing in {out_dir}: {finished} of {len(configs)} runs finished, "
