@@ -240,6 +240,32 @@ def test_export_says_the_backward_quant_is_left_out():
     (ep.module()(x) * 1.03).sum().backward()  # 1.03 is no e5m2 value: rounded, it would move
     assert torch.equal(w.grad, torch.full((8, 3), 1.03) @ x)
 
+def test_blocks_compiled_apart_share_one_graph_whatever_their_keys():
+    """Each FakeQuantize's Key ints were constants to Dynamo: compiling each block of a
+    model apart (as FSDP2 users do) made a graph per block, until Dynamo's recompile limit
+    left the rest eager. The key is data when compiled (key_words); a key set anew too."""
+    q = Quant("binary8p4", "src", bits=3)
+
+    def blocks() -> list[torch.nn.Module]:
+        torch.manual_seed(0)
+        return [torch.nn.Sequential(torch.nn.Linear(8, 8), FakeQuantize(q, q, seed=i)) for i in range(10)]
+
+    eager, compiled = blocks(), blocks()
+    compiled[3][1].key = 99
+    eager[3][1].key = 99
+    counters.clear()
+    for b in compiled:
+        b.compile(fullgraph=True, backend="aot_eager")
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    outputs = []
+    for chain in (eager, compiled):
+        h = x
+        for b in chain:
+            h = b(h)
+        outputs.append(h)
+    assert torch.equal(*outputs)
+    assert counters["stats"]["unique_graphs"] == 1
+
 @pytest.mark.parametrize("forward", [None, Quant("e4m3")], ids=["straight", "rne"])
 def test_compiled_fake_quantize_rounds_each_gradient_with_its_own_calls_key(forward):
     """Where the forward pass draws nothing, the backward Quant's key came from the call

@@ -270,13 +270,29 @@ class FakeQuantize(nn.Module):
         super().__init__()
         self.forward_quant = _as_quant(forward, "forward")
         self.backward_quant = _as_quant(backward, "backward")
-        self.key = as_key(seed)
         self.policy = SeedPolicy(policy)
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        # The key as data too, for where the ops are recorded: Dynamo would take the Key's
+        # ints as constants, a graph for each module (every block of a model compiled
+        # apart, as FSDP2 users do, recompiled until Dynamo's limit). Not in the
+        # state_dict: the key is the module's seed (quantize_outputs derives it again).
+        self.register_buffer("key_words", torch.zeros(2, dtype=torch.int64), persistent=False)
+        self.key = seed
+
+    @property
+    def key(self) -> Key:
+        """The module's key: call c draws with ``fold_in(key, c)``."""
+        return self._key
+
+    @key.setter
+    def key(self, seed: int | Key) -> None:
+        self._key = as_key(seed)
+        self.key_words.copy_(key_of(self._key))
 
     def reset_parameters(self) -> None:
         """Back to call 0 (as a module made afresh; torch's deferred initialisation calls it)."""
         self.calls.zero_()
+        self.key = self._key
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Eager, Python ints derive the key at a fraction of the cost of tensor ops. Where
@@ -296,7 +312,8 @@ class FakeQuantize(nn.Module):
                 _refuse_in_backward()
             count = int(self.calls)
         # A DTensor's pieces are one tensor: its mesh folds in one rank for all of them.
-        key = replica_key(fold_in(self.key, count), self.policy, replica_rank(x))
+        own = self.key_words if recorded else self.key
+        key = replica_key(fold_in(own, count), self.policy, replica_rank(x))
         y = fake_quantize(x, self.forward_quant, self.backward_quant, key)
         # Counted once it succeeded: a refused call draws nothing, so a retry that
         # succeeds gets the bits a run that never failed would have drawn.

@@ -182,6 +182,13 @@ def may_carry_tangent(x: torch.Tensor) -> bool:
 
 #: Tensors a call may run on directly: torch's own, whose __torch_function__ is torch's.
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def is_plain(t: torch.Tensor) -> bool:
+    """Whether ``t`` is torch's own tensor (or a Parameter), whose memory a kernel may read
+    as its data: a subclass may hold none of its own (an AsyncCollectiveTensor, a
+    DTensor's piece still waiting for its collective, has a null data pointer)."""
+    return type(t) in _PLAIN
 #: (Looked up once: unseen runs at every call.)
 _STRIDED, _has_torch_function = torch.strided, torch.overrides.has_torch_function
 

@@ -29,6 +29,7 @@ from .block import BlockFormat
 from .block.kernel import BlockSpec, tensor_scale_of
 from .block.ops import largest_finite
 from .codec import code_dtype
+from .operators import is_plain
 from .random import Key
 from .rounding import gpu, native
 from .rounding.checks import RoundSpec
@@ -436,6 +437,10 @@ def map_piece(t: torch.Tensor, fn: Callable[[torch.Tensor, ShardLayout], torch.T
 
     t = summed(t)
     piece = t.to_local()
+    if not is_plain(piece) and callable(getattr(piece, "wait", None)):
+        # A piece whose collective is in flight (a row-parallel layer's output, an
+        # AsyncCollectiveTensor) has no memory of its own: its result, for the kernels.
+        piece = piece.wait()
     # The result is contiguous, as the ops' results on a plain tensor are whatever its strides
     # (their pieces already are: .contiguous() copies nothing), and the DTensor says so: t's
     # strides would refuse a view (.view(-1) of a transposed t) that the plain result takes.

@@ -27,6 +27,7 @@ import torch
 
 from ..config import current
 from ..formats import FloatFormat
+from ..operators import is_plain
 from ..random import LANES, Key
 from .checks import RoundSpec, make_spec
 from .compiled import stream_words
@@ -88,7 +89,7 @@ def usable(x: torch.Tensor, fmt: FloatFormat) -> bool:
 def _enabled(t: torch.Tensor) -> bool:
     """Whether t is on a CUDA device, fewbit.config lets the kernels run, and Triton is here."""
     config = current()
-    return t.is_cuda and config.compile and config.native and kernels() is not None
+    return t.is_cuda and is_plain(t) and config.compile and config.native and kernels() is not None
 
 
 def applies(spec: RoundSpec, x: torch.Tensor, random_bits: torch.Tensor | None = None) -> bool:

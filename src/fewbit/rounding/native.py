@@ -32,6 +32,7 @@ import torch
 
 from ..config import current
 from ..formats import FloatFormat
+from ..operators import is_plain
 from .checks import RoundSpec, make_spec
 from .magic import magic_applies
 from .modes import MODES, SELECT_BITS, RoundMode
@@ -105,7 +106,7 @@ def _enabled(t: torch.Tensor) -> bool:
     """Whether the configuration lets the kernel take a tensor on t's device, and it is
     built (building it at first use)."""
     config = current()
-    return t.is_cpu and config.compile and config.native and _load() is not None
+    return t.is_cpu and is_plain(t) and config.compile and config.native and _load() is not None
 
 
 def takes(x: torch.Tensor, fmt: FloatFormat) -> bool:
