@@ -404,3 +404,24 @@ def test_straight_through_apply_skips_only_torchs_argument_binding():
     q = Quant("binary8p4", "src", bits=3)
     batched = torch.vmap(lambda v: fake_quantize(v, q, None, 5))(x)
     assert torch.equal(batched[1], fake_quantize(x[1], q, None, 5))
+
+
+def test_a_module_pickled_whole_before_the_key_buffer_loads():
+    """The key became a property with a buffer (key_words) beside it; a FakeQuantize
+    pickled whole before (torch.save(module)) held the key as an attribute, and loaded, it
+    had no key at all. Its pickle here is that module's state, made by hand."""
+    import pickle
+
+    q = FakeQuantize(Quant("binary8p4", "src", bits=3), seed=7)
+    x = torch.full((64,), 1.03)
+    q(x)
+    old = dict(q.__getstate__())
+    old["key"] = old.pop("_key")
+    old["_buffers"] = {"calls": old["_buffers"]["calls"]}
+    old["_non_persistent_buffers_set"] = set()
+    loaded = FakeQuantize.__new__(FakeQuantize)
+    loaded.__setstate__(pickle.loads(pickle.dumps(old)))
+    assert loaded.key == Key.from_seed(7) and int(loaded.calls) == 1
+    assert torch.equal(loaded(x), q(x))
+    compiled = torch.compile(loaded, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x), q(x))

@@ -289,6 +289,14 @@ class FakeQuantize(nn.Module):
         self._key = as_key(seed)
         self.key_words.copy_(key_of(self._key))
 
+    def __setstate__(self, state: dict) -> None:
+        # A module pickled whole before the key had its buffer holds it as "key".
+        key = state.pop("key", None)
+        super().__setstate__(state)
+        if key is not None:
+            self.register_buffer("key_words", torch.zeros(2, dtype=torch.int64), persistent=False)
+            self.key = key
+
     def reset_parameters(self) -> None:
         """Back to call 0 (as a module made afresh; torch's deferred initialisation calls it)."""
         self.calls.zero_()
