@@ -558,6 +558,10 @@ def test_a_claim_refuses_other_text_and_damaged_saves_and_restart_spares_other_f
     (folder / RESULT).write_text("")
     with pytest.raises(ValueError, match=f"{folder / RESULT} is damaged"):
         sweep.claim_folders(configs, tmp_path, restart=False, data_digest="text")
+    (folder / RESULT).unlink()
+    (folder / "config.json").unlink()  # as a --restart cut short may leave it; its checkpoint stays
+    with pytest.raises(ValueError, match=f"{folder} holds a run's checkpoint or result without its config"):
+        sweep.claim_folders(configs, tmp_path, restart=False, data_digest="text")
     model = tmp_path / "a_model"  # not a run: its config.json is not TrainConfig's
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "gpt2"}')

@@ -231,20 +231,25 @@ def _check_saved(folder: Path) -> None:
 
 def claim_folders(configs: list[TrainConfig], out_dir: Path, restart: bool, data_digest: str) -> list[Path]:
     """Each run's folder, made or found. With ``restart`` every run out_dir holds is
-    discarded first (a folder with a config.json of TrainConfig's), not only this
-    command's: a later command would take up a run left from before as finished. A folder
-    that holds a run of another configuration, or of other text (``data_digest``), or a
-    damaged checkpoint or result, is an error, named before anything starts."""
+    discarded first (a folder with a config.json of TrainConfig's, and this command's run
+    folders), not only this command's: a later command would take up a run left from
+    before as finished. A folder that holds a run of another configuration, or of other
+    text (``data_digest``), a damaged checkpoint or result, or either without its
+    config.json, is an error, named before anything starts."""
     folders = [run_folder(out_dir, c) for c in configs]
     for folder in folders:  # every check before anything is written or discarded
         if folder.exists() and not folder.is_dir():
             raise ValueError(f"{folder} is a file where a run's folder goes: move it or pass another --out")
     if restart and out_dir.is_dir():
-        for old in out_dir.iterdir():  # (this command's own folders, whatever their config.json holds)
-            if old.is_dir() and (old / "config.json").exists() and (old in folders or _is_run(old)):
+        for old in out_dir.iterdir():  # (and this command's own folders, whatever they hold)
+            if old.is_dir() and (old in folders or _is_run(old)):
                 shutil.rmtree(old)
     for cfg, folder in zip(configs, folders, strict=True):
         written = folder / "config.json"
+        if not written.exists() and any((folder / f).exists() for f in (CHECKPOINT, RESULT)):
+            raise ValueError(f"{folder} holds a run's checkpoint or result without its config.json (a "
+                             f"--restart cut short?): remove {folder}, or pass --restart to discard every "
+                             "run here")  # fmt: skip
         if written.exists():
             try:
                 before = json.loads(written.read_text())
