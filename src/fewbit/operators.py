@@ -182,6 +182,8 @@ def may_carry_tangent(x: torch.Tensor) -> bool:
 
 #: Tensors a call may run on directly: torch's own, whose __torch_function__ is torch's.
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+#: (Looked up once: unseen runs at every call.)
+_STRIDED, _has_torch_function = torch.strided, torch.overrides.has_torch_function
 
 
 def is_plain(t: torch.Tensor) -> bool:
@@ -189,8 +191,6 @@ def is_plain(t: torch.Tensor) -> bool:
     as its data: a subclass may hold none of its own (an AsyncCollectiveTensor, a
     DTensor's piece still waiting for its collective, has a null data pointer)."""
     return type(t) in _PLAIN
-#: (Looked up once: unseen runs at every call.)
-_STRIDED, _has_torch_function = torch.strided, torch.overrides.has_torch_function
 
 
 def _private_state() -> tuple[Callable[[], object], ...] | None:

@@ -122,7 +122,7 @@ def lazily_valued(t: torch.Tensor, name: str) -> str | None:
 
 
 #: torch's private query of a ZeroTensor (which is_neg's public sibling lacks); where a
-#: torch has none, a ZeroTensor is not refused here (tests/test_codec.py fails first).
+#: torch has none, a ZeroTensor is not refused here (tests/test_operator.py fails first).
 _IS_ZEROTENSOR = getattr(torch.Tensor, "_is_zerotensor", None)
 
 
