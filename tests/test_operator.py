@@ -243,7 +243,7 @@ def test_export_says_the_backward_quant_is_left_out():
 def test_blocks_compiled_apart_share_one_graph_whatever_their_keys():
     """Each FakeQuantize's Key ints were constants to Dynamo: compiling each block of a
     model apart (as FSDP2 users do) made a graph per block, until Dynamo's recompile limit
-    left the rest eager. The key is data when compiled (key_words); a key set anew too."""
+    left the rest eager. The key is a tensor input when compiled; a key set anew too."""
     q = Quant("binary8p4", "src", bits=3)
 
     def blocks() -> list[torch.nn.Module]:
@@ -908,22 +908,22 @@ def test_vmap_refuses_random_bits_shaped_otherwise_than_a_sample():
             torch.vmap(f)(samples)
 
 
-def test_tensors_whose_memory_is_not_their_values_are_refused():
+def test_tensors_whose_memory_is_not_their_values():
     """A view with torch's negative bit (memory holding -x) was read and written as its
-    memory: round gave 3.0 for -3.0, out= stored -x. A ZeroTensor (no memory) crashed the
-    process in encode, quantize and decode."""
+    memory: round gave 3.0 for -3.0, out= stored -x. As an input it is read as its values
+    now, as out= refused; a ZeroTensor (no memory) crashed the process in encode, quantize
+    and decode, and is refused."""
     from fewbit.rounding.checks import _IS_ZEROTENSOR
 
     assert _IS_ZEROTENSOR is not None  # torch's private query: this fails first where it goes
     negative = torch.tensor([1.25 + 3j])[:1].conj().imag  # -3.0, stored as 3.0
     assert negative.is_neg() and float(negative) == -3.0
-    zeros = torch._efficientzerotensor(4)
-    for x, message in ((negative, "negative bit.*x.resolve_neg"), (zeros, "ZeroTensor.*x.clone")):
-        calls = (lambda v: fewbit.round(v, "binary8p4"), lambda v: fewbit.encode(v, "binary16"),
-                 lambda v: fewbit.quantize(v, "e4m3"), lambda v: fewbit.block.round(v, "mxfp8_e4m3"))
-        for call in calls:
-            with pytest.raises(TypeError, match=message):
-                call(x)
+    calls = (lambda v: fewbit.round(v, "binary8p4"), lambda v: fewbit.encode(v, "binary16"),
+             lambda v: fewbit.quantize(v, "e4m3"), lambda v: fewbit.block.round(v, "mxfp8_e4m3"))
+    for call in calls:
+        assert torch.equal(call(negative), call(torch.tensor([-3.0])))
+        with pytest.raises(TypeError, match="ZeroTensor.*x.clone"):
+            call(torch._efficientzerotensor(4))
     with pytest.raises(TypeError, match="codes is a ZeroTensor"):
         fewbit.decode(torch._efficientzerotensor(4, dtype=torch.uint8), "e4m3")
     memory = torch.tensor([1.25 + 3j, 2.5 + 1j])
@@ -931,3 +931,22 @@ def test_tensors_whose_memory_is_not_their_values_are_refused():
     with pytest.raises(TypeError, match="out is a view with torch's negative bit"):
         fewbit.round(torch.tensor([0.3]), "binary8p4", out=out)
     assert torch.equal(memory, torch.tensor([1.25 + 3j, 2.5 + 1j]))  # nothing written
+
+
+def test_the_kernels_take_subclasses_with_memory_and_no_wrapper():
+    """A tensor subclass whose memory is its data (a Parameter's subclass, as_subclass)
+    takes the native kernel; a wrapper that may hold none (AsyncCollectiveTensor, a
+    FakeTensor) goes to the torch ops (an in-flight piece's null pointer crashed it)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    from fewbit.rounding import native
+
+    class Mine(torch.nn.Parameter):
+        pass
+
+    fmt = fewbit.format("binary8p4")
+    x = torch.randn(64)
+    sub = x.as_subclass(type("Sub", (torch.Tensor,), {}))
+    for t in (x, torch.nn.Parameter(x.clone()), Mine(x.clone()), sub):
+        assert native.usable(t, fmt) == (native._load() is not None), type(t)
+    assert not native.usable(AsyncCollectiveTensor(x), fmt)

@@ -70,7 +70,7 @@ def encode(x: torch.Tensor, fmt: FloatFormat | str, packed: bool = False, check:
     results): an element that is not gets an unspecified code, never an error. On a GPU
     the check reads a flag back, which waits for the kernel; without it the call queues
     its kernel and returns, as a plain op does (and may be captured in a CUDA graph)."""
-    check_tensor(x)
+    x = check_tensor(x)
     check_flag(packed, "packed")
     check_flag(check, "check")
     return _encode(x, format_name(fmt), packed, check)
@@ -83,7 +83,7 @@ def decode(
     packed: bool = False,
 ) -> torch.Tensor:
     """Values of ``codes`` in ``fmt`` as a tensor of ``dtype`` (NaN codes give NaN)."""
-    check_tensor(codes, "codes")
+    codes = check_tensor(codes, "codes")
     check_flag(packed, "packed")
     return _decode(codes, format_name(fmt), dtype, packed)
 

@@ -183,12 +183,12 @@ def fake_quantize(
     for q in (forward, backward):
         if q is not None:
             q.check_seed(seed)
-    if backward is not None and torch.compiler.is_exporting():
+    # Where a gradient can come (traced, the backward pass is traced too).
+    gradient = x.requires_grad and torch.is_grad_enabled()
+    if backward is not None and gradient and torch.compiler.is_exporting():
         warnings.warn("torch.export keeps fake_quantize's forward rounding only: an exported program's "
                       "gradient goes straight through, without the backward Quant", stacklevel=2)  # fmt: skip
-    # Where a gradient can come (traced, the backward pass is traced too).
-    gradient = x.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling()
-    if backward is not None and gradient:
+    if backward is not None and gradient and not torch.compiler.is_compiling():
         _check_gradient(backward, x.dtype, x.dim())
     if seed is not None:
         # A key tensor is copied: the gradient rounds with the key of this call, though the
@@ -272,11 +272,6 @@ class FakeQuantize(nn.Module):
         self.backward_quant = _as_quant(backward, "backward")
         self.policy = SeedPolicy(policy)
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
-        # The key as data too, for where the ops are recorded: Dynamo would take the Key's
-        # ints as constants, a graph for each module (every block of a model compiled
-        # apart, as FSDP2 users do, recompiled until Dynamo's limit). Not in the
-        # state_dict: the key is the module's seed (quantize_outputs derives it again).
-        self.register_buffer("key_words", torch.zeros(2, dtype=torch.int64), persistent=False)
         self.key = seed
 
     @property
@@ -287,20 +282,23 @@ class FakeQuantize(nn.Module):
     @key.setter
     def key(self, seed: int | Key) -> None:
         self._key = as_key(seed)
-        self.key_words.copy_(key_of(self._key))
+        # The key as data too, for where the ops are recorded: Dynamo takes a Key's ints
+        # as constants, a graph for each module (every block of a model compiled apart,
+        # as FSDP2 users do, recompiled until Dynamo's limit), and a module's plain tensor
+        # as an input. Not a buffer: DDP would copy rank 0's over it, to_empty leave it
+        # uninitialised, and the state_dict holds the count alone (the key is the seed's).
+        self._key_words = key_of(self._key, "cpu")
 
     def __setstate__(self, state: dict) -> None:
-        # A module pickled whole before the key had its buffer holds it as "key".
+        # A module pickled whole before the key was a property holds it as "key".
         key = state.pop("key", None)
         super().__setstate__(state)
         if key is not None:
-            self.register_buffer("key_words", torch.zeros(2, dtype=torch.int64), persistent=False)
             self.key = key
 
     def reset_parameters(self) -> None:
         """Back to call 0 (as a module made afresh; torch's deferred initialisation calls it)."""
         self.calls.zero_()
-        self.key = self._key
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Eager, Python ints derive the key at a fraction of the cost of tensor ops. Where
@@ -320,7 +318,7 @@ class FakeQuantize(nn.Module):
                 _refuse_in_backward()
             count = int(self.calls)
         # A DTensor's pieces are one tensor: its mesh folds in one rank for all of them.
-        own = self.key_words if recorded else self.key
+        own = self._key_words.to(self.calls.device) if recorded else self.key
         key = replica_key(fold_in(own, count), self.policy, replica_rank(x))
         y = fake_quantize(x, self.forward_quant, self.backward_quant, key)
         # Counted once it succeeded: a refused call draws nothing, so a retry that

@@ -187,10 +187,14 @@ _STRIDED, _has_torch_function = torch.strided, torch.overrides.has_torch_functio
 
 
 def is_plain(t: torch.Tensor) -> bool:
-    """Whether ``t`` is torch's own tensor (or a Parameter), whose memory a kernel may read
-    as its data: a subclass may hold none of its own (an AsyncCollectiveTensor, a
-    DTensor's piece still waiting for its collective, has a null data pointer)."""
-    return type(t) in _PLAIN
+    """Whether a kernel may read ``t``'s memory as its data: a tensor whose class leaves
+    ``__torch_dispatch__`` as torch's (a Parameter, a subclass of torch's own). A wrapper
+    subclass may hold no memory (an AsyncCollectiveTensor, a DTensor's piece still waiting
+    for its collective, has a null data pointer; a FakeTensor has none)."""
+    return type(t).__torch_dispatch__ is _TORCH_DISPATCH
+
+
+_TORCH_DISPATCH = torch.Tensor.__torch_dispatch__
 
 
 def _private_state() -> tuple[Callable[[], object], ...] | None:

@@ -81,7 +81,7 @@ def lookup(name: str) -> BlockFormat:
 
 def block_args(x, bfmt, mode, sat, bits, fraction, seed, random_bits, axis, rule) -> tuple:
     """The ops' arguments from a user's call."""
-    check_tensor(x)
+    x = check_tensor(x)
     mode = parse_mode(mode).value
     sat, bits, fraction = scalar_args(sat, bits, fraction)
     if bits is not None:  # static, as rounding.ops.op_args makes it

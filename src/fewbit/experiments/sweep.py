@@ -223,7 +223,7 @@ def _check_saved(folder: Path) -> None:
             with zipfile.ZipFile(checkpoint) as saved:  # torch.save's zip: every record's CRC
                 if saved.testzip() is not None:
                     raise zipfile.BadZipFile
-    except (ValueError, zipfile.BadZipFile, EOFError):
+    except (ValueError, zipfile.BadZipFile, EOFError, OSError):  # (OSError: a folder in its place)
         damaged = result if result.exists() else checkpoint
         raise ValueError(f"{damaged} is damaged (cut short?): delete it to train that run again from "
                          "its beginning, or pass --restart to discard every run here") from None  # fmt: skip

@@ -96,18 +96,22 @@ def scalar_args(sat, bits, fraction) -> tuple[bool, int | None, float | None]:
     return bool(sat), bits, fraction
 
 
-def check_tensor(x, name: str = "x") -> None:
-    """Raise TypeError unless ``x`` is a dense (strided) torch.Tensor: the kernels read
-    its elements in memory, which a sparse tensor does not lay out."""
+def check_tensor(x, name: str = "x") -> torch.Tensor:
+    """Raise TypeError unless ``x`` is a dense (strided) torch.Tensor with memory (the
+    kernels read its elements there, which a sparse tensor or a ZeroTensor does not lay
+    out); return it, a view with torch's negative bit as a tensor of its values."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, not {type(x).__name__}")
     # (Eager only: traced, in a backward torch.compile's strict mode refuses the query.)
     if torch.compiler.is_compiling():
-        return
+        return x
     if x.layout != torch.strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, not {x.layout}: .to_dense() converts it")
+    if x.is_neg():  # (.conj().imag: its memory holds -x, which the kernels would read)
+        return x.resolve_neg()
     if lazy := lazily_valued(x, name):
         raise TypeError(f"{name} is {lazy}")
+    return x
 
 
 def lazily_valued(t: torch.Tensor, name: str) -> str | None:

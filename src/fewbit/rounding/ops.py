@@ -80,7 +80,7 @@ def lookup_format(name: str) -> FloatFormat:
 
 def op_args(x, fmt, mode, sat, bits, fraction, seed, random_bits) -> tuple:
     """The op's arguments: names for the format and mode, Python scalars, a key tensor."""
-    check_tensor(x)
+    x = check_tensor(x)
     if isinstance(mode, RoundMode):
         mode = mode.value
     elif not isinstance(mode, str):
