@@ -50,6 +50,17 @@ def large_values() -> tuple[torch.Tensor, torch.Tensor]:
     return codes, fewbit.decode(codes, LARGE_VALUES)
 
 
+
+def test_decode_refuses_a_dtype_that_is_no_float_dtype_in_its_own_words():
+    """It answered "fewbit rounds tensors of ...", a message about rounding."""
+    codes = fewbit.encode(torch.tensor([1.0]), "e4m3")
+    for bad in (torch.int32, "float32", torch.complex64):
+        with pytest.raises(TypeError, match="decode gives values in a float dtype"):
+            fewbit.decode(codes, "e4m3", dtype=bad)
+    with pytest.raises(ValueError, match="cannot hold every value of binary16"):
+        fewbit.decode(codes, "binary16", dtype=torch.bfloat16)  # a float dtype, too narrow
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_every_code_of_a_format_of_large_values_round_trips(native):
     """The native kernel's factor underflowed to 0: every code came back 0 (and -0), with

@@ -269,6 +269,9 @@ def _decode_checks(codes: torch.Tensor, fmt: FloatFormat, dtype: torch.dtype, pa
     """Check a decode call; return the shape of its values."""
     if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
         raise TypeError(f"codes must have an integer dtype, not {codes.dtype}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"decode gives values in a float dtype (torch.float32, torch.bfloat16, ...), "
+                        f"not {dtype!r}")  # fmt: skip
     _check_holds(dtype, fmt)
     code_dtype(fmt)
     if not packed:
