@@ -243,10 +243,8 @@ def checkpoint_context(policy: Callable | None = None) -> tuple:
     recompute. Without it, a FakeQuantize call in a recomputation is refused. As torch's
     selective checkpointing, it allows one backward pass through a region (not
     ``retain_graph=True`` and a second, nor a double backward)."""
-    count = torch.ops.fewbit.count_call.default
-
     def save_counts(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        if op is count:
+        if op is _count_call.op:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE if policy is None else policy(ctx, op, *args, **kwargs)
 

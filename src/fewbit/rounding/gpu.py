@@ -87,7 +87,8 @@ def usable(x: torch.Tensor, fmt: FloatFormat) -> bool:
 
 
 def _enabled(t: torch.Tensor) -> bool:
-    """Whether t is on a CUDA device, fewbit.config lets the kernels run, and Triton is here."""
+    """Whether t is on a CUDA device with memory a kernel may read (operators.is_plain),
+    fewbit.config lets the kernels run, and Triton is here."""
     config = current()
     return t.is_cuda and is_plain(t) and config.compile and config.native and kernels() is not None
 

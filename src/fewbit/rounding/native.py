@@ -103,8 +103,8 @@ def usable(x: torch.Tensor, fmt: FloatFormat) -> bool:
 
 
 def _enabled(t: torch.Tensor) -> bool:
-    """Whether the configuration lets the kernel take a tensor on t's device, and it is
-    built (building it at first use)."""
+    """Whether the configuration lets the kernel take a tensor on t's device, with memory
+    it may read (operators.is_plain), and it is built (building it at first use)."""
     config = current()
     return t.is_cpu and is_plain(t) and config.compile and config.native and _load() is not None
 
