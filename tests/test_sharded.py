@@ -695,3 +695,35 @@ def test_a_piece_whose_collective_is_in_flight(tmp_path):
     done = subprocess.run([sys.executable, "-c", _IN_FLIGHT, str(tmp_path / "store")], capture_output=True,
                           text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
+
+
+_REINITIALISED = """
+import sys, torch, torch.distributed as dist, fewbit
+from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+rank, stores = int(sys.argv[1]), sys.argv[2:]
+full = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+want = fewbit.round(full, "binary8p4", "src", bits=3, seed=5)
+for k, store in enumerate(stores):  # the second time, this process has the other rank
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank if k == 0 else 1 - rank,
+                            world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    got = fewbit.round(distribute_tensor(full, mesh, [Shard(0)]), "binary8p4", "src", bits=3, seed=5)
+    assert torch.equal(got.full_tensor(), want), k
+    dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_a_process_group_set_up_again_at_another_rank_draws_that_ranks_bits(tmp_path):
+    """A DeviceMesh compares equal across ranks, so a layout found before the process group
+    was set up again, with this process at the other rank, gave the old rank's piece its
+    bits (an in-process restart). Two gloo ranks, each a process of its own."""
+    import subprocess
+    import sys
+
+    stores = [str(tmp_path / f"store{k}") for k in range(2)]
+    ranks = [subprocess.Popen([sys.executable, "-c", _REINITIALISED, str(r), *stores], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]  # fmt: skip
+    done = [(p.communicate(timeout=300), p.returncode) for p in ranks]
+    for (out, err), code in done:
+        assert code == 0 and out.strip() == "ok", (code, err[-2000:])

@@ -222,9 +222,11 @@ def _check_strided(t) -> None:
                                  "Replicate placements first")  # fmt: skip
 
 
-#: layout's answers by (shape, mesh, placements), which are all they depend on: torch's
-#: offsets took 15-27 us a call (2-core VM), a third of a DTensor op's own time, and a
-#: model asks the same few again every step. Emptied when it reaches _LAYOUTS_KEPT.
+#: layout's answers by (shape, mesh, this rank's place in it, placements), which are all
+#: they depend on: torch's offsets took 15-27 us a call (2-core VM), a third of a DTensor
+#: op's own time, and a model asks the same few again every step. (A DeviceMesh compares
+#: equal across ranks: a process group set up again with this process at another rank
+#: makes an equal mesh.) Emptied when it reaches _LAYOUTS_KEPT.
 _LAYOUTS: dict[tuple, ShardLayout] = {}
 _LAYOUTS_KEPT = 4096
 
@@ -237,7 +239,8 @@ def layout(t: torch.Tensor, piece: torch.Tensor | None = None) -> ShardLayout:
     shape = tuple(t.shape)
     if not is_dtensor(t):
         return ShardLayout(shape, shape, (0,) * len(shape))
-    key = (shape, t.device_mesh, tuple(t.placements))
+    mesh = t.device_mesh
+    key = (shape, mesh, mesh.get_coordinate(), tuple(t.placements))
     where = _LAYOUTS.get(key)
     if where is None:
         if len(_LAYOUTS) >= _LAYOUTS_KEPT:
