@@ -617,6 +617,12 @@ def test_bad_input():
         LowPrecisionWeights(opt, "binary16", "rne", update_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="not among the optimizer's parameters"):
         LowPrecisionWeights(opt, FMT, params=[torch.nn.Parameter(torch.ones(2, 2))])
+    # A tensor, a dict or a set iterated gives rows, names or an order of its own each run.
+    for params in (m[0].weight, dict(m.named_parameters()), {m[0].weight}):
+        with pytest.raises(TypeError, match=f"params must be a list .*not a {type(params).__name__}"):
+            LowPrecisionWeights(opt, FMT, params=params)
+    with pytest.raises(TypeError, match=r"params\[0\] is a str"):
+        LowPrecisionWeights(opt, FMT, params=list(dict(m.named_parameters())))
     with pytest.raises(TypeError, match="sr_fraction"):
         LowPrecisionWeights(opt, FMT, "sr_fraction")
     lpw = LowPrecisionWeights(torch.optim.SGD(m.parameters(), lr=0.1), FMT, "src", seed=1)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
@@ -273,9 +273,17 @@ class LowPrecisionWeights:
         if params is None:
             chosen = [(f"param {place[id(p)]}", p) for p in owned if p.dim() >= 2]
         else:
+            # Iterated, a tensor gives rows, a dict names, a set an order of its own each run
+            # (and the order gives each weight its key).
+            if isinstance(params, (torch.Tensor, Mapping, set, frozenset)):
+                raise TypeError(f"params must be a list of tensors or of (name, tensor) pairs, not a "
+                                f"{type(params).__name__} (named_parameters() gives pairs)")  # fmt: skip
             chosen = []
             for i, item in enumerate(params):
                 name, p = item if isinstance(item, tuple) else (None, item)
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(f"params[{i}] is a {type(p).__name__}: give tensors or (name, tensor) "
+                                    "pairs")  # fmt: skip
                 if id(p) not in place:
                     raise ValueError(f"{name or f'params[{i}]'} is not among the optimizer's parameters")
                 chosen.append((name or f"param {place[id(p)]}", p))
