@@ -14,6 +14,7 @@ To compare two revisions, run it from a worktree of each in turns, e.g.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 
@@ -55,7 +56,15 @@ def main() -> None:
                         help="calls a timed loop (fewer on a lease)")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    if torch.device(args.device).type != "cuda":
+        run(args, lambda: None)
+        return
+    # cuda:1, say: the waits are that device's, and it is the current one while the calls run
+    with torch.cuda.device(args.device):
+        run(args, functools.partial(torch.cuda.synchronize, args.device))
+
+
+def run(args: argparse.Namespace, sync: Callable[[], None]) -> None:
     x = torch.randn(4096, generator=torch.Generator().manual_seed(0)).to(args.device)
     out = torch.empty_like(x)
     values = fewbit.round(x, "binary8p4")

@@ -47,7 +47,7 @@ def main() -> None:
 
     def sync() -> None:
         if cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(cfg.device)  # cuda:1, say: the device the steps run on
 
     for run in runs.values():
         for _ in range(args.warmup):

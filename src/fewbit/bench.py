@@ -89,7 +89,8 @@ BACK_TO_BACK = 10
 def device_ratio(fn: Callable[[], object], baseline: Callable[[], object], repeat: int) -> float:
     """On a GPU: the median over ``repeat`` rounds of ``baseline``'s device time over
     ``fn``'s, each timed by CUDA events around ``BACK_TO_BACK`` calls queued back to
-    back. Where the device is the slower (large tensors), a call's host time hides
+    back on the current device's current stream (:func:`run` makes the device timed the
+    current one). Where the device is the slower (large tensors), a call's host time hides
     behind the calls queued before it: what a training step, which queues without
     waiting, pays. ``paired`` waits after every call, so it counts the host's time too."""
     events = [[torch.cuda.Event(enable_timing=True) for _ in range(2)] for _ in range(2)]
@@ -100,7 +101,7 @@ def device_ratio(fn: Callable[[], object], baseline: Callable[[], object], repea
             for _ in range(BACK_TO_BACK):
                 f()
             end.record()
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  # the current device: run's, where the calls run
         (b0, b1), (f0, f1) = events
         ratios.append(b0.elapsed_time(b1) / f0.elapsed_time(f1))
     return statistics.median(ratios)
@@ -130,9 +131,19 @@ def run(
     block: bool = False,
 ) -> list[dict]:
     """Measure every configuration; one dict per row (Melem/s and ratios). ``block``
-    adds the block-format rows (:func:`block_rows`)."""
+    adds the block-format rows (:func:`block_rows`). On a GPU the whole run has ``device``
+    as the current device: the waits, and :func:`device_ratio`'s events (recorded on the
+    current stream), are then those of ``device`` (cuda:1, say), where the calls run."""
+    if torch.device(device).type != "cuda":
+        return _run(log2_size, device, repeat, quick, with_gfloat, progress, block, lambda: None)
+    with torch.cuda.device(device):
+        sync = functools.partial(torch.cuda.synchronize, device)
+        return _run(log2_size, device, repeat, quick, with_gfloat, progress, block, sync)
+
+
+def _run(log2_size: int, device: str, repeat: int, quick: bool, with_gfloat: bool,
+         progress: Callable[[str], None] | None, block: bool, sync: Callable[[], None]) -> list[dict]:
     n = 1 << log2_size
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     on_cpu = torch.device(device).type == "cpu"  # "cpu:0" too
     rows = []
     gen = torch.Generator(device=device).manual_seed(0)
