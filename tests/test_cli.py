@@ -242,6 +242,25 @@ def test_bench_refuses_devices_it_cannot_run_on(capsys, device):
     assert err == f"fewbit: error: --device {device}: fewbit bench runs on cpu or cuda (cuda:1, say)\n"
 
 
+@pytest.mark.parametrize(("device", "count", "says"), [
+    ("cuda:1", 1, "--device cuda:1: this machine has 1 CUDA device (cuda:0)"),
+    ("cuda:2", 2, "--device cuda:2: this machine has 2 CUDA devices (cuda:0 to cuda:1)"),
+    ("cuda:3", 0, "--device cuda:3: no CUDA device here"),  # what was typed, not "cuda"
+])  # fmt: skip
+def test_bench_refuses_a_gpu_past_the_last_before_any_work(capsys, monkeypatch, device, count, says):
+    from fewbit import bench
+
+    def invalid(device):  # what torch.cuda says of a device index past the last
+        raise AssertionError("Invalid device id")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", invalid)
+    monkeypatch.setattr(bench, "run", lambda *args, **kwargs: pytest.fail("work began"))
+    code, out, err = run(capsys, "bench", "--device", device, "--no-gfloat")
+    assert (code, out, err) == (2, "", f"fewbit: error: {says}\n")
+
+
 def test_bench_refuses_a_size_beyond_the_devices_memory_before_allocating(capsys, monkeypatch):
     from fewbit import bench
 

@@ -190,7 +190,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if device is None or device.type not in ("cpu", "cuda"):
         raise ValueError(f"--device {args.device}: fewbit bench runs on cpu or cuda (cuda:1, say)")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device here")
+        raise ValueError(f"--device {args.device}: no CUDA device here")
+    count = torch.cuda.device_count() if device.type == "cuda" else 0
+    if device.type == "cuda" and (device.index or 0) >= count:  # (before memory_bytes asks it its size)
+        raise ValueError(f"--device {args.device}: this machine has {count} CUDA device{'s' * (count != 1)} "
+                         f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
     # Refused before anything is allocated: the allowed sizes reach beyond most machines.
     gfloat = not args.no_gfloat and device.type == "cpu"
     if gfloat and importlib.util.find_spec("gfloat") is None:
