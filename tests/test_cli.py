@@ -242,6 +242,29 @@ def test_bench_refuses_devices_it_cannot_run_on(capsys, device):
     assert err == f"fewbit: error: --device {device}: fewbit bench runs on cpu or cuda (cuda:1, say)\n"
 
 
+class FullDisk:
+    """A stdout on a full disk (`> /dev/full`): every write fails."""
+
+    def write(self, text: str) -> int:
+        raise OSError(28, "No space left on device")  # ENOSPC
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("argv", [
+    ["formats"], ["round", "0.3", "-f", "e4m3"], ["bench", "--no-gfloat", "--log2-size", "4"],
+])  # fmt: skip
+def test_output_that_cannot_be_written_ends_with_one_line(capsys, monkeypatch, argv):
+    from fewbit import bench
+
+    monkeypatch.setattr(bench, "run", lambda *args, **kwargs: [])  # the table's head alone: nothing timed
+    monkeypatch.setattr(sys, "stdout", FullDisk())
+    code, _, err = run(capsys, *argv)  # (bench: the cache note first)
+    assert code == 1
+    assert err.splitlines()[-1] == "fewbit: error: cannot write the output: No space left on device"
+
+
 @pytest.mark.parametrize(("device", "count", "says"), [
     ("cuda:1", 1, "--device cuda:1: this machine has 1 CUDA device (cuda:0)"),
     ("cuda:2", 2, "--device cuda:2: this machine has 2 CUDA devices (cuda:0 to cuda:1)"),

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.util
 import math
+import os
 import re
 import sys
 from fractions import Fraction
@@ -736,6 +738,25 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `fewbit formats --all | head`: the reader left, not an error
         sys.stderr.close()
         return 0
+    except OSError as err:  # `fewbit bench > file` on a full disk: the output is lost, not fewbit's fault
+        if err.errno not in _CANNOT_WRITE:
+            raise
+        print(f"fewbit: error: cannot write {err.filename or 'the output'}: {err.strerror}", file=sys.stderr)
+        _drop_stdout()
+        return 1
+
+
+#: Why a write fails for want of room or of a working device, not for a fault of fewbit's.
+_CANNOT_WRITE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+
+
+def _drop_stdout() -> None:
+    """Send what stdout still buffers to /dev/null: the interpreter's flush at exit would
+    fail on it again, and print a traceback of its own."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # not a file (a test's capture): nothing to flush at exit
+        pass
 
 
 if __name__ == "__main__":
