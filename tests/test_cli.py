@@ -265,6 +265,20 @@ def test_output_that_cannot_be_written_ends_with_one_line(capsys, monkeypatch, a
     assert err.splitlines()[-1] == "fewbit: error: cannot write the output: No space left on device"
 
 
+def test_bench_interrupted_says_so_on_a_line_of_its_own(capsys, monkeypatch):
+    from fewbit import bench
+
+    def interrupted(*args, progress, **kwargs):
+        progress("float32 -> binary8p4 src N=3")
+        raise KeyboardInterrupt  # Ctrl-C
+
+    monkeypatch.setattr(bench, "run", interrupted)
+    monkeypatch.setattr(bench, "last_level_cache_bytes", lambda: None)  # no cache note
+    code, out, err = run(capsys, "bench", "--no-gfloat", "--log2-size", "24")
+    assert (code, out) == (130, "")
+    assert err.startswith("\r[1] float32 -> binary8p4 src N=3 ") and err.endswith(" \nfewbit: interrupted\n")
+
+
 @pytest.mark.parametrize(("device", "count", "says"), [
     ("cuda:1", 1, "--device cuda:1: this machine has 1 CUDA device (cuda:0)"),
     ("cuda:2", 2, "--device cuda:2: this machine has 2 CUDA devices (cuda:0 to cuda:1)"),

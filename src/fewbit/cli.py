@@ -217,9 +217,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         step += 1
         print(f"\r[{step}] {label:60}", end="", file=sys.stderr, flush=True)
 
-    rows = bench.run(args.log2_size, args.device, args.repeat, args.quick,
-                     with_gfloat=not args.no_gfloat, progress=progress, block=args.block)
-    print(file=sys.stderr)
+    try:
+        rows = bench.run(args.log2_size, args.device, args.repeat, args.quick,
+                         with_gfloat=not args.no_gfloat, progress=progress, block=args.block)
+    finally:  # the progress line ends, also before a Ctrl-C's or an error's message
+        if step:
+            print(file=sys.stderr)
     print(bench.to_json(rows) if args.json else bench.format_table(rows))
     return 0
 
