@@ -265,6 +265,20 @@ def test_output_that_cannot_be_written_ends_with_one_line(capsys, monkeypatch, a
     assert err.splitlines()[-1] == "fewbit: error: cannot write the output: No space left on device"
 
 
+def test_bench_refuses_block_rows_smaller_than_a_row_before_any_work(capsys, monkeypatch):
+    """The block rows are rows of 4096 elements: below that they would be timed on another
+    size than the element rows of the same table."""
+    from fewbit import bench
+
+    monkeypatch.setattr(bench, "run", lambda *args, **kwargs: pytest.fail("work began"))
+    code, out, err = run(capsys, "bench", "--block", "--log2-size", "11", "--no-gfloat")
+    assert (code, out) == (2, "")
+    assert err == ("fewbit: error: --block times rows of 4096 elements: it needs --log2-size 12 or more, "
+                   "got 11\n")
+    with pytest.raises(ValueError, match="log2_size 0 is below 12"):
+        bench.block_rows(0, "cpu", 1, lambda: None)
+
+
 def test_bench_interrupted_says_so_on_a_line_of_its_own(capsys, monkeypatch):
     from fewbit import bench
 

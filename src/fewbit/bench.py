@@ -231,6 +231,8 @@ def _run(log2_size: int, device: str, repeat: int, quick: bool, with_gfloat: boo
 
 
 BLOCK_FORMATS = ["mxfp8_e4m3", "mxfp4", "nvfp4"]
+#: The block rows' inputs are rows of 2^this elements.
+BLOCK_LOG2_ROW = 12
 
 
 def block_rows(log2_size: int, device: str, repeat: int, sync: Callable[[], None],
@@ -241,8 +243,11 @@ def block_rows(log2_size: int, device: str, repeat: int, sync: Callable[[], None
     returning new tensors against ``clone``, as the element rows."""
     from . import block
 
-    n = max(1 << log2_size, 4096)
-    x32 = torch.randn(n // 4096, 4096, generator=torch.Generator(device=device).manual_seed(0), device=device)
+    if log2_size < BLOCK_LOG2_ROW:  # not rounded up: the element rows and these share one size
+        raise ValueError(f"block rows are rows of {1 << BLOCK_LOG2_ROW} elements: log2_size {log2_size} "
+                         f"is below {BLOCK_LOG2_ROW}")  # fmt: skip
+    n, row = 1 << log2_size, 1 << BLOCK_LOG2_ROW
+    x32 = torch.randn(n // row, row, generator=torch.Generator(device=device).manual_seed(0), device=device)
     rows = []
     for x in (x32, x32.to(torch.bfloat16)):
         out = torch.empty_like(x)

@@ -197,6 +197,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if device.type == "cuda" and (device.index or 0) >= count:  # (before memory_bytes asks it its size)
         raise ValueError(f"--device {args.device}: this machine has {count} CUDA device{'s' * (count != 1)} "
                          f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
+    if args.block and args.log2_size < bench.BLOCK_LOG2_ROW:  # one table, one size
+        raise ValueError(f"--block times rows of {1 << bench.BLOCK_LOG2_ROW} elements: it needs --log2-size "
+                         f"{bench.BLOCK_LOG2_ROW} or more, got {args.log2_size}")  # fmt: skip
     # Refused before anything is allocated: the allowed sizes reach beyond most machines.
     gfloat = not args.no_gfloat and device.type == "cpu"
     if gfloat and importlib.util.find_spec("gfloat") is None:
