@@ -319,9 +319,16 @@ def test_bench_refuses_a_size_beyond_the_devices_memory_before_allocating(capsys
     monkeypatch.setattr(bench, "run", lambda *args, **kwargs: [])  # what was not refused: nothing timed
     code, out, err = run(capsys, "bench", "--log2-size", "25")
     assert (code, out) == (2, "")
-    assert err == ("fewbit: error: --log2-size 25: the run holds about 4.0 GiB at once, most of it for "
+    assert err == ("fewbit: error: --log2-size 25: the run holds about 5.0 GiB at once, most of it for "
                    "gfloat (--no-gfloat); memory of cpu: 1.0 GiB\n")
-    assert run(capsys, "bench", "--log2-size", "25", "--no-gfloat")[0] == 0  # 0.75 GiB
+    assert run(capsys, "bench", "--log2-size", "24", "--no-gfloat")[0] == 0  # 0.75 GiB
+    # The full run holds more than --quick (measured: 37-40 bytes an element against 27.5).
+    monkeypatch.setattr(bench, "memory_bytes", lambda device: 700 << 20)
+    code, out, err = run(capsys, "bench", "--log2-size", "24", "--no-gfloat")
+    assert (code, out) == (2, "")
+    assert err == ("fewbit: error: --log2-size 24: the run holds about 0.8 GiB at once; "
+                   "memory of cpu: 0.7 GiB\n")
+    assert run(capsys, "bench", "--log2-size", "24", "--no-gfloat", "--quick")[0] == 0  # 0.625 GiB
 
 
 def test_bench_without_gfloat_says_how_to_get_it_or_leave_it_out(capsys, monkeypatch):

@@ -311,11 +311,15 @@ def cache_note(log2_size: int, cache_bytes: int | None) -> str | None:
             f"the cache holds; --log2-size {beyond} goes beyond it")
 
 
-def bytes_held(log2_size: int, with_gfloat: bool) -> int:
-    """About the most memory :func:`run` holds at once on 2^log2_size elements: measured
-    (peak resident memory of ``--quick`` at 2^24 on a CPU, less that at 2^10), 21 bytes an
-    element, 23 with ``block``, 119 with gfloat's rows (its numpy temporaries)."""
-    return (128 if with_gfloat else 24) << log2_size
+def bytes_held(log2_size: int, with_gfloat: bool, quick: bool = False) -> int:
+    """At least the most memory :func:`run` holds at once on 2^log2_size elements, with a
+    fifth to spare: measured as ``fewbit bench``'s peak resident memory on a CPU at 2^22
+    elements (2^21 with gfloat), less that at 2^10, per element: ``--quick`` 27.5 bytes,
+    32 with ``--block``; the full run 37-40 (the hunt's three runs and this one), 38 with
+    ``--block``; gfloat's rows (its numpy temporaries) 130-131, quick or full, with or
+    without ``--block``."""
+    per_element = 160 if with_gfloat else 40 if quick else 48
+    return per_element << log2_size
 
 
 def memory_bytes(device: torch.device) -> int:

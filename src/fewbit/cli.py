@@ -205,7 +205,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if gfloat and importlib.util.find_spec("gfloat") is None:
         raise ValueError("the bench compares with gfloat, which is not installed: pip install 'fewbit[dev]', "
                          "or pass --no-gfloat")
-    needed, memory = bench.bytes_held(args.log2_size, gfloat), bench.memory_bytes(device)
+    needed, memory = bench.bytes_held(args.log2_size, gfloat, args.quick), bench.memory_bytes(device)
     if needed > memory:
         raise ValueError(f"--log2-size {args.log2_size}: the run holds about {needed / 2**30:.1f} GiB at once"
                          f"{', most of it for gfloat (--no-gfloat)' if gfloat else ''}; memory of {device}: "
