@@ -117,6 +117,9 @@ def test_bench_json_rows(capsys, monkeypatch, device):
         assert r["mode"] == "copy_" or r["x_copy"] > 0 and r["x_clone"] > 0
     # GB/s counts the bytes read and written: float32 in and out, 8 per element.
     assert f32[("rne", None)]["gb_per_s"] == pytest.approx(f32[("rne", None)]["melem_per_s"] * 8e-3)
+    # Round then encode: x read, the rounded values written and read back, the codes written.
+    both = f32[("round+encode src", 3)]
+    assert both["gb_per_s"] == pytest.approx(both["melem_per_s"] * 13e-3)
     # Beside fewbit: eager, a torch.randint-fed SR, and gfloat on the key rows.
     assert {"eager_x_copy", "x_gfloat"} <= set(f32[("rne", None)])
     assert {"eager_x_copy", "x_gfloat", "randint_fed_x_copy"} <= set(f32[("src", 3)])
@@ -135,6 +138,14 @@ def test_bench_block_rows(capsys):
         for name in ("mxfp8_e4m3", "mxfp4", "nvfp4") for what in ("quantize", "round")
         for mode, bits in (("rne", 0), ("src", 3)))
     assert all(r["x_copy"] > 0 and r["x_clone"] > 0 for r in rows)
+    # GB/s: bytes per element of float32 x read, codes (8 or 4 bits) and a scale a block written;
+    # NVFP4 reads x twice (its per-tensor amax first) and stores a 4-byte tensor scale.
+    per_element = {"mxfp8_e4m3": 4 + 1 + 1 / 32, "mxfp4": 4 + 0.5 + 1 / 32,
+                   "nvfp4": 8 + 0.5 + 1 / 16 + 4 / 4096}  # fmt: skip
+    for r in rows:
+        if r["input"] == "torch.float32" and r["format"].endswith("quantize"):
+            expected = per_element[r["format"].split()[0]] * 1e-3
+            assert r["gb_per_s"] == pytest.approx(r["melem_per_s"] * expected), r
 
 
 def api_error(**kwargs) -> str:

@@ -12,11 +12,13 @@ a pair see the same conditions. ``x copy`` is the yardstick of a memory-bound op
 ``fewbit.round(x, ..., out=y)`` against ``y.copy_(x)``, both into a preallocated
 output. ``x clone`` compares a call that returns a new tensor with ``torch.clone``,
 where both also pay for fresh memory. ``GB/s`` counts the bytes each call reads and
-writes; the ``copy_`` row of each dtype gives the device's copy speed measured in the
-same run (on a GPU, its achievable memory bandwidth). On a GPU ``device`` gives ``x copy``
-in device time (:func:`device_ratio`): the pairs wait for the device after each call, so
-their ratio counts a call's host time, which a training step hides. The last rows give
-the time of one call on 4096 elements, where the per-call overhead is all there is.
+writes as whole tensors (round then encode: x, the rounded values twice and the codes;
+NVFP4 reads x twice), not what a cache spares; the ``copy_`` row of each dtype gives the
+device's copy speed measured in the same run (on a GPU, its achievable memory
+bandwidth). On a GPU ``device`` gives ``x copy`` in device time (:func:`device_ratio`):
+the pairs wait for the device after each call, so their ratio counts a call's host time,
+which a training step hides. The last rows give the time of one call on 4096 elements,
+where the per-call overhead is all there is.
 Codes rows (encode, quantize) return new codes, a byte an element: ``x copy`` then
 compares a call that allocates a quarter of float32's bytes with ``copy_``.
 """
@@ -215,12 +217,15 @@ def _run(log2_size: int, device: str, repeat: int, quick: bool, with_gfloat: boo
         if device.startswith("cuda"):
             codes_calls.append(("encode to uint8, unchecked", None,
                                 lambda: encode(rounded, "binary8p4", check=False)))  # fmt: skip
+        # The bytes each call moves: x (or the rounded values) read and the codes written;
+        # round then encode also writes the rounded values and reads them back.
         codes_calls += [("quantize src", 3, lambda: quantize(x, "binary8p4", "src", **src)),
                         ("round+encode src", 3, round_then_encode)]  # fmt: skip
         for mode, bits, fn in codes_calls:
+            moved = (3 if mode == "round+encode src" else 1) * x.nbytes + n
             t, x_copy = paired(fn, copy, repeat, sync)
             rows.append({"input": str(dtype), "format": "binary8p4", "mode": mode, "bits": bits,
-                         "melem_per_s": n / t / 1e6, "gb_per_s": (x.nbytes + n) / t / 1e9, "x_copy": x_copy,
+                         "melem_per_s": n / t / 1e6, "gb_per_s": moved / t / 1e9, "x_copy": x_copy,
                          "x_clone": paired(fn, clone, repeat, sync)[1]})  # fmt: skip
             if device.startswith("cuda"):
                 rows[-1]["device_x_copy"] = device_ratio(fn, copy, repeat)
@@ -265,7 +270,9 @@ def block_rows(log2_size: int, device: str, repeat: int, sync: Callable[[], None
 
                 copy = functools.partial(out.copy_, x)
                 t, x_copy = paired(functools.partial(call, into=into), copy, repeat, sync)
-                moved = x.nbytes + into.nbytes  # a stored tensor's: its codes and scales
+                # x read (twice for NVFP4: its per-tensor amax first), the result written (a
+                # stored tensor's nbytes: its codes and scales)
+                moved = (2 if name == "nvfp4" else 1) * x.nbytes + into.nbytes
                 rows.append({"input": str(x.dtype), "format": f"{name} {what}", "mode": mode, "bits": bits,
                              "melem_per_s": n / t / 1e6, "gb_per_s": moved / t / 1e9, "x_copy": x_copy,
                              "x_clone": paired(call, x.clone, repeat, sync)[1]})
@@ -361,7 +368,7 @@ def format_table(rows: list[dict]) -> str:
     head = (f"{'configuration':{w}} {'Melem/s':>9} {'GB/s':>7} {'x copy':>7} {'x clone':>8} {'eager':>7} "
             f"{'randint-fed':>11} {'x gfloat':>9} {'device':>7}")
     lines = [head, "(ratios: copy_ or clone time / fewbit time, into a preallocated output or a new one;"
-                   " GB/s: bytes read and written;",
+                   " GB/s: bytes of the tensors read and written;",
              " device: x copy in device time, calls queued back to back)"]  # fmt: skip
     for r in rows:
         label = _label(r)
