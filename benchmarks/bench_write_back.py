@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 
+from fewbit.cli import _int_in
 from fewbit.config import configure
 from fewbit.experiments.gpt import GPT, GPTConfig
 from fewbit.experiments.train import PRESETS
@@ -59,7 +60,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="paper", choices=sorted(PRESETS))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--repeat", type=int, default=50)
+    ap.add_argument("--repeat", type=_int_in(1), default=50)
     args = ap.parse_args()
     device = torch.device(args.device)
     p = PRESETS[args.preset]

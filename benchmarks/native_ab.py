@@ -5,6 +5,7 @@
     python benchmarks/native_ab.py 5fa61c8 HEAD --elements       # fewbit bench --quick's rows
     python benchmarks/native_ab.py 5fa61c8 HEAD --elements --scale 0.01   # mostly below 2^emin
     python benchmarks/native_ab.py HEAD "HEAD -falign-loops=64"   # a build with flags of its own
+    python benchmarks/native_ab.py HEAD HEAD --elements           # A/A: two builds, HEAD [1] and [2]
 
 Each build is compiled with the library's flags and its ``fewbit_round`` called directly
 (no operator around it), so the figures are the kernel's: builds of native.cpp that take
@@ -32,6 +33,7 @@ import torch
 
 import fewbit
 from fewbit.block.ops import _spec, _tensor_scale
+from fewbit.cli import _int_in
 from fewbit.formats import format
 from fewbit.random import Key
 from fewbit.rounding import RoundMode, native
@@ -65,9 +67,11 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=8.0,
                         help="element calls round randn times this (8: fewbit bench's data)")
     parser.add_argument("--log2-size", type=int, default=24)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--pairs", type=int, default=25)
+    parser.add_argument("--threads", type=_int_in(1), default=2)
+    parser.add_argument("--pairs", type=_int_in(2), default=25,
+                        help="timed calls of each build (quartiles need 2 or more)")
     args = parser.parse_args()
+    args.labels = labels(args.builds)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as folder:
         libraries = [build(b, Path(folder), i) for i, b in enumerate(args.builds)]
@@ -76,12 +80,18 @@ def main() -> None:
         if args.elements:
             for dtype in (torch.float32, torch.bfloat16, torch.float16):
                 xd = (x * args.scale).to(dtype)
-                for label, calls in element_calls(xd, args.builds, libraries).items():
+                for label, calls in element_calls(xd, args.labels, libraries).items():
                     compare(f"{str(dtype).removeprefix('torch.')} {label}", calls, xd, args.pairs)
         else:
             xd = x.to(getattr(torch, args.dtype))
             for mode, bits in (("rne", None), ("src", 3)):
                 compare(f"{args.format} {mode}", block_calls(xd, args, mode, bits, libraries), xd, args.pairs)
+
+
+def labels(builds: list[str]) -> list[str]:
+    """A name for each build: itself, numbered where one is given twice (``HEAD HEAD``, an
+    A/A run that shows the noise), so that neither build's rows replace the other's."""
+    return [f"{name} [{i + 1}]" if builds.count(name) > 1 else name for i, name in enumerate(builds)]
 
 
 def element_calls(x: torch.Tensor, names: list[str], libraries: list) -> dict[str, dict]:
@@ -120,7 +130,7 @@ def block_calls(x: torch.Tensor, args, mode: str, bits: int | None, libraries: l
     # Codes (and the scales' codes; native.py's output kinds 1 and 3), or values (0).
     outputs = (("codes", codes, 3 if packed else 1, scales), ("values", values, 0, None))
     calls = {}
-    for name, library in zip(args.builds, libraries, strict=True):
+    for name, library in zip(args.labels, libraries, strict=True):
         for what, out, output, scale_codes in outputs:
             block = (size, rule, tensor_scale, 0 if scale_codes is None else scale_codes.data_ptr())
             label = f"{name} {what}"

@@ -401,6 +401,36 @@ def test_per_call_benchmark_refuses_no_calls(capsys, monkeypatch):
     assert done.value.code == 2 and "--calls: must be >= 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("name", "argv", "says"), [
+    ("bench_round", ["--repeat", "0"], "--repeat: must be >= 1, got 0"),  # else Melem/s 0.0, status 0
+    ("bench_round", ["--gfloat-repeat", "0"], "--gfloat-repeat: must be >= 1, got 0"),
+    ("bench_train", ["--steps", "0"], "--steps: must be >= 1, got 0"),  # else ZeroDivisionError
+    ("bench_scaled", ["--repeat", "0"], "--repeat: must be >= 1, got 0"),  # else IndexError
+    ("bench_write_back", ["--repeat", "0"], "--repeat: must be >= 1, got 0"),
+    ("bench_dtensor_ops", ["--repeat", "0"], "--repeat: must be >= 1, got 0"),
+    ("profile_step", ["--steps", "0"], "--steps: must be >= 1, got 0"),
+    ("native_ab", ["HEAD", "--pairs", "1"], "--pairs: must be >= 2, got 1"),  # else StatisticsError
+])  # fmt: skip
+def test_benchmarks_refuse_counts_they_cannot_time(capsys, monkeypatch, name, argv, says):
+    script = benchmark(monkeypatch, name, *argv)
+    with pytest.raises(SystemExit) as done:
+        script.main()
+    assert done.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--elements"], ["--format", "mxfp8_e4m3"]])
+def test_native_ab_times_the_same_revision_twice_as_two_builds(capsys, monkeypatch, argv):
+    """`native_ab.py HEAD HEAD`, an A/A run that shows the noise: a row for each build (the
+    builds here stand-ins, as compiling native.cpp takes long)."""
+    script = benchmark(monkeypatch, "native_ab", "HEAD", "HEAD", *argv, "--log2-size", "6", "--pairs", "2")
+    monkeypatch.setattr(script, "build", lambda *args: types.SimpleNamespace(fewbit_round=lambda call: 0))
+    script.main()
+    rows = capsys.readouterr().out.splitlines()
+    per_build = 3 * 4 if argv == ["--elements"] else 2 * 2  # dtypes x modes, or modes x (codes, values)
+    assert [sum(f"HEAD [{i}]" in row for row in rows) for i in (1, 2)] == [per_build, per_build]
+    assert len(rows) == 2 * per_build
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--fsdp", "--format", "nvfp5"], "unknown format 'nvfp5'"),
     (["--format", "nvfp4"], "--format is for --fsdp"),
