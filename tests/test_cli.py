@@ -433,6 +433,10 @@ def test_native_ab_times_the_same_revision_twice_as_two_builds(capsys, monkeypat
 
 @pytest.mark.parametrize("argv, says", [
     (["--fsdp", "--format", "nvfp5"], "unknown format 'nvfp5'"),
+    (["--fsdp", "--format", "binary32"], "--format binary32: the run holds each weight's update in "
+                                         "torch.bfloat16 (update_dtype), which cannot hold every value of "
+                                         "binary32"),
+    (["--fsdp", "--format", "binary16"], "cannot hold every value of binary16"),
     (["--format", "nvfp4"], "--format is for --fsdp"),
     (["--placement", "0"], "--placement is for --fsdp"),
     ([], "--data-dir is for --fsdp (the DDP run's MLP learns generated data"),

@@ -49,6 +49,8 @@ from .train import PRESETS, learning_rate
 
 #: The tiny preset (1 layer, 2 heads, 32 wide, batches of 8): its model and schedule.
 TINY = PRESETS["tiny"]
+#: What LowPrecisionWeights holds w + u in (RNE) before rounding it to the weights' format.
+UPDATE_DTYPE = torch.bfloat16
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,7 @@ def build(cfg: ShardedRun, vocab: int, world_size: int | None):
     )  # fmt: skip
     named = [(n, p) for n, p in model.named_parameters() if p.dim() >= 2]
     weights = LowPrecisionWeights(
-        opt, cfg.fmt, cfg.mode, bits=cfg.bits, seed=cfg.seed, params=named, update_dtype=torch.bfloat16,
+        opt, cfg.fmt, cfg.mode, bits=cfg.bits, seed=cfg.seed, params=named, update_dtype=UPDATE_DTYPE,
         policy="differing" if cfg.policy == "differing-update" else "identical", guard=cfg.guard,
         store_codes=cfg.store_codes, scale=cfg.scale,
     )  # fmt: skip
