@@ -130,8 +130,10 @@ def test_bench_block_rows(capsys):
     from float32 and bfloat16."""
     import json
 
-    code, out, _ = run(capsys, "bench", "--quick", "--block", "--log2-size", "12", "--repeat", "1", "--json")
+    code, out, err = run(capsys, "bench", "--quick", "--block", "--log2-size", "12", "--repeat", "1",
+                         "--json")  # fmt: skip
     assert code == 0
+    assert "] bfloat16 -> nvfp4 round src N=3 " in err  # the progress labels say N as the table does
     rows = [r for r in json.loads(out[out.index("[") :]) if " " in r["format"] and "us_per_call" not in r]
     assert sorted((r["input"], r["format"], r["mode"], r["bits"] or 0) for r in rows) == sorted(
         (dtype, f"{name} {what}", mode, bits) for dtype in ("torch.float32", "torch.bfloat16")
@@ -506,6 +508,12 @@ def test_bias_prints_nothing_before_refusing_an_argument(capsys):
     assert code == 2 and out == "" and "needs bits=N in 1..32, got 0" in err
 
 
+def test_bias_block_table_without_notes_ends_with_its_last_row(capsys):
+    code, out, _ = run(capsys, "bias", "--block", "mxfp4", "--bits", "3", "--table", "--mode", "src",
+                       "--rule", "ceil")  # fmt: skip
+    assert code == 0 and out.splitlines()[-1].startswith("src") and not out.endswith("\n\n")
+
+
 def test_bias_of_a_block_format_points_to_block(capsys):
     """It said "unknown format 'mxfp4'; closest: fp64"."""
     code, out, err = run(capsys, "bias", "--format", "mxfp4", "--from", "bf16")
@@ -543,13 +551,13 @@ def test_round_says_where_x_lies_below_e8m0(capsys, x, says, rne):
     assert out.splitlines()[3].split() == ["rne", rne, rne]
 
 
-@pytest.mark.parametrize("nproc", ["3", "8"])
+@pytest.mark.parametrize("nproc", ["1", "3", "8"])
 def test_replicas_fsdp_refuses_world_sizes_outside_its_guarantee_before_starting(capsys, nproc):
     """Bit-identity with one process holds for 2^k ranks taking one or two of the 4
     micro-batches each; other sizes are refused before the text or any process is touched."""
     code, out, err = run(capsys, "replicas", "--fsdp", "--nproc", nproc, "--data-dir", "/nonexistent")
     assert code == 2 and out == ""
-    assert f"got {nproc} ranks for 4 micro-batches" in err
+    assert f"got {nproc} rank{'' if nproc == '1' else 's'} for 4 micro-batches" in err
 
 
 def test_replicas_fsdp_refuses_blocks_the_shards_cut_before_the_one_process_run(capsys, tmp_path):

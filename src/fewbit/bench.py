@@ -262,6 +262,7 @@ def block_rows(log2_size: int, device: str, repeat: int, sync: Callable[[], None
             for (mode, bits), (what, fn, into) in itertools.product((("rne", None), ("src", 3)), calls):
                 kw = {"bits": bits, **({"seed": 1} if bits else {})}
                 label = f"{str(x.dtype).removeprefix('torch.')} -> {name} {what} {mode}"
+                label += f" N={bits}" if bits else ""  # as the table's label
                 if progress:
                     progress(label)
 

@@ -315,7 +315,8 @@ def _block_bias(args: argparse.Namespace) -> int:
                       f"{float(exact.mean_error):.6f}", _exact_cell(exact.clipped, notes, f"{label} clipped"),
                       *gauss_err, *gauss_clip])
     print(_table(table))
-    print("\n".join(notes))
+    if notes:
+        print("\n".join(notes))
     return 0
 
 
@@ -540,7 +541,7 @@ def cmd_replicas_fsdp(args: argparse.Namespace) -> int:
     print("one process, without torch.distributed ...", flush=True)
     with configure(compile=False):  # its first compilation would take longer than the run
         single = train_single(cfg)
-    print(f"{'step':>5}  {'sharded':16}  {'one process':16}")
+    print(f"{'step':>5}  {'sharded':16}  one process")
     same = 0
     for step, (a, b) in enumerate(zip(results[0]["hashes"], single["hashes"], strict=True), 1):
         same += a == b
@@ -657,13 +658,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="rounding throughput against copy_, clone and gfloat")
     p.add_argument("--log2-size", type=_int_in(0, 34), default=24, help="2^this elements (default 24)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--repeat", type=_int_in(1), default=9)
-    p.add_argument("--quick", action="store_true", help="binary8p4 with RNE, SRC N=3, sr only")
-    p.add_argument("--no-gfloat", action="store_true")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (cuda:1: one of several GPUs)")
+    p.add_argument("--repeat", type=_int_in(1), default=9,
+                   help="timed runs and back-to-back pairs per row (default 9)")  # fmt: skip
+    p.add_argument("--quick", action="store_true",
+                   help="of the rounding rows, binary8p4 with RNE, SRC N=3 and sr only (each input dtype, "
+                        "and the encode, quantize and round+encode rows, as in the full run)")  # fmt: skip
+    p.add_argument("--no-gfloat", action="store_true", help="leave gfloat's timings out (its column empty)")
     p.add_argument("--block", action="store_true",
                    help="add block-format rows: mxfp8_e4m3, mxfp4, nvfp4 quantize and round, RNE and SRC N=3")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="the rows as JSON, not a table")
     p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("bias", help="exact bias of rounding modes, in ulps")

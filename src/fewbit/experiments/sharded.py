@@ -93,7 +93,7 @@ def check_world(cfg: ShardedRun, world_size: int) -> None:
     m = cfg.micro_batches
     if world_size & (world_size - 1) or m % world_size or m // world_size > 2 or world_size > m:
         raise ValueError(f"sharded runs take a power of two ranks with micro_batches / ranks in (1, 2); "
-                         f"got {world_size} ranks for {m} micro-batches")  # fmt: skip
+                         f"got {world_size} rank{'s' * (world_size != 1)} for {m} micro-batches")  # fmt: skip
 
 
 class Batches:
