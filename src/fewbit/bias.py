@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 from fractions import Fraction
 from functools import cache
-from pathlib import Path
 
 import torch
 
@@ -350,10 +349,11 @@ def figure(number: int, out_dir: str, seed: int = 0, samples: int | None = None)
     fig.suptitle(f"Figure {number}: {cfg['title']} -> {cfg['target']}, N = {cfg['bits']} random bits, "
                  f"{calls * reps} samples per X", fontsize=10)
     fig.tight_layout()
-    from .experiments.data import write_atomically
-
     os.makedirs(out_dir, exist_ok=True)
-    # a Ctrl-C or a full disk leaves the old PNG or none, never a truncated one
-    write_atomically(Path(out_dir, f"figure{number}.png"), lambda f: fig.savefig(f, format="png", dpi=110))
+    # Written beside, then renamed: a Ctrl-C or a full disk leaves the old PNG or none, never
+    # a cut one. (The library keeps off fewbit.experiments' write_atomically: an app's.)
+    path = os.path.join(out_dir, f"figure{number}.png")
+    fig.savefig(path + ".part", format="png", dpi=110)
+    os.replace(path + ".part", path)
     plt.close(fig)
     return results
