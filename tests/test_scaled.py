@@ -822,6 +822,21 @@ def test_compiled_loss_on_dequantized_output_matches_eager():
         assert torch.equal(p.grad.dequantize(), g)
 
 
+@pytest.mark.parametrize("loss_scale", [2.0**-30, 2.0**20], ids=["small", "large"])
+def test_compiled_gradient_of_a_static_scale_output_keeps_its_scale(loss_scale):
+    """tanh's output has the static scale 1; the gradient reaching it has a tensor scale
+    (dequantize's backward). Traced, it keeps that scale: as a float16 rebalance to 1 it
+    would flush to 0 (small) or overflow to inf (large)."""
+    torch._dynamo.reset()
+    x = torch.linspace(-1, 1, 4, dtype=torch.float16)
+    w = nn.Parameter(as_scaled(x, torch.tensor(1.0)))
+    fn = torch.compile(lambda w: (w * 1.0).tanh(), backend="aot_eager", fullgraph=True)
+    (fn(w).dequantize(torch.float32).sum() * loss_scale).backward()
+    plain = x.float().requires_grad_()
+    (plain.tanh().sum() * loss_scale).backward()
+    close(w.grad.dequantize(torch.float32) / loss_scale, plain.grad / loss_scale, 2e-3)
+
+
 # --- casts and rescaling ---------------------------------------------------------------
 
 def test_cast_rounds_data_keeps_scale_and_passes_gradients():

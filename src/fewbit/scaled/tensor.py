@@ -301,6 +301,14 @@ class ScaledTensor(torch.Tensor):
         static = ctx[0]
         return ScaledTensor._make(inner["_data"], inner["_scale"] if static is None else static)
 
+    def __coerce_tangent_metadata__(self) -> ScaledTensor:
+        # torch.compile traces the gradient of an output in this form. A static scale
+        # becomes a tensor: the gradient that arrives mostly has a tensor scale
+        # (dequantize's backward), and coercing it to a traced static scale would move
+        # the scale ratio into 16-bit data, flushing or overflowing it; a static one
+        # turns into a tensor exactly.
+        return self if self._static is None else ScaledTensor._make(self._data, self.scale)
+
     def __coerce_same_metadata_as_tangent__(self, expected_metadata: tuple, expected_type=None):
         # torch.compile guessed a gradient's static scale from the output's; give the
         # gradient that form, with the same value.
