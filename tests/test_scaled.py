@@ -1415,6 +1415,39 @@ def test_per_channel_norm_gradient():
     close(x.grad, ref.grad, 1e-12)
 
 
+PICKS = {
+    "max": lambda x: x.max(),
+    "min": lambda x: x.min(),
+    "amax": lambda x: x.amax(0),
+    "amin_keepdim": lambda x: x.amin((0, 1), keepdim=True),
+    "max_dim": lambda x: x.max(0)[0],
+    "median": lambda x: x.median(),
+    "nanmedian": lambda x: x.nanmedian(),
+    "median_dim": lambda x: x.median(0, keepdim=True)[0],
+    "kthvalue": lambda x: x.kthvalue(2, 0)[0],
+    "mode": lambda x: x.mode()[0],
+    "inf_norm": lambda x: torch.linalg.vector_norm(x, float("inf"), dim=0),
+    "neg_inf_norm": lambda x: torch.linalg.vector_norm(x, float("-inf")),
+}
+
+
+@pytest.mark.parametrize("form", ["per_row", "static"])
+@pytest.mark.parametrize("name", list(PICKS))
+def test_reductions_that_pick_an_element_give_it_and_its_gradient(name, form):
+    """max, median, the inf norm, ... of float16 data: the element that torch picks from
+    the values, exactly, and the plain gradient. Backward finds the elements equal to the
+    result; a result rounded to a common scale (a per-row scale reduced across rows) or
+    to float16 at scale 1 (median had no rule) equalled none, and the gradient was NaN."""
+    s = torch.linspace(0.1, 1.1, 4).reshape(4, 1) if form == "per_row" else 0.3
+    x = as_scaled((X.float() / s).half(), s).requires_grad_()
+    plain = x.detach().dequantize(torch.float32).requires_grad_()
+    out, want = PICKS[name](x), PICKS[name](plain)
+    out.dequantize(torch.float32).sum().backward()
+    want.sum().backward()
+    assert torch.equal(out.dequantize(torch.float32), want)
+    assert torch.equal(x.grad.dequantize(torch.float32), plain.grad)
+
+
 # --- errors and the fallback ------------------------------------------------------------------
 
 def test_bad_input_is_refused():

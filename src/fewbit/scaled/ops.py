@@ -734,35 +734,97 @@ def _merge(func, x, *args, **kwargs):
 
 # --- reductions ----------------------------------------------------------------------
 
+def _given(func, args: tuple, kwargs: dict) -> dict:
+    # A call's arguments after self by name, with the schema's defaults for those left out
+    # (kthvalue's and mode's dim=-1).
+    schema = func._schema.arguments[1:]
+    defaults = {a.name: a.default_value for a in schema if a.has_default_value()}
+    return defaults | dict(zip((a.name for a in schema), args, strict=False)) | kwargs
+
+
+def _reduced_dims(given: dict, ndim: int) -> list[int]:
+    # The dims a reduction reduces (its ``dim``; None or []: all), sorted and nonnegative.
+    dim = given.get("dim")
+    dims = range(ndim) if dim is None or dim == [] else [dim] if isinstance(dim, int) else dim
+    return sorted({i % ndim for i in dims})
+
+
+def _scale_varies(x: Any, given: dict) -> bool:
+    # Whether x's per-channel scale varies along a dim the reduction reduces.
+    s = parts(x)[1]
+    if not isinstance(s, torch.Tensor) or not s.dim():
+        return False
+    return any(s.shape[i] != 1 for i in _reduced_dims(given, s.dim()))
+
+
 def reduced_parts(func, x: Any, args: tuple, kwargs: dict, dtype: torch.dtype | None = None) -> tuple:
     """(data, output scale) of a reduction of x: where x's per-channel scale is constant
-    along every dim it reduces (its schema's ``dim``; none given: all), x's data and that
-    scale, squeezed as the data are (unless ``keepdim``; cumsum keeps every dim); else x
-    at one scale (``scalar_scale``, rounded to ``dtype`` where wider), which would flush
-    channels far below the largest in 16-bit data were it taken everywhere."""
+    along every dim it reduces (its schema's ``dim``, with its default; none: all), x's
+    data and that scale, squeezed as the data are (unless ``keepdim``; cumsum keeps every
+    dim); else x at one scale (``scalar_scale``, rounded to ``dtype`` where wider), which
+    would flush channels far below the largest in 16-bit data were it taken everywhere."""
     d, s = parts(x)
     if not isinstance(s, torch.Tensor) or not s.dim():
         return d, s
-    names = (a.name for a in func._schema.arguments[1:])
-    given = dict(zip(names, args, strict=False)) | kwargs  # (arguments left at their defaults are not given)
-    dim = given.get("dim")
-    dims = range(s.dim()) if dim is None or dim == [] else [dim] if isinstance(dim, int) else dim
-    dims = sorted({i % s.dim() for i in dims})
-    if any(s.shape[i] != 1 for i in dims):
+    given = _given(func, args, kwargs)
+    if _scale_varies(x, given):
         return parts(scalar_scale(x, dtype))
     kept = given.get("keepdim") or func.overloadpacket is aten.cumsum
+    dims = _reduced_dims(given, s.dim())
     return d, (s if kept else s.squeeze(tuple(dims)))
+
+
+#: The op along one dim, with indices, of each reduction that picks elements (``_picked``).
+_ALONG = {aten.max: aten.max.dim, aten.amax: aten.max.dim, aten.min: aten.min.dim, aten.amin: aten.min.dim,
+          aten.median: aten.median.dim, aten.nanmedian: aten.nanmedian.dim}
+
+
+def _picked(func, x: ScaledTensor, args: tuple, kwargs: dict) -> Any:
+    """func's result where x's per-channel scale varies along the dims it reduces: each
+    output element is the element of x that func picks on the values, with that element's
+    own data and scale (the output's scale is per element). Its value is then exactly the
+    element's: the backward of max, amax, median and the inf norm finds the elements
+    equal to the result, and a common scale would round it to equal none (the gradient
+    would be NaN, a share of a count of 0)."""
+    d, s = parts(x)
+    s, v = s.expand(d.shape), value(x)
+    given = _given(func, args, kwargs)
+    along = _ALONG.get(func.overloadpacket)
+    if func.overloadpacket is aten.linalg_vector_norm:
+        d, v = d.abs().to(given["dtype"] or d.dtype), v.abs()
+        along = aten.max.dim if given["ord"] > 0 else aten.min.dim
+    if len(func._schema.returns) == 2:  # (max.dim, kthvalue, ...: func gives the indices)
+        _, idx = func(v, *args, **kwargs)
+        dim, keep = given["dim"], given["keepdim"]
+        at = idx if keep else idx.unsqueeze(dim)
+        out = [t.gather(dim, at) if keep else t.gather(dim, at).squeeze(dim) for t in (d, s)]
+        return wrap(*out), idx
+    dims = _reduced_dims(given, d.dim())
+    kept = [i for i in range(d.dim()) if i not in dims]
+    shape = [1 if i in dims else n for i, n in enumerate(d.shape) if given.get("keepdim") or i in kept]
+
+    def flat(t: torch.Tensor) -> torch.Tensor:  # the reduced dims as one, the last
+        return t.permute(kept + dims).reshape(*(d.shape[i] for i in kept), -1)
+
+    idx = along(flat(v), -1, True)[1]
+    return wrap(flat(d).gather(-1, idx).reshape(shape), flat(s).gather(-1, idx).reshape(shape))
 
 
 @rule(aten.sum, aten.mean, aten.nansum, aten.amax, aten.amin, aten.cumsum, aten.linalg_vector_norm)
 def _reduce(func, x, *args, **kwargs):
     """Sums, means, maxima, norms (homogeneous of degree 1): scale s (per channel where
-    the channels are not reduced)."""
+    the channels are not reduced; for maxima and the ±inf norms where they are, each
+    picked element's own, :func:`_picked`)."""
     if func.overloadpacket is aten.linalg_vector_norm and (args[:1] or [kwargs.get("ord", 2)])[0] == 0:
         return _on_values(func, x, *args, **kwargs)
     dtype = kwargs.get("dtype")
     if dtype is not None and not dtype.is_floating_point:  # (sum(dtype=int): the values' sum, truncated)
         return func(value(x), *args, **kwargs)
+    given = _given(func, args, kwargs)
+    picks = func.overloadpacket in (aten.amax, aten.amin) or (
+        func.overloadpacket is aten.linalg_vector_norm and math.isinf(given["ord"]))
+    if picks and _scale_varies(x, given):
+        return _picked(func, x, args, kwargs)
     d, s = reduced_parts(func, x, args, kwargs, dtype)
     return wrap(func(d, *args, **kwargs), s)
 
@@ -774,10 +836,14 @@ def _foreach_norm(func, tensors, ord=2, dtype=None):
     return [aten.linalg_vector_norm.default(t, ord, dtype=dtype) for t in tensors]
 
 
-@rule(aten.max.default, aten.min.default, aten.max.dim, aten.min.dim)
+@rule(aten.max.default, aten.min.default, aten.max.dim, aten.min.dim, aten.median.default, aten.median.dim,
+      aten.nanmedian.default, aten.nanmedian.dim, aten.kthvalue.default, aten.mode.default)
 def _max(func, x, *args, **kwargs):
-    """max, min (and their indices): scale s (per channel where the channels are not
-    reduced)."""
+    """max, min, median, kthvalue, mode (and their indices), which pick elements and so
+    commute with a positive scale: scale s (per channel where the channels are not
+    reduced; where they are, each picked element's own, :func:`_picked`)."""
+    if _scale_varies(x, _given(func, args, kwargs)):
+        return _picked(func, x, args, kwargs)
     d, s = reduced_parts(func, x, args, kwargs)
     out = func(d, *args, **kwargs)
     return (wrap(out[0], s), out[1]) if isinstance(out, tuple) else wrap(out, s)
