@@ -394,6 +394,24 @@ def test_fills_and_cumprod_keep_the_dtype_asked_for():
     assert torch.cumprod(x, 0, dtype=torch.float64).dtype == torch.float64
 
 
+@pytest.mark.parametrize("data,scale", [
+    (torch.full((300,), 2.0), 0.5),  # s^n = 2^-300: beyond float32
+    (torch.full((20,), 4.0, dtype=torch.float16), 0.25),  # data's product 2^40: beyond float16
+    (torch.full((20,), 4.0, dtype=torch.float16), torch.tensor(0.25)),
+    (torch.ones(4), torch.tensor(2.0**-40)),  # a tensor s^n = 2^-160 rounds to 0
+], ids=["static_scale_beyond_float32", "static_data_overflow", "tensor_data_overflow", "tensor_scale_zero"])
+def test_prod_whose_scale_or_data_product_leaves_the_range_gives_the_values_product(data, scale):
+    """prod's data product at scale s^n: where either leaves its dtype's range while the
+    value does not (or is 0), the product of the values, as plain torch's, and a tensor
+    that later in-place writes reach (the NaN of inf data at scale 0 is gone)."""
+    x = as_scaled(data, scale)
+    plain = x.dequantize(torch.float32)
+    out = x.prod()
+    assert torch.equal(out.dequantize(torch.float32), plain.prod().to(data.dtype).float())
+    out.add_(1.0)
+    assert torch.equal(out.dequantize(torch.float32), (plain.prod() + 1).to(data.dtype).float())
+
+
 def test_in_place_ops_keep_the_scale_and_zero_state_adopts():
     x = as_scaled(X.clone(), 0.5)  # as_scaled does not copy data
     x.add_(as_scaled(Y, 0.25), alpha=2.0)
