@@ -720,6 +720,23 @@ def test_sharing_memory_of_a_scaled_tensor_is_refused():
         scalify(nn.Linear(2, 2)).share_memory()
 
 
+def test_format_tolist_and_numpy_give_the_value_as_a_plain_tensor_does():
+    """f"{loss:.4f}", tolist() and numpy() refused a subclass (torch's generic errors)."""
+    x = as_scaled(X[0].half(), 0.375).requires_grad_()
+    plain = x.detach().dequantize().requires_grad_()
+    assert format(x[2], ".4f") == format(plain[2], ".4f")
+    assert x.tolist() == plain.tolist() and x[1].tolist() == plain[1].tolist()
+    assert (x.detach().numpy() == plain.detach().numpy()).all()
+    assert x.detach().numpy().dtype == plain.detach().numpy().dtype
+    # Refused where plain torch refuses: a format spec of a 1-d tensor, numpy() of one that
+    # requires grad.
+    for call in (lambda t: format(t, ".4f"), lambda t: t.numpy()):
+        with pytest.raises((TypeError, RuntimeError)) as want:
+            call(plain)
+        with pytest.raises(want.type):
+            call(x)
+
+
 @pytest.mark.parametrize(("foreach", "betas"), [(False, (0.9, 0.999)), (True, (0.9, 0.999)),
                                                (False, (torch.tensor(0.9), torch.tensor(0.999)))])
 def test_adamw_on_a_float16_scalified_model_stays_finite(foreach, betas):

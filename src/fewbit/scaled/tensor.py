@@ -240,6 +240,20 @@ class ScaledTensor(torch.Tensor):
         s = self._static if self._scale is None else self._scale
         return f"ScaledTensor(unscaled={self._data!r}, scale={s!r})"
 
+    # torch's own refuse a subclass; these give the value's, as a plain tensor's do
+    # (logging f"{loss:.4f}", np.asarray). An empty format spec keeps the repr.
+    def __format__(self, spec: str) -> str:
+        return self.detach().dequantize().__format__(spec) if spec else repr(self)
+
+    def tolist(self) -> Any:
+        """The value as (nested) Python numbers, as for a plain tensor."""
+        return self.detach().dequantize().tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:
+        """The value as a NumPy array (a copy), as for a plain tensor (which refuses a
+        tensor that requires grad: so does this)."""
+        return self.dequantize().numpy(force=force)
+
     # FSDP2's extension points (fewbit.scaled.fsdp): the pieces' data are gathered, the
     # scale comes along as metadata. Imported on call: only FSDP2 calls them.
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
