@@ -475,8 +475,9 @@ def _same_device(func, x: torch.Tensor, found: torch.device | None) -> torch.dev
 def as_scaled(data: torch.Tensor, scale: torch.Tensor | float | None = None) -> ScaledTensor:
     """``ScaledTensor`` with value ``data * scale`` (scale None means 1).
 
-    A float scale is static (known while tracing); a tensor scale is cast to float32
-    and may be per-channel (broadcastable to data). Raises TypeError for non-float or
+    A float scale is static (known while tracing: torch.compile compiles a graph for
+    each value, so give a scale that changes between calls as a tensor); a tensor scale
+    is cast to float32 and may be per-channel (broadcastable to data). Raises TypeError for non-float or
     8-bit float data (``check_dtype``) or a non-float scale, ValueError for a scale that
     does not broadcast to data, lies on another device, or is negative or not finite.
     The result carries no gradient to data: data that requires grad (outside
