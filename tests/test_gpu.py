@@ -205,6 +205,20 @@ def test_block_formats_gpu_equals_cpu(name, mode, kw, dtype, axis):
                          f"{name} {mode} axis={axis}")  # fmt: skip
 
 
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4"])
+def test_compiled_block_kernels_on_the_gpu_divide_as_the_cpu(name):
+    """Blocks across rows of a tensor large enough for torch.compile's kernels (below the
+    threshold, eager torch runs): Inductor's float32 division on a GPU is Triton's, not
+    correctly rounded, and NVFP4's x / S took it (divided in float64 now)."""
+    from fewbit import block
+
+    x = torch.randn(1024, 256, generator=torch.Generator().manual_seed(8)) * torch.logspace(-8, 8, 256)
+    for mode, kw in (("rne", {}), ("src", {"bits": 3, "seed": 4})):
+        cpu = block.quantize(x, name, mode, axis=0, **kw)
+        gpu = block.quantize(x.cuda(), name, mode, axis=0, **kw)
+        assert torch.equal(gpu.codes.cpu(), cpu.codes) and torch.equal(gpu.scales.cpu(), cpu.scales), mode
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_finite_amax_gpu_equals_cpu(dtype):
     """NVFP4's tensor amax in one read on the GPU (gpu.finite_amax) as the native kernel

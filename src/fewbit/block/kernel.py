@@ -152,6 +152,17 @@ def finite_amax(x: torch.Tensor, found: float | torch.Tensor | None = None) -> t
     return torch.zeros((), device=x.device)
 
 
+def divided(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
+    """``a / b`` correctly rounded in a's dtype on every device, compiled too: Inductor
+    writes a float32 division on a GPU as Triton's, which is not correctly rounded
+    (``div.full.f32``, up to 2 ulp off), where the CPU's is. Divided in float64 (Triton's
+    is ``div.rn.f64``) and rounded back, it is: 53 >= 2 * 24 + 2 bits make the double
+    rounding innocuous."""
+    if a.dtype != torch.float32:
+        return a / b
+    return (a.double() / (b.double() if isinstance(b, torch.Tensor) else b)).float()
+
+
 def tensor_scale_of(x: torch.Tensor, bfmt: BlockFormat, amax: float | torch.Tensor | None = None,
                     rule: str | None = None) -> torch.Tensor | None:  # fmt: skip
     """NVFP4's per-tensor float32 scale: the finite amax over the largest value a block
@@ -168,7 +179,7 @@ def tensor_scale_of(x: torch.Tensor, bfmt: BlockFormat, amax: float | torch.Tens
     if not bfmt.tensor_scale:
         return None
     found = finite_amax(x, amax).clamp(max=torch.finfo(torch.float32).max)
-    ts = (found / (bfmt.element.max * bfmt.scale.max)).clamp(min=_FLOAT32_SMALLEST)
+    ts = divided(found, bfmt.element.max * bfmt.scale.max).clamp(min=_FLOAT32_SMALLEST)
     if (rule or bfmt.rule) == "up":
         # ts and S, each rounded to nearest, are at least (1 - 2^-24) of their quotient and
         # product, and a float32 step raises ts by at least 2^-24 of it: three steps suffice.
@@ -187,7 +198,7 @@ def quantize_blocks(
     work = blocks.to(spec.work_dtype)
     amax = work.abs().amax(dim=-1, keepdim=True)
     scale, factor = block_scales(amax, spec, tensor_scale)
-    scaled = work / factor
+    scaled = divided(work, factor)
     tiny = torch.finfo(spec.work_dtype).tiny
     underflow = (scaled.abs() < tiny) & (work != 0)
     scaled = torch.where(underflow, torch.copysign(torch.full_like(work, tiny), work), scaled)
