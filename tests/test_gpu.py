@@ -368,3 +368,14 @@ def test_bench_gives_device_time_ratios():
     assert len(ratios) >= 12 and all(0 < r["device_x_copy"] < float("inf") for r in ratios)
     assert {"encode to uint8", "encode to uint8, unchecked", "quantize src"} <= {r["mode"] for r in ratios}
     assert "device" in bench.format_table(rows).splitlines()[0]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_write_back_refuses_weights_on_two_gpus():
+    """The write-back rounds its weights together, with keys on one device: weights on
+    cuda:0 and cuda:1 are refused at selection (the device's type alone let them by)."""
+    from fewbit.optim import LowPrecisionWeights
+
+    a, b = (torch.nn.Parameter(torch.randn(4, 4, device=f"cuda:{i}")) for i in range(2))
+    with pytest.raises(ValueError, match="mix dtypes or devices"):
+        LowPrecisionWeights(torch.optim.SGD([a, b], lr=0.1), "binary8p4", "src", bits=3)

@@ -312,7 +312,7 @@ class LowPrecisionWeights:
                     raise ValueError(f"{name} ({dtype}) cannot hold every value of {element.name}")
         # Every selected parameter shares one dtype: the write-back rounds them together.
         every = [*self.params, *params]
-        dtypes = {p.dtype for p in every} | {p.device.type for p in every}
+        dtypes = {p.dtype for p in every} | {p.device for p in every}  # (cuda:0 and cuda:1 differ)
         if len(dtypes) > 2:
             raise ValueError(f"selected parameters mix dtypes or devices ({sorted(map(str, dtypes))}): "
                              "wrap each group in its own LowPrecisionWeights")  # fmt: skip
