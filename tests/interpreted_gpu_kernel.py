@@ -640,3 +640,16 @@ def test_finite_amax_is_torchs(dtype, monkeypatch):
             assert gpu.finite_amax(none.to(dtype)).item() == 0.0
         subnormal = torch.tensor([1e-45, -3e-44, 0.0]).to(dtype)
         assert gpu.finite_amax(subnormal).item() == subnormal.abs().max().float().item()
+
+
+def test_e4m3_scales_without_a_tensor_scale_run_in_the_kernel():
+    """A block format with E4M3 scales and no per-tensor scale (NVFP4's scales, alone): the
+    kernel took the tensor scale's pointer, None, failed to launch and left every such
+    call to the torch ops, with a warning that it did not compile."""
+    from fewbit.block.formats import BlockFormat
+
+    fmt = BlockFormat("e2m1_e4m3_16", "ocp_e2m1", 16, "ocp_e4m3", rule="nearest", tensor_scale=False)
+    x = block_inputs(torch.float32)
+    for mode, kw in (("rne", {}), ("src", {"bits": 3, "seed": 5})):
+        got = block_kernel(x, repr(fmt), mode, codes=False, **kw)  # (the ops name a format by its repr)
+        assert_bitwise_equal(got, fewbit.block.round(x, fmt, mode, **kw), x, mode)

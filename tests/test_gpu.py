@@ -379,3 +379,16 @@ def test_write_back_refuses_weights_on_two_gpus():
     a, b = (torch.nn.Parameter(torch.randn(4, 4, device=f"cuda:{i}")) for i in range(2))
     with pytest.raises(ValueError, match="mix dtypes or devices"):
         LowPrecisionWeights(torch.optim.SGD([a, b], lr=0.1), "binary8p4", "src", bits=3)
+
+
+def test_a_host_key_tensor_rounds_a_gpu_tensor_as_the_cpu():
+    """A key or seed tensor in host memory is not copied to the GPU (a copy waits for the
+    device): the kernel takes its words with the launch, round and fake_quantize alike."""
+    from fewbit.nn import Quant, fake_quantize
+
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(2))
+    for seed in (torch.tensor(11), key_of(11)):
+        want = fewbit.round(x, "binary8p4", "src", bits=3, seed=seed)
+        assert torch.equal(fewbit.round(x.cuda(), "binary8p4", "src", bits=3, seed=seed).cpu(), want)
+        q = Quant("binary8p4", "src", bits=3)
+        assert torch.equal(fake_quantize(x.cuda(), q, None, seed).cpu(), fake_quantize(x, q, None, seed))

@@ -950,3 +950,15 @@ def test_the_kernels_take_subclasses_with_memory_and_no_wrapper():
     for t in (x, torch.nn.Parameter(x.clone()), Mine(x.clone()), sub):
         assert native.usable(t, fmt) == (native._load() is not None), type(t)
     assert not native.usable(AsyncCollectiveTensor(x), fmt)
+
+
+def test_a_key_tensor_in_host_memory_stays_there_for_x_elsewhere():
+    """Eager, a host key or seed tensor is not copied to x's device (on a GPU that copy
+    waits for the device's queued work): the kernels take a host key's words. (x on the
+    meta device stands in for a GPU's.) Traced, it goes to x's device."""
+    from fewbit.rounding.ops import op_key
+
+    x = torch.empty(4, device="meta")
+    for seed in (torch.tensor(5), key_of(5)):
+        assert op_key(seed, x).device.type == "cpu"
+        assert op_key(seed.to("meta"), x).device.type == "meta"

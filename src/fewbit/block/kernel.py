@@ -183,9 +183,10 @@ def tensor_scale_of(x: torch.Tensor, bfmt: BlockFormat, amax: float | torch.Tens
     if (rule or bfmt.rule) == "up":
         # ts and S, each rounded to nearest, are at least (1 - 2^-24) of their quotient and
         # product, and a float32 step raises ts by at least 2^-24 of it: three steps suffice.
+        inf = torch.full_like(ts, torch.inf)  # (made on the device: a tensor copied there waits for it)
         for _ in range(3):
             short = (ts * bfmt.scale.max).double() * bfmt.element.max < found.double()
-            ts = torch.where(short, torch.nextafter(ts, torch.tensor(torch.inf, device=ts.device)), ts)
+            ts = torch.where(short, torch.nextafter(ts, inf), ts)
     return torch.where(found > 0, ts, 1.0)
 
 

@@ -98,12 +98,22 @@ def op_key(seed, x: torch.Tensor) -> Key | torch.Tensor | None:
     """The key an op takes for a seed. An int seed's (or a Key's) stays a :class:`Key` in
     host memory: the kernels take its words as Python ints, a GPU kernel with its launch,
     and an :class:`~fewbit.operators.Operator` makes it a tensor in host memory only for
-    a call through the dispatcher. Traced, it is made on x's device."""
+    a call through the dispatcher. A key or seed tensor in host memory stays there, eager
+    (a GPU kernel takes its words with the launch; a copy to the device would wait for the
+    device's queued work). Traced, it is made on x's device."""
     if seed is None:
         return None
-    if isinstance(seed, (int, Key)) and not torch.compiler.is_compiling():
-        return _seed_key(seed) if type(seed) is int else as_key(seed)  # (a bool is refused there)
+    if not torch.compiler.is_compiling():
+        if isinstance(seed, (int, Key)):
+            return _seed_key(seed) if type(seed) is int else as_key(seed)  # (a bool is refused there)
+        return key_of(seed, key_device(seed, x))
     return key_of(seed, x.device)
+
+
+def key_device(seed: object, x: torch.Tensor) -> torch.device:
+    """Where an eager call makes the key of a tensor seed: in host memory where the seed
+    is (the kernels take a host key for x on any device), else on x's device."""
+    return _HOST if isinstance(seed, torch.Tensor) and seed.device.type == "cpu" else x.device
 
 
 @functools.lru_cache(maxsize=256)

@@ -378,7 +378,7 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, scales_ptr, ts_ptr, n: tl.i
             elif not HOST_KEY:
                 s0 = tl.load(key_ptr + 2).to(tl.uint32)
                 s1 = tl.load(key_ptr + 3).to(tl.uint32)
-    if BLOCK > 0 and RULE >= 4:
+    if BLOCK > 0 and RULE >= 4 and ts_ptr is not None:  # (E4M3 scales without a tensor scale: 1)
         ts = tl.load(ts_ptr)
     else:
         ts = 1.0
