@@ -392,3 +392,25 @@ def test_a_host_key_tensor_rounds_a_gpu_tensor_as_the_cpu():
         assert torch.equal(fewbit.round(x.cuda(), "binary8p4", "src", bits=3, seed=seed).cpu(), want)
         q = Quant("binary8p4", "src", bits=3)
         assert torch.equal(fake_quantize(x.cuda(), q, None, seed).cpu(), fake_quantize(x, q, None, seed))
+
+
+def test_calls_that_read_nothing_back_wait_for_nothing():
+    """Once compiled, these calls neither read back nor copy from host memory (torch's
+    sync debug mode raises on either): an int seed and a host key tensor into the Triton
+    kernel, the eager torch ops where it declines (float64), NVFP4 with rule up."""
+    x = torch.randn(4096, device="cuda")
+    calls = [
+        lambda: fewbit.round(x, "binary8p4", "src", bits=3, seed=5),
+        lambda: fewbit.round(x, "binary8p4", "src", bits=3, seed=key_of(5)),
+        lambda: fewbit.round(x.double(), "binary8p4", "src", bits=3, seed=5),
+        lambda: fewbit.block.round(x.view(64, 64), "nvfp4", "rne", rule="up"),
+    ]
+    for call in calls:
+        call()  # compiled on first use
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for call in calls:
+            call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -486,9 +486,12 @@ def _fields(words: torch.Tensor, bits: int) -> torch.Tensor:
         return (words.to(torch.int64) & MASK32).reshape(-1, LANES)
     per_word = 32 // bits
     if per_word > 1:
-        # A tensor, not an arange: Inductor would fold an arange into an index expression,
-        # which Triton types int64 when the row is symbolic, making the fields int64.
-        shifts = torch.tensor(range(0, per_word * bits, bits), dtype=torch.int32, device=words.device)
+        # Traced, a tensor, not an arange: Inductor would fold an arange into an index
+        # expression, which Triton types int64 when the row is symbolic, making the fields
+        # int64. Eager, an arange: a tensor copied to a GPU waits for its queued work.
+        span = range(0, per_word * bits, bits)
+        shifts = (torch.tensor(span, dtype=torch.int32, device=words.device) if torch.compiler.is_compiling()
+                  else torch.arange(span.start, span.stop, span.step, dtype=torch.int32, device=words.device))
         words = words[:, :, None, :] >> shifts[:, None]
     return (words & ((1 << bits) - 1)).reshape(-1, LANES)
 

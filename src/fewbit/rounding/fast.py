@@ -156,8 +156,9 @@ def round_fast(x: torch.Tensor, spec: RoundSpec, random_bits: torch.Tensor | Non
 
     # Range: saturate, stop directed modes at the limit, or go beyond (Inf/NaN).
     def const(value: float):
-        # A 0-d tensor keeps torch.where in the integer view's dtype.
-        return torch.tensor(_bits_of(value, x.dtype), dtype=itype, device=x.device)
+        # A 0-d tensor keeps torch.where in the integer view's dtype. (Filled on the device:
+        # a tensor copied to a GPU waits for its queued work.)
+        return torch.full((), _bits_of(value, x.dtype), dtype=itype, device=x.device)
 
     if fmt.max_negative_magnitude == fmt.max:
         limit = const(fmt.max)

@@ -126,5 +126,5 @@ def _beyond_range(x: torch.Tensor, spec: RoundSpec, out: torch.Tensor) -> None:
     # arbitrary bits, replaced by the one NaN.
     beyond = _take_sign(torch.full_like(x, beyond), x)
     torch.where(out.abs() > fmt.max, beyond, out, out=out)
-    nan = torch.tensor(float("nan"), dtype=torch.float32, device=x.device)
+    nan = torch.full((), float("nan"), dtype=torch.float32, device=x.device)  # (no copy to a GPU)
     torch.where(x != x, nan, out, out=out)  # NaN: isnan is a scalar loop in the C++ kernel
