@@ -427,29 +427,6 @@ def test_in_place_ops_keep_the_scale_and_zero_state_adopts():
     close(avg, 0.1 * value(x), 1e-15)
 
 
-IN_PLACE_ON_ZERO = {
-    "add_": lambda t: t.add_(torch.ones(3)),
-    "copy_": lambda t: t.copy_(torch.full((3,), 5.0)),
-    "lerp_": lambda t: t.lerp_(torch.full((3,), 4.0), 0.5),
-    "addcmul_": lambda t: t.addcmul_(torch.ones(3), torch.full((3,), 3.0)),
-    "view_add_": lambda t: t[:2].add_(torch.ones(2)),
-}
-
-
-@pytest.mark.parametrize("name", list(IN_PLACE_ON_ZERO))
-def test_in_place_ops_into_a_tensor_scale_that_rounded_to_zero(name):
-    """Scales 2^-80 times 2^-80 round to a tensor scale 0: the value is 0, as plain
-    torch's, and in-place writes then take their result's scale as the zero array does.
-    Kept, the scale 0 lost every value written (copy_: inf data at scale 0, NaN)."""
-    a = as_scaled(torch.ones(3), torch.tensor(2.0**-80))
-    z = a * as_scaled(torch.ones(3), torch.tensor(2.0**-80))
-    plain = a.dequantize() * a.dequantize()
-    assert z.scale.item() == 0.0 and torch.equal(z.dequantize(), plain)
-    IN_PLACE_ON_ZERO[name](z)
-    IN_PLACE_ON_ZERO[name](plain)
-    assert torch.equal(z.dequantize(), plain)
-
-
 @pytest.mark.parametrize("rows", [3, 4], ids=["even", "padded"])
 def test_new_zeros_is_a_buffer_at_the_scale_of_its_source(rows):
     """A shard as FSDP2 builds it: ``x.new_zeros(padded)``, a copy of x's rows into a view

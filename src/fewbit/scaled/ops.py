@@ -35,7 +35,6 @@ from .tensor import (
     inplace,
     is_partial_view,
     is_static,
-    is_zero_array,
     parts,
     promoted_dtype,
     rule,
@@ -380,7 +379,7 @@ def _addc(func, a, t1, t2, value=1):
 
 def _keeps_scale(dest: Any) -> bool:
     # A zero-scale ScaledTensor takes the result's scale instead (see ``assign``).
-    return isinstance(dest, ScaledTensor) and not is_zero_array(dest)
+    return isinstance(dest, ScaledTensor) and dest._static != 0.0
 
 
 def _operand(x: Any) -> tuple[Any, Scale]:
@@ -445,7 +444,7 @@ def _lerp_(func, dest, end, weight):
     """In-place lerp: dest keeps its scale sd; end is rebalanced to it. The zero array
     becomes w end at end's scale: a running average (Adam's) starts at its input's scale,
     and later steps need no rebalancing, one exact lerp, while that scale holds."""
-    if isinstance(dest, ScaledTensor) and is_zero_array(dest):
+    if isinstance(dest, ScaledTensor) and dest._static == 0.0:
         de, se = parts(end)
         return assign(dest, wrap(times(de, float(weight)), se))
     if not _keeps_scale(dest):

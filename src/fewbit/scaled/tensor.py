@@ -993,23 +993,15 @@ def holds_every_value(d: torch.Tensor) -> bool:
     return bool(storage.count_nonzero() == d.count_nonzero())
 
 
-def is_zero_array(t: ScaledTensor) -> bool:
-    """Whether t is the zero array: a static scale 0, or a tensor scale 0 where reading
-    it is free (:func:`coefficient`), which a rule's product of scales below float32's
-    range gives (sa sb of two 2^-80). Its value is 0 whatever its data, as the zero
-    array's; in-place writes keeping that scale would lose every value written."""
-    return t._static == 0.0 or (t._scale is not None and is_static(coefficient(t._scale), 0.0))
-
-
 def assign(dest: torch.Tensor, out: Any, adopt: bool = False) -> torch.Tensor:
     """Store the result of an in-place op into dest, and return dest.
 
-    dest keeps its scale, except a zero scale (:func:`is_zero_array`; or ``adopt``: a
-    whole tensor's copy_): the zero array takes the result's scale, as optimizer state
-    created by ``zeros_like`` does, and so do all views of its data (``set_scale``; one
-    scale where they differ in shape from dest and the result's is per channel). Written
-    through a view, the rest of the zero array becomes zeros first: its data may be
-    anything (``empty_like``), which the new scale would show.
+    dest keeps its scale, except a zero scale (or ``adopt``: a whole tensor's copy_): the
+    zero array takes the result's scale, as optimizer state created by ``zeros_like``
+    does, and so do all views of its data (``set_scale``; one scale where they differ in
+    shape from dest and the result's is per channel). Written through a view, the rest
+    of the zero array becomes zeros first: its data may be anything (``empty_like``),
+    which the new scale would show.
     """
     if not isinstance(dest, ScaledTensor):
         if not torch.can_cast(out.dtype, dest.dtype):  # as torch refuses float into int
@@ -1018,7 +1010,7 @@ def assign(dest: torch.Tensor, out: Any, adopt: bool = False) -> torch.Tensor:
         dest.copy_(dequantize_any(out))
         return dest
     d, s = parts(out)
-    if not adopt and not is_zero_array(dest):
+    if dest._static != 0.0 and not adopt:
         dest._data.copy_(times(d, sdiv(s, parts(dest)[1])))
         return dest
     if isinstance(s, torch.Tensor) and s.dim() and not _one_geometry(dest):
