@@ -852,27 +852,16 @@ def _max(func, x, *args, **kwargs):
 @rule(aten.prod)
 def _prod(func, x, *args, **kwargs):
     """prod: scale s^n, n the number of elements multiplied. Computed on the values
-    (scale 1, as pow) where s^n leaves float32's range, or where the data's product is
-    not finite or a tensor s^n is 0 or inf (read where that is free: eager, and in host
-    memory or at a static scale): data far from 1 overflows there while s^n cancels it
-    (300 twos at scale 1/2 are ones), and inf data times a scale of 0 is NaN."""
+    (scale 1, as pow) where a static s^n leaves float32's range (300 twos at scale 1/2
+    are ones: their data's product overflows while s^n underflows). Data whose product
+    leaves its dtype's range at a scale in range give inf, as the data's product does:
+    telling would take a read of the data, which would wait for a device."""
     d, s = parts(scalar_scale(x))
     out = func(d, *args, **kwargs)
     scale = spow(s, float(d.numel() // max(out.numel(), 1)))
-    if is_static(s, 0.0) or not _float32_scale(scale) or not _readably_finite(out, scale):
+    if is_static(s, 0.0) or not _float32_scale(scale):
         return _on_values(func, x, *args, **kwargs)
     return wrap(out, scale)
-
-
-def _readably_finite(d: torch.Tensor, s: Scale) -> bool:
-    # Whether data d is finite and scale s > 0 and finite; True where reading them would
-    # wait for an accelerator or is impossible (traced: fake tensors are no torch.Tensor).
-    if type(d) is not torch.Tensor or not (d.is_cpu or is_static(s)):
-        return True
-    ok = d.isfinite().all()
-    if not is_static(s):
-        ok = ok & (s > 0).all() & s.isfinite().all()
-    return bool(ok)
 
 
 @rule(aten.var, aten.std, aten.var_mean, aten.std_mean)
