@@ -2185,3 +2185,11 @@ def test_export_takes_scaled_inputs_but_not_one_made_inside():
     with warnings.catch_warnings(), pytest.raises(RuntimeError, match="Unable to cast NotImplemented"):
         warnings.simplefilter("ignore")
         torch.export.export(MakesOne(), (torch.randn(3, 8),))
+
+
+def test_reductions_that_pick_an_element_of_an_empty_tensor_give_its_shape():
+    """A per-channel scale varying along the reduced dim, no rows: the shape plain torch
+    gives (the picking path reshaped with -1, which an empty kept dim cannot infer)."""
+    e = as_scaled(torch.zeros(0, 3), torch.tensor([[1.0, 2.0, 4.0]]))
+    assert e.amax(1).shape == torch.zeros(0, 3).amax(1).shape == (0,)
+    assert torch.linalg.vector_norm(e, math.inf, dim=1).shape == (0,)

@@ -11,6 +11,7 @@ maxima. In-place and ``_foreach_`` ops need no rule of their own (see ``tensor``
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from functools import reduce
@@ -734,12 +735,18 @@ def _merge(func, x, *args, **kwargs):
 
 # --- reductions ----------------------------------------------------------------------
 
+@functools.cache
+def _schema_arguments(func) -> tuple[tuple[str, ...], dict]:
+    # The names of func's arguments after self, and the defaults of those that have one.
+    schema = func._schema.arguments[1:]
+    return tuple(a.name for a in schema), {a.name: a.default_value for a in schema if a.has_default_value()}
+
+
 def _given(func, args: tuple, kwargs: dict) -> dict:
     # A call's arguments after self by name, with the schema's defaults for those left out
     # (kthvalue's and mode's dim=-1).
-    schema = func._schema.arguments[1:]
-    defaults = {a.name: a.default_value for a in schema if a.has_default_value()}
-    return defaults | dict(zip((a.name for a in schema), args, strict=False)) | kwargs
+    names, defaults = _schema_arguments(func)
+    return defaults | dict(zip(names, args, strict=False)) | kwargs
 
 
 def _reduced_dims(given: dict, ndim: int) -> list[int]:
@@ -749,29 +756,27 @@ def _reduced_dims(given: dict, ndim: int) -> list[int]:
     return sorted({i % ndim for i in dims})
 
 
-def _scale_varies(x: Any, given: dict) -> bool:
-    # Whether x's per-channel scale varies along a dim the reduction reduces.
-    s = parts(x)[1]
-    if not isinstance(s, torch.Tensor) or not s.dim():
-        return False
+def _scale_varies(s: Scale, given: dict) -> bool:
+    # Whether a per-channel scale s varies along a dim the reduction reduces.
     return any(s.shape[i] != 1 for i in _reduced_dims(given, s.dim()))
 
 
-def reduced_parts(func, x: Any, args: tuple, kwargs: dict, dtype: torch.dtype | None = None) -> tuple:
-    """(data, output scale) of a reduction of x: where x's per-channel scale is constant
-    along every dim it reduces (its schema's ``dim``, with its default; none: all), x's
-    data and that scale, squeezed as the data are (unless ``keepdim``; cumsum keeps every
-    dim); else x at one scale (``scalar_scale``, rounded to ``dtype`` where wider), which
-    would flush channels far below the largest in 16-bit data were it taken everywhere."""
+def _per_channel(s: Scale) -> bool:
+    return isinstance(s, torch.Tensor) and s.dim() > 0
+
+
+def reduced_parts(func, x: Any, given: dict, dtype: torch.dtype | None = None) -> tuple:
+    """(data, output scale) of a reduction of x with a per-channel scale (``given``: the
+    call's arguments, :func:`_given`): where it is constant along every dim the reduction
+    reduces (its schema's ``dim``, with its default; none: all), x's data and that scale,
+    squeezed as the data are (unless ``keepdim``; cumsum keeps every dim); else x at one
+    scale (``scalar_scale``, rounded to ``dtype`` where wider), which would flush channels
+    far below the largest in 16-bit data were it taken everywhere."""
     d, s = parts(x)
-    if not isinstance(s, torch.Tensor) or not s.dim():
-        return d, s
-    given = _given(func, args, kwargs)
-    if _scale_varies(x, given):
+    if _scale_varies(s, given):
         return parts(scalar_scale(x, dtype))
     kept = given.get("keepdim") or func.overloadpacket is aten.cumsum
-    dims = _reduced_dims(given, s.dim())
-    return d, (s if kept else s.squeeze(tuple(dims)))
+    return d, (s if kept else s.squeeze(tuple(_reduced_dims(given, s.dim()))))
 
 
 #: The op along one dim, with indices, of each reduction that picks elements (``_picked``).
@@ -779,7 +784,7 @@ _ALONG = {aten.max: aten.max.dim, aten.amax: aten.max.dim, aten.min: aten.min.di
           aten.median: aten.median.dim, aten.nanmedian: aten.nanmedian.dim}
 
 
-def _picked(func, x: ScaledTensor, args: tuple, kwargs: dict) -> Any:
+def _picked(func, x: ScaledTensor, args: tuple, kwargs: dict, given: dict) -> Any:
     """func's result where x's per-channel scale varies along the dims it reduces: each
     output element is the element of x that func picks on the values, with that element's
     own data and scale (the output's scale is per element). Its value is then exactly the
@@ -788,7 +793,6 @@ def _picked(func, x: ScaledTensor, args: tuple, kwargs: dict) -> Any:
     would be NaN, a share of a count of 0)."""
     d, s = parts(x)
     s, v = s.expand(d.shape), value(x)
-    given = _given(func, args, kwargs)
     along = _ALONG.get(func.overloadpacket)
     if func.overloadpacket is aten.linalg_vector_norm:
         d, v = d.abs().to(given["dtype"] or d.dtype), v.abs()
@@ -802,9 +806,11 @@ def _picked(func, x: ScaledTensor, args: tuple, kwargs: dict) -> Any:
     dims = _reduced_dims(given, d.dim())
     kept = [i for i in range(d.dim()) if i not in dims]
     shape = [1 if i in dims else n for i, n in enumerate(d.shape) if given.get("keepdim") or i in kept]
+    # (the reduced dims' size spelled out: -1 cannot be inferred where a kept dim is empty)
+    flat_shape = (*(d.shape[i] for i in kept), math.prod(d.shape[i] for i in dims))
 
     def flat(t: torch.Tensor) -> torch.Tensor:  # the reduced dims as one, the last
-        return t.permute(kept + dims).reshape(*(d.shape[i] for i in kept), -1)
+        return t.permute(kept + dims).reshape(flat_shape)
 
     idx = along(flat(v), -1, True)[1]
     return wrap(flat(d).gather(-1, idx).reshape(shape), flat(s).gather(-1, idx).reshape(shape))
@@ -820,12 +826,14 @@ def _reduce(func, x, *args, **kwargs):
     dtype = kwargs.get("dtype")
     if dtype is not None and not dtype.is_floating_point:  # (sum(dtype=int): the values' sum, truncated)
         return func(value(x), *args, **kwargs)
-    given = _given(func, args, kwargs)
-    picks = func.overloadpacket in (aten.amax, aten.amin) or (
-        func.overloadpacket is aten.linalg_vector_norm and math.isinf(given["ord"]))
-    if picks and _scale_varies(x, given):
-        return _picked(func, x, args, kwargs)
-    d, s = reduced_parts(func, x, args, kwargs, dtype)
+    d, s = parts(x)
+    if _per_channel(s):
+        given = _given(func, args, kwargs)
+        picks = func.overloadpacket in (aten.amax, aten.amin) or (
+            func.overloadpacket is aten.linalg_vector_norm and math.isinf(given["ord"]))
+        if picks and _scale_varies(s, given):
+            return _picked(func, x, args, kwargs, given)
+        d, s = reduced_parts(func, x, given, dtype)
     return wrap(func(d, *args, **kwargs), s)
 
 
@@ -842,9 +850,12 @@ def _max(func, x, *args, **kwargs):
     """max, min, median, kthvalue, mode (and their indices), which pick elements and so
     commute with a positive scale: scale s (per channel where the channels are not
     reduced; where they are, each picked element's own, :func:`_picked`)."""
-    if _scale_varies(x, _given(func, args, kwargs)):
-        return _picked(func, x, args, kwargs)
-    d, s = reduced_parts(func, x, args, kwargs)
+    d, s = parts(x)
+    if _per_channel(s):
+        given = _given(func, args, kwargs)
+        if _scale_varies(s, given):
+            return _picked(func, x, args, kwargs, given)
+        d, s = reduced_parts(func, x, given)
     out = func(d, *args, **kwargs)
     return (wrap(out[0], s), out[1]) if isinstance(out, tuple) else wrap(out, s)
 
