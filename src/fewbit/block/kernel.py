@@ -157,8 +157,9 @@ def divided(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
     writes a float32 division on a GPU as Triton's, which is not correctly rounded
     (``div.full.f32``, up to 2 ulp off), where the CPU's is. Divided in float64 (Triton's
     is ``div.rn.f64``) and rounded back, it is: 53 >= 2 * 24 + 2 bits make the double
-    rounding innocuous."""
-    if a.dtype != torch.float32:
+    rounding innocuous. (On a CPU the float32 division is kept: it is correctly rounded,
+    and twice as fast.)"""
+    if a.dtype != torch.float32 or a.device.type == "cpu":
         return a / b
     return (a.double() / (b.double() if isinstance(b, torch.Tensor) else b)).float()
 
