@@ -2,6 +2,7 @@
 
 import importlib
 import importlib.metadata
+import os
 import re
 import sys
 import types
@@ -709,3 +710,27 @@ def test_ctrl_c_while_the_command_starts_ends_it_in_one_line(monkeypatch, capsys
     monkeypatch.setitem(sys.modules, "fewbit.cli", Importing("fewbit.cli"))
     assert script.load()() == 130
     assert capsys.readouterr().err == "fewbit: interrupted\n"
+
+
+_ANOTHER_FILE_FULL = """
+import errno, sys
+from fewbit import bench, cli
+def run(*args, **kwargs):
+    print("a row already printed")
+    raise OSError(errno.ENOSPC, "No space left on device", "out/figure.png")
+bench.run = run
+sys.exit(cli.main(["bench", "--no-gfloat", "--log2-size", "4"]))
+"""
+
+
+def test_another_file_on_a_full_disk_leaves_the_output_printed_before():
+    """The write that failed was a file's, not stdout's: what stdout still buffered is
+    delivered (it was sent to /dev/null with the rest), then one line says which file."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout buffered, as in a pipe
+    done = subprocess.run([sys.executable, "-c", _ANOTHER_FILE_FULL], capture_output=True, text=True,
+                          timeout=120, env=env)  # fmt: skip
+    assert done.returncode == 1 and done.stdout == "a row already printed\n", (done.stdout, done.stderr)
+    says = "fewbit: error: cannot write out/figure.png: No space left on device"
+    assert done.stderr.splitlines()[-1] == says

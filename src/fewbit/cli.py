@@ -757,17 +757,23 @@ def main(argv: list[str] | None = None) -> int:
         if err.errno not in _CANNOT_WRITE:
             raise
         print(f"fewbit: error: cannot write {err.filename or 'the output'}: {err.strerror}", file=sys.stderr)
-        _drop_stdout()
+        _flush_or_drop_stdout()
         return 1
 
 
-#: Why a write fails for want of room or of a working device, not for a fault of fewbit's.
-_CANNOT_WRITE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+#: Why a write fails for want of room, not for a fault of fewbit's.
+_CANNOT_WRITE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-def _drop_stdout() -> None:
-    """Send what stdout still buffers to /dev/null: the interpreter's flush at exit would
-    fail on it again, and print a traceback of its own."""
+def _flush_or_drop_stdout() -> None:
+    """Deliver what stdout still buffers (the write that failed may have been another
+    file's); where stdout is the one that cannot be written, send it to /dev/null: the
+    interpreter's flush at exit would fail on it again, and print a traceback of its own."""
+    try:
+        sys.stdout.flush()
+        return
+    except OSError:
+        pass
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (OSError, ValueError, AttributeError):  # not a file (a test's capture): nothing to flush at exit
