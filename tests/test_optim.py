@@ -618,7 +618,8 @@ def test_bad_input():
     with pytest.raises(ValueError, match="not among the optimizer's parameters"):
         LowPrecisionWeights(opt, FMT, params=[torch.nn.Parameter(torch.ones(2, 2))])
     # A tensor, a dict or a set iterated gives rows, names or an order of its own each run.
-    for params in (m[0].weight, dict(m.named_parameters()), {m[0].weight}):
+    for params in (m[0].weight, dict(m.named_parameters()), {m[0].weight},
+                   torch.nn.ParameterDict({"w": m[0].weight})):  # fmt: skip
         with pytest.raises(TypeError, match=f"params must be a list .*not a {type(params).__name__}"):
             LowPrecisionWeights(opt, FMT, params=params)
     with pytest.raises(TypeError, match=r"params\[0\] is a str"):

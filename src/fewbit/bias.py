@@ -350,10 +350,6 @@ def figure(number: int, out_dir: str, seed: int = 0, samples: int | None = None)
                  f"{calls * reps} samples per X", fontsize=10)
     fig.tight_layout()
     os.makedirs(out_dir, exist_ok=True)
-    # Written beside, then renamed: a Ctrl-C or a full disk leaves the old PNG or none, never
-    # a cut one. (The library keeps off fewbit.experiments' write_atomically: an app's.)
-    path = os.path.join(out_dir, f"figure{number}.png")
-    fig.savefig(path + ".part", format="png", dpi=110)
-    os.replace(path + ".part", path)
+    fig.savefig(os.path.join(out_dir, f"figure{number}.png"), dpi=110)
     plt.close(fig)
     return results

@@ -31,7 +31,7 @@ from .replicas import SeedPolicy, replica_key
 from .rounding import RoundMode
 from .rounding.checks import check_mode_args, scalar_args
 from .rounding.modes import parse_mode
-from .rounding.ops import key_device
+from .rounding.ops import op_key
 from .sharding import replica_rank
 
 __all__ = ["FakeQuantize", "Quant", "checkpoint_context", "fake_quantize", "quantize_outputs"]
@@ -194,11 +194,7 @@ def fake_quantize(
     if seed is not None:
         # A key tensor is copied: the gradient rounds with the key of this call, though the
         # caller change theirs in place before backward (key_of passes (2,) int64 through).
-        if isinstance(seed, torch.Tensor):
-            device = x.device if torch.compiler.is_compiling() else key_device(seed, x)
-            seed = key_of(seed, device).clone()
-        else:
-            seed = as_key(seed)
+        seed = op_key(seed, x).clone() if isinstance(seed, torch.Tensor) else as_key(seed)
     forward_mode = not torch.compiler.is_compiling() and may_carry_tangent(x)
     return (_ForwardMode if forward_mode else _StraightThrough).apply(x, forward, backward, seed)
 

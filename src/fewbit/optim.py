@@ -275,7 +275,7 @@ class LowPrecisionWeights:
         else:
             # Iterated, a tensor gives rows, a dict names, a set an order of its own each run
             # (and the order gives each weight its key).
-            if isinstance(params, (torch.Tensor, Mapping, set, frozenset)):
+            if isinstance(params, (torch.Tensor, Mapping, torch.nn.ParameterDict, set, frozenset)):
                 raise TypeError(f"params must be a list of tensors or of (name, tensor) pairs, not a "
                                 f"{type(params).__name__} (named_parameters() gives pairs)")  # fmt: skip
             chosen = []

@@ -106,14 +106,9 @@ def op_key(seed, x: torch.Tensor) -> Key | torch.Tensor | None:
     if not torch.compiler.is_compiling():
         if isinstance(seed, (int, Key)):
             return _seed_key(seed) if type(seed) is int else as_key(seed)  # (a bool is refused there)
-        return key_of(seed, key_device(seed, x))
+        host = isinstance(seed, torch.Tensor) and seed.device.type == "cpu"
+        return key_of(seed, _HOST if host else x.device)
     return key_of(seed, x.device)
-
-
-def key_device(seed: object, x: torch.Tensor) -> torch.device:
-    """Where an eager call makes the key of a tensor seed: in host memory where the seed
-    is (the kernels take a host key for x on any device), else on x's device."""
-    return _HOST if isinstance(seed, torch.Tensor) and seed.device.type == "cpu" else x.device
 
 
 @functools.lru_cache(maxsize=256)
