@@ -320,7 +320,8 @@ class ScaledTensor(torch.Tensor):
         # becomes a tensor: the gradient that arrives mostly has a tensor scale
         # (dequantize's backward), and coercing it to a traced static scale would move
         # the scale ratio into 16-bit data, flushing or overflowing it; a static one
-        # turns into a tensor exactly.
+        # turns into a float32 tensor (exactly where float32 holds it; value() multiplies
+        # in float32 anyway).
         return self if self._static is None else ScaledTensor._make(self._data, self.scale)
 
     def __coerce_same_metadata_as_tangent__(self, expected_metadata: tuple, expected_type=None):
