@@ -515,16 +515,16 @@ def cmd_replicas_fsdp(args: argparse.Namespace) -> int:
     from .config import configure
     from .experiments.replicas import launch
     from .experiments.sharded import TINY, UPDATE_DTYPE, ShardedRun, check_world, run, train_single
-    from .rounding import dtype_format
+    from .optim import check_holds
 
     cfg = ShardedRun(steps=args.steps, seed=args.seed, policy=args.policy, placement=args.placement or 0,
                      block_size=TINY.block_size, hash_every=1, fmt=args.format or "binary8p4")  # fmt: skip
     check_world(cfg, args.nproc)  # before anything starts
-    fmt = element_or_block(cfg.fmt)  # a bad name, before anything starts
-    element = fmt.element if isinstance(fmt, BlockFormat) else fmt
-    if not dtype_format(UPDATE_DTYPE).contains(element):  # as LowPrecisionWeights refuses it, on every rank
-        raise ValueError(f"--format {cfg.fmt}: the run holds each weight's update in {UPDATE_DTYPE} "
-                         f"(update_dtype), which cannot hold every value of {element.name}")  # fmt: skip
+    # A bad name, and a format the updates cannot hold (as LowPrecisionWeights refuses it on
+    # every rank), before anything starts.
+    check_holds(UPDATE_DTYPE, element_or_block(cfg.fmt),
+                f"--format {cfg.fmt}: the run holds each weight's update in {UPDATE_DTYPE} "
+                "(update_dtype), which")  # fmt: skip
     data_file = _shakespeare(args)
     if data_file is None:
         return 2

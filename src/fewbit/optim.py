@@ -128,6 +128,16 @@ def _tensors(tree):
             yield from _tensors(item)
 
 
+def check_holds(dtype: torch.dtype, fmt: FloatFormat | BlockFormat, what: str) -> None:
+    """Refuse a weight or update dtype (``what`` names it) without every value of ``fmt``.
+    For a block format the element format is checked: a block's values are elements times
+    a power of two (float32's exponent range), or for NVFP4 a product that the kernel
+    rounds to the dtype anyway."""
+    element = fmt.element if isinstance(fmt, BlockFormat) else fmt
+    if not dtype_format(dtype).contains(element):
+        raise ValueError(f"{what} cannot hold every value of {element.name}")
+
+
 class LowPrecisionWeights:
     """Wrap ``optimizer`` so that the selected parameters always hold values of ``fmt``.
 
@@ -298,18 +308,13 @@ class LowPrecisionWeights:
         """Refuse parameters the write-back cannot hold: a piece without whole blocks, a
         dtype without every value of the format, or a mix of dtypes or devices (among
         them and the parameters already selected)."""
-        # For a block format the element format is checked: a block's values are elements
-        # times a power of two (float32's exponent range), or for NVFP4 a product that the
-        # kernel rounds to the dtype anyway.
-        element = self.fmt.element if isinstance(self.fmt, BlockFormat) else self.fmt
         for name, p in zip(names, params, strict=True):
             if isinstance(self.fmt, BlockFormat):
                 check_block_axis(p, self.fmt.axis, name)
             # A block's scale needs all its elements: a piece must hold whole blocks.
             check_whole_blocks(p, self.fmt, name=name)
             for dtype in {p.dtype, self.update_dtype or p.dtype}:
-                if not dtype_format(dtype).contains(element):
-                    raise ValueError(f"{name} ({dtype}) cannot hold every value of {element.name}")
+                check_holds(dtype, self.fmt, f"{name} ({dtype})")
         # Every selected parameter shares one dtype: the write-back rounds them together.
         every = [*self.params, *params]
         dtypes = {p.dtype for p in every} | {p.device for p in every}  # (cuda:0 and cuda:1 differ)
