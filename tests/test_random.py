@@ -454,6 +454,26 @@ def test_bad_bits(bits):
         bits_from_range(0, 4, bits, 0, 0)
 
 
+@pytest.mark.parametrize(
+    "k0, error",
+    [(-1, ValueError), (2**32, ValueError), (1.0, TypeError), (True, TypeError),
+     (torch.tensor([1, 2]), TypeError), (torch.tensor(1.0), TypeError)],
+)
+def test_bad_key_words_given_apart(k0, error):
+    # Words beyond 32 bits were taken modulo 2**32 (or as another key) without a word.
+    with pytest.raises(error, match="k0"):
+        bits_from_range(0, 4, 3, k0, 0)
+    with pytest.raises(error, match="k0"):
+        bits_from_index(torch.arange(4), 3, k0, 0)
+
+
+def test_bits_from_index_takes_integer_indices():
+    idx = torch.arange(300)
+    assert torch.equal(bits_from_index(idx.to(torch.int32), 3, 5, 7), bits_from_range(0, 300, 3, 5, 7))
+    with pytest.raises(TypeError, match="index"):
+        bits_from_index(idx.float(), 3, 5, 7)
+
+
 def test_bad_dtype():
     with pytest.raises(ValueError, match="int64"):
         random_bits((4,), 32, KEY, dtype=torch.int32)

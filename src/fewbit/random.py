@@ -524,6 +524,21 @@ def _key_words(key: Key | int, device) -> tuple[KeyInt, KeyInt]:
     return checked.k0, checked.k1
 
 
+def _check_key_words(k0: object, k1: object) -> tuple[KeyInt, KeyInt]:
+    """Key words given apart: ints in ``[0, 2**32)``, or 0-d integer tensors (their values
+    are not read: that would wait for a GPU or break a compiled graph)."""
+    words = []
+    for k, what in ((k0, "k0"), (k1, "k1")):
+        if isinstance(k, torch.Tensor):
+            if k.dim() != 0 or k.dtype.is_floating_point or k.dtype.is_complex or k.dtype == torch.bool:
+                raise TypeError(f"{what} must be an int or a 0-d integer tensor, got {k.dtype} of shape "
+                                f"{tuple(k.shape)}")
+            words.append(k)
+        else:
+            words.append(_check_size(k, 2**32, what))
+    return words[0], words[1]
+
+
 def _check_range(offset: object, n: int) -> int:
     offset = _check_size(offset, _MAX_INDEX + 1, "offset")
     symbolic = isinstance(offset, torch.SymInt) or isinstance(n, torch.SymInt)
@@ -673,6 +688,7 @@ def bits_from_range(
     at either end.
     """
     bits = _check_bits(bits)
+    k0, k1 = _check_key_words(k0, k1)
     n = _check_size(n, _MAX_INDEX + 1, "n")
     offset = _check_range(offset, n)
     on_host = not any(isinstance(k, torch.Tensor) and k.device.type != "cpu" for k in (k0, k1))
@@ -684,10 +700,11 @@ def bits_from_range(
 
 
 def bits_from_index(index: torch.Tensor, bits: int, k0: KeyInt, k1: KeyInt) -> torch.Tensor:
-    """Values for arbitrary element indices (int64 tensor, each in
-    ``[0, 2**63)``), the same as :func:`random_bits` gives those elements.
+    """Values for arbitrary element indices (an int64 or int32 tensor, each in
+    ``[0, 2**63)``: not checked, as reading them would wait for a GPU; a negative
+    index gives unspecified bits), the same as :func:`random_bits` gives those elements.
     Returns int32 (``bits <= 31``) or int64 (``bits == 32``) with ``index``'s
-    shape and device.
+    shape and device. Keys: ints in ``[0, 2**32)`` or 0-d integer tensors.
 
     A pure function of tensors (keys: ints or 0-d int64 tensors, e.g. from
     :meth:`Key.tensors`) for use inside ``torch.compile(fullgraph=True)`` code,
@@ -696,6 +713,10 @@ def bits_from_index(index: torch.Tensor, bits: int, k0: KeyInt, k1: KeyInt) -> t
     for contiguous ranges.
     """
     bits = _check_bits(bits)
+    k0, k1 = _check_key_words(k0, k1)
+    if not isinstance(index, torch.Tensor) or index.dtype not in (torch.int64, torch.int32):
+        got = index.dtype if isinstance(index, torch.Tensor) else type(index).__name__
+        raise TypeError(f"index must be an int64 or int32 tensor, got {got}")
     per_word = 32 // bits
     row = index // LANES
     lane = index - row * LANES
