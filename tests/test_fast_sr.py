@@ -90,12 +90,15 @@ def test_config_forces_eager(eager):
     assert len(compiled._CACHE) == before
 
 
-@pytest.mark.parametrize("mode", ["srff", "srf", "src"])
-def test_mean_over_seeds_matches_the_exact_expectation(eager, mode):
-    # 0.3 in binary8p4 lies d = 0.6000004 of an ulp above 0.28125.
-    x = torch.full((100_000,), 0.3)
+@pytest.mark.parametrize("mode", ["srff", "srf", "src", "src_odd"])
+@pytest.mark.parametrize("value", [0.3, 0.302734375, 0.303125])
+def test_mean_over_seeds_matches_the_exact_expectation(eager, mode, value):
+    # In binary8p4 these lie d = 0.6000004, 11/16 (a tie of d * 2^3, where the modes' tie
+    # rules differ) and 0.7000003 of an ulp above 0.28125: with N = 2 instead of 3, srff
+    # would give 1/2 at d = 0.7 (5/8 with 3 bits).
+    x = torch.full((100_000,), value)
     lo, ulp = 0.28125, 0.03125
-    d = Fraction(torch.tensor(0.3).item() - lo) / Fraction(ulp)
+    d = Fraction(torch.tensor(value).item() - lo) / Fraction(ulp)
     mean = torch.stack([fewbit.round(x, "binary8p4", mode, bits=3, seed=s).double().mean()
                         for s in range(4)]).mean().item()
     p = float(probability_away(fewbit.RoundMode(mode), d, 3))

@@ -153,6 +153,45 @@ def test_sr_rounds_away_with_probability_equal_to_the_discarded_fraction():
     assert torch.equal(away_count, expected)
 
 
+def test_round_to_odd_stops_at_the_largest_value():
+    """Beyond the largest finite value round-to-odd gives it, sign kept, with sat=False
+    too (round-to-odd never rounds away, so a finite value never overflows to inf)."""
+    for name in ("binary8p4", "ocp_e5m2", "ocp_e4m3", "binary8p3"):
+        fmt = fewbit.format(name)
+        x = torch.tensor([fmt.max * 1.03, -fmt.max * 1.03, 1e30, -1e30])
+        want = [fmt.max, -fmt.max, fmt.max, -fmt.max]
+        assert fewbit.round(x, fmt, "rto").tolist() == want, name
+
+
+@pytest.mark.parametrize("dtype, n", [(torch.bfloat16, 4), (torch.float32, 20)])
+def test_sr_is_src_with_the_natural_n_subnormals_included(dtype, n):
+    """sr is src with N = min(D, 32) (D = 8 - 4 and 24 - 4 into binary8p4) for every bit
+    value, results below the smallest normal included, where more than D bits are
+    discarded and src's tie rule decides the last of them (truncating them instead passed
+    every sampled test: it differs once in 2^N draws)."""
+    fmt = fewbit.format("binary8p4")
+    if dtype == torch.bfloat16:
+        x = _all_finite()
+        draws = range(1 << n)
+    else:  # float32 below binary8p4's smallest normal, with bits either side of each boundary
+        step = fmt.smallest_subnormal * 2.0**-n
+        x = torch.cat([torch.arange(1, 5000) * step * 0.75, torch.randn(5000) * fmt.smallest_normal])
+        draws = [0, 1, (1 << n - 1) - 1, 1 << n - 1, (1 << n) - 2, (1 << n) - 1]
+    for bits in draws:
+        rb = torch.full(x.shape, bits)
+        assert_bitwise_equal(fewbit.round(x, fmt, "sr", random_bits=rb),
+                             fewbit.round(x, fmt, "src", bits=n, random_bits=rb), x, f"bits {bits}")
+
+
+@pytest.mark.parametrize("dtype, n", [(torch.bfloat16, 4), (torch.float32, 20)])
+@pytest.mark.parametrize("mode, kw", [("sr_near_zero", {}), ("sr_fraction", {"fraction": 0.5})])
+def test_optional_modes_default_to_the_natural_n(dtype, n, mode, kw):
+    """Without bits=, the modes whose N is optional take N = min(D, 32)."""
+    x = (torch.randn(20_000, generator=torch.Generator().manual_seed(0)) * 0.01).to(dtype)
+    assert_bitwise_equal(fewbit.round(x, "binary8p4", mode, seed=3, **kw),
+                         fewbit.round(x, "binary8p4", mode, bits=n, seed=3, **kw), x, mode)
+
+
 def test_sr_into_a_twos_complement_format_keeps_every_discarded_bit():
     """OCP INT8's values in [1, 2) are k / 64: 7 significant bits, as its P = 8 counts the
     sign. From float32 (24) sr keeps D = 17 bits, so 1 + 2^-23, 2^-17 of an ulp above 1,

@@ -1243,6 +1243,11 @@ def test_number_ops_whose_scale_would_leave_float32_compute_on_the_values():
     for got, want in ((x * 1e30, v * 1e30), (x / 1e-30, v / 1e-30), (x * 1e-30, v * 1e-30),
                       (small**-1.5, torch.tensor([2.0**15])), (1 / tiny, torch.tensor([2.0**10]))):
         close(got.dequantize(F64), want.to(F64), 2.0**-22)
+    # x * 1e-30 keeps its scale inside float32, so only the scale may change (close()'s
+    # absolute floor cannot tell 1e-40 from the values computed in float32 subnormals).
+    y = x * 1e-30
+    assert torch.equal(y.unscaled, x.unscaled)
+    assert math.isclose(float(y.scale), 1e-20, rel_tol=1e-6)
 
 
 def test_in_place_results_into_an_integer_tensor_are_refused_as_in_torch():

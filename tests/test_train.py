@@ -183,6 +183,8 @@ def test_learning_rate_schedule():
     assert learning_rate(cfg, 0) == pytest.approx(0.25)
     assert learning_rate(cfg, 4) == pytest.approx(1.0)
     assert learning_rate(cfg, 20) == pytest.approx(0.1)
+    # A quarter of the way through the decay, cosine (not linear, 0.775) gives this.
+    assert learning_rate(cfg, 8) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi / 4)))
     assert all(learning_rate(cfg, i) >= learning_rate(cfg, i + 1) for i in range(4, 20))
 
 
