@@ -7,9 +7,12 @@ reference and to gfloat."""
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import os
 import shutil
 import subprocess
+import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -17,7 +20,7 @@ import pytest
 import torch
 
 import fewbit
-from fewbit.config import configure
+from fewbit.config import Config, configure
 from fewbit.random import Key, fold_in, random_bits
 from fewbit.rounding import native
 from fewbit.rounding.checks import make_spec
@@ -474,6 +477,51 @@ def test_a_build_is_readable_by_every_user_of_a_shared_cache(stubs, monkeypatch,
     finally:
         os.umask(umask)
     assert target.stat().st_mode & 0o444 == 0o444
+
+
+def test_a_killed_builds_folder_goes_at_the_next_load(stubs, monkeypatch, tmp_path):
+    """A build killed part way leaves its folder (and what the compiler wrote) behind:
+    an hour on, the next process that loads from the cache removes it; one in progress
+    elsewhere, and a user's file of a like name, stay."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / native._file_name(fake_compiler(monkeypatch, tmp_path, None))).write_bytes(
+        stubs["fewbit"].read_bytes())
+    killed, building = cache / (native._BUILDING + "a1"), cache / (native._BUILDING + "b2")
+    for folder in (killed, building):
+        folder.mkdir()
+        (folder / "partial.so").write_bytes(b"part")
+    os.utime(killed, (time.time() - 2 * native._STALE_BUILD_SECONDS,) * 2)
+    mine = cache / "tmp-notes"
+    mine.mkdir()
+    os.utime(mine, (1e9, 1e9))
+    with configure(native_cache=str(cache)), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native._load() is not None
+    assert not killed.exists() and building.exists() and mine.exists()
+
+
+def test_a_fork_while_another_thread_builds_gets_a_lock_of_its_own():
+    """The child of a fork made while a thread held the build's lock waited for it forever
+    at its first call (a DataLoader's workers forked during a warm-up thread's build)."""
+    with native._lock:
+        child = multiprocessing.get_context("fork").Process(target=_take_the_build_lock)
+        child.start()
+        child.join(60)
+    assert child.exitcode == 0
+
+
+def _take_the_build_lock() -> None:
+    sys.exit(0 if native._lock.acquire(timeout=20) else 1)
+
+
+def test_a_cache_folder_spelled_with_a_tilde_is_the_home_folders():
+    """Set by Docker's ENV or configure, which do not expand it as a shell does, it made a
+    folder named ~ in each working folder (and a build in each)."""
+    home = os.path.expanduser("~")
+    assert Config(native_cache="~/fewbit-cache").native_cache == os.path.join(home, "fewbit-cache")
+    assert Config.from_env({"FEWBIT_CACHE": "~"}).native_cache == home
+    assert Config(native_cache="a~b").native_cache == "a~b"
 
 
 def test_a_cache_in_the_working_folder_is_loaded_by_its_path(stubs, monkeypatch, tmp_path):

@@ -15,7 +15,8 @@ setting                environment (import)   meaning
                                               on a GPU Triton (``rounding/triton_kernels.py``);
                                               False: torch.compile'd kernels. Needs ``compile``
 ``native_cache``       ``FEWBIT_CACHE``       folder of the built native kernel (default
-                                              ``$XDG_CACHE_HOME/fewbit`` or ``~/.cache/fewbit``)
+                                              ``$XDG_CACHE_HOME/fewbit`` or ``~/.cache/fewbit``;
+                                              a leading ``~`` is expanded)
 ``eager_chunk``                               elements per chunk of an eager CPU run (chunks
                                               keep the intermediates in cache)
 ``scaled_fallback``                           ``"warn"`` (once per op) or ``"error"`` when an
@@ -77,6 +78,8 @@ class Config:
         if not isinstance(self.native_cache, str | os.PathLike) or not os.fspath(self.native_cache):
             raise ValueError(f"native_cache must be a folder's path (a non-empty str or os.PathLike), "
                              f"got {self.native_cache!r}")
+        if os.fspath(self.native_cache).startswith("~"):  # as a shell would (Docker's ENV does not)
+            object.__setattr__(self, "native_cache", os.path.expanduser(self.native_cache))
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Config:

@@ -25,6 +25,7 @@ import struct
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -79,6 +80,17 @@ def even_fraction(fmt: FloatFormat) -> int:
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
+
+
+def _new_lock_after_fork() -> None:
+    # A fork while another thread builds copies _lock held by a thread the child lacks:
+    # its first call would wait for it forever. The child builds or loads on its own.
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_new_lock_after_fork)
 #: The cache folders (setting ``native_cache``) where the kernel could not be built or
 #: loaded: each is tried once a process, so a bad folder set for a while costs no other.
 _failed: set[str] = set()
@@ -358,6 +370,7 @@ def _cached_or_built() -> ctypes.CDLL:
     compiler = _compiler()
     # Absolute: dlopen looks a name without a slash up on the library path, not here.
     target = Path(current().native_cache).resolve() / _file_name(compiler)
+    _remove_killed_builds(target.parent)
     if target.exists():
         with contextlib.suppress(OSError):  # marked used now, which _prune goes by (unless read-only)
             os.utime(target)
@@ -375,7 +388,7 @@ def _build(compiler: str, target: Path) -> ctypes.CDLL:
     # back a library already loaded under the same name (the one this build replaces).
     # The compiler creates the file, so its mode is a new library's: whoever the umask
     # lets read it (other users of a shared cache) can load it.
-    with tempfile.TemporaryDirectory(dir=target.parent) as folder:
+    with tempfile.TemporaryDirectory(prefix=_BUILDING, dir=target.parent) as folder:
         partial = Path(folder, target.name)
         subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE)], capture_output=True, text=True,
                        check=True)  # fmt: skip
@@ -390,6 +403,18 @@ def _build(compiler: str, target: Path) -> ctypes.CDLL:
 #: Builds a cache keeps: every edit of the source, new flags, compiler or CPU make another,
 #: and a few let versions of fewbit that share the cache each find their own.
 KEEP_BUILDS = 4
+#: The prefix of a build's own folder, and the age past which one is a killed build's:
+#: a build takes under a minute.
+_BUILDING = "native-building-"
+_STALE_BUILD_SECONDS = 3600
+
+
+def _remove_killed_builds(cache: Path) -> None:
+    """Delete the folders of builds killed part way (an hour old), which nothing else would."""
+    for folder in cache.glob(_BUILDING + "*"):
+        with contextlib.suppress(FileNotFoundError):
+            if time.time() - folder.stat().st_mtime > _STALE_BUILD_SECONDS:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def _prune(cache: Path) -> None:
