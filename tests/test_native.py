@@ -501,6 +501,29 @@ def test_a_killed_builds_folder_goes_at_the_next_load(stubs, monkeypatch, tmp_pa
     assert not killed.exists() and building.exists() and mine.exists()
 
 
+def test_without_a_compiler_a_build_by_another_compiler_loads(stubs, monkeypatch, tmp_path):
+    """An image without a compiler that runs what another image built into the cache
+    ignored the build (its name hashes the compiler's version) and ran torch's kernels."""
+    fake_compiler(monkeypatch, tmp_path, None)
+
+    def no_compiler():
+        raise OSError("no C++ compiler (c++) on PATH")
+
+    monkeypatch.setattr(native, "_compiler", no_compiler)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    other_source = cache / "native-0123456789abcdef-0123456789abcdef.so"
+    other_source.write_bytes(b"not loaded")
+    with configure(native_cache=str(cache)):
+        with pytest.warns(RuntimeWarning, match="could not be built .*no C.. compiler"):
+            assert native._load() is None
+    monkeypatch.setattr(native, "_failed", set())
+    (cache / f"native-{native._build_tag()}-fedcba9876543210.so").write_bytes(stubs["fewbit"].read_bytes())
+    with configure(native_cache=str(cache)), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native._load() is not None
+
+
 def test_a_fork_while_another_thread_builds_gets_a_lock_of_its_own():
     """The child of a fork made while a thread held the build's lock waited for it forever
     at its first call (a DataLoader's workers forked during a warm-up thread's build)."""

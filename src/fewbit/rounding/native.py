@@ -5,7 +5,8 @@ Inductor's C++ loops did not overlap Threefry with the memory traffic, and every
 16-bit input took three passes; this kernel is plain C++ without torch headers, built
 at first use with the system compiler (``c++``, about 15 s on one core) into
 ``fewbit.config``'s ``native_cache`` under a name that hashes the source, the flags,
-the compiler and the CPU, and loaded with ``ctypes`` (which releases the GIL).
+the compiler and the CPU (with no compiler on PATH, a build of the same source, flags
+and CPU loads), and loaded with ``ctypes`` (which releases the GIL).
 Where it cannot be built or loaded, or does not apply (float64 inputs, formats beyond
 float32's range, N > 30), the torch kernels run instead: ``fast.round_fast`` compiled or
 eager, whose bits it reproduces (tests/test_native.py). On a GPU, gpu.py's Triton kernel
@@ -367,10 +368,19 @@ def _cached_or_built() -> ctypes.CDLL:
     """The kernel from the cache, built into it unless it is there already. One there that
     does not load (cut short by a full disk or a killed copy, or not fewbit's) is built
     again once, in its place: left there, it would fail every process that shares the cache."""
-    compiler = _compiler()
     # Absolute: dlopen looks a name without a slash up on the library path, not here.
-    target = Path(current().native_cache).resolve() / _file_name(compiler)
-    _remove_killed_builds(target.parent)
+    cache = Path(current().native_cache).resolve()
+    _remove_killed_builds(cache)
+    try:
+        compiler = _compiler()
+    except OSError:
+        # No compiler here (an image that runs what another one built): a build of this
+        # source, these flags and this CPU, by whichever compiler, does the same.
+        built = max(cache.glob(f"native-{_build_tag()}-*.so"), key=lambda p: p.stat().st_mtime, default=None)
+        if built is None:
+            raise
+        return _open(built)
+    target = cache / _file_name(compiler)
     if target.exists():
         with contextlib.suppress(OSError):  # marked used now, which _prune goes by (unless read-only)
             os.utime(target)
@@ -435,11 +445,19 @@ def _compiler() -> str:
     return compiler
 
 
+def _build_tag() -> str:
+    """A hash of what a build depends on but the compiler: the source, the flags, the CPU."""
+    return _hash(SOURCE.read_text(), *FLAGS, _cpu())
+
+
 def _file_name(compiler: str) -> str:
-    """The build's name in the cache: a hash of what the library depends on."""
+    """The build's name in the cache: :func:`_build_tag`, then a hash of the compiler's version."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    tag = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu()]).encode()).hexdigest()[:16]
-    return f"native-{tag}.so"
+    return f"native-{_build_tag()}-{_hash(version)}.so"
+
+
+def _hash(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
 def _cpu() -> str:
