@@ -817,6 +817,29 @@ def test_forward_mode_passes_the_tangent_straight_through(monkeypatch, level_kno
     assert torch.equal(torch.func.jacfwd(calls["round"])(x[0, :5]), torch.eye(5))
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch.func.jvp
+def test_forward_mode_under_compile_is_refused_or_runs_eagerly():
+    """Traced, the ops have no forward-mode formula: a compiled torch.func.jvp through them
+    gave a zero tangent. fullgraph=True refuses it, naming why; without it Dynamo runs the
+    frame eagerly, where the tangent passes straight through."""
+    from fewbit.nn import fake_quantize
+
+    gen = torch.Generator().manual_seed(14)
+    x, t = torch.randn(4, 64, generator=gen), torch.randn(4, 64, generator=gen)
+    for f in (lambda v: fewbit.round(v, "binary8p4") * 2, lambda v: fewbit.block.round(v, "mxfp4") * 2,
+              lambda v: fake_quantize(v, Quant("binary8p4")) * 2):
+        def jvp(a, b, f=f):
+            return torch.func.jvp(f, (a,), (b,))[1]
+
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="fewbit: forward-mode AD"):
+            torch.compile(jvp, fullgraph=True)(x, t)
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(jvp)(x, t), 2 * t)
+    assert torch.equal(torch.compile(lambda v: fewbit.round(v, "binary8p4"), fullgraph=True)(x),
+                       fewbit.round(x, "binary8p4"))
+
+
 def test_vmap_rounds_each_sample_as_a_call_of_its_own():
     """torch.vmap of fewbit.round and fewbit.block.round gives each sample what a call on
     it alone gives, batched along any dimension, for the block axis of each sample, with

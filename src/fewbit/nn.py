@@ -25,7 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from .block import BlockFormat, check_args, element_or_block, round_to
 from .block.ops import check_axis
 from .formats import FloatFormat
-from .operators import may_carry_tangent, operator, recording
+from .operators import may_carry_tangent, operator, recording, refuse_compiled_forward_ad
 from .random import Key, as_key, fold_in, key_of
 from .replicas import SeedPolicy, replica_key
 from .rounding import RoundMode
@@ -195,6 +195,8 @@ def fake_quantize(
         # A key tensor is copied: the gradient rounds with the key of this call, though the
         # caller change theirs in place before backward (key_of passes (2,) int64 through).
         seed = op_key(seed, x).clone() if isinstance(seed, torch.Tensor) else as_key(seed)
+    if torch.compiler.is_compiling():
+        refuse_compiled_forward_ad()
     forward_mode = not torch.compiler.is_compiling() and may_carry_tangent(x)
     return (_ForwardMode if forward_mode else _StraightThrough).apply(x, forward, backward, seed)
 

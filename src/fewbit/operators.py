@@ -65,6 +65,8 @@ class Operator:
 
     def __call__(self, *args):
         if torch.compiler.is_compiling():
+            if self._differentiable is not None:
+                refuse_compiled_forward_ad()
             return self.op(*args)
         if unseen(self._tensors(args)):
             return self._direct(*args)
@@ -178,6 +180,17 @@ def may_carry_tangent(x: torch.Tensor) -> bool:
     if _LEVEL_KNOWN:
         return _FORWARD_AD._current_level >= 0
     return _FORWARD_AD.unpack_dual(x).tangent is not None
+
+
+def refuse_compiled_forward_ad() -> None:
+    """Under torch.compile, refuse a call inside forward-mode AD (``torch.func.jvp``,
+    ``jacfwd``, a dual level), which the traced op would answer with a zero tangent. Read
+    at trace time; Dynamo without fullgraph runs the frame eagerly instead, where the
+    tangent passes."""
+    if _LEVEL_KNOWN and _FORWARD_AD._current_level >= 0:
+        raise RuntimeError("fewbit: forward-mode AD (torch.func.jvp, jacfwd, forward_ad) through fewbit's "
+                           "ops under torch.compile would give a zero tangent (torch 2.13 traces the op "
+                           "without its forward-mode formula); call it eagerly")
 
 
 #: Tensors a call may run on directly: torch's own, whose __torch_function__ is torch's.
