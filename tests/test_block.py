@@ -531,6 +531,23 @@ def test_nvfp4_rule_up_clips_nothing(native):
         assert ts == np.nextafter(nearest, np.float32(np.inf))  # one float32 step
 
 
+def test_nvfp4_rule_up_clips_no_float64_data():
+    """float64 data's largest magnitude was rounded to nearest in float32 before the
+    per-tensor scale was raised to cover it: where it rounded down (2.1543860756514377,
+    and 32 of 400 N(0, 1) tensors), it saturated under "up" all the same."""
+    x = torch.zeros(1, 16, dtype=torch.float64)
+    x[0, 0], x[0, 1] = 2.1543860756514377, 0.5
+    assert float(np.float32(x[0, 0].item())) < x[0, 0].item()  # float32 rounds it down
+    gen = torch.Generator().manual_seed(1)
+    for t in [x, *(torch.randn(4, 64, generator=gen, dtype=torch.float64) for _ in range(100))]:
+        stored = block.quantize(t, "nvfp4", "rne", rule="up")
+        factor = stored.block_scales().double().repeat_interleave(16, dim=-1)
+        assert bool((t.abs() <= 6 * factor).all())
+        up = block.round(t, "nvfp4", "rup", rule="up", sat=False)
+        assert bool((up >= t).all())
+        assert torch.equal(up, block_round_reference(t, "nvfp4", "rup", rule="up"))
+
+
 def blocks_whose_s_rounds_short(element: str = "e2m3") -> tuple[block.BlockFormat, torch.Tensor]:
     """NVFP4's scaling (blocks of 16, E4M3 scales, a per-tensor scale ts) over ``element``,
     rule "up", and a row of blocks where S = s ts, s a block's E4M3 scale (amax / M / ts

@@ -141,15 +141,22 @@ def block_scales(
 
 def finite_amax(x: torch.Tensor, found: float | torch.Tensor | None = None) -> torch.Tensor:
     """``x``'s largest finite magnitude, a 0-d float32 tensor on x's device (0 for a
-    tensor without one). ``found``: that magnitude where the caller has it (the native
-    kernel finds it in one read, as a float; the GPU's as a 0-d float32 tensor)."""
+    tensor without one); float64 data's rounded up to float32 (to nearest, it could land
+    below the data, and rule "up" clip). ``found``: that magnitude where the caller has
+    it (the native kernel finds it in one read, as a float; the GPU's as a 0-d float32
+    tensor)."""
     if isinstance(found, torch.Tensor):
         return found
     if found is not None:
         return torch.tensor(found, dtype=torch.float32, device=x.device)
-    if x.numel():
-        return torch.where(torch.isfinite(x), x, 0).abs().amax().to(torch.float32)
-    return torch.zeros((), device=x.device)
+    if not x.numel():
+        return torch.zeros((), device=x.device)
+    amax = torch.where(torch.isfinite(x), x, 0).abs().amax()
+    rounded = amax.to(torch.float32)
+    if amax.dtype == torch.float64:
+        above = torch.nextafter(rounded, torch.full_like(rounded, torch.inf))
+        rounded = torch.where(rounded.double() < amax, above, rounded)
+    return rounded
 
 
 def divided(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:

@@ -11,7 +11,7 @@ For each block of ``B`` values along the axis (zero-padded at the end):
    block; for E4M3/float32, ``amax / M`` (over the per-tensor scale, if any) rounded to
    the scale format (``nearest``: ties to even; ``up``), times the per-tensor scale in
    float32. The per-tensor scale (NVFP4) is the tensor's largest finite magnitude in
-   float32 (at most float32's largest value) over ``M`` times the scale format's
+   float32 (rounded up from float64; at most float32's largest value) over ``M`` times the scale format's
    largest, at least float32's smallest positive value; 1 for a tensor without a finite
    nonzero value. Under ``up``, both are raised until nothing clips: the block's scale to
    the next one while ``M S < amax``, the per-tensor scale by float32 steps while the
@@ -89,7 +89,10 @@ def _to_scale(target: float, bfmt: BlockFormat, mode: str) -> float:
 def tensor_scale_reference(amax: float, bfmt: BlockFormat, rule: str) -> float:
     """The per-tensor scale for a tensor whose largest finite magnitude is ``amax``
     (step 2 above)."""
-    amax_t = np.float32(min(amax, float(np.finfo(np.float32).max)))
+    bounded = min(amax, float(np.finfo(np.float32).max))
+    amax_t = np.float32(bounded)
+    if float(amax_t) < bounded:  # float64 data: the float32 above (kernel.finite_amax)
+        amax_t = np.nextafter(amax_t, np.float32(np.inf))
     if not amax_t:
         return 1.0
     top = bfmt.element.max * bfmt.scale.max
