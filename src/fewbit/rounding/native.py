@@ -81,6 +81,9 @@ def even_fraction(fmt: FloatFormat) -> int:
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
+#: The cache folders (setting ``native_cache``) where the kernel could not be built or
+#: loaded: each is tried once a process, so a bad folder set for a while costs no other.
+_failed: set[str] = set()
 
 
 def _new_lock_after_fork() -> None:
@@ -92,9 +95,6 @@ def _new_lock_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):  # POSIX
     os.register_at_fork(after_in_child=_new_lock_after_fork)
-#: The cache folders (setting ``native_cache``) where the kernel could not be built or
-#: loaded: each is tried once a process, so a bad folder set for a while costs no other.
-_failed: set[str] = set()
 
 
 def _bits32(value: float) -> int:
