@@ -467,6 +467,26 @@ def test_out_is_refused_before_anything_is_written():
         assert torch.equal(block.round(w, "mxfp4", out=torch.empty(2, 32)), block.round(w.detach(), "mxfp4"))
 
 
+def test_quantize_refuses_an_out_it_could_not_fill_whole_before_writing_it():
+    """Scales that share memory (expanded) were refused by torch after the codes were
+    written; an NVFP4 out without its per-tensor scale (or an MX one with one) took codes
+    and scales for a scale that went nowhere; a tensor scale that requires grad was written
+    in place, which torch refuses for a leaf."""
+    x = torch.randn(4, 64) * 1000
+    for name, change, error, match in (
+        ("mxfp8_e4m3", {"scales": torch.zeros(1, 1, dtype=torch.uint8).expand(4, 2)}, RuntimeError, "share"),
+        ("nvfp4", {"tensor_scale": None}, ValueError, "per-tensor scale, so out.tensor_scale must be a 0-d"),
+        ("mxfp4", {"tensor_scale": torch.ones(())}, ValueError, "no per-tensor scale, so out.tensor_scale"),
+        ("nvfp4", {"tensor_scale": torch.ones((), requires_grad=True)}, RuntimeError, "requires grad"),
+    ):
+        out = replace(block.quantize(torch.ones(4, 64), name), **change)
+        before = [t.clone() for t in (out.codes, out.scales, out.tensor_scale) if t is not None]
+        with pytest.raises(error, match=match):
+            block.quantize(x, name, out=out)
+        after = [t for t in (out.codes, out.scales, out.tensor_scale) if t is not None]
+        assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True)), name
+
+
 @pytest.mark.filterwarnings("error::UserWarning")  # Dynamo's warning on tracing a registry's cache
 def test_quantize_and_out_under_torch_compile():
     """quantize, and the writing ops, under the user's torch.compile(fullgraph=True) with a

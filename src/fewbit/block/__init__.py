@@ -138,7 +138,14 @@ def quantize(
         raise TypeError(f"fewbit.block.quantize: out must be a BlockTensor, not {type(out).__name__}")
     if out.shape != x.shape:
         raise ValueError(f"out holds a tensor of shape {tuple(out.shape)}, x has {tuple(x.shape)}")
+    if (out.tensor_scale is not None) != out.format.tensor_scale:
+        has, want = ("a", "a 0-d float32 tensor") if out.format.tensor_scale else ("no", "None")
+        raise ValueError(f"out's format {out.format.name} has {has} per-tensor scale, so out.tensor_scale "
+                         f"must be {want}")
     ts = out.tensor_scale if out.tensor_scale is not None else x.new_ones((), dtype=torch.float32)
+    if torch.is_grad_enabled() and ts.requires_grad:
+        raise RuntimeError("fewbit.block.quantize(..., out=...) does not support automatic differentiation, "
+                           "and out.tensor_scale requires grad; call it without out=")
     check_writable("fewbit.block.quantize", out.codes, out.scales, ts)
     block_quantize_into_op(*args, out.format.name, out.axis, out.codes, out.scales, ts)
     return out

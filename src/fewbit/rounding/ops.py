@@ -302,14 +302,19 @@ def call_with_out(functional, into, args: tuple, x: torch.Tensor, out: torch.Ten
 
 def check_writable(name: str, *outs: torch.Tensor) -> None:
     """Refuse, before anything is written, outputs whose memory is not their values
-    (:func:`lazily_valued`), and inference tensors outside inference mode: torch refuses
-    them once written (eager: Dynamo cannot trace these queries)."""
+    (:func:`lazily_valued`), elements that share memory (an expanded tensor), and inference
+    tensors outside inference mode: torch refuses them once written, which for a call with
+    several outputs is after the first is (eager: Dynamo cannot trace these queries)."""
     if torch.compiler.is_compiling():
         return
     inference = torch.is_inference_mode_enabled()
     for out in outs:  # (a loop: round(out=) calls this per tensor, and any() of a generator costs more)
         if lazy := lazily_valued(out, "out"):
             raise TypeError(f"{name}: out is {lazy}")
+        strides = out.stride()
+        if 0 in strides and any(st == 0 and n > 1 for st, n in zip(strides, out.shape, strict=True)):
+            raise RuntimeError(f"{name}: out has elements that share memory (an expanded tensor, shape "
+                               f"{tuple(out.shape)}, strides {out.stride()}); clone() it")
         if not inference and out.is_inference():
             raise RuntimeError(f"{name}: out is an inference tensor (made under torch.inference_mode), "
                                "which cannot be written outside inference mode")  # fmt: skip
