@@ -492,6 +492,27 @@ def test_a_nan_weight_in_a_format_without_nan_is_refused_before_any_is_written(f
     assert len(lpw.param_groups) == 1 and len(lpw.params) == 1
 
 
+def test_a_weight_beyond_the_range_refused_at_selection_leaves_every_weight_as_it_was():
+    """Under sat=False a weight beyond E2M1's range has no value: construction raised after
+    the weights before it were rounded in place, and add_param_group left the group added."""
+    first = torch.nn.Parameter(torch.full((2, 4), 0.3))
+    big = torch.nn.Parameter(torch.full((2, 4), 0.3))
+    with torch.no_grad():
+        big[1, 2] = 1e6
+    with pytest.raises(ValueError, match="beyond its range"):
+        LowPrecisionWeights(torch.optim.SGD([first, big], lr=0.1), "e2m1", "rne", bits=None, sat=False)
+    assert bool((first == 0.3).all()) and bool((big[0] == 0.3).all())
+    lpw = LowPrecisionWeights(torch.optim.SGD([first], lr=0.1), "e2m1", "rne", bits=None, sat=False)
+    with pytest.raises(ValueError, match="beyond its range"):
+        lpw.add_param_group({"params": [big]})
+    assert bool((big[0] == 0.3).all()) and big[1, 2] == 1e6
+    assert len(lpw.param_groups) == 1 and len(lpw.params) == 1 and len(lpw.names) == 1
+    with torch.no_grad():
+        big[1, 2] = 0.3
+    lpw.add_param_group({"params": [big]})
+    assert len(lpw.params) == 2 and bool((big == 0.5).all())
+
+
 def test_selection_is_named_by_the_optimizers_places_and_refuses_a_weight_twice():
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)

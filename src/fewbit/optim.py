@@ -384,7 +384,13 @@ class LowPrecisionWeights:
         self._layouts += [layout(p) for p in chosen]
         self._scales += [1.0] * len(chosen)
         self._holders += [self._usual_holders(p) for p in chosen]
-        self._write_back(initial=True, only=range(first, len(self.params)))
+        try:
+            self._write_back(initial=True, only=range(first, len(self.params)))
+        except ValueError:  # a weight beyond the range under sat=False: the weights are as they were
+            self.optimizer.param_groups.pop()
+            for added_to in (self.names, self.params, self._layouts, self._scales, self._holders):
+                del added_to[first:]
+            raise
 
     @property
     def param_groups(self) -> list[dict]:
@@ -436,15 +442,23 @@ class LowPrecisionWeights:
         with configure(compile_threshold=min(current().compile_threshold, COMPILE_FROM)):
             if not self.spec.may_refuse:
                 return self._round_all(live, store)
-            # A value may have no result in fmt (a NaN, in a format without one): where one
-            # rank's piece of a sharded weight holds it, every rank raises.
+            # A value may have no result in fmt (beyond a format without Inf or NaN under
+            # sat=False): where one rank's piece of a sharded weight holds it, every rank
+            # raises. At selection the weights are then put back as they were (the caller's
+            # model is theirs); after a step the write-back stops part way (README).
+            saved = [local_tensor(self.params[i]).clone() for i in live] if initial else []
             try:
-                kept, error = self._round_all(live, store), None
-            except ValueError as err:
-                kept, error = [], err
-            refuse_alike(error, self.params, f"another rank's piece of a weight holds a value without a "
-                                             f"result in {self.fmt.name} (see its error): that rank's "
-                                             "write-back stopped part way; restore from a checkpoint")
+                try:
+                    kept, error = self._round_all(live, store), None
+                except ValueError as err:
+                    kept, error = [], err
+                refuse_alike(error, self.params, f"another rank's piece of a weight holds a value without a "
+                                                 f"result in {self.fmt.name} (see its error): that rank's "
+                                                 "write-back stopped part way; restore from a checkpoint")
+            except ValueError:
+                if saved:
+                    torch._foreach_copy_([local_tensor(self.params[i]) for i in live], saved)
+                raise
             return kept
 
     @staticmethod
