@@ -442,11 +442,11 @@ class LowPrecisionWeights:
         with configure(compile_threshold=min(current().compile_threshold, COMPILE_FROM)):
             if not self.spec.may_refuse:
                 return self._round_all(live, store)
-            # A value may have no result in fmt (beyond a format without Inf or NaN under
-            # sat=False): where one rank's piece of a sharded weight holds it, every rank
-            # raises. At selection the weights are then put back as they were (the caller's
-            # model is theirs); after a step the write-back stops part way (README).
-            saved = [local_tensor(self.params[i]).clone() for i in live] if initial else []
+            # A value may have no result in fmt (a NaN, or under sat=False one beyond a format
+            # without Inf or NaN): where one rank's piece of a sharded weight holds it, every
+            # rank raises. At selection (where NaNs were refused before) the weights are then
+            # put back as they were; after a step the write-back stops part way (README).
+            saved = [local_tensor(self.params[i]).clone() for i in live] if initial and not self.sat else []
             try:
                 try:
                     kept, error = self._round_all(live, store), None
