@@ -469,12 +469,17 @@ def test_out_is_refused_before_anything_is_written():
 
 def test_quantize_refuses_an_out_it_could_not_fill_whole_before_writing_it():
     """Scales that share memory (expanded) were refused by torch after the codes were
-    written; an NVFP4 out without its per-tensor scale (or an MX one with one) took codes
-    and scales for a scale that went nowhere; a tensor scale that requires grad was written
-    in place, which torch refuses for a leaf."""
+    written, and codes and scales over one buffer (or scales whose rows overlap) took
+    results that clobbered each other; an NVFP4 out without its per-tensor scale (or an
+    MX one with one) took codes and scales for a scale that went nowhere; a tensor scale
+    that requires grad was written in place, which torch refuses for a leaf."""
     x = torch.randn(4, 64) * 1000
+    buffer = torch.zeros(300, dtype=torch.uint8)
     for name, change, error, match in (
         ("mxfp8_e4m3", {"scales": torch.zeros(1, 1, dtype=torch.uint8).expand(4, 2)}, RuntimeError, "share"),
+        ("mxfp8_e4m3", {"scales": buffer[:16].as_strided((4, 2), (1, 1))}, RuntimeError, "share"),
+        ("mxfp8_e4m3", {"codes": buffer[:256].view(4, 2, 32), "scales": buffer[250:258].view(4, 2)},
+         ValueError, "codes, scales and tensor_scale share memory"),
         ("nvfp4", {"tensor_scale": None}, ValueError, "per-tensor scale, so out.tensor_scale must be a 0-d"),
         ("mxfp4", {"tensor_scale": torch.ones(())}, ValueError, "no per-tensor scale, so out.tensor_scale"),
         ("nvfp4", {"tensor_scale": torch.ones((), requires_grad=True)}, RuntimeError, "requires grad"),

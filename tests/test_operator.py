@@ -956,6 +956,43 @@ def test_tensors_whose_memory_is_not_their_values():
     assert torch.equal(memory, torch.tensor([1.25 + 3j, 2.5 + 1j]))  # nothing written
 
 
+def test_random_bits_whose_memory_is_not_their_values():
+    """Given bits were range-checked on their values but read as memory by the kernels: a
+    negative-bit view (memory holding -bits) rounded half the elements with other bits,
+    and a ZeroTensor (no memory) too. The view is read as its values now; a ZeroTensor is
+    refused."""
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(1)) * 3
+    bits = torch.randint(0, 256, (4096,), dtype=torch.int32, generator=torch.Generator().manual_seed(2))
+    view = torch._neg_view(-bits)  # values `bits`, memory -bits
+    assert view.is_neg() and torch.equal(view, bits)
+    for call in (lambda b: fewbit.round(x, "e4m3", "src", bits=8, random_bits=b),
+                 lambda b: fewbit.block.round(x.view(64, 64), "mxfp8_e4m3", "src", bits=8,
+                                              random_bits=b.view(64, 64))):  # fmt: skip
+        assert torch.equal(call(view), call(bits))
+        with pytest.raises(TypeError, match="random_bits is a ZeroTensor"):
+            call(torch._efficientzerotensor(4096, dtype=torch.int32))
+
+
+def test_out_sharing_memory_with_an_input_gets_what_a_new_tensor_gets():
+    """out= was written first where it shared memory with the random bits, or with x
+    through another storage over the same buffer (two tensors from one numpy array): the
+    kernel then read bits or values it had overwritten (1968 and 4045 of 4096 wrong)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4096, generator=gen) * 3
+    for fmt, call in (("e4m3", fewbit.round), ("mxfp8_e4m3", fewbit.block.round)):
+        mem = torch.empty(4097, dtype=torch.float32)
+        bits_view = mem.view(torch.int32)[1:]
+        bits_view.copy_(torch.randint(0, 8, (4096,), generator=gen, dtype=torch.int32))
+        want = call(x, fmt, "src", bits=3, random_bits=bits_view.clone())
+        got = call(x, fmt, "src", bits=3, random_bits=bits_view, out=mem[:4096])
+        assert torch.equal(got, want), fmt
+        buffer = torch.cat([x, x[:64]]).numpy()
+        apart = torch.from_numpy(buffer[:4096]).view(64, 64), torch.from_numpy(buffer[64:]).view(64, 64)
+        assert apart[0].untyped_storage().data_ptr() != apart[1].untyped_storage().data_ptr()
+        want = call(apart[0].clone(), fmt)
+        assert torch.equal(call(apart[0], fmt, out=apart[1]), want), fmt
+
+
 def test_the_kernels_take_subclasses_with_memory_and_no_wrapper():
     """A tensor subclass whose memory is its data (a Parameter's subclass, as_subclass)
     takes the native kernel; a wrapper that may hold none (AsyncCollectiveTensor, a

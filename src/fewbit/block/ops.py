@@ -256,7 +256,7 @@ def _checked_run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool, t
     only where nothing can be refused after it starts (sat, or elements with NaN), they
     are contiguous and apart from x; else they are copied once the call is valid."""
     direct = into is not None and not spec.may_refuse and all(
-        t.is_contiguous() and not _overlaps(t, x) for t in into)  # fmt: skip
+        t.is_contiguous() and not _overlaps(t, x, random_bits) for t in into)  # fmt: skip
     *result, invalid = _run(x, spec, key, random_bits, axis, fused, ts, into if direct else None)
     if invalid is not None and bool(invalid):
         raise ValueError(f"{spec.spec.fmt.name} has no Inf or NaN for a value beyond its range; use sat=True")

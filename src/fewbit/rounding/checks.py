@@ -225,8 +225,7 @@ def check_random_bits(
             f"mode {spec.mode.value!r} needs random bits: pass random_bits "
             f"(integers in [0, {spec.random_range})) or seed=, and fewbit draws them"
         )
-    if not isinstance(random_bits, torch.Tensor):
-        raise TypeError(f"random_bits must be a tensor, not {type(random_bits).__name__}")
+    random_bits = check_tensor(random_bits, "random_bits")  # (a negative-bit view's memory holds -bits)
     if random_bits.dtype == torch.bool or random_bits.is_floating_point() or random_bits.is_complex():
         raise TypeError(f"random_bits must have an integer dtype, not {random_bits.dtype}")
     if random_bits.shape != x.shape:

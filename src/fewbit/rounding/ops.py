@@ -154,9 +154,9 @@ def round_into(x, spec: RoundSpec, key, random_bits, out: torch.Tensor) -> None:
     """Round x into out (x's shape and dtype). Nothing is written on an error."""
     rand = check_random_bits(x, spec, random_bits) if key is None else None
     # The kernels write contiguous memory. out is that unless it is strided, or overlaps x
-    # (an in-place call), or a format without NaN may still refuse the call once rounded:
+    # or the random bits (an in-place call), or a format without NaN may still refuse the call once rounded:
     # then a temporary takes the result first.
-    direct = out.is_contiguous() and not spec.may_refuse and not _overlaps(out, x)
+    direct = out.is_contiguous() and not spec.may_refuse and not _overlaps(out, x, rand)
     result = out if direct else torch.empty_like(x, memory_format=torch.contiguous_format)
     ints = host_key(key)
     if gpu.applies(spec, x, rand) and gpu.round_into(x, spec, ints, rand, result):  # as native, on a GPU
@@ -176,8 +176,18 @@ def round_into(x, spec: RoundSpec, key, random_bits, out: torch.Tensor) -> None:
         out.copy_(result)
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+def _overlaps(a: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """Whether ``a``'s storage shares memory with any of ``others``' (by their bytes: two
+    storages may lie over one buffer, as tensors made from one numpy array do)."""
+    storage = a.untyped_storage()
+    start = storage.data_ptr()
+    end = start + storage.nbytes()
+    for b in others:
+        if b is not None:
+            other = b.untyped_storage()
+            if other.data_ptr() < end and start < other.data_ptr() + other.nbytes():
+                return True
+    return False
 
 
 def _in_chunks(
@@ -311,13 +321,24 @@ def check_writable(name: str, *outs: torch.Tensor) -> None:
     for out in outs:  # (a loop: round(out=) calls this per tensor, and any() of a generator costs more)
         if lazy := lazily_valued(out, "out"):
             raise TypeError(f"{name}: out is {lazy}")
-        strides = out.stride()
-        if 0 in strides and any(st == 0 and n > 1 for st, n in zip(strides, out.shape, strict=True)):
-            raise RuntimeError(f"{name}: out has elements that share memory (an expanded tensor, shape "
-                               f"{tuple(out.shape)}, strides {out.stride()}); clone() it")
+        if not out.is_contiguous() and _overlaps_itself(out):
+            raise RuntimeError(f"{name}: out has elements that share memory (an expanded tensor, say: "
+                               f"shape {tuple(out.shape)}, strides {out.stride()}); clone() it")
         if not inference and out.is_inference():
             raise RuntimeError(f"{name}: out is an inference tensor (made under torch.inference_mode), "
                                "which cannot be written outside inference mode")  # fmt: skip
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two of ``t``'s elements may share memory: unless each dimension (by stride)
+    steps past all that the smaller ones reach. (torch refuses only stride 0; a rarer
+    layout that passes between its elements is refused too.)"""
+    reach = 0  # the largest offset the dimensions so far reach
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape, strict=True) if n > 1):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
 
 
 def _check_out(x: torch.Tensor, out: torch.Tensor) -> None:
