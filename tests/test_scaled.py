@@ -882,6 +882,31 @@ def test_cast_rounds_data_keeps_scale_and_passes_gradients():
     assert torch.equal(p.unscaled, fewbit.round(torch.tensor([0.3, -1.7]), "binary8p4"))
 
 
+def test_cast_takes_only_the_rounding_arguments():
+    """out= passed through to fewbit.round: the result's data was the caller's tensor, and
+    autograd's refusal of out= was skipped."""
+    x = as_scaled(torch.randn(8), torch.tensor(0.5))
+    mine = torch.zeros(8)
+    with pytest.raises(TypeError, match="not out"):
+        cast(x, "ocp_e4m3", out=mine)
+    with pytest.raises(TypeError, match="not out"):
+        cast_(x, "ocp_e4m3", out=mine)
+    assert bool((mine == 0).all())
+
+
+def test_a_scale_tensor_is_the_scaled_tensors_own():
+    """as_scaled and rebalance_ kept the caller's float32 scale tensor: changing it later
+    changed the ScaledTensor's values, to a negative or NaN scale that as_scaled refuses."""
+    theirs = torch.tensor(0.5)
+    t = as_scaled(torch.ones(3), theirs)
+    theirs.fill_(-2.0)
+    assert t.dequantize().tolist() == [0.5, 0.5, 0.5]
+    theirs = torch.tensor(0.25)
+    rebalance_(t, theirs)
+    theirs.fill_(float("nan"))
+    assert t.dequantize().tolist() == [0.5, 0.5, 0.5] and float(t.scale) == 0.25
+
+
 @pytest.mark.parametrize("mode,kw", [("rne", {}), ("sr", dict(seed=0))], ids=["rne", "sr"])
 @pytest.mark.parametrize("scale", [0.125, torch.tensor(0.125)], ids=["static", "tensor"])
 def test_cast_gradient_is_straight_through(mode, kw, scale):

@@ -60,6 +60,17 @@ class _Cast(torch.autograd.Function):
         return g, None, None, None
 
 
+#: The arguments of fewbit.round that cast and cast_ pass through (out= is not one: the
+#: result's data is a new tensor, or t's own).
+_ROUND_ARGUMENTS = frozenset({"sat", "bits", "seed", "random_bits", "fraction"})
+
+
+def _check_arguments(name: str, kwargs: dict) -> None:
+    if unknown := sorted(set(kwargs) - _ROUND_ARGUMENTS):
+        raise TypeError(f"{name}() takes fewbit.round's {', '.join(sorted(_ROUND_ARGUMENTS))}, not "
+                        f"{', '.join(unknown)}")
+
+
 def cast(t: torch.Tensor, fmt: FloatFormat | str, mode: RoundMode | str = "rne",
          **kwargs: Any) -> ScaledTensor:
     """t with its data rounded to the values of ``fmt`` by ``fewbit.round`` (any mode,
@@ -67,6 +78,7 @@ def cast(t: torch.Tensor, fmt: FloatFormat | str, mode: RoundMode | str = "rne",
     through); the scale and the data dtype are kept. Gradients pass straight through.
     Rebalance first (e.g. ``dynamic_rescale_max``) to centre the data in fmt's range.
     """
+    _check_arguments("cast", kwargs)
     if kwargs.get("seed") is not None:
         # The op's own key: traced, a key tensor (into the graph's Function an int or a Key
         # went as a constant, a graph per seed, and a Key rebuilt from Dynamo's proxies
@@ -81,6 +93,7 @@ def cast_(t: ScaledTensor, fmt: FloatFormat | str, mode: RoundMode | str = "rne"
     """In-place :func:`cast` of a ScaledTensor (a parameter's write-back); returns t."""
     if not isinstance(t, ScaledTensor):
         raise TypeError(f"cast_ needs a ScaledTensor, not {type(t).__name__}")
+    _check_arguments("cast_", kwargs)
     with torch.no_grad():
         t._data.copy_(fewbit_round(t._data, fmt, mode, **kwargs))
     torch.autograd.graph.increment_version(t)

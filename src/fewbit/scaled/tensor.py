@@ -423,14 +423,15 @@ def check_scale(scale: torch.Tensor | float, data: torch.Tensor, positive: bool 
     if torch.compiler.is_compiling():
         # Traced, its values are not known (a check would break the graph): they are
         # checked where the same code runs eager.
-        return scale.detach().to(torch.float32)
+        return scale.detach().to(torch.float32, copy=True)
     return _check_float32(scale.detach(), True, " everywhere (the zero array's scale is the number 0)")
 
 
 def _check_float32(scale: torch.Tensor, positive: bool, where: str) -> torch.Tensor:
     # scale as float32, or ValueError: not finite, negative (zero with positive), or
-    # rounded to inf or to 0 from a nonzero value by the cast.
-    s = scale.to(torch.float32)
+    # rounded to inf or to 0 from a nonzero value by the cast. A copy: the caller may
+    # change theirs later, to a scale this refuses.
+    s = scale.to(torch.float32, copy=True)
     ok = torch.isfinite(s) & ((s > 0) if positive else (s >= 0)) & ((s != 0) | (scale == 0))
     if not bool(ok.all()):
         raise ValueError(f"scale must be finite and {'> 0' if positive else '>= 0'} in float32 "
