@@ -467,6 +467,16 @@ def test_out_is_refused_before_anything_is_written():
         assert torch.equal(block.round(w, "mxfp4", out=torch.empty(2, 32)), block.round(w.detach(), "mxfp4"))
 
 
+def test_stored_values_come_in_a_float_dtype():
+    """dequantize(torch.int32) truncated the values without a word, and 'float32' (a name)
+    failed as a device string; elements() refused such dtypes already."""
+    stored = block.quantize(torch.tensor([[2.5, 0.3] * 16]), "mxfp4")
+    for call in (stored.dequantize, stored.block_scales, stored.elements):
+        for dtype in (torch.int32, torch.bool, "float32"):
+            with pytest.raises(TypeError, match="float dtype"):
+                call(dtype)
+
+
 def test_quantize_refuses_an_out_it_could_not_fill_whole_before_writing_it():
     """Scales that share memory (expanded) were refused by torch after the codes were
     written, and codes and scales over one buffer (or scales whose rows overlap) took

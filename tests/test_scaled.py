@@ -1003,6 +1003,9 @@ def test_gradient_side_rescaling():
 
 def test_power_of_two_scales_and_e8m0():
     assert round_pow2(0.3, "down") == 0.25 and round_pow2(0.3, "up") == 0.5 and round_pow2(0.0) == 0.0
+    for bad in (-0.3, float("nan")):  # (-0.3 gave 2^-127, as E8M0 saturates its sign away)
+        with pytest.raises(ValueError, match="a scale is a number >= 0"):
+            round_pow2(bad)
     x = as_scaled(torch.randn(8, dtype=F64), torch.tensor(0.3))
     y = pow2_scale(x, "up")
     assert scale_of(y) == 0.5

@@ -149,6 +149,8 @@ def round_pow2(s: Scale, rounding: Pow2 = "down") -> Scale:
     where reading the rounded tensor would break the graph: there it stays a tensor."""
     if rounding not in _POW2_MODES:
         raise ValueError(f"rounding must be one of {sorted(_POW2_MODES)}, not {rounding!r}")
+    if not isinstance(s, torch.Tensor) and not s >= 0:  # (a tensor's values are not read)
+        raise ValueError(f"a scale is a number >= 0, not {s}")
     t = s if isinstance(s, torch.Tensor) else torch.tensor(float(s))
     r = fewbit_round(t.to(torch.float32), _E8M0, _POW2_MODES[rounding], sat=True)
     r = torch.where(t == 0, 0.0, r)
