@@ -87,7 +87,8 @@ def test_an_added_param_group_is_kept_in_the_format():
     """add_param_group after two steps: the group's matrices are rounded at once with
     fold_in(key, 2, i), i their places after the weights selected before, its vectors are
     left alone, and the next step writes both back as any selected weight; a group the
-    write-back cannot hold is refused before the inner optimizer takes it."""
+    write-back cannot hold is refused before the inner optimizer takes it. The weights selected
+    before are not rounded again: in HBFP, where rounding is no fixed point, that moved them."""
     a = model()
     lpw = LowPrecisionWeights(torch.optim.SGD(a.parameters(), lr=0.1), FMT, "src", seed=4)
     train(a, lpw, 2)
@@ -114,6 +115,16 @@ def test_an_added_param_group_is_kept_in_the_format():
     with pytest.raises(TypeError, match="ordered collection"):
         lpw.add_param_group({"params": set(torch.nn.Linear(4, 4).parameters())})
     assert len(lpw.param_groups) == 2 and len(lpw.params) == 3
+    # HBFP4: int4 mantissas k/4 (k in -8..7) times 2^floor(log2 amax). The block [-1.9, 0.25, 0..]
+    # takes 2^0, an ulp of 1/4: RNE gives [-2, 0.25]. Rounded again, amax 2 takes 2^1, an ulp
+    # of 1/2, and 0.25 (a tie) would go to 0.
+    first = torch.zeros(2, 64)
+    first[0, :2] = torch.tensor([-1.9, 0.25])
+    first = torch.nn.Parameter(first)
+    hbfp = LowPrecisionWeights(torch.optim.SGD([first], lr=0.1), "hbfp4", "rne", params=[first])
+    assert first[0, :2].tolist() == [-2.0, 0.25]
+    hbfp.add_param_group({"params": [torch.nn.Parameter(torch.randn(2, 64))]})
+    assert first[0, :2].tolist() == [-2.0, 0.25] and not first[1].any()
 
 
 def test_sr_keeps_updates_below_half_an_ulp_and_rne_loses_them():
@@ -230,10 +241,17 @@ def test_different_seeds_round_differently():
     assert not torch.equal(a[0].weight, b[0].weight)
 
 
-def test_store_codes_frees_floats_and_restores_the_same_weights():
+@pytest.mark.parametrize(("mode", "update_dtype"),
+                         [("src", None), ("src", "bfloat16"), ("srff", "bfloat16"), ("rne", "bfloat16")])
+def test_store_codes_frees_floats_and_restores_the_same_weights(mode, update_dtype):
+    """store_codes rounds straight to codes on a path of its own: with the paper's
+    update_dtype=bfloat16 (w + u rounded to bfloat16 first) it must hold the very weights
+    the floats path holds, bit for bit (a codes path that skipped the bfloat16 step passed)."""
     a, b = model(), model()
-    lpw_a = LowPrecisionWeights(torch.optim.AdamW(a.parameters(), lr=0.01), FMT, "src", seed=4)
-    lpw_b = LowPrecisionWeights(torch.optim.AdamW(b.parameters(), lr=0.01), FMT, "src", seed=4,
+    via = update_dtype and getattr(torch, update_dtype)
+    opts = {"seed": 4, "update_dtype": via, "bits": None if mode == "rne" else 3}
+    lpw_a = LowPrecisionWeights(torch.optim.AdamW(a.parameters(), lr=0.01), FMT, mode, **opts)
+    lpw_b = LowPrecisionWeights(torch.optim.AdamW(b.parameters(), lr=0.01), FMT, mode, **opts,
                                 store_codes=True)  # fmt: skip
     for t in range(3):
         lpw_b.zero_grad()
@@ -248,6 +266,26 @@ def test_store_codes_frees_floats_and_restores_the_same_weights():
     mem = lpw_b.memory()
     assert mem["elements"] == 16 * 32 + 32 * 4
     assert mem["float_bytes"] == 4 * mem["elements"] and mem["code_bytes"] == mem["elements"]
+
+
+@pytest.mark.parametrize("store_codes", [False, True])
+@pytest.mark.parametrize(("mode", "sat"), [("src", True), ("rne", True), ("rne", False)])
+def test_an_update_past_the_max_saturates_or_goes_to_inf_as_sat_says(mode, sat, store_codes):
+    """binary8p4's largest value is 224. SGD at lr 1 takes 200 to 300 and -200 to -300:
+    under sat=True (the default) both saturate to +-224, and a weight of 500 (saturated to
+    224 at selection) stays there; under sat=False they go to +-Inf. The same with
+    store_codes, whose codes path builds its own rounding call (it dropped sat, giving Inf
+    under the default, and sat=False saturated silently: neither was tested)."""
+    assert fewbit.format(FMT).max == 224.0
+    big = 500.0 if sat else 2.0  # sat=False refuses a weight beyond the range at selection
+    w = torch.nn.Parameter(torch.tensor([[200.0, -200.0, 1.0, big]]))
+    lpw = LowPrecisionWeights(torch.optim.SGD([w], lr=1.0), FMT, mode, bits=None if mode == "rne" else 3,
+                              sat=sat, seed=1, store_codes=store_codes)  # fmt: skip
+    w.grad = torch.tensor([[-100.0, 100.0, 0.0, 0.0]])
+    lpw.step()
+    lpw.materialize()
+    want = [224.0, -224.0, 1.0, 224.0] if sat else [float("inf"), float("-inf"), 1.0, 2.0]
+    assert w.detach().tolist() == [want]
 
 
 @pytest.mark.parametrize("fmt", [FMT, "mxfp4"])
@@ -584,7 +622,9 @@ def test_an_empty_weight_steps_beside_others(fmt, store_codes):
 
 
 def test_power_of_two_scale_keeps_small_weights():
-    """Weights of order 1e-5 are below binary8p4's subnormals; scaled, they keep 4 bits."""
+    """Weights of order 1e-5 are below binary8p4's subnormals; scaled, they keep 4 bits. The
+    scale puts the largest magnitude in the top binade below half the format's max: worked by
+    hand for amax 1 (2^6, not 2^7, where the small elements would round otherwise)."""
     torch.manual_seed(0)
     w0 = torch.randn(64, 64) * 1e-5
     kept = {}
@@ -595,9 +635,14 @@ def test_power_of_two_scale_keeps_small_weights():
     assert (kept[False] == 0).float().mean() > 0.9
     rel = ((kept[True] - w0).abs() / w0.abs()).max()
     assert rel <= 2.0**-4  # half an ulp of a 4-bit significand
-    amax = kept[True].abs().max()
-    s = 2.0 ** torch.floor(torch.log2(fewbit.format(FMT).max / 2 / w0.abs().max()))
-    assert amax * s <= fewbit.format(FMT).max / 2
+    # max 224, amax 1: the scale is 2^6 (64 <= 112 < 128). Times 64: 1 -> 64, 0.5 -> 32;
+    # 2^-17 -> 2^-11, half the smallest subnormal 2^-10, a tie RNE takes to 0; 3 * 2^-18 ->
+    # 1.5 * 2^-11, nearer 2^-10, back to 2^-16. (Under 2^7, 2^-17 would have been kept.)
+    f = fewbit.format(FMT)
+    assert f.max == 224.0 and f.smallest_subnormal == 2.0**-10
+    w = torch.nn.Parameter(torch.tensor([[1.0, 2.0**-17, 3 * 2.0**-18, 0.5]]))
+    LowPrecisionWeights(torch.optim.SGD([w], lr=0.0), FMT, "rne", scale=True)
+    assert w.detach().tolist() == [[1.0, 0.0, 2.0**-16, 0.5]]
 
 
 def test_a_checkpoint_before_the_first_step_leaves_the_run_as_it_was():
