@@ -16,6 +16,9 @@ E5M2_SR = Quant("ocp_e5m2", "src", bits=3)
 
 
 def test_forward_and_backward_round_separately():
+    """An RNE forward and an SRC backward: the gradient draws with fold_in(key, 1). A
+    stochastic forward draws with fold_in(key, 0), a stream of its own: given the same
+    values, the two directions round differently (drawing both from fold_in(key, 1) passed)."""
     torch.manual_seed(0)
     x = torch.randn(1000, requires_grad=True)
     g = torch.randn(1000)
@@ -26,6 +29,14 @@ def test_forward_and_backward_round_separately():
     expected = fewbit.round(g, "ocp_e5m2", "src", bits=3, sat=True, seed=fold_in(key, 1))
     assert torch.equal(x.grad, expected)
     assert not torch.equal(x.grad, g)
+    q = Quant("binary8p4", "src", bits=3)
+    x = torch.linspace(1.0, 1.125, 4096, requires_grad=True)  # between neighbours 1 and 1.125
+    y = fake_quantize(x, q, q, seed=key)
+    v = x.detach()
+    assert torch.equal(y, fewbit.round(v, "binary8p4", "src", bits=3, sat=True, seed=fold_in(key, 0)))
+    y.backward(v)
+    assert torch.equal(x.grad, fewbit.round(v, "binary8p4", "src", bits=3, sat=True, seed=fold_in(key, 1)))
+    assert not torch.equal(y.detach(), x.grad)
 
 
 def test_straight_through_when_a_direction_is_none():
@@ -131,6 +142,23 @@ def test_module_on_the_meta_device_and_its_deferred_initialisation():
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.trace")
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+def test_quant_saturates_unless_sat_is_false():
+    """Quant saturates by default (E4M3's max 448, E5M2's 57344), in both directions;
+    Quant(sat=False) takes a value beyond the max to Inf (a Quant that dropped its sat
+    saturated silently, and no test asked for sat=False)."""
+    x = torch.tensor([500.0, -1000.0, 1.0], requires_grad=True)
+    y = fake_quantize(x, "ocp_e4m3", Quant("ocp_e5m2"))
+    assert y.tolist() == [448.0, -448.0, 1.0]
+    y.backward(torch.tensor([1e6, -1e6, 2.0]))
+    assert x.grad.tolist() == [57344.0, -57344.0, 2.0]
+    x.grad = None
+    y = fake_quantize(x, Quant("ocp_e5m2", sat=False), Quant("ocp_e5m2", sat=False))
+    assert y.tolist() == [512.0, -1024.0, 1.0]
+    y.backward(torch.tensor([1e6, -1e6, 2.0]))
+    assert x.grad.tolist() == [float("inf"), float("-inf"), 2.0]
+    assert fake_quantize(torch.tensor([1e6]), Quant("ocp_e5m2", sat=False)).tolist() == [float("inf")]
+
+
 def test_traced_module_draws_each_calls_bits():
     """make_fx and torch.jit.trace froze the count read at the trace: every replay drew
     the bits of that one call. The trace is a call (it counts); each replay is the next."""
@@ -157,6 +185,12 @@ def test_module_draws_fresh_bits_per_call_and_resumes_from_state_dict():
     assert torch.equal(restored(x), q(x))
     q.eval()
     assert torch.equal(q(x), q(x))  # evaluation does not advance the stream
+    # Call c's forward draws with fold_in(key, c, 0) (the replica's key is the key itself
+    # under the identical policy): pinned, so that the bits do not change between versions.
+    same = FakeQuantize(Quant("binary8p4", "src", bits=3), seed=7, policy="identical")
+    same(x)
+    want = fewbit.round(x, "binary8p4", "src", bits=3, sat=True, seed=fold_in(Key.from_seed(7), 1, 0))
+    assert torch.equal(same(x), want)
 
 
 def test_quantize_outputs_of_every_linear():
