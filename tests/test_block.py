@@ -105,11 +105,17 @@ def _formats_and_rules():
 
 @pytest.mark.parametrize(("name", "rule"), list(_formats_and_rules()))
 def test_kernel_agrees_with_reference(name, rule):
-    """Every rule, deterministic and stochastic modes, padded blocks, a non-last axis."""
+    """Every rule, deterministic and stochastic modes, padded blocks, a non-last axis, and
+    blocks whose amax lies on a rule's threshold: M 2^3 (rceil's tie: amax / 2^3 = M fits)
+    and (2 - 2^-P) 2^-2 (even's), with elements over 14 binades below it, where a scale
+    twice too large shows in the subnormals (rceil taking the next scale at its tie passed)."""
     g = torch.Generator().manual_seed(stable_seed("block-ref", name, rule))
     x = torch.randn(3, 70, generator=g) * torch.logspace(-3, 3, 70)
     x[1, 5:40] = 0  # a block of zeros
     bfmt = block.format(name)
+    spread = torch.logspace(-14, 0, 16, base=2.0).flip(0).repeat(5)[:70]  # every block starts at 1
+    el = bfmt.element
+    x = torch.cat([x, torch.stack([el.max * 2.0**3 * spread, (2 - 2.0**-el.top_p) * 2.0**-2 * spread])])
     for mode, bits in [("rne", None), ("rna", None), ("rtz", None), ("rup", None), ("src", 3), ("srff", 2)]:
         for axis in (-1, 0):
             rb = None if bits is None else torch.randint(0, 2**bits, x.shape, generator=g)
