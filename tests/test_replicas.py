@@ -10,13 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from fewbit.experiments.processes import Stopped, stopping_on_signals
-from fewbit.experiments.replicas import ReplicaRun, launch
+from fewbit.experiments.replicas import ReplicaRun, _train, launch
 from fewbit.random import Key, fold_in
 from fewbit.replicas import (
     ReplicaContext,
@@ -26,6 +27,7 @@ from fewbit.replicas import (
     _ordered,
     check_in_sync,
     drift_report,
+    rank_order_mean_hook,
     replica_key,
 )
 from test_sweep import ENV, session
@@ -80,20 +82,49 @@ BROKEN = {
 }
 
 
+#: The gradient rank r's bucket holds (r + 1) times, in the DDP hook's probe.
+HOOK_GRAD = [1.0, -2.0, 0.5, 3.0]
+
+
+@dataclass(frozen=True)
+class HookProbe:
+    """Call rank_order_mean_hook on a bucket of (rank + 1) * HOOK_GRAD, outside DDP."""
+
+
+class _Bucket:  # what the hook reads of DDP's GradBucket
+    def __init__(self, grads: torch.Tensor):
+        self.grads = grads
+
+    def buffer(self) -> torch.Tensor:
+        return self.grads
+
+
+def probe_or_train(rank: int, world_size: int, cfg) -> dict:
+    """The DDP run of a ReplicaRun, or the hook's probe (the ranks import this file: see ``runs``)."""
+    if not isinstance(cfg, HookProbe):
+        return _train(rank, world_size, cfg)
+    out = rank_order_mean_hook(None, _Bucket((rank + 1) * torch.tensor(HOOK_GRAD))).wait()
+    return {"mean": out.tolist()}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
     """Scenario name -> per-rank results, for each world size."""
     ckpt = str(tmp_path_factory.mktemp("ckpt"))
     plans = {
-        2: {"default": ReplicaRun(steps=STEPS), "start": ReplicaRun(steps=0), **BROKEN},
+        2: {"default": ReplicaRun(steps=STEPS), "start": ReplicaRun(steps=0), **BROKEN, "hook": HookProbe()},
         3: {
             "default": ReplicaRun(steps=STEPS),
             "whole": ReplicaRun(steps=30, save_at=15, checkpoint_dir=ckpt),
             "resumed": ReplicaRun(steps=30, checkpoint_dir=ckpt, resume=True),
+            "hook": HookProbe(),
         },
-        4: {"default": ReplicaRun(steps=STEPS)},
+        4: {"default": ReplicaRun(steps=STEPS), "hook": HookProbe()},
     }
-    return {n: dict(zip(plan, launch(list(plan.values()), n), strict=True)) for n, plan in plans.items()}
+    with pytest.MonkeyPatch.context() as patch:  # the ranks unpickle probe_or_train from this file
+        patch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.getenv("PYTHONPATH", "")]))
+        return {n: dict(zip(plan, launch(list(plan.values()), n, train=probe_or_train), strict=True))
+                for n, plan in plans.items()}  # fmt: skip
 
 
 def bits(w: torch.Tensor) -> torch.Tensor:
@@ -121,6 +152,15 @@ def test_default_policy_keeps_replicas_in_sync(runs, nproc):
     assert results[0]["disagreement"] == 0.0
     for r in results[1:]:
         assert abs(r["disagreement"] - DISAGREE) < 5 * se
+
+
+@pytest.mark.parametrize("nproc", [2, 3, 4])
+def test_rank_order_mean_hook_gives_every_rank_the_mean_of_the_gradients(runs, nproc):
+    """Rank r's bucket holds (r + 1) g: the hook's result is the mean, (n + 1)/2 g, on every
+    rank, exactly (these sums and halvings are exact). A hook returning the sum passed every
+    test: the runs only compare ranks with each other, and AdamW hardly sees the scale."""
+    want = [(nproc + 1) / 2 * v for v in HOOK_GRAD]
+    assert [r["mean"] for r in runs[nproc]["hook"]] == [want] * nproc
 
 
 def test_update_keyed_with_the_rank_drifts_and_is_named(runs):
