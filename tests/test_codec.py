@@ -188,6 +188,25 @@ def test_unchecked_encode_keeps_each_elements_code_to_itself(name, native):
         fewbit.encode(values, fmt, check=1)
 
 
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("name, one, negative_zero", [
+    ("binary8p4", 0x40, 0x00), ("binary8p3", 0x40, 0x00), ("binary6p3", 0x10, 0x00), ("binary4p2", 0x4, 0x00),
+    ("ocp_e4m3", 0x38, 0x80),
+])  # fmt: skip
+def test_negative_zero_is_code_0_in_a_format_without_one(name, one, negative_zero, native):
+    """-0.0 equals 0, a value of every format. In P3109 (no -0: the sign bit on 0 is the NaN
+    code 0x80) it is code 0, checked or not; OCP E4M3 keeps its -0, 0x80. 1.0 is the bias
+    2^(K-P-1) in the exponent field: 64, 64, 16, 4 (and E4M3's 0x38). The round trips start
+    from codes, so -0.0 never reached the torch encoder, which gave P3109's NaN code."""
+    x = torch.tensor([-0.0, 1.0])
+    with fewbit.configure(native=native):
+        for check in (True, False):
+            codes = fewbit.encode(x, name, check=check)
+            assert codes.tolist() == [negative_zero, one], check
+            back = fewbit.decode(codes, name)
+            assert back.tolist() == [0.0, 1.0] and back[0].signbit() == (negative_zero != 0)
+
+
 @pytest.mark.parametrize("name, code_dtype, packed", [
     ("binary8p4", torch.uint8, False), ("p3109_k6p3sf", torch.uint8, False), ("e2m1", torch.uint8, True),
     ("binary4p2", torch.uint8, True), ("binary16", torch.int16, False), ("binary12p5", torch.int16, False),
