@@ -143,6 +143,21 @@ def test_sampled_uniform_agrees_with_exact(bfmt, mode, bits, rule):
         assert abs(sampled.clipped - float(exact.clipped)) <= 4 * sampled.clipped_stderr, (sampled, exact)
 
 
+@pytest.mark.parametrize("samples, seed", [(2048, 3), (8192, 4)])
+def test_sampled_stderr_is_the_standard_error_worked_by_hand(samples, seed):
+    """The sampled stderr is the tolerance of the tests above, so it is pinned on its own.
+    MXFP4 (floor, RNE) on magnitudes uniform on [1, 2): S = 1/4 for every block, so the
+    elements are independent; y = 4x on [4, 8) rounds to 4 on [4, 5), to 6 on [5, 8) (the
+    max, saturated above 7). In x, the error is uniform on (-1/4, 0] w.p. 1/4, on [0, 1/4)
+    w.p. 1/4, on (-1/2, 0] w.p. 1/2: mean -1/8, E[e^2] = 5/96, variance 7/192; a block's mean of
+    32 has variance 7/6144, and the mean of n blocks a standard error sqrt(7/6144 / n).
+    (One sqrt(n) too few, or a factor 2, passed every test: they only loosened the tolerance.)"""
+    se = math.sqrt(7 / 6144 / samples)
+    b = block_bias("mxfp4", "rne", None, "floor", samples=samples, seed=seed)
+    assert abs(b.mean_error + 0.125) < 5 * se, b
+    assert 0.85 < b.stderr / se < 1.15, b  # the estimate's own spread is about sqrt(2 / (32 n))
+
+
 # --- Gaussian blocks ----------------------------------------------------------------------
 
 
