@@ -15,7 +15,7 @@ from fewbit.bias import outward_error
 from fewbit.cli import main
 from fewbit.experiments import ratchet
 from fewbit.experiments.probe import StepProbe
-from fewbit.experiments.sweep import arm_configs
+from fewbit.experiments.sweep import RunResult, arm_configs, format_diagnostics
 from fewbit.experiments.train import Run
 from fewbit.optim import LowPrecisionWeights
 from test_train import TINY, text_data, tiny_sweep  # noqa: F401 (text_data: a fixture)
@@ -128,6 +128,26 @@ def test_srf_sweep_arms_and_outputs(tmp_path, capsys, monkeypatch):
     assert [(r["arm"], r["iter"]) for r in whole[:3]] == [("binary8p4 SRC N=3", i) for i in ("0", "2", "4")]
     assert whole[0]["changed"] == "" and float(whole[1]["changed"]) > 0
     assert (out / "srf_diagnostics.png").stat().st_size > 10_000
+
+
+def test_diagnostics_table_takes_means_over_seeds_of_the_last_evaluation():
+    """Per arm: the means over seeds of the last evaluation's mean |w| and changed share, of
+    the last outward error, and of each run's average error. Three seeds, figures by hand
+    (the sweep test reads the printed row by a regex only, so mean |w| from the first
+    evaluation passed): |w| (0.25 + 0.5 + 0.75) / 3 = 0.5; changed (0.5 + 0.25 + 0.75) / 3 =
+    0.5; last error (0.25 - 0.25 + 0.75) / 3 = 0.25; averages of (0.5, last error) 0.375."""
+
+    def row(it, w, changed, error):
+        return {"iter": it, "param": "all", "numel": 10, "mean_abs": w, "changed": changed,
+                "outward_ulp": error}  # fmt: skip
+
+    last = [(0.25, 0.5, 0.25), (0.5, 0.25, -0.25), (0.75, 0.75, 0.75)]  # each seed's |w|, changed, error
+    runs = [RunResult(replace(TINY, seed=s), [0, 10], [5.0, 4.0], [6.0, 3.0], 1.0,
+                      [row(0, 1.0, None, None), row(10, 9.0, 0.9, 0.5), row(20, *end)])
+            for s, end in enumerate(last)]  # fmt: skip
+    header, line = format_diagnostics(runs).splitlines()
+    assert header.split()[-6:] == ["|w|", "changed", "error", "ulp", "mean", "error"]
+    assert [float(v) for v in line.split()[-4:]] == [0.5, 0.5, 0.25, 0.375]
 
 
 def test_time_steps_prints_both_steps_and_the_write_back(tmp_path, capsys, monkeypatch):

@@ -528,13 +528,20 @@ def test_outputs_of_runs_that_are_gone_are_removed(tmp_path, monkeypatch, restar
 
 def test_summary_of_a_diverged_seed_is_the_same_in_any_order():
     """A NaN final loss counts as the worst: max NaN, min the other seed's, whichever seed
-    comes first (min and max over [nan, 2.0] and [2.0, nan] differed)."""
+    comes first (min and max over [nan, 2.0] and [2.0, nan] differed). Over finite seeds the
+    final loss is the mean, not the midrange (with a NaN seed any average is NaN, so the
+    midrange passed): finals 1, 1, 4 give mean 2, min 1, max 4; bests min(6, final) mean 2."""
     diverged = RunResult(replace(TINY, seed=0), [0, 10], [math.nan, 3.0], [4.0, math.nan], 1.0)
     learned = RunResult(replace(TINY, seed=1), [0, 10], [math.nan, 3.0], [4.0, 2.0], 1.0)
     for runs in ([diverged, learned], [learned, diverged]):
         (row,) = summarise(runs)
         assert math.isnan(row["final_val"]) and math.isnan(row["final_max"])
         assert (row["final_min"], row["best_val"]) == (2.0, 3.0)
+    finite = [RunResult(replace(TINY, seed=s), [0, 10], [5.0, 4.0], [6.0, final], 1.0)
+              for s, final in enumerate([1.0, 4.0, 1.0])]  # fmt: skip
+    (row,) = summarise(finite)
+    assert row["seeds"] == 3 and (row["final_val"], row["final_min"], row["final_max"]) == (2.0, 1.0, 4.0)
+    assert row["best_val"] == 2.0
 
 
 def test_a_claim_refuses_other_text_and_damaged_saves_and_restart_spares_other_folders(tmp_path):
