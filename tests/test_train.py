@@ -226,6 +226,34 @@ def test_resume_gives_bit_identical_weights(text_data, tmp_path):
         Run(replace(cfg, seed=1), text_data).load_state_dict(torch.load(tmp_path / "ckpt.pt"))
 
 
+def test_history_is_the_mean_loss_since_the_last_evaluation_and_a_resume_between_keeps_it(text_data):
+    """History.train at an evaluation is the mean of the minibatch losses train_step gave
+    since the one before; the validation loss the mean over eval_iters fixed batches; and a
+    run saved between evaluations (iteration 6, evaluating every 4) keeps the losses it had
+    taken. No test read history.train: its last loss alone, the last validation batch, and
+    a resume dropping the losses before it all passed."""
+    from fewbit.experiments.train import batch_generator
+
+    cfg = replace(TINY, mode="src", iters=8, eval_interval=4)
+    whole = Run(cfg, text_data).run()
+    by_hand = Run(cfg, text_data)
+    by_hand.run(until=0)  # the evaluation at 0 only
+    losses = [by_hand.train_step().item() for _ in range(8)]
+    assert whole.iters == [0, 4, 8] and math.isnan(whole.train[0])
+    assert whole.train[1:] == [sum(losses[:4]) / 4, sum(losses[4:]) / 4]
+    first = Run(cfg, text_data)
+    first.run(until=6)
+    resumed = Run(cfg, text_data)
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.run().train[1:] == whole.train[1:]
+    resumed.model.eval()
+    with torch.no_grad():
+        batches = [text_data.batch("val", cfg.batch_size, cfg.block_size, batch_generator(-1, i))
+                   for i in range(cfg.eval_iters)]  # fmt: skip
+        val = [resumed.model(x, y)[1].item() for x, y in batches]
+    assert cfg.eval_iters == 2 and val[0] != val[1] and resumed.evaluate() == sum(val) / 2
+
+
 def test_gradients_in_a_block_format(text_data):
     """Linear outputs' gradients and the matrices' gradients are HBFP values, keyed by
     the run's seed and iteration, and a run resumes bit for bit."""
