@@ -36,6 +36,7 @@ def test_formats_table_lists_the_registry(capsys):
 
 
 def test_round_prints_neighbours_results_and_sr_probabilities(capsys):
+    """binary8p4 around 0.3: ulp 1/32 on [1/4, 1/2); every figure of the table by hand."""
     code, out, _ = run(capsys, "round", "0.3", "--format", "binary8p4")
     assert code == 0
     assert "neighbours: 0.28125 and 0.3125 (codes 0x" in out
@@ -49,6 +50,13 @@ def test_round_prints_neighbours_results_and_sr_probabilities(capsys):
     bias = float(srff.split()[-1])
     assert bias == pytest.approx(float(Fraction(1, 2) - Fraction(0.30000001192092896 - 0.28125)
                                        / Fraction(0.03125)), abs=1e-4)
+    # d is measured from the value toward zero, and E[result] = toward + P(away) ulp: for SRC,
+    # 0.28125 + 5/8 / 32 = 0.30078125, a bias of (0.30078125 - x) / ulp = +0.0250. (No test read
+    # d, and SRFF's P = 1/2 gives the same E from either end: both could be mirrored.)
+    d = (Fraction(0.30000001192092896) - Fraction(0.28125)) / Fraction(1, 32)
+    assert f"ulp = 0.03125; d = {float(d):.10f}" in out and f"{float(d):.10f}" == "0.6000003815"
+    expected = Fraction(0.28125) + Fraction(5, 8) / 32
+    assert src.split()[-3:] == ["5/8", "0.30078125", "0.0250"] and expected == Fraction(0.30078125)
 
 
 def test_round_one_result_has_probability_one_or_zero(capsys):
