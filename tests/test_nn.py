@@ -140,8 +140,6 @@ def test_module_on_the_meta_device_and_its_deferred_initialisation():
     assert torch.equal(model[1](x), FakeQuantize(q, seed=7)(x))
 
 
-@pytest.mark.filterwarnings("ignore:`torch.jit.trace")
-@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
 def test_quant_saturates_unless_sat_is_false():
     """Quant saturates by default (E4M3's max 448, E5M2's 57344), in both directions;
     Quant(sat=False) takes a value beyond the max to Inf (a Quant that dropped its sat
@@ -159,6 +157,8 @@ def test_quant_saturates_unless_sat_is_false():
     assert fake_quantize(torch.tensor([1e6]), Quant("ocp_e5m2", sat=False)).tolist() == [float("inf")]
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace")
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
 def test_traced_module_draws_each_calls_bits():
     """make_fx and torch.jit.trace froze the count read at the trace: every replay drew
     the bits of that one call. The trace is a call (it counts); each replay is the next."""
