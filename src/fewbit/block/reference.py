@@ -11,12 +11,12 @@ For each block of ``B`` values along the axis (zero-padded at the end):
    block; for E4M3/float32, ``amax / M`` (over the per-tensor scale, if any) rounded to
    the scale format (``nearest``: ties to even; ``up``), times the per-tensor scale in
    float32. The per-tensor scale (NVFP4) is the tensor's largest finite magnitude in
-   float32 (rounded up from float64; at most float32's largest value) over ``M`` times the scale format's
-   largest, at least float32's smallest positive value; 1 for a tensor without a finite
-   nonzero value. Under ``up``, both are raised until nothing clips: the block's scale to
-   the next one while ``M S < amax``, the per-tensor scale by float32 steps while the
-   largest scale's ``S`` gives ``M S < amax`` for the tensor's largest magnitude. NaN
-   anywhere in the block makes ``S`` NaN;
+   float32 (rounded up from float64; at most float32's largest value) over ``M`` times
+   the scale format's largest, at least float32's smallest positive value; 1 for a
+   tensor without a finite nonzero value. Under ``up``, both are raised until nothing
+   clips: the block's scale to the next one while ``M S < amax``, the per-tensor scale by
+   float32 steps while the largest scale's ``S`` gives ``M S < amax`` for the tensor's
+   largest magnitude. NaN anywhere in the block makes ``S`` NaN;
 3. ``q_i`` = ``x_i / S`` rounded to the element format (``fewbit.rounding.round_reference``),
    the quotient one division in the working float (``kernel.work_dtype``: float64 for
    float64 data, else float32) where S is not a power of two; a nonzero quotient below

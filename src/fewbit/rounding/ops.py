@@ -154,8 +154,8 @@ def round_into(x, spec: RoundSpec, key, random_bits, out: torch.Tensor) -> None:
     """Round x into out (x's shape and dtype). Nothing is written on an error."""
     rand = check_random_bits(x, spec, random_bits) if key is None else None
     # The kernels write contiguous memory. out is that unless it is strided, or overlaps x
-    # or the random bits (an in-place call), or a format without NaN may still refuse the call once rounded:
-    # then a temporary takes the result first.
+    # (an in-place call) or the random bits, or a format without NaN may still refuse the
+    # call once rounded: then a temporary takes the result first.
     direct = out.is_contiguous() and not spec.may_refuse and not _overlaps(out, x, rand)
     result = out if direct else torch.empty_like(x, memory_format=torch.contiguous_format)
     ints = host_key(key)
