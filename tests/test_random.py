@@ -444,6 +444,21 @@ def test_different_keys_uncorrelated():
 # ------------------------------------------------------------------ bad inputs
 
 
+def test_random_bits_of_a_folded_key_compiled_are_eager_ones():
+    """Traced, fold_in gives a key tensor, which random_bits refused ("expected a
+    fewbit.random.Key or an int seed"): random_bits(shape, N, fold_in(key, step)) worked
+    eagerly only. A key tensor is taken, eager and compiled alike."""
+    torch._dynamo.reset()
+
+    def draw(step):
+        return random_bits((4, 64), 3, fold_in(KEY, step))
+
+    compiled = torch.compile(draw, fullgraph=True)
+    for step in (1, 2, 3):
+        assert torch.equal(compiled(step), draw(step))
+    assert torch.equal(random_bits((4, 64), 3, key_of(fold_in(KEY, 2))), draw(2))
+
+
 @pytest.mark.parametrize("bits", [0, 33, -1, 3.0, True, "3", None])
 def test_bad_bits(bits):
     with pytest.raises(ValueError, match="bits"):

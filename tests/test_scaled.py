@@ -894,6 +894,22 @@ def test_cast_takes_only_the_rounding_arguments():
     assert bool((mine == 0).all())
 
 
+def test_a_number_scale_or_cast_argument_compiles_a_graph_per_value():
+    """As the README has it, a new number scale (as_scaled) or bits / fraction of cast is
+    a new graph: the second value, which Dynamo makes symbolic, was refused ("scale must
+    be a float ..., not SymFloat", "bits must be an int, not SymInt")."""
+    data = torch.randn(4, 8)
+    scaled = as_scaled(data, torch.tensor(0.5))
+    calls = (lambda v: as_scaled(data, v).dequantize(),
+             lambda v: cast(scaled, "binary8p4", "src", bits=v, seed=3).dequantize(),
+             lambda v: cast(scaled, "binary8p4", "sr_fraction", bits=8, fraction=v, seed=3).dequantize())
+    for call, values in zip(calls, ((0.5, 0.125, 0.3), (3, 4, 5), (0.5, 0.25, 0.75)), strict=True):
+        torch._dynamo.reset()
+        compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+        for v in values:
+            assert torch.equal(compiled(v), call(v)), v
+
+
 def test_a_scale_tensor_is_the_scaled_tensors_own():
     """as_scaled and rebalance_ kept the caller's float32 scale tensor: changing it later
     changed the ScaledTensor's values, to a negative or NaN scale that as_scaled refuses."""

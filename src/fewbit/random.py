@@ -515,12 +515,13 @@ def bits_rows(row0: int, n_rows: int, bits: int, k0: KeyInt, k1: KeyInt, *, devi
     return values[start : start + n_rows]
 
 
-def _key_words(key: Key | int, device) -> tuple[KeyInt, KeyInt]:
-    """A key's two words: ints, or traced, 0-d tensors (:func:`key_of`, which also takes an
-    int seed Dynamo made symbolic, and one beyond int64, as a graph input cannot be)."""
-    checked = as_key(key)
-    if torch.compiler.is_compiling():
+def _key_words(key: Key | int | torch.Tensor, device) -> tuple[KeyInt, KeyInt]:
+    """A key's two words: ints, or traced or given as a key tensor, 0-d tensors
+    (:func:`key_of`, which also takes an int seed Dynamo made symbolic, and one beyond
+    int64, as a graph input cannot be; traced, :func:`fold_in` gives a key tensor)."""
+    if torch.compiler.is_compiling() or isinstance(key, torch.Tensor):
         return key_of(key, device).unbind()
+    checked = as_key(key)
     return checked.k0, checked.k1
 
 
@@ -549,7 +550,7 @@ def _check_range(offset: object, n: int) -> int:
 
 def random_words(
     n_words: int,
-    key: Key | int,
+    key: Key | int | torch.Tensor,
     *,
     offset: int = 0,
     device: torch.device | str | None = None,
@@ -629,7 +630,7 @@ def _bits_range(
 def random_bits(
     shape: int | Sequence[int],
     bits: int,
-    key: Key | int,
+    key: Key | int | torch.Tensor,
     *,
     offset: int = 0,
     device: torch.device | str | None = None,
@@ -652,6 +653,7 @@ def random_bits(
     has made the ints it saw change symbolic (a graph or two later) a new key or seed
     below 2**63 does not recompile (one beyond int64, which a graph input cannot hold, is
     a graph of its own); :meth:`Key.tensors` with :func:`bits_from_range` needs one graph.
+    ``key`` may also be a key tensor (:func:`key_of`), which :func:`fold_in` gives traced.
     """
     bits = _check_bits(bits)
     k0, k1 = _key_words(key, device)

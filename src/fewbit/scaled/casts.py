@@ -26,6 +26,7 @@ from .tensor import (
     check_scale,
     check_settable,
     compute_dtype,
+    constant,
     guard_settings,
     holds_every_value,
     is_static,
@@ -53,7 +54,9 @@ class _Cast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, fmt, mode, kwargs):
         d, s = parts(t)
-        return wrap(fewbit_round(d, fmt, mode, **kwargs), s)
+        # bits or fraction made symbolic by torch.compile: constants again, as fewbit.round
+        # takes them (a graph per value).
+        return wrap(fewbit_round(d, fmt, mode, **{k: constant(v) for k, v in kwargs.items()}), s)
 
     @staticmethod
     def backward(ctx, g):

@@ -397,12 +397,22 @@ def _checked(data: torch.Tensor, scale: torch.Tensor | float | None) -> tuple[to
     return data, 1.0 if scale is None else check_scale(scale, data)
 
 
+def constant(v: Any) -> Any:
+    """A number that torch.compile made symbolic (the second value it saw) as a plain one
+    again, guarded on: a graph per value, as fewbit's ops take numbers. Anything else is
+    returned as it is."""
+    if isinstance(v, torch.SymInt):
+        return int(v)
+    return float(v) if isinstance(v, torch.SymFloat) else v
+
+
 def check_scale(scale: torch.Tensor | float, data: torch.Tensor, positive: bool = False) -> Scale:
     """scale as rules hold it (a float, or a float32 tensor), after checking that it is
     a number or float tensor on data's device, broadcastable to data, finite and >= 0
     (> 0 with ``positive``, and for a tensor: the zero array's scale is the number 0) as
     a float32 number: one that float32 rounds to inf, or to 0 from a nonzero value, is
     refused too. Raises TypeError or ValueError naming the problem."""
+    scale = constant(scale)  # (a number is a constant of the graph, as the README has it)
     if isinstance(scale, bool) or not isinstance(scale, (int, float, torch.Tensor)):
         raise TypeError(f"scale must be a float or a float tensor, not {type(scale).__name__}")
     if not isinstance(scale, torch.Tensor):
