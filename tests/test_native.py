@@ -524,18 +524,20 @@ def test_without_a_compiler_a_build_by_another_compiler_loads(stubs, monkeypatch
         assert native._load() is not None
 
 
-def test_a_fork_while_another_thread_builds_gets_a_lock_of_its_own():
+@pytest.mark.parametrize("module", [native, fewbit.config], ids=["build", "configure"])
+def test_a_fork_while_another_thread_holds_a_lock_gets_a_lock_of_its_own(module):
     """The child of a fork made while a thread held the build's lock waited for it forever
-    at its first call (a DataLoader's workers forked during a warm-up thread's build)."""
-    with native._lock:
-        child = multiprocessing.get_context("fork").Process(target=_take_the_build_lock)
+    at its first call (a DataLoader's workers forked during a warm-up thread's build);
+    configure's lock, held for microseconds, alike."""
+    with module._lock:
+        child = multiprocessing.get_context("fork").Process(target=_take_the_lock, args=(module.__name__,))
         child.start()
         child.join(60)
     assert child.exitcode == 0
 
 
-def _take_the_build_lock() -> None:
-    sys.exit(0 if native._lock.acquire(timeout=20) else 1)
+def _take_the_lock(module: str) -> None:
+    sys.exit(0 if sys.modules[module]._lock.acquire(timeout=20) else 1)
 
 
 def test_a_cache_folder_spelled_with_a_tilde_is_the_home_folders():

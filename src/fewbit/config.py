@@ -111,6 +111,17 @@ _open: dict[object, dict[str, Any]] = {}
 _lock = threading.Lock()
 
 
+def _new_lock_after_fork() -> None:
+    # A fork while another thread is inside configure copies _lock held by a thread the
+    # child lacks: its next configure would wait forever. The child keeps the settings.
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_new_lock_after_fork)
+
+
 def current() -> Config:
     """The settings in force."""
     return _current
