@@ -506,6 +506,12 @@ def test_quantize_refuses_an_out_it_could_not_fill_whole_before_writing_it():
             block.quantize(x, name, out=out)
         after = [t for t in (out.codes, out.scales, out.tensor_scale) if t is not None]
         assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True)), name
+    # Codes and scales cut apart from one buffer do not meet: taken, as before.
+    apart = replace(block.quantize(torch.ones(4, 64), "mxfp8_e4m3"), codes=buffer[:256].view(4, 2, 32),
+                    scales=buffer[256:264].view(4, 2))  # fmt: skip
+    want = block.quantize(x, "mxfp8_e4m3")
+    block.quantize(x, "mxfp8_e4m3", out=apart)
+    assert torch.equal(apart.codes, want.codes) and torch.equal(apart.scales, want.scales)
 
 
 @pytest.mark.filterwarnings("error::UserWarning")  # Dynamo's warning on tracing a registry's cache

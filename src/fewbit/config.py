@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -108,18 +109,22 @@ _current = Config.from_env()
 #: a block ends, since blocks of two threads may end in any order.
 _base = _current
 _open: dict[object, dict[str, Any]] = {}
-_lock = threading.Lock()
 
 
-def _new_lock_after_fork() -> None:
-    # A fork while another thread is inside configure copies _lock held by a thread the
-    # child lacks: its next configure would wait forever. The child keeps the settings.
-    global _lock
-    _lock = threading.Lock()
+def fork_safe_lock(module: str) -> threading.Lock:
+    """A new lock for ``module``'s ``_lock``, made anew in a forked child: a fork while
+    another thread holds it copies it held by a thread the child lacks, and the child's
+    next use would wait forever (the native build's lock; configure's here)."""
+
+    def renew() -> None:
+        sys.modules[module]._lock = threading.Lock()  # type: ignore[attr-defined]
+
+    if hasattr(os, "register_at_fork"):  # POSIX
+        os.register_at_fork(after_in_child=renew)
+    return threading.Lock()
 
 
-if hasattr(os, "register_at_fork"):  # POSIX
-    os.register_at_fork(after_in_child=_new_lock_after_fork)
+_lock = fork_safe_lock(__name__)
 
 
 def current() -> Config:

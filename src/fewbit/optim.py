@@ -386,7 +386,7 @@ class LowPrecisionWeights:
         self._holders += [self._usual_holders(p) for p in chosen]
         try:
             self._write_back(initial=True, only=range(first, len(self.params)))
-        except ValueError:  # a weight beyond the range under sat=False: the weights are as they were
+        except BaseException:  # (a weight beyond the range under sat=False: the weights are as they were)
             self.optimizer.param_groups.pop()
             for added_to in (self.names, self.params, self._layouts, self._scales, self._holders):
                 del added_to[first:]
@@ -452,9 +452,10 @@ class LowPrecisionWeights:
                     kept, error = self._round_all(live, store), None
                 except ValueError as err:
                     kept, error = [], err
+                then = ("every selected weight is as it was" if saved else
+                        "that rank's write-back stopped part way; restore from a checkpoint")
                 refuse_alike(error, self.params, f"another rank's piece of a weight holds a value without a "
-                                                 f"result in {self.fmt.name} (see its error): that rank's "
-                                                 "write-back stopped part way; restore from a checkpoint")
+                                                 f"result in {self.fmt.name} (see its error): {then}")
             except ValueError:
                 if saved:
                     torch._foreach_copy_([local_tensor(self.params[i]) for i in live], saved)

@@ -25,14 +25,13 @@ import shutil
 import struct
 import subprocess
 import tempfile
-import threading
 import time
 import warnings
 from pathlib import Path
 
 import torch
 
-from ..config import current
+from ..config import current, fork_safe_lock
 from ..formats import FloatFormat
 from ..operators import is_plain
 from .checks import RoundSpec, make_spec
@@ -79,22 +78,12 @@ def even_fraction(fmt: FloatFormat) -> int:
     t = fmt.top_p - 1
     return 0x800000 - (1 << (22 - t)) if t < 23 else 0x800000
 
-_lock = threading.Lock()
+_lock = fork_safe_lock(__name__)  # (a fork during a build gives the child a lock of its own)
 _library: ctypes.CDLL | None = None
 #: The cache folders (setting ``native_cache``) where the kernel could not be built or
 #: loaded: each is tried once a process, so a bad folder set for a while costs no other.
 _failed: set[str] = set()
 
-
-def _new_lock_after_fork() -> None:
-    # A fork while another thread builds copies _lock held by a thread the child lacks:
-    # its first call would wait for it forever. The child builds or loads on its own.
-    global _lock
-    _lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):  # POSIX
-    os.register_at_fork(after_in_child=_new_lock_after_fork)
 
 
 def _bits32(value: float) -> int:
@@ -379,14 +368,20 @@ def _cached_or_built() -> ctypes.CDLL:
         built = max(cache.glob(f"native-{_build_tag()}-*.so"), key=lambda p: p.stat().st_mtime, default=None)
         if built is None:
             raise
+        _mark_used(built)
         return _open(built)
     target = cache / _file_name(compiler)
     if target.exists():
-        with contextlib.suppress(OSError):  # marked used now, which _prune goes by (unless read-only)
-            os.utime(target)
+        _mark_used(target)
         with contextlib.suppress(_LoadFailed):
             return _open(target)
     return _build(compiler, target)
+
+
+def _mark_used(build: Path) -> None:
+    """Mark a build in the cache used now, which :func:`_prune` goes by (unless read-only)."""
+    with contextlib.suppress(OSError):
+        os.utime(build)
 
 
 def _build(compiler: str, target: Path) -> ctypes.CDLL:

@@ -176,6 +176,20 @@ def round_into(x, spec: RoundSpec, key, random_bits, out: torch.Tensor) -> None:
         out.copy_(result)
 
 
+def spans_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes ``a``'s elements lie in meet those of ``b``'s (each from its first
+    element to its last; views of one buffer cut apart do not meet)."""
+    if not a.numel() or not b.numel():
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def _overlaps(a: torch.Tensor, *others: torch.Tensor | None) -> bool:
     """Whether ``a``'s storage shares memory with any of ``others``' (by their bytes: two
     storages may lie over one buffer, as tensors made from one numpy array do)."""
@@ -322,8 +336,8 @@ def check_writable(name: str, *outs: torch.Tensor) -> None:
         if lazy := lazily_valued(out, "out"):
             raise TypeError(f"{name}: out is {lazy}")
         if not out.is_contiguous() and _overlaps_itself(out):
-            raise RuntimeError(f"{name}: out has elements that share memory (an expanded tensor, say: "
-                               f"shape {tuple(out.shape)}, strides {out.stride()}); clone() it")
+            raise RuntimeError(f"{name}: out's elements may share memory (an expanded tensor, say: "
+                               f"shape {tuple(out.shape)}, strides {out.stride()}); give a contiguous one")
         if not inference and out.is_inference():
             raise RuntimeError(f"{name}: out is an inference tensor (made under torch.inference_mode), "
                                "which cannot be written outside inference mode")  # fmt: skip
