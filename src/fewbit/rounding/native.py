@@ -85,7 +85,6 @@ _library: ctypes.CDLL | None = None
 _failed: set[str] = set()
 
 
-
 def _bits32(value: float) -> int:
     return struct.unpack("<i", struct.pack("<f", value))[0]
 
