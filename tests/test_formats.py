@@ -208,3 +208,29 @@ def test_formats_refuse_impossible_fields_when_made():
 def test_smallest_subnormal_without_nonzero_subnormals():
     fmt = fewbit.format("binary8p1")
     assert fmt.smallest_subnormal == fmt.smallest_normal == math.ldexp(1, 1 - fmt.bias)
+
+
+def test_formats_module_needs_no_torch(tmp_path):
+    """fewbit.formats is the torch-free bottom layer, its error path included (an unknown name
+    once imported fewbit.block, and torch with it, to say the name was a block format's)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    package = Path(fewbit.__file__).parent
+    script = f"""
+import sys, types
+fewbit = types.ModuleType("fewbit")
+fewbit.__path__ = [{str(package)!r}]  # the package without its __init__, which imports torch
+sys.modules["fewbit"] = fewbit
+import fewbit.formats as formats
+assert formats.format("e4m3").name == "ocp_e4m3"
+for name in ("mxfp4", "e4m3x"):
+    try:
+        formats.format(name)
+    except ValueError as e:
+        assert "block format" not in str(e), e
+print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

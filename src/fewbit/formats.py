@@ -20,6 +20,7 @@ import ast
 import difflib
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from functools import cache
 
@@ -461,19 +462,16 @@ def format(name: str | FloatFormat) -> FloatFormat:
         return integer(int(m.group(1)))
     close = difflib.get_close_matches(key, _all_spellings(), n=5, cutoff=0.5)
     hint = f"; closest: {', '.join(close)}" if close else ""
-    raise ValueError(f"unknown format {name!r}{hint} (fewbit.formats.names() lists all){_block_hint(name)}")
+    raise ValueError(f"unknown format {name!r}{hint} (fewbit.formats.names() lists all){_hints(name)}")
 
 
-def _block_hint(name: str) -> str:
-    """Where a block format's name went where an element format goes (fewbit.round(x, "mxfp4")),
-    a pointer to the block ops."""
-    from .block.formats import format as block_format  # (fewbit.block builds on this module)
+#: Hints for a name no format here has, added by the layers above (fewbit.block adds "a block
+#: format's name"): this module stays torch-free and imports none of them.
+NAME_HINTS: list[Callable[[str], str]] = []
 
-    try:
-        block_format(name)
-    except (ValueError, TypeError):
-        return ""
-    return f"; {name!r} is a block format, which fewbit.block.round and fewbit.block.quantize take"
+
+def _hints(name: str) -> str:
+    return "".join(hint(name) for hint in NAME_HINTS)
 
 
 @cache

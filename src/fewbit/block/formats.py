@@ -45,7 +45,7 @@ import re
 from dataclasses import dataclass
 from functools import cache
 
-from ..formats import FloatFormat, check_field_types
+from ..formats import NAME_HINTS, FloatFormat, check_field_types
 from ..formats import format as element_format
 
 __all__ = ["BlockFormat", "SCALE_RULES", "ScaleRule", "format", "names"]
@@ -266,3 +266,16 @@ def _named(name: str) -> BlockFormat:
     close = difflib.get_close_matches(key, [*names(), "hbfp8", "bfp8_b32", "mx_binary8p4"], n=4, cutoff=0.5)
     hint = f"; closest: {', '.join(close)}" if close else ""
     raise ValueError(f"unknown block format {name!r}{hint} (also: hbfp<m>, bfp<m>_b<size>, mx_<element>)")
+
+
+def _element_name_hint(name: str) -> str:
+    """Where a block format's name went where an element format goes (fewbit.round(x, "mxfp4")),
+    a pointer to the block ops."""
+    try:
+        format(name)
+    except (ValueError, TypeError):
+        return ""
+    return f"; {name!r} is a block format, which fewbit.block.round and fewbit.block.quantize take"
+
+
+NAME_HINTS.append(_element_name_hint)
