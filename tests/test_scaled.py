@@ -2242,3 +2242,14 @@ def test_reductions_that_pick_an_element_of_an_empty_tensor_give_its_shape():
     e = as_scaled(torch.zeros(0, 3), torch.tensor([[1.0, 2.0, 4.0]]))
     assert e.amax(1).shape == torch.zeros(0, 3).amax(1).shape == (0,)
     assert torch.linalg.vector_norm(e, math.inf, dim=1).shape == (0,)
+
+
+def test_private_ops_registered_where_present_are_there_in_this_torch():
+    """The rules of aten ops younger than torch 2.4 are registered only where torch has the op
+    (import fails otherwise); in this torch each must be there and have its rule, or torch
+    renamed one and its rule went quietly missing."""
+    from fewbit.scaled.tensor import RULES
+
+    for name in ("_safe_softmax", "_fused_rms_norm", "_fused_rms_norm_backward"):
+        assert hasattr(torch.ops.aten, name), name
+        assert getattr(torch.ops.aten, name) in RULES, name

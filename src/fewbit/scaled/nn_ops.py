@@ -38,6 +38,13 @@ from .tensor import (
 )
 
 
+def _if_present(name: str) -> tuple:
+    """``aten.<name>`` where this torch has it (for :func:`rule`), else nothing: for private
+    ops younger than torch 2.4, the oldest fewbit takes (softmax's masked variant, the fused
+    rms_norm). Without one, torch decomposes its function into ops that have rules."""
+    return (getattr(aten, name),) if hasattr(aten, name) else ()
+
+
 def _unit(k: int) -> float:
     # Unit scaling: a power of two near sqrt(k), by which the data of a sum of k unit
     # terms is divided (exact) and the scale multiplied, so that the data stays near 1.
@@ -276,7 +283,7 @@ def _layer_norm_backward(func, g, x, normalized_shape, mean, rstd, weight, bias,
             None if gb is None else wrap(gb.to(parts(bias)[0].dtype), sg))
 
 
-@rule(aten._fused_rms_norm)
+@rule(*_if_present("_fused_rms_norm"))
 def _rms_norm(func, x, normalized_shape, weight, eps):
     """rms_norm (fused kernel) on the value: scale 1, or sw with a scaled weight.
     (On CPU rms_norm decomposes into pow, mean, add, rsqrt and mul, whose rules make
@@ -288,7 +295,7 @@ def _rms_norm(func, x, normalized_shape, weight, eps):
     return wrap(out.to(d.dtype), sw), rstd
 
 
-@rule(aten._fused_rms_norm_backward)
+@rule(*_if_present("_fused_rms_norm_backward"))
 def _rms_norm_backward(func, g, x, normalized_shape, rstd, weight, output_mask):
     """Gradients of rms_norm: input sg sw times rstd's largest (a power of two), weight sg."""
     dg, sg = parts(scalar_scale(g))
@@ -322,7 +329,7 @@ def _log_softmax(func, x, dim, half_to_float):
     return out if want == out.dtype else aten._to_copy.default(out, dtype=want)
 
 
-@rule(aten._safe_softmax)
+@rule(*_if_present("_safe_softmax"))
 def _safe_softmax(func, x, dim, dtype=None):
     """softmax that gives 0 on fully masked rows, on the value: scale 1."""
     d = parts(x)[0]
