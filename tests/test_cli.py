@@ -31,8 +31,18 @@ def test_formats_table_lists_the_registry(capsys):
     # intM has no normal values (its min normal, 2, lay beyond its max, 1.98438).
     row = next(line for line in out.splitlines() if line.startswith("ocp_int8"))
     assert row.split()[1:7] == ["8", "8", "0", "1.98438", "-", "0.015625"]
+    # The block formats' table: storage per element by hand (OCP MX: 32 codes and an 8-bit scale;
+    # NVFP4: 16 4-bit codes, an 8-bit E4M3 scale, one float32 per tensor; HBFP: blocks of 64).
+    rows = {line.split()[0]: line.split()[1:] for line in out.split("\n\n")[1].splitlines()[1:-1]}
+    assert rows["mxfp4_e2m1"] == ["(mxfp4)", "ocp_e2m1", "32", "ocp_e8m0", "floor", "4.25"]
+    assert rows["mxfp6_e3m2"][-1] == rows["mxfp8_e4m3"][-1] == str(8 + 8 / 32)  # 6 bits take a byte
+    assert rows["nvfp4"][:5] == ["ocp_e2m1", "16", "ocp_e4m3", "nearest", "4.5"]
+    assert " ".join(rows["nvfp4"][5:]) == "+ a float32 per tensor"
+    assert rows["hbfp8"][1:] == ["64", "ocp_e8m0", "floor", str(8 + 8 / 64)]
+    assert set(rows) >= {"mxfp8_e5m2", "mxfp6_e2m3", "mxint8", "bfp8_b16", "mx_binary8p4"}
     code, out, _ = run(capsys, "formats", "--all")
-    assert sum(1 for line in out.splitlines()[1:] if line.strip()) == len(fewbit.formats.names())
+    elements = out.split("\n\n")[0].splitlines()[1:]
+    assert len(elements) == len(fewbit.formats.names())
 
 
 def test_round_prints_neighbours_results_and_sr_probabilities(capsys):

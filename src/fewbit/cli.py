@@ -73,7 +73,31 @@ def cmd_formats(args: argparse.Namespace) -> int:
         print(f"{fmt.name:15} {fmt.k:>2} {fmt.p:>2} {fmt.exp_bits:>2} {nums}  {_specials(fmt)}")
     if not args.all:
         print(f"({len(formats.names())} formats in all: fewbit formats --all)")
+    print()
+    _block_formats()
     return 0
+
+
+def _block_formats() -> None:
+    """The block formats' table: each registered one (its aliases after it) and an example of
+    each pattern, with the storage per element of fewbit.block.quantize's BlockTensor."""
+    from .block import format as block_format
+    from .block import names as block_names
+
+    shown: dict[str, list[str]] = {}
+    for name in (*block_names(), "hbfp8", "bfp8_b16", "mx_binary8p4"):
+        aliases = shown.setdefault(block_format(name).name, [])
+        if name != block_format(name).name:
+            aliases.append(name)
+    print(f"{'block format':22} {'element':13} {'B':>2}  {'scale':9} {'rule':8} stored bits per element")
+    for name, aliases in shown.items():
+        bfmt = block_format(name)
+        label = f"{name} ({', '.join(aliases)})" if aliases else name
+        per_tensor = " + a float32 per tensor" if bfmt.tensor_scale else ""
+        print(f"{label:22} {bfmt.element.name:13} {bfmt.block_size:>2}  {bfmt.scale.name:9} {bfmt.rule:8} "
+              f"{bfmt.bits_per_element:g}{per_tensor}")
+    print("(stored: codes of 5 to 8 bits take a byte, of 4 bits half of one, and the scale its share; "
+          "by pattern: hbfp<m> (blocks of 64), bfp<m>_b<size>, mx_<element>)")
 
 
 #: The modes a single value's row describes, and whose bias depends on d alone: not the
