@@ -104,7 +104,7 @@ def probe_or_train(rank: int, world_size: int, cfg) -> dict:
     if not isinstance(cfg, HookProbe):
         return _train(rank, world_size, cfg)
     out = rank_order_mean_hook(None, _Bucket((rank + 1) * torch.tensor(HOOK_GRAD))).wait()
-    return {"mean": out.tolist()}
+    return {"mean": out.tolist(), "context": ReplicaContext.from_distributed(5, 9)}
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +152,13 @@ def test_default_policy_keeps_replicas_in_sync(runs, nproc):
     assert results[0]["disagreement"] == 0.0
     for r in results[1:]:
         assert abs(r["disagreement"] - DISAGREE) < 5 * se
+
+
+@pytest.mark.parametrize("nproc", [2, 3, 4])
+def test_replica_context_from_distributed_takes_each_ranks_place(runs, nproc):
+    contexts = [r["context"] for r in runs[nproc]["hook"]]
+    assert contexts == [ReplicaContext(5, 9, rank, nproc) for rank in range(nproc)]
+    assert ReplicaContext.from_distributed(5, 9) == ReplicaContext(5, 9, 0, 1)  # no process group here
 
 
 @pytest.mark.parametrize("nproc", [2, 3, 4])

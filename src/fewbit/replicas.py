@@ -82,10 +82,13 @@ class ReplicaContext:
 
     @classmethod
     def from_distributed(cls, seed: int | Key = 0, step: int = 0, group=None) -> ReplicaContext:
+        """The context of this process: its rank and world size in ``group`` under
+        torch.distributed (0 and 1 without it)."""
         rank, size = world(group)
         return cls(seed, step, rank, size)
 
     def key(self, policy: SeedPolicy | str, *stream: int) -> Key:
+        """``fold_in(seed, step, *stream)``, the rank folded in for DIFFERING."""
         return replica_key(fold_in(self.seed, self.step, *stream), policy, self.rank)
 
 
