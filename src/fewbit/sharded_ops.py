@@ -222,12 +222,13 @@ def _decode(cls, func, types, args, kwargs):
                   lambda piece, where: func(piece, fmt, dtype, packed), shape)  # fmt: skip
 
 
-def _block_checks(x, call: tuple, name: str, out: torch.Tensor | None = None):
+def _block_checks(x, call: tuple, out: torch.Tensor | None = None):
     """The block op's checked spec (on x's piece), its block axis, the pieces of the given
     bits and of ``out``, and the full tensor's per-tensor scale (NVFP4's: a collective;
     None for formats without one), x's Partial placements reduced first; raises, before
     any collective, for a piece whose blocks straddle ranks or a bad argument."""
     bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule = call
+    name = "fewbit.block.round"  # (the one block op with DTensor rules)
     _eager(name)
     piece = x.to_local()
     spec, axis = block_spec_of(piece, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
@@ -247,7 +248,7 @@ def _block_checks(x, call: tuple, name: str, out: torch.Tensor | None = None):
 
 def _block_round(cls, func, types, args, kwargs):
     key = args[6]
-    x, spec, axis, given, _, ts = _block_checks(args[0], args[1:], "fewbit.block.round")
+    x, spec, axis, given, _, ts = _block_checks(args[0], args[1:])
 
     def rounded(piece: torch.Tensor, where: ShardLayout) -> torch.Tensor:
         def op(*drawn) -> torch.Tensor:
@@ -261,7 +262,7 @@ def _block_round(cls, func, types, args, kwargs):
 def _block_round_into(cls, func, types, args, kwargs):
     *call, out = args
     key = call[6]
-    x, spec, axis, given, into, ts = _block_checks(call[0], tuple(call[1:]), "fewbit.block.round", out)
+    x, spec, axis, given, into, ts = _block_checks(call[0], tuple(call[1:]), out)
     piece = x.to_local()
     where = layout(x, piece)
 
