@@ -100,6 +100,7 @@ class FloatFormat:
 
     @property
     def sign_bits(self) -> int:
+        """Width of the sign field: 1, or 0 for an unsigned format."""
         return 1 if self.signed else 0
 
     @property
@@ -109,16 +110,19 @@ class FloatFormat:
 
     @property
     def is_signed(self) -> bool:
+        """Whether the format has negative values (gfloat's name for ``signed``)."""
         return self.signed
 
     # Special values
 
     @property
     def has_infs(self) -> bool:
+        """Whether +-Inf have codes: the extended formats (gfloat's name for ``extended``)."""
         return self.extended
 
     @property
     def has_zero(self) -> bool:
+        """Whether 0 has a code."""
         # Without subnormals exponent field 0 is a normal value, so zero has no code.
         return self.has_subnormals
 
@@ -133,6 +137,7 @@ class FloatFormat:
 
     @property
     def has_nans(self) -> bool:
+        """Whether some code decodes to NaN."""
         return self.num_nans > 0
 
     # Exponent range
@@ -160,11 +165,14 @@ class FloatFormat:
 
     @property
     def code_of_max(self) -> int:
+        """Code of the largest finite value."""
         top = (1 << (self.k - self.sign_bits)) - 1
         return top - self.num_high_nans - (1 if self.extended else 0)
 
     @property
     def code_of_nan(self) -> int:
+        """The code fewbit writes for NaN: all ones where the top codes are NaNs, else
+        P3109's, the code -0 would have; ValueError for a format without NaN."""
         if self.num_high_nans:
             return (1 << self.k) - 1
         if self.signed and not self.has_nz and not self.twos_complement:
@@ -216,6 +224,7 @@ class FloatFormat:
 
     @property
     def smallest_normal(self) -> float:
+        """Smallest positive normal value, ``2^emin``."""
         return self._ldexp(1, self.emin)
 
     @property

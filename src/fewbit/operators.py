@@ -76,6 +76,7 @@ class Operator:
         return self.op(*args)
 
     def register_fake(self, fake: Callable) -> Callable:
+        """Register ``fake`` as the op's fake (shape-only) implementation, for tracing."""
         torch.library.register_fake(self.qualname, fake, lib=LIBRARY)
         return fake
 

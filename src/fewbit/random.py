@@ -496,7 +496,8 @@ def _fields(words: torch.Tensor, bits: int) -> torch.Tensor:
     return (words & ((1 << bits) - 1)).reshape(-1, LANES)
 
 
-def bits_rows(row0: int, n_rows: int, bits: int, k0: KeyInt, k1: KeyInt, *, device=None) -> torch.Tensor:
+def bits_rows(row0: int, n_rows: int, bits: int, k0: KeyInt, k1: KeyInt, *,
+              device: torch.device | str | None = None) -> torch.Tensor:
     """Values of elements ``[row0 * LANES, (row0 + n_rows) * LANES)`` as a
     ``(n_rows, LANES)`` tensor (int32, or int64 for ``bits == 32``).
 

@@ -37,6 +37,8 @@ _RANK_STREAM = 0x7E91_1CA5
 
 
 class SeedPolicy(enum.StrEnum):
+    """Whether a rounding's key holds the replica's rank (seed 000's two RNG streams)."""
+
     DIFFERING = "differing"  #: rounding differs per replica (forward, backward, accumulation)
     IDENTICAL = "identical"  #: rounding the same on every replica (the weight update)
 
@@ -50,7 +52,7 @@ DEFAULT_POLICY = {
 }
 
 
-def world(group=None) -> tuple[int, int]:
+def world(group: torch.distributed.ProcessGroup | None = None) -> tuple[int, int]:
     """(rank, world size) in ``group`` under torch.distributed, else (0, 1)."""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
@@ -58,7 +60,8 @@ def world(group=None) -> tuple[int, int]:
     return 0, 1
 
 
-def replica_key(key: Key | int | torch.Tensor, policy: SeedPolicy | str, rank: int | None = None):
+def replica_key(key: Key | int | torch.Tensor, policy: SeedPolicy | str,
+                rank: int | None = None) -> Key | torch.Tensor:
     """``key`` for IDENTICAL; ``key`` with the rank folded in for DIFFERING (rank None:
     this process's rank under torch.distributed, 0 without it). A key tensor gives a
     key tensor (see ``fewbit.random.fold_in``)."""
@@ -81,7 +84,8 @@ class ReplicaContext:
     world_size: int = 1
 
     @classmethod
-    def from_distributed(cls, seed: int | Key = 0, step: int = 0, group=None) -> ReplicaContext:
+    def from_distributed(cls, seed: int | Key = 0, step: int = 0,
+                         group: torch.distributed.ProcessGroup | None = None) -> ReplicaContext:
         """The context of this process: its rank and world size in ``group`` under
         torch.distributed (0 and 1 without it)."""
         rank, size = world(group)
@@ -141,6 +145,7 @@ class SyncResult:
 
     @property
     def first(self) -> str | None:
+        """The first tensor that differs, None when none does."""
         return self.differing[0] if self.differing else None
 
     def __str__(self) -> str:
@@ -156,7 +161,8 @@ class SyncResult:
         return f"in sync: {compared} tensors on {self.world_size} ranks{skipped}"
 
 
-def check_in_sync(tensors: torch.nn.Module | Iterable | torch.Tensor, group=None) -> SyncResult:
+def check_in_sync(tensors: torch.nn.Module | Iterable | torch.Tensor,
+                  group: torch.distributed.ProcessGroup | None = None) -> SyncResult:
     """Compare a digest of every tensor's bits across the ranks of ``group`` (a collective:
     every rank must call it). A module contributes its state_dict (parameters, buffers).
     A DTensor is compared between the ranks that hold the same piece of it. A tensor None
@@ -234,7 +240,8 @@ def _ordered(t: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
 
 
 def drift_report(
-    tensors: torch.nn.Module | Iterable | torch.Tensor, group=None, fmt: FloatFormat | str | None = None
+    tensors: torch.nn.Module | Iterable | torch.Tensor, group: torch.distributed.ProcessGroup | None = None,
+    fmt: FloatFormat | str | None = None,
 ) -> dict[str, int]:
     """For each floating tensor, the largest distance in ulps between any rank's value and
     rank 0's (0 everywhere when in sync): ulps of the tensor's dtype, or of ``fmt`` (a
