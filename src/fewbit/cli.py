@@ -730,7 +730,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-interval", type=int)
     p.add_argument("--device", help="cpu or cuda (cuda:N: one of several GPUs)")
     p.add_argument("--fast", action=argparse.BooleanOptionalAction,
-                   help="bfloat16 autocast, compiled model, fused AdamW (default: on for --preset paper)")
+                   help="bfloat16 autocast, compiled model, fused AdamW (default: on for the GPU "
+                        "presets, paper and gpt2-medium)")
     p.add_argument("--time-steps", type=_int_in(1), metavar="STEPS",
                    help="no training: time STEPS steps (5 times, median) with the write-back and with "
                         "float32 weights, and print the write-back's share")  # fmt: skip
