@@ -20,7 +20,7 @@ import struct
 import subprocess
 import tarfile
 import zipfile
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -635,19 +635,38 @@ def test_a_claim_refuses_other_text_and_damaged_saves_and_restart_spares_other_f
         (folder / CHECKPOINT).write_bytes(cut)
         with pytest.raises(ValueError, match=f"{folder / CHECKPOINT} is damaged .* delete it"):
             sweep.claim_folders(configs, tmp_path, restart=False, data_digest="text")
-    (folder / RESULT).write_text("")
-    with pytest.raises(ValueError, match=f"{folder / RESULT} is damaged"):
-        sweep.claim_folders(configs, tmp_path, restart=False, data_digest="text")
+    # A result that is JSON but no run's: a KeyError's traceback, or zip()'s message at the summary.
+    for text in ("", "{}", '{"iters": [0, 10], "train": [3.0], "val": [4.0, 2.0], "seconds": 1.0}',
+                 '{"iters": [0], "train": [3.0], "val": [4.0], "seconds": "1"}'):  # fmt: skip
+        (folder / RESULT).write_text(text)
+        with pytest.raises(ValueError, match=f"{folder / RESULT} is damaged"):
+            sweep.claim_folders(configs, tmp_path, restart=False, data_digest="text")
     (folder / RESULT).unlink()
+    # A field the saved run has and today's TrainConfig lacks (a field since removed): the
+    # claim took it and its checkpoint failed in the worker at every try.
+    saved = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**saved, "old_field": 1}))
+    with pytest.raises(ValueError, match="another configuration \\(old_field 1 -> None\\)"):
+        sweep.claim_folders(configs, tmp_path, restart=False, data_digest="text")
+    (folder / "config.json").write_text(json.dumps(saved))
     (folder / "config.json").unlink()  # as a --restart cut short may leave it; its checkpoint stays
     with pytest.raises(ValueError, match=f"{folder} holds a run's checkpoint or result without its config"):
         sweep.claim_folders(configs, tmp_path, restart=False, data_digest="text")
-    model = tmp_path / "a_model"  # not a run: its config.json is not TrainConfig's
-    model.mkdir()
-    (model / "config.json").write_text('{"model_type": "gpt2"}')
+    # Not runs: a model's config.json, an empty one, one of a few names a TrainConfig has too.
+    others = {"a_model": '{"model_type": "gpt2"}', "notes": "{}", "tool": '{"device": "cpu", "seed": 1}'}
+    for name, text in others.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(text)
+    # A run of another arm kept on another disk, linked here: the link goes, its files stay.
+    elsewhere = tmp_path / "elsewhere" / "run"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "config.json").write_text(json.dumps(asdict(replace(TINY, mode="rne"))))
+    (tmp_path / "linked-run").symlink_to(elsewhere)
     (folder,) = sweep.claim_folders(configs, tmp_path, restart=True, data_digest="other text")
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", sweep.DATA]
-    assert (folder / sweep.DATA).read_text() == "other text\n" and (model / "config.json").exists()
+    assert (folder / sweep.DATA).read_text() == "other text\n"
+    assert all((tmp_path / name / "config.json").read_text() == text for name, text in others.items())
+    assert not (tmp_path / "linked-run").exists() and (elsewhere / "config.json").exists()
 
 
 def test_text_digest_is_of_the_characters_and_their_split():

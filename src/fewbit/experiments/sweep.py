@@ -203,13 +203,27 @@ def hold(out_dir: Path, files: Iterable[str] = ()) -> Iterator[None]:
 DATA = "data.sha256"
 
 
+#: The fields that make a config.json a run's, with TrainConfig's fields alone beside them: a
+#: folder of the user's whose config.json is {} or holds a "seed" is no run to discard.
+_RUN_FIELDS = {"mode", "weight_format", "seed", "iters", "n_layer", "n_embd", "lr"}
+
+
 def _is_run(folder: Path) -> bool:
     """Whether ``folder`` holds a run of fewbit's: a config.json of TrainConfig's fields."""
     try:
         saved = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(saved, dict) and saved.keys() <= asdict(TrainConfig()).keys()
+    return isinstance(saved, dict) and _RUN_FIELDS <= saved.keys() <= asdict(TrainConfig()).keys()
+
+
+def _check_result(saved: object) -> None:
+    """Raise ValueError unless ``saved`` is a run's result.json: its iterations with as many
+    train and validation losses, and its seconds."""
+    lists = [saved.get(k) for k in ("iters", "train", "val")] if isinstance(saved, dict) else [None]
+    if (any(not isinstance(v, list) for v in lists) or len({len(v) for v in lists}) != 1
+            or not isinstance(saved.get("seconds"), int | float)):
+        raise ValueError
 
 
 def _check_saved(folder: Path) -> None:
@@ -218,15 +232,15 @@ def _check_saved(folder: Path) -> None:
     checkpoint, result = folder / CHECKPOINT, folder / RESULT
     try:
         if result.exists():
-            json.loads(result.read_text())
+            _check_result(json.loads(result.read_text()))
         elif checkpoint.exists():
             with zipfile.ZipFile(checkpoint) as saved:  # torch.save's zip: every record's CRC
                 if saved.testzip() is not None:
                     raise zipfile.BadZipFile
     except (ValueError, zipfile.BadZipFile, EOFError, OSError):  # (OSError: a folder in its place)
         damaged = result if result.exists() else checkpoint
-        raise ValueError(f"{damaged} is damaged (cut short?): delete it to train that run again from "
-                         "its beginning, or pass --restart to discard every run here") from None  # fmt: skip
+        raise ValueError(f"{damaged} is damaged or not a run's (cut short?): delete it to train that run "
+                         "again from its beginning, or pass --restart to discard every run here") from None
 
 
 def claim_folders(configs: list[TrainConfig], out_dir: Path, restart: bool, data_digest: str) -> list[Path]:
@@ -243,7 +257,10 @@ def claim_folders(configs: list[TrainConfig], out_dir: Path, restart: bool, data
     if restart and out_dir.is_dir():
         for old in out_dir.iterdir():  # (and this command's own folders, whatever they hold)
             if old.is_dir() and (old in folders or _is_run(old)):
-                shutil.rmtree(old)
+                if old.is_symlink():  # a run kept elsewhere: it leaves this folder, its files stay
+                    old.unlink()
+                else:
+                    shutil.rmtree(old)
     for cfg, folder in zip(configs, folders, strict=True):
         written = folder / "config.json"
         if not written.exists() and any((folder / f).exists() for f in (CHECKPOINT, RESULT)):
@@ -259,7 +276,8 @@ def claim_folders(configs: list[TrainConfig], out_dir: Path, restart: bool, data
                 raise ValueError(f"{written} is not a run's configuration (cut short?): remove {folder}, or "
                                  "pass --restart to discard every run here") from None  # fmt: skip
             now = asdict(cfg)
-            changed = [f"{k} {before.get(k)!r} -> {v!r}" for k, v in now.items() if before.get(k) != v]
+            changed = [f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in {**before, **now}
+                       if before.get(k) != now.get(k)]  # (a field today's fewbit lacks too)
             if changed:
                 raise ValueError(
                     f"{folder} holds a run with another configuration ({', '.join(changed)}): pass "
