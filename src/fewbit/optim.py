@@ -512,10 +512,9 @@ class LowPrecisionWeights:
         batched = []
         if not block and self.fmt.has_nans and self.policy is SeedPolicy.IDENTICAL:
             batched = [i for i in live if self._layouts[i].whole]
-        extra = {"fraction": self.fraction} if self.mode is RoundMode.SR_FRACTION else {}
         codes, in_codes = {}, set(stored)
         for i in [i for i in batched if i in in_codes]:  # straight to codes, a pass each
-            kw = {"sat": self.sat, "bits": self.bits, **extra}
+            kw = {"sat": self.sat, "bits": self.bits, "fraction": self.fraction}
             if step_key is not None:
                 kw["seed"] = fold_in(step_key, i)
             codes[i] = codec.quantize(pieces[i].to(self.via), self.fmt, self.mode, **kw)
@@ -542,7 +541,7 @@ class LowPrecisionWeights:
                 continue
             random = piece_randomness(self.spec, key, at, t.device)
             if not block:
-                sr = {"bits": self.bits, **random, **extra} if random else {}
+                sr = {"bits": self.bits, "fraction": self.fraction, **random} if random else {}
                 t.copy_(round_to(x, self.fmt, self.mode, sat=self.sat, **sr))
                 continue
             axis = self.fmt.axis % x.dim()

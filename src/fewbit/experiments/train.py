@@ -28,7 +28,7 @@ from ..nn import Quant, quantize_outputs
 from ..optim import LowPrecisionWeights
 from ..random import as_key, fold_in
 from ..rounding.checks import check_round_args
-from ..rounding.modes import MODES, RoundMode, parse_mode
+from ..rounding.modes import FRACTION_MODES, MODES, RoundMode, modes_text, parse_mode
 from .data import CharDataset
 from .gpt import GPT, GPTConfig
 from .probe import StepProbe, mean_abs
@@ -111,9 +111,10 @@ class TrainConfig:
             probe = torch.empty(0, dtype=UPDATE_DTYPES[self.update_dtype])
             bits = self.bits if parse_mode(self.mode).takes_bits else None
             check_round_args(probe, self.weight_format, self.mode, True, bits, self.fraction)
-        sr_fraction = self.grad_format is not None and parse_mode(self.grad_mode) is RoundMode.SR_FRACTION
-        if sr_fraction and self.grad_fraction is None:  # (Quant would ask for fraction=p: the weights')
-            raise TypeError("grad_mode 'sr_fraction' needs grad_fraction=p, a number in [0, 1]")
+        takes_fraction = self.grad_format is not None and parse_mode(self.grad_mode).takes_fraction
+        if takes_fraction and self.grad_fraction is None:  # (Quant would ask for fraction=p: the weights')
+            raise TypeError(f"grad_mode {parse_mode(self.grad_mode).value!r} needs grad_fraction=p, "
+                            "a number in [0, 1]")
         if (q := self.grad_quant) is not None:  # the same, for the gradients' rounding
             check_args(torch.float32, q.fmt, q.mode, q.sat, q.bits, q.fraction)
         for name in ("bits", "grad_bits"):  # (range-checked by LowPrecisionWeights and Quant in any mode)
@@ -191,8 +192,9 @@ def _unused_by_mode(prefix: str, mode: str) -> dict[str, str]:
     if not m.takes_bits:
         how = "is deterministic" if MODES[m].bits == "none" else "takes its N from the formats"
         unused[f"{prefix}bits"] = f"{prefix}mode {mode!r} {how}; leave it out"
-    if m is not RoundMode.SR_FRACTION:
-        unused[f"{prefix}fraction"] = f"only {prefix}mode 'sr_fraction' takes p, not {mode!r}; leave it out"
+    if not m.takes_fraction:
+        unused[f"{prefix}fraction"] = (f"only {prefix}{modes_text(FRACTION_MODES)} takes p, not {mode!r}; "
+                                       "leave it out")
     return unused
 
 
@@ -200,8 +202,9 @@ def rounding_label(fmt: str, mode: str, bits: int | None, fraction: float | None
                    update_dtype: str = "bf16") -> str:  # fmt: skip
     """``binary8p4 SRF N=3``: a rounding's name in tables and plots; updates in another
     dtype than the paper's bfloat16 are named (``... fp32 updates``)."""
-    extra = f" p={fraction:g}" if mode == "sr_fraction" else ""
-    n = f" N={bits}" if parse_mode(mode).takes_bits else ""
+    m = parse_mode(mode)
+    extra = f" p={fraction:g}" if m.takes_fraction else ""
+    n = f" N={bits}" if m.takes_bits else ""
     updates = "" if update_dtype == "bf16" else f" {update_dtype} updates"
     return f"{fmt} {mode.upper()}{n}{extra}{updates}"
 

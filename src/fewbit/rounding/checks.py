@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..formats import FloatFormat, format
-from .modes import MODES, SELECT_BITS, RoundMode, natural_sr_bits, parse_mode
+from .modes import FRACTION_MODES, MODES, SELECT_BITS, RoundMode, modes_text, natural_sr_bits, parse_mode
 
 __all__ = ["RoundSpec", "check_random_bits", "check_round_args", "dtype_format", "make_spec", "scalar_args"]
 
@@ -68,7 +68,7 @@ class RoundSpec:
 
     @property
     def random_range(self) -> int:
-        extra = SELECT_BITS if "select" in MODES[self.mode].streams else 0
+        extra = SELECT_BITS if MODES[self.mode].takes_fraction else 0
         return 1 << (self.bits + extra)
 
 
@@ -147,14 +147,14 @@ def check_mode_args(mode: RoundMode, bits: int | None, fraction: float | None) -
     """The checks of ``bits`` and ``fraction`` (scalars already normalised) that hold
     whatever the dtype; returns ``select_below`` (see :class:`RoundSpec`)."""
     info = MODES[mode]
-    if "select" in info.streams:
+    if info.takes_fraction:
         if fraction is None:
             raise TypeError(f"mode {mode.value!r} needs fraction=p, a number in [0, 1]")
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"fraction must be in [0, 1], got {fraction}")
         select_below = round(fraction * (1 << SELECT_BITS))
     elif fraction is not None:
-        raise ValueError(f"fraction is only for mode 'sr_fraction', not {mode.value!r}")
+        raise ValueError(f"fraction is only for {modes_text(FRACTION_MODES)}, not {mode.value!r}")
     else:
         select_below = None
     if info.bits == "none" and bits is not None:
@@ -241,7 +241,7 @@ def check_random_bits(
         if lo < 0 or hi >= spec.random_range:
             raise ValueError(
                 f"random_bits must lie in [0, {spec.random_range}) for N={spec.bits}"
-                f"{' plus the selection bits' if 'select' in MODES[spec.mode].streams else ''};"
+                f"{' plus the selection bits' if MODES[spec.mode].takes_fraction else ''};"
                 f" found values in [{lo}, {hi}]"
             )
     return wide.to(torch.int32 if spec.random_range <= 1 << 31 else torch.int64)

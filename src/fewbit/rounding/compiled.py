@@ -50,7 +50,7 @@ def stream_words(spec: RoundSpec, key: Key | torch.Tensor) -> list:
     from a key tensor. Kernels take these words ready made: a key derived inside a
     compiled loop may be recomputed for every element."""
     keys = [key]
-    if "select" in MODES[spec.mode].streams:
+    if MODES[spec.mode].takes_fraction:
         keys.append(fold_in(key, SELECT_KEY))
     elif type(key) is Key:  # (at every call with a seed)
         return [key.k0, key.k1]

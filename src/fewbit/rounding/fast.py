@@ -218,7 +218,7 @@ def _away(mode, spec: RoundSpec, r, rem, one, D, e_t, negative, random_bits, max
 
     info = MODES[mode]
     n = random_bits
-    if "select" in info.streams:  # the selection bits lie above the N rounding bits
+    if info.takes_fraction:  # the selection bits lie above the N rounding bits
         select = n >> spec.bits
         n = n & ((1 << spec.bits) - 1)
     stochastic = _few_bit_away(rem, D, n, spec.bits, info.tie, max_shift)

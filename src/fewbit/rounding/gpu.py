@@ -254,7 +254,7 @@ def _round(x, spec: RoundSpec, key, random_bits, out: torch.Tensor, offset: int,
     if host:
         host_words = (*stream_words(spec, key), 0, 0)[:4]
     elif drawn:
-        select = "select" in MODES[spec.mode].streams
+        select = MODES[spec.mode].takes_fraction
         words = torch.stack(stream_words(spec, key)) if select else key.contiguous()
     # A block call's (size, rule), scale codes and tensor scale: what else it takes.
     shape, scales, tensor_scale = block or (None, None, None)

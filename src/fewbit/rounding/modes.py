@@ -31,7 +31,10 @@ from typing import Literal
 
 from ..formats import FloatFormat
 
-__all__ = ["MODES", "ModeInfo", "RoundMode", "SELECT_BITS", "natural_sr_bits", "parse_mode"]
+__all__ = [
+    "FRACTION_MODES", "MODES", "ModeInfo", "RoundMode", "SELECT_BITS", "modes_text", "natural_sr_bits",
+    "parse_mode",
+]
 
 
 class RoundMode(enum.StrEnum):
@@ -63,6 +66,11 @@ class RoundMode(enum.StrEnum):
     def takes_bits(self) -> bool:
         """Whether ``bits`` may be chosen (``sr`` derives it from the formats)."""
         return MODES[self].bits in ("required", "optional")
+
+    @property
+    def takes_fraction(self) -> bool:
+        """Whether the call needs ``fraction=p`` (the mode reads the selection stream)."""
+        return MODES[self].takes_fraction
 
 
 #: ``sr_fraction`` takes ``SELECT_BITS`` extra random bits per element above the N
@@ -106,6 +114,11 @@ class ModeInfo:
         """SR in some places and RNE in others: its bias depends on where x lies."""
         return self.where != "everywhere"
 
+    @property
+    def takes_fraction(self) -> bool:
+        """Reads the selection stream: the call needs ``fraction=p``."""
+        return "select" in self.streams
+
 
 def _few_bit(summary: str, tie: str, **kw) -> ModeInfo:
     kw.setdefault("bits", "required")
@@ -134,6 +147,15 @@ assert set(MODES) == set(RoundMode), "every mode needs a row"
 
 #: The modes whose few-bit rounding of d is the whole predicate (no RNE part).
 FEW_BIT_MODES = tuple(m for m, info in MODES.items() if info.stochastic and not info.composite)
+
+#: The modes that take ``fraction=p``.
+FRACTION_MODES = tuple(m for m, info in MODES.items() if info.takes_fraction)
+
+
+def modes_text(modes: tuple[RoundMode, ...]) -> str:
+    """``mode 'sr_fraction'`` or ``modes 'a', 'b'``: modes named in a message."""
+    return f"mode{'s' if len(modes) > 1 else ''} {', '.join(repr(m.value) for m in modes)}"
+
 
 #: The value folded into a key to give ``sr_fraction``'s selection stream.
 SELECT_KEY = 0x5E1EC7

@@ -99,7 +99,7 @@ def _round_magnitude(a: Fraction, spec: RoundSpec, negative: bool, n: int | None
         return round_away(m, d, odd=odd, negative=negative, n=rand, bits=spec.bits)
 
     info = MODES[mode]
-    if "select" in info.streams:  # the selection bits lie above the N rounding bits
+    if info.takes_fraction:  # the selection bits lie above the N rounding bits
         select, n = n >> spec.bits, n & ((1 << spec.bits) - 1)
     if info.where == "near_zero":
         rne_gives_zero = floor_s == 0 and not away(RoundMode.RNE)
