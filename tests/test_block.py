@@ -124,6 +124,18 @@ def test_kernel_agrees_with_reference(name, rule):
             assert torch.equal(got, want), f"{name} {rule} {mode} axis={axis}"
 
 
+def test_reference_takes_a_mode_in_any_case():
+    """The reference parses the mode as block.round does: "SR" is classical SR (src with the
+    quotients' natural N), not an error about N for the float64 it works in."""
+    g = torch.Generator().manual_seed(stable_seed("block-ref-case"))
+    x = torch.randn(2, 64, generator=g)
+    n = natural_sr_bits(fewbit.format("binary32"), block.format("mxfp8_e4m3").element)
+    rb = torch.randint(0, 2**n, x.shape, generator=g)
+    want = block.round(x, "mxfp8_e4m3", "sr", random_bits=rb)
+    for mode in ("sr", "SR", fewbit.RoundMode.SR):
+        assert torch.equal(block_round_reference(x, "mxfp8_e4m3", mode, random_bits=rb), want), mode
+
+
 @pytest.mark.parametrize("mode", STOCHASTIC)
 @pytest.mark.parametrize("bits", [1, 2, 3, 8])
 def test_sr_on_blocks_is_elementwise_round_of_x_over_scale(mode, bits):

@@ -33,8 +33,8 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from ..rounding.checks import dtype_format
-from ..rounding.modes import MODES, natural_sr_bits, parse_mode
+from ..rounding.checks import make_spec, scalar_args
+from ..rounding.modes import MODES, RoundMode, parse_mode
 from ..rounding.reference import round_reference
 from .formats import BlockFormat, format
 from .kernel import work_dtype
@@ -110,11 +110,11 @@ def block_round_reference(
     """Same contract as ``fewbit.block.round``, computed block by block."""
     bfmt = format(bfmt)
     # A default N is min(D, 32) for the quotients x / S, float32 for data of up to 32 bits
-    # (not for the float64 this works in); classical SR is src with that N.
-    if bits is None and MODES[parse_mode(mode)].bits in ("optional", "natural"):
-        bits = natural_sr_bits(dtype_format(torch.promote_types(x.dtype, torch.float32)), bfmt.element)
-    if mode == "sr":
-        mode = "src"
+    # (make_spec with held=False; not for the float64 this works in): given explicitly.
+    mode = parse_mode(mode)
+    bits = make_spec(x.dtype, bfmt.element, mode, *scalar_args(sat, bits, fraction), held=False).bits
+    if MODES[mode].bits == "natural":  # classical SR is src with that N
+        mode = RoundMode.SRC
     axis = bfmt.axis if axis is None else axis
     rule = rule or bfmt.rule
     size = bfmt.block_size
