@@ -455,7 +455,7 @@ def test_native_ab_times_the_same_revision_twice_as_two_builds(capsys, monkeypat
 @pytest.mark.parametrize("argv, says", [
     (["--fsdp", "--format", "nvfp5"], "unknown format 'nvfp5'"),
     (["--fsdp", "--format", "binary32"], "--format binary32: the run holds each weight's update in "
-                                         "torch.bfloat16 (update_dtype), which cannot hold every value of "
+                                         "update_dtype: a torch.bfloat16 tensor cannot hold every value of "
                                          "binary32"),
     (["--fsdp", "--format", "binary16"], "cannot hold every value of binary16"),
     (["--format", "nvfp4"], "--format is for --fsdp"),

@@ -539,7 +539,7 @@ def cmd_replicas_fsdp(args: argparse.Namespace) -> int:
     from .config import configure
     from .experiments.replicas import launch
     from .experiments.sharded import TINY, UPDATE_DTYPE, ShardedRun, check_world, run, train_single
-    from .optim import check_holds
+    from .rounding.checks import check_holds
 
     cfg = ShardedRun(steps=args.steps, seed=args.seed, policy=args.policy, placement=args.placement or 0,
                      block_size=TINY.block_size, hash_every=1, fmt=args.format or "binary8p4")  # fmt: skip
@@ -547,8 +547,7 @@ def cmd_replicas_fsdp(args: argparse.Namespace) -> int:
     # A bad name, and a format the updates cannot hold (as LowPrecisionWeights refuses it on
     # every rank), before anything starts.
     check_holds(UPDATE_DTYPE, element_or_block(cfg.fmt),
-                f"--format {cfg.fmt}: the run holds each weight's update in {UPDATE_DTYPE} "
-                "(update_dtype), which")  # fmt: skip
+                f"--format {cfg.fmt}: the run holds each weight's update in update_dtype")
     data_file = _shakespeare(args)
     if data_file is None:
         return 2

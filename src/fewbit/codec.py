@@ -26,7 +26,7 @@ from .formats import FloatFormat, format
 from .operators import operator
 from .random import Key, host_key
 from .rounding import RoundMode, gpu, native
-from .rounding.checks import check_flag, check_random_bits, check_tensor, dtype_format
+from .rounding.checks import check_flag, check_holds, check_random_bits, check_tensor
 from .rounding.compiled import stream_words
 from .rounding.fast import _LAYOUT, decompose, working_dtype
 from .rounding.ops import (
@@ -49,17 +49,6 @@ def code_dtype(fmt: FloatFormat | str) -> torch.dtype:
     if fmt.k > 16:
         raise ValueError(f"{fmt.name} has K={fmt.k}: codes are for K <= 16 (view the tensor instead)")
     return torch.uint8 if fmt.k <= 8 else torch.int16
-
-
-def _check_holds(dtype: torch.dtype, fmt: FloatFormat) -> None:
-    if not _holds(dtype, fmt):
-        raise ValueError(f"{dtype} cannot hold every value of {fmt.name}")
-
-
-@lru_cache(maxsize=256)
-def _holds(dtype: torch.dtype, fmt: FloatFormat) -> bool:
-    # Asked on every call of encode and quantize: FloatFormat.contains takes some 20 us.
-    return dtype_format(dtype).contains(fmt)
 
 
 def encode(x: torch.Tensor, fmt: FloatFormat | str, packed: bool = False, check: bool = True) -> torch.Tensor:
@@ -120,7 +109,7 @@ def quantize(
 
 def _encode_checks(x: torch.Tensor, fmt: FloatFormat, packed: bool) -> tuple[torch.Size, torch.dtype]:
     """Check an encode call; return the shape and dtype of its codes."""
-    _check_holds(x.dtype, fmt)  # also rejects non-float dtypes
+    check_holds(x.dtype, fmt)  # also rejects non-float dtypes
     dtype = code_dtype(fmt)
     if not packed:
         return x.shape, dtype
@@ -272,7 +261,7 @@ def _decode_checks(codes: torch.Tensor, fmt: FloatFormat, dtype: torch.dtype, pa
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"decode gives values in a float dtype (torch.float32, torch.bfloat16, ...), "
                         f"not {dtype!r}")  # fmt: skip
-    _check_holds(dtype, fmt)
+    check_holds(dtype, fmt)
     code_dtype(fmt)
     if not packed:
         return codes.shape

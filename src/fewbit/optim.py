@@ -32,7 +32,7 @@ from .formats import FloatFormat
 from .random import Key, as_key, fold_in
 from .replicas import SeedPolicy, assert_identical_inputs, replica_key, world
 from .rounding import RoundMode, dtype_format
-from .rounding.checks import check_flag, scalar_args
+from .rounding.checks import check_flag, check_holds, scalar_args
 from .rounding.foreach import round_foreach_
 from .rounding.modes import parse_mode
 from .sharding import (
@@ -126,16 +126,6 @@ def _tensors(tree):
     elif isinstance(tree, dict):
         for item in tree.values():
             yield from _tensors(item)
-
-
-def check_holds(dtype: torch.dtype, fmt: FloatFormat | BlockFormat, what: str) -> None:
-    """Refuse a weight or update dtype (``what`` names it) without every value of ``fmt``.
-    For a block format the element format is checked: a block's values are elements times
-    a power of two (float32's exponent range), or for NVFP4 a product that the kernel
-    rounds to the dtype anyway."""
-    element = fmt.element if isinstance(fmt, BlockFormat) else fmt
-    if not dtype_format(dtype).contains(element):
-        raise ValueError(f"{what} cannot hold every value of {element.name}")
 
 
 class LowPrecisionWeights:
@@ -314,7 +304,7 @@ class LowPrecisionWeights:
             # A block's scale needs all its elements: a piece must hold whole blocks.
             check_whole_blocks(p, self.fmt, name=name)
             for dtype in {p.dtype, self.update_dtype or p.dtype}:
-                check_holds(dtype, self.fmt, f"{name} ({dtype})")
+                check_holds(dtype, self.fmt, name if dtype == p.dtype else f"{name}'s update (update_dtype)")
         # Every selected parameter shares one dtype: the write-back rounds them together.
         every = [*self.params, *params]
         dtypes = {p.dtype for p in every} | {p.device for p in every}  # (cuda:0 and cuda:1 differ)

@@ -16,7 +16,10 @@ import torch
 from ..formats import FloatFormat, format
 from .modes import FRACTION_MODES, MODES, SELECT_BITS, RoundMode, modes_text, natural_sr_bits, parse_mode
 
-__all__ = ["RoundSpec", "check_random_bits", "check_round_args", "dtype_format", "make_spec", "scalar_args"]
+__all__ = [
+    "RoundSpec", "check_holds", "check_random_bits", "check_round_args", "dtype_format", "make_spec",
+    "scalar_args",
+]
 
 _DTYPE_FORMATS = {
     torch.float16: "binary16",
@@ -166,6 +169,24 @@ def check_mode_args(mode: RoundMode, bits: int | None, fraction: float | None) -
     return select_below
 
 
+def check_holds(dtype: torch.dtype, fmt: FloatFormat, what: str | None = None) -> None:
+    """Raise ValueError unless a ``dtype`` tensor holds every value of ``fmt``, saying what
+    it lacks and which dtype would do (``what``, where given, names the tensor first); a
+    TypeError for a dtype fewbit does not round. A block format is checked by its element
+    format: a block's values are elements times a power of two (float32's exponent range),
+    or for NVFP4 a product that the kernel rounds to the dtype anyway."""
+    fmt = getattr(fmt, "element", fmt)  # (a BlockFormat: fewbit.block builds on this module)
+    if not _holds(dtype, fmt):
+        why = _cannot_hold(dtype, dtype_format(dtype), fmt)
+        raise ValueError(why if what is None else f"{what}: {why}")
+
+
+@functools.lru_cache(maxsize=256)
+def _holds(dtype: torch.dtype, fmt: FloatFormat) -> bool:
+    # Asked on every call of encode and quantize: FloatFormat.contains takes some 20 us.
+    return dtype_format(dtype).contains(fmt)
+
+
 def _cannot_hold(dtype: torch.dtype, source: FloatFormat, fmt: FloatFormat) -> str:
     """Why a ``dtype`` tensor cannot hold ``fmt`` (its precision, its exponent range, or
     both), and the narrowest dtype that can, where one does."""
@@ -189,8 +210,8 @@ def make_spec(
     round quotients x / S of float32 or wider, whose D sets the default N)."""
     source = dtype_format(dtype)
     info = MODES[mode]
-    if held and not source.contains(fmt):
-        raise ValueError(_cannot_hold(dtype, source, fmt))
+    if held:
+        check_holds(dtype, fmt)
     select_below = check_mode_args(mode, bits, fraction)
     if info.bits == "none":
         return RoundSpec(fmt, source, mode, sat, None, None)
