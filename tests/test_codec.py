@@ -3,6 +3,7 @@
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -141,6 +142,22 @@ def test_packed_is_a_bool():
                  lambda: fewbit.quantize(x, "e2m1", packed="no")):  # fmt: skip
         with pytest.raises(TypeError, match="packed must be a bool"):
             call()
+
+
+def test_flags_take_numpy_bools_as_sat_does():
+    """packed and check take numpy's bool as fewbit.round's sat does; anything else that is
+    no bool is refused, naming the parameter."""
+    x = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    plain = fewbit.encode(x, "e2m1", packed=False)
+    assert torch.equal(fewbit.encode(x, "e2m1", packed=np.bool_(False)), plain)
+    assert torch.equal(fewbit.encode(x, "e2m1", packed=np.bool_(True), check=np.bool_(True)),
+                       fewbit.encode(x, "e2m1", packed=True))
+    assert torch.equal(fewbit.decode(plain, "e2m1", packed=np.bool_(False)), fewbit.decode(plain, "e2m1"))
+    for value in (1, "yes", np.int64(0)):
+        with pytest.raises(TypeError, match="^packed must be a bool, not "):
+            fewbit.encode(x, "e2m1", packed=value)
+    with pytest.raises(TypeError, match="not numpy.int64: "):
+        fewbit.encode(x, "e2m1", check=np.int64(1))
 
 
 def test_empty_and_scalar():

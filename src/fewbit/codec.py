@@ -22,11 +22,12 @@ from functools import lru_cache
 
 import torch
 
+from .config import as_flag
 from .formats import FloatFormat, format
 from .operators import operator
 from .random import Key, host_key
 from .rounding import RoundMode, gpu, native
-from .rounding.checks import check_flag, check_holds, check_random_bits, check_tensor
+from .rounding.checks import check_holds, check_random_bits, check_tensor
 from .rounding.compiled import stream_words
 from .rounding.fast import _LAYOUT, decompose, working_dtype
 from .rounding.ops import (
@@ -60,8 +61,8 @@ def encode(x: torch.Tensor, fmt: FloatFormat | str, packed: bool = False, check:
     the check reads a flag back, which waits for the kernel; without it the call queues
     its kernel and returns, as a plain op does (and may be captured in a CUDA graph)."""
     x = check_tensor(x)
-    check_flag(packed, "packed")
-    check_flag(check, "check")
+    packed = as_flag(packed, "packed")
+    check = as_flag(check, "check")
     return _encode(x, format_name(fmt), packed, check)
 
 
@@ -73,7 +74,7 @@ def decode(
 ) -> torch.Tensor:
     """Values of ``codes`` in ``fmt`` as a tensor of ``dtype`` (NaN codes give NaN)."""
     codes = check_tensor(codes, "codes")
-    check_flag(packed, "packed")
+    packed = as_flag(packed, "packed")
     return _decode(codes, format_name(fmt), dtype, packed)
 
 
@@ -103,7 +104,7 @@ def quantize(
     NaN), and :func:`encode`'s errors for the codes (K > 16; ``packed`` needs K <= 4 and
     an even last dimension)."""
     args = op_args(x, fmt, mode, sat, bits, fraction, seed, random_bits)
-    check_flag(packed, "packed")
+    packed = as_flag(packed, "packed")
     return _quantize(*args, packed)
 
 

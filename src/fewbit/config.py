@@ -44,7 +44,18 @@ from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ["Config", "configure", "current"]
+__all__ = ["Config", "as_flag", "configure", "current"]
+
+
+def as_flag(value: object, name: str) -> bool:
+    """``value`` as a bool flag: a bool or numpy's bool; anything else is a TypeError
+    naming ``name`` (bool() would take "no" or 2 as True, None as False). Here, not in
+    fewbit.rounding.checks: the config, which imports no torch, checks its flags so too."""
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    kind = type(value)
+    kind = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    raise TypeError(f"{name} must be a bool, not {kind}: {value!r}")
 
 
 @dataclass(frozen=True)
@@ -64,12 +75,8 @@ class Config:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fewbit")
 
     def __post_init__(self) -> None:
-        for name in ("compile", "unit_scaling", "native"):
-            value = getattr(self, name)
-            if isinstance(value, np.bool_):
-                object.__setattr__(self, name, bool(value))  # as fewbit.round's sat takes it
-            elif not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, not {type(value).__name__}")
+        for name in ("compile", "unit_scaling", "native"):  # (numpy's bool too, as fewbit.round's sat)
+            object.__setattr__(self, name, as_flag(getattr(self, name), name))
         for name in ("compile_threshold", "eager_chunk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (name == "eager_chunk"):

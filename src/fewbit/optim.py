@@ -27,12 +27,12 @@ from . import codec
 from .block import BlockFormat, BlockTensor, check_args, element_or_block, quantize, round_to
 from .block.formats import check_storable
 from .block.ops import check_block_axis, with_tensor_scale
-from .config import configure, current
+from .config import as_flag, configure, current
 from .formats import FloatFormat
 from .random import Key, as_key, fold_in
 from .replicas import SeedPolicy, assert_identical_inputs, replica_key, world
 from .rounding import RoundMode, dtype_format
-from .rounding.checks import check_flag, check_holds, scalar_args
+from .rounding.checks import check_holds, scalar_args
 from .rounding.foreach import round_foreach_
 from .rounding.modes import parse_mode
 from .sharding import (
@@ -209,8 +209,8 @@ class LowPrecisionWeights:
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
-        for name, flag in (("scale", scale), ("store_codes", store_codes), ("guard", guard)):
-            check_flag(flag, name)
+        scale, store_codes, guard = (as_flag(scale, "scale"), as_flag(store_codes, "store_codes"),
+                                     as_flag(guard, "guard"))
         self.optimizer = optimizer
         self.fmt = element_or_block(fmt)
         block = isinstance(self.fmt, BlockFormat)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..config import as_flag
 from ..formats import FloatFormat, format
 from .modes import FRACTION_MODES, MODES, SELECT_BITS, RoundMode, modes_text, natural_sr_bits, parse_mode
 
@@ -75,19 +76,12 @@ class RoundSpec:
         return 1 << (self.bits + extra)
 
 
-def check_flag(value: object, name: str) -> None:
-    """Refuse a flag that is not a bool: bool() would take "no" or 2 as True, None as False."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool (True or False), not {type(value).__name__}: {value!r}")
-
-
 def scalar_args(sat, bits, fraction) -> tuple[bool, int | None, float | None]:
     """``sat``, ``bits`` and ``fraction`` as Python scalars: numpy bools, integers and
     floats are accepted as their Python kinds; a bool is not a number here."""
     if type(sat) is bool and type(bits) in (int, type(None)) and type(fraction) in (float, type(None)):
         return sat, bits, fraction  # Python scalars already: every call passes here first
-    if not isinstance(sat, (bool, np.bool_)):
-        raise TypeError(f"sat must be a bool, not {type(sat).__name__}")
+    sat = as_flag(sat, "sat")
     if bits is not None:
         if isinstance(bits, (bool, np.bool_)) or not isinstance(bits, numbers.Integral):
             raise TypeError(f"bits must be an int, not {type(bits).__name__}")
@@ -96,7 +90,7 @@ def scalar_args(sat, bits, fraction) -> tuple[bool, int | None, float | None]:
         if isinstance(fraction, (bool, np.bool_)) or not isinstance(fraction, numbers.Real):
             raise TypeError(f"fraction must be a number in [0, 1], not {type(fraction).__name__}")
         fraction = float(fraction)
-    return bool(sat), bits, fraction
+    return sat, bits, fraction
 
 
 def check_tensor(x, name: str = "x") -> torch.Tensor:
