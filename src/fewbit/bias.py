@@ -26,9 +26,10 @@ import torch
 
 from .formats import FloatFormat, format
 from .random import Key, as_key, fold_in
-from .rounding import RoundMode
+from .rounding import RoundMode, modes
 from .rounding import round as fewbit_round
-from .rounding.modes import MODES, parse_mode
+from .rounding.checks import dtype_format
+from .rounding.modes import MAX_BITS, MODES, natural_bits, parse_mode
 from .rounding.reference import probability_away, round_away
 
 __all__ = ["FIGURES", "away_steps", "bias_at", "bias_integral", "check_mode", "closed_form", "exact",
@@ -68,12 +69,12 @@ def _check(mode: RoundMode | str, bits: int | None, excess: int | None) -> tuple
     _check_excess(excess)
     if info.bits == "natural":
         if bits is not None:
-            raise ValueError(f"mode {mode.value!r} takes its N from the excess bits: N = min(D, 32)")
+            raise ValueError(f"mode {mode.value!r} takes its N from the excess bits: N = min(D, {MAX_BITS})")
         if excess is not None:
-            return mode, min(max(excess, 1), 32)
+            return mode, natural_bits(excess)
     elif info.stochastic:
-        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 32:
-            raise ValueError(f"mode {mode.value!r} needs bits=N in 1..32, got {bits!r}")
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= MAX_BITS:
+            raise ValueError(f"mode {mode.value!r} needs bits=N in 1..{MAX_BITS}, got {bits!r}")
     elif bits is not None:
         raise ValueError(f"mode {mode.value!r} is deterministic and takes no bits")
     return mode, bits
@@ -239,11 +240,13 @@ def closed_form(mode: RoundMode | str, bits: int, excess: int | None = None) -> 
 def excess_bits(target: FloatFormat | str, source: FloatFormat | str) -> int:
     """D for inputs of ``source`` rounded to ``target`` in the normal range (for intM,
     whose values are all subnormal, the top binade): P_s - P_t, an intM's P less its
-    sign bit (``FloatFormat.top_p``)."""
+    sign bit (``FloatFormat.top_p``). ``fewbit.rounding.modes.excess_bits(source, target)``
+    (note the order) for formats or their names; ValueError where D would be negative."""
     target, source = format(target), format(source)
-    if source.top_p < target.top_p:
+    excess = modes.excess_bits(source, target)
+    if excess < 0:
         raise ValueError(f"{source.name} has fewer significand bits than {target.name}")
-    return source.top_p - target.top_p
+    return excess
 
 
 def measure(
@@ -324,7 +327,7 @@ def figure(number: int, out_dir: str, seed: int = 0, samples: int | None = None)
         # over these X is exactly the mean over uniform d (the bias is linear between
         # jumps at multiples of 2^-(N+1), which fall on cell edges), no X on a jump.
         x = 1 + (torch.arange(512, dtype=torch.float64) + 0.5) / 512
-    excess = excess_bits(cfg["target"], "bfloat16" if cfg["source"] == torch.bfloat16 else "binary64")
+    excess = excess_bits(cfg["target"], dtype_format(cfg["source"]))
     # Round many copies at once: each call covers `reps` samples of every X.
     reps = max(1, min(samples, 200_000 // x.numel()))
     calls = max(2, -(-samples // reps))

@@ -32,7 +32,7 @@ from .formats import FloatFormat
 from .random import Key, as_key, fold_in
 from .replicas import SeedPolicy, assert_identical_inputs, replica_key, world
 from .rounding import RoundMode, dtype_format
-from .rounding.checks import check_holds, scalar_args
+from .rounding.checks import check_bits, check_holds, scalar_args
 from .rounding.foreach import round_foreach_
 from .rounding.modes import parse_mode
 from .sharding import (
@@ -216,8 +216,7 @@ class LowPrecisionWeights:
         block = isinstance(self.fmt, BlockFormat)
         self.mode = parse_mode(mode)
         sat, bits, fraction = scalar_args(sat, bits, fraction)  # Python scalars: a checkpoint loads plainly
-        if bits is not None and not 1 <= bits <= 32:
-            raise ValueError(f"bits must be in 1..32, got {bits}")
+        check_bits(bits)
         self.bits = bits if self.mode.takes_bits else None
         self.fraction = fraction
         self.sat = sat

@@ -56,6 +56,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .rounding.modes import MAX_BITS
+
 __all__ = [
     "Key",
     "as_key",
@@ -132,10 +134,10 @@ def _check_size(x: object, limit: int, what: str) -> int:
 
 def _check_bits(bits: object) -> int:
     if not _is_int(bits):
-        raise ValueError(f"bits must be an int in 1..32, got {type(bits).__name__}: {bits!r}")
+        raise ValueError(f"bits must be an int in 1..{MAX_BITS}, got {type(bits).__name__}: {bits!r}")
     bits = int(bits)
-    if not 1 <= bits <= 32:
-        raise ValueError(f"bits must be in 1..32, got {bits}")
+    if not 1 <= bits <= MAX_BITS:
+        raise ValueError(f"bits must be in 1..{MAX_BITS}, got {bits}")
     return bits
 
 

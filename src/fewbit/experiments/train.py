@@ -27,7 +27,7 @@ from ..block.formats import names as block_names
 from ..nn import Quant, quantize_outputs
 from ..optim import LowPrecisionWeights
 from ..random import as_key, fold_in
-from ..rounding.checks import check_round_args
+from ..rounding.checks import check_bits, check_round_args
 from ..rounding.modes import FRACTION_MODES, MODES, RoundMode, modes_text, parse_mode
 from .data import CharDataset
 from .gpt import GPT, GPTConfig
@@ -118,9 +118,7 @@ class TrainConfig:
         if (q := self.grad_quant) is not None:  # the same, for the gradients' rounding
             check_args(torch.float32, q.fmt, q.mode, q.sat, q.bits, q.fraction)
         for name in ("bits", "grad_bits"):  # (range-checked by LowPrecisionWeights and Quant in any mode)
-            n = getattr(self, name)
-            if n is not None and not 1 <= n <= 32:
-                raise ValueError(f"{name} must be in 1..32, got {n}")
+            check_bits(getattr(self, name), name)
         as_key(self.seed)  # the run's key: a seed outside [0, 2**64) raises there
         try:
             device = torch.device(self.device)

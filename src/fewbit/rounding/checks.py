@@ -15,11 +15,20 @@ import torch
 
 from ..config import as_flag
 from ..formats import FloatFormat, format
-from .modes import FRACTION_MODES, MODES, SELECT_BITS, RoundMode, modes_text, natural_sr_bits, parse_mode
+from .modes import (
+    FRACTION_MODES,
+    MAX_BITS,
+    MODES,
+    SELECT_BITS,
+    RoundMode,
+    modes_text,
+    natural_sr_bits,
+    parse_mode,
+)
 
 __all__ = [
-    "RoundSpec", "check_holds", "check_random_bits", "check_round_args", "dtype_format", "make_spec",
-    "scalar_args",
+    "RoundSpec", "check_bits", "check_holds", "check_random_bits", "check_round_args", "dtype_format",
+    "make_spec", "scalar_args",
 ]
 
 _DTYPE_FORMATS = {
@@ -158,9 +167,14 @@ def check_mode_args(mode: RoundMode, bits: int | None, fraction: float | None) -
         raise ValueError(f"mode {mode.value!r} is deterministic and takes no bits")
     if bits is None and info.bits == "required":
         raise ValueError(f"mode {mode.value!r} needs bits=N, the random bits per element")
-    if bits is not None and not 1 <= bits <= 32:
-        raise ValueError(f"bits must be in 1..32, got {bits}")
+    check_bits(bits)
     return select_below
+
+
+def check_bits(bits: int | None, name: str = "bits") -> None:
+    """Raise ValueError unless ``bits`` (an int already, or None) is an N in 1..MAX_BITS."""
+    if bits is not None and not 1 <= bits <= MAX_BITS:
+        raise ValueError(f"{name} must be in 1..{MAX_BITS}, got {bits}")
 
 
 def check_holds(dtype: torch.dtype, fmt: FloatFormat, what: str | None = None) -> None:
@@ -218,7 +232,7 @@ def make_spec(
         bits = natural
     if info.bits == "natural" and bits != natural:
         raise ValueError(
-            f"mode {mode.value!r} uses N = min(D, 32) = {natural} bits for {quotients.name} -> "
+            f"mode {mode.value!r} uses N = min(D, {MAX_BITS}) = {natural} bits for {quotients.name} -> "
             f"{fmt.name}; use 'src' to choose N"
         )
     return RoundSpec(fmt, source, mode, sat, bits, select_below)

@@ -1,16 +1,16 @@
 """fewbit's GPU kernel (Triton, ``triton_kernels.py``): rounding in one pass over memory,
 the random words generated once per ``floor(32/N)`` elements inside it.
 
-It takes the calls native.cpp takes on a CPU (formats within float32's range, N <= 30,
-float32 and 16-bit inputs) and computes their bits (tests/test_gpu_kernel.py runs it in
-Triton's interpreter against the native kernel; tests/test_gpu.py on a GPU). A key
-tensor on the device is read by the kernel; a key in host memory (an int seed's) travels
-as the launch's arguments. Either way a call neither waits for the GPU nor copies a key
-to it, so it can be captured in a CUDA graph (which keeps a host key's value at the
-capture). A kernel compiled once is launched again by :func:`_launch` itself, without
-Triton's binding of its arguments (and without its launcher's Python where gpu.py knows
-the launcher). Where Triton is missing the torch kernels run
-instead, compiled or eager, with the same bits.
+It takes the calls native.cpp takes on a CPU (formats within float32's range, N <=
+native.NATIVE_MAX_BITS = 30, float32 and 16-bit inputs) and computes their bits
+(tests/test_gpu_kernel.py runs it in Triton's interpreter against the native kernel;
+tests/test_gpu.py on a GPU). A key tensor on the device is read by the kernel; a key in
+host memory (an int seed's) travels as the launch's arguments. Either way a call neither
+waits for the GPU nor copies a key to it, so it can be captured in a CUDA graph (which
+keeps a host key's value at the capture). A kernel compiled once is launched again by
+:func:`_launch` itself, without Triton's binding of its arguments (and without its
+launcher's Python where gpu.py knows the launcher). Where Triton is missing the torch
+kernels run instead, compiled or eager, with the same bits.
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ from typing import Literal
 from ..formats import FloatFormat
 
 __all__ = [
-    "FRACTION_MODES", "MODES", "ModeInfo", "RoundMode", "SELECT_BITS", "modes_text", "natural_sr_bits",
-    "parse_mode",
+    "FRACTION_MODES", "MAX_BITS", "MODES", "ModeInfo", "RoundMode", "SELECT_BITS", "excess_bits",
+    "modes_text", "natural_bits", "natural_sr_bits", "parse_mode",
 ]
 
 
@@ -161,14 +161,31 @@ def modes_text(modes: tuple[RoundMode, ...]) -> str:
 SELECT_KEY = 0x5E1EC7
 
 
+#: The most random bits per element a stochastic mode takes: N is in 1..MAX_BITS.
+MAX_BITS = 32
+
+
+def excess_bits(source: FloatFormat, target: FloatFormat) -> int:
+    """D = P_source - P_target: the significand bits of a ``source`` value that ``target``
+    discards in its normal range (for intM, whose values are all subnormal, the top binade),
+    an intM's P less its sign bit (``FloatFormat.top_p``). Negative where ``target`` has
+    more (``fewbit.bias.excess_bits`` refuses that; classical SR takes N = 1 there)."""
+    return source.top_p - target.top_p
+
+
+def natural_bits(excess: int) -> int:
+    """Classical SR's N for D = ``excess`` discarded bits: D kept within 1..MAX_BITS."""
+    return min(max(excess, 1), MAX_BITS)
+
+
 def natural_sr_bits(source: FloatFormat, target: FloatFormat) -> int:
-    """N for classical SR: D = P_source - P_target discarded bits, kept within 1..32
-    (intM's P less its sign bit: ``FloatFormat.top_p``).
+    """N for classical SR from ``source`` to ``target``: :func:`natural_bits` of
+    :func:`excess_bits`.
 
     For normal results N = D makes SRC exact; results in the target's subnormal range
     discard more bits, and their fraction is rounded to N bits first.
     """
-    return min(max(source.top_p - target.top_p, 1), 32)
+    return natural_bits(excess_bits(source, target))
 
 
 def parse_mode(mode: RoundMode | str) -> RoundMode:

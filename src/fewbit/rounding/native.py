@@ -62,8 +62,9 @@ _ENCODE, _MAGIC_RNE, _MAGIC_SRC, _CLASSICAL_SR, _ENCODE_MAGIC = 12, 13, 14, 15, 
 _STOPS_AT_MAX = {"nowhere": 0, "everywhere": 1, "negative": 2, "positive": 3}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _VALUES, _CODES_U8, _CODES_I16, _CODES_PACKED = range(4)
-#: Few-bit SR sums d_N + n in int32.
-MAX_BITS = 30
+#: The native kernel's (and the GPU kernel's) largest N, below the library's
+#: ``modes.MAX_BITS``: its few-bit SR sums d_N + n in int32.
+NATIVE_MAX_BITS = 30
 #: Elements per row of native.cpp: a block size that divides it keeps every block in a row.
 LANES = 512
 #: native.cpp's ``Rule`` enum (and gpu.py's): block.formats.SCALE_RULES, power-of-two (E8M0)
@@ -119,7 +120,7 @@ def takes(x: torch.Tensor, fmt: FloatFormat) -> bool:
 def covers(spec: RoundSpec) -> bool:
     """Whether the kernels' arithmetic (this and gpu.py's) covers a spec's format and N
     (looked up: every call asks, before its launch on a GPU)."""
-    return fits(spec.fmt) and (spec.bits is None or spec.bits <= MAX_BITS)
+    return fits(spec.fmt) and (spec.bits is None or spec.bits <= NATIVE_MAX_BITS)
 
 
 def takes_call(spec: RoundSpec, x: torch.Tensor, random_bits: torch.Tensor | None) -> bool:
