@@ -27,7 +27,7 @@ from .formats import FloatFormat, format
 from .operators import operator
 from .random import Key, host_key
 from .rounding import RoundMode, gpu, native
-from .rounding.checks import check_holds, check_random_bits, check_tensor
+from .rounding.checks import check_holds, check_random_bits, check_tensor, no_result
 from .rounding.compiled import stream_words
 from .rounding.fast import _LAYOUT, decompose, working_dtype
 from .rounding.ops import (
@@ -36,7 +36,6 @@ from .rounding.ops import (
     fake_checks,
     format_name,
     lookup_format,
-    no_result,
     op_args,
 )
 from .rounding.ops import round_into as round_values_into

@@ -20,7 +20,7 @@ from ..formats import FloatFormat, from_repr
 from ..operators import operator
 from ..random import Key, _is_int, host_key
 from ..rounding import gpu, native
-from ..rounding.checks import check_random_bits, check_tensor, scalar_args
+from ..rounding.checks import check_random_bits, check_tensor, no_result, scalar_args
 from ..rounding.compiled import (
     _own,
     _warn_eager,
@@ -259,7 +259,7 @@ def _checked_run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool, t
         t.is_contiguous() and not _overlaps(t, x, random_bits) for t in into)  # fmt: skip
     *result, invalid = _run(x, spec, key, random_bits, axis, fused, ts, into if direct else None)
     if invalid is not None and bool(invalid):
-        raise ValueError(f"{spec.spec.fmt.name} has no Inf or NaN for a value beyond its range; use sat=True")
+        raise no_result(spec.spec.fmt, nan_input=False)
     if into is None:
         return tuple(result)
     for t, r in zip(into, result, strict=True):

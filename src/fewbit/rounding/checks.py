@@ -28,7 +28,7 @@ from .modes import (
 
 __all__ = [
     "RoundSpec", "check_bits", "check_holds", "check_random_bits", "check_round_args", "dtype_format",
-    "make_spec", "scalar_args",
+    "make_spec", "no_result", "scalar_args",
 ]
 
 _DTYPE_FORMATS = {
@@ -134,6 +134,14 @@ def lazily_valued(t: torch.Tensor, name: str) -> str | None:
 #: torch's private query of a ZeroTensor (which is_neg's public sibling lacks); where a
 #: torch has none, a ZeroTensor is not refused here (tests/test_operator.py fails first).
 _IS_ZEROTENSOR = getattr(torch.Tensor, "_is_zerotensor", None)
+
+
+def no_result(fmt: FloatFormat, nan_input: bool) -> ValueError:
+    """The error for an element without a result in ``fmt`` (a format without NaN): a NaN
+    input, or a value beyond the range without ``sat``."""
+    if nan_input:
+        return ValueError(f"{fmt.name} has no NaN to hold a NaN input")
+    return ValueError(f"{fmt.name} has no Inf or NaN for a value beyond its range; use sat=True")
 
 
 def check_round_args(

@@ -28,13 +28,21 @@ from ..formats import FloatFormat, format, from_repr
 from ..operators import operator
 from ..random import Key, as_key, host_key, key_of
 from . import gpu, native
-from .checks import RoundSpec, check_random_bits, check_tensor, lazily_valued, make_spec, scalar_args
+from .checks import (
+    RoundSpec,
+    check_random_bits,
+    check_tensor,
+    lazily_valued,
+    make_spec,
+    no_result,
+    scalar_args,
+)
 from .compiled import compiled_round, range_bits, round_body, stream_words, use_compiled
 from .modes import RoundMode, parse_mode
 
 __all__ = [
     "batch_bits", "check_key", "check_writable", "checked_spec", "fake_checks", "format_name",
-    "lookup_format", "name_for_op", "no_result", "op_args", "round_into",
+    "lookup_format", "name_for_op", "op_args", "round_into",
 ]  # fmt: skip
 
 #: Formats made by hand (not in the registry) that went through an op, by name: a name is one format.
@@ -226,14 +234,6 @@ def _raise_on_invalid(work: torch.Tensor, out: torch.Tensor, spec: RoundSpec) ->
     # one reduction (a host sync on a GPU) is the only check of data after rounding.
     if bool(torch.isnan(out).any()):
         raise no_result(spec.fmt, nan_input=bool(torch.isnan(work).any()))
-
-
-def no_result(fmt: FloatFormat, nan_input: bool) -> ValueError:
-    """The error for an element without a result in ``fmt`` (a format without NaN): a NaN
-    input, or a value beyond the range without ``sat``."""
-    if nan_input:
-        return ValueError(f"{fmt.name} has no NaN to hold a NaN input")
-    return ValueError(f"{fmt.name} has no Inf or NaN for a value beyond its range; use sat=True")
 
 
 def checked_spec(x, fmt, rounding, sat, bits, fraction, key, random_bits) -> RoundSpec:

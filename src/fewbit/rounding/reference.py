@@ -20,7 +20,7 @@ from fractions import Fraction
 import torch
 
 from ..formats import FloatFormat
-from .checks import RoundSpec, check_random_bits, check_round_args
+from .checks import RoundSpec, check_random_bits, check_round_args, no_result
 from .modes import MODES, RoundMode
 
 __all__ = ["fraction_to_bits", "probability_away", "round_away", "round_reference"]
@@ -124,14 +124,14 @@ def _beyond_range(fmt: FloatFormat, negative: bool) -> float:
         return -math.inf if negative else math.inf
     if fmt.has_nans:
         return math.nan
-    raise ValueError(f"{fmt.name} has no Inf or NaN for a value beyond its range; use sat=True")
+    raise no_result(fmt, nan_input=False)
 
 
 def _round_scalar(v: float, spec: RoundSpec, n: int | None) -> float:
     fmt = spec.fmt
     if math.isnan(v):
         if not fmt.has_nans:
-            raise ValueError(f"{fmt.name} has no NaN to hold a NaN input")
+            raise no_result(fmt, nan_input=True)
         return math.nan
     negative = math.copysign(1.0, v) < 0
     limit = Fraction(fmt.max_negative_magnitude if negative else fmt.max)
