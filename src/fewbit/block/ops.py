@@ -11,7 +11,6 @@ eager. Gradient of ``block_round``: straight-through, as ``fewbit::round``'s (se
 from __future__ import annotations
 
 import functools
-from operator import index
 
 import torch
 
@@ -20,7 +19,7 @@ from ..formats import FloatFormat, from_repr
 from ..operators import operator
 from ..random import Key, _is_int, host_key
 from ..rounding import gpu, native
-from ..rounding.checks import check_random_bits, check_tensor, no_result, scalar_args
+from ..rounding.checks import check_random_bits, no_result
 from ..rounding.compiled import (
     _own,
     _warn_eager,
@@ -31,7 +30,7 @@ from ..rounding.compiled import (
     word_tensors,
 )
 from ..rounding.modes import parse_mode
-from ..rounding.ops import _check_out, _overlaps, batch_bits, check_key, name_for_op, op_key
+from ..rounding.ops import _check_out, _overlaps, batch_bits, check_key, name_for_op, op_args
 from ..rounding.ops import format_name as element_name
 from .formats import BlockFormat, check_rule, check_storable
 from .formats import format as block_format
@@ -80,14 +79,10 @@ def lookup(name: str) -> BlockFormat:
 
 
 def block_args(x, bfmt, mode, sat, bits, fraction, seed, random_bits, axis, rule) -> tuple:
-    """The ops' arguments from a user's call."""
-    x = check_tensor(x)
-    mode = parse_mode(mode).value
-    sat, bits, fraction = scalar_args(sat, bits, fraction)
-    if bits is not None:  # static, as rounding.ops.op_args makes it
-        bits = index(bits)
-    name = format_name(bfmt)
-    return x, name, mode, sat, bits, fraction, op_key(seed, x), random_bits, check_axis(axis), rule
+    """The ops' arguments from a user's call: ``fewbit::round``'s (``rounding.ops.op_args``,
+    with the block format's name), the axis and the rule."""
+    args = op_args(x, bfmt, mode, sat, bits, fraction, seed, random_bits, name_of=format_name)
+    return *args, check_axis(axis), rule
 
 
 def check_axis(axis: object) -> int | None:

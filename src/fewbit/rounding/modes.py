@@ -33,7 +33,7 @@ from ..formats import FloatFormat
 
 __all__ = [
     "FRACTION_MODES", "MAX_BITS", "MODES", "ModeInfo", "RoundMode", "SELECT_BITS", "excess_bits",
-    "modes_text", "natural_bits", "natural_sr_bits", "parse_mode",
+    "mode_name", "modes_text", "natural_bits", "natural_sr_bits", "parse_mode",
 ]
 
 
@@ -188,14 +188,23 @@ def natural_sr_bits(source: FloatFormat, target: FloatFormat) -> int:
     return natural_bits(excess_bits(source, target))
 
 
-def parse_mode(mode: RoundMode | str) -> RoundMode:
+def mode_name(mode: RoundMode | str) -> str:
+    """The checked, lower-case name of a mode given as a RoundMode or a string: what the
+    ops take (``parse_mode`` without making the enum member, on every call)."""
     if isinstance(mode, RoundMode):
-        return mode
+        return mode.value
     if isinstance(mode, str):
-        try:
-            return RoundMode(mode.lower())
-        except ValueError:
-            pass
+        name = mode.lower()
+        if name in _NAMES:
+            return name
         known = ", ".join(m.value for m in RoundMode)
         raise ValueError(f"unknown rounding mode {mode!r}; known: {known}")
     raise TypeError(f"mode must be a RoundMode or a string, not {type(mode).__name__}")
+
+
+_NAMES = frozenset(m.value for m in RoundMode)
+
+
+def parse_mode(mode: RoundMode | str) -> RoundMode:
+    """The RoundMode of ``mode`` (a RoundMode, or its name in any case)."""
+    return mode if isinstance(mode, RoundMode) else RoundMode(mode_name(mode))

@@ -38,7 +38,7 @@ from .checks import (
     scalar_args,
 )
 from .compiled import compiled_round, range_bits, round_body, stream_words, use_compiled
-from .modes import RoundMode, parse_mode
+from .modes import mode_name, parse_mode
 
 __all__ = [
     "batch_bits", "check_key", "check_writable", "checked_spec", "fake_checks", "format_name",
@@ -86,19 +86,21 @@ def lookup_format(name: str) -> FloatFormat:
     return from_repr(name) if "(" in name else format(name)
 
 
-def op_args(x, fmt, mode, sat, bits, fraction, seed, random_bits) -> tuple:
-    """The op's arguments: names for the format and mode, Python scalars, a key tensor."""
+def op_args(x, fmt, mode, sat, bits, fraction, seed, random_bits, name_of=None) -> tuple:
+    """The op's arguments: names for the format and mode (the mode's lower-case name, as
+    every op takes it), Python scalars, a key tensor. ``name_of``: the format's name for
+    the op (default :func:`format_name`; ``fewbit.block`` passes its own)."""
     x = check_tensor(x)
-    if isinstance(mode, RoundMode):
-        mode = mode.value
-    elif not isinstance(mode, str):
-        raise TypeError(f"mode must be a RoundMode or a string, not {type(mode).__name__}")
+    mode = mode_name(mode)
     sat, bits, fraction = scalar_args(sat, bits, fraction)
     if bits is not None:
         # bits picks the kernel's constants: an int that Dynamo made symbolic (after a second
         # value; it looks like an int) is specialised, a graph for each value as for fraction.
         bits = index(bits)
-    name = fmt if isinstance(fmt, str) else format_name(fmt)  # (most calls give a name: two frames less)
+    if name_of is not None:
+        name = name_of(fmt)
+    else:  # (most calls give a name: two frames less)
+        name = fmt if isinstance(fmt, str) else format_name(fmt)
     return x, name, mode, sat, bits, fraction, op_key(seed, x), random_bits
 
 
