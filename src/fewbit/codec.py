@@ -29,7 +29,7 @@ from .random import Key, host_key
 from .rounding import RoundMode, gpu, native
 from .rounding.checks import check_holds, check_random_bits, check_tensor, no_result
 from .rounding.compiled import stream_words
-from .rounding.fast import _LAYOUT, decompose, working_dtype
+from .rounding.fast import INT_LAYOUT, decompose, working_dtype
 from .rounding.ops import (
     batch_bits,
     checked_spec,
@@ -121,7 +121,7 @@ def codes_of(work: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     """int32 codes of ``work`` (float32 or float64) read as values of ``fmt``, unchecked:
     right for values of fmt, meaningless for others (:func:`encode` checks). Plain torch
     ops, so a compiled caller (block quantisation) fuses them."""
-    M = _LAYOUT[work.dtype][1]
+    M = INT_LAYOUT[work.dtype][1]
     negative, is_inf, is_nan, e_x, sig = decompose(work, fmt.emin)
     exp_field_of_emin = 1 if fmt.has_subnormals else 0
     normal = ((e_x - fmt.emin + exp_field_of_emin) << fmt.t) + (sig >> (M - fmt.t)) - (1 << fmt.t)

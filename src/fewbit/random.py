@@ -73,6 +73,7 @@ __all__ = [
     "bits_from_range",
     "bits_from_index",
     "LANES",
+    "is_int",
 ]
 
 MASK32 = 0xFFFFFFFF
@@ -106,7 +107,7 @@ KeyInt = int | torch.Tensor
 # --------------------------------------------------------------------------
 
 
-def _is_int(x: object) -> bool:
+def is_int(x: object) -> bool:
     """True for Python/numpy integers, False for bool (a common mistake)."""
     # An int first: the abstract-class check costs a microsecond, and keys are made per call.
     return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
@@ -115,7 +116,7 @@ def _is_int(x: object) -> bool:
 def _check_uint(x: object, limit: int, what: str) -> int:
     if type(x) is int and 0 <= x < limit:  # first: keys are made per call
         return x
-    if not _is_int(x):
+    if not is_int(x):
         raise TypeError(f"{what} must be an int, got {type(x).__name__}: {x!r}")
     x = int(x)
     if not 0 <= x < limit:
@@ -133,7 +134,7 @@ def _check_size(x: object, limit: int, what: str) -> int:
 
 
 def _check_bits(bits: object) -> int:
-    if not _is_int(bits):
+    if not is_int(bits):
         raise ValueError(f"bits must be an int in 1..{MAX_BITS}, got {type(bits).__name__}: {bits!r}")
     bits = int(bits)
     if not 1 <= bits <= MAX_BITS:
@@ -161,7 +162,7 @@ class Key:
     @classmethod
     def from_seed(cls, seed: int) -> Key:
         """Key from an int seed in ``[0, 2**64)``: ``k0`` = low 32 bits, ``k1`` = high."""
-        if torch.compiler.is_compiling() and _is_int(seed) and seed // 2**63:
+        if torch.compiler.is_compiling() and is_int(seed) and seed // 2**63:
             # A compiled graph takes an int that Dynamo made symbolic as an int64 input, with
             # no guard on its range (Dynamo sees an int, not a SymInt, here): one beyond
             # [0, 2**63) is made a constant of a graph of its own, split (or refused) as an int.
@@ -213,7 +214,7 @@ def as_key(seed_or_key: Key | int) -> Key:
     """``Key`` -> itself; int -> :meth:`Key.from_seed`; anything else -> TypeError."""
     if isinstance(seed_or_key, Key):
         return seed_or_key
-    if _is_int(seed_or_key):
+    if is_int(seed_or_key):
         return Key.from_seed(seed_or_key)
     raise TypeError(
         "expected a fewbit.random.Key or an int seed, "
@@ -584,7 +585,7 @@ def _default_dtype(bits: int) -> torch.dtype:
 
 
 def _as_shape(shape: int | Sequence[int]) -> tuple[int, ...]:
-    if _is_int(shape) or isinstance(shape, torch.SymInt):
+    if is_int(shape) or isinstance(shape, torch.SymInt):
         shape = (shape,)
     try:
         dims = tuple(shape)  # type: ignore[arg-type]

@@ -39,7 +39,7 @@ from .block.ops import block_spec_of, with_tensor_scale
 from .codec import decode_checks_codes
 from .operators import LIBRARY
 from .random import Key, host_key
-from .rounding.ops import _check_out, checked_spec, lookup_format
+from .rounding.ops import check_out_matches, checked_spec, lookup_format
 from .sharding import (
     ShardLayout,
     check_cuts,
@@ -174,7 +174,7 @@ def _round_into(cls, func, types, args, kwargs):
     into = _laid_out_as(x, out, "out" if out is not x else "an in-place rounding", "fewbit.round")
     piece = x.to_local()
     where = layout(x, piece)
-    _check_out(piece, into)  # (the kernel's result is copied into it)
+    check_out_matches(piece, into)  # (the kernel's result is copied into it)
 
     refusable = _may_refuse(spec, given)
 
@@ -236,7 +236,7 @@ def _block_checks(x, call: tuple, out: torch.Tensor | None = None):
     given = _laid_out_as(x, random_bits, "random_bits", name)
     into = _laid_out_as(x, out, "out", name)  # (refuses a Partial x)
     if into is not None:
-        _check_out(piece, into)
+        check_out_matches(piece, into)
     x = summed(x)
     (tensor_scale,) = tensor_scales([x], spec.bfmt, rule=spec.rule)
     return x, spec, axis, given, into, tensor_scale

@@ -17,20 +17,20 @@ import torch
 from ..codec import codes_of, pack_pairs
 from ..formats import FloatFormat, from_repr
 from ..operators import operator
-from ..random import Key, _is_int, host_key
+from ..random import Key, host_key, is_int
 from ..rounding import gpu, native
 from ..rounding.checks import check_random_bits, no_result
 from ..rounding.compiled import (
-    _own,
-    _warn_eager,
     below_autograd,
     range_bits,
     stream_words,
     use_compiled,
+    warn_eager,
+    with_own_code,
     word_tensors,
 )
 from ..rounding.modes import parse_mode
-from ..rounding.ops import _check_out, _overlaps, batch_bits, check_key, name_for_op, op_args
+from ..rounding.ops import batch_bits, check_key, check_out_matches, name_for_op, op_args, storages_overlap
 from ..rounding.ops import format_name as element_name
 from .formats import BlockFormat, check_rule, check_storable
 from .formats import format as block_format
@@ -90,7 +90,7 @@ def check_axis(axis: object) -> int | None:
     else is a TypeError."""
     if axis is None:
         return None
-    if not _is_int(axis):
+    if not is_int(axis):
         raise TypeError(f"axis must be an int, not {type(axis).__name__}")
     return int(axis)
 
@@ -222,7 +222,7 @@ def _run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool, ts: torch
         if cache_key not in _BROKEN:
             fn = _CACHE.get(cache_key)
             if fn is None:
-                fn = _CACHE[cache_key] = torch.compile(_own(_kernel, spec=spec, fused=fused),
+                fn = _CACHE[cache_key] = torch.compile(with_own_code(_kernel, spec=spec, fused=fused),
                                                        fullgraph=True, dynamic=False)
             try:
                 for t in (blocks, rand):  # one kernel for every number of blocks
@@ -233,7 +233,7 @@ def _run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool, ts: torch
                     result = fn(blocks, tensor_words, rand, ts)
             except Exception as err:  # no C++ compiler, no Triton, ...: eager still works
                 _BROKEN.add(cache_key)
-                _warn_eager(spec.spec, x.device, err)
+                warn_eager(spec.spec, x.device, err)
     if result is None:
         result = _kernel(blocks, None if words is None else stream_words(spec.spec, words), rand, ts,
                          spec=spec, fused=fused)
@@ -251,7 +251,7 @@ def _checked_run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool, t
     only where nothing can be refused after it starts (sat, or elements with NaN), they
     are contiguous and apart from x; else they are copied once the call is valid."""
     direct = into is not None and not spec.may_refuse and all(
-        t.is_contiguous() and not _overlaps(t, x, random_bits) for t in into)  # fmt: skip
+        t.is_contiguous() and not storages_overlap(t, x, random_bits) for t in into)  # fmt: skip
     *result, invalid = _run(x, spec, key, random_bits, axis, fused, ts, into if direct else None)
     if invalid is not None and bool(invalid):
         raise no_result(spec.spec.fmt, nan_input=False)
@@ -357,14 +357,14 @@ def block_round_into_op(
 ) -> None:
     """``fewbit.block.round(..., out=out)`` as an operator."""
     spec, axis = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
-    _check_out(x, out)
+    check_out_matches(x, out)
     with_tensor_scale(x, spec, axis, _tensor_scale(x, spec), key, random_bits, into=(out,))
 
 
 @block_round_into_op.register_fake
 def _(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule, out):
     _fake_checks(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
-    _check_out(x, out)
+    check_out_matches(x, out)
 
 
 @operator("fewbit::block_quantize")

@@ -30,7 +30,7 @@ from .magic import magic_applies, round_magic
 from .modes import MODES, SELECT_BITS, SELECT_KEY, RoundMode
 
 __all__ = ["compiled_round", "index_bits", "range_bits", "foreach_compiled_", "round_body", "stream_words",
-           "use_compiled",
+           "use_compiled", "warn_eager", "with_own_code",
            "word_tensors"]
 
 #: Dynamo guards on the dispatch keys each input shows, and those depend on the caller: an
@@ -156,7 +156,7 @@ def compiled_round(
     fn = _CACHE.get(cache_key)
     if fn is None:
         kernel = _given_kernel if key is None else _rows_kernel
-        fn = torch.compile(_own(kernel, spec=spec), fullgraph=True, dynamic=False)
+        fn = torch.compile(with_own_code(kernel, spec=spec), fullgraph=True, dynamic=False)
         _CACHE[cache_key] = fn
     try:
         with below_autograd():
@@ -169,17 +169,18 @@ def compiled_round(
         return True
     except Exception as err:  # no C++ compiler, no Triton, ...: eager still works
         _BROKEN.add(cache_key)
-        _warn_eager(spec, x.device, err)
+        warn_eager(spec, x.device, err)
         return False
 
 
-def _warn_eager(spec: RoundSpec, device: torch.device, err: Exception) -> None:
+def warn_eager(spec: RoundSpec, device: torch.device, err: Exception) -> None:
+    """Warn that the compiled kernel of ``spec`` failed (``err``) and the calls run eager."""
     warnings.warn(f"fewbit: torch.compile failed for {spec.mode.value} to {spec.fmt.name} "
                   f"on {device.type} ({err!s:.300}); running it eager from now on",
                   RuntimeWarning, stacklevel=4)  # fmt: skip
 
 
-def _own(fn, **bound):
+def with_own_code(fn, **bound):
     """``fn`` with keyword arguments bound, as a function with a code object of its own.
     Dynamo keeps compilations, guards and its recompile limit per code object: one per
     spec keeps specs apart (a shared one would hit the limit of 8, and automatic
@@ -236,12 +237,12 @@ def foreach_compiled_(
         if fn is None:
             # Not dynamic: Dynamo made a second spec's ints symbols (its compilation failed
             # in math.ldexp); a write-back's list keeps its shapes, so one graph serves it.
-            fn = _CACHE[cache_key] = torch.compile(_own(_foreach_kernel, spec=spec, via=via), fullgraph=True,
-                                                   dynamic=False)  # fmt: skip
+            fn = _CACHE[cache_key] = torch.compile(with_own_code(_foreach_kernel, spec=spec, via=via),
+                                                   fullgraph=True, dynamic=False)  # fmt: skip
         try:
             with below_autograd():
                 return fn(tensors, keys)
         except Exception as err:
             _BROKEN.add(cache_key)
-            _warn_eager(spec, device, err)
+            warn_eager(spec, device, err)
     _foreach_kernel(tensors, keys, spec=spec, via=via)

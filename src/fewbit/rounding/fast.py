@@ -24,10 +24,10 @@ import torch
 from .checks import RoundSpec
 from .modes import MODES, RoundMode
 
-__all__ = ["decompose", "round_fast", "working_dtype"]
+__all__ = ["INT_LAYOUT", "decompose", "round_fast", "working_dtype"]
 
 # (integer view, trailing significand bits M, exponent bias) of each working float.
-_LAYOUT = {
+INT_LAYOUT = {
     torch.float32: (torch.int32, 23, 127),
     torch.float64: (torch.int64, 52, 1023),
 }
@@ -82,7 +82,7 @@ def _few_bit_away(rem, D, n, bits: int, tie: str, max_shift: int):
 
 def _sign_mask(dtype: torch.dtype) -> int:
     """The sign bit of the integer view, as a (negative) Python int."""
-    M = _LAYOUT[dtype][1]
+    M = INT_LAYOUT[dtype][1]
     return -(1 << (M + (11 if dtype == torch.float64 else 8)))
 
 
@@ -94,7 +94,7 @@ def decompose(x: torch.Tensor, emin: int):
     smallest normal exponent. A target whose ``emin`` lies below that (OCP E8M0 from
     float32) needs the true exponent, so those subnormals are renormalised.
     """
-    itype, M, bias_in = _LAYOUT[x.dtype]
+    itype, M, bias_in = INT_LAYOUT[x.dtype]
     bits = x.view(itype)
     negative = bits < 0
     a = bits & ~_sign_mask(x.dtype)
@@ -122,7 +122,7 @@ def round_fast(x: torch.Tensor, spec: RoundSpec, random_bits: torch.Tensor | Non
     them into an error.
     """
     fmt, mode = spec.fmt, spec.mode
-    itype, M, bias_in = _LAYOUT[x.dtype]
+    itype, M, bias_in = INT_LAYOUT[x.dtype]
     t = fmt.t
     sign_mask = _sign_mask(x.dtype)
     negative, is_inf, is_nan, e_x, sig = decompose(x, fmt.emin)

@@ -41,8 +41,8 @@ from .compiled import compiled_round, range_bits, round_body, stream_words, use_
 from .modes import mode_name, parse_mode
 
 __all__ = [
-    "batch_bits", "check_key", "check_writable", "checked_spec", "fake_checks", "format_name",
-    "lookup_format", "name_for_op", "op_args", "round_into",
+    "batch_bits", "check_key", "check_out_matches", "check_writable", "checked_spec", "fake_checks",
+    "format_name", "lookup_format", "name_for_op", "op_args", "round_into", "storages_overlap",
 ]  # fmt: skip
 
 #: Formats made by hand (not in the registry) that went through an op, by name: a name is one format.
@@ -166,7 +166,7 @@ def round_into(x, spec: RoundSpec, key, random_bits, out: torch.Tensor) -> None:
     # The kernels write contiguous memory. out is that unless it is strided, or overlaps x
     # (an in-place call) or the random bits, or a format without NaN may still refuse the
     # call once rounded: then a temporary takes the result first.
-    direct = out.is_contiguous() and not spec.may_refuse and not _overlaps(out, x, rand)
+    direct = out.is_contiguous() and not spec.may_refuse and not storages_overlap(out, x, rand)
     result = out if direct else torch.empty_like(x, memory_format=torch.contiguous_format)
     ints = host_key(key)
     if gpu.applies(spec, x, rand) and gpu.round_into(x, spec, ints, rand, result):  # as native, on a GPU
@@ -200,7 +200,7 @@ def spans_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def _overlaps(a: torch.Tensor, *others: torch.Tensor | None) -> bool:
+def storages_overlap(a: torch.Tensor, *others: torch.Tensor | None) -> bool:
     """Whether ``a``'s storage shares memory with any of ``others``' (by their bytes: two
     storages may lie over one buffer, as tensors made from one numpy array do)."""
     storage = a.untyped_storage()
@@ -297,14 +297,14 @@ def round_into_op(
 ) -> None:
     """``fewbit.round(..., out=out)`` and ``fewbit.round_`` as an operator."""
     spec = checked_spec(x, fmt, rounding, sat, bits, fraction, key, random_bits)
-    _check_out(x, out)
+    check_out_matches(x, out)
     round_into(x, spec, key, random_bits, out)
 
 
 @round_into_op.register_fake
 def _(x, fmt, rounding, sat, bits, fraction, key, random_bits, out):
     fake_checks(x, fmt, rounding, sat, bits, fraction, key, random_bits)
-    _check_out(x, out)
+    check_out_matches(x, out)
 
 
 def call_with_out(functional, into, args: tuple, x: torch.Tensor, out: torch.Tensor | None,
@@ -357,7 +357,8 @@ def _overlaps_itself(t: torch.Tensor) -> bool:
     return False
 
 
-def _check_out(x: torch.Tensor, out: torch.Tensor) -> None:
+def check_out_matches(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Raise ValueError unless ``out`` has x's shape, dtype and device."""
     if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
         raise ValueError(f"out must match x: x is {x.dtype} {tuple(x.shape)} on {x.device}, "
                          f"out is {out.dtype} {tuple(out.shape)} on {out.device}")
