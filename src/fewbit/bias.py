@@ -50,9 +50,16 @@ def __getattr__(name: str):
 _ENUMERATE_UP_TO = 1 << 12  # grid points per period summed one by one
 
 
+#: The largest D taken: float64 to a 1-bit significand discards 52 bits, and D = 1024
+#: already puts every bias below float64's range (the arithmetic on 2^-D grows with D:
+#: D = 10^6 took half a minute, 10^20 overflowed).
+MAX_EXCESS = 1024
+
+
 def _check_excess(excess: int | None) -> None:
-    if excess is not None and (isinstance(excess, bool) or not isinstance(excess, int) or excess < 0):
-        raise ValueError(f"excess must be an int >= 0 or None, got {excess!r}")
+    if excess is not None and (isinstance(excess, bool) or not isinstance(excess, int)
+                               or not 0 <= excess <= MAX_EXCESS):  # fmt: skip
+        raise ValueError(f"excess must be an int in 0..{MAX_EXCESS} or None, got {excess!r}")
 
 
 def _check_samples(samples: int) -> None:
