@@ -458,6 +458,8 @@ def test_native_ab_times_the_same_revision_twice_as_two_builds(capsys, monkeypat
                                          "update_dtype: a torch.bfloat16 tensor cannot hold every value of "
                                          "binary32"),
     (["--fsdp", "--format", "binary16"], "cannot hold every value of binary16"),
+    # (it trained, every negative weight rounded to 2^-127, and said "bit-identical")
+    (["--fsdp", "--format", "ocp_e8m0"], "--format 'ocp_e8m0' is unsigned: every negative value would round"),
     (["--format", "nvfp4"], "--format is for --fsdp"),
     (["--placement", "0"], "--placement is for --fsdp"),
     ([], "--data-dir is for --fsdp (the DDP run's MLP learns generated data"),

@@ -539,6 +539,7 @@ def cmd_replicas_fsdp(args: argparse.Namespace) -> int:
     from .config import configure
     from .experiments.replicas import launch
     from .experiments.sharded import TINY, UPDATE_DTYPE, ShardedRun, check_world, run, train_single
+    from .experiments.train import check_signed
     from .rounding.checks import check_holds
 
     cfg = ShardedRun(steps=args.steps, seed=args.seed, policy=args.policy, placement=args.placement or 0,
@@ -548,6 +549,7 @@ def cmd_replicas_fsdp(args: argparse.Namespace) -> int:
     # every rank), before anything starts.
     check_holds(UPDATE_DTYPE, element_or_block(cfg.fmt),
                 f"--format {cfg.fmt}: the run holds each weight's update in update_dtype")
+    check_signed(cfg.fmt, "--format")  # as fewbit train refuses it
     data_file = _shakespeare(args)
     if data_file is None:
         return 2

@@ -49,6 +49,14 @@ UPDATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 _OUTPUT_GRADS, _WEIGHT_GRADS = 0, 1
 
 
+def check_signed(fmt: str, name: str) -> None:
+    """Refuse an unsigned format (``name`` says whose) for weights or gradients, which take
+    both signs."""
+    if not getattr(element_or_block(fmt), "signed", True):
+        raise ValueError(f"{name} {fmt!r} is unsigned: every negative value would round to its smallest; "
+                         "give a signed format")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     # model
@@ -102,9 +110,7 @@ class TrainConfig:
             fmt = getattr(self, name)
             if fmt is None or (name == "weight_format" and self.mode in PLAIN_MODES):
                 continue
-            if not getattr(element_or_block(fmt), "signed", True):
-                raise ValueError(f"{name} {fmt!r} is unsigned: every negative value would round to "
-                                 "its smallest; give a signed format")  # fmt: skip
+            check_signed(fmt, name)
         if self.mode not in PLAIN_MODES:
             # The write-back's own checks, here: a bad format, N or p is reported before
             # any worker starts, in fewbit.round's words.
