@@ -1,9 +1,11 @@
 """``fewbit.round``: round a tensor to a format in a rounding mode.
 
 ``modes`` is the table of modes; ``reference`` states the maths element by element;
-``fast`` is the kernel (with ``magic`` as its shortcut for the most common cases),
-compiled by ``compiled``; ``ops`` registers ``fewbit::round`` and ``fewbit::round_into``
-with ``torch.library``. The functions here turn the user's arguments into an op call.
+``fast`` is the torch kernel (with ``magic`` as its shortcut for the most common cases),
+compiled by ``compiled``; ``native`` (``native.cpp``) and ``gpu`` (``triton_kernels``)
+are the one-pass CPU and GPU kernels that take the calls they can, with fast's bits;
+``ops`` registers ``fewbit::round`` and ``fewbit::round_into`` with ``torch.library``.
+The functions here turn the user's arguments into an op call.
 """
 
 from __future__ import annotations

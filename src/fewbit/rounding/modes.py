@@ -19,8 +19,10 @@ SRC_ODD    nearest, ties to odd        ``RNO(d 2^N) + n >= 2^N``
 rule, where it rounds stochastically (everywhere, or only where seed 002's stagnation
 fixes apply), the random streams it reads and how its ``N`` is chosen. The reference
 (``reference``), the kernel (``fast``), the argument checks, ``fewbit.bias`` and the
-command line read it; adding a mode is an entry here plus its predicate in
-``reference.round_away`` and ``fast._away``.
+command line read it. Adding a mode is an entry here, its predicate in
+``reference.round_away`` and ``fast._away``, and, for a deterministic mode or a new
+(tie, where) pair, its kernel id in ``native`` (``_DETERMINISTIC`` / ``_STOCHASTIC``),
+its case in ``native.cpp`` and its tie code in ``triton_kernels``.
 """
 
 from __future__ import annotations
@@ -55,11 +57,8 @@ class RoundMode(enum.StrEnum):
     SR_FRACTION = "sr_fraction"
 
     @property
-    def info(self) -> ModeInfo:
-        return MODES[self]
-
-    @property
     def is_stochastic(self) -> bool:
+        """Whether the mode reads random bits."""
         return MODES[self].stochastic
 
     @property
@@ -144,9 +143,6 @@ MODES: dict[RoundMode, ModeInfo] = {
                                     where="selected", bits="optional", streams=("bits", "select")),
 }
 assert set(MODES) == set(RoundMode), "every mode needs a row"
-
-#: The modes whose few-bit rounding of d is the whole predicate (no RNE part).
-FEW_BIT_MODES = tuple(m for m, info in MODES.items() if info.stochastic and not info.composite)
 
 #: The modes that take ``fraction=p``.
 FRACTION_MODES = tuple(m for m, info in MODES.items() if info.takes_fraction)
