@@ -50,10 +50,10 @@ def __getattr__(name: str):
 _ENUMERATE_UP_TO = 1 << 12  # grid points per period summed one by one
 
 
-#: The largest D taken: float64 to a 1-bit significand discards 52 bits, and D = 1024
-#: already puts every bias below float64's range (the arithmetic on 2^-D grows with D:
-#: D = 10^6 took half a minute, 10^20 overflowed).
-MAX_EXCESS = 1024
+#: The largest D taken: float64 to a 1-bit significand discards 52 bits, and exact values
+#: of D far beyond that are still shown (2^-15001); the arithmetic on 2^-D grows with D
+#: (D = 2^16: 0.1 s for a row; 10^6 took half a minute, 10^20 overflowed).
+MAX_EXCESS = 1 << 16
 
 
 def _check_excess(excess: int | None) -> None:
