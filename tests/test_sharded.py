@@ -728,3 +728,53 @@ def test_a_process_group_set_up_again_at_another_rank_draws_that_ranks_bits(tmp_
     done = [(p.communicate(timeout=300), p.returncode) for p in ranks]
     for (out, err), code in done:
         assert code == 0 and out.strip() == "ok", (code, err[-2000:])
+
+
+_DTENSOR_CALLS = """
+import sys, torch, torch.distributed as dist, fewbit
+from torch._dynamo.utils import counters
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+from fewbit.random import key_of
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+full = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+x = distribute_tensor(full, mesh, [Shard(0)])
+src = lambda v, seed=5, **kw: fewbit.round(v, "binary8p4", "src", bits=3, seed=seed, **kw)
+want = src(full)
+# Compiled without fullgraph: one graph break, and the rule runs eagerly (it compiled the
+# rule's own frames: 11 graphs and 8 breaks a call).
+f = torch.compile(lambda v: src(v * 1) + 0)
+for _ in range(2):
+    got = f(x)
+assert torch.equal(got.full_tensor(), want)
+print("graphs", counters["stats"]["unique_graphs"], "breaks", len(counters["graph_break"]))
+# A step counter that distribute_module made a DTensor (DTensor's >> made seed 5 the key (5, 5)).
+for seed in (distribute_tensor(torch.tensor(5), mesh, [Replicate()]),
+             distribute_tensor(key_of(5), mesh, [Replicate()])):
+    assert torch.equal(src(x, seed).full_tensor(), want) and torch.equal(src(full, seed), want)
+for call in (lambda: src(full, out=torch.empty_like(x)),
+             lambda: src(x, seed=distribute_tensor(key_of(5), mesh, [Shard(0)]))):
+    try:
+        call()
+    except ValueError as e:
+        print(e)
+dist.destroy_process_group()
+"""
+
+
+def test_dtensor_calls_compiled_and_with_a_dtensor_seed_or_a_plain_x(tmp_path):
+    """fewbit's DTensor rules run eagerly under torch.compile (Dynamo compiled their frames);
+    a DTensor seed gives the int seed's bits (a 0-d one gave other bits); a plain x with a
+    DTensor out= is refused by name (an AttributeError from inside the rule)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _DTENSOR_CALLS, str(tmp_path / "store")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    graphs, breaks = map(int, lines[0].split()[1::2])
+    assert breaks == 1 and graphs <= 3, lines[0]
+    assert lines[1] == ("fewbit::round_into: x is a plain tensor and out a DTensor: give x as a DTensor laid "
+                        "out alike, or plain tensors throughout")  # fmt: skip
+    assert lines[2] == "a seed tensor that is a DTensor must be Replicate, not (Shard(dim=0),)"

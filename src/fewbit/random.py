@@ -51,6 +51,7 @@ import array
 import functools
 import numbers
 import operator
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -73,6 +74,7 @@ __all__ = [
     "bits_from_range",
     "bits_from_index",
     "LANES",
+    "is_dtensor",
     "is_int",
 ]
 
@@ -279,6 +281,12 @@ def host_key(key: Key | torch.Tensor | None) -> Key | torch.Tensor | None:
     return key
 
 
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (without importing it)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def key_of(seed: Key | int | torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
     """A key as a tensor: int64 ``(k0, k1)`` of shape ``(2,)`` on ``device``, the form
     fewbit's operators take (a new key is new data, not a new graph).
@@ -291,6 +299,10 @@ def key_of(seed: Key | int | torch.Tensor, device: torch.device | str | None = N
     host sync checks it). Under ``torch.compile`` an int seed that Dynamo made symbolic
     is split alike.
     """
+    if is_dtensor(seed):  # (a step counter distribute_module made one)
+        if not all(p.is_replicate() for p in seed.placements):
+            raise ValueError(f"a seed tensor that is a DTensor must be Replicate, not {seed.placements}")
+        seed = seed.to_local()  # (DTensor's >> gave its input: torch 2.13 made the seed 5 the key (5, 5))
     if isinstance(seed, torch.Tensor):
         if seed.dtype in (torch.bool,) or seed.is_floating_point() or seed.is_complex():
             raise TypeError(f"a seed tensor must have an integer dtype, not {seed.dtype}")

@@ -306,7 +306,27 @@ def register() -> None:
         return
 
     for op, rule in RULES.items():
-        torch.library.register_torch_dispatch(op, DTensor, rule, lib=LIBRARY)
+        torch.library.register_torch_dispatch(op, DTensor, _entry(rule), lib=LIBRARY)
+
+
+def _entry(rule: Callable) -> Callable:
+    """``rule`` as DTensor's dispatch calls it: run eagerly (as :func:`_eager` says; after its
+    graph break torch.compile went on to compile the rule's own frames, ten graphs a call),
+    and refused where the data is a plain tensor and another argument a DTensor (an
+    AttributeError of the rule's, before). (A DTensor seed is made a plain key before the
+    op: ``fewbit.random.key_of``.)"""
+
+    @torch.compiler.disable
+    def run(cls, func, types, args, kwargs):
+        if not is_dtensor(args[0]):
+            names = [a.name for a in func._schema.arguments]
+            placed = [n for n, a in zip(names, args, strict=True) if is_dtensor(a)]
+            raise ValueError(f"{func.name()}: {names[0]} is a plain tensor and {', '.join(placed)} a "
+                             f"DTensor: give {names[0]} as a DTensor laid out alike, or plain tensors "
+                             "throughout")
+        return rule(cls, func, types, args, kwargs)
+
+    return run
 
 
 register()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -30,7 +29,7 @@ from .block.kernel import BlockSpec, tensor_scale_of
 from .block.ops import largest_finite
 from .codec import code_dtype
 from .operators import is_plain
-from .random import Key
+from .random import Key, is_dtensor
 from .rounding import gpu, native
 from .rounding.checks import RoundSpec
 from .rounding.compiled import index_bits, range_bits, stream_words
@@ -41,12 +40,6 @@ __all__ = [
     "piece_randomness", "placement_offsets", "quantize_range", "refuse_alike", "replica_count",
     "replica_rank", "round_range", "sharded_by_mesh", "summed", "tensor_scales", "torch_offsets",
 ]  # fmt: skip
-
-
-def is_dtensor(t: object) -> bool:
-    """Whether ``t`` is a ``torch.distributed.tensor.DTensor``."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
