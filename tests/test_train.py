@@ -354,6 +354,13 @@ def test_bad_configurations():
         TrainConfig(weight_format="e9m9")
     with pytest.raises(ValueError, match="'mxfp4' is a block format: these runs keep element-format"):
         TrainConfig(weight_format="mxfp4")  # (was "unknown format 'mxfp4'; closest: fp64")
+    for pattern in ("hbfp8", "MXFP4", "mx_binary8p4"):  # (only the registry's names were told)
+        with pytest.raises(ValueError, match=f"'{pattern}' is a block format: these runs keep"):
+            TrainConfig(weight_format=pattern)
+    # One spelling per format: "e4m3" and "ocp_e4m3" trained one run twice in two folders.
+    spelled = TrainConfig(weight_format="E4M3", grad_format="BFP8_B32")
+    assert (spelled.weight_format, spelled.grad_format) == ("ocp_e4m3", "mxint8")
+    assert spelled == TrainConfig(weight_format="ocp_e4m3", grad_format="mxint8")
     with pytest.raises(ValueError, match="nor is it a block format"):
         TrainConfig(grad_format="hbfp")
     for unsigned in ({"weight_format": "e8m0"}, {"grad_format": "p3109_k8p4uf"}):

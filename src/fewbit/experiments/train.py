@@ -22,8 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from ..block import check_args, element_or_block
-from ..block.formats import names as block_names
+from ..block import BlockFormat, check_args, element_or_block
 from ..nn import Quant, quantize_outputs
 from ..optim import LowPrecisionWeights
 from ..random import as_key, fold_in
@@ -102,7 +101,7 @@ class TrainConfig:
         if self.update_dtype not in UPDATE_DTYPES:
             known = sorted(UPDATE_DTYPES)
             raise ValueError(f"update_dtype must be one of {known}, not {self.update_dtype!r}")
-        if self.mode not in PLAIN_MODES and self.weight_format in block_names():
+        if self.mode not in PLAIN_MODES and isinstance(element_or_block(self.weight_format), BlockFormat):
             raise ValueError(f"weight_format {self.weight_format!r} is a block format: these runs keep "
                              "element-format weights (block formats go to grad_format, or, for weights, "
                              "to LowPrecisionWeights and `fewbit replicas --fsdp --format`)")  # fmt: skip
@@ -111,6 +110,9 @@ class TrainConfig:
             if fmt is None or (name == "weight_format" and self.mode in PLAIN_MODES):
                 continue
             check_signed(fmt, name)
+            # One spelling per format ("e4m3" is "ocp_e4m3", "BINARY8P4" "binary8p4"): two
+            # spellings trained one run twice in two folders, or were "another configuration".
+            object.__setattr__(self, name, element_or_block(fmt).name)
         if self.mode not in PLAIN_MODES:
             # The write-back's own checks, here: a bad format, N or p is reported before
             # any worker starts, in fewbit.round's words.
