@@ -400,6 +400,13 @@ def test_sweeps_have_the_papers_arms():
         "binary32", "hbfp4 RNE grads", "hbfp4 SR_FRACTION N=8 p=0.2 grads",
         "hbfp4 SR_FRACTION N=8 p=0.5 grads", "hbfp4 SR_NEAR_ZERO N=8 grads", "hbfp4 SRC N=8 grads",
     ]  # fmt: skip
+    # An option an arm does not read stays at its default there: --grad-bits 4 went into the
+    # float32 baseline's and the RNE arm's config.json, and the same sweep without it refused
+    # those runs as another configuration.
+    four = arm_configs("hbfp", replace(base, grad_bits=4, bits=5), [0])
+    eight = arm_configs("hbfp", base, [0])
+    assert four[:2] == eight[:2] and four[0].grad_bits == TrainConfig().grad_bits
+    assert [c.grad_bits for c in four[2:]] == [4] * 4
 
 
 def tiny_sweep(tmp_path: Path, sweep: str, iters: int, *extra: str) -> tuple[list[str], Path]:
@@ -433,8 +440,8 @@ def test_cli_sweep_writes_csv_and_png(tmp_path, capsys, monkeypatch):
     assert "5 of 5 runs finished" in capsys.readouterr().err
     assert (out / "losses.csv").read_bytes() == losses
     # A folder holding runs of another configuration is refused before anything starts.
-    assert main([*args, "--bits", "4"]) == 2
-    assert "holds a run with another configuration (bits 3 -> 4)" in capsys.readouterr().err
+    assert main([*args, "--iters", "6"]) == 2
+    assert "holds a run with another configuration (iters 4 -> 6)" in capsys.readouterr().err
     assert main(["train", "--preset", "tiny", "--bits", "0", "--out", str(out)]) == 2
     assert capsys.readouterr().err == "fewbit: error: bits must be in 1..32, got 0\n"
 

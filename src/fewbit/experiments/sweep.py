@@ -36,7 +36,7 @@ import zipfile
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from statistics import fmean as mean
 
@@ -44,7 +44,7 @@ import torch
 
 from .data import CharDataset, write_atomically
 from .processes import Child, Children, how_it_ended
-from .train import OPTIONS, TrainConfig
+from .train import OPTIONS, TrainConfig, unused_fields
 from .worker import CHECKPOINT, RESULT
 
 #: Each sweep's arms as overrides of the base configuration.
@@ -123,7 +123,7 @@ def arm_configs(sweep: str | None, base: TrainConfig, seeds: Sequence[int]) -> l
     arms = SWEEPS[sweep] if sweep else [{}]
     first: dict[Path, dict] = {}  # each run folder's first arm
     for arm in arms:
-        cfg = replace(base, **arm)
+        cfg = _arm_config(base, arm)
         if (earlier := first.setdefault(run_folder(Path(), cfg), arm)) is not arm:
             # The fields in which the two arms differ: base sets them alike.
             differ = [k for k in {**earlier, **arm} if earlier.get(k) != arm.get(k)]
@@ -131,7 +131,17 @@ def arm_configs(sweep: str | None, base: TrainConfig, seeds: Sequence[int]) -> l
             raise ValueError(f"with {given}, two arms of --sweep {sweep} ({_overrides(earlier)} and "
                              f"{_overrides(arm)}) are one run, {cfg.label!r}: leave out "
                              f"{' and '.join(OPTIONS[k] for k in differ)}")  # fmt: skip
-    return [replace(base, **arm, seed=s) for arm in arms for s in seeds]
+    return [_arm_config(base, arm, seed=s) for arm in arms for s in seeds]
+
+
+def _arm_config(base: TrainConfig, arm: dict, **more) -> TrainConfig:
+    """``base`` with ``arm``'s fields, and those its run does not read (a baseline's
+    grad_bits) at their defaults: ``--sweep hbfp --grad-bits 4`` wrote 4 into the float32
+    baseline's config.json, and the same sweep without it refused that run as another."""
+    cfg = replace(base, **arm, **more)
+    unused = unused_fields(cfg.mode, cfg.grad_format, cfg.grad_mode)
+    return replace(cfg, **{f.name: f.default for f in fields(TrainConfig)
+                           if f.name in unused and f.name not in arm})
 
 
 def _overrides(arm: dict) -> str:
