@@ -345,7 +345,15 @@ class ScaledTensor(torch.Tensor):
         return (f"ScaledTensor[{RULES_DIGEST}]({meta(self._data)},{meta(self._scale)},{self._static!r},"
                 f"{traced_settings()})")
 
+    # Never a frame of Dynamo's own. Code that torch.compile runs eager (after a graph
+    # break: FSDP2's hooks, which torch runs under compiler.disable, leave torch.nn's
+    # forwards to run eager, frames Dynamo skips) calls this from C, and Dynamo would
+    # compile it as a frame of user code: it broke the graph in the rules and resumed
+    # in _make with the half-built wrapper, which has no _parts yet ("'ScaledTensor'
+    # object has no attribute '_parts'"). Traced code never steps into it: AOTAutograd
+    # runs it on fake tensors, outside Dynamo's frame hook, where this costs nothing.
     @classmethod
+    @torch.compiler.disable(recursive=True)
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         _check_devices(func, args, kwargs)
