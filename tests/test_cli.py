@@ -454,9 +454,11 @@ def test_native_ab_times_the_same_revision_twice_as_two_builds(capsys, monkeypat
 
 @pytest.mark.parametrize("argv, says", [
     (["--fsdp", "--format", "nvfp5"], "unknown format 'nvfp5'"),
-    (["--fsdp", "--format", "binary32"], "--format binary32: the run holds each weight's update in "
-                                         "update_dtype: a torch.bfloat16 tensor cannot hold every value of "
-                                         "binary32"),
+    # (no "a torch.float32 tensor holds it": the run's update dtype is not the user's to choose)
+    (["--fsdp", "--format", "binary32"], "--format binary32: this run holds each weight's update in "
+                                         "bfloat16: a torch.bfloat16 tensor cannot hold every value of "
+                                         "binary32 (24 significand bits to bfloat16's 8, and a wider "
+                                         "exponent range)\n"),
     (["--fsdp", "--format", "binary16"], "cannot hold every value of binary16"),
     # (it trained, every negative weight rounded to 2^-127, and said "bit-identical")
     (["--fsdp", "--format", "ocp_e8m0"], "--format 'ocp_e8m0' is unsigned: every negative value would round"),

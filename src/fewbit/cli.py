@@ -547,8 +547,8 @@ def cmd_replicas_fsdp(args: argparse.Namespace) -> int:
     check_world(cfg, args.nproc)  # before anything starts
     # A bad name, and a format the updates cannot hold (as LowPrecisionWeights refuses it on
     # every rank), before anything starts.
-    check_holds(UPDATE_DTYPE, element_or_block(cfg.fmt),
-                f"--format {cfg.fmt}: the run holds each weight's update in update_dtype")
+    check_holds(UPDATE_DTYPE, element_or_block(cfg.fmt), f"--format {cfg.fmt}: this run holds each weight's "
+                f"update in {str(UPDATE_DTYPE).removeprefix('torch.')}", suggest=False)
     check_signed(cfg.fmt, "--format")  # as fewbit train refuses it
     data_file = _shakespeare(args)
     if data_file is None:

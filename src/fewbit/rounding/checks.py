@@ -185,15 +185,16 @@ def check_bits(bits: int | None, name: str = "bits") -> None:
         raise ValueError(f"{name} must be in 1..{MAX_BITS}, got {bits}")
 
 
-def check_holds(dtype: torch.dtype, fmt: FloatFormat, what: str | None = None) -> None:
+def check_holds(dtype: torch.dtype, fmt: FloatFormat, what: str | None = None, suggest: bool = True) -> None:
     """Raise ValueError unless a ``dtype`` tensor holds every value of ``fmt``, saying what
-    it lacks and which dtype would do (``what``, where given, names the tensor first); a
+    it lacks and, with ``suggest``, which dtype would do (where the caller can choose one;
+    ``what``, where given, names the tensor first); a
     TypeError for a dtype fewbit does not round. A block format is checked by its element
     format: a block's values are elements times a power of two (float32's exponent range),
     or for NVFP4 a product that the kernel rounds to the dtype anyway."""
     fmt = getattr(fmt, "element", fmt)  # (a BlockFormat: fewbit.block builds on this module)
     if not _holds(dtype, fmt):
-        why = _cannot_hold(dtype, dtype_format(dtype), fmt)
+        why = _cannot_hold(dtype, dtype_format(dtype), fmt, suggest)
         raise ValueError(why if what is None else f"{what}: {why}")
 
 
@@ -203,16 +204,17 @@ def _holds(dtype: torch.dtype, fmt: FloatFormat) -> bool:
     return dtype_format(dtype).contains(fmt)
 
 
-def _cannot_hold(dtype: torch.dtype, source: FloatFormat, fmt: FloatFormat) -> str:
+def _cannot_hold(dtype: torch.dtype, source: FloatFormat, fmt: FloatFormat, suggest: bool) -> str:
     """Why a ``dtype`` tensor cannot hold ``fmt`` (its precision, its exponent range, or
-    both), and the narrowest dtype that can, where one does."""
+    both), and with ``suggest`` the narrowest dtype that can, where one does."""
     short = [f"{fmt.top_p} significand bits to {source.name}'s {source.p}"] if fmt.top_p > source.p else []
     if fmt.emax > source.emax or fmt.min_ulp_exponent < source.min_ulp_exponent:
         short.append("a wider exponent range" + ("" if short else f" than {source.name}'s"))
     holders = [d for d, name in _DTYPE_FORMATS.items() if format(name).contains(fmt)]
     fix = (f"a {min(holders, key=lambda d: d.itemsize)} tensor holds it" if holders
            else "no dtype fewbit rounds holds it (float64 is the widest)")
-    return f"a {dtype} tensor cannot hold every value of {fmt.name} ({', and '.join(short)}): {fix}"
+    why = f"a {dtype} tensor cannot hold every value of {fmt.name} ({', and '.join(short)})"
+    return f"{why}: {fix}" if suggest else why
 
 
 @functools.cache
