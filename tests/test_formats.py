@@ -234,3 +234,24 @@ print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("module", ["fewbit.random", "fewbit.rounding", "fewbit.codec", "fewbit.bias"])
+def test_a_module_imports_before_the_package_orders_its_imports(module):
+    """Each layer imports only those below it, so it imports first, alone (without the
+    package's __init__, whose order hid a cycle: fewbit.random took N's limit from
+    fewbit.rounding.modes, whose package imports fewbit.random)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    package = Path(fewbit.__file__).parent
+    script = f"""
+import importlib, sys, types
+fewbit = types.ModuleType("fewbit")
+fewbit.__path__ = [{str(package)!r}]
+sys.modules["fewbit"] = fewbit
+importlib.import_module({module!r})
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-1500:]

@@ -57,8 +57,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .rounding.modes import MAX_BITS
-
 __all__ = [
     "Key",
     "as_key",
@@ -74,11 +72,14 @@ __all__ = [
     "bits_from_range",
     "bits_from_index",
     "LANES",
+    "MAX_BITS",
     "is_dtensor",
     "is_int",
 ]
 
 MASK32 = 0xFFFFFFFF
+#: The most random bits per element (N in 1..MAX_BITS): an element draws from one 32-bit word.
+MAX_BITS = 32
 
 # Rotation distances of Threefry-2x32 (Random123's R_32x2_{0..7}); round r
 # rotates by ROTATIONS[r % 8]. Taken from the Skein/Threefish design.

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..formats import FloatFormat
+from ..random import MAX_BITS  # (N is at most a word's bits)
 
 __all__ = [
     "FRACTION_MODES", "MAX_BITS", "MODES", "ModeInfo", "RoundMode", "SELECT_BITS", "excess_bits",
@@ -157,8 +158,6 @@ def modes_text(modes: tuple[RoundMode, ...]) -> str:
 SELECT_KEY = 0x5E1EC7
 
 
-#: The most random bits per element a stochastic mode takes: N is in 1..MAX_BITS.
-MAX_BITS = 32
 
 
 def excess_bits(source: FloatFormat, target: FloatFormat) -> int:
