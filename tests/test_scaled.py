@@ -2321,10 +2321,12 @@ def test_reductions_that_pick_an_element_of_an_empty_tensor_give_its_shape():
 
 def test_private_ops_registered_where_present_are_there_in_this_torch():
     """The rules of aten ops younger than torch 2.4 are registered only where torch has the op
-    (import fails otherwise); in this torch each must be there and have its rule, or torch
-    renamed one and its rule went quietly missing."""
+    (import failed otherwise). Each op torch has has its rule; from torch 2.11, the oldest
+    fewbit has run on (GPU runs; CI runs 2.13), each must be there, or torch renamed one
+    and its rule went quietly missing."""
     from fewbit.scaled.tensor import RULES
 
+    tested = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 11)
     for name in ("_safe_softmax", "_fused_rms_norm", "_fused_rms_norm_backward"):
-        assert hasattr(torch.ops.aten, name), name
-        assert getattr(torch.ops.aten, name) in RULES, name
+        assert hasattr(torch.ops.aten, name) or not tested, name
+        assert not hasattr(torch.ops.aten, name) or getattr(torch.ops.aten, name) in RULES, name
