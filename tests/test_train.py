@@ -358,9 +358,10 @@ def test_bad_configurations():
         with pytest.raises(ValueError, match=f"'{pattern}' is a block format: these runs keep"):
             TrainConfig(weight_format=pattern)
     # One spelling per format: "e4m3" and "ocp_e4m3" trained one run twice in two folders.
-    spelled = TrainConfig(weight_format="E4M3", grad_format="BFP8_B32")
-    assert (spelled.weight_format, spelled.grad_format) == ("ocp_e4m3", "mxint8")
-    assert spelled == TrainConfig(weight_format="ocp_e4m3", grad_format="mxint8")
+    spelled = TrainConfig(mode="SRC", weight_format="E4M3", grad_format="BFP8_B32", grad_mode="SRC")
+    assert (spelled.mode, spelled.weight_format, spelled.grad_format, spelled.grad_mode) == (
+        "src", "ocp_e4m3", "mxint8", "src")
+    assert spelled == TrainConfig(mode="src", weight_format="ocp_e4m3", grad_format="mxint8", grad_mode="src")
     with pytest.raises(ValueError, match="nor is it a block format"):
         TrainConfig(grad_format="hbfp")
     for unsigned in ({"weight_format": "e8m0"}, {"grad_format": "p3109_k8p4uf"}):

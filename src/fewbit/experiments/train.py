@@ -97,6 +97,9 @@ class TrainConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
+        for name in ("mode", "grad_mode"):  # one spelling each, as of a format (below)
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, getattr(self, name).lower())
         check_mode(self.mode)
         if self.update_dtype not in UPDATE_DTYPES:
             known = sorted(UPDATE_DTYPES)

@@ -42,7 +42,7 @@ def round(
     Args:
         x: float32, float64, bfloat16 or float16 tensor, dense (not sparse), on any device.
         fmt: a FloatFormat or a name such as ``"binary8p4"`` or ``"e4m3"``.
-        mode: a RoundMode or its lower-case name (``"rne"``, ``"src"``, ...).
+        mode: a RoundMode or its name, in any case (``"rne"``, ``"src"``, ...).
         sat: overflow goes to the largest finite value instead of Inf/NaN.
         bits: N, random bits per element, for the stochastic modes.
         random_bits: integers in ``[0, 2^N)`` of x's shape, any integer dtype (for

@@ -160,7 +160,7 @@ SELECT_KEY = 0x5E1EC7
 
 
 
-def excess_bits(source: FloatFormat, target: FloatFormat) -> int:
+def excess_bits(*, source: FloatFormat, target: FloatFormat) -> int:
     """D = P_source - P_target: the significand bits of a ``source`` value that ``target``
     discards in its normal range (for intM, whose values are all subnormal, the top binade),
     an intM's P less its sign bit (``FloatFormat.top_p``). Negative where ``target`` has
@@ -180,7 +180,7 @@ def natural_sr_bits(source: FloatFormat, target: FloatFormat) -> int:
     For normal results N = D makes SRC exact; results in the target's subnormal range
     discard more bits, and their fraction is rounded to N bits first.
     """
-    return natural_bits(excess_bits(source, target))
+    return natural_bits(excess_bits(source=source, target=target))
 
 
 def mode_name(mode: RoundMode | str) -> str:
