@@ -158,8 +158,6 @@ def modes_text(modes: tuple[RoundMode, ...]) -> str:
 SELECT_KEY = 0x5E1EC7
 
 
-
-
 def excess_bits(*, source: FloatFormat, target: FloatFormat) -> int:
     """D = P_source - P_target: the significand bits of a ``source`` value that ``target``
     discards in its normal range (for intM, whose values are all subnormal, the top binade),
