@@ -40,7 +40,7 @@ from .rounding.ops import (
 )
 from .rounding.ops import round_into as round_values_into
 
-__all__ = ["code_dtype", "codes_of", "decode", "encode", "pack_pairs", "quantize"]
+__all__ = ["check_value_dtype", "code_dtype", "codes_of", "decode", "encode", "pack_pairs", "quantize"]
 
 
 def code_dtype(fmt: FloatFormat | str) -> torch.dtype:
@@ -254,13 +254,18 @@ def _(x, fmt, rounding, sat, bits, fraction, key, random_bits, packed):
     return x.new_empty(shape, dtype=dtype)
 
 
+def check_value_dtype(dtype: object, what: str = "values come") -> None:
+    """Raise TypeError unless ``dtype`` is a float dtype, the only kind values of a format
+    come in (``what`` begins the message)."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{what} in a float dtype (torch.float32, torch.bfloat16, ...), not {dtype!r}")
+
+
 def _decode_checks(codes: torch.Tensor, fmt: FloatFormat, dtype: torch.dtype, packed: bool) -> torch.Size:
     """Check a decode call; return the shape of its values."""
     if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
         raise TypeError(f"codes must have an integer dtype, not {codes.dtype}")
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"decode gives values in a float dtype (torch.float32, torch.bfloat16, ...), "
-                        f"not {dtype!r}")  # fmt: skip
+    check_value_dtype(dtype, "decode gives values")
     check_holds(dtype, fmt)
     code_dtype(fmt)
     if not packed:

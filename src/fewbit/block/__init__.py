@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import rounding
-from ..codec import decode, unpack_pairs
+from ..codec import check_value_dtype, decode, unpack_pairs
 from ..formats import FloatFormat
 from ..formats import format as element_format
 from ..random import Key
@@ -73,7 +73,7 @@ class BlockTensor:
 
     def block_scales(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Each block's factor ``S`` (``(rows, blocks)``): its scale, times the per-tensor scale."""
-        _check_float_dtype(dtype)
+        check_value_dtype(dtype)
         scale = decode(self.scales, self.format.scale, torch.float32)
         factor = scale if self.tensor_scale is None else scale * self.tensor_scale
         return factor.to(dtype)
@@ -86,15 +86,10 @@ class BlockTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The values, ``q * S``, in x's shape (a NaN scale makes its block NaN), formed
         as ``block.round`` forms them for data of ``dtype`` (in float64 for float64)."""
-        _check_float_dtype(dtype)
+        check_value_dtype(dtype)
         work = work_dtype(self.format, dtype == torch.float64)
         values = self.elements(work) * self.block_scales(work)[..., None]
         return from_block_layout(values, self.shape, self.axis).to(dtype)
-
-
-def _check_float_dtype(dtype: object) -> None:
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"values come in a float dtype (torch.float32, torch.bfloat16, ...), not {dtype!r}")
 
 
 # A checkpoint of BlockTensors or formats loads with torch.load's default (weights_only=True):
