@@ -84,14 +84,15 @@ def _block_formats() -> None:
     from .block import format as block_format
     from .block import names as block_names
 
-    shown: dict[str, list[str]] = {}
+    shown: dict[BlockFormat, list[str]] = {}  # each format, by its one name, and its other names
     for name in (*block_names(), "hbfp8", "bfp8_b16", "mx_binary8p4"):
-        aliases = shown.setdefault(block_format(name).name, [])
-        if name != block_format(name).name:
+        bfmt = block_format(name)
+        aliases = shown.setdefault(bfmt, [])
+        if name != bfmt.name:
             aliases.append(name)
     print(f"{'block format':22} {'element':13} {'B':>2}  {'scale':9} {'rule':8} stored bits per element")
-    for name, aliases in shown.items():
-        bfmt = block_format(name)
+    for bfmt, aliases in shown.items():
+        name = bfmt.name
         label = f"{name} ({', '.join(aliases)})" if aliases else name
         per_tensor = " + a float32 per tensor" if bfmt.tensor_scale else ""
         print(f"{label:22} {bfmt.element.name:13} {bfmt.block_size:>2}  {bfmt.scale.name:9} {bfmt.rule:8} "

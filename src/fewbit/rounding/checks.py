@@ -188,10 +188,10 @@ def check_bits(bits: int | None, name: str = "bits") -> None:
 def check_holds(dtype: torch.dtype, fmt: FloatFormat, what: str | None = None, suggest: bool = True) -> None:
     """Raise ValueError unless a ``dtype`` tensor holds every value of ``fmt``, saying what
     it lacks and, with ``suggest``, which dtype would do (where the caller can choose one;
-    ``what``, where given, names the tensor first); a
-    TypeError for a dtype fewbit does not round. A block format is checked by its element
-    format: a block's values are elements times a power of two (float32's exponent range),
-    or for NVFP4 a product that the kernel rounds to the dtype anyway."""
+    ``what``, where given, names the tensor first); a TypeError for a dtype fewbit does not
+    round. A block format is checked by its element format: a block's values are elements
+    times a power of two (float32's exponent range), or for NVFP4 a product that the kernel
+    rounds to the dtype anyway."""
     fmt = getattr(fmt, "element", fmt)  # (a BlockFormat: fewbit.block builds on this module)
     if not _holds(dtype, fmt):
         why = _cannot_hold(dtype, dtype_format(dtype), fmt, suggest)
