@@ -2324,9 +2324,38 @@ def test_private_ops_registered_where_present_are_there_in_this_torch():
     (import failed otherwise). Each op torch has has its rule; from torch 2.11, the oldest
     fewbit has run on (GPU runs; CI runs 2.13), each must be there, or torch renamed one
     and its rule went quietly missing."""
+    import fewbit.scaled.fsdp  # noqa: F401  (registers chunk_cat's rule)
     from fewbit.scaled.tensor import RULES
 
     tested = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 11)
-    for name in ("_safe_softmax", "_fused_rms_norm", "_fused_rms_norm_backward"):
-        assert hasattr(torch.ops.aten, name) or not tested, name
-        assert not hasattr(torch.ops.aten, name) or getattr(torch.ops.aten, name) in RULES, name
+    for namespace, name in ((torch.ops.aten, "_safe_softmax"), (torch.ops.aten, "_fused_rms_norm"),
+                            (torch.ops.aten, "_fused_rms_norm_backward"), (torch.ops.fsdp, "chunk_cat")):
+        assert hasattr(namespace, name) or not tested, name
+        assert not hasattr(namespace, name) or getattr(namespace, name) in RULES, name
+
+
+_WITHOUT_ALIASING_FIX = """
+import fewbit, fewbit.nn, fewbit.optim  # (torch's DTensor imports the helper too: first)
+import torch.utils._python_dispatch as d
+del d.return_and_correct_aliasing
+print(fewbit.round(__import__("torch").tensor([1.1]), "binary8p4").item())
+try:
+    import fewbit.scaled
+except ImportError as err:
+    print(err)
+"""
+
+
+def test_a_torch_without_the_private_aliasing_fix_is_named_and_the_rest_of_fewbit_works():
+    """fewbit.scaled's views need torch's private return_and_correct_aliasing (importing
+    fewbit.scaled here is what fails first where torch moves it). Where a torch lacks it,
+    ``import fewbit.scaled`` says so by name, and fewbit's other modules, which never import
+    it, work."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_ALIASING_FIX], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    rounded, error = done.stdout.splitlines()
+    assert float(rounded) == 1.125 and "return_and_correct_aliasing" in error and "rest of fewbit" in error

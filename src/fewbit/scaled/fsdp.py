@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed.fsdp  # noqa: F401  (defines the fsdp:: ops named below)
 
-from .tensor import ScaledTensor, parts, rule, set_scale, value
+from .tensor import ScaledTensor, if_present, parts, rule, set_scale, value
 
 __all__ = ["post_all_gather", "pre_all_gather"]
 
@@ -65,7 +65,7 @@ def post_all_gather(t: ScaledTensor, outputs: tuple[torch.Tensor, ...], scale: A
     return ScaledTensor._make(data, scale), ()
 
 
-@rule(torch.ops.fsdp.chunk_cat)
+@rule(*if_present(torch.ops.fsdp, "chunk_cat"))
 def _chunk_cat(func, tensors, dim, num_chunks, *, out):
     """FSDP2's gradient copy-in before the reduce-scatter: the values, rounded to the
     buffer's dtype (exact for a power-of-two scale in range), into that plain buffer."""

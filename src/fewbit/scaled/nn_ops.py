@@ -26,6 +26,7 @@ from .tensor import (
     aten,
     coefficient,
     compute_dtype,
+    if_present,
     is_static,
     parts,
     rule,
@@ -36,13 +37,6 @@ from .tensor import (
     value,
     wrap,
 )
-
-
-def _if_present(name: str) -> tuple:
-    """``aten.<name>`` where this torch has it (for :func:`rule`), else nothing: for private
-    ops younger than torch 2.4, the oldest fewbit takes (softmax's masked variant, the fused
-    rms_norm). Without one, torch decomposes its function into ops that have rules."""
-    return (getattr(aten, name),) if hasattr(aten, name) else ()
 
 
 def _unit(k: int) -> float:
@@ -283,7 +277,7 @@ def _layer_norm_backward(func, g, x, normalized_shape, mean, rstd, weight, bias,
             None if gb is None else wrap(gb.to(parts(bias)[0].dtype), sg))
 
 
-@rule(*_if_present("_fused_rms_norm"))
+@rule(*if_present(aten, "_fused_rms_norm"))
 def _rms_norm(func, x, normalized_shape, weight, eps):
     """rms_norm (fused kernel) on the value: scale 1, or sw with a scaled weight.
     (On CPU rms_norm decomposes into pow, mean, add, rsqrt and mul, whose rules make
@@ -295,7 +289,7 @@ def _rms_norm(func, x, normalized_shape, weight, eps):
     return wrap(out.to(d.dtype), sw), rstd
 
 
-@rule(*_if_present("_fused_rms_norm_backward"))
+@rule(*if_present(aten, "_fused_rms_norm_backward"))
 def _rms_norm_backward(func, g, x, normalized_shape, rstd, weight, output_mask):
     """Gradients of rms_norm: input sg sw times rstd's largest (a power of two), weight sg."""
     dg, sg = parts(scalar_scale(g))
@@ -329,7 +323,7 @@ def _log_softmax(func, x, dim, half_to_float):
     return out if want == out.dtype else aten._to_copy.default(out, dtype=want)
 
 
-@rule(*_if_present("_safe_softmax"))
+@rule(*if_present(aten, "_safe_softmax"))
 def _safe_softmax(func, x, dim, dtype=None):
     """softmax that gives 0 on fully masked rows, on the value: scale 1."""
     d = parts(x)[0]

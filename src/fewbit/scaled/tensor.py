@@ -25,7 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import return_and_correct_aliasing
+
+try:  # torch's private helper (tests/test_scaled.py fails first where it moves)
+    from torch.utils._python_dispatch import return_and_correct_aliasing
+except ImportError as err:  # fewbit's other modules do not import this one
+    raise ImportError(f"fewbit.scaled needs torch.utils._python_dispatch.return_and_correct_aliasing, "
+                      f"which torch {torch.__version__} lacks; the rest of fewbit works without it") from err
 
 from ..config import current
 
@@ -598,6 +603,14 @@ def rule(*ops: Any) -> Callable[[Callable], Callable]:
         return fn
 
     return register
+
+
+def if_present(namespace: Any, name: str) -> tuple:
+    """``namespace.<name>`` (``torch.ops.aten``, ``torch.ops.fsdp``) where this torch has
+    the op, for :func:`rule`, else nothing: for private ops that a torch fewbit takes may
+    lack (softmax's masked variant, the fused rms_norm, FSDP2's gradient copy-in). Without
+    one, torch runs ops that have rules instead."""
+    return (getattr(namespace, name),) if hasattr(namespace, name) else ()
 
 
 def _overloads(op: Any) -> list:
