@@ -625,10 +625,12 @@ def test_no_environment_read_per_call(monkeypatch):
         call()
 
 
-def test_the_private_dispatch_guard_is_still_there():
-    # compiled.py calls kernels below ADInplaceOrView through a private torch guard; when a
-    # torch release drops it, the fallback compiles a spec up to twice: this says so first.
+def test_the_private_dispatch_guard_and_length_mark_are_still_there():
+    # compiled.py calls kernels below ADInplaceOrView through a private torch guard, and marks
+    # a length as dynamic through a private Dynamo call; when a torch release drops one, the
+    # fallback compiles a spec up to twice, or once per length: this says so first.
     assert compiled.below_autograd is torch._C._AutoDispatchBelowADInplaceOrView
+    assert compiled._MARK_DYNAMIC is torch._dynamo.maybe_mark_dynamic
 
 
 def test_encode_and_decode_compile_and_take_tensors_that_require_grad():

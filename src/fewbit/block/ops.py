@@ -21,6 +21,7 @@ from ..random import Key, host_key, is_int
 from ..rounding import gpu, native
 from ..rounding.checks import check_random_bits, no_result
 from ..rounding.compiled import (
+    any_length,
     below_autograd,
     range_bits,
     stream_words,
@@ -225,9 +226,7 @@ def _run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool, ts: torch
                 fn = _CACHE[cache_key] = torch.compile(with_own_code(_kernel, spec=spec, fused=fused),
                                                        fullgraph=True, dynamic=False)
             try:
-                for t in (blocks, rand):  # one kernel for every number of blocks
-                    if t is not None:
-                        torch._dynamo.maybe_mark_dynamic(t, 0)
+                any_length(blocks, rand)  # one kernel for every number of blocks
                 with below_autograd():
                     tensor_words = None if words is None else word_tensors(spec.spec, key, x.device)
                     result = fn(blocks, tensor_words, rand, ts)

@@ -40,6 +40,12 @@ __all__ = ["compiled_round", "index_bits", "range_bits", "foreach_compiled_", "r
 #: spec may compile twice, with the same results (tests/test_operator.py counts).
 below_autograd = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", contextlib.nullcontext)
 
+#: Dynamo's (private) mark of a dim whose size varies, which keeps a kernel compiled with
+#: ``dynamic=False`` to one graph for every length. Without it (a later torch), each length
+#: compiles anew, up to Dynamo's recompile limit and eager after it, with the same bits
+#: (tests/test_operator.py's graph count fails first).
+_MARK_DYNAMIC = getattr(torch._dynamo, "maybe_mark_dynamic", None)
+
 _CACHE: dict[tuple, object] = {}
 _BROKEN: set[tuple] = set()  # cache keys whose compilation failed once
 
@@ -130,12 +136,20 @@ def round_rows_into(x: torch.Tensor, out: torch.Tensor, words, spec: RoundSpec, 
     last = torch.nn.functional.pad(x[cut:], (0, LANES - tail)).view(1, LANES)
     main, out_main = x[:cut].view(rows, LANES), out[:cut].view(rows, LANES)
     if not torch.compiler.is_compiling():
-        torch._dynamo.maybe_mark_dynamic(main, 0)
-        torch._dynamo.maybe_mark_dynamic(out_main, 0)
+        any_length(main, out_main)
     if kernel is None:
         kernel = functools.partial(_rows_kernel, spec=spec)
     last = kernel(main, last, out_main, words)
     out[cut:].copy_(last.view(-1)[:tail])
+
+
+def any_length(*tensors: torch.Tensor | None) -> None:
+    """Mark dim 0 of each tensor given (None: skipped) as of any length for the compiled
+    kernels: one graph for every length."""
+    if _MARK_DYNAMIC is not None:
+        for t in tensors:
+            if t is not None:
+                _MARK_DYNAMIC(t, 0)
 
 
 def use_compiled(numel: int) -> bool:
@@ -161,8 +175,7 @@ def compiled_round(
     try:
         with below_autograd():
             if key is None:
-                torch._dynamo.maybe_mark_dynamic(x, 0)  # one kernel for every length
-                torch._dynamo.maybe_mark_dynamic(out, 0)
+                any_length(x, out)
                 fn(x, random_bits, out)
             else:
                 round_rows_into(x, out, word_tensors(spec, key, x.device), spec, kernel=fn)
