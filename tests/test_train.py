@@ -533,6 +533,15 @@ def test_a_refused_claim_writes_nothing(tmp_path):
     sweep.claim_folders(arm_configs(None, replace(TINY, iters=10), [0, 1]), tmp_path, False, "text")
 
 
+def test_runs_of_two_fractions_get_two_folders():
+    """A run's folder is named by its label, which once gave p to 6 digits: two fractions
+    that agree in those shared a folder (and the second run was refused as another's)."""
+    a, b = (TrainConfig(mode="sr_fraction", fraction=p) for p in (0.1234567, 0.1234568))
+    assert sweep.run_folder(Path(), a) != sweep.run_folder(Path(), b)
+    assert sweep.run_folder(Path(), TrainConfig(mode="sr_fraction", fraction=0.5)).name == \
+        "binary8p4-sr_fraction-n3-p0.5-s0"
+
+
 def test_a_claim_refuses_a_file_at_a_run_folder_and_a_cut_config(tmp_path):
     """A file where a run's folder goes was FileExistsError's traceback; a config.json cut
     short (written in place, then) a bare JSON message naming no file."""
