@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -1024,3 +1025,42 @@ def test_a_key_tensor_in_host_memory_stays_there_for_x_elsewhere():
     for seed in (torch.tensor(5), key_of(5)):
         assert op_key(seed, x).device.type == "cpu"
         assert op_key(seed.to("meta"), x).device.type == "meta"
+
+
+def test_a_kernel_whose_compilation_fails_warns_once_and_runs_eager_with_the_same_bits(monkeypatch):
+    """No C++ compiler, no Triton, a torch.compile bug: each compiled kernel (round, the block
+    ops, the write-back's list) falls back to its eager code, with the same bits, and says so
+    once."""
+
+    def broken(fn, **options):
+        def fails(*args, **kwargs):
+            raise RuntimeError("no compiler here")
+
+        return fails
+
+    def calls() -> list[torch.Tensor]:
+        x = torch.randn(300, generator=torch.Generator().manual_seed(0)) * 3
+        w = torch.nn.Parameter(x[:64].clone())
+        lpw = LowPrecisionWeights(torch.optim.SGD([w], lr=0.1), "binary8p4", "src", bits=3, seed=4,
+                                  params=[w])
+        w.grad = x[64:128].clone()
+        lpw.step()
+        q = fewbit.block.quantize(x, "mxfp8_e4m3", "sr", seed=2)
+        return [fewbit.round(x, "binary8p4", "src", bits=3, seed=1), fewbit.round(x, "e4m3"), q.codes,
+                q.scales, fewbit.block.round(x, "mxfp4_e2m1", "sr", seed=3), w.detach().clone()]
+
+    with fewbit.configure(compile=False):
+        want = calls()
+    monkeypatch.setattr(compiled, "_CACHE", {})
+    monkeypatch.setattr(compiled, "_BROKEN", set())
+    monkeypatch.setattr(compiled.torch, "compile", broken)
+    with fewbit.configure(compile=True, compile_threshold=0, native=False):
+        with pytest.warns(RuntimeWarning, match="no compiler here.*eager from now on") as first:
+            got = calls()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            again = calls()
+    # round src and rne, the block quantize and round, the write-back
+    assert len(first) == len(compiled._BROKEN) == 5
+    for a, b, c in zip(got, again, want, strict=True):
+        assert torch.equal(a, c) and torch.equal(b, c)

@@ -22,12 +22,10 @@ from ..rounding import gpu, native
 from ..rounding.checks import check_random_bits, no_result
 from ..rounding.compiled import (
     any_length,
-    below_autograd,
     range_bits,
+    run_compiled,
     stream_words,
     use_compiled,
-    warn_eager,
-    with_own_code,
     word_tensors,
 )
 from ..rounding.modes import parse_mode
@@ -52,8 +50,6 @@ _UNREGISTERED: dict[str, BlockFormat] = {}
 #: By name, the last block format whose element's name was checked (each object once).
 _ELEMENT_CHECKED: dict[str, BlockFormat] = {}
 _KNOWN: dict[str, BlockFormat] = {}
-_CACHE: dict[tuple, object] = {}
-_BROKEN: set[tuple] = set()
 
 
 @torch.compiler.assume_constant_result  # (as rounding.ops.format_name)
@@ -219,20 +215,15 @@ def _run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool, ts: torch
     rand = None if rand is None else block_layout(rand, axis, size).reshape(-1, size)
     result = None
     if use_compiled(x.numel()):
-        cache_key = (spec, fused, x.dtype, x.device.type, words is None)
-        if cache_key not in _BROKEN:
-            fn = _CACHE.get(cache_key)
-            if fn is None:
-                fn = _CACHE[cache_key] = torch.compile(with_own_code(_kernel, spec=spec, fused=fused),
-                                                       fullgraph=True, dynamic=False)
-            try:
-                any_length(blocks, rand)  # one kernel for every number of blocks
-                with below_autograd():
-                    tensor_words = None if words is None else word_tensors(spec.spec, key, x.device)
-                    result = fn(blocks, tensor_words, rand, ts)
-            except Exception as err:  # no C++ compiler, no Triton, ...: eager still works
-                _BROKEN.add(cache_key)
-                warn_eager(spec.spec, x.device, err)
+
+        def run(fn) -> None:
+            nonlocal result
+            any_length(blocks, rand)  # one kernel for every number of blocks
+            result = fn(blocks, None if words is None else word_tensors(spec.spec, key, x.device), rand, ts)
+
+        # (result stays None where the compiled kernel failed: eager below)
+        run_compiled((spec, fused, x.dtype, x.device.type, words is None), _kernel, run, spec.spec, x.device,
+                     spec=spec, fused=fused)  # fmt: skip
     if result is None:
         result = _kernel(blocks, None if words is None else stream_words(spec.spec, words), rand, ts,
                          spec=spec, fused=fused)

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import types
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -29,9 +30,8 @@ from .fast import round_fast, working_dtype
 from .magic import magic_applies, round_magic
 from .modes import MODES, SELECT_BITS, SELECT_KEY, RoundMode
 
-__all__ = ["compiled_round", "index_bits", "range_bits", "foreach_compiled_", "round_body", "stream_words",
-           "use_compiled", "warn_eager", "with_own_code",
-           "word_tensors"]
+__all__ = ["any_length", "compiled_round", "index_bits", "range_bits", "foreach_compiled_", "round_body",
+           "run_compiled", "stream_words", "use_compiled", "with_own_code", "word_tensors"]
 
 #: Dynamo guards on the dispatch keys each input shows, and those depend on the caller: an
 #: op called through autograd runs below ADInplaceOrView, one called without it does not.
@@ -164,33 +164,39 @@ def compiled_round(
     """Round flat ``x`` into flat ``out`` with the compiled kernel, the bits given or
     drawn with key tensor ``key``; False (nothing written) when compilation is
     unavailable."""
-    cache_key = (spec, x.dtype, x.device.type, key is None)
+    kernel = _given_kernel if key is None else _rows_kernel
+
+    def run(fn) -> None:
+        if key is None:
+            any_length(x, out)
+            fn(x, random_bits, out)
+        else:
+            round_rows_into(x, out, word_tensors(spec, key, x.device), spec, kernel=fn)
+
+    return run_compiled((spec, x.dtype, x.device.type, key is None), kernel, run, spec, x.device, spec=spec)
+
+
+def run_compiled(cache_key: tuple, kernel: Callable, run: Callable[[Callable], object], spec: RoundSpec,
+                 device: torch.device, /, **bound) -> bool:  # fmt: skip
+    """``run(fn)`` below autograd, with ``fn`` ``kernel`` (keyword arguments ``bound``)
+    compiled once per ``cache_key``; True where it ran. False where that compilation failed
+    (no C++ compiler, no Triton, ...), now or before: that warns once, and the calls run
+    eager from then on (``run`` must then have written nothing)."""
     if cache_key in _BROKEN:
         return False
     fn = _CACHE.get(cache_key)
     if fn is None:
-        kernel = _given_kernel if key is None else _rows_kernel
-        fn = torch.compile(with_own_code(kernel, spec=spec), fullgraph=True, dynamic=False)
-        _CACHE[cache_key] = fn
+        fn = _CACHE[cache_key] = torch.compile(with_own_code(kernel, **bound), fullgraph=True, dynamic=False)
     try:
         with below_autograd():
-            if key is None:
-                any_length(x, out)
-                fn(x, random_bits, out)
-            else:
-                round_rows_into(x, out, word_tensors(spec, key, x.device), spec, kernel=fn)
+            run(fn)
         return True
-    except Exception as err:  # no C++ compiler, no Triton, ...: eager still works
+    except Exception as err:
         _BROKEN.add(cache_key)
-        warn_eager(spec, x.device, err)
+        warnings.warn(f"fewbit: torch.compile failed for {spec.mode.value} to {spec.fmt.name} "
+                      f"on {device.type} ({err!s:.300}); running it eager from now on",
+                      RuntimeWarning, stacklevel=4)  # fmt: skip
         return False
-
-
-def warn_eager(spec: RoundSpec, device: torch.device, err: Exception) -> None:
-    """Warn that the compiled kernel of ``spec`` failed (``err``) and the calls run eager."""
-    warnings.warn(f"fewbit: torch.compile failed for {spec.mode.value} to {spec.fmt.name} "
-                  f"on {device.type} ({err!s:.300}); running it eager from now on",
-                  RuntimeWarning, stacklevel=4)  # fmt: skip
 
 
 def with_own_code(fn, **bound):
@@ -243,19 +249,10 @@ def foreach_compiled_(
     applies, else by the same code eager; ``keys``: one row of :func:`stream_words` per
     tensor, on their device."""
     device = tensors[0].device
-    total = sum(t.numel() for t in tensors)
     cache_key = ("foreach", spec, via, tensors[0].dtype, device.type)
-    if use_compiled(total) and cache_key not in _BROKEN:
-        fn = _CACHE.get(cache_key)
-        if fn is None:
-            # Not dynamic: Dynamo made a second spec's ints symbols (its compilation failed
-            # in math.ldexp); a write-back's list keeps its shapes, so one graph serves it.
-            fn = _CACHE[cache_key] = torch.compile(with_own_code(_foreach_kernel, spec=spec, via=via),
-                                                   fullgraph=True, dynamic=False)  # fmt: skip
-        try:
-            with below_autograd():
-                return fn(tensors, keys)
-        except Exception as err:
-            _BROKEN.add(cache_key)
-            warn_eager(spec, device, err)
-    _foreach_kernel(tensors, keys, spec=spec, via=via)
+    # Not dynamic (run_compiled): Dynamo made a second spec's ints symbols (its compilation
+    # failed in math.ldexp); a write-back's list keeps its shapes, so one graph serves it.
+    if not (use_compiled(sum(t.numel() for t in tensors))
+            and run_compiled(cache_key, _foreach_kernel, lambda fn: fn(tensors, keys), spec, device,
+                             spec=spec, via=via)):  # fmt: skip
+        _foreach_kernel(tensors, keys, spec=spec, via=via)
