@@ -308,7 +308,7 @@ def test_bench_refuses_block_rows_smaller_than_a_row_before_any_work(capsys, mon
     assert err == ("fewbit: error: --block times rows of 4096 elements: it needs --log2-size 12 or more, "
                    "got 11\n")
     with pytest.raises(ValueError, match="log2_size 0 is below 12"):
-        bench.block_rows(0, "cpu", 1, lambda: None)
+        next(bench.block_rows(0, "cpu", 1, lambda: None))  # rows measured as they are asked for
 
 
 def test_bench_interrupted_says_so_on_a_line_of_its_own(capsys, monkeypatch):
@@ -323,6 +323,72 @@ def test_bench_interrupted_says_so_on_a_line_of_its_own(capsys, monkeypatch):
     code, out, err = run(capsys, "bench", "--no-gfloat", "--log2-size", "24")
     assert (code, out) == (130, "")
     assert err.startswith("\r[1] float32 -> binary8p4 src N=3 ") and err.endswith(" \nfewbit: interrupted\n")
+
+
+def test_bench_prints_each_row_as_it_is_measured(capsys, monkeypatch):
+    """A run stopped by a time limit keeps the rows it measured: each is on stdout as soon as
+    it is measured, the table's head before the first, and the lines are format_table's."""
+    from fewbit import bench
+
+    measure, rows, streamed = bench.run, [], []
+
+    def watched(*args, on_row, **kwargs):
+        def seen(row):
+            on_row(row)
+            rows.append(row)
+            streamed.append(capsys.readouterr().out)  # stdout just after the row was given
+
+        return measure(*args, on_row=seen, **kwargs)
+
+    monkeypatch.setattr(bench, "run", watched)
+    code, out, _ = run(capsys, "bench", "--quick", "--log2-size", "12", "--repeat", "1", "--no-gfloat")
+    assert (code, out) == (0, "")  # nothing left for the end
+    assert streamed[0].startswith(bench.table_header() + "\n")
+    assert all(text.count("\n") == 1 for text in streamed[1:])  # one line a row
+    assert "".join(streamed) == bench.format_table(rows) + "\n"
+
+
+def test_bench_labels_fit_the_tables_label_column():
+    """Every label a run makes (a GPU's and the full run's too) fits the fixed label width the
+    streamed table needs, the longest exactly."""
+    from fewbit import bench
+
+    def rows(inputs, formats, modes):
+        return [{"input": f"torch.{i}", "format": f, "mode": m, "bits": b}
+                for i in inputs for f in formats for m, b in modes]  # fmt: skip
+
+    dtypes = ["float32", "bfloat16", "float16"]
+    modes = [("rne", None), ("sr", None), *((m, b) for m in bench.SR_MODES for b in bench.BITS)]
+    codes = [("encode to uint8", None), ("encode to uint8, unchecked", None), ("quantize src", 3),
+             ("round+encode src", 3)]  # fmt: skip
+    blocks = [f"{name} {what}" for name in bench.BLOCK_FORMATS for what in ("quantize", "round")]
+    labels = [bench.label(r) for r in rows(dtypes, bench.TARGETS, modes) + rows(dtypes, ["binary8p4"], codes)
+              + rows(dtypes, blocks, [("rne", None), ("src", 3)])
+              + rows(["float32"], [f"{bench.PER_CALL_NUMEL} elements"], [("copy_", None), ("src", 3)])]
+    assert max(map(len, labels)) == bench.LABEL_WIDTH
+
+
+def test_bench_rows_printed_before_an_interruption_stay_printed(capsys, monkeypatch):
+    """Ctrl-C (or a time limit's signal) after a row: the row stays on stdout, and the
+    progress line was cleared before it, so a terminal shows clean lines."""
+    from fewbit import bench
+
+    row = {"input": "torch.float32", "format": "memory", "mode": "copy_", "bits": None,
+           "melem_per_s": 1000.0, "gb_per_s": 8.0}  # fmt: skip
+
+    def interrupted(*args, progress, on_row, **kwargs):
+        progress("float32 -> memory copy_")
+        on_row(row)
+        progress("float32 -> binary8p4 rne")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "run", interrupted)
+    monkeypatch.setattr(bench, "last_level_cache_bytes", lambda: None)  # no cache note
+    code, out, err = run(capsys, "bench", "--no-gfloat", "--log2-size", "24")
+    assert (code, out) == (130, bench.format_table([row]) + "\n")
+    first = f"[1] {'float32 -> memory copy_':60}"
+    second = f"[2] {'float32 -> binary8p4 rne':60}"
+    assert err == f"\r{first}\r{' ' * len(first)}\r\r{second}\nfewbit: interrupted\n"
 
 
 @pytest.mark.parametrize(("device", "count", "says"), [

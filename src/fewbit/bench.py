@@ -21,6 +21,9 @@ which a training step hides. The last rows give the time of one call on 4096 ele
 where the per-call overhead is all there is.
 Codes rows (encode, quantize) return new codes, a byte an element: ``x copy`` then
 compares a call that allocates a quarter of float32's bytes with ``copy_``.
+
+Each row goes to ``run``'s ``on_row`` as soon as it is measured (``fewbit bench`` prints
+it then).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -131,23 +134,33 @@ def run(
     with_gfloat: bool = True,
     progress: Callable[[str], None] | None = None,
     block: bool = False,
+    on_row: Callable[[dict], None] | None = None,
 ) -> list[dict]:
-    """Measure every configuration; one dict per row (Melem/s and ratios). ``block``
-    adds the block-format rows (:func:`block_rows`). On a GPU the whole run has ``device``
-    as the current device: the waits, and :func:`device_ratio`'s events (recorded on the
-    current stream), are then those of ``device`` (cuda:1, say), where the calls run."""
+    """Measure every configuration; one dict per row (Melem/s and ratios), each also given
+    to ``on_row`` as soon as it is measured (a run cut short has shown what it measured).
+    ``block`` adds the block-format rows (:func:`block_rows`). On a GPU the whole run has
+    ``device`` as the current device: the waits, and :func:`device_ratio`'s events (recorded
+    on the current stream), are then those of ``device`` (cuda:1, say), where the calls run."""
+    rows = []
+
+    def measure(sync: Callable[[], None]) -> list[dict]:
+        for row in _run(log2_size, device, repeat, quick, with_gfloat, progress, block, sync):
+            rows.append(row)
+            if on_row:
+                on_row(row)
+        return rows
+
     if torch.device(device).type != "cuda":
-        return _run(log2_size, device, repeat, quick, with_gfloat, progress, block, lambda: None)
+        return measure(lambda: None)
     with torch.cuda.device(device):
-        sync = functools.partial(torch.cuda.synchronize, device)
-        return _run(log2_size, device, repeat, quick, with_gfloat, progress, block, sync)
+        return measure(functools.partial(torch.cuda.synchronize, device))
 
 
 def _run(log2_size: int, device: str, repeat: int, quick: bool, with_gfloat: bool,
-         progress: Callable[[str], None] | None, block: bool, sync: Callable[[], None]) -> list[dict]:
+         progress: Callable[[str], None] | None, block: bool, sync: Callable[[], None]) -> Iterator[dict]:
     n = 1 << log2_size
     on_cpu = torch.device(device).type == "cpu"  # "cpu:0" too
-    rows = []
+    on_gpu = torch.device(device).type == "cuda"
     gen = torch.Generator(device=device).manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x = (torch.randn(n, generator=gen, device=device) * 8).to(dtype)
@@ -160,8 +173,8 @@ def _run(log2_size: int, device: str, repeat: int, quick: bool, with_gfloat: boo
             return out.copy_(x)
 
         t = best_time(copy, repeat, sync)  # the device's copy speed: the GB/s column's yardstick
-        rows.append({"input": str(dtype), "format": "memory", "mode": "copy_", "bits": None,
-                     "melem_per_s": n / t / 1e6, "gb_per_s": 2 * x.nbytes / t / 1e9})
+        yield {"input": str(dtype), "format": "memory", "mode": "copy_", "bits": None,
+               "melem_per_s": n / t / 1e6, "gb_per_s": 2 * x.nbytes / t / 1e9}
         targets = TARGETS[:1] if quick else TARGETS
         for fmt in targets:
             if fmt == "bfloat16" and dtype != torch.float32:  # bfloat16 itself; float16 cannot hold it
@@ -171,23 +184,19 @@ def _run(log2_size: int, device: str, repeat: int, quick: bool, with_gfloat: boo
                 configs += [(mode, b) for b in ([3] if quick else BITS)]
             configs.append(("sr", None))
             for mode, bits in configs:
-                label = f"{str(dtype).removeprefix('torch.')} -> {fmt} {mode}"
-                label += f" N={bits}" if bits else ""
+                row = {"input": str(dtype), "format": fmt, "mode": mode, "bits": bits}
                 if progress:
-                    progress(label)
+                    progress(label(row))
                 kw = {"bits": bits, "sat": fmt == "ocp_e2m1", **({"seed": 1} if mode != "rne" else {})}
 
-                def call():
-                    return fewbit_round(x, fmt, mode, **kw)
+                def call(v, into=None):
+                    return fewbit_round(v, fmt, mode, out=into, **kw)
 
-                def call_out():
-                    return fewbit_round(x, fmt, mode, out=out, **kw)
-
+                call_out = functools.partial(call, x, out)
                 t, x_copy = paired(call_out, copy, repeat, sync)
-                row = {"input": str(dtype), "format": fmt, "mode": mode, "bits": bits,
-                       "melem_per_s": n / t / 1e6, "gb_per_s": 2 * x.nbytes / t / 1e9, "x_copy": x_copy,
-                       "x_clone": paired(call, clone, repeat, sync)[1]}
-                if device.startswith("cuda"):
+                row |= {"melem_per_s": n / t / 1e6, "gb_per_s": 2 * x.nbytes / t / 1e9, "x_copy": x_copy,
+                        "x_clone": paired(functools.partial(call, x), clone, repeat, sync)[1]}
+                if on_gpu:
                     row["device_x_copy"] = device_ratio(call_out, copy, repeat)
                 if mode != "rne":
                     width = bits or natural_sr_bits(dtype_format(dtype), format(fmt))
@@ -203,36 +212,40 @@ def _run(log2_size: int, device: str, repeat: int, quick: bool, with_gfloat: boo
                         row["eager_x_copy"] = paired(call_out, copy, repeat, sync)[1]
                     if with_gfloat and on_cpu and mode in ("rne", "src", "srf", "srff"):
                         row["x_gfloat"] = best_time(_gfloat_round(x, fmt, mode, bits), 3) / t
-                rows.append(row)
+                yield row
         rounded = fewbit_round(x, "binary8p4", sat=True)
         src = {"bits": 3, "seed": 1}
 
-        def round_then_encode():
-            return encode(fewbit_round(x, "binary8p4", "src", out=out, **src), "binary8p4", check=False)
+        def round_then_encode(v, into=None):
+            return encode(fewbit_round(v, "binary8p4", "src", out=into, **src), "binary8p4", check=False)
 
-        # Calls returning new codes, a byte an element: encode (on a GPU also without the
-        # check, which reads a flag back and so waits for the kernel), and the codes of SRC
-        # N=3 roundings, by fewbit.quantize in one call and by round then encode.
-        codes_calls = [("encode to uint8", None, lambda: encode(rounded, "binary8p4"))]
-        if device.startswith("cuda"):
-            codes_calls.append(("encode to uint8, unchecked", None,
-                                lambda: encode(rounded, "binary8p4", check=False)))  # fmt: skip
-        # The bytes each call moves: x (or the rounded values) read and the codes written;
-        # round then encode also writes the rounded values and reads them back.
-        codes_calls += [("quantize src", 3, lambda: quantize(x, "binary8p4", "src", **src)),
-                        ("round+encode src", 3, round_then_encode)]  # fmt: skip
-        for mode, bits, fn in codes_calls:
+        # Calls returning new codes, a byte an element, each of its source: encode of the
+        # rounded values (on a GPU also without the check, which reads a flag back and so
+        # waits for the kernel), and the codes of SRC N=3 roundings of x, by fewbit.quantize
+        # in one call and by round then encode (the rounded values into out).
+        codes_calls = [("encode to uint8", None, rounded, lambda v: encode(v, "binary8p4"), None)]
+        if on_gpu:
+            codes_calls.append(("encode to uint8, unchecked", None, rounded,
+                                lambda v: encode(v, "binary8p4", check=False), None))  # fmt: skip
+        codes_calls += [("quantize src", 3, x, lambda v: quantize(v, "binary8p4", "src", **src), None),
+                        ("round+encode src", 3, x, round_then_encode, out)]  # fmt: skip
+        for mode, bits, source, call, into in codes_calls:
+            row = {"input": str(dtype), "format": "binary8p4", "mode": mode, "bits": bits}
+            if progress:
+                progress(label(row))
+            fn = functools.partial(call, source) if into is None else functools.partial(call, source, into)
+            # The bytes each call moves: x (or the rounded values) read and the codes written;
+            # round then encode also writes the rounded values and reads them back.
             moved = (3 if mode == "round+encode src" else 1) * x.nbytes + n
             t, x_copy = paired(fn, copy, repeat, sync)
-            rows.append({"input": str(dtype), "format": "binary8p4", "mode": mode, "bits": bits,
-                         "melem_per_s": n / t / 1e6, "gb_per_s": moved / t / 1e9, "x_copy": x_copy,
-                         "x_clone": paired(fn, clone, repeat, sync)[1]})  # fmt: skip
-            if device.startswith("cuda"):
-                rows[-1]["device_x_copy"] = device_ratio(fn, copy, repeat)
+            row |= {"melem_per_s": n / t / 1e6, "gb_per_s": moved / t / 1e9, "x_copy": x_copy,
+                    "x_clone": paired(fn, clone, repeat, sync)[1]}  # fmt: skip
+            if on_gpu:
+                row["device_x_copy"] = device_ratio(fn, copy, repeat)
+            yield row
     if block:
-        rows += block_rows(log2_size, device, repeat, sync, progress)
-    rows += _per_call(device, sync)
-    return rows
+        yield from block_rows(log2_size, device, repeat, sync, progress)
+    yield from _per_call(device, sync)
 
 
 BLOCK_FORMATS = ["mxfp8_e4m3", "mxfp4", "nvfp4"]
@@ -241,7 +254,7 @@ BLOCK_LOG2_ROW = 12
 
 
 def block_rows(log2_size: int, device: str, repeat: int, sync: Callable[[], None],
-               progress: Callable[[str], None] | None = None) -> list[dict]:
+               progress: Callable[[str], None] | None = None) -> Iterator[dict]:
     """``fewbit.block.quantize`` (to codes) and ``fewbit.block.round`` (quantise-dequantise)
     on float32 and bfloat16 rows of 4096, blocks along them, RNE and SRC N=3: ``x copy``
     into preallocated outputs (``out=``) against ``copy_`` of the input, ``x clone``
@@ -251,35 +264,33 @@ def block_rows(log2_size: int, device: str, repeat: int, sync: Callable[[], None
     if log2_size < BLOCK_LOG2_ROW:  # not rounded up: the element rows and these share one size
         raise ValueError(f"block rows are rows of {1 << BLOCK_LOG2_ROW} elements: log2_size {log2_size} "
                          f"is below {BLOCK_LOG2_ROW}")  # fmt: skip
-    n, row = 1 << log2_size, 1 << BLOCK_LOG2_ROW
-    x32 = torch.randn(n // row, row, generator=torch.Generator(device=device).manual_seed(0), device=device)
-    rows = []
+    n, length = 1 << log2_size, 1 << BLOCK_LOG2_ROW
+    gen = torch.Generator(device=device).manual_seed(0)
+    x32 = torch.randn(n // length, length, generator=gen, device=device)
     for x in (x32, x32.to(torch.bfloat16)):
         out = torch.empty_like(x)
         for name in BLOCK_FORMATS:
             stored = block.quantize(x, name)
             calls = (("quantize", block.quantize, stored), ("round", block.round, out))
             for (mode, bits), (what, fn, into) in itertools.product((("rne", None), ("src", 3)), calls):
-                kw = {"bits": bits, **({"seed": 1} if bits else {})}
-                label = f"{str(x.dtype).removeprefix('torch.')} -> {name} {what} {mode}"
-                label += f" N={bits}" if bits else ""  # as the table's label
+                row = {"input": str(x.dtype), "format": f"{name} {what}", "mode": mode, "bits": bits}
                 if progress:
-                    progress(label)
+                    progress(label(row))
+                kw = {"bits": bits, **({"seed": 1} if bits else {})}
 
-                def call(fn=fn, name=name, mode=mode, kw=kw, into=None, x=x):
-                    return fn(x, name, mode, out=into, **kw)
+                def call(v, into=None, fn=fn, name=name, mode=mode, kw=kw):
+                    return fn(v, name, mode, out=into, **kw)
 
                 copy = functools.partial(out.copy_, x)
-                t, x_copy = paired(functools.partial(call, into=into), copy, repeat, sync)
+                t, x_copy = paired(functools.partial(call, x, into), copy, repeat, sync)
                 # x read (twice for NVFP4: its per-tensor amax first), the result written (a
                 # stored tensor's nbytes: its codes and scales)
                 moved = (2 if name == "nvfp4" else 1) * x.nbytes + into.nbytes
-                rows.append({"input": str(x.dtype), "format": f"{name} {what}", "mode": mode, "bits": bits,
-                             "melem_per_s": n / t / 1e6, "gb_per_s": moved / t / 1e9, "x_copy": x_copy,
-                             "x_clone": paired(call, x.clone, repeat, sync)[1]})
-                if device.startswith("cuda"):
-                    rows[-1]["device_x_copy"] = device_ratio(functools.partial(call, into=into), copy, repeat)
-    return rows
+                row |= {"melem_per_s": n / t / 1e6, "gb_per_s": moved / t / 1e9, "x_copy": x_copy,
+                        "x_clone": paired(functools.partial(call, x), x.clone, repeat, sync)[1]}
+                if torch.device(device).type == "cuda":
+                    row["device_x_copy"] = device_ratio(functools.partial(call, x, into), copy, repeat)
+                yield row
 
 
 #: Where Linux describes CPU 0's caches, one folder per cache.
@@ -341,7 +352,7 @@ def memory_bytes(device: torch.device) -> int:
 PER_CALL_NUMEL = 4096
 
 
-def _per_call(device: str, sync: Callable[[], None]) -> list[dict]:
+def _per_call(device: str, sync: Callable[[], None]) -> Iterator[dict]:
     """Microseconds per call on ``PER_CALL_NUMEL`` float32 elements (best of 5 runs of
     200 calls), for ``copy_`` and for RNE and SRC N=3 into a preallocated output."""
     x = torch.randn(PER_CALL_NUMEL, device=device)
@@ -349,41 +360,49 @@ def _per_call(device: str, sync: Callable[[], None]) -> list[dict]:
     calls = {"copy_": lambda: out.copy_(x),
              "rne": lambda: fewbit_round(x, "binary8p4", out=out),
              "src": lambda: fewbit_round(x, "binary8p4", "src", bits=3, seed=1, out=out)}  # fmt: skip
-    rows = []
     for mode, fn in calls.items():
         for _ in range(20):
             fn()
         t = best_time(lambda: [fn() for _ in range(200)], 5, sync) / 200
-        rows.append({"input": "torch.float32", "format": f"{PER_CALL_NUMEL} elements", "mode": mode,
-                     "bits": 3 if mode == "src" else None, "us_per_call": t * 1e6})
-    return rows
+        yield {"input": "torch.float32", "format": f"{PER_CALL_NUMEL} elements", "mode": mode,
+               "bits": 3 if mode == "src" else None, "us_per_call": t * 1e6}
 
 
-def _label(r: dict) -> str:
-    label = f"{r['input'].removeprefix('torch.')} -> {r['format']} {r['mode']}"
-    return label + (f" N={r['bits']}" if r["bits"] else "")
+def label(row: dict) -> str:
+    """A row's name, as the table and the progress line give it."""
+    name = f"{row['input'].removeprefix('torch.')} -> {row['format']} {row['mode']}"
+    return name + (f" N={row['bits']}" if row["bits"] else "")
+
+
+#: The table's label column: the longest label (a GPU's "bfloat16 -> binary8p4 encode to
+#: uint8, unchecked") fits.
+LABEL_WIDTH = 48
+
+
+def table_header() -> str:
+    return (f"{'configuration':{LABEL_WIDTH}} {'Melem/s':>9} {'GB/s':>7} {'x copy':>7} {'x clone':>8} "
+            f"{'eager':>7} {'randint-fed':>11} {'x gfloat':>9} {'device':>7}\n"
+            "(ratios: copy_ or clone time / fewbit time, into a preallocated output or a new one;"
+            " GB/s: bytes of the tensors read and written;\n"
+            " device: x copy in device time, calls queued back to back)")
+
+
+def table_line(row: dict) -> str:
+    """A row of the table."""
+    name = f"{label(row):{LABEL_WIDTH}}"
+    if "us_per_call" in row:
+        return f"{name} {row['us_per_call']:>9.1f} us per call"
+
+    def col(key, width, fmt=".3f"):
+        return f"{row[key]:>{width}{fmt}}" if key in row else " " * width
+
+    return (f"{name} {row['melem_per_s']:>9.1f} {row['gb_per_s']:>7.1f} {col('x_copy', 7)} "
+            f"{col('x_clone', 8)} {col('eager_x_copy', 7)} {col('randint_fed_x_copy', 11)} "
+            f"{col('x_gfloat', 9, '.0f')} {col('device_x_copy', 7)}")
 
 
 def format_table(rows: list[dict]) -> str:
-    w = max([42, *(len(_label(r)) for r in rows)])  # the longest label (a GPU's "..., unchecked")
-    head = (f"{'configuration':{w}} {'Melem/s':>9} {'GB/s':>7} {'x copy':>7} {'x clone':>8} {'eager':>7} "
-            f"{'randint-fed':>11} {'x gfloat':>9} {'device':>7}")
-    lines = [head, "(ratios: copy_ or clone time / fewbit time, into a preallocated output or a new one;"
-                   " GB/s: bytes of the tensors read and written;",
-             " device: x copy in device time, calls queued back to back)"]  # fmt: skip
-    for r in rows:
-        label = _label(r)
-        if "us_per_call" in r:
-            lines.append(f"{label:{w}} {r['us_per_call']:>9.1f} us per call")
-            continue
-
-        def col(key, width, fmt=".3f"):
-            return f"{r[key]:>{width}{fmt}}" if key in r else " " * width
-
-        lines.append(f"{label:{w}} {r['melem_per_s']:>9.1f} {r['gb_per_s']:>7.1f} {col('x_copy', 7)} "
-                     f"{col('x_clone', 8)} {col('eager_x_copy', 7)} {col('randint_fed_x_copy', 11)} "
-                     f"{col('x_gfloat', 9, '.0f')} {col('device_x_copy', 7)}")
-    return "\n".join(lines)
+    return "\n".join([table_header(), *map(table_line, rows)])
 
 
 def to_json(rows: list[dict]) -> str:

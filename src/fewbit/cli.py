@@ -238,20 +238,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
     note = None if device.type != "cpu" else bench.cache_note(args.log2_size, bench.last_level_cache_bytes())
     if note:
         print(note, file=sys.stderr)
-    step = 0
+    step, shown, printed = 0, "", False  # the progress line on stderr; whether the table has begun
 
     def progress(label: str) -> None:
-        nonlocal step
+        nonlocal step, shown
         step += 1
-        print(f"\r[{step}] {label:60}", end="", file=sys.stderr, flush=True)
+        shown = f"\r[{step}] {label:60}"
+        print(shown, end="", file=sys.stderr, flush=True)
+
+    def print_row(row: dict) -> None:  # as soon as it is measured: a run cut short keeps its rows
+        nonlocal shown, printed
+        if shown:  # cleared, so that a terminal shows the row on a clean line
+            print("\r" + " " * (len(shown) - 1) + "\r", end="", file=sys.stderr, flush=True)
+            shown = ""
+        print(*([] if printed else [bench.table_header()]), bench.table_line(row), sep="\n", flush=True)
+        printed = True
 
     try:
-        rows = bench.run(args.log2_size, args.device, args.repeat, args.quick,
-                         with_gfloat=not args.no_gfloat, progress=progress, block=args.block)
+        rows = bench.run(args.log2_size, args.device, args.repeat, args.quick, with_gfloat=not args.no_gfloat,
+                         progress=progress, block=args.block, on_row=None if args.json else print_row)
     finally:  # the progress line ends, also before a Ctrl-C's or an error's message
-        if step:
+        if shown:
             print(file=sys.stderr)
-    print(bench.to_json(rows) if args.json else bench.format_table(rows))
+    if args.json or not printed:  # (no rows: the table's head alone)
+        print(bench.to_json(rows) if args.json else bench.format_table(rows))
     return 0
 
 
