@@ -391,6 +391,99 @@ def test_bench_rows_printed_before_an_interruption_stay_printed(capsys, monkeypa
     assert err == f"\r{first}\r{' ' * len(first)}\r\r{second}\nfewbit: interrupted\n"
 
 
+def test_bench_fails_naming_the_rows_whose_gpu_results_differ_from_the_cpus(capsys, monkeypatch):
+    """A GPU kernel that wrote NaN everywhere was timed as a speed-up: a row whose result is
+    not the CPU's is marked, and the bench, after printing everything, ends with status 1."""
+    import json
+
+    from fewbit import bench
+
+    timed = {"melem_per_s": 1.0, "gb_per_s": 1.0, "x_copy": 1.3, "x_clone": 1.0}
+    rows = [{"input": "torch.float32", "format": "binary8p4", "mode": "rne", "bits": None, **timed,
+             "matches_cpu": True},
+            {"input": "torch.float32", "format": "binary8p4", "mode": "src", "bits": 3, **timed,
+             "matches_cpu": False},
+            {"input": "torch.bfloat16", "format": "nvfp4 round", "mode": "rne", "bits": None, **timed,
+             "matches_cpu": False}]  # fmt: skip
+
+    def differing(*args, on_row=None, **kwargs):
+        for row in rows:
+            if on_row:
+                on_row(row)
+        return rows
+
+    monkeypatch.setattr(bench, "run", differing)
+    monkeypatch.setattr(bench, "last_level_cache_bytes", lambda: None)  # no cache note
+    code, out, err = run(capsys, "bench", "--no-gfloat", "--log2-size", "12")
+    assert code == 1
+    lines = out.splitlines()[-3:]
+    assert not lines[0].endswith(bench.DIFFERS)
+    assert all(line.endswith(" DIFFERS FROM THE CPU") for line in lines[1:])
+    assert err == ("fewbit bench: the results differ from the CPU's in 2 rows: float32 -> binary8p4 src N=3; "
+                   "bfloat16 -> nvfp4 round rne\n")
+    code, out, err = run(capsys, "bench", "--no-gfloat", "--log2-size", "12", "--json")
+    assert code == 1 and [r["matches_cpu"] for r in json.loads(out)] == [True, False, False]
+    assert "float32 -> binary8p4 src N=3; bfloat16 -> nvfp4 round rne" in err
+
+
+def test_matches_cpu_compares_the_bytes_of_each_result():
+    """bench.matches_cpu, which checks a GPU row's result, on CPU tensors: an identical result
+    passes (NaNs too, which == would not), a flipped bit, another NaN payload or a corrupted
+    block scale is caught."""
+    from dataclasses import replace
+
+    from fewbit import bench, block
+
+    x = torch.randn(1000)
+    x[7] = float("nan")
+
+    def src(v):
+        return fewbit.round(v, "binary8p4", "src", bits=3, seed=1)
+
+    result = src(x)
+    assert bench.matches_cpu(src, x, result)
+    flipped = result.clone()
+    flipped.view(torch.int32)[3] ^= 1
+    assert not bench.matches_cpu(src, x, flipped)
+    payload = result.clone()
+    payload.view(torch.int32)[7] ^= 1  # a NaN still, with another payload
+    assert payload[7].isnan() and not bench.matches_cpu(src, x, payload)
+
+    def mxfp4(v):
+        return block.quantize(v, "mxfp4")
+
+    stored = mxfp4(x[:960].reshape(3, 320))
+    assert bench.matches_cpu(mxfp4, x[:960].reshape(3, 320), stored)
+    scales = stored.scales.clone()
+    scales[2, 9] ^= 1
+    assert not bench.matches_cpu(mxfp4, x[:960].reshape(3, 320), replace(stored, scales=scales))
+
+
+def test_matches_cpu_checks_a_prefix_but_all_of_nvfp4():
+    """The prefix of 2^16 elements (whole rows) keeps the check cheap at 2^27; NVFP4's
+    per-tensor scale depends on every element, so its results are compared whole."""
+    from dataclasses import replace
+
+    from fewbit import bench, block
+
+    x = torch.randn(2 * bench.CHECKED_NUMEL // 4096, 4096)
+    assert not block.format("mxfp4").tensor_scale and block.format("nvfp4").tensor_scale
+    for name in ("mxfp4", "nvfp4"):
+
+        def quantize(v, name=name):
+            return block.quantize(v, name)
+
+        stored = quantize(x)
+        codes = stored.codes.clone()
+        codes[-1, -1, -1] ^= 1  # in the last row, past the prefix
+        corrupted = replace(stored, codes=codes)
+        whole = block.format(name).tensor_scale
+        assert bench.matches_cpu(quantize, x, stored, whole=whole)
+        assert bench.matches_cpu(quantize, x, corrupted, whole=whole) == (name == "mxfp4")
+    tensor_scale = replace(stored, tensor_scale=stored.tensor_scale * 2)
+    assert not bench.matches_cpu(quantize, x, tensor_scale, whole=True)
+
+
 @pytest.mark.parametrize(("device", "count", "says"), [
     ("cuda:1", 1, "--device cuda:1: this machine has 1 CUDA device (cuda:0)"),
     ("cuda:2", 2, "--device cuda:2: this machine has 2 CUDA devices (cuda:0 to cuda:1)"),

@@ -360,12 +360,14 @@ def test_resume_on_the_gpu_gives_the_same_run(tmp_path, fast):
 
 def test_bench_gives_device_time_ratios():
     """On a GPU every ratio row of ``fewbit bench`` also has its ratio in device time
-    (bench.device_ratio: CUDA events around calls queued back to back)."""
+    (bench.device_ratio: CUDA events around calls queued back to back), and its result
+    checked against the CPU's (bench.matches_cpu)."""
     from fewbit import bench
 
     rows = bench.run(log2_size=16, device="cuda", repeat=2, quick=True, with_gfloat=False)
     ratios = [r for r in rows if "x_copy" in r]
     assert len(ratios) >= 12 and all(0 < r["device_x_copy"] < float("inf") for r in ratios)
+    assert all(r["matches_cpu"] for r in ratios)  # every timed call's result is the CPU's, bit for bit
     assert {"encode to uint8", "encode to uint8, unchecked", "quantize src"} <= {r["mode"] for r in ratios}
     assert "device" in bench.format_table(rows).splitlines()[0]
 

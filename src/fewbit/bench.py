@@ -23,7 +23,11 @@ Codes rows (encode, quantize) return new codes, a byte an element: ``x copy`` th
 compares a call that allocates a quarter of float32's bytes with ``copy_``.
 
 Each row goes to ``run``'s ``on_row`` as soon as it is measured (``fewbit bench`` prints
-it then).
+it then). On a GPU every timed row but ``copy_`` and the per-call rows has
+``matches_cpu`` (:func:`matches_cpu`): whether the result of the row's own call is bit
+for bit the CPU's for the same call on the same input, NaN payloads included, on the
+first 2^16 elements (all of them for NVFP4, whose per-tensor scale depends on every
+element). A fast kernel that writes wrong values would otherwise be timed as any other.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -44,6 +49,9 @@ from .config import configure
 from .formats import format
 from .rounding import dtype_format, natural_sr_bits
 from .rounding import round as fewbit_round
+
+if TYPE_CHECKING:
+    from .block import BlockTensor
 
 TARGETS = ["binary8p4", "ocp_e4m3", "ocp_e5m2", "ocp_e2m1", "bfloat16"]
 SR_MODES = ["srff", "srf", "src"]
@@ -198,6 +206,7 @@ def _run(log2_size: int, device: str, repeat: int, quick: bool, with_gfloat: boo
                         "x_clone": paired(functools.partial(call, x), clone, repeat, sync)[1]}
                 if on_gpu:
                     row["device_x_copy"] = device_ratio(call_out, copy, repeat)
+                    row["matches_cpu"] = matches_cpu(call, x, out)  # before the calls below write out
                 if mode != "rne":
                     width = bits or natural_sr_bits(dtype_format(dtype), format(fmt))
 
@@ -242,6 +251,7 @@ def _run(log2_size: int, device: str, repeat: int, quick: bool, with_gfloat: boo
                     "x_clone": paired(fn, clone, repeat, sync)[1]}  # fmt: skip
             if on_gpu:
                 row["device_x_copy"] = device_ratio(fn, copy, repeat)
+                row["matches_cpu"] = matches_cpu(call, source, fn())
             yield row
     if block:
         yield from block_rows(log2_size, device, repeat, sync, progress)
@@ -290,6 +300,8 @@ def block_rows(log2_size: int, device: str, repeat: int, sync: Callable[[], None
                         "x_clone": paired(functools.partial(call, x), x.clone, repeat, sync)[1]}
                 if torch.device(device).type == "cuda":
                     row["device_x_copy"] = device_ratio(functools.partial(call, x, into), copy, repeat)
+                    # into holds the last call's result: the timed calls end with this row's own
+                    row["matches_cpu"] = matches_cpu(call, x, into, whole=block.format(name).tensor_scale)
                 yield row
 
 
@@ -368,6 +380,29 @@ def _per_call(device: str, sync: Callable[[], None]) -> Iterator[dict]:
                "bits": 3 if mode == "src" else None, "us_per_call": t * 1e6}
 
 
+#: Elements of the input whose results a GPU row compares with the CPU's: a prefix, as
+#: cheap at 2^27 elements as at 2^16, where each element's result depends on it alone.
+CHECKED_NUMEL = 1 << 16
+
+
+def _raw_bytes(result: torch.Tensor | BlockTensor, rows: int) -> list[torch.Tensor]:
+    """The first ``rows`` of a result (a BlockTensor's codes and scales, and its tensor
+    scale) as bytes on the CPU: a NaN compares by its payload."""
+    parts = [result[:rows]] if isinstance(result, torch.Tensor) else [
+        result.codes[:rows], result.scales[:rows], result.tensor_scale]  # fmt: skip
+    return [p.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for p in parts if p is not None]
+
+
+def matches_cpu(call: Callable[[torch.Tensor], torch.Tensor | BlockTensor], x: torch.Tensor,
+                result: torch.Tensor | BlockTensor, whole: bool = False) -> bool:
+    """Whether ``result``, a device's ``call(x)``, is bit for bit what ``call`` gives on the
+    CPU: on the first ``CHECKED_NUMEL`` elements of x (whole rows of a 2-D x), or on all of
+    x where ``whole`` (a per-tensor scale, NVFP4's, depends on every element)."""
+    rows = len(x) if whole else max(1, CHECKED_NUMEL // max(1, x[0].numel()))
+    got, expected = _raw_bytes(result, rows), _raw_bytes(call(x[:rows].cpu()), rows)
+    return len(got) == len(expected) and all(map(torch.equal, got, expected))
+
+
 def label(row: dict) -> str:
     """A row's name, as the table and the progress line give it."""
     name = f"{row['input'].removeprefix('torch.')} -> {row['format']} {row['mode']}"
@@ -377,6 +412,8 @@ def label(row: dict) -> str:
 #: The table's label column: the longest label (a GPU's "bfloat16 -> binary8p4 encode to
 #: uint8, unchecked") fits.
 LABEL_WIDTH = 48
+#: The mark of a GPU row whose result is not the CPU's.
+DIFFERS = "DIFFERS FROM THE CPU"
 
 
 def table_header() -> str:
@@ -388,7 +425,7 @@ def table_header() -> str:
 
 
 def table_line(row: dict) -> str:
-    """A row of the table."""
+    """A row of the table, marked where a GPU's result differs from the CPU's."""
     name = f"{label(row):{LABEL_WIDTH}}"
     if "us_per_call" in row:
         return f"{name} {row['us_per_call']:>9.1f} us per call"
@@ -396,9 +433,10 @@ def table_line(row: dict) -> str:
     def col(key, width, fmt=".3f"):
         return f"{row[key]:>{width}{fmt}}" if key in row else " " * width
 
-    return (f"{name} {row['melem_per_s']:>9.1f} {row['gb_per_s']:>7.1f} {col('x_copy', 7)} "
+    line = (f"{name} {row['melem_per_s']:>9.1f} {row['gb_per_s']:>7.1f} {col('x_copy', 7)} "
             f"{col('x_clone', 8)} {col('eager_x_copy', 7)} {col('randint_fed_x_copy', 11)} "
             f"{col('x_gfloat', 9, '.0f')} {col('device_x_copy', 7)}")
+    return line + (f" {DIFFERS}" if row.get("matches_cpu") is False else "")
 
 
 def format_table(rows: list[dict]) -> str:

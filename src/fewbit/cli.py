@@ -262,6 +262,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(file=sys.stderr)
     if args.json or not printed:  # (no rows: the table's head alone)
         print(bench.to_json(rows) if args.json else bench.format_table(rows))
+    differing = [bench.label(r) for r in rows if r.get("matches_cpu") is False]
+    if differing:
+        print(f"fewbit bench: the results differ from the CPU's in {len(differing)} "
+              f"row{'s' * (len(differing) > 1)}: {'; '.join(differing)}", file=sys.stderr)
+        return 1
     return 0
 
 
