@@ -16,7 +16,12 @@ as ``fewbit train``). Times ``_write_back`` after warm-up (first-call compilatio
 
 Per row: host time per write-back (until the call returns; on a GPU nothing waits for
 the device), wall time per write-back (the device synchronised after the last: on a
-GPU the device's time where it is the slower), and the wall time over copy_'s.
+GPU the device's time where it is the slower), and ``x copy_``: copy_'s wall time over
+the row's, as ``fewbit bench``'s ``x copy`` (above 1: faster than copy_). The outputs in
+docs/gpu_runs up to 2026-11-28 give the inverse there, the row's time over copy_'s.
+
+The write-backs timed round weights already on binary8p4's grid: the first warm-up call
+rounded them there (from an update's worth off it), and nothing moves them between calls.
 
     python benchmarks/bench_write_back.py [--preset paper] [--device cuda] [--repeat 50]
 """
@@ -69,7 +74,7 @@ def main() -> None:
     named = [(n, t) for n, t in model.named_parameters() if t.dim() >= 2]
     opt = torch.optim.AdamW(model.parameters(), lr=p.lr)
     weights = LowPrecisionWeights(opt, "binary8p4", "src", bits=3, params=named, update_dtype=torch.bfloat16)
-    with torch.no_grad():  # an update's worth off the grid: every element has rounding to do
+    with torch.no_grad():  # an update's worth off the grid: the first write-back (a warm-up call) rounds all
         for _, t in named:
             t.add_(torch.randn_like(t) * 1e-3)
             t.grad = torch.zeros_like(t)  # a step's write-back rounds only the weights with a gradient
@@ -101,7 +106,7 @@ def main() -> None:
     print(f"{'path':30} {'host us':>9} {'wall us':>9} {'x copy_':>8}")
     copy_wall = rows[0][1][1]
     for name, (host, wall) in rows:
-        print(f"{name:30} {host * 1e6:9.1f} {wall * 1e6:9.1f} {wall / copy_wall:8.2f}")
+        print(f"{name:30} {host * 1e6:9.1f} {wall * 1e6:9.1f} {copy_wall / wall:8.3f}")
 
 
 if __name__ == "__main__":

@@ -558,6 +558,16 @@ def test_write_back_benchmark_runs_on_a_tiny_gpt(capsys, monkeypatch):
                      "store_codes: codes, decode back"]
 
 
+def test_write_back_benchmarks_ratio_reads_as_fewbit_benchs(capsys, monkeypatch):
+    """``x copy_`` is copy_'s time over the row's, as in ``fewbit bench``: bigger is faster."""
+    script = benchmark(monkeypatch, "bench_write_back", "--preset", "tiny", "--device", "cpu")
+    walls = iter([1e-6, 4e-6, 2e-6, 8e-6])  # copy_, then the three paths
+    monkeypatch.setattr(script, "timed", lambda *args: (1e-6, next(walls)))
+    script.main()
+    assert [line.split()[-1] for line in capsys.readouterr().out.splitlines()[2:]] == [
+        "1.000", "0.250", "0.500", "0.125"]
+
+
 @pytest.mark.parametrize("placement", [None, 0, 1])
 def test_sharded_write_back_benchmark_times_a_tiny_gpt(monkeypatch, placement):
     """What each rank runs, on one rank in this process (eager): whole tensors, and FSDP2's
