@@ -387,6 +387,28 @@ def test_a_whole_copy_takes_the_sources_scale_so_a_checkpoint_loads():
     assert x.static_scale == 0.25 and torch.equal(x.unscaled, torch.full((4,), 12.0, dtype=torch.float16))
 
 
+@pytest.mark.parametrize("ratio", [2.0**-20, 2.0**20])
+def test_a_tensor_copied_in_pieces_at_another_scale_arrives_whole(ratio):
+    """DCP loads a checkpoint into other shards piece by piece, each a copy_ into part of
+    the weight at the saved scale. A part kept the weight's scale, and float16 data there
+    overflowed (2^-20) or lost bits to subnormals (2^20). A part whose data cannot hold the
+    values takes their scale for the whole tensor and its views, the rest rescaled; one that
+    can (NaN included) keeps it, and the rest is untouched."""
+    torch.manual_seed(0)
+    saved = as_scaled(torch.randn(8, 4, dtype=torch.float16), 0.125)
+    model = as_scaled(torch.randn(8, 4, dtype=torch.float16), 0.125 * ratio)
+    rest = model[4:]  # a view: it shares the weight's scale
+    model[:4].copy_(saved[:4])
+    assert model.static_scale == 0.125  # the rest's values kept where they fit at that scale
+    assert torch.equal(model[:4].dequantize(torch.float32), saved[:4].dequantize(torch.float32))
+    assert rest.static_scale == 0.125
+    model[4:].copy_(saved[4:])
+    assert torch.equal(model.dequantize(torch.float32), saved.dequantize(torch.float32))
+    x = as_scaled(torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float16), 0.5)
+    x[:2].copy_(as_scaled(torch.tensor([float("nan"), 3.0], dtype=torch.float16), 1.0))
+    assert x.static_scale == 0.5 and x.dequantize().tolist()[1:] == [3.0, 1.5, 2.0]
+
+
 def test_fills_and_cumprod_keep_the_dtype_asked_for():
     x = as_scaled(torch.rand(4, dtype=torch.float16) + 1, 0.5)
     assert torch.equal(torch.full_like(x, 5, dtype=torch.int64), torch.full((4,), 5))
@@ -2134,7 +2156,12 @@ def _two_ranks(rank: int, rendezvous: str) -> None:
     ranks are spawned)."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -2192,8 +2219,22 @@ def _two_ranks(rank: int, rendezvous: str) -> None:
                     p.mul_(64.0)
             set_model_state_dict(initialised, checkpoint.state_dict(), options=options)
             assert torch.equal(initialised(x).dequantize(), checkpoint(x).dequantize())
+            # A sharded checkpoint (DCP) of float16 data, which the test loads in one process.
+            half = _half_linear()
+            fully_shard(half, mesh=mesh)
+            dcp.save({"model": get_model_state_dict(half)}, checkpoint_id=rendezvous + ".dcp")
+            dist.barrier()  # (without it, a rank's exit after DCP's save aborted one time in two)
     finally:
         dist.destroy_process_group()
+
+
+def _half_linear(scale: float = 1.0) -> nn.Module:
+    """A float16 scalify'd linear layer (seed 0), its weights times ``scale`` first."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 6, bias=False)
+    with torch.no_grad():
+        layer.weight.mul_(scale)
+    return scalify(layer, dtype=torch.float16)
 
 
 def test_collectives_take_the_roots_data_and_scale(tmp_path):
@@ -2201,15 +2242,31 @@ def test_collectives_take_the_roots_data_and_scale(tmp_path):
     (their schemas do not mark the tensors they write): DDP's first sync left each rank
     its own parameters, distribute_tensor gave zeros, and so did a full state dict loaded
     into an FSDP2 model. broadcast and scatter give every rank the root's data and scale,
-    bit for bit (a view's base takes them too); other collectives raise NoRuleError."""
+    bit for bit (a view's base takes them too); other collectives raise NoRuleError.
+    The ranks' sharded checkpoint loads in one process (DCP copies each rank's piece into
+    part of the weight) into a model at another scale: bit for bit, where float16 data at
+    the model's scale had overflowed (1959 values in 2048 inf or NaN)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
     rendezvous = str(tmp_path / "rendezvous")
     ranks = torch.multiprocessing.spawn(_two_ranks, args=(rendezvous,), nprocs=2, join=False)
     for _ in range(120):  # a rank that waits for a collective the other never starts fails here
         if ranks.join(timeout=1):
-            return
-    for process in ranks.processes:
-        process.kill()
-    pytest.fail("the ranks did not finish within 120 s")
+            break
+    else:
+        for process in ranks.processes:
+            process.kill()
+        pytest.fail("the ranks did not finish within 120 s")
+    want = _half_linear().weight.dequantize(torch.float32)
+    for scale in (2.0**-20, 2.0**20):
+        model = _half_linear(scale)
+        state = {"model": get_model_state_dict(model)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # DCP without a process group says so
+            dcp.load(state, checkpoint_id=rendezvous + ".dcp")
+        set_model_state_dict(model, state["model"])
+        assert torch.equal(model.weight.dequantize(torch.float32), want), scale
 
 
 _FSDP2_COMPILED = """

@@ -32,6 +32,7 @@ from .tensor import (
     check_dtype,
     coefficient,
     compute_dtype,
+    data_readable,
     holds_every_value,
     inplace,
     is_partial_view,
@@ -165,11 +166,39 @@ def _copy_(func, dest, src, non_blocking=False):
     the zero array takes a result's), so that weights at a larger scale load
     (``load_state_dict``) without overflowing 16-bit data at the model's scale; so does a
     part of a tensor whose rest is zeros (:func:`holds_every_value`). Another part keeps
-    the scale the rest has, and a plain source's values go into dest's data at dest's
-    scale, as in other in-place ops."""
-    scaled = isinstance(src, ScaledTensor) and isinstance(dest, ScaledTensor)
-    whole = scaled and holds_every_value(parts(dest)[0])
-    return assign(dest, _copy(aten.copy.default, dest, src, non_blocking), adopt=whole)
+    the scale the rest has where its data hold the source's values exactly there; where
+    they do not, the whole tensor takes the source's scale, the rest's data rescaled
+    (exact for a power-of-two ratio while they stay in their dtype's range). DCP loads a
+    checkpoint into other shards so: piece by piece, each at the saved tensor's scale, into
+    a model whose scale may not hold them (float16 data overflowed). A plain source's values
+    go into dest's data at dest's scale, as in other in-place ops."""
+    out = _copy(aten.copy.default, dest, src, non_blocking)
+    if not (isinstance(src, ScaledTensor) and isinstance(dest, ScaledTensor)):
+        return assign(dest, out)
+    if holds_every_value(parts(dest)[0]):
+        return assign(dest, out, adopt=True)
+    if _holds_exactly(dest, out):
+        return assign(dest, out)
+    d, s = parts(out)
+    views = dest._parts.views
+    rest = dest._data if views is None else views.base  # the data every view of dest shares
+    rest.copy_(times(rest, sdiv(parts(dest)[1], s)))
+    dest._data.copy_(d)
+    set_scale(dest, s)
+    return dest
+
+
+def _holds_exactly(dest: ScaledTensor, out: ScaledTensor) -> bool:
+    """Whether dest's data hold out's values exactly at dest's scale (as :func:`assign`
+    stores them; NaN as NaN). True where the data cannot be read (traced, fake) or a scale
+    is per channel or zero: dest then keeps its scale, as before."""
+    d, s = parts(out)
+    t = parts(dest)[1]
+    per_channel = any(isinstance(v, torch.Tensor) and v.dim() for v in (s, t))
+    if per_channel or is_static(t, 0.0) or not data_readable(d):
+        return True
+    back = times(times(d, sdiv(s, t)), sdiv(t, s))
+    return bool(((back == d) | (back.isnan() & d.isnan())).all())
 
 
 # --- factories ---------------------------------------------------------------------
@@ -914,6 +943,12 @@ def _item(func, x):
 def _same_size(func, a, b):
     """is_same_size: compares shapes."""
     return a.shape == b.shape
+
+
+@rule(aten.is_pinned)
+def _is_pinned(func, x, device=None):
+    """is_pinned (DCP asks it of every tensor it saves or loads): whether the data are."""
+    return func(parts(x)[0], device)
 
 
 # --- collectives: every rank takes the root's data and scale -----------------------------

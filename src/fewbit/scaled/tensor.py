@@ -1011,6 +1011,12 @@ def is_partial_view(d: torch.Tensor) -> bool:
     return d.storage_offset() != 0 or d.untyped_storage().nbytes() != d.numel() * d.element_size()
 
 
+def data_readable(d: torch.Tensor) -> bool:
+    """Whether a rule may branch on d's values: not while tracing, nor on the meta device
+    (where fake tensors' storage is too)."""
+    return d.untyped_storage().device.type != "meta" and not torch.compiler.is_compiling()
+
+
 def holds_every_value(d: torch.Tensor) -> bool:
     """Whether d's tensor is all there is of its values: d covers its storage, or the rest
     of the storage holds only zeros, which a new scale leaves as they are. FSDP2 keeps a
@@ -1020,7 +1026,7 @@ def holds_every_value(d: torch.Tensor) -> bool:
     and only where there are data: traced, or on the meta device (fake tensors' storage
     is there too), it keeps the rest's scale (a graph cannot branch on data)."""
     partial = is_partial_view(d)
-    if not partial or d.untyped_storage().device.type == "meta" or torch.compiler.is_compiling():
+    if not partial or not data_readable(d):
         return not partial
     storage = d.new_empty(0).set_(d.untyped_storage())
     return bool(storage.count_nonzero() == d.count_nonzero())
