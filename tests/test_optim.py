@@ -719,6 +719,34 @@ def test_bad_input():
         assert fresh.param_groups[0]["lr"] == 0.1
 
 
+def test_a_checkpoint_names_its_format_by_every_field_and_its_weights_dtypes(monkeypatch):
+    """The set-up check compared a format by name: a checkpoint of a hand-made "my8" (P=4)
+    resumed into another "my8" (P=3), and one of float32 weights into bfloat16 ones, each
+    with other bits. A hand-made format under a registered name is refused at construction,
+    as fewbit.round refuses it."""
+    import dataclasses
+
+    from fewbit.formats import FloatFormat
+    from fewbit.rounding import ops
+
+    ref = fewbit.format("binary8p4")
+    mine, theirs = (FloatFormat("my8", k=8, p=p, bias=ref.bias) for p in (4, 3))
+    written = LowPrecisionWeights(torch.optim.SGD(model().parameters(), lr=0.1), mine, "src").state_dict()
+    monkeypatch.setattr(ops, "_UNREGISTERED", {})  # a new process, where "my8" is P=3
+    other = LowPrecisionWeights(torch.optim.SGD(model().parameters(), lr=0.1), theirs, "src")
+    with pytest.raises(ValueError, match=r"checkpoint was written with fmt .*p=4.* \(here .*p=3"):
+        other.load_state_dict(written)
+    with pytest.raises(ValueError, match="two formats are named 'binary8p4'"):
+        LowPrecisionWeights(torch.optim.SGD(model().parameters(), lr=0.1),
+                            dataclasses.replace(ref, has_subnormals=False))  # fmt: skip
+    written = LowPrecisionWeights(torch.optim.SGD(model().parameters(), lr=0.1), FMT).state_dict()
+    half = LowPrecisionWeights(torch.optim.SGD(model().to(torch.bfloat16).parameters(), lr=0.1), FMT)
+    with pytest.raises(ValueError, match=r"written with dtypes \['torch.float32'.*\(here \['torch.bfloat16'"):
+        half.load_state_dict(written)
+    old = {**written, "config": {k: v for k, v in written["config"].items() if k != "dtypes"}}
+    LowPrecisionWeights(torch.optim.SGD(model().parameters(), lr=0.1), FMT).load_state_dict(old)
+
+
 def test_block_weights_without_the_block_axis_are_refused_and_numpy_scalars_are_python_ones(tmp_path):
     """A block format whose axis a selected weight lacks (a 0-d weight; axis 2 of a 2-d
     one) is refused before any weight changes, as fewbit.block.round refuses it (it was

@@ -27,6 +27,7 @@ from . import codec
 from .block import BlockFormat, BlockTensor, check_args, element_or_block, quantize, round_to
 from .block.formats import check_storable
 from .block.ops import check_block_axis, with_tensor_scale
+from .block.ops import format_name as block_format_name
 from .config import as_flag, configure, current
 from .formats import FloatFormat
 from .random import Key, as_key, fold_in
@@ -35,6 +36,7 @@ from .rounding import RoundMode, dtype_format
 from .rounding.checks import check_bits, check_holds, scalar_args
 from .rounding.foreach import round_foreach_
 from .rounding.modes import parse_mode
+from .rounding.ops import format_name
 from .sharding import (
     check_whole_blocks,
     global_amax,
@@ -214,6 +216,10 @@ class LowPrecisionWeights:
         self.optimizer = optimizer
         self.fmt = element_or_block(fmt)
         block = isinstance(self.fmt, BlockFormat)
+        #: The format as ops name it: a registered format's name, else its repr, every field
+        #: (a checkpoint of one made by hand resumes only into the same one). One made by
+        #: hand under a registered format's name, or another's, is refused here as ops refuse it.
+        self._fmt_name = (block_format_name if block else format_name)(self.fmt)
         self.mode = parse_mode(mode)
         sat, bits, fraction = scalar_args(sat, bits, fraction)  # Python scalars: a checkpoint loads plainly
         check_bits(bits)
@@ -616,10 +622,10 @@ class LowPrecisionWeights:
         # place among the optimizer's parameters, and its full shape).
         owned = {id(p): i for i, p in enumerate(self._owned())}
         selected = [(owned[id(p)], *p.shape) for p in self.params]
-        return {"fmt": self.fmt.name, "mode": self.mode.value, "bits": self.bits, "fraction": self.fraction,
+        return {"fmt": self._fmt_name, "mode": self.mode.value, "bits": self.bits, "fraction": self.fraction,
                 "sat": self.sat, "key": (self.key.k0, self.key.k1), "scale": self.scale,
                 "update_dtype": str(self.update_dtype), "policy": self.policy.value,
-                "params": selected}  # fmt: skip
+                "params": selected, "dtypes": [str(p.dtype) for p in self.params]}  # fmt: skip
 
     def state_dict(self, model: torch.nn.Module | None = None) -> dict:
         """The inner optimizer's state, the step count and the rounding set-up.
@@ -651,7 +657,8 @@ class LowPrecisionWeights:
             raise ValueError("not a LowPrecisionWeights.state_dict() (it has 'optimizer', 'steps' and "
                              "'config'): a torch optimizer's state goes to opt.optimizer.load_state_dict")
         mine = _plain(self._config())
-        saved = _plain({"params": mine["params"], **state["config"]})  # (older checkpoints: unchecked)
+        # (what older checkpoints lack goes unchecked)
+        saved = _plain({"params": mine["params"], "dtypes": mine["dtypes"], **state["config"]})
         differ = [f"{k} {saved.get(k)!r} (here {mine.get(k)!r})"
                   for k in {**saved, **mine} if saved.get(k) != mine.get(k)]  # fmt: skip
         if differ:
