@@ -446,6 +446,31 @@ def test_storage_holders_counts_the_tensors_on_a_storage():
     assert _storage_holders(w.detach().clone()) == 1
 
 
+def test_a_wrapper_saved_whole_frees_its_weights_again_after_loading():
+    """torch.save of the model and its wrapper together: torch.load's storages cannot be
+    resized, so store_codes kept every weight as floats from then on, warning at each step
+    that another tensor shared it. They now get storage of their own at the step, and are
+    freed, with the bits of the run that was not saved."""
+    import io
+
+    m = model()
+    lpw = LowPrecisionWeights(torch.optim.AdamW(m.parameters(), lr=0.01), FMT, "src", seed=5,
+                              store_codes=True)  # fmt: skip
+    train(m, lpw, 1)
+    saved = io.BytesIO()
+    torch.save((m, lpw), saved)
+    saved.seek(0)
+    m2, lpw2 = torch.load(saved, weights_only=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(m2, lpw2, 2, start=1)
+    assert [p.untyped_storage().nbytes() for p in lpw2.params] == [0, 0]
+    train(m, lpw, 2, start=1)
+    lpw.materialize(), lpw2.materialize()
+    for a, b in zip(m.parameters(), m2.parameters(), strict=True):
+        assert bits_equal(a.detach(), b.detach())
+
+
 @pytest.mark.parametrize(("fmt", "scale"), [(FMT, False), (FMT, True), ("mxfp4", False)])
 def test_a_weight_another_tensor_shares_stays_floats(fmt, scale):
     """A tensor taken from a weight before a step (.detach(), .data, a state_dict() entry,
@@ -478,8 +503,10 @@ def test_a_weight_another_tensor_shares_stays_floats(fmt, scale):
 
 def test_a_weight_whose_storage_cannot_be_resized_stays_floats_and_the_guard_leaves_it_resizable():
     """A numpy array made from a weight leaves its storage unresizable for good: freeing
-    it raised in step(). It stays floats, with the warning; and the replica guard's
-    hashes (guard=True, check_in_sync) read a copy, so they no longer do this."""
+    it raised in step(). While the array is held the weight stays floats, with the
+    warning; once it is gone the weight gets storage of its own at the next step, and is
+    freed. The replica guard's hashes (guard=True, check_in_sync) read a copy, so they no
+    longer do this."""
     from fewbit.replicas import _raw
 
     m = model()
@@ -487,12 +514,18 @@ def test_a_weight_whose_storage_cannot_be_resized_stays_floats_and_the_guard_lea
     _raw(w)
     assert w.untyped_storage().resizable()
     lpw = LowPrecisionWeights(torch.optim.SGD(m.parameters(), lr=0.1), FMT, "src", seed=1, store_codes=True)
-    w.detach().numpy()
+    array = w.detach().numpy()
     with pytest.warns(UserWarning, match=r"kept param 0 as floats this step: .* a numpy array of it"):
         train(m, lpw, 1)
     assert w.untyped_storage().nbytes() == 32 * 16 * 4 and m[2].weight.untyped_storage().nbytes() == 0
     lpw.materialize()
     assert torch.equal(fewbit.round(w.detach(), FMT), w.detach())
+    assert torch.equal(torch.from_numpy(array), w.detach())  # the array reads the weight's values
+    del array
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(m, lpw, 1, start=1)
+    assert w.untyped_storage().nbytes() == 0
 
 
 def test_scale_stays_within_the_weights_dtype_and_a_refused_write_back_unscales():

@@ -470,6 +470,8 @@ class LowPrecisionWeights:
         their names are returned)."""
         if not live:  # no selected weight has a gradient this step (torch's foreach ops refuse [])
             return []
+        if store:  # weights loaded since (torch.load of the wrapper, mmap): storage of their own
+            self._own_storage([self.params[i] for i in live])
         pieces = [local_tensor(p) for p in self.params]  # a DTensor's piece shares its storage
         # (A storage a numpy array was made from cannot be resized: it is held too.)
         shared = [i for i in live if store and (not pieces[i].untyped_storage().resizable() or (
