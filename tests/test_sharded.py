@@ -778,3 +778,13 @@ def test_dtensor_calls_compiled_and_with_a_dtensor_seed_or_a_plain_x(tmp_path):
     assert lines[1] == ("fewbit::round_into: x is a plain tensor and out a DTensor: give x as a DTensor laid "
                         "out alike, or plain tensors throughout")  # fmt: skip
     assert lines[2] == "a seed tensor that is a DTensor must be Replicate, not (Shard(dim=0),)"
+
+
+def test_reduce_exactly_refuses_a_model_nothing_shards():
+    """reduce_exactly sets FSDP2's reduction on each sharded module (the experiment's runs
+    above, sharded block by block, fail where it sets the root's alone); a model that
+    fully_shard has not touched has none to set, which would leave the guarantee silently."""
+    from fewbit.sharding import reduce_exactly
+
+    with pytest.raises(ValueError, match="no module of the model is sharded"):
+        reduce_exactly(torch.nn.Linear(2, 2), 4)

@@ -37,8 +37,9 @@ from .rounding.compiled import index_bits, range_bits, stream_words
 __all__ = [
     "PairwiseReduceScatter", "Runs", "ShardLayout", "check_cuts", "check_whole_blocks", "global_amax",
     "global_bits", "is_dtensor", "layout", "local_tensor", "map_piece", "pairwise_sum", "piece_key",
-    "piece_randomness", "placement_offsets", "quantize_range", "refuse_alike", "replica_count",
-    "replica_rank", "round_range", "sharded_by_mesh", "summed", "tensor_scales", "torch_offsets",
+    "piece_randomness", "placement_offsets", "quantize_range", "reduce_exactly", "refuse_alike",
+    "replica_count", "replica_rank", "round_range", "sharded_by_mesh", "summed", "tensor_scales",
+    "torch_offsets",
 ]  # fmt: skip
 
 
@@ -620,3 +621,21 @@ class PairwiseReduceScatter:
             total.div_(size)
         output_tensor.copy_(total.view_as(output_tensor))
         return None
+
+
+def reduce_exactly(model: torch.nn.Module, divide_by: float) -> None:
+    """FSDP2's gradient reduction for ``model``, the same on any number of ranks: on every
+    module ``fully_shard`` was applied to, :class:`PairwiseReduceScatter`, sums only, and
+    one division of the sum by ``divide_by`` (the micro-batches a step adds; exact for a
+    power of two). FSDP2's own setters reach only the module they are called on: a model
+    sharded block by block and then as a whole, given them at the root alone, averaged its
+    blocks' gradients by torch's collective, in another order on another number of ranks."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not sharded:
+        raise ValueError("reduce_exactly: no module of the model is sharded (fully_shard it first)")
+    for m in sharded:
+        m.set_custom_reduce_scatter(PairwiseReduceScatter())
+        m.set_force_sum_reduction_for_comms(True)
+        m.set_gradient_divide_factor(float(divide_by))

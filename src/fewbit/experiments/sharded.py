@@ -4,7 +4,8 @@ Every step trains on a global batch of ``micro_batches`` micro-batches (4 by def
 One process (no torch.distributed) computes each micro-batch's gradient by itself and
 adds them with ``fewbit.sharding.pairwise_sum``: ((g0 + g1) + (g2 + g3)) / 4. Under
 FSDP2 on W ranks (W = 2 or 4), rank r's backward pass p takes micro-batch ``p W + r``;
-``PairwiseReduceScatter`` adds the ranks' gradients in that same tree, and FSDP2 adds
+``PairwiseReduceScatter`` (``reduce_exactly``, on each block FSDP2 shards and the rest)
+adds the ranks' gradients in that same tree, and FSDP2 adds
 the (at most two) passes, so every rank ends the backward with its shard of the very
 same gradient (divisions by 4 are exact). AdamW is elementwise, and
 ``LowPrecisionWeights`` rounds each piece with the bits of its global indices: the full
@@ -35,13 +36,13 @@ from ..rounding.checks import check_round_args
 from ..rounding.compiled import stream_words
 from ..scaled import ScaledTensor, scalify
 from ..sharding import (
-    PairwiseReduceScatter,
     global_bits,
     is_dtensor,
     layout,
     local_tensor,
     pairwise_sum,
     placement_offsets,
+    reduce_exactly,
     torch_offsets,
 )  # fmt: skip
 from .gpt import GPT, GPTConfig
@@ -141,10 +142,13 @@ def build(cfg: ShardedRun, vocab: int, world_size: int | None):
         else:
             mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
         matrix_shard = Shard(cfg.placement)
-        fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: matrix_shard if p.dim() >= 2 else Shard(0))
-        model.set_custom_reduce_scatter(PairwiseReduceScatter())
-        model.set_force_sum_reduction_for_comms(True)  # sums, then one exact division
-        model.set_gradient_divide_factor(float(cfg.micro_batches))
+
+        def placement(p: torch.Tensor) -> Shard:
+            return matrix_shard if p.dim() >= 2 else Shard(0)
+
+        for module in (*model.blocks, model):  # block by block, as large models are, then the rest
+            fully_shard(module, mesh=mesh, shard_placement_fn=placement)
+        reduce_exactly(model, cfg.micro_batches)  # sums, then one exact division
     if cfg.params == "scalified":
         return model, torch.optim.SGD(model.parameters(), lr=TINY.lr, momentum=0.9)
     matrices = [p for p in model.parameters() if p.dim() >= 2]
