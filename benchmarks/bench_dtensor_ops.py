@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import fewbit
-from fewbit.cli import _int_in
+from fewbit.cli import int_in
 from fewbit.experiments.replicas import launch
 from ranks import importable  # (this folder: a script's own is on the path)
 
@@ -84,10 +84,10 @@ def time_ops(rank: int, world_size: int, case: Case) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nproc", type=_int_in(1), default=2)
+    ap.add_argument("--nproc", type=int_in(1), default=2)
     ap.add_argument("--rows", type=int, default=1024)
     ap.add_argument("--cols", type=int, default=1024)
-    ap.add_argument("--repeat", type=_int_in(1), default=20)
+    ap.add_argument("--repeat", type=int_in(1), default=20)
     ap.add_argument("--op", default="round", choices=sorted(OPS), help="block.round: to mxfp8_e4m3")
     args = ap.parse_args()
     me = importable(__file__)  # (the ranks import time_ops and Case by this module's name)

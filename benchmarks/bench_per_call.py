@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 import fewbit
-from fewbit.cli import _int_in
+from fewbit.cli import device_option, int_in
 
 
 def host_and_wall_us(call: Callable[[], object], sync: Callable[[], None], calls: int = 20000,
@@ -51,8 +51,8 @@ def best_us(call: Callable[[], object], sync: Callable[[], None], calls: int = 2
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--label", default="", help="printed before each row (a revision, say)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--calls", type=_int_in(1), default=20000,
+    parser.add_argument("--device", default="cpu", type=device_option)
+    parser.add_argument("--calls", type=int_in(1), default=20000,
                         help="calls a timed loop (fewer on a lease)")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -19,15 +19,15 @@ from gfloat.formats import format_info_p3109
 
 import fewbit
 from fewbit.bench import best_time
-from fewbit.cli import _int_in
+from fewbit.cli import int_in
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--log2-size", type=_int_in(0, 34), default=24)
-    parser.add_argument("--repeat", type=_int_in(1), default=5)
-    parser.add_argument("--gfloat-repeat", type=_int_in(1), default=1)
-    parser.add_argument("--threads", type=_int_in(1), default=torch.get_num_threads())
+    parser.add_argument("--log2-size", type=int_in(0, 34), default=24)
+    parser.add_argument("--repeat", type=int_in(1), default=5)
+    parser.add_argument("--gfloat-repeat", type=int_in(1), default=1)
+    parser.add_argument("--threads", type=int_in(1), default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from fewbit.cli import _int_in
+from fewbit.cli import int_in
 from fewbit.scaled import as_scaled, scalify
 
 PHASES = ("forward+backward", "AdamW step", "whole step")
@@ -75,8 +75,8 @@ def alternate(steps: dict[str, tuple[Callable, tuple]], repeat: int) -> dict[str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=_int_in(1), default=30)
-    parser.add_argument("--threads", type=_int_in(1), default=torch.get_num_threads())
+    parser.add_argument("--repeat", type=int_in(1), default=30)
+    parser.add_argument("--threads", type=int_in(1), default=torch.get_num_threads())
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--foreach", action="store_true", help="AdamW(foreach=True)")
     args = parser.parse_args()

@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from fewbit.cli import _int_in
+from fewbit.cli import device_option, int_in
 from fewbit.experiments.data import CharDataset
 from fewbit.experiments.train import SPEED_OPTIONS, config_from, time_steps
 
@@ -29,9 +29,9 @@ def sample_text(n: int = 200_000) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="cpu-small")
-    p.add_argument("--steps", type=_int_in(1), default=30)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=_int_in(1), help="torch threads (default: torch's)")
+    p.add_argument("--steps", type=int_in(1), default=30)
+    p.add_argument("--device", default="cpu", type=device_option)
+    p.add_argument("--threads", type=int_in(1), help="torch threads (default: torch's)")
     p.add_argument("--fast", action=argparse.BooleanOptionalAction,
                    help="bf16 autocast, compiled model, fused AdamW (default: the preset's)")  # fmt: skip
     args = p.parse_args()

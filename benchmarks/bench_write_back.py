@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from fewbit.cli import _int_in
+from fewbit.cli import device_option, int_in
 from fewbit.config import configure
 from fewbit.experiments.gpt import GPT, GPTConfig
 from fewbit.experiments.train import PRESETS
@@ -64,8 +64,8 @@ def timed(fn: Callable[[], None], device: torch.device, repeat: int, warmup: int
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="paper", choices=sorted(PRESETS))
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--repeat", type=_int_in(1), default=50)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", type=device_option)
+    ap.add_argument("--repeat", type=int_in(1), default=50)
     args = ap.parse_args()
     device = torch.device(args.device)
     p = PRESETS[args.preset]

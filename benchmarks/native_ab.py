@@ -33,7 +33,7 @@ import torch
 
 import fewbit
 from fewbit.block.ops import _spec, _tensor_scale
-from fewbit.cli import _int_in
+from fewbit.cli import int_in
 from fewbit.formats import format
 from fewbit.random import Key
 from fewbit.rounding import RoundMode, native
@@ -67,8 +67,8 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=8.0,
                         help="element calls round randn times this (8: fewbit bench's data)")
     parser.add_argument("--log2-size", type=int, default=24)
-    parser.add_argument("--threads", type=_int_in(1), default=2)
-    parser.add_argument("--pairs", type=_int_in(2), default=25,
+    parser.add_argument("--threads", type=int_in(1), default=2)
+    parser.add_argument("--pairs", type=int_in(2), default=25,
                         help="timed calls of each build (quartiles need 2 or more)")
     args = parser.parse_args()
     args.labels = labels(args.builds)

@@ -600,6 +600,10 @@ def test_per_call_benchmark_refuses_no_calls(capsys, monkeypatch):
     ("bench_dtensor_ops", ["--repeat", "0"], "--repeat: must be >= 1, got 0"),
     ("profile_step", ["--steps", "0"], "--steps: must be >= 1, got 0"),
     ("native_ab", ["HEAD", "--pairs", "1"], "--pairs: must be >= 2, got 1"),  # else StatisticsError
+    # A device this machine lacks: a traceback from torch.cuda before (no GPU runs the suite).
+    *((name, ["--device", "cuda:7"], "--device cuda:7: ")
+      for name in ("bench_per_call", "bench_write_back", "profile_step", "bench_train")),
+    ("bench_per_call", ["--device", "mps"], "--device mps: this runs on cpu or cuda"),
 ])  # fmt: skip
 def test_benchmarks_refuse_counts_they_cannot_time(capsys, monkeypatch, name, argv, says):
     script = benchmark(monkeypatch, name, *argv)

@@ -28,7 +28,7 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch
            "float16": torch.float16}
 
 
-def _int_in(lo: int, hi: int | None = None):
+def int_in(lo: int, hi: int | None = None):
     """An argparse type: an int in lo..hi (for options no library function checks)."""
 
     def parse(text: str) -> int:
@@ -40,6 +40,34 @@ def _int_in(lo: int, hi: int | None = None):
 
     parse.__name__ = "int"  # argparse's "invalid int value" for a non-number
     return parse
+
+
+def checked_device(text: str, command: str = "this") -> torch.device:
+    """The device ``text`` names, cpu or cuda (``cuda:1``, say), where this machine has it;
+    else a ValueError saying what is here."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:  # not a device name
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {text}: {command} runs on cpu or cuda (cuda:1, say)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {text}: no CUDA device here")
+    count = torch.cuda.device_count() if device.type == "cuda" else 0
+    if device.type == "cuda" and (device.index or 0) >= count:
+        raise ValueError(f"--device {text}: this machine has {count} CUDA device{'s' * (count != 1)} "
+                         f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
+    return device
+
+
+def device_option(text: str) -> str:
+    """An argparse type for a script's ``--device`` (:func:`checked_device`): a GPU script
+    run without a GPU ended in a traceback."""
+    try:
+        checked_device(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
 
 
 #: What argparse takes for a negative number, not an option: any float syntax (argparse's
@@ -210,18 +238,7 @@ def cmd_round(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:  # not a device name
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {args.device}: fewbit bench runs on cpu or cuda (cuda:1, say)")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: no CUDA device here")
-    count = torch.cuda.device_count() if device.type == "cuda" else 0
-    if device.type == "cuda" and (device.index or 0) >= count:  # (before memory_bytes asks it its size)
-        raise ValueError(f"--device {args.device}: this machine has {count} CUDA device{'s' * (count != 1)} "
-                         f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
+    device = checked_device(args.device, "fewbit bench")  # (before memory_bytes asks a GPU its size)
     if args.block and args.log2_size < bench.BLOCK_LOG2_ROW:  # one table, one size
         raise ValueError(f"--block times rows of {1 << bench.BLOCK_LOG2_ROW} elements: it needs --log2-size "
                          f"{bench.BLOCK_LOG2_ROW} or more, got {args.log2_size}")  # fmt: skip
@@ -648,7 +665,7 @@ def cmd_scaled_demo(args: argparse.Namespace) -> int:
 
 def _add_scaled_demo(sub) -> None:
     p = sub.add_parser("scaled-demo", help="ScaledTensor fp16/e4m3 vs fp32/fp16 training curves")
-    p.add_argument("--steps", type=_int_in(1), default=1000)
+    p.add_argument("--steps", type=int_in(1), default=1000)
     p.add_argument("--out", default="docs", help="folder for scaled_demo.png and scaled_demo.csv")
     _add_data_args(p)
     p.set_defaults(run=cmd_scaled_demo)
@@ -668,8 +685,8 @@ def cmd_ratchet(args: argparse.Namespace) -> int:
 
 def _add_ratchet(sub) -> None:
     p = sub.add_parser("ratchet", help="SRF's outward drift on a noisy quadratic (seconds, any CPU)")
-    p.add_argument("--seeds", type=_int_in(0, 2**64 - 1), nargs="+", default=[0, 1, 2])
-    p.add_argument("--iters", type=_int_in(1), default=5000, help="AdamW steps (the paper preset's 5000)")
+    p.add_argument("--seeds", type=int_in(0, 2**64 - 1), nargs="+", default=[0, 1, 2])
+    p.add_argument("--iters", type=int_in(1), default=5000, help="AdamW steps (the paper preset's 5000)")
     p.add_argument("--out", default="docs", help="folder for ratchet.png and its CSVs")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_ratchet)
@@ -698,9 +715,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_round)
 
     p = sub.add_parser("bench", help="rounding throughput against copy_, clone and gfloat")
-    p.add_argument("--log2-size", type=_int_in(0, 34), default=24, help="2^this elements (default 24)")
+    p.add_argument("--log2-size", type=int_in(0, 34), default=24, help="2^this elements (default 24)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (cuda:1: one of several GPUs)")
-    p.add_argument("--repeat", type=_int_in(1), default=9,
+    p.add_argument("--repeat", type=int_in(1), default=9,
                    help="timed runs and back-to-back pairs per row (default 9)")  # fmt: skip
     p.add_argument("--quick", action="store_true",
                    help="of the rounding rows, binary8p4 with RNE, SRC N=3 and sr only (each input dtype, "
@@ -721,7 +738,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every few-bit mode, N = 1..8, D = 1..12 and inf (with --block: every mode and rule)")
     p.add_argument("--figure", type=int, choices=[1, 2], help="draw the paper's Figure 1 or 2")
     p.add_argument("--out", help="folder for --figure's PNG (default docs)")
-    p.add_argument("--samples", type=_int_in(2),
+    p.add_argument("--samples", type=int_in(2),
                    help="samples per X for --figure (default: the paper's); with --block, Gaussian blocks "
                         "to sample (default: computed, not sampled)")
     p.add_argument("--block", help="a block format (mxfp4, nvfp4, hbfp8, ...): bias per mode and scale rule")
@@ -749,10 +766,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fast", action=argparse.BooleanOptionalAction,
                    help="bfloat16 autocast, compiled model, fused AdamW (default: on for the GPU "
                         "presets, paper and gpt2-medium)")
-    p.add_argument("--time-steps", type=_int_in(1), metavar="STEPS",
+    p.add_argument("--time-steps", type=int_in(1), metavar="STEPS",
                    help="no training: time STEPS steps (5 times, median) with the write-back and with "
                         "float32 weights, and print the write-back's share")  # fmt: skip
-    p.add_argument("--workers", type=_int_in(1), help="runs side by side, one thread each (default 2)")
+    p.add_argument("--workers", type=int_in(1), help="runs side by side, one thread each (default 2)")
     p.add_argument("--out", help="output directory (default runs/<sweep or mode>); one sweep at a time: "
                                  "while one runs there, another is refused, naming its pid")  # fmt: skip
     p.add_argument("--restart", action="store_true",
@@ -763,11 +780,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_train)
 
     p = sub.add_parser("replicas", help="data-parallel SR training, sync checked each step")
-    p.add_argument("--nproc", type=_int_in(1), default=2)
-    p.add_argument("--steps", type=_int_in(1), default=20)
+    p.add_argument("--nproc", type=int_in(1), default=2)
+    p.add_argument("--steps", type=int_in(1), default=20)
     p.add_argument("--policy", choices=["default", "differing-update"], default="default",
                    help="differing-update: the weight update keyed with the rank (wrong)")  # fmt: skip
-    p.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=0)
+    p.add_argument("--seed", type=int_in(0, 2**64 - 1), default=0)
     p.add_argument("--fsdp", action="store_true",
                    help="train the char GPT (tiny preset) sharded with FSDP2 and print, per step, the hash "
                         "of the full weights beside one process's")  # fmt: skip
