@@ -9,11 +9,13 @@
 # and name .data in the call's carry. The machine's python3 has torch, Triton, numpy,
 # pytest and matplotlib; fewbit runs from src/ (no install).
 #
-# What comes back: the device tool returns at most 8 files of $OUT, so every stage writes
-# into RESULTS (/tmp/gpu-results) and the whole of it is packed into $OUT/results.tgz after
-# each stage: what a stage cut short had written comes back too. Each command's output,
-# errors included, goes to its own file; one that fails is noted there and the stage goes
-# on to the next. Give the call a timeout_s at least STAGE_SECONDS + 30.
+# What comes back: the device tool returns at most 8 files of $OUT, 16 MiB each, so every
+# stage writes into RESULTS (/tmp/gpu-results), packed after each stage into
+# $OUT/results.tgz, the profiler's traces apart into $OUT/traces.tgz (the larger): what a
+# stage cut short had written comes back too. RESULTS is kept between calls on a warm
+# machine, so a later call's archive holds the earlier calls' files as well. Each
+# command's output, errors included, goes to its own file; one that fails is noted there
+# and the stage goes on to the next. Give the call a timeout_s at least STAGE_SECONDS + 30.
 #
 #   benchmarks/gpu_runbook.sh all               check, then time, each cut short to end the call
 #                                               by STAGE_SECONDS (default 560): one call a lease
@@ -49,10 +51,13 @@ log() {
   if ((status != 0)); then echo "failed ($status): $*" | tee -a "$file"; fi
 }
 
-# RESULTS packed into $OUT/results.tgz (written aside first: a call killed while packing
-# still returns the last whole archive).
+# RESULTS packed into $OUT/results.tgz and traces.tgz, each written aside and then renamed
+# (a call killed while packing still returns the last whole archive).
 pack() {
-  tar -czf /tmp/results.tgz -C "$results" . && mv -f /tmp/results.tgz "$out/results.tgz"
+  tar -czf "$out/results.part" -C "$results" --exclude=./traces . && mv -f "$out/results.part" "$out/results.tgz"
+  if [[ -d "$results/traces" ]]; then
+    tar -czf "$out/traces.part" -C "$results" traces && mv -f "$out/traces.part" "$out/traces.tgz"
+  fi
 }
 
 # Run a stage for at most its own limit and what is left of the call's STAGE_SECONDS, then
@@ -106,6 +111,8 @@ case "${1:-}" in
     # grep writes each line as it comes: a stage stopped mid-way keeps what was printed.
     python3 benchmarks/profile_step.py --preset "$preset" --device "$device" "${data[@]}" \
       --trace "$results/traces" 2>&1 | grep --line-buffered -v '^USDT' | tee "$results/profile_step.txt"
+    status="${PIPESTATUS[0]}"
+    if ((status != 0)); then echo "failed ($status): profile_step" | tee -a "$results/profile_step.txt"; fi
     gzip -f "$results"/traces/*.json  # (Perfetto opens them as they are)
     ;;
   sweep)

@@ -769,6 +769,7 @@ def test_a_checkpoint_names_its_format_by_every_field_and_its_weights_dtypes(mon
     other = LowPrecisionWeights(torch.optim.SGD(model().parameters(), lr=0.1), theirs, "src")
     with pytest.raises(ValueError, match=r"checkpoint was written with fmt .*p=4.* \(here .*p=3"):
         other.load_state_dict(written)
+    other.load_state_dict({**written, "config": {**written["config"], "fmt": "my8"}})  # older: by name alone
     with pytest.raises(ValueError, match="two formats are named 'binary8p4'"):
         LowPrecisionWeights(torch.optim.SGD(model().parameters(), lr=0.1),
                             dataclasses.replace(ref, has_subnormals=False))  # fmt: skip

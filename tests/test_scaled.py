@@ -372,7 +372,8 @@ def test_in_place_mul_by_a_scaled_factor_loses_no_16_bit_precision():
 def test_a_whole_copy_takes_the_sources_scale_so_a_checkpoint_loads():
     """load_state_dict copies each weight in place: weights at scale 2^16 into a fresh
     float16 model at about 2^-2 overflowed to inf when the copy kept the model's scale.
-    A part of a tensor, and a plain source, keep the destination's scale."""
+    A part of a tensor takes the larger of the two scales; a plain source keeps the
+    destination's."""
     torch.manual_seed(0)
     ckpt = {"weight": as_scaled(torch.randn(2, 4, dtype=torch.float16), 2.0**16),
             "bias": as_scaled(torch.randn(2, dtype=torch.float16), 2.0**16)}  # fmt: skip
@@ -382,31 +383,33 @@ def test_a_whole_copy_takes_the_sources_scale_so_a_checkpoint_loads():
         assert torch.equal(getattr(fresh, name).dequantize(torch.float32), t.dequantize(torch.float32)), name
     x = as_scaled(torch.ones(4, dtype=torch.float16), 0.25)
     x[:2].copy_(as_scaled(torch.full((2,), 0.5, dtype=torch.float16), 2.0))
-    assert x.static_scale == 0.25 and torch.equal(x.dequantize(), torch.tensor([1.0, 1.0, 0.25, 0.25]))
+    assert x.static_scale == 2.0 and torch.equal(x.dequantize(), torch.tensor([1.0, 1.0, 0.25, 0.25]))
+    x[:2].copy_(as_scaled(torch.full((2,), 4.0, dtype=torch.float16), 0.125))
+    assert x.static_scale == 2.0 and torch.equal(x.dequantize(), torch.tensor([0.5, 0.5, 0.25, 0.25]))
     x.copy_(torch.full((4,), 3.0))
-    assert x.static_scale == 0.25 and torch.equal(x.unscaled, torch.full((4,), 12.0, dtype=torch.float16))
+    assert x.static_scale == 2.0 and torch.equal(x.unscaled, torch.full((4,), 1.5, dtype=torch.float16))
 
 
-@pytest.mark.parametrize("ratio", [2.0**-20, 2.0**20])
-def test_a_tensor_copied_in_pieces_at_another_scale_arrives_whole(ratio):
-    """DCP loads a checkpoint into other shards piece by piece, each a copy_ into part of
-    the weight at the saved scale. A part kept the weight's scale, and float16 data there
-    overflowed (2^-20) or lost bits to subnormals (2^20). A part whose data cannot hold the
-    values takes their scale for the whole tensor and its views, the rest rescaled; one that
-    can (NaN included) keeps it, and the rest is untouched."""
+def test_a_part_copied_at_a_larger_scale_gives_it_to_the_whole_tensor():
+    """DCP loads a checkpoint saved on other ranks piece by piece, each a copy_ into part of
+    the weight at the saved scale: a part kept the weight's scale, and float16 data there
+    overflowed. A part at a larger scale gives it to the whole tensor and its views, the
+    rest's data divided by the ratio; one at a smaller scale, or a zero array (zeros at any
+    scale), keeps the tensor's, the rest untouched. The choice reads the scales alone, which
+    the ranks of a sharded tensor share."""
     torch.manual_seed(0)
-    saved = as_scaled(torch.randn(8, 4, dtype=torch.float16), 0.125)
-    model = as_scaled(torch.randn(8, 4, dtype=torch.float16), 0.125 * ratio)
-    rest = model[4:]  # a view: it shares the weight's scale
-    model[:4].copy_(saved[:4])
-    assert model.static_scale == 0.125  # the rest's values kept where they fit at that scale
-    assert torch.equal(model[:4].dequantize(torch.float32), saved[:4].dequantize(torch.float32))
-    assert rest.static_scale == 0.125
+    saved = as_scaled((torch.randn(8, 4) * 1000).to(torch.float16), 2.0**-1)
+    model = as_scaled(torch.linspace(1, 8, 32, dtype=torch.float16).reshape(8, 4), 2.0**-7)
+    rest, kept = model[4:], model[4:].dequantize(torch.float32)
+    model[:4].copy_(saved[:4])  # float16 data at the model's scale: 64 times larger, inf
+    assert model.static_scale == rest.static_scale == 2.0**-1
+    assert torch.equal(rest.dequantize(torch.float32), kept)  # divided by 64: still exact
     model[4:].copy_(saved[4:])
     assert torch.equal(model.dequantize(torch.float32), saved.dequantize(torch.float32))
-    x = as_scaled(torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float16), 0.5)
-    x[:2].copy_(as_scaled(torch.tensor([float("nan"), 3.0], dtype=torch.float16), 1.0))
-    assert x.static_scale == 0.5 and x.dequantize().tolist()[1:] == [3.0, 1.5, 2.0]
+    x = as_scaled(torch.full((6,), 1000.0, dtype=torch.float16), 1.0)
+    x[:1].copy_(as_scaled(torch.tensor([3.0], dtype=torch.float16), 2.0**-3))
+    x[1:3].copy_(torch.empty_like(x[1:3]))  # the zero array
+    assert x.static_scale == 1.0 and x.dequantize().tolist() == [0.375, 0, 0, 1000, 1000, 1000]
 
 
 def test_fills_and_cumprod_keep_the_dtype_asked_for():
@@ -997,16 +1000,19 @@ def test_rebalance_of_a_view_whose_rest_is_zeros():
 
 
 def test_a_view_whose_rest_is_zeros_under_fake_tensors():
-    """With fake tensors (tracing without torch.compile) there are no data to look at:
-    a copy_ into part of a tensor keeps the base's scale, as compiled code does (it
-    raised a data-dependent error)."""
+    """With fake tensors (tracing without torch.compile) there are no data to look at (it
+    raised a data-dependent error): a copy_ into part of a tensor goes by the scales alone,
+    here static ones (the larger, the source's, for the whole tensor), and a zero_ of a part
+    keeps the base's scale, as compiled code does."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         base = as_scaled(torch.zeros(6), 1.0)
         base[0:3].copy_(as_scaled(torch.ones(3), 4.0))
         base[3:].zero_()
-        assert base.static_scale == 1.0
+        assert base.static_scale == 4.0
+        base[0:3].copy_(as_scaled(torch.ones(3), 0.5))
+        assert base.static_scale == 4.0
 
 
 def test_rescaling_the_zero_array_gives_zeros():
@@ -2244,8 +2250,9 @@ def test_collectives_take_the_roots_data_and_scale(tmp_path):
     into an FSDP2 model. broadcast and scatter give every rank the root's data and scale,
     bit for bit (a view's base takes them too); other collectives raise NoRuleError.
     The ranks' sharded checkpoint loads in one process (DCP copies each rank's piece into
-    part of the weight) into a model at another scale: bit for bit, where float16 data at
-    the model's scale had overflowed (1959 values in 2048 inf or NaN)."""
+    part of the weight) bit for bit: into a model at a smaller scale, where float16 data at
+    the model's scale had overflowed (1959 values in 2048 inf or NaN), and into one at a
+    larger scale zeroed first."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -2261,6 +2268,8 @@ def test_collectives_take_the_roots_data_and_scale(tmp_path):
     want = _half_linear().weight.dequantize(torch.float32)
     for scale in (2.0**-20, 2.0**20):
         model = _half_linear(scale)
+        if scale > 1:  # a model at a larger scale than the checkpoint's: zeroed first, as documented
+            nn.init.zeros_(model.weight)
         state = {"model": get_model_state_dict(model)}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # DCP without a process group says so

@@ -540,6 +540,8 @@ def test_runs_of_two_fractions_get_two_folders():
     assert sweep.run_folder(Path(), a) != sweep.run_folder(Path(), b)
     assert sweep.run_folder(Path(), TrainConfig(mode="sr_fraction", fraction=0.5)).name == \
         "binary8p4-sr_fraction-n3-p0.5-s0"
+    # Six digits where they give p exactly: the folders of runs made before keep their names.
+    assert sweep.run_folder(Path(), TrainConfig(mode="sr_fraction", fraction=1.0)).name.endswith("-p1-s0")
 
 
 def test_a_claim_refuses_a_file_at_a_run_folder_and_a_cut_config(tmp_path):

@@ -216,10 +216,7 @@ class LowPrecisionWeights:
         self.optimizer = optimizer
         self.fmt = element_or_block(fmt)
         block = isinstance(self.fmt, BlockFormat)
-        #: The format as ops name it: a registered format's name, else its repr, every field
-        #: (a checkpoint of one made by hand resumes only into the same one). One made by
-        #: hand under a registered format's name, or another's, is refused here as ops refuse it.
-        self._fmt_name = (block_format_name if block else format_name)(self.fmt)
+        self._format_name()  # one made by hand under another format's name: refused, as ops refuse it
         self.mode = parse_mode(mode)
         sat, bits, fraction = scalar_args(sat, bits, fraction)  # Python scalars: a checkpoint loads plainly
         check_bits(bits)
@@ -618,15 +615,20 @@ class LowPrecisionWeights:
         return {"elements": n, "float_bytes": float_bytes, "code_bytes": code_bytes,
                 "saved_bytes": float_bytes - code_bytes}  # fmt: skip
 
+    def _format_name(self) -> str:
+        """The format as ops name it: a registered format's name, else its repr, every field
+        (a checkpoint of one made by hand resumes only into the same one)."""
+        return (block_format_name if isinstance(self.fmt, BlockFormat) else format_name)(self.fmt)
+
     def _config(self) -> dict:
         # The selection too: step t rounds parameter i with fold_in(key, t, i), so which
         # parameters, in which order, decides the bits as the seed does (each by its
         # place among the optimizer's parameters, and its full shape).
         owned = {id(p): i for i, p in enumerate(self._owned())}
         selected = [(owned[id(p)], *p.shape) for p in self.params]
-        return {"fmt": self._fmt_name, "mode": self.mode.value, "bits": self.bits, "fraction": self.fraction,
-                "sat": self.sat, "key": (self.key.k0, self.key.k1), "scale": self.scale,
-                "update_dtype": str(self.update_dtype), "policy": self.policy.value,
+        return {"fmt": self._format_name(), "mode": self.mode.value, "bits": self.bits,
+                "fraction": self.fraction, "sat": self.sat, "key": (self.key.k0, self.key.k1),
+                "scale": self.scale, "update_dtype": str(self.update_dtype), "policy": self.policy.value,
                 "params": selected, "dtypes": [str(p.dtype) for p in self.params]}  # fmt: skip
 
     def state_dict(self, model: torch.nn.Module | None = None) -> dict:
@@ -659,8 +661,11 @@ class LowPrecisionWeights:
             raise ValueError("not a LowPrecisionWeights.state_dict() (it has 'optimizer', 'steps' and "
                              "'config'): a torch optimizer's state goes to opt.optimizer.load_state_dict")
         mine = _plain(self._config())
-        # (what older checkpoints lack goes unchecked)
+        # What older checkpoints lack goes unchecked, and so does a format made by hand that
+        # they named by its name alone.
         saved = _plain({"params": mine["params"], "dtypes": mine["dtypes"], **state["config"]})
+        if saved["fmt"] == self.fmt.name:
+            saved["fmt"] = mine["fmt"]
         differ = [f"{k} {saved.get(k)!r} (here {mine.get(k)!r})"
                   for k in {**saved, **mine} if saved.get(k) != mine.get(k)]  # fmt: skip
         if differ:

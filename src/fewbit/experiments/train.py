@@ -212,7 +212,10 @@ def rounding_label(fmt: str, mode: str, bits: int | None, fraction: float | None
     """``binary8p4 SRF N=3``: a rounding's name in tables and plots; updates in another
     dtype than the paper's bfloat16 are named (``... fp32 updates``)."""
     m = parse_mode(mode)
-    extra = f" p={fraction!r}" if m.takes_fraction else ""  # all its digits: a run's folder is named by it
+    extra = ""
+    if m.takes_fraction:  # all p's digits where 6 do not give it: a run's folder is named by it
+        short = f"{fraction:g}"
+        extra = f" p={short if float(short) == fraction else repr(fraction)}"
     n = f" N={bits}" if m.takes_bits else ""
     updates = "" if update_dtype == "bf16" else f" {update_dtype} updates"
     return f"{fmt} {mode.upper()}{n}{extra}{updates}"

@@ -165,42 +165,41 @@ def _copy_(func, dest, src, non_blocking=False):
     """copy_: a whole ScaledTensor takes a ScaledTensor source's scale with its values (as
     the zero array takes a result's), so that weights at a larger scale load
     (``load_state_dict``) without overflowing 16-bit data at the model's scale; so does a
-    part of a tensor whose rest is zeros (:func:`holds_every_value`). Another part keeps
-    the scale the rest has where its data hold the source's values exactly there; where
-    they do not, the whole tensor takes the source's scale, the rest's data rescaled
-    (exact for a power-of-two ratio while they stay in their dtype's range). DCP loads a
-    checkpoint into other shards so: piece by piece, each at the saved tensor's scale, into
-    a model whose scale may not hold them (float16 data overflowed). A plain source's values
-    go into dest's data at dest's scale, as in other in-place ops."""
+    part of a tensor whose rest is zeros (:func:`holds_every_value`). Another part takes the
+    larger of the two scales, for the whole tensor and its views (the rest's data divided
+    by a power of two where the scales are powers of two: they never overflow, and lose
+    bits only to subnormals), so that a part never overflows either: DCP loads a checkpoint
+    saved on other ranks so, piece by piece at the saved tensor's scale, and float16 data at
+    a smaller scale had overflowed. The choice depends on the scales alone, which every rank
+    of a sharded tensor shares: the ranks keep one scale. A plain source's values go into
+    dest's data at dest's scale, as in other in-place ops."""
     out = _copy(aten.copy.default, dest, src, non_blocking)
     if not (isinstance(src, ScaledTensor) and isinstance(dest, ScaledTensor)):
         return assign(dest, out)
     if holds_every_value(parts(dest)[0]):
         return assign(dest, out, adopt=True)
-    if _holds_exactly(dest, out):
+    if not _takes_the_larger_scale(dest, out):
         return assign(dest, out)
     d, s = parts(out)
-    views = dest._parts.views
-    rest = dest._data if views is None else views.base  # the data every view of dest shares
-    rest.copy_(times(rest, sdiv(parts(dest)[1], s)))
+    base = dest._parts.views.base  # the data every view of dest shares
+    base.copy_(times(base, sdiv(parts(dest)[1], s)))
     dest._data.copy_(d)
     set_scale(dest, s)
     return dest
 
 
-def _holds_exactly(dest: ScaledTensor, out: ScaledTensor) -> bool:
-    """Whether dest's data hold out's values exactly at dest's scale (as :func:`assign`
-    stores them; NaN as NaN). True where the data cannot be read (traced, fake) or a scale
-    is per channel or zero: dest then keeps its scale, as before."""
-    d, s = parts(out)
-    t = parts(dest)[1]
-    if s is t or (is_static(s) and is_static(t) and s == t):  # (the usual case: nothing to compute)
-        return True
-    per_channel = any(isinstance(v, torch.Tensor) and v.dim() for v in (s, t))
-    if per_channel or is_static(t, 0.0) or not data_readable(d):
-        return True
-    back = times(times(d, sdiv(s, t)), sdiv(t, s))
-    return bool(((back == d) | (back.isnan() & d.isnan())).all())
+def _takes_the_larger_scale(dest: ScaledTensor, out: ScaledTensor) -> bool:
+    """Whether out's scale, larger than dest's, becomes the whole tensor's in a part's
+    copy_. Not where a scale is per channel, out's is zero (the zero array: zeros, at any
+    scale), dest has no record of the views sharing its data (torch.load's, which may share
+    them with another), or a tensor scale cannot be read (traced: a graph cannot branch on
+    it): dest keeps its scale there, as in other in-place ops."""
+    s, t = parts(out)[1], parts(dest)[1]
+    if s is t or dest._parts.views is None or any(isinstance(v, torch.Tensor) and v.dim() for v in (s, t)):
+        return False
+    if not (is_static(s) and is_static(t) or data_readable(dest._data)):
+        return False
+    return float(s) > float(t)  # (a tensor scale: read once, for the whole copy)
 
 
 # --- factories ---------------------------------------------------------------------
