@@ -781,6 +781,40 @@ def test_a_checkpoint_names_its_format_by_every_field_and_its_weights_dtypes(mon
     LowPrecisionWeights(torch.optim.SGD(model().parameters(), lr=0.1), FMT).load_state_dict(old)
 
 
+def test_a_closure_computes_with_grad_and_cast_or_scaled_weights_are_refused():
+    """From the training-loop hunt. step() ran the inner optimizer under no_grad, so an
+    optimizer that calls its closure itself (torch's set grad mode first) got no gradient.
+    Weights cast after wrapping (model.half()) were rounded through the old dtype, a finite
+    weight to inf with lr 0; now the step refuses them before writing. A scalify'd model's
+    ScaledTensor weights failed deep inside the rounding; now construction names them."""
+    from fewbit.scaled import scalify
+
+    class CallsItsClosure(torch.optim.SGD):
+        def step(self, closure=None):
+            loss = closure()
+            super().step()
+            return loss
+
+    m = model()
+    lpw = LowPrecisionWeights(CallsItsClosure(m.parameters(), lr=0.1), FMT, "rne")
+
+    def closure():
+        lpw.zero_grad()
+        loss = loss_of(m, 0)
+        loss.backward()
+        return loss
+
+    want = loss_of(m, 0).detach()  # at the weights rounded at construction, as the closure sees them
+    assert torch.equal(lpw.step(closure).detach(), want) and lpw.steps == 1
+    m.half()
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(RuntimeError, match=r"were torch.float32 on cpu .* are torch.float16 on cpu now"):
+        lpw.step()
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, m.parameters(), strict=True))
+    with pytest.raises(TypeError, match="param 0 is a ScaledTensor: .* fewbit.scaled.cast"):
+        LowPrecisionWeights(torch.optim.SGD(scalify(model()).parameters(), lr=0.1), FMT)
+
+
 def test_block_weights_without_the_block_axis_are_refused_and_numpy_scalars_are_python_ones(tmp_path):
     """A block format whose axis a selected weight lacks (a 0-d weight; axis 2 of a 2-d
     one) is refused before any weight changes, as fewbit.block.round refuses it (it was

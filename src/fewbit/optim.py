@@ -30,6 +30,7 @@ from .block.ops import check_block_axis, with_tensor_scale
 from .block.ops import format_name as block_format_name
 from .config import as_flag, configure, current
 from .formats import FloatFormat
+from .operators import is_plain
 from .random import Key, as_key, fold_in
 from .replicas import SeedPolicy, assert_identical_inputs, replica_key, world
 from .rounding import RoundMode, dtype_format
@@ -244,6 +245,8 @@ class LowPrecisionWeights:
                              "or drop guard")  # fmt: skip
         #: The dtype ``w + u`` is rounded from.
         self.via = update_dtype or self.params[0].dtype
+        #: The selected weights' dtype and device (one of each: ``_check``).
+        self._selected_as = (self.params[0].dtype, self.params[0].device)
         self.spec = check_args(self.via, self.fmt, self.mode, sat, self.bits, fraction)
         if block and scale:
             raise ValueError(f"scale=True is for element formats: {self.fmt.name} scales each block itself")
@@ -301,6 +304,10 @@ class LowPrecisionWeights:
         dtype without every value of the format, or a mix of dtypes or devices (among
         them and the parameters already selected)."""
         for name, p in zip(names, params, strict=True):
+            if not is_plain(local_tensor(p)):  # (a ScaledTensor's ops refused the rounding's, deep inside)
+                raise TypeError(f"LowPrecisionWeights rounds plain weights (or DTensors of them); {name} "
+                                f"is a {type(local_tensor(p)).__name__}: a scalify'd model's weights round "
+                                "by fewbit.scaled.cast")  # fmt: skip
             if isinstance(self.fmt, BlockFormat):
                 check_block_axis(p, self.fmt.axis, name)
             # A block's scale needs all its elements: a piece must hold whole blocks.
@@ -398,9 +405,11 @@ class LowPrecisionWeights:
         self.materialize()
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    @torch.no_grad()
     def step(self, closure=None):
-        """The inner step (``w + u``), then every selected weight rounded to ``fmt``."""
+        """The inner step (``w + u``), then every selected weight rounded to ``fmt``. (Not
+        under no_grad: a closure computes a loss, and torch's optimizers set grad mode
+        themselves; the rounding has its own no_grad.)"""
+        self._check_unchanged()
         self.materialize()
         if self.guard:
             assert_identical_inputs(
@@ -416,6 +425,17 @@ class LowPrecisionWeights:
                           "crash a read of that tensor; drop that tensor or clone it",
                           stacklevel=3)  # fmt: skip
         return loss
+
+    def _check_unchanged(self) -> None:
+        """Refuse a step on weights cast or moved since they were selected (``model.half()``
+        after wrapping): the rounding would go through the dtype chosen for the old ones
+        (inf where float16 cannot hold a format's value), and nothing would say so."""
+        now = {(p.dtype, p.device) for p in self.params}
+        if now != {self._selected_as}:
+            was, are = (" and ".join(sorted(f"{d} on {where}" for d, where in kinds))
+                        for kinds in ({self._selected_as}, now))  # fmt: skip
+            raise RuntimeError(f"the selected weights were {was} when LowPrecisionWeights was built, and are "
+                               f"{are} now: build it after the model's .to()/.half()")  # fmt: skip
 
     # A user's torch.compile of step() compiles the inner optimizer's update; the write-back
     # stays fewbit's own call (its compiled kernel, as eager), not traced into their graph.
