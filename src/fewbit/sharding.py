@@ -635,6 +635,10 @@ def reduce_exactly(model: torch.nn.Module, divide_by: float) -> None:
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not sharded:
         raise ValueError("reduce_exactly: no module of the model is sharded (fully_shard it first)")
+    setters = ("set_custom_reduce_scatter", "set_force_sum_reduction_for_comms", "set_gradient_divide_factor")
+    if missing := [name for name in setters if not hasattr(FSDPModule, name)]:  # (before any is set)
+        raise RuntimeError(f"reduce_exactly needs FSDP2's {', '.join(missing)}, which torch "
+                           f"{torch.__version__} lacks")  # fmt: skip
     for m in sharded:
         m.set_custom_reduce_scatter(PairwiseReduceScatter())
         m.set_force_sum_reduction_for_comms(True)
