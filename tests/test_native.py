@@ -479,6 +479,40 @@ def test_a_build_is_readable_by_every_user_of_a_shared_cache(stubs, monkeypatch,
     assert target.stat().st_mode & 0o444 == 0o444
 
 
+_FORK_DURING_THE_BUILD = """
+import os, subprocess, sys
+from fewbit import configure
+from fewbit.rounding import native
+
+native._compiler = lambda: sys.argv[1]
+compile = subprocess.run
+
+
+def forked_then_compiled(*args, **kwargs):
+    if os.fork() == 0:
+        sys.exit(0)  # the child leaves as a program does: its clean-ups at exit run
+    os.wait()
+    return compile(*args, **kwargs)
+
+
+subprocess.run = forked_then_compiled
+with configure(native_cache=sys.argv[2]):
+    print(native._load() is not None)
+"""
+
+
+def test_a_child_forked_during_a_build_leaves_the_build_alone(stubs, monkeypatch, tmp_path):
+    """A child forked (from another thread) while the kernel builds, and leaving normally,
+    removed the build's folder (a TemporaryDirectory's clean-up at exit runs in the child
+    too): the build then failed, and the kernel stayed off in the parent (the threads hunt)."""
+    compiler = fake_compiler(monkeypatch, tmp_path, stubs["fewbit"])
+    cache = tmp_path / "cache"
+    done = subprocess.run([sys.executable, "-c", _FORK_DURING_THE_BUILD, compiler, str(cache)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.split() == ["True"], done.stderr
+    assert [p.name for p in cache.iterdir()] == [native._file_name(compiler)]  # nothing left behind
+
+
 def test_a_killed_builds_folder_goes_at_the_next_load(stubs, monkeypatch, tmp_path):
     """A build killed part way leaves its folder (and what the compiler wrote) behind:
     an hour on, the next process that loads from the cache removes it; one in progress

@@ -392,8 +392,11 @@ def _build(compiler: str, target: Path) -> ctypes.CDLL:
     # build that does not load stays out of the cache. Loaded there, since dlopen hands
     # back a library already loaded under the same name (the one this build replaces).
     # The compiler creates the file, so its mode is a new library's: whoever the umask
-    # lets read it (other users of a shared cache) can load it.
-    with tempfile.TemporaryDirectory(prefix=_BUILDING, dir=target.parent) as folder:
+    # lets read it (other users of a shared cache) can load it. The folder is removed by
+    # the process that made it alone: a TemporaryDirectory's clean-up at exit also ran in a
+    # child forked from another thread during the build, and took the folder from under it.
+    folder, builder = tempfile.mkdtemp(prefix=_BUILDING, dir=target.parent), os.getpid()
+    try:
         partial = Path(folder, target.name)
         subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE)], capture_output=True, text=True,
                        check=True)  # fmt: skip
@@ -401,6 +404,9 @@ def _build(compiler: str, target: Path) -> ctypes.CDLL:
             raise OSError(f"{compiler} exited with success and wrote nothing")
         library = _open(partial)
         os.replace(partial, target)
+    finally:
+        if os.getpid() == builder:
+            shutil.rmtree(folder, ignore_errors=True)
     _prune(target.parent)
     return library
 
