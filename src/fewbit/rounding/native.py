@@ -339,7 +339,7 @@ def _load() -> ctypes.CDLL | None:
     with _lock:
         if _library is None and folder not in _failed:
             try:
-                _library = _cached_or_built()
+                _library = _cached_or_built(folder)  # (the folder read once: a failure is its own)
             except (OSError, subprocess.CalledProcessError) as err:
                 _failed.add(folder)
                 what = "loaded" if isinstance(err, _LoadFailed) else "built"
@@ -353,12 +353,12 @@ class _LoadFailed(OSError):
     """A library that did not load: dlopen refused it, it is cut short, or it lacks fewbit's functions."""
 
 
-def _cached_or_built() -> ctypes.CDLL:
+def _cached_or_built(folder: str) -> ctypes.CDLL:
     """The kernel from the cache, built into it unless it is there already. One there that
     does not load (cut short by a full disk or a killed copy, or not fewbit's) is built
     again once, in its place: left there, it would fail every process that shares the cache."""
     # Absolute: dlopen looks a name without a slash up on the library path, not here.
-    cache = Path(current().native_cache).resolve()
+    cache = Path(folder).resolve()
     _remove_killed_builds(cache)
     try:
         compiler = _compiler()
