@@ -815,6 +815,34 @@ def test_a_closure_computes_with_grad_and_cast_or_scaled_weights_are_refused():
         LowPrecisionWeights(torch.optim.SGD(scalify(model()).parameters(), lr=0.1), FMT)
 
 
+def test_the_inner_optimizer_stepped_alone_says_the_weights_were_not_rounded():
+    """GradScaler given opt.optimizer (as schedulers take it) steps the inner optimizer
+    alone: the weights left the format without a word (the training-loop hunt). It now warns,
+    copies of the wrapper too; the wrapper's own steps, GradScaler given the wrapper, and the
+    step torch takes to fill a fresh state for a checkpoint do not."""
+    import copy
+
+    m = model()
+    lpw = LowPrecisionWeights(torch.optim.AdamW(m.parameters(), lr=0.01), FMT, "src", seed=1)
+    scaler = torch.amp.GradScaler("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lpw.state_dict(m)  # torch fills the state by an inner step at learning rate 0
+        for t in range(2):
+            lpw.zero_grad()
+            scaler.scale(loss_of(m, t)).backward()
+            scaler.unscale_(lpw)
+            scaler.step(lpw)
+            scaler.update()
+    assert lpw.steps == 2
+    for wrapper, net in ((lpw, m), copy.deepcopy((lpw, m))):
+        wrapper.zero_grad()
+        scaler.scale(loss_of(net, 2)).backward()
+        with pytest.warns(RuntimeWarning, match="wraps stepped alone .* not rounded to binary8p4"):
+            scaler.step(wrapper.optimizer)
+        scaler.update()
+
+
 def test_block_weights_without_the_block_axis_are_refused_and_numpy_scalars_are_python_ones(tmp_path):
     """A block format whose axis a selected weight lacks (a 0-d weight; axis 2 of a 2-d
     one) is refused before any weight changes, as fewbit.block.round refuses it (it was

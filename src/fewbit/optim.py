@@ -14,6 +14,7 @@ the full weights do not depend on the number of ranks or the placement.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import warnings
@@ -264,6 +265,31 @@ class LowPrecisionWeights:
         # Algorithm 1 starts from rounded initial weights; kept as floats, since a model is
         # often loaded from a checkpoint or run forward before the first step.
         self._write_back(initial=True)
+        #: Whether the inner optimizer steps from here (``step``; torch's state-filling step
+        #: in ``state_dict``): one that does not skipped the rounding (``_stepped_alone``).
+        self._stepping = False
+        optimizer.register_step_post_hook(self._stepped_alone)  # (last: a refused wrapper leaves none)
+
+    def __setstate__(self, state: dict) -> None:
+        # (copy.deepcopy, pickle: torch's Optimizer drops its hooks on the way)
+        self.__dict__.update(state)
+        self.optimizer.register_step_post_hook(self._stepped_alone)
+
+    @contextlib.contextmanager
+    def _inner_step(self):
+        """Mark the inner optimizer's steps in this block as this wrapper's own."""
+        self._stepping = True
+        try:
+            yield
+        finally:
+            self._stepping = False
+
+    def _stepped_alone(self, optimizer, args, kwargs) -> None:
+        # GradScaler given opt.optimizer steps it alone: the weights leave the format silently.
+        if not self._stepping:
+            warnings.warn(f"the optimizer LowPrecisionWeights wraps stepped alone (GradScaler's "
+                          f"scaler.step(opt.optimizer), say): the weights were not rounded to "
+                          f"{self.fmt.name}; step the wrapper", RuntimeWarning, stacklevel=3)  # fmt: skip
 
     def _owned(self) -> list[torch.Tensor]:
         """The optimizer's parameters, in its order."""
@@ -416,7 +442,8 @@ class LowPrecisionWeights:
                 [(f"{name}{part}", t) for name, p in zip(self.names, self.params, strict=True)
                  for part, t in (("", p), (".grad", p.grad)) if t is not None]
             )  # fmt: skip
-        loss = self.optimizer.step(closure)
+        with self._inner_step():
+            loss = self.optimizer.step(closure)
         self.steps += 1
         if kept := self._write_back(initial=False):
             warnings.warn(f"store_codes kept {', '.join(kept)} as floats this step: another tensor shares "
@@ -669,7 +696,8 @@ class LowPrecisionWeights:
 
             self.materialize()  # torch may take an inner step, which reads the weights
             fresh = not self.optimizer.state
-            inner = get_optimizer_state_dict(model, self.optimizer)
+            with self._inner_step():  # (torch fills a fresh state by a step at learning rate 0)
+                inner = get_optimizer_state_dict(model, self.optimizer)
             if fresh:  # the checkpoint keeps the state torch made; the optimizer drops it
                 self.optimizer.state.clear()
         return {"optimizer": inner, "steps": self.steps, "config": self._config()}
@@ -696,7 +724,8 @@ class LowPrecisionWeights:
         else:
             from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-            set_optimizer_state_dict(model, self.optimizer, state["optimizer"])
+            with self._inner_step():
+                set_optimizer_state_dict(model, self.optimizer, state["optimizer"])
         self.steps = steps
 
 
