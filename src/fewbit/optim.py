@@ -237,7 +237,6 @@ class LowPrecisionWeights:
         if not self.params:
             raise ValueError("no parameters selected: pass params=")
         self._check(self.names, self.params)
-        self._own_storage(self.params)
         #: Where each rank's piece of each parameter lies in the full tensor.
         self._layouts = [layout(p) for p in self.params]
         if guard and world()[1] > 1 and all(is_dtensor(p) and replica_count(p) == 1 for p in self.params):
@@ -376,12 +375,11 @@ class LowPrecisionWeights:
                                  "than it (a flat buffer, or another weight): give it storage of its own, "
                                  "or pass store_codes=False")  # fmt: skip
 
-    def _own_storage(self, params: list[torch.Tensor]) -> None:
+    @staticmethod
+    def _own_storage(params: list[torch.Tensor]) -> None:
         """store_codes frees a weight's storage by resizing it: a weight whose storage cannot
-        be resized (``torch.load``'s, mmap'd) and that nothing else holds is given a copy
-        of its own, which can (else it would stay floats at every step)."""
-        if not self.store_codes:
-            return
+        be resized (``torch.load``'s, mmap'd, a wrapper's loaded with it) and that nothing
+        else holds is given a copy of its own, which can (else it would stay floats)."""
         for p in params:
             if not is_dtensor(p) and p.numel() and not p.untyped_storage().resizable() and (
                     _storage_holders(p) == 1):
@@ -402,7 +400,6 @@ class LowPrecisionWeights:
         names, chosen = self._select(params, owned=added, start=len(self._owned()))
         self._check(names, chosen)
         self.optimizer.add_param_group(group)
-        self._own_storage(chosen)
         first = len(self.params)
         self.names += names
         self.params += chosen
@@ -514,7 +511,7 @@ class LowPrecisionWeights:
         their names are returned)."""
         if not live:  # no selected weight has a gradient this step (torch's foreach ops refuse [])
             return []
-        if store:  # weights loaded since (torch.load of the wrapper, mmap): storage of their own
+        if store:
             self._own_storage([self.params[i] for i in live])
         pieces = [local_tensor(p) for p in self.params]  # a DTensor's piece shares its storage
         # (A storage a numpy array was made from cannot be resized: it is held too.)
