@@ -31,7 +31,7 @@ from .magic import magic_applies, round_magic
 from .modes import MODES, SELECT_BITS, SELECT_KEY, RoundMode
 
 __all__ = ["any_length", "compiled_round", "index_bits", "range_bits", "foreach_compiled_", "round_body",
-           "run_compiled", "stream_words", "use_compiled", "with_own_code", "word_tensors"]
+           "run_compiled", "stream_words", "use_compiled", "word_tensors"]
 
 #: Dynamo guards on the dispatch keys each input shows, and those depend on the caller: an
 #: op called through autograd runs below ADInplaceOrView, one called without it does not.
@@ -186,7 +186,7 @@ def run_compiled(cache_key: tuple, kernel: Callable, run: Callable[[Callable], o
         return False
     fn = _CACHE.get(cache_key)
     if fn is None:
-        fn = _CACHE[cache_key] = torch.compile(with_own_code(kernel, **bound), fullgraph=True, dynamic=False)
+        fn = _CACHE[cache_key] = torch.compile(_with_own_code(kernel, **bound), fullgraph=True, dynamic=False)
     try:
         with below_autograd():
             run(fn)
@@ -199,7 +199,7 @@ def run_compiled(cache_key: tuple, kernel: Callable, run: Callable[[Callable], o
         return False
 
 
-def with_own_code(fn, **bound):
+def _with_own_code(fn, **bound):
     """``fn`` with keyword arguments bound, as a function with a code object of its own.
     Dynamo keeps compilations, guards and its recompile limit per code object: one per
     spec keeps specs apart (a shared one would hit the limit of 8, and automatic
