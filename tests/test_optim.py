@@ -419,7 +419,7 @@ def test_a_forward_of_an_fsdp2_model_holding_codes_decodes_first():
         x = torch.randn(3, 16)
         for t in range(2):
             train(m, lpw, 1, start=t)
-            assert lpw._stored and all(not p.to_local().untyped_storage().nbytes() for p in lpw.params)
+            assert lpw._stored and all(not p._local_tensor.untyped_storage().nbytes() for p in lpw.params)
             with torch.no_grad():
                 y = m(x)
             assert not lpw._stored

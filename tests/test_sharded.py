@@ -127,6 +127,7 @@ def edge_cases(rank: int, world_size: int) -> dict:
                for name, call in BAD_BITS_CALLS.items()},
             **{f"empty piece, {name}": functools.partial(empty_piece_write_back, mesh, kw)
                for name, kw in EMPTY_PIECE_CASES.items()},
+            "held as codes, to_local": functools.partial(held_to_local, mesh),
             # A transposed Shard(1) tensor, rounded: its pieces are contiguous, and so is the result.
             "transposed, viewed": lambda: rounded(distribute_tensor(full, mesh, [Shard(1)]).t()).view(-1)
                                           .full_tensor().tolist(),  # fmt: skip
@@ -183,6 +184,21 @@ def empty_piece_write_back(mesh, kw: dict, world: bool = True) -> list:
         opt.step()
         opt.zero_grad()
     return (w.full_tensor() if world else w).tolist()
+
+
+def held_to_local(mesh) -> bool:
+    """A DTensor weight held as codes (store_codes) read through ``to_local``, which no
+    torch function sees: whether the read gave its decoded piece (its storage is freed)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    w = torch.randn(8, 32, generator=torch.Generator().manual_seed(3))
+    w = torch.nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]))
+    opt = LowPrecisionWeights(torch.optim.SGD([w], lr=0.01), "binary8p4", "src", bits=3, store_codes=True)
+    w.grad = torch.ones_like(w)
+    opt.step()
+    read = w.to_local().clone()
+    opt.materialize()
+    return torch.equal(read, w.to_local())
 
 
 @pytest.fixture(scope="module")
@@ -594,6 +610,13 @@ def test_given_bits_out_of_range_on_one_rank_are_refused_on_every_rank(runs, nam
     assert first[0].startswith("ValueError: fewbit.") and "another rank's piece of x was refused" in first[0]
     assert second[0].startswith("ValueError: random_bits must lie in [0, 8)"), second
     assert (first[1], second[1]) == (False, False)
+
+
+def test_a_held_dtensor_weight_read_through_to_local_is_decoded_first(runs):
+    """store_codes under FSDP2 or tensor parallelism: ``to_local()`` of a weight held as
+    codes gave its piece, storage freed, and a read of it crashed the process (SIGSEGV)."""
+    for r in runs[2]["edges"]:
+        assert r["cases"]["held as codes, to_local"] is True
 
 
 @pytest.mark.parametrize("name", list(EMPTY_PIECE_CASES))

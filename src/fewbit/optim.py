@@ -100,10 +100,20 @@ class _HeldAsCodes:
         return self.__deepcopy__(memo)
 
 
+def _to_local_decoded(self, *args, **kwargs):
+    """DTensor's ``to_local`` of a held weight: a Python method, which no torch function
+    sees, and its result the piece whose storage is freed (reading it crashed)."""
+    self._fewbit_codes_of.materialize()
+    return self.to_local(*args, **kwargs)
+
+
 @functools.cache
 def _held_class(plain: type) -> type:
     """``plain`` (Parameter, DTensor, ...) with :class:`_HeldAsCodes` in front."""
-    return type(f"{plain.__name__}HeldAsCodes", (_HeldAsCodes, plain), {"__slots__": (), "plain": plain})
+    own = {"__slots__": (), "plain": plain}
+    if hasattr(plain, "to_local"):
+        own["to_local"] = _to_local_decoded
+    return type(f"{plain.__name__}HeldAsCodes", (_HeldAsCodes, plain), own)
 
 
 #: torch's count of a storage's owners (private: a version gate, ``_storage_holders``).
