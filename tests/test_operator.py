@@ -70,8 +70,10 @@ def test_compiled_model_is_one_graph_compiles_each_spec_once_and_equals_eager(mo
     assert not counters["graph_break"]
     # round (binary8p4 src), FakeQuantize forward (e4m3) and backward (e5m2), the write-back
     assert len(compiled._CACHE) == 4
-    # one graph for the model (5 steps: new seeds, steps and shapes), one per kernel
-    assert counters["stats"]["unique_graphs"] == 1 + 4
+    # one graph for the model (5 steps: new seeds, steps and shapes), one per kernel, and one
+    # more for the write-back, a call per weight: 512 and 128 elements fill 1 and 0 rows of
+    # LANES, lengths Dynamo specialises (a larger weight's rows share a graph)
+    assert counters["stats"]["unique_graphs"] == 1 + 4 + 1
     for a, b in zip(got_out + got_w, want_out + want_w, strict=True):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 

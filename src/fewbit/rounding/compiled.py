@@ -25,12 +25,12 @@ import torch
 
 from ..config import current
 from ..random import LANES, Key, bits_from_index, bits_from_range, bits_rows, fold_in, host_key, key_tensor
-from .checks import RoundSpec, dtype_format
+from .checks import RoundSpec
 from .fast import round_fast, working_dtype
 from .magic import magic_applies, round_magic
-from .modes import MODES, SELECT_BITS, SELECT_KEY, RoundMode
+from .modes import MODES, SELECT_BITS, SELECT_KEY
 
-__all__ = ["any_length", "compiled_round", "index_bits", "range_bits", "foreach_compiled_", "round_body",
+__all__ = ["any_length", "compiled_round", "index_bits", "range_bits", "round_body",
            "run_compiled", "stream_words", "use_compiled", "word_tensors"]
 
 #: Dynamo guards on the dispatch keys each input shows, and those depend on the caller: an
@@ -212,47 +212,3 @@ def _with_own_code(fn, **bound):
 
 def _given_kernel(x, random_bits, out, *, spec: RoundSpec) -> None:
     round_body(x, spec, random_bits, out)
-
-
-#: RNE from float32 to each 16-bit dtype, made once here: traced code reads a constant.
-_TO_16_BITS = {
-    dtype: RoundSpec(dtype_format(dtype), dtype_format(torch.float32), RoundMode.RNE, False, None, None)
-    for dtype in (torch.bfloat16, torch.float16)
-}
-
-
-def _as_via(t: torch.Tensor, via: torch.dtype) -> torch.Tensor:
-    """Flat ``t.to(via)``, held in via's working dtype. The conversion to a 16-bit ``via``
-    is fewbit's own RNE: a compiled ``t.to(bfloat16).float()`` is a round trip that
-    Inductor may drop (torch 2.11 on AVX-512 did, even with emulate_precision_casts),
-    and then SR would start from the unrounded value. float64 goes through float32
-    first, as torch's own conversion to a 16-bit dtype does."""
-    x = t.reshape(-1).to(working_dtype(via))
-    if via in _TO_16_BITS and t.dtype != via:
-        x = round_body(x, _TO_16_BITS[via], None)
-    return x
-
-
-def _foreach_kernel(tensors: list[torch.Tensor], keys: torch.Tensor, *, spec: RoundSpec, via: torch.dtype):
-    for i, t in enumerate(tensors):
-        x = _as_via(t, via)  # the value in the dtype the caller rounds from
-        out = torch.empty_like(x)
-        round_rows_into(x, out, keys[i].unbind(), spec)
-        t.copy_(out.reshape(t.shape))
-
-
-def foreach_compiled_(
-    tensors: list[torch.Tensor], spec: RoundSpec, keys: torch.Tensor, via: torch.dtype
-) -> None:
-    """``fewbit.rounding.foreach.round_foreach_`` by torch.compile (for the whole list: per
-    call overhead, not arithmetic, dominates many mid-sized tensors) where compilation
-    applies, else by the same code eager; ``keys``: one row of :func:`stream_words` per
-    tensor, on their device."""
-    device = tensors[0].device
-    cache_key = ("foreach", spec, via, tensors[0].dtype, device.type)
-    # Not dynamic (run_compiled): Dynamo made a second spec's ints symbols (its compilation
-    # failed in math.ldexp); a write-back's list keeps its shapes, so one graph serves it.
-    if not (use_compiled(sum(t.numel() for t in tensors))
-            and run_compiled(cache_key, _foreach_kernel, lambda fn: fn(tensors, keys), spec, device,
-                             spec=spec, via=via)):  # fmt: skip
-        _foreach_kernel(tensors, keys, spec=spec, via=via)

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ..random import Key, fold_in, key_tensor
-from . import gpu, native
+from ..random import Key, fold_in
+from . import gpu
 from .checks import RoundSpec
-from .compiled import foreach_compiled_, stream_words
+from .ops import round_into
 
 __all__ = ["round_foreach_"]
 
@@ -22,20 +22,19 @@ def round_foreach_(
 ) -> None:
     """Round each tensor in place as ``round_`` of ``t.to(via)`` would, tensor j with the key
     ``fold_in(key, indices[j])`` (None: a deterministic mode). On a GPU one launch of the
-    Triton kernel for the whole list where it applies (``gpu.round_foreach_``); on a CPU
-    the native kernel, a call per tensor (a few microseconds each); else one compiled
-    call for the whole list. The caller has checked the spec against ``via``, and
-    ``spec.fmt`` has a NaN for anything without a value (nothing to raise)."""
+    Triton kernel for the whole list where it applies (``gpu.round_foreach_``); else
+    ``round_``'s own kernels, a call per tensor: on a CPU the native kernel (a few
+    microseconds each), else the compiled one, one graph for every length (a list compiled
+    whole took a graph per list of shapes, and a run whose weights with gradients varied
+    reached Dynamo's recompile limit). The caller has checked the spec against ``via``,
+    and ``spec.fmt`` has a NaN for anything without a value (nothing to raise)."""
     if not tensors:
         return
     probe = tensors[0].new_empty(0, dtype=via)  # what the kernels would be given
     if gpu.applies(spec, probe) and gpu.round_foreach_(tensors, spec, key, indices, via):
         return
-    keys = [(0, 0) if key is None else stream_words(spec, fold_in(key, i)) for i in indices]
-    if native.applies(spec, probe):
-        # t.to(via) is torch's round to nearest even, as the other paths' conversion is.
-        for t, words in zip(tensors, keys, strict=True):
-            t.copy_(native.rounded(t.to(via), spec, words))
-        return
-    stacked = key_tensor([w for row in keys for w in row], probe.device).view(len(keys), -1)
-    foreach_compiled_(tensors, spec, stacked, via)
+    for t, i in zip(tensors, indices, strict=True):
+        x = t.to(via)  # torch's round to nearest even, as the GPU kernel's conversion is
+        out = torch.empty_like(x)
+        round_into(x, spec, None if key is None else fold_in(key, i), None, out)
+        t.copy_(out)
