@@ -803,6 +803,52 @@ def test_dtensor_calls_compiled_and_with_a_dtensor_seed_or_a_plain_x(tmp_path):
     assert lines[2] == "a seed tensor that is a DTensor must be Replicate, not (Shard(dim=0),)"
 
 
+_FAKE_QUANTIZE_COMPILED = """
+import sys, torch, torch.distributed as dist
+from torch._dynamo.utils import counters
+from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+from fewbit.nn import FakeQuantize, Quant, fake_quantize
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+full = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+x = distribute_tensor(full, init_device_mesh("cpu", (1,)), [Shard(1)])
+q = Quant("binary8p4", "src", bits=3)
+module = lambda: FakeQuantize(q, q, seed=5)
+function = lambda: lambda v: fake_quantize(v, q, q, seed=5)
+for name, make in (("module", module), ("function", function)):
+    for inside in (False, True):  # x itself, or a DTensor made in the compiled region
+        torch._dynamo.reset()
+        counters.clear()
+        fq, eager = make(), make()
+        compiled = torch.compile(lambda v: fq(v * 2 if inside else v))
+        for _ in range(10):
+            got, want = x.detach().requires_grad_(), x.detach().requires_grad_()
+            y = compiled(got)
+            y.square().sum().backward()
+            z = eager(want * 2 if inside else want)
+            z.square().sum().backward()
+            assert torch.equal(y.full_tensor(), z.full_tensor()), (name, inside)
+            assert torch.equal(got.grad.full_tensor(), want.grad.full_tensor()), (name, inside)
+        print(name, inside, counters["stats"]["unique_graphs"])
+dist.destroy_process_group()
+"""
+
+
+def test_fake_quantize_of_a_dtensor_compiled_breaks_once_and_gives_eagers_bits(tmp_path):
+    """torch.compile (not fullgraph) of FakeQuantize or fake_quantize on a DTensor: Dynamo
+    failed outright on one made inside the compiled region (the mesh's rank tensor, read
+    for the key), and on an input recompiled a frame inside the autograd Function at
+    every call until its limit. Now one graph break, the call eager, with eager's bits
+    forward and backward, and no graph a call."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FAKE_QUANTIZE_COMPILED, str(tmp_path / "store")],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    for line in done.stdout.strip().splitlines():
+        assert int(line.split()[-1]) <= 2, line  # the code around the call: before and after it
+
+
 def test_reduce_exactly_refuses_a_model_nothing_shards():
     """reduce_exactly sets FSDP2's reduction on each sharded module (the experiment's runs
     above, sharded block by block, fail where it sets the root's alone); a model that

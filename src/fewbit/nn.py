@@ -26,7 +26,7 @@ from .block import BlockFormat, check_args, element_or_block, round_to
 from .block.ops import check_axis
 from .formats import FloatFormat
 from .operators import may_carry_tangent, operator, recording, refuse_compiled_forward_ad
-from .random import Key, as_key, fold_in, key_of
+from .random import Key, as_key, fold_in, is_dtensor, key_of
 from .replicas import SeedPolicy, replica_key
 from .rounding import RoundMode
 from .rounding.checks import check_mode_args, scalar_args
@@ -180,6 +180,8 @@ def fake_quantize(
     whole blocks on every rank (``fewbit.sharding.check_whole_blocks``); the seed must be
     the same on every rank of the mesh (:class:`FakeQuantize` sees to it).
     """
+    if torch.compiler.is_compiling() and is_dtensor(x):
+        return _eager_fake_quantize(x, forward, backward, seed)
     forward, backward = _as_quant(forward, "forward"), _as_quant(backward, "backward")
     for q in (forward, backward):
         if q is not None:
@@ -199,6 +201,12 @@ def fake_quantize(
         refuse_compiled_forward_ad()
     forward_mode = not torch.compiler.is_compiling() and may_carry_tangent(x)
     return (_ForwardMode if forward_mode else _StraightThrough).apply(x, forward, backward, seed)
+
+
+#: On a DTensor under torch.compile: one graph break, then eager, with eager's bits. Traced,
+#: Dynamo failed on the mesh's rank tensor (``replica_rank``) or recompiled a frame inside
+#: the autograd Function at every call until its recompile limit.
+_eager_fake_quantize = torch.compiler.disable(fake_quantize)
 
 
 #: torch's private query of the backward pass this thread runs (-1: none), which
@@ -302,6 +310,8 @@ class FakeQuantize(nn.Module):
         self.calls.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() and is_dtensor(x):  # as _eager_fake_quantize
+            return _eager_forward(self, x)
         # Eager, Python ints derive the key at a fraction of the cost of tensor ops. Where
         # the ops are recorded (torch.compile, torch.export, make_fx, torch.jit.trace) or
         # the count has no value (meta, fake tensors), it stays a tensor: a new count is
@@ -330,6 +340,9 @@ class FakeQuantize(nn.Module):
 
     def extra_repr(self) -> str:
         return f"forward={self.forward_quant}, backward={self.backward_quant}"
+
+
+_eager_forward = torch.compiler.disable(FakeQuantize.forward)
 
 
 def quantize_outputs(
