@@ -807,7 +807,9 @@ _FAKE_QUANTIZE_COMPILED = """
 import sys, torch, torch.distributed as dist
 from torch._dynamo.utils import counters
 from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
-from fewbit.nn import FakeQuantize, Quant, fake_quantize
+import torch.utils.checkpoint as cp
+from torch.distributed.tensor import distribute_module
+from fewbit.nn import FakeQuantize, Quant, checkpoint_context, fake_quantize
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 full = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
 x = distribute_tensor(full, init_device_mesh("cpu", (1,)), [Shard(1)])
@@ -829,24 +831,43 @@ for name, make in (("module", module), ("function", function)):
             assert torch.equal(y.full_tensor(), z.full_tensor()), (name, inside)
             assert torch.equal(got.grad.full_tensor(), want.grad.full_tensor()), (name, inside)
         print(name, inside, counters["stats"]["unique_graphs"])
+# distribute_module makes the count a Replicate DTensor; checkpointed or compiled, the
+# count is fewbit::count_call's, which had no DTensor rule.
+fq, plain = module(), module()
+distribute_module(fq, x.device_mesh)
+compiled = torch.compile(fq)
+for step in range(3):
+    got, want = full.detach().requires_grad_(), full.detach().requires_grad_()
+    if step == 0:
+        y = cp.checkpoint(fq, got, use_reentrant=False, context_fn=checkpoint_context)
+    else:
+        y = compiled(got)
+    y.square().sum().backward()
+    z = plain(want)
+    z.square().sum().backward()
+    assert torch.equal(y, z) and torch.equal(got.grad, want.grad), step
+print("count", fq.calls.placements, int(fq.calls.to_local()))
 dist.destroy_process_group()
 """
 
 
-def test_fake_quantize_of_a_dtensor_compiled_breaks_once_and_gives_eagers_bits(tmp_path):
+def test_fake_quantize_on_dtensors_compiled_breaks_once_and_gives_eagers_bits(tmp_path):
     """torch.compile (not fullgraph) of FakeQuantize or fake_quantize on a DTensor: Dynamo
     failed outright on one made inside the compiled region (the mesh's rank tensor, read
     for the key), and on an input recompiled a frame inside the autograd Function at
     every call until its limit. Now one graph break, the call eager, with eager's bits
-    forward and backward, and no graph a call."""
+    forward and backward, and no graph a call. A FakeQuantize whose count distribute_module
+    made a DTensor failed wherever its count is an op (checkpoint_context, compiled)."""
     import subprocess
     import sys
 
     done = subprocess.run([sys.executable, "-c", _FAKE_QUANTIZE_COMPILED, str(tmp_path / "store")],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    for line in done.stdout.strip().splitlines():
+    *compiled, count = done.stdout.strip().splitlines()
+    for line in compiled:
         assert int(line.split()[-1]) <= 2, line  # the code around the call: before and after it
+    assert count == "count (Replicate(),) 3"
 
 
 def test_reduce_exactly_refuses_a_model_nothing_shards():

@@ -285,12 +285,24 @@ def _block_quantize(cls, func, types, args, kwargs):
                               "x.full_tensor()")  # fmt: skip
 
 
+def _count_call(cls, func, types, args, kwargs):
+    """FakeQuantize's count where ``distribute_module`` made its buffer a DTensor: each rank
+    holds the whole count (Replicate) and advances it, as eager code does on the piece."""
+    from torch.distributed.tensor import DTensor
+
+    (calls,) = args
+    if not all(p.is_replicate() for p in calls.placements):
+        raise ValueError(f"a FakeQuantize's call count must be Replicate, not {calls.placements}")
+    before = func(calls.to_local())
+    return DTensor.from_local(before, calls.device_mesh, calls.placements, run_check=False)
+
+
 #: The rule of each of fewbit's operators for DTensor arguments.
 RULES: dict[str, Callable] = {
     "fewbit::round": _round, "fewbit::round_into": _round_into, "fewbit::quantize": _quantize,
     "fewbit::encode": _encode, "fewbit::decode": _decode, "fewbit::block_round": _block_round,
     "fewbit::block_round_into": _block_round_into, "fewbit::block_quantize": _block_quantize,
-    "fewbit::block_quantize_into": _block_quantize,
+    "fewbit::block_quantize_into": _block_quantize, "fewbit::count_call": _count_call,
 }  # fmt: skip
 
 
