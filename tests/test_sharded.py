@@ -127,7 +127,7 @@ def edge_cases(rank: int, world_size: int) -> dict:
                for name, call in BAD_BITS_CALLS.items()},
             **{f"empty piece, {name}": functools.partial(empty_piece_write_back, mesh, kw)
                for name, kw in EMPTY_PIECE_CASES.items()},
-            "held as codes, to_local": functools.partial(held_to_local, mesh),
+            "held as codes, read": functools.partial(held_reads, mesh),
             # A transposed Shard(1) tensor, rounded: its pieces are contiguous, and so is the result.
             "transposed, viewed": lambda: rounded(distribute_tensor(full, mesh, [Shard(1)]).t()).view(-1)
                                           .full_tensor().tolist(),  # fmt: skip
@@ -186,19 +186,25 @@ def empty_piece_write_back(mesh, kw: dict, world: bool = True) -> list:
     return (w.full_tensor() if world else w).tolist()
 
 
-def held_to_local(mesh) -> bool:
-    """A DTensor weight held as codes (store_codes) read through ``to_local``, which no
-    torch function sees: whether the read gave its decoded piece (its storage is freed)."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+def held_reads(mesh) -> dict[str, bool]:
+    """A DTensor weight held as codes (store_codes) read through DTensor's methods that no
+    torch function sees: whether each read gave the decoded weight (its piece's storage
+    is freed)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    w = torch.randn(8, 32, generator=torch.Generator().manual_seed(3))
-    w = torch.nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]))
-    opt = LowPrecisionWeights(torch.optim.SGD([w], lr=0.01), "binary8p4", "src", bits=3, store_codes=True)
-    w.grad = torch.ones_like(w)
-    opt.step()
-    read = w.to_local().clone()
-    opt.materialize()
-    return torch.equal(read, w.to_local())
+    reads = {"to_local": lambda w: w.to_local(), "full_tensor": lambda w: w.full_tensor(),
+             "redistribute": lambda w: w.redistribute(placements=[Replicate()]).to_local()}  # fmt: skip
+    outcome = {}
+    for name, read in reads.items():
+        w = torch.randn(8, 32, generator=torch.Generator().manual_seed(3))
+        w = torch.nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]))
+        opt = LowPrecisionWeights(torch.optim.SGD([w], lr=0.01), "binary8p4", "src", bits=3, store_codes=True)
+        w.grad = torch.ones_like(w)
+        opt.step()
+        got = read(w).clone()
+        opt.materialize()
+        outcome[name] = torch.equal(got, read(w))
+    return outcome
 
 
 @pytest.fixture(scope="module")
@@ -612,11 +618,13 @@ def test_given_bits_out_of_range_on_one_rank_are_refused_on_every_rank(runs, nam
     assert (first[1], second[1]) == (False, False)
 
 
-def test_a_held_dtensor_weight_read_through_to_local_is_decoded_first(runs):
-    """store_codes under FSDP2 or tensor parallelism: ``to_local()`` of a weight held as
-    codes gave its piece, storage freed, and a read of it crashed the process (SIGSEGV)."""
+def test_a_held_dtensor_weight_read_through_its_methods_is_decoded_first(runs):
+    """store_codes under FSDP2 or tensor parallelism: ``to_local()`` or ``redistribute()``
+    of a weight held as codes gave its piece, storage freed, and a read of it crashed the
+    process (SIGSEGV); fewbit's own check_in_sync and drift_report read pieces so."""
+    every_read = dict.fromkeys(("to_local", "full_tensor", "redistribute"), True)
     for r in runs[2]["edges"]:
-        assert r["cases"]["held as codes, to_local"] is True
+        assert r["cases"]["held as codes, read"] == every_read
 
 
 @pytest.mark.parametrize("name", list(EMPTY_PIECE_CASES))

@@ -18,7 +18,7 @@ import contextlib
 import functools
 import math
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
@@ -100,19 +100,25 @@ class _HeldAsCodes:
         return self.__deepcopy__(memo)
 
 
-def _to_local_decoded(self, *args, **kwargs):
-    """DTensor's ``to_local`` of a held weight: a Python method, which no torch function
-    sees, and its result the piece whose storage is freed (reading it crashed)."""
-    self._fewbit_codes_of.materialize()
-    return self.to_local(*args, **kwargs)
+#: DTensor's methods that read its piece in Python, where no torch function sees it: on a
+#: held weight, the piece whose storage is freed (a read of it crashed the process).
+_PIECE_READERS = ("to_local", "redistribute", "full_tensor")
+
+
+def _decoding_first(name: str) -> Callable:
+    def method(self, *args, **kwargs):
+        self._fewbit_codes_of.materialize()  # (the plain class again: its own method)
+        return getattr(self, name)(*args, **kwargs)
+
+    method.__name__ = name
+    return method
 
 
 @functools.cache
 def _held_class(plain: type) -> type:
     """``plain`` (Parameter, DTensor, ...) with :class:`_HeldAsCodes` in front."""
     own = {"__slots__": (), "plain": plain}
-    if hasattr(plain, "to_local"):
-        own["to_local"] = _to_local_decoded
+    own.update({name: _decoding_first(name) for name in _PIECE_READERS if hasattr(plain, name)})
     return type(f"{plain.__name__}HeldAsCodes", (_HeldAsCodes, plain), own)
 
 
