@@ -7,8 +7,9 @@ as ``fewbit train``). Times ``_write_back`` after warm-up (first-call compilatio
 
 - fewbit's path: on a GPU one launch of the Triton kernel for every matrix
   (``fewbit.rounding.foreach``), on a CPU the native kernel, a call per matrix;
-- the same rounding as one torch.compile'd call over all matrices
-  (``configure(native=False)``), the path a GPU took before;
+- the same rounding by fewbit's torch.compile'd kernel, a call per matrix
+  (``configure(native=False)``; until 2026-11-29 one compiled call over all matrices,
+  the path a GPU took before the Triton launch);
 - with ``store_codes=True``: the write-back to codes (``fewbit.quantize`` a matrix) and
   the decode back to floats before the next step (``materialize``), what keeping codes
   adds to a step;
@@ -89,7 +90,7 @@ def main() -> None:
     rows = [("copy_ of the weights' bytes", timed(lambda: target.copy_(source), device, args.repeat))]
     rows.append(("fewbit", timed(write_back, device, args.repeat)))
     with configure(native=False):
-        rows.append(("one torch.compile'd call", timed(write_back, device, args.repeat)))
+        rows.append(("torch.compile'd, a call each", timed(write_back, device, args.repeat)))
     # Last: keeping codes frees the weights' floats between steps (materialize decodes them).
     kept = LowPrecisionWeights(torch.optim.AdamW(model.parameters(), lr=p.lr), "binary8p4", "src", bits=3,
                                params=named, update_dtype=torch.bfloat16, store_codes=True)  # fmt: skip
