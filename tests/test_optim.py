@@ -850,6 +850,31 @@ def test_the_inner_optimizer_stepped_alone_says_the_weights_were_not_rounded():
         scaler.update()
 
 
+def test_a_wrapper_rebuilt_around_the_same_optimizer_lets_the_old_one_go():
+    """The inner optimizer's step hook held the wrapper: rebuilt around the same optimizer
+    (a resume in the same process, a notebook), every old wrapper stayed alive and warned
+    that the optimizer stepped alone at each step of the new one. A step of the inner
+    optimizer alone is still caught, and the warning names the line that stepped it."""
+    import gc
+    import weakref
+
+    m = model()
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    old = weakref.ref(LowPrecisionWeights(opt, FMT, "src", seed=1))
+    gc.collect()
+    assert old() is None
+    lpw = LowPrecisionWeights(opt, FMT, "src", seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for t in range(2):
+            lpw.zero_grad()
+            loss_of(m, t).backward()
+            lpw.step()
+    with pytest.warns(RuntimeWarning, match="wraps stepped alone") as caught:
+        opt.step()
+    assert len(caught) == 1 and caught[0].filename == __file__
+
+
 def test_block_weights_without_the_block_axis_are_refused_and_numpy_scalars_are_python_ones(tmp_path):
     """A block format whose axis a selected weight lacks (a 0-d weight; axis 2 of a 2-d
     one) is refused before any weight changes, as fewbit.block.round refuses it (it was

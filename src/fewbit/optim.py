@@ -18,6 +18,7 @@ import contextlib
 import functools
 import math
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -283,12 +284,24 @@ class LowPrecisionWeights:
         #: Whether the inner optimizer steps from here (``step``; torch's state-filling step
         #: in ``state_dict``): one that does not skipped the rounding (``_stepped_alone``).
         self._stepping = False
-        optimizer.register_step_post_hook(self._stepped_alone)  # (last: a refused wrapper leaves none)
+        self._watch_inner_steps()  # (last: a refused wrapper leaves none)
 
     def __setstate__(self, state: dict) -> None:
         # (copy.deepcopy, pickle: torch's Optimizer drops its hooks on the way)
         self.__dict__.update(state)
-        self.optimizer.register_step_post_hook(self._stepped_alone)
+        self._watch_inner_steps()
+
+    def _watch_inner_steps(self) -> None:
+        """Hook the inner optimizer's steps (``_stepped_alone``) through a weak reference:
+        the optimizer outlives a wrapper rebuilt around it, and a hook holding the old
+        wrapper kept it alive and warned at every step of the new one."""
+        wrapper = weakref.ref(self)
+
+        def stepped(optimizer, args, kwargs) -> None:
+            if (alive := wrapper()) is not None:
+                alive._stepped_alone()
+
+        weakref.finalize(self, self.optimizer.register_step_post_hook(stepped).remove)
 
     @contextlib.contextmanager
     def _inner_step(self):
@@ -299,12 +312,12 @@ class LowPrecisionWeights:
         finally:
             self._stepping = False
 
-    def _stepped_alone(self, optimizer, args, kwargs) -> None:
+    def _stepped_alone(self) -> None:
         # GradScaler given opt.optimizer steps it alone: the weights leave the format silently.
         if not self._stepping:
             warnings.warn(f"the optimizer LowPrecisionWeights wraps stepped alone (GradScaler's "
                           f"scaler.step(opt.optimizer), say): the weights were not rounded to "
-                          f"{self.fmt.name}; step the wrapper", RuntimeWarning, stacklevel=3)  # fmt: skip
+                          f"{self.fmt.name}; step the wrapper", RuntimeWarning, stacklevel=4)  # fmt: skip
 
     def _owned(self) -> list[torch.Tensor]:
         """The optimizer's parameters, in its order."""
