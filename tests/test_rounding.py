@@ -405,3 +405,20 @@ def test_overflow_and_specials_follow_the_format():
     # E8M0 has no zero; 3 is a tie between 2 (code 128, even) and 4 (code 129).
     e8m0 = fewbit.round(torch.tensor([0.0, 1e-45, 3.0, 3.5]), "e8m0")
     assert e8m0.tolist() == [2.0**-127, 2.0**-127, 2.0, 4.0]
+
+
+def test_a_schedule_of_fractions_keeps_a_bounded_number_of_specs():
+    """Every call looks its spec up in a cache keyed by its arguments: with sr_fraction's p
+    changing every step, the element and block caches kept a spec a step, without bound."""
+    from fewbit.block import ops as block_ops
+    from fewbit.rounding import ops
+    from fewbit.rounding.checks import make_spec
+
+    x = torch.randn(4, 32)
+    for i in range(1100):
+        p = 0.1 + 0.8 * i / 1100
+        fewbit.round(x, "binary8p3", "sr_fraction", bits=4, fraction=p, seed=1)
+        fewbit.block.round(x, "mxfp8_e4m3", "sr_fraction", bits=4, fraction=p, seed=1)
+    for cache in (make_spec, ops._named_spec, block_ops._spec):
+        info = cache.cache_info()
+        assert info.maxsize is not None and info.currsize <= info.maxsize

@@ -92,7 +92,7 @@ def check_axis(axis: object) -> int | None:
     return int(axis)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=1024)  # (bounded as rounding.checks.make_spec)
 def _spec(dtype, name, rounding, sat, bits, fraction, rule) -> BlockSpec:
     bfmt = lookup(name)
     rule = check_rule(bfmt.rule if rule is None else rule, bfmt.scale)

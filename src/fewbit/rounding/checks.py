@@ -217,7 +217,9 @@ def _cannot_hold(dtype: torch.dtype, source: FloatFormat, fmt: FloatFormat, sugg
     return f"{why}: {fix}" if suggest else why
 
 
-@functools.cache
+#: Bounded: a schedule of ``fraction`` (a float) makes a spec a step, and every call looks
+#: its spec up (an unbounded cache grew by half a kilobyte a step).
+@functools.lru_cache(maxsize=4096)
 def make_spec(
     dtype: torch.dtype, fmt: FloatFormat, mode: RoundMode, sat: bool, bits: int | None,
     fraction: float | None, held: bool = True,
