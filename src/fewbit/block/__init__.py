@@ -27,7 +27,8 @@ from ..random import Key
 from ..rounding import RoundMode
 from ..rounding.checks import check_round_args
 from ..rounding.ops import call_with_out, check_writable, spans_overlap
-from .formats import SCALE_RULES, BlockFormat, ScaleRule, format, names
+from .formats import SCALE_RULES, BlockFormat, ScaleRule, names
+from .formats import format as block_format
 from .kernel import from_block_layout, work_dtype
 from .ops import (
     block_args,
@@ -190,31 +191,43 @@ def element_or_block(fmt: FloatFormat | BlockFormat | str) -> FloatFormat | Bloc
     knows the name, else a block format (no name is both: ``"e4m3"``, ``"hbfp4"``)."""
     if isinstance(fmt, (FloatFormat, BlockFormat)):
         return fmt
-    if isinstance(fmt, str) and torch.compiler.is_compiling():
-        # Dynamo traces through the registries' caches and builds a new format in the
-        # graph, one it cannot hand to the ops' name checks (an internal error: Quant("hbfp4")
-        # in a compiled function). The name is looked up as Python runs, at trace time, and
-        # its format read back as an attribute, which Dynamo reads as it is then; a name
-        # refused is refused here, as eagerly (not inside the lookup: Dynamo's internal error).
-        if refused := _look_up(fmt):
-            raise ValueError(refused)
-        return getattr(_LOOKED_UP, fmt)
-    return _named(fmt)
+    return looked_up(fmt, "any")
+
+
+def format(name: str | BlockFormat) -> BlockFormat:
+    """Look a block format up by name (or pass a BlockFormat through); see the table of
+    ``fewbit.block.formats``. Also inside a compiled function (:func:`looked_up`)."""
+    return looked_up(name, "block")
+
+
+def looked_up(name, kind: str) -> FloatFormat | BlockFormat:
+    """The format ``name`` names, as ``kind`` ("element", "block" or "any":
+    :func:`element_or_block`) looks it up. Where Dynamo traces, it traced through the
+    registries' caches and built a new format in the graph, one it cannot hand to the ops'
+    name checks (an internal error: ``Quant("hbfp4")`` or ``fewbit.format("binary8p3")`` in
+    a compiled function). There the name is looked up as Python runs, at trace time, and
+    its format read back as an attribute, which Dynamo reads as it is then; a name refused
+    is refused here, as eagerly (not inside the lookup: Dynamo's internal error)."""
+    if not (isinstance(name, str) and torch.compiler.is_compiling()):
+        return _LOOKUPS[kind](name)
+    if refused := _look_up(name, kind):
+        raise ValueError(refused)
+    return getattr(_LOOKED_UP, f"{kind}:{name}")
 
 
 class _LookedUp:
-    """The formats :func:`element_or_block` looked up while Dynamo traced, by name."""
+    """The formats :func:`looked_up` looked up while Dynamo traced, by kind and name."""
 
 
 _LOOKED_UP = _LookedUp()
 
 
 @torch.compiler.assume_constant_result
-def _look_up(name: str) -> str:
+def _look_up(name: str, kind: str) -> str:
     """Keep the format ``name`` names in ``_LOOKED_UP``; why it is refused, or ''."""
-    if name not in vars(_LOOKED_UP):
+    if f"{kind}:{name}" not in vars(_LOOKED_UP):
         try:
-            setattr(_LOOKED_UP, name, _named(name))
+            setattr(_LOOKED_UP, f"{kind}:{name}", _LOOKUPS[kind](name))
         except ValueError as refused:
             return str(refused)
     return ""
@@ -225,12 +238,16 @@ def _named(fmt: str) -> FloatFormat | BlockFormat:
         return element_format(fmt)
     except ValueError as err:
         try:
-            return format(fmt)
+            return block_format(fmt)
         except ValueError as refused:
             if not str(refused).startswith("unknown block format"):
                 raise  # a block format's name, refused for its own reason (bfp4_b3: odd blocks)
             raise ValueError(f"{err}; nor is it a block format (fewbit.block.format: hbfp<m>, "
                              f"bfp<m>_b<size>, mx..., nvfp4)") from None  # fmt: skip
+
+
+#: The registries :func:`looked_up` reads, by kind.
+_LOOKUPS = {"element": element_format, "block": block_format, "any": _named}
 
 
 def check_args(dtype: torch.dtype, fmt: FloatFormat | BlockFormat | str, mode: RoundMode | str, sat: bool,
