@@ -545,6 +545,22 @@ def test_quantize_and_out_under_torch_compile():
     assert torch.equal(values, block.round(x, "bfp5_b16", "src", bits=3, seed=5))
 
 
+def test_dequantize_compiled_for_blocks_along_any_axis():
+    """A compiled function dequantising BlockTensors of several block axes: Dynamo made the
+    axis a symbol (dynamic=True, or the second axis it saw), and the dequantisation's
+    list.pop at it failed with Dynamo's internal error."""
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
+    stored = [block.quantize(x, "mxfp4", axis=a) for a in (0, 1, 0)]
+    for dynamic in (None, True):
+        torch._dynamo.reset()
+        dequantize = torch.compile(lambda t: t.dequantize(), fullgraph=True, dynamic=dynamic)
+        for t in stored:
+            assert torch.equal(dequantize(t), t.dequantize())
+    both = torch.compile(lambda v, a: block.quantize(v, "mxfp4", axis=a).dequantize(), fullgraph=True)
+    for a in (0, 1, -1):
+        assert torch.equal(both(x, a), block.round(x, "mxfp4", axis=a))
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_nvfp4_edges_of_the_tensor_scale(dtype):
     """NVFP4's per-tensor scale is a float32: float64 data beyond its range saturate (not

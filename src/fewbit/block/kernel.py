@@ -84,8 +84,9 @@ def block_layout(t: torch.Tensor, axis: int, block_size: int) -> torch.Tensor:
 
 def from_block_layout(blocks: torch.Tensor, shape: torch.Size, axis: int) -> torch.Tensor:
     """The inverse of :func:`block_layout` for a tensor of ``shape``."""
-    moved_shape = list(shape)
-    length = moved_shape.pop(axis)
+    # (Not list.pop(axis): Dynamo may make axis a symbol, which it cannot pop at.)
+    moved_shape = [n for d, n in enumerate(shape) if d != axis]
+    length = shape[axis]
     padded = blocks.shape[-2] * blocks.shape[-1]  # (not -1: ambiguous for a tensor with no rows)
     flat = blocks.reshape(*moved_shape, padded)[..., :length]
     return flat.movedim(-1, axis)
