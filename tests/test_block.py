@@ -526,6 +526,28 @@ def test_quantize_refuses_an_out_it_could_not_fill_whole_before_writing_it():
     assert torch.equal(apart.codes, want.codes) and torch.equal(apart.scales, want.scales)
 
 
+def test_quantize_into_an_out_of_fake_tensors_or_under_make_fx():
+    """The check that out's buffers do not overlap read their addresses before the op: a
+    fake tensor's are not its own (every pair overlapped, refused), and make_fx's proxies
+    have none (torch's error). It runs in the op's kernel, on real tensors, now."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def into(x, codes, scales):
+        block.quantize(x, "mxfp4", out=block.BlockTensor(codes, scales, None, fmt, x.shape, 1))
+        return codes, scales
+
+    x, fmt = torch.randn(4, 64), block.format("mxfp4")
+    want = block.quantize(x, "mxfp4")
+    with FakeTensorMode():
+        fake = torch.randn(4, 64)
+        block.quantize(fake, "mxfp4", out=block.quantize(fake, "mxfp4"))
+    buffers = (torch.empty_like(want.codes), torch.empty_like(want.scales))
+    for mode in ("fake", "symbolic"):
+        codes, scales = make_fx(into, tracing_mode=mode)(x, *buffers)(x, *map(torch.empty_like, buffers))
+        assert torch.equal(codes, want.codes) and torch.equal(scales, want.scales), mode
+
+
 @pytest.mark.filterwarnings("error::UserWarning")  # Dynamo's warning on tracing a registry's cache
 def test_quantize_and_out_under_torch_compile():
     """quantize, and the writing ops, under the user's torch.compile(fullgraph=True) with a

@@ -26,7 +26,7 @@ from ..formats import format as element_format
 from ..random import Key
 from ..rounding import RoundMode
 from ..rounding.checks import check_round_args
-from ..rounding.ops import call_with_out, check_writable, spans_overlap
+from ..rounding.ops import call_with_out, check_writable
 from .formats import SCALE_RULES, BlockFormat, ScaleRule, names
 from .formats import format as block_format
 from .kernel import from_block_layout, work_dtype
@@ -150,11 +150,6 @@ def quantize(
         raise RuntimeError("fewbit.block.quantize(..., out=...) does not support automatic differentiation, "
                            "and out.tensor_scale requires grad; call it without out=")
     check_writable("fewbit.block.quantize", out.codes, out.scales, ts)
-    # (Eager only, as check_writable: Dynamo cannot trace the tensors' addresses.)
-    if not torch.compiler.is_compiling() and (spans_overlap(out.codes, out.scales) or spans_overlap(
-            out.codes, ts) or spans_overlap(out.scales, ts)):  # fmt: skip
-        raise ValueError("fewbit.block.quantize: out's codes, scales and tensor_scale share memory; "
-                         "give each its own")
     block_quantize_into_op(*args, out.format.name, out.axis, out.codes, out.scales, ts)
     return out
 

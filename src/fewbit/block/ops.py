@@ -29,7 +29,15 @@ from ..rounding.compiled import (
     word_tensors,
 )
 from ..rounding.modes import parse_mode
-from ..rounding.ops import batch_bits, check_key, check_out_matches, name_for_op, op_args, storages_overlap
+from ..rounding.ops import (
+    batch_bits,
+    check_key,
+    check_out_matches,
+    name_for_op,
+    op_args,
+    spans_overlap,
+    storages_overlap,
+)
 from ..rounding.ops import format_name as element_name
 from .formats import BlockFormat, check_rule, check_storable
 from .formats import format as block_format
@@ -406,6 +414,12 @@ def block_quantize_into_op(
     one) of a BlockTensor of ``stored_format`` along ``stored_axis``."""
     spec, axis = block_spec_of(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
     _check_codes(x, spec, axis, stored_format, stored_axis, codes, scales, tensor_scale)
+    # Here, where the tensors are real: traced (fake tensors, functionalisation, make_fx)
+    # their addresses are not theirs, or not there.
+    pairs = ((codes, scales), (codes, tensor_scale), (scales, tensor_scale))
+    if any(spans_overlap(a, b) for a, b in pairs):
+        raise ValueError("fewbit.block.quantize: out's codes, scales and tensor_scale share memory; "
+                         "give each its own")
     ts = _tensor_scale(x, spec)
     with_tensor_scale(x, spec, axis, ts, key, random_bits, fused=False, into=(codes, scales))
     if ts is None:
