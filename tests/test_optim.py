@@ -930,15 +930,17 @@ def test_block_format_store_codes_keeps_block_tensors_and_reports_their_bytes():
         lpw_b.step()
         assert all(p.untyped_storage().nbytes() == 0 for p in lpw_b.params)
         assert all(isinstance(c, fewbit.block.BlockTensor) for c in lpw_b._codes)
-        assert lpw_b.memory()["code_bytes"] == sum(c.nbytes for c in lpw_b._codes)  # while stored
+        code_bytes = sum(c.nbytes for c in lpw_b._codes)
+        assert lpw_b.memory()["code_bytes"] == code_bytes  # while stored
         train(a, lpw_a, 1, start=t)
     lpw_b.materialize()
+    assert lpw_b._codes is None  # decoded, the codes are let go
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         assert bits_equal(pa.detach(), pb.detach())
     mem = lpw_b.memory()
     # NVFP4: 16 elements a block, half a byte each, one E4M3 byte a block, 4 bytes a tensor.
     # (32, 16): 32 blocks; (4, 32): 8 blocks.
-    assert mem["code_bytes"] == (32 * 9 + 4) + (8 * 9 + 4) == sum(c.nbytes for c in lpw_b._codes)
+    assert mem["code_bytes"] == (32 * 9 + 4) + (8 * 9 + 4) == code_bytes
     assert mem["float_bytes"] == 4 * mem["elements"] == 4 * (16 * 32 + 32 * 4)
     with pytest.raises(ValueError, match="scales each block itself"):
         LowPrecisionWeights(torch.optim.AdamW(a.parameters()), "mxfp4", scale=True)
