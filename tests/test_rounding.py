@@ -409,7 +409,8 @@ def test_overflow_and_specials_follow_the_format():
 
 def test_a_schedule_of_fractions_keeps_a_bounded_number_of_specs():
     """Every call looks its spec up in a cache keyed by its arguments: with sr_fraction's p
-    changing every step, the element and block caches kept a spec a step, without bound."""
+    changing every step, the element and block caches kept a spec a step, without bound,
+    and fake_quantize's check of its backward Quant a Quant a step."""
     from fewbit.block import ops as block_ops
     from fewbit.rounding import ops
     from fewbit.rounding.checks import make_spec
@@ -419,6 +420,8 @@ def test_a_schedule_of_fractions_keeps_a_bounded_number_of_specs():
         p = 0.1 + 0.8 * i / 1100
         fewbit.round(x, "binary8p3", "sr_fraction", bits=4, fraction=p, seed=1)
         fewbit.block.round(x, "mxfp8_e4m3", "sr_fraction", bits=4, fraction=p, seed=1)
-    for cache in (make_spec, ops._named_spec, block_ops._spec):
+        q = fewbit.nn.Quant("binary8p3", "sr_fraction", bits=4, fraction=p)
+        fewbit.nn.fake_quantize(x.requires_grad_(), None, q, seed=1)
+    for cache in (make_spec, ops._named_spec, block_ops._spec, fewbit.nn._check_gradient):
         info = cache.cache_info()
         assert info.maxsize is not None and info.currsize <= info.maxsize

@@ -16,7 +16,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
+from functools import lru_cache
 
 import torch
 from torch import nn
@@ -95,7 +95,7 @@ def _as_quant(q: Quant | FloatFormat | BlockFormat | str | None, what: str) -> Q
                     f"got {type(q).__name__}: {q!r}")  # fmt: skip
 
 
-@cache
+@lru_cache(maxsize=1024)  # (bounded: a schedule of sr_fraction's p makes a Quant a step)
 def _check_gradient(q: Quant, dtype: torch.dtype, ndim: int) -> None:
     """Raise at the call what ``q`` would raise in the backward pass on x's gradient (x's
     dtype and dimensions: a block axis out of range, a dtype that cannot hold the format,
