@@ -85,6 +85,7 @@ def block_layout(t: torch.Tensor, axis: int, block_size: int) -> torch.Tensor:
 def from_block_layout(blocks: torch.Tensor, shape: torch.Size, axis: int) -> torch.Tensor:
     """The inverse of :func:`block_layout` for a tensor of ``shape``."""
     # (Not list.pop(axis): Dynamo may make axis a symbol, which it cannot pop at.)
+    axis %= len(shape)
     moved_shape = [n for d, n in enumerate(shape) if d != axis]
     length = shape[axis]
     padded = blocks.shape[-2] * blocks.shape[-1]  # (not -1: ambiguous for a tensor with no rows)
