@@ -829,6 +829,16 @@ def test_forward_mode_passes_the_tangent_straight_through(monkeypatch, level_kno
         values, tangent = torch.func.jvp(f, (x,), (t,))
         assert torch.equal(values, expected) and torch.equal(tangent, t), name
     assert torch.equal(torch.func.jacfwd(calls["round"])(x[0, :5]), torch.eye(5))
+    # out= and in-place calls have no forward-mode formula: refused, as torch's out= is
+    # (they ran, and jvp gave a zero tangent).
+    writes = (lambda v: fewbit.round(v, "binary8p4", out=torch.empty_like(v)),
+              lambda v: fewbit.round_(v * 1, "binary8p4"),
+              lambda v: fewbit.block.round(v, "mxfp4", out=torch.empty_like(v)))  # fmt: skip
+    for f in writes:
+        with pytest.raises(RuntimeError, match="forward-mode AD is active"):
+            torch.func.jvp(f, (x,), (t,))
+        with fwAD.dual_level(), pytest.raises(RuntimeError, match="forward-mode AD is active"):
+            f(fwAD.make_dual(x, t))
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch.func.jvp

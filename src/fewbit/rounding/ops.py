@@ -25,7 +25,7 @@ import torch
 
 from ..config import current
 from ..formats import FloatFormat, format, from_repr
-from ..operators import operator
+from ..operators import may_carry_tangent, operator
 from ..random import Key, as_key, host_key, key_of
 from . import gpu, native
 from .checks import (
@@ -316,11 +316,12 @@ def call_with_out(functional, into, args: tuple, x: torch.Tensor, out: torch.Ten
         return functional(*args)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{name}: out must be a tensor, not {type(out).__name__}")
-    if torch.is_grad_enabled() and (x.requires_grad or out.requires_grad):
+    backward = torch.is_grad_enabled() and (x.requires_grad or out.requires_grad)
+    if backward or may_carry_tangent(x):  # (a tangent: torch's out= refuses it; this gave a zero one)
         call, instead = ((f"{name}_ (in place)", f"call {name}(x), which returns a new tensor") if out is x
                          else (f"{name}(..., out=...)", "call it without out="))  # fmt: skip
-        raise RuntimeError(f"{call} does not support automatic differentiation, and an argument "
-                           f"requires grad; {instead}")
+        why = "an argument requires grad" if backward else "forward-mode AD is active"
+        raise RuntimeError(f"{call} does not support automatic differentiation, and {why}; {instead}")
     check_writable(name, out)
     into(*args, out)
     return out
