@@ -922,6 +922,11 @@ def test_vmap_rounds_each_sample_as_a_call_of_its_own():
         with torch.profiler.profile() as profile:
             torch.vmap(f)(x)
         assert sum(e.name == "fewbit::round" for e in profile.events()) == 1 + calls  # (1: vmap's own)
+    # An empty batch (a last batch of per-sample gradients): an empty result shaped as a
+    # sample's, where the call per sample had none to stack.
+    for i, (f, dims) in enumerate(cases):
+        args = (x[:0], per_sample[:0])[: len(dims)]
+        assert torch.vmap(f, in_dims=dims)(*args).shape == (0, 6, 64), i
 
 
 def test_vmap_refuses_a_block_axis_that_a_call_on_a_sample_refuses():

@@ -93,6 +93,11 @@ class Operator:
                 call = whole(args[0].movedim(in_dims[0], 0), *args[1:])
                 if call is not None:
                     return op(*call), 0
+            if info.batch_size == 0:  # no sample to call: one of zeros checks the call and gives the shape
+                zeros = [a if d is None else a.new_zeros(a.shape[:d] + a.shape[d + 1:])
+                         for a, d in zip(args, in_dims, strict=True)]  # fmt: skip
+                one = op(*zeros)
+                return one.new_empty((0, *one.shape)), 0
             picked = [[a if d is None else a.select(d, i) for a, d in zip(args, in_dims, strict=True)]
                       for i in range(info.batch_size)]  # fmt: skip
             return torch.stack([op(*sample) for sample in picked]), 0
