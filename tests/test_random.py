@@ -634,3 +634,15 @@ def test_an_int_or_key_seed_under_fake_tensors_and_make_fx(tracing_mode):
         assert torch.equal(graph(x), f(x)), seed
         with FakeTensorMode():
             assert fewbit.round(torch.randn(4, 8), "e4m3", "src", bits=3, seed=seed).shape == (4, 8)
+
+
+def test_a_seed_tensor_on_the_meta_device_is_refused_for_real_data():
+    """It has no value: torch's "Cannot copy out of meta tensor" came from deep inside the
+    key's derivation. On meta data (a model built on the meta device) it is the key."""
+    x = torch.randn(4, 64)
+    for call in (lambda s: fewbit.round(x, "e4m3", "sr", seed=s),
+                 lambda s: fewbit.block.round(x, "mxfp4", "sr", seed=s)):  # fmt: skip
+        with pytest.raises(ValueError, match="on the meta device holds no seed for data on cpu"):
+            call(torch.tensor(5, device="meta"))
+    meta = fewbit.round(x.to("meta"), "e4m3", "sr", seed=torch.tensor(5, device="meta"))
+    assert meta.is_meta and meta.shape == x.shape

@@ -307,7 +307,11 @@ def key_of(seed: Key | int | torch.Tensor, device: torch.device | str | None = N
     if isinstance(seed, torch.Tensor):
         if seed.dtype in (torch.bool,) or seed.is_floating_point() or seed.is_complex():
             raise TypeError(f"a seed tensor must have an integer dtype, not {seed.dtype}")
-        seed = seed.to(device=device if device is not None else seed.device, dtype=torch.int64)
+        target = torch.device(device) if device is not None else seed.device
+        if seed.is_meta and target.type != "meta":  # (torch: "Cannot copy out of meta tensor")
+            raise ValueError(f"a seed tensor on the meta device holds no seed for data on {target}: "
+                             "give it on the CPU or the data's device")  # fmt: skip
+        seed = seed.to(device=target, dtype=torch.int64)
         if seed.shape == (2,):
             return seed
         if seed.dim() != 0:
