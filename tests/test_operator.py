@@ -829,16 +829,20 @@ def test_forward_mode_passes_the_tangent_straight_through(monkeypatch, level_kno
         values, tangent = torch.func.jvp(f, (x,), (t,))
         assert torch.equal(values, expected) and torch.equal(tangent, t), name
     assert torch.equal(torch.func.jacfwd(calls["round"])(x[0, :5]), torch.eye(5))
-    # out= and in-place calls have no forward-mode formula: refused, as torch's out= is
-    # (they ran, and jvp gave a zero tangent).
+    # out= and in-place calls have no forward-mode formula: refused on a tensor with a
+    # tangent, as torch's out= is (they ran, and jvp gave a zero tangent); taken on one
+    # without, under a dual level too.
     writes = (lambda v: fewbit.round(v, "binary8p4", out=torch.empty_like(v)),
               lambda v: fewbit.round_(v * 1, "binary8p4"),
               lambda v: fewbit.block.round(v, "mxfp4", out=torch.empty_like(v)))  # fmt: skip
     for f in writes:
-        with pytest.raises(RuntimeError, match="forward-mode AD is active"):
+        with pytest.raises(RuntimeError, match="carries a forward-mode tangent"):
             torch.func.jvp(f, (x,), (t,))
-        with fwAD.dual_level(), pytest.raises(RuntimeError, match="forward-mode AD is active"):
-            f(fwAD.make_dual(x, t))
+        with fwAD.dual_level():
+            with pytest.raises(RuntimeError, match="carries a forward-mode tangent"):
+                f(fwAD.make_dual(x, t))
+            assert torch.equal(f(x), f(x.clone()))
+        assert torch.equal(torch.func.jvp(lambda v: v + f(x), (x,), (t,))[1], t)
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch.func.jvp

@@ -188,6 +188,11 @@ def may_carry_tangent(x: torch.Tensor) -> bool:
     return _FORWARD_AD.unpack_dual(x).tangent is not None
 
 
+def has_tangent(t: torch.Tensor) -> bool:
+    """Whether ``t`` carries a forward-AD tangent (asked only where one may be)."""
+    return may_carry_tangent(t) and _FORWARD_AD.unpack_dual(t).tangent is not None
+
+
 def refuse_compiled_forward_ad() -> None:
     """Under torch.compile, refuse a call inside forward-mode AD (``torch.func.jvp``,
     ``jacfwd``, a dual level), which the traced op would answer with a zero tangent. Read

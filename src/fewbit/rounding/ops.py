@@ -25,7 +25,7 @@ import torch
 
 from ..config import current
 from ..formats import FloatFormat, format, from_repr
-from ..operators import may_carry_tangent, operator
+from ..operators import has_tangent, operator
 from ..random import Key, as_key, host_key, key_of
 from . import gpu, native
 from .checks import (
@@ -317,10 +317,10 @@ def call_with_out(functional, into, args: tuple, x: torch.Tensor, out: torch.Ten
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{name}: out must be a tensor, not {type(out).__name__}")
     backward = torch.is_grad_enabled() and (x.requires_grad or out.requires_grad)
-    if backward or may_carry_tangent(x):  # (a tangent: torch's out= refuses it; this gave a zero one)
+    if backward or has_tangent(x) or has_tangent(out):  # (torch's out= refuses a tangent; this gave 0)
         call, instead = ((f"{name}_ (in place)", f"call {name}(x), which returns a new tensor") if out is x
                          else (f"{name}(..., out=...)", "call it without out="))  # fmt: skip
-        why = "an argument requires grad" if backward else "forward-mode AD is active"
+        why = "an argument requires grad" if backward else "an argument carries a forward-mode tangent"
         raise RuntimeError(f"{call} does not support automatic differentiation, and {why}; {instead}")
     check_writable(name, out)
     into(*args, out)
