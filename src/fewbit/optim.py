@@ -58,8 +58,9 @@ __all__ = ["LowPrecisionWeights"]
 
 _UPDATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
-#: The write-back rounds every weight of 8192 elements or more with the compiled kernel:
-#: it runs every step, so the one compilation per run is soon repaid.
+#: Where the native kernel does not apply, the write-back rounds every weight of 8192
+#: elements or more with the compiled kernel: it runs every step, so its compilations per
+#: run (the first length's graph, then one for every length) are soon repaid.
 COMPILE_FROM = 1 << 13
 
 #: What a weight held as codes answers without its values: its metadata, its gradient,
@@ -102,8 +103,9 @@ class _HeldAsCodes:
 
 
 #: DTensor's methods that read its piece in Python, where no torch function sees it: on a
-#: held weight, the piece whose storage is freed (a read of it crashed the process).
-_PIECE_READERS = ("to_local", "redistribute", "full_tensor")
+#: held weight, the piece whose storage is freed (a read of it crashed the process; a
+#: print too). (A plain weight's repr decodes first anyway, through its torch function.)
+_PIECE_READERS = ("to_local", "redistribute", "full_tensor", "__repr__")
 
 
 def _decoding_first(name: str) -> Callable:
@@ -571,7 +573,7 @@ class LowPrecisionWeights:
         # fold_in(key, t, i) is fold_in(fold_in(key, t), i): the step's key, derived once.
         step_key = fold_in(self.key, self.steps) if self.mode.is_stochastic else None
         # Whole tensors in formats with a NaN, under the identical policy (no rank to fold
-        # in), go through one call for all, tensor i with the key fold_in(step_key, i) (kept
+        # in), go through round_foreach_, tensor i with the key fold_in(step_key, i) (kept
         # as codes: one fewbit.quantize each, which rounds and encodes in one pass); a
         # piece of a sharded tensor takes the bits of its global indices; fewbit.round
         # raises where a value has no result in a format without NaN (a NaN input, say).
