@@ -150,7 +150,7 @@ def test_sr_keeps_updates_below_half_an_ulp_and_rne_loses_them():
 
 @pytest.mark.parametrize("mode", ["src", "sr_fraction"])
 def test_compiled_write_back_equals_eager(mode):
-    """Weights of 8192 elements or more go through one compiled call for all of them."""
+    """Weights of 8192 elements or more go through the compiled kernel, a call each."""
     extra = {"fraction": 0.3} if mode == "sr_fraction" else {}
     results = []
     for compile in (False, True):
@@ -196,18 +196,22 @@ def test_write_back_of_no_tensors_does_nothing():
 
 @pytest.mark.filterwarnings("error::RuntimeWarning")  # a compilation marked failed warns
 @pytest.mark.parametrize("via", [torch.float64, torch.bfloat16])
-def test_compiled_write_back_serves_every_list_of_weights_with_one_graph(monkeypatch, via):
+def test_compiled_write_back_compiles_for_the_first_list_of_weights_only(monkeypatch, via):
     """Where the native kernel does not apply, the write-back rounds each weight with
     round's compiled kernel: a list compiled whole took a graph per list of shapes, and
     a run whose weights with gradients vary reached Dynamo's recompile limit at the 9th,
-    warned that compilation had failed and ran eager from then on. Each weight's bits are
-    round's of it converted to the update dtype by torch, eager."""
+    warned that compilation had failed and ran eager from then on. Now the graphs of the
+    first list (lengths under a row of LANES, of one, longer) serve every later list. Each
+    weight's bits are round's of it converted to the update dtype by torch, eager."""
     spec = check_round_args(torch.ones(1, dtype=via), "binary8p4", "src", True, 3, None)
     monkeypatch.setattr(compiled, "_CACHE", {})
     g = torch.Generator().manual_seed(2)
     with fewbit.configure(native=False, compile_threshold=1):
         for n in range(10):
-            weights = [torch.randn(20 + n, 9 + k, generator=g, dtype=torch.float64) for k in range(n % 3 + 1)]
+            # under a row of LANES, one row, then longer ones: the first list has them all
+            shapes = [(20 + n, 9), (32, 16 + n), (40 + n, 30), (90 + n, 40)]
+            chosen = shapes if n == 0 else shapes[n % 4:] + shapes[: n % 3]
+            weights = [torch.randn(shape, generator=g, dtype=torch.float64) for shape in chosen]
             got = [w.clone() for w in weights]
             round_foreach_(got, spec, as_key(1), range(n, n + len(got)), via)
             for i, (w, r) in enumerate(zip(weights, got, strict=True)):

@@ -423,5 +423,4 @@ def test_a_schedule_of_fractions_keeps_a_bounded_number_of_specs():
         q = fewbit.nn.Quant("binary8p3", "sr_fraction", bits=4, fraction=p)
         fewbit.nn.fake_quantize(x.requires_grad_(), None, q, seed=1)
     for cache in (make_spec, ops._named_spec, block_ops._spec, fewbit.nn._check_gradient):
-        info = cache.cache_info()
-        assert info.maxsize is not None and info.currsize <= info.maxsize
+        assert cache.cache_info().maxsize is not None  # (an unbounded cache has none)

@@ -85,6 +85,8 @@ def block_layout(t: torch.Tensor, axis: int, block_size: int) -> torch.Tensor:
 def from_block_layout(blocks: torch.Tensor, shape: torch.Size, axis: int) -> torch.Tensor:
     """The inverse of :func:`block_layout` for a tensor of ``shape``."""
     # (Not list.pop(axis): Dynamo may make axis a symbol, which it cannot pop at.)
+    if not -len(shape) <= axis < len(shape):  # (a BlockTensor made by hand)
+        raise IndexError(f"block axis {axis} is out of range for a tensor of {len(shape)} dimensions")
     axis %= len(shape)
     moved_shape = [n for d, n in enumerate(shape) if d != axis]
     length = shape[axis]

@@ -24,7 +24,8 @@ def round_foreach_(
     ``fold_in(key, indices[j])`` (None: a deterministic mode). On a GPU one launch of the
     Triton kernel for the whole list where it applies (``gpu.round_foreach_``); else
     ``round_``'s own kernels, a call per tensor: on a CPU the native kernel (a few
-    microseconds each), else the compiled one, one graph for every length (a list compiled
+    microseconds each), else the compiled one, with at most four graphs (lengths under a
+    row of LANES, of one row, the first longer one, then one for all: a list compiled
     whole took a graph per list of shapes, and a run whose weights with gradients varied
     reached Dynamo's recompile limit). The caller has checked the spec against ``via``,
     and ``spec.fmt`` has a NaN for anything without a value (nothing to raise)."""
