@@ -288,6 +288,14 @@ def is_dtensor(t: object) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
+def replicated_piece(t, what: str) -> torch.Tensor:
+    """The piece of DTensor ``t`` that every rank holds whole (Replicate: a step counter or
+    a count that ``distribute_module`` made a DTensor), else a ValueError naming ``what``."""
+    if not all(p.is_replicate() for p in t.placements):
+        raise ValueError(f"{what} must be Replicate, not {t.placements}")
+    return t.to_local()
+
+
 def key_of(seed: Key | int | torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
     """A key as a tensor: int64 ``(k0, k1)`` of shape ``(2,)`` on ``device``, the form
     fewbit's operators take (a new key is new data, not a new graph).
@@ -300,10 +308,8 @@ def key_of(seed: Key | int | torch.Tensor, device: torch.device | str | None = N
     host sync checks it). Under ``torch.compile`` an int seed that Dynamo made symbolic
     is split alike.
     """
-    if is_dtensor(seed):  # (a step counter distribute_module made one)
-        if not all(p.is_replicate() for p in seed.placements):
-            raise ValueError(f"a seed tensor that is a DTensor must be Replicate, not {seed.placements}")
-        seed = seed.to_local()  # (DTensor's >> gave its input: torch 2.13 made the seed 5 the key (5, 5))
+    if is_dtensor(seed):  # (DTensor's >> gave its input: torch 2.13 made the seed 5 the key (5, 5))
+        seed = replicated_piece(seed, "a seed tensor that is a DTensor")
     if isinstance(seed, torch.Tensor):
         if seed.dtype in (torch.bool,) or seed.is_floating_point() or seed.is_complex():
             raise TypeError(f"a seed tensor must have an integer dtype, not {seed.dtype}")

@@ -38,7 +38,7 @@ import torch
 from .block.ops import block_spec_of, with_tensor_scale
 from .codec import decode_checks_codes
 from .operators import LIBRARY
-from .random import Key, host_key
+from .random import Key, host_key, replicated_piece
 from .rounding.ops import check_out_matches, checked_spec, lookup_format
 from .sharding import (
     ShardLayout,
@@ -291,9 +291,7 @@ def _count_call(cls, func, types, args, kwargs):
     from torch.distributed.tensor import DTensor
 
     (calls,) = args
-    if not all(p.is_replicate() for p in calls.placements):
-        raise ValueError(f"a FakeQuantize's call count must be Replicate, not {calls.placements}")
-    before = func(calls.to_local())
+    before = func(replicated_piece(calls, "a FakeQuantize's call count"))
     return DTensor.from_local(before, calls.device_mesh, calls.placements, run_check=False)
 
 
