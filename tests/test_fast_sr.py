@@ -1,6 +1,7 @@
 """Stochastic rounding with generated bits: seeds, the fused compiled kernel, round_."""
 
 import math
+import warnings
 from fractions import Fraction
 
 import pytest
@@ -81,6 +82,27 @@ def test_compiled_kernel_equals_eager(compiling, dtype, fmt, mode, bits):
         slow = fewbit.round(x, fmt, mode, sat=sat, **kw)
     assert torch.equal(bits_of(fast), bits_of(slow))
     assert torch.equal(bits_of(again), bits_of(slow[:-5]))
+
+
+def test_a_users_stance_against_recompiles_does_not_make_a_kernel_eager(compiling, monkeypatch):
+    """A user who sets ``fail_on_recompile`` after warming up their model still gets
+    fewbit's compiled kernel for a spec first met after that (it was marked failed, with a
+    warning, and ran eager for the rest of the process)."""
+    monkeypatch.setattr(compiled, "_CACHE", {})  # this spec's first compilation
+    monkeypatch.setattr(compiled, "_BROKEN", set())
+    x = torch.randn(fewbit.config.current().compile_threshold + 9, generator=torch.Generator().manual_seed(2))
+    with warnings.catch_warnings(record=True) as seen:  # not "error": Inductor warns of its own
+        warnings.simplefilter("always")
+        torch.compiler.set_stance("fail_on_recompile")
+        try:
+            got = [fewbit.round(x[:n], "e5m2", "src", bits=3, seed=n) for n in (len(x), len(x) - 5)]
+        finally:
+            torch.compiler.set_stance("default")
+    assert not [w for w in seen if "fewbit" in str(w.message)]
+    assert len(compiled._CACHE) == 1 and not compiled._BROKEN
+    with fewbit.configure(compile=False):
+        for g, n in zip(got, (len(x), len(x) - 5), strict=True):
+            assert torch.equal(g, fewbit.round(x[:n], "e5m2", "src", bits=3, seed=n))
 
 
 def test_config_forces_eager(eager):

@@ -191,6 +191,16 @@ def run_compiled(cache_key: tuple, kernel: Callable, run: Callable[[Callable], o
         with below_autograd():
             run(fn)
         return True
+    except Exception:  # compilers fail in many ways: each gets the one retry below
+        pass
+    # The user's stance (fail_on_recompile after a warm-up, say) refuses the first
+    # compilation of a spec as it refuses their own recompiles: no failure of fewbit's
+    # kernel, which compiles under the default stance and needs no compiling after that.
+    # Setting it costs 16 us, so only here.
+    try:
+        with torch.compiler.set_stance("default"), below_autograd():
+            run(fn)
+        return True
     except Exception as err:
         _BROKEN.add(cache_key)
         warnings.warn(f"fewbit: torch.compile failed for {spec.mode.value} to {spec.fmt.name} "
