@@ -101,6 +101,7 @@ def edge_cases(rank: int, world_size: int) -> dict:
                                       global_amax(tp) == global_amax(full)],  # fmt: skip
             "outside the mesh": lambda: [global_amax(half), tuple(nvfp4(half).to_local().shape),
                                          tuple(fewbit.round(half, "e2m1", "sr", seed=1).to_local().shape)],
+            "guard, tp with dp replicas": functools.partial(guard_on_tp_replicas, rank),
         }  # fmt: skip
     else:
         mesh = init_device_mesh("cpu", (2,))
@@ -184,6 +185,27 @@ def empty_piece_write_back(mesh, kw: dict, world: bool = True) -> list:
         opt.step()
         opt.zero_grad()
     return (w.full_tensor() if world else w).tolist()
+
+
+def guard_on_tp_replicas(rank: int) -> list[str]:
+    """Tensor parallelism on each row of a 2 x 2 (dp, tp) mesh, guard=True: a step with rank
+    3's gradients off by 0.001, then a step with the gradients alike. Each weight's mesh is
+    its row, and its copies lie on the other row."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 8), torch.nn.ReLU(), torch.nn.Linear(8, 32))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = LowPrecisionWeights(torch.optim.SGD(model.parameters(), lr=0.1), "binary8p4", "src", bits=3,
+                              guard=True)  # fmt: skip
+    steps = []
+    for off in (0.001 * (rank == 3), 0.0):
+        for p in model.parameters():
+            p.grad = p.detach() * 0.5 + off
+        steps.append(_outcome(lambda: opt.step() or "stepped"))
+    return steps
 
 
 def held_reads(mesh) -> dict[str, bool]:
@@ -648,6 +670,17 @@ def test_ops_on_a_transposed_dtensor_give_contiguous_results(runs):
     expected = fewbit.round(full.t(), "binary8p4", "sr", seed=2).view(-1).tolist()
     for r in runs[2]["edges"]:
         assert r["cases"]["transposed, viewed"] == expected
+
+
+def test_guard_compares_tensor_parallel_weights_between_data_parallel_replicas(runs):
+    """TP on each row of a (dp, tp) mesh: the guard was refused ("nothing to compare"), as the
+    weights' own mesh holds no copies, while check_in_sync compared them across the rows."""
+    for r in runs[4]["edges"]:
+        outcome = r["cases"]["guard, tp with dp replicas"]
+        assert isinstance(outcome, list), outcome  # (the refusal: a string)
+        caught, stepped = outcome
+        assert caught.startswith("ReplicaDriftError") and "differs across ranks" in caught, caught
+        assert stepped == "stepped"
 
 
 def test_ranks_outside_the_mesh_get_empty_pieces(runs):

@@ -34,7 +34,7 @@ from .config import as_flag, configure, current
 from .formats import FloatFormat
 from .operators import is_plain
 from .random import Key, as_key, fold_in
-from .replicas import SeedPolicy, assert_identical_inputs, replica_key, world
+from .replicas import SeedPolicy, assert_identical_inputs, check_in_sync, replica_key, world
 from .rounding import RoundMode, dtype_format
 from .rounding.checks import check_bits, check_holds, scalar_args
 from .rounding.foreach import round_foreach_
@@ -258,7 +258,10 @@ class LowPrecisionWeights:
         self._check(self.names, self.params)
         #: Where each rank's piece of each parameter lies in the full tensor.
         self._layouts = [layout(p) for p in self.params]
-        if guard and world()[1] > 1 and all(is_dtensor(p) and replica_count(p) == 1 for p in self.params):
+        if guard and world()[1] > 1 and all(is_dtensor(p) and replica_count(p) == 1 for p in self.params) \
+                and len(check_in_sync(self.params).unchecked) == len(self.params):
+            # (Copies may lie outside a weight's own mesh: TP on one row of a dp x tp mesh. The
+            # ranks say, as the guard will; asked only where no weight's mesh holds a copy.)
             raise ValueError("guard=True has nothing to compare: every selected weight is sharded and "
                              "no two ranks hold the same piece (FSDP without replication); use HSDP "
                              "or drop guard")  # fmt: skip
