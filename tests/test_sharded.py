@@ -34,7 +34,7 @@ from fewbit.nn import FakeQuantize, Quant, fake_quantize
 from fewbit.optim import LowPrecisionWeights
 from fewbit.random import Key, fold_in, random_bits
 from fewbit.replicas import check_in_sync, drift_report, replica_key
-from fewbit.sharding import Runs, ShardLayout, global_amax, tensor_scales
+from fewbit.sharding import Runs, ShardLayout, global_amax, layout, tensor_scales
 
 STEPS, SAVE_AT, EVERY = 50, 25, 5
 HSDP_STEPS = 20
@@ -102,6 +102,7 @@ def edge_cases(rank: int, world_size: int) -> dict:
             "outside the mesh": lambda: [global_amax(half), tuple(nvfp4(half).to_local().shape),
                                          tuple(fewbit.round(half, "e2m1", "sr", seed=1).to_local().shape)],
             "guard, tp with dp replicas": functools.partial(guard_on_tp_replicas, rank),
+            "tp and fsdp2, an empty piece of another shape": functools.partial(tp_fsdp_empty_pieces, True),
         }  # fmt: skip
     else:
         mesh = init_device_mesh("cpu", (2,))
@@ -206,6 +207,30 @@ def guard_on_tp_replicas(rank: int) -> list[str]:
             p.grad = p.detach() * 0.5 + off
         steps.append(_outcome(lambda: opt.step() or "stepped"))
     return steps
+
+
+def tp_fsdp_empty_pieces(world: bool) -> list:
+    """A row-parallel Linear(1, 32) on each row of a 2 x 2 (dp, tp) mesh, FSDP2 over the dp
+    columns, after three steps of LowPrecisionWeights: its weight's piece on this rank and
+    where that lies (``world=False``: one process's whole weight). Ranks 1 and 3 hold
+    pieces of shape (0, 0) where the placements say (16, 0); they refused them alone."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 1), torch.nn.Linear(1, 32))
+    if world:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+    opt = LowPrecisionWeights(torch.optim.SGD(model.parameters(), lr=1.0), "binary8p4", "src", bits=3)
+    for step in range(3):
+        for p in model.parameters():
+            p.grad = p.detach() * 0.37 + 0.01 * (step + 1)
+        opt.step()
+    w = model[1].weight.detach()
+    return [list(layout(w).offset), (w.to_local() if world else w).tolist()]
 
 
 def held_reads(mesh) -> dict[str, bool]:
@@ -681,6 +706,16 @@ def test_guard_compares_tensor_parallel_weights_between_data_parallel_replicas(r
         caught, stepped = outcome
         assert caught.startswith("ReplicaDriftError") and "differs across ranks" in caught, caught
         assert stepped == "stepped"
+
+
+def test_an_empty_piece_of_another_empty_shape_is_taken_on_every_rank(runs):
+    _, whole = tp_fsdp_empty_pieces(False)
+    outcomes = [r["cases"]["tp and fsdp2, an empty piece of another shape"] for r in runs[4]["edges"]]
+    assert all(isinstance(o, list) for o in outcomes), outcomes  # (a refusal: a string)
+    assert [len(piece) for _, piece in outcomes] == [16, 0, 16, 0]
+    for (row, col), piece in outcomes:
+        columns = len(piece[0]) if piece else 0
+        assert piece == [v[col:col + columns] for v in whole[row:row + len(piece)]]
 
 
 def test_ranks_outside_the_mesh_get_empty_pieces(runs):

@@ -243,6 +243,11 @@ def layout(t: torch.Tensor, piece: torch.Tensor | None = None) -> ShardLayout:
         _check_strided(t)
         where = _LAYOUTS[key] = ShardLayout(shape, *(torch_offsets(t) or placement_offsets(t)))
     actual = tuple((t.to_local() if piece is None else piece).shape)
+    if where.local_shape != actual and math.prod(actual) == where.numel == 0:
+        # An empty piece has no index to misplace, whatever its empty shape: FSDP2's chunk of
+        # TP's empty (32, 0) piece is (0, 0) where the placements say (16, 0). Refused on its
+        # ranks alone, the others waited in their next collective.
+        return ShardLayout(shape, actual, where.offset)
     if where.local_shape != actual:
         raise RuntimeError(f"a DTensor of shape {shape} with placements {t.placements} holds a local "
                            f"tensor of shape {actual}, not {where.local_shape}: fewbit cannot tell its "
