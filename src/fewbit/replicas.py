@@ -321,7 +321,8 @@ def assert_identical_inputs(named: list[tuple[str, torch.Tensor]], group=None) -
 
 def rank_order_mean_hook(process_group, bucket):  # no annotation: DDP checks it, and ours are strings
     """A DDP communication hook (``ddp.register_comm_hook(None, rank_order_mean_hook)``):
-    the mean of the ranks' gradients, each element summed in rank order.
+    the mean of the ranks' gradients, each element summed in rank order. Its state is the
+    process group (None: the world), so a DDP on a sub-group registers it with that group.
 
     With more than two ranks a sum's rounding depends on its order, and a ring
     all-reduce orders each element by where it falls in the bucket. DDP lays its buckets
