@@ -179,7 +179,10 @@ class Key:
         ``__init__``: keys are made at every call with a seed, and those checks and the
         frozen class's setattr took over a microsecond of it."""
         key = object.__new__(cls)
-        key.__dict__.update(k0=k0, k1=k1)  # past the frozen setattr, as the dataclass __init__ goes
+        # Past the frozen setattr, as __post_init__ goes (Dynamo before torch 2.13 cannot
+        # trace __dict__.update, 10 ns faster).
+        object.__setattr__(key, "k0", k0)
+        object.__setattr__(key, "k1", k1)
         return key
 
     def tensors(
