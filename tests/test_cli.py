@@ -802,14 +802,17 @@ def test_a_bad_out_is_refused_before_any_work(capsys, tmp_path, monkeypatch, arg
 
 def test_without_matplotlib_scaled_demo_writes_its_csv_and_bias_refuses_figures(capsys, tmp_path,
                                                                                 monkeypatch):
-    from fewbit.experiments import scaled_demo
+    from fewbit.experiments import scaled_demo, sweep
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    monkeypatch.setattr(sweep, "_UNDRAWN", set())  # (each plot is named once a process)
     (tmp_path / "scaled_demo.png").write_bytes(b"an earlier run's plot")
     written = scaled_demo.write({"fp32": [(0, 4.5), (1, 4.25)], "fp16": [(0, 4.5), (1, 4.5)]}, tmp_path)
     assert written == [tmp_path / "scaled_demo.csv"] and not (tmp_path / "scaled_demo.png").exists()
     rows = (tmp_path / "scaled_demo.csv").read_text().splitlines()
     assert rows == ["step,fp32,fp16", "0,4.5,4.5", "1,4.25,4.5"]
+    assert capsys.readouterr().err.endswith("scaled_demo.png not drawn: matplotlib is not installed "
+                                            "(pip install 'fewbit[plot]')\n")  # fmt: skip
     code, out, err = run(capsys, "bias", "--figure", "1", "--samples", "2", "--out", str(tmp_path))
     assert (code, out) == (2, "")
     assert err == "fewbit: error: --figure draws with matplotlib: pip install 'fewbit[plot]'\n"

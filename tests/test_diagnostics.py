@@ -200,10 +200,14 @@ def test_ratchet_cli_writes_its_table_and_plot(tmp_path, capsys):
     assert (tmp_path / "ratchet.png").stat().st_size > 10_000
 
 
-def test_without_matplotlib_an_earlier_plot_is_removed_not_left_beside_new_csvs(tmp_path, monkeypatch):
+def test_without_matplotlib_an_earlier_plot_is_removed_not_left_beside_new_csvs(tmp_path, monkeypatch,
+                                                                                capsys):
+    """... and each plot not drawn is named once, with what to install (it was skipped in
+    silence, while the README and --help promise it)."""
     from fewbit.experiments import sweep
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    monkeypatch.setattr(sweep, "_UNDRAWN", set())
     stale = [tmp_path / name for name in ("ratchet.png", "srf.png", "srf_diagnostics.png")]
     for path in stale:
         path.write_bytes(b"an earlier run's plot")
@@ -212,7 +216,11 @@ def test_without_matplotlib_an_earlier_plot_is_removed_not_left_beside_new_csvs(
     assert [p.name for p in written] == ["ratchet.csv", "ratchet_summary.csv"]
     # The sweeps' plots (fewbit train), as their write_outputs draws them.
     assert sweep.plot([], stale[1], "srf") is False and sweep.plot_diagnostics([], stale[2], "srf") is False
+    assert sweep.plot([], stale[1], "srf") is False  # (a sweep draws again as runs finish)
     assert not any(path.exists() for path in stale)
+    said = capsys.readouterr().err.splitlines()
+    assert said == [f"fewbit: {p.name} not drawn: matplotlib is not installed (pip install 'fewbit[plot]')"
+                    for p in stale]
 
 
 def test_gpu_presets_say_so_without_a_gpu(capsys):

@@ -513,14 +513,21 @@ def format_summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+_UNDRAWN: set[str] = set()  # the plots said to be skipped, each said once a process
+
+
 def pyplot(path: Path):
     """matplotlib's pyplot drawing to files (the Agg backend), to draw ``path``; or None
     without matplotlib (an optional dependency), ``path`` removed: a plot of earlier runs
-    must not sit beside the new data as if it drew them."""
+    must not sit beside the new data as if it drew them. The CSVs are written either way."""
     try:
         import matplotlib
     except ImportError:
         path.unlink(missing_ok=True)
+        if path.name not in _UNDRAWN:
+            _UNDRAWN.add(path.name)
+            print(f"fewbit: {path.name} not drawn: matplotlib is not installed (pip install 'fewbit[plot]')",
+                  file=sys.stderr, flush=True)  # fmt: skip
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
