@@ -53,6 +53,26 @@ from .rounding import round as fewbit_round
 if TYPE_CHECKING:
     from .block import BlockTensor
 
+#: The gfloat releases whose API the comparison calls (the tests pin one of them).
+GFLOAT_SERIES = "0.5"
+
+
+def check_gfloat() -> None:
+    """Raise ValueError, saying how to get it, where the comparison with gfloat (a test
+    dependency, not one of the library's) cannot run here."""
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec("gfloat") is None:
+        why = "which is not installed"
+    elif (found := importlib.metadata.version("gfloat")).split(".")[:2] != GFLOAT_SERIES.split("."):
+        why = f"and {found} is installed"  # (0.4's format_info_p3109 takes one argument)
+    else:
+        return
+    raise ValueError(f"the bench compares with gfloat {GFLOAT_SERIES}, {why}: pip install "
+                     f"'gfloat=={GFLOAT_SERIES}.*', or leave it out (--no-gfloat)")
+
+
 TARGETS = ["binary8p4", "ocp_e4m3", "ocp_e5m2", "ocp_e2m1", "bfloat16"]
 SR_MODES = ["srff", "srf", "src"]
 BITS = [2, 3, 4, 8]
@@ -149,6 +169,8 @@ def run(
     ``block`` adds the block-format rows (:func:`block_rows`). On a GPU the whole run has
     ``device`` as the current device: the waits, and :func:`device_ratio`'s events (recorded
     on the current stream), are then those of ``device`` (cuda:1, say), where the calls run."""
+    if with_gfloat and torch.device(device).type == "cpu":
+        check_gfloat()  # (before a row is timed)
     rows = []
 
     def measure(sync: Callable[[], None]) -> list[dict]:

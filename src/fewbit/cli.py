@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import importlib.util
 import math
 import os
 import re
@@ -244,9 +243,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          f"{bench.BLOCK_LOG2_ROW} or more, got {args.log2_size}")  # fmt: skip
     # Refused before anything is allocated: the allowed sizes reach beyond most machines.
     gfloat = not args.no_gfloat and device.type == "cpu"
-    if gfloat and importlib.util.find_spec("gfloat") is None:
-        raise ValueError("the bench compares with gfloat, which is not installed: pip install 'fewbit[dev]', "
-                         "or pass --no-gfloat")
+    if gfloat:
+        bench.check_gfloat()
     needed, memory = bench.bytes_held(args.log2_size, gfloat, args.quick), bench.memory_bytes(device)
     if needed > memory:
         raise ValueError(f"--log2-size {args.log2_size}: the run holds about {needed / 2**30:.1f} GiB at once"
