@@ -144,11 +144,12 @@ def test_bench_json_rows(capsys, monkeypatch, device):
     assert {"eager_x_copy", "x_gfloat", "randint_fed_x_copy"} <= set(f32[("src", 3)])
 
 
-def test_bench_block_rows(capsys):
+def test_bench_block_rows(capsys, monkeypatch):
     """`fewbit bench --block`: quantize and round rows for mxfp8_e4m3, mxfp4, nvfp4 with RNE and SRC N=3,
     from float32 and bfloat16."""
     import json
 
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # (the progress line is for a terminal)
     code, out, err = run(capsys, "bench", "--quick", "--block", "--log2-size", "12", "--repeat", "1",
                          "--json")  # fmt: skip
     assert code == 0
@@ -320,6 +321,8 @@ def test_bench_interrupted_says_so_on_a_line_of_its_own(capsys, monkeypatch):
 
     monkeypatch.setattr(bench, "run", interrupted)
     monkeypatch.setattr(bench, "last_level_cache_bytes", lambda: None)  # no cache note
+    assert run(capsys, "bench", "--no-gfloat", "--log2-size", "24") == (130, "", "fewbit: interrupted\n")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal: the progress line, then
     code, out, err = run(capsys, "bench", "--no-gfloat", "--log2-size", "24")
     assert (code, out) == (130, "")
     assert err.startswith("\r[1] float32 -> binary8p4 src N=3 ") and err.endswith(" \nfewbit: interrupted\n")
@@ -384,6 +387,7 @@ def test_bench_rows_printed_before_an_interruption_stay_printed(capsys, monkeypa
 
     monkeypatch.setattr(bench, "run", interrupted)
     monkeypatch.setattr(bench, "last_level_cache_bytes", lambda: None)  # no cache note
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     code, out, err = run(capsys, "bench", "--no-gfloat", "--log2-size", "24")
     assert (code, out) == (130, bench.format_table([row]) + "\n")
     first = f"[1] {'float32 -> memory copy_':60}"

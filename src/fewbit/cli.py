@@ -258,6 +258,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     def progress(label: str) -> None:
         nonlocal step, shown
         step += 1
+        if not sys.stderr.isatty():  # a log file or a pipe: its carriage returns would be clutter
+            return
         shown = f"\r[{step}] {label:60}"
         print(shown, end="", file=sys.stderr, flush=True)
 
