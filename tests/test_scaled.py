@@ -2386,18 +2386,15 @@ def test_reductions_that_pick_an_element_of_an_empty_tensor_give_its_shape():
 
 
 def test_private_ops_registered_where_present_are_there_in_this_torch():
-    """The rules of aten ops younger than torch 2.4 are registered only where torch has the op
-    (import failed otherwise). Each op torch has has its rule; from torch 2.11, the oldest
-    fewbit has run on (GPU runs; CI runs 2.13), each must be there, or torch renamed one
-    and its rule went quietly missing."""
+    """The rules of private aten ops are registered only where torch has the op (a torch
+    that drops one must still import fewbit). Every torch fewbit takes has them, each with
+    its rule: a torch that renamed one fails here, not with its rule quietly missing."""
     import fewbit.scaled.fsdp  # noqa: F401  (registers chunk_cat's rule)
     from fewbit.scaled.tensor import RULES
 
-    tested = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 11)
     for namespace, name in ((torch.ops.aten, "_safe_softmax"), (torch.ops.aten, "_fused_rms_norm"),
                             (torch.ops.aten, "_fused_rms_norm_backward"), (torch.ops.fsdp, "chunk_cat")):
-        assert hasattr(namespace, name) or not tested, name
-        assert not hasattr(namespace, name) or getattr(namespace, name) in RULES, name
+        assert hasattr(namespace, name) and getattr(namespace, name) in RULES, name
 
 
 _WITHOUT_ALIASING_FIX = """

@@ -114,9 +114,10 @@ def edge_cases(rank: int, world_size: int) -> dict:
                                        stride=(32, 1))  # fmt: skip
         partial = DTensor.from_local(torch.ones(2), mesh, [Partial()])
         others = {"a": torch.ones(2), **({"b": torch.ones(2)} if rank else {})}
-        viewed = distribute_tensor(full.view(8, 4, 8), mesh, [Shard(1)]).view(32, 8)
         cases = {
-            "strided view": lambda: rounded(viewed),
+            # (made in its case: torch before 2.13 refuses the view)
+            "strided view": lambda: rounded(distribute_tensor(full.view(8, 4, 8), mesh, [Shard(1)])
+                                            .view(32, 8)),
             "strided": lambda: rounded(distribute_tensor(full, mesh, [_StridedShard(0, split_factor=2)])),
             "piece not where placed": lambda: fewbit.round(misplaced, "e2m1", "sr", seed=1),
             "sync, None on one rank": lambda: check_in_sync([("w.grad", None if rank else torch.ones(3))]),

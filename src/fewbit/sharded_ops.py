@@ -305,15 +305,10 @@ RULES: dict[str, Callable] = {
 
 
 def register() -> None:
-    """Register :data:`RULES` for DTensor, where this torch has its public DTensor and
-    ``torch.library.register_torch_dispatch`` (torch 2.5 on; fewbit takes 2.4, whose
-    DTensors then get DTensor's own error for these ops)."""
-    if not (torch.distributed.is_available() and hasattr(torch.library, "register_torch_dispatch")):
+    """Register :data:`RULES` for DTensor, where this torch has torch.distributed."""
+    if not torch.distributed.is_available():
         return
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return
+    from torch.distributed.tensor import DTensor
 
     for op, rule in RULES.items():
         torch.library.register_torch_dispatch(op, DTensor, _entry(rule), lib=LIBRARY)
