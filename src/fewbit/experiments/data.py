@@ -146,6 +146,8 @@ def _pip_failure(stderr: str) -> str:
     """What went wrong, in pip's words. pip ends an unreachable index with "No matching
     distribution found" too: its retry warnings say what really happened."""
     lines = stderr.strip().splitlines()
+    if any(line.endswith("No module named pip") for line in lines):  # a venv made without pip (uv's)
+        return "this Python has no pip: python -m ensurepip installs it"
     unreachable = [line for line in lines if "connection broken by" in line or "Could not fetch URL" in line]
     if unreachable:
         return f"pip could not reach the package index: {unreachable[-1].strip()[:300]}"
