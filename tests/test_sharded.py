@@ -131,6 +131,7 @@ def edge_cases(rank: int, world_size: int) -> dict:
             **{f"empty piece, {name}": functools.partial(empty_piece_write_back, mesh, kw)
                for name, kw in EMPTY_PIECE_CASES.items()},
             "held as codes, read": functools.partial(held_reads, mesh),
+            "guard, unlike weights": functools.partial(guard_on_unlike_weights, mesh, rank),
             # A transposed Shard(1) tensor, rounded: its pieces are contiguous, and so is the result.
             "transposed, viewed": lambda: rounded(distribute_tensor(full, mesh, [Shard(1)]).t()).view(-1)
                                           .full_tensor().tolist(),  # fmt: skip
@@ -208,6 +209,18 @@ def guard_on_tp_replicas(rank: int) -> list[str]:
             p.grad = p.detach() * 0.5 + off
         steps.append(_outcome(lambda: opt.step() or "stepped"))
     return steps
+
+
+def guard_on_unlike_weights(mesh, rank: int) -> str:
+    """guard=True where rank 0's weight is a piece and rank 1's a plain tensor: each rank
+    decided from its own weights whether to ask the others (a collective)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    full = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+    w = DTensor.from_local(full[:4], mesh, [Shard(0)], run_check=False, shape=(8, 32), stride=(32, 1))
+    w = torch.nn.Parameter(w if rank == 0 else full)
+    return _outcome(lambda: LowPrecisionWeights(torch.optim.SGD([w], lr=0.1), "binary8p4", guard=True)
+                    and "built")  # fmt: skip
 
 
 def tp_fsdp_empty_pieces(world: bool) -> list:
@@ -717,6 +730,11 @@ def test_an_empty_piece_of_another_empty_shape_is_taken_on_every_rank(runs):
     for (row, col), piece in outcomes:
         columns = len(piece[0]) if piece else 0
         assert piece == [v[col:col + columns] for v in whole[row:row + len(piece)]]
+
+
+def test_guard_on_weights_unlike_across_ranks_is_refused_on_every_rank(runs):
+    outcomes = [r["cases"]["guard, unlike weights"] for r in runs[2]["edges"]]
+    assert all(o.startswith("ValueError: guard=True has nothing to compare") for o in outcomes), outcomes
 
 
 def test_ranks_outside_the_mesh_get_empty_pieces(runs):

@@ -49,7 +49,6 @@ from .sharding import (
     piece_randomness,
     quantize_range,
     refuse_alike,
-    replica_count,
     round_range,
     tensor_scales,
 )  # fmt: skip
@@ -200,7 +199,8 @@ class LowPrecisionWeights:
             gradient agree (the invariant identical rounding needs); raise
             ``fewbit.replicas.ReplicaDriftError`` naming the first that does not. Sharded
             weights are compared between the ranks that hold the same piece (HSDP's
-            replicas); under pure sharding no two do, and guard=True is refused.
+            replicas); under pure sharding no two do, and guard=True is refused (the ranks
+            are asked: a collective at construction).
 
     Parameters may be DTensors (FSDP2's ``fully_shard``, HSDP, any Shard/Replicate
     placement, uneven shards): each rank rounds its own piece with the bits of the
@@ -258,10 +258,10 @@ class LowPrecisionWeights:
         self._check(self.names, self.params)
         #: Where each rank's piece of each parameter lies in the full tensor.
         self._layouts = [layout(p) for p in self.params]
-        if guard and world()[1] > 1 and all(is_dtensor(p) and replica_count(p) == 1 for p in self.params) \
-                and len(check_in_sync(self.params).unchecked) == len(self.params):
-            # (Copies may lie outside a weight's own mesh: TP on one row of a dp x tp mesh. The
-            # ranks say, as the guard will; asked only where no weight's mesh holds a copy.)
+        # The ranks say whether any two hold the same piece, as the guard will ask them: a copy
+        # may lie outside a weight's own mesh (TP on each row of a (dp, tp) mesh), and every
+        # rank must take the same way past this collective.
+        if guard and world()[1] > 1 and len(check_in_sync(self.params).unchecked) == len(self.params):
             raise ValueError("guard=True has nothing to compare: every selected weight is sharded and "
                              "no two ranks hold the same piece (FSDP without replication); use HSDP "
                              "or drop guard")  # fmt: skip

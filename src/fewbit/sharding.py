@@ -38,7 +38,7 @@ __all__ = [
     "PairwiseReduceScatter", "Runs", "ShardLayout", "check_cuts", "check_whole_blocks", "global_amax",
     "global_bits", "is_dtensor", "layout", "local_tensor", "map_piece", "pairwise_sum", "piece_key",
     "piece_randomness", "placement_offsets", "quantize_range", "reduce_exactly", "refuse_alike",
-    "replica_count", "replica_rank", "round_range", "sharded_by_mesh", "summed", "tensor_scales",
+    "replica_rank", "round_range", "sharded_by_mesh", "summed", "tensor_scales",
     "torch_offsets",
 ]  # fmt: skip
 
@@ -243,7 +243,7 @@ def layout(t: torch.Tensor, piece: torch.Tensor | None = None) -> ShardLayout:
         _check_strided(t)
         where = _LAYOUTS[key] = ShardLayout(shape, *(torch_offsets(t) or placement_offsets(t)))
     actual = tuple((t.to_local() if piece is None else piece).shape)
-    if where.local_shape != actual and math.prod(actual) == where.numel == 0:
+    if where.local_shape != actual and len(actual) == len(shape) and math.prod(actual) == where.numel == 0:
         # An empty piece has no index to misplace, whatever its empty shape: FSDP2's chunk of
         # TP's empty (32, 0) piece is (0, 0) where the placements say (16, 0). Refused on its
         # ranks alone, the others waited in their next collective.
@@ -553,16 +553,6 @@ def tensor_scales(tensors: list[torch.Tensor], bfmt: BlockFormat, dtype: torch.d
         for i, value in zip(at, found.unbind(), strict=True):
             amax[i] = value
     return [tensor_scale_of(p, bfmt, a, rule) for p, a in zip(pieces, amax, strict=True)]
-
-
-def replica_count(t: torch.Tensor) -> int:
-    """How many ranks hold each piece of ``t`` (the product of the mesh sizes its
-    Replicate placements span; 1 for a pure shard)."""
-    if not is_dtensor(t):
-        return 1
-    from torch.distributed.tensor import Replicate
-
-    return math.prod(t.device_mesh.size(d) for d, p in enumerate(t.placements) if isinstance(p, Replicate))
 
 
 def piece_key(t: torch.Tensor) -> int | None:
