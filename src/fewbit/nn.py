@@ -131,13 +131,13 @@ class _StraightThrough(torch.autograd.Function):
             return super(torch.autograd.Function, cls).apply(*_UNWRAP(args))
         return super().apply(*args)
 
-    # Quant.__call__(q, ...) rather than q(...): Dynamo before torch 2.13 hashes a Quant it is
-    # asked to call, and one made in the compiled code had no fields yet (an internal error).
+    # type(q).__call__(q, ...) rather than q(...): Dynamo before torch 2.13 hashes a Quant it
+    # is asked to call, and one made in the compiled code had no fields yet (an internal error).
     @staticmethod
     def forward(x, forward: Quant | None, backward: Quant | None, key: Key | torch.Tensor | None):
         if forward is None:
             return x.clone()
-        return Quant.__call__(forward, x, None if key is None else fold_in(key, _FORWARD))
+        return type(forward).__call__(forward, x, None if key is None else fold_in(key, _FORWARD))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -148,7 +148,7 @@ class _StraightThrough(torch.autograd.Function):
         q, key = ctx.backward_quant, ctx.key
         if q is None:
             return grad, None, None, None
-        out = Quant.__call__(q, grad.contiguous(), None if key is None else fold_in(key, _BACKWARD))
+        out = type(q).__call__(q, grad.contiguous(), None if key is None else fold_in(key, _BACKWARD))
         return out, None, None, None
 
 
