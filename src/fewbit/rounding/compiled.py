@@ -196,7 +196,8 @@ def run_compiled(cache_key: tuple, kernel: Callable, run: Callable[[Callable], o
     # The user's stance (fail_on_recompile after a warm-up, say) refuses the first
     # compilation of a spec as it refuses their own recompiles: no failure of fewbit's
     # kernel, which compiles under the default stance and needs no compiling after that.
-    # Setting it costs 16 us, so only here.
+    # Setting it costs 16 us, so only here; a real failure (no C++ compiler) is met twice,
+    # once a spec (2 s more here).
     try:
         with torch.compiler.set_stance("default"), below_autograd():
             run(fn)
