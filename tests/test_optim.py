@@ -725,6 +725,10 @@ def test_bad_input():
         LowPrecisionWeights(opt, "binary16", "rne", update_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="not among the optimizer's parameters"):
         LowPrecisionWeights(opt, FMT, params=[torch.nn.Parameter(torch.ones(2, 2))])
+    with pytest.raises(ValueError, match="give guard=True with it"):
+        LowPrecisionWeights(opt, FMT, guard_group=object())
+    with pytest.raises(TypeError, match="guard_group must be a torch.distributed.ProcessGroup .*not object"):
+        LowPrecisionWeights(opt, FMT, guard=True, guard_group=object())
     # A tensor, a dict or a set iterated gives rows, names or an order of its own each run.
     for params in (m[0].weight, dict(m.named_parameters()), {m[0].weight},
                    torch.nn.ParameterDict({"w": m[0].weight})):  # fmt: skip

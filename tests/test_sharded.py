@@ -103,6 +103,7 @@ def edge_cases(rank: int, world_size: int) -> dict:
                                          tuple(fewbit.round(half, "e2m1", "sr", seed=1).to_local().shape)],
             "guard, tp with dp replicas": functools.partial(guard_on_tp_replicas, rank),
             "tp and fsdp2, an empty piece of another shape": functools.partial(tp_fsdp_empty_pieces, True),
+            "guard, pipeline stages": functools.partial(guard_on_pipeline_stages, rank),
         }  # fmt: skip
     else:
         mesh = init_device_mesh("cpu", (2,))
@@ -209,6 +210,35 @@ def guard_on_tp_replicas(rank: int) -> list[str]:
             p.grad = p.detach() * 0.5 + off
         steps.append(_outcome(lambda: opt.step() or "stepped"))
     return steps
+
+
+def guard_on_pipeline_stages(rank: int) -> list:
+    """Two pipeline stages of two data-parallel ranks each (ranks 0 and 1 hold the first
+    Linear, 2 and 3 the second), guard=True compared across the world (the weights named,
+    then by their place), then within each stage's group: a step with rank 3's gradient
+    off by 0.001 and a step with them alike; and whether a deep copy shares the group."""
+    import copy
+
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # (every rank makes every group)
+    torch.manual_seed(0)
+    stage = torch.nn.Sequential(torch.nn.Linear(32, 8), torch.nn.Linear(8, 32))[rank // 2]
+    stage.weight.grad = stage.weight.detach() * 0.5
+    named = [(f"{rank // 2}.weight", stage.weight)]
+
+    def wrapped(**kw):
+        return LowPrecisionWeights(torch.optim.SGD(stage.parameters(), lr=0.1), "binary8p4", "src", bits=3,
+                                   guard=True, **kw)  # fmt: skip
+
+    outcomes = [_outcome(lambda: wrapped(params=named) and "built"),
+                _outcome(lambda: wrapped().step() or "stepped"),
+                _outcome(lambda: wrapped(guard_group=groups[1 - rank // 2]) and "built")]  # fmt: skip
+    opt = wrapped(params=named, guard_group=groups[rank // 2])
+    for off in (0.001 * (rank == 3), 0.0):
+        stage.weight.grad = stage.weight.detach() * 0.5 + off
+        outcomes.append(_outcome(lambda: opt.step() or "stepped"))
+    return [*outcomes, copy.deepcopy(opt).guard_group is opt.guard_group]
 
 
 def guard_on_unlike_weights(mesh, rank: int) -> str:
@@ -720,6 +750,27 @@ def test_guard_compares_tensor_parallel_weights_between_data_parallel_replicas(r
         caught, stepped = outcome
         assert caught.startswith("ReplicaDriftError") and "differs across ranks" in caught, caught
         assert stepped == "stepped"
+
+
+def test_the_guard_compares_each_pipeline_stage_within_its_guard_group(runs):
+    """Pipeline stages hold other weights: compared across the world, the guard refused them
+    named (at construction, on every rank alike) and took them for drifted copies by their
+    places; with each stage's group it compares the stage's copies alone, so rank 3's drift
+    stops the second stage and not the first. The other stage's group is refused (it would
+    compare this rank with no one)."""
+    outcomes = [r["cases"]["guard, pipeline stages"] for r in runs[4]["edges"]]
+    assert all(isinstance(o, list) for o in outcomes), outcomes  # (an error outside the cases: a string)
+    for rank, (named, placed, elsewhere, first, second, shared) in enumerate(outcomes):
+        assert named.startswith("ReplicaDriftError: ranks hold different sets of tensors"), named
+        assert "pipeline stages" in named, named
+        assert placed.startswith("ReplicaDriftError: param 0 differs across ranks"), placed
+        assert "guard_group" in placed, placed
+        assert elsewhere.startswith("ValueError: guard_group does not hold this rank"), elsewhere
+        if rank < 2:
+            assert first == "stepped"
+        else:
+            assert first.startswith("ReplicaDriftError: 1.weight.grad differs across ranks"), first
+        assert second == "stepped" and shared is True
 
 
 def test_an_empty_piece_of_another_empty_shape_is_taken_on_every_rank(runs):

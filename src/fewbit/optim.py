@@ -15,6 +15,7 @@ the full weights do not depend on the number of ranks or the placement.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 import warnings
@@ -201,6 +202,9 @@ class LowPrecisionWeights:
             weights are compared between the ranks that hold the same piece (HSDP's
             replicas); under pure sharding no two do, and guard=True is refused (the ranks
             are asked: a collective at construction).
+        guard_group: the ranks the guard compares, a ``torch.distributed`` process group
+            (None: the whole world). Under pipeline parallelism each stage holds other
+            weights: give the stage's data-parallel group.
 
     Parameters may be DTensors (FSDP2's ``fully_shard``, HSDP, any Shard/Replicate
     placement, uneven shards): each rank rounds its own piece with the bits of the
@@ -229,6 +233,7 @@ class LowPrecisionWeights:
         store_codes: bool = False,
         policy: SeedPolicy | str = SeedPolicy.IDENTICAL,
         guard: bool = False,
+        guard_group: torch.distributed.ProcessGroup | None = None,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
@@ -251,7 +256,9 @@ class LowPrecisionWeights:
         self.scale = scale
         self.store_codes = store_codes
         self.policy = SeedPolicy(policy)
+        _check_guard_group(guard, guard_group)
         self.guard = guard
+        self.guard_group = guard_group
         self.names, self.params = self._select(params)
         if not self.params:
             raise ValueError("no parameters selected: pass params=")
@@ -261,7 +268,9 @@ class LowPrecisionWeights:
         # The ranks say whether any two hold the same piece, as the guard will ask them: a copy
         # may lie outside a weight's own mesh (TP on each row of a (dp, tp) mesh), and every
         # rank must take the same way past this collective.
-        if guard and world()[1] > 1 and len(check_in_sync(self.params).unchecked) == len(self.params):
+        named = list(zip(self.names, self.params, strict=True))
+        unchecked = guard and world(guard_group)[1] > 1 and check_in_sync(named, guard_group).unchecked
+        if unchecked and len(unchecked) == len(named):
             raise ValueError("guard=True has nothing to compare: every selected weight is sharded and "
                              "no two ranks hold the same piece (FSDP without replication); use HSDP "
                              "or drop guard")  # fmt: skip
@@ -290,6 +299,14 @@ class LowPrecisionWeights:
         #: in ``state_dict``): one that does not skipped the rounding (``_stepped_alone``).
         self._stepping = False
         self._watch_inner_steps()  # (last: a refused wrapper leaves none)
+
+    def __deepcopy__(self, memo: dict) -> LowPrecisionWeights:
+        # A process group is a handle on the ranks' communicators (and cannot be copied):
+        # a copy of the wrapper shares it.
+        memo[id(self.guard_group)] = self.guard_group
+        copied = memo[id(self)] = type(self).__new__(type(self))
+        copied.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return copied
 
     def __setstate__(self, state: dict) -> None:
         # (copy.deepcopy, pickle: torch's Optimizer drops its hooks on the way)
@@ -471,7 +488,7 @@ class LowPrecisionWeights:
         if self.guard:
             assert_identical_inputs(
                 [(f"{name}{part}", t) for name, p in zip(self.names, self.params, strict=True)
-                 for part, t in (("", p), (".grad", p.grad)) if t is not None]
+                 for part, t in (("", p), (".grad", p.grad)) if t is not None], self.guard_group
             )  # fmt: skip
         with self._inner_step():
             loss = self.optimizer.step(closure)
@@ -759,6 +776,23 @@ class LowPrecisionWeights:
             with self._inner_step():
                 set_optimizer_state_dict(model, self.optimizer, state["optimizer"])
         self.steps = steps
+
+
+def _check_guard_group(guard: bool, group) -> None:
+    """Refuse a guard_group the guard could not compare within (before any collective)."""
+    if group is None:
+        return
+    if not guard:
+        raise ValueError("guard_group is the ranks guard=True compares: give guard=True with it")
+    # torch's new_group gives the ranks outside the group an int; get_rank, -1 for a group
+    # of others. Either way the guard would compare this rank with no one.
+    if group == torch.distributed.GroupMember.NON_GROUP_MEMBER or (
+            isinstance(group, torch.distributed.ProcessGroup) and world(group)[0] < 0):  # fmt: skip
+        raise ValueError("guard_group does not hold this rank: give each rank the group of the ranks that "
+                         "hold copies of its weights")  # fmt: skip
+    if not isinstance(group, torch.distributed.ProcessGroup):
+        raise TypeError(f"guard_group must be a torch.distributed.ProcessGroup (a DeviceMesh's: "
+                        f"mesh.get_group()), not {type(group).__name__}")  # fmt: skip
 
 
 def _plain(config: dict) -> dict:

@@ -215,7 +215,9 @@ def _check_same_names(names: list[str], group, size: int) -> None:
             differences.append(f"rank {r} {' and '.join(said)}")
     if not differences:
         raise ReplicaDriftError("ranks hold the same tensors in different orders")
-    raise ReplicaDriftError(f"ranks hold different sets of tensors: beside rank 0, {'; '.join(differences)}")
+    raise ReplicaDriftError(f"ranks hold different sets of tensors: beside rank 0, {'; '.join(differences)} "
+                            "(where ranks hold other weights by design, as pipeline stages do, compare "
+                            "each set's holders alone: a process group of them)")  # fmt: skip
 
 
 #: The signed integer dtype of each float dtype's width whose sign-magnitude bits _ordered
@@ -315,7 +317,8 @@ def assert_identical_inputs(named: list[tuple[str, torch.Tensor]], group=None) -
     if not result:
         raise ReplicaDriftError(
             f"{result.first} differs across ranks before the identical-seed weight update "
-            f"(all differing: {', '.join(result.differing)}); was its gradient all-reduced?"
+            f"(all differing: {', '.join(result.differing)}); was its gradient all-reduced? (Ranks whose "
+            "weights differ by design, as pipeline stages' do, are compared within a guard_group.)"
         )
 
 
