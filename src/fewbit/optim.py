@@ -786,7 +786,7 @@ def _check_guard_group(guard: bool, group) -> None:
         raise ValueError("guard_group is the ranks guard=True compares: give guard=True with it")
     # torch's new_group gives the ranks outside the group an int; get_rank, -1 for a group
     # of others. Either way the guard would compare this rank with no one.
-    if group == torch.distributed.GroupMember.NON_GROUP_MEMBER or (
+    if (isinstance(group, int) and group == torch.distributed.GroupMember.NON_GROUP_MEMBER) or (
             isinstance(group, torch.distributed.ProcessGroup) and world(group)[0] < 0):  # fmt: skip
         raise ValueError("guard_group does not hold this rank: give each rank the group of the ranks that "
                          "hold copies of its weights")  # fmt: skip
