@@ -329,6 +329,7 @@ def runs(tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
             "nvfp4 shard1, codes": replace(NVFP4, placement=1, store_codes=True),
             "scalified": replace(SCALIFIED, placement=1),
             "shard1": ShardedRun(steps=STEPS, hash_every=EVERY, placement=1),
+            "hsdp": ShardedRun(steps=STEPS, until=HSDP_STEPS, hash_every=EVERY, hsdp=True, guard=True),
             "resumed": ShardedRun(steps=STEPS, hash_every=EVERY, checkpoint_dir=ckpt, resume=True),
             "codes": ShardedRun(steps=STEPS, until=10, hash_every=EVERY, store_codes=True),
             "scaled": ShardedRun(steps=STEPS, until=10, hash_every=EVERY, scale=True, placement=1),
@@ -367,13 +368,16 @@ def test_checkpoint_saved_on_4_ranks_resumes_on_2_bit_for_bit(single, runs):
     assert_bits_equal(resumed[0]["weights"], single["weights"])
 
 
-def test_hsdp_replicas_stay_in_sync_and_equal_one_process(single, runs):
-    results = runs[4]["hsdp"]
+@pytest.mark.parametrize("world", [4, 2])
+def test_hsdp_replicas_stay_in_sync_and_equal_one_process(single, runs, world):
+    """On 2 ranks the mesh is (2, 1), shard groups of one rank, where FSDP2 divided the
+    gradient twice and the replicas, in sync, all differed from one process."""
+    results = runs[world]["hsdp"]
     for r in results:
         assert [e["step"] for e in r["log"]] == list(range(1, HSDP_STEPS + 1))
         assert all(e["in_sync"] for e in r["log"]), r["log"]
         assert r["hashes"] == single["hashes"][: HSDP_STEPS // EVERY]
-    assert r["log"][-1]["status"].startswith("in sync: 17 tensors on 4 ranks")
+    assert r["log"][-1]["status"].startswith(f"in sync: 17 tensors on {world} ranks")
 
 
 def test_hsdp_update_keyed_with_the_rank_is_caught_naming_the_tensor(runs):
@@ -1025,3 +1029,33 @@ def test_reduce_exactly_refuses_a_model_nothing_shards():
 
     with pytest.raises(ValueError, match="no module of the model is sharded"):
         reduce_exactly(torch.nn.Linear(2, 2), 4)
+
+
+_ONE_RANK_SHARD_GROUPS = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from fewbit.sharding import reduce_exactly
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+for names in (("shard",), ("replicate", "shard")):  # FSDP2 on one rank; HSDP: one replica of one shard
+    net = torch.nn.Linear(4, 4, bias=False)
+    fully_shard(net, mesh=init_device_mesh("cpu", (1,) * len(names), mesh_dim_names=names))
+    reduce_exactly(net, 4)
+    net(torch.ones(1, 4)).sum().backward()  # each weight's gradient: 1
+    print(*net.weight.grad.full_tensor().unique().tolist())
+    del net
+dist.destroy_process_group()
+"""
+
+
+def test_reduce_exactly_divides_once_where_a_shard_group_has_one_rank(tmp_path):
+    """FSDP2 divided the sum twice where the shard group has one rank (torch 2.13's copy for
+    one rank divides, and so does the division after it): reduce_exactly(model, 4) on one
+    rank gave 1/16 for 1/4, silently, and so did HSDP on an (R, 1) mesh."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _ONE_RANK_SHARD_GROUPS, str(tmp_path / "store")],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["0.25", "0.25"]

@@ -624,17 +624,37 @@ def reduce_exactly(model: torch.nn.Module, divide_by: float) -> None:
     one division of the sum by ``divide_by`` (the micro-batches a step adds; exact for a
     power of two). FSDP2's own setters reach only the module they are called on: a model
     sharded block by block and then as a whole, given them at the root alone, averaged its
-    blocks' gradients by torch's collective, in another order on another number of ranks."""
+    blocks' gradients by torch's collective, in another order on another number of ranks.
+
+    The division is the module's all-reduce hook (``set_all_reduce_hook``; one set before
+    is replaced), with FSDP2's own switched off: where a module's shard group has one rank
+    (FSDP2 on one rank, HSDP on an (R, 1) mesh) torch 2.13 divides the sum twice. Under
+    HSDP the sum across replicas is torch's all-reduce: one exact addition for two
+    replicas, in the collective's order for more."""
     from torch.distributed.fsdp import FSDPModule
 
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not sharded:
         raise ValueError("reduce_exactly: no module of the model is sharded (fully_shard it first)")
-    setters = ("set_custom_reduce_scatter", "set_force_sum_reduction_for_comms", "set_gradient_divide_factor")
+    setters = ("set_custom_reduce_scatter", "set_force_sum_reduction_for_comms", "set_gradient_divide_factor",
+               "set_all_reduce_hook")  # fmt: skip
     if missing := [name for name in setters if not hasattr(FSDPModule, name)]:  # (before any is set)
         raise RuntimeError(f"reduce_exactly needs FSDP2's {', '.join(missing)}, which torch "
                            f"{torch.__version__} lacks")  # fmt: skip
+    divide = functools.partial(_divide_in_place, by=float(divide_by))
+    for i, m in enumerate(sharded):  # (first, as the one setter that can refuse a module)
+        try:
+            m.set_all_reduce_hook(divide)
+        except ValueError as err:  # several parameter groups (meshes per parameter)
+            for earlier in sharded[:i]:
+                earlier.set_all_reduce_hook(None)  # (FSDP2's default: no hook)
+            raise ValueError(f"reduce_exactly divides in FSDP2's all-reduce hook, which a module refused: "
+                             f"{err}") from err  # fmt: skip
     for m in sharded:
         m.set_custom_reduce_scatter(PairwiseReduceScatter())
         m.set_force_sum_reduction_for_comms(True)
-        m.set_gradient_divide_factor(float(divide_by))
+        m.set_gradient_divide_factor(1.0)
+
+
+def _divide_in_place(reduced: torch.Tensor, by: float) -> None:
+    reduced.div_(by)
