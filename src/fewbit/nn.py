@@ -212,7 +212,9 @@ def fake_quantize(
 #: On a DTensor under torch.compile: one graph break, then eager, with eager's bits. Traced,
 #: Dynamo failed on the mesh's rank tensor (``replica_rank``) or recompiled a frame inside
 #: the autograd Function at every call until its recompile limit.
-_eager_fake_quantize = torch.compiler.disable(fake_quantize)
+_EAGER_ON_DTENSORS = ("fewbit's fake quantisation of a DTensor runs eagerly only: a piece's bits depend "
+                      "on its rank, and torch's compile caches share graphs across ranks")
+_eager_fake_quantize = torch.compiler.disable(fake_quantize, reason=_EAGER_ON_DTENSORS)
 
 
 #: torch's private query of the backward pass this thread runs (-1: none), which
@@ -348,7 +350,7 @@ class FakeQuantize(nn.Module):
         return f"forward={self.forward_quant}, backward={self.backward_quant}"
 
 
-_eager_forward = torch.compiler.disable(FakeQuantize.forward)
+_eager_forward = torch.compiler.disable(FakeQuantize.forward, reason=_EAGER_ON_DTENSORS)
 
 
 def quantize_outputs(
