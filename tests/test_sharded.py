@@ -884,9 +884,11 @@ for k, store in enumerate(stores):  # the second time, this process has the othe
     mesh = init_device_mesh("cpu", (2,))
     got = fewbit.round(distribute_tensor(full, mesh, [Shard(0)]), "binary8p4", "src", bits=3, seed=5)
     assert torch.equal(got.full_tensor(), want), k
-    del got, mesh  # (held to the exit, the group's gloo thread freed their last collective then: an abort)
     dist.destroy_process_group()
-print("ok")
+print("ok", flush=True)
+# Without the interpreter's teardown, in which torch 2.13's gloo thread aborted 1 run in 10
+# (it frees a finished all-gather's tensors and takes the GIL, gone by then), fewbit or not.
+import os; os._exit(0)
 """
 
 

@@ -13,7 +13,6 @@ Each rank is a process of its own (``python -m fewbit.experiments.replicas``, st
 
 from __future__ import annotations
 
-import gc
 import os
 import pickle
 import subprocess
@@ -105,11 +104,6 @@ def _worker(rank: int, world_size: int, init_file: str, cfgs: list, train) -> li
     except Exception:  # reported to the parent, which raises it: never a silent failure
         out.append({"crash": traceback.format_exc()})
     finally:
-        # What still holds the process group (the model's reference cycles) goes first: a
-        # gloo group freed at the interpreter's exit can abort the process, its thread
-        # freeing a finished collective's tensors without the GIL (torch 2.13; a two-rank
-        # script that held its mesh to the exit aborted in 5 of 11 runs under gdb).
-        gc.collect()
         dist.destroy_process_group()
     return out
 
@@ -247,6 +241,12 @@ def main(argv: list[str]) -> None:
     out = _worker(int(rank), int(world_size), os.path.join(folder, "rendezvous"), cfgs, train)
     with results:
         pickle.dump(out, results)
+    # The results are out: end without the interpreter's teardown, in which torch 2.13's gloo
+    # thread can abort the process (freeing a finished collective's tensors, it takes a GIL
+    # that is gone: "terminate called without an active exception"), and the parent would
+    # take the rank for crashed.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
