@@ -642,14 +642,15 @@ def reduce_exactly(model: torch.nn.Module, divide_by: float) -> None:
         raise RuntimeError(f"reduce_exactly needs FSDP2's {', '.join(missing)}, which torch "
                            f"{torch.__version__} lacks")  # fmt: skip
     divide = functools.partial(_divide_in_place, by=float(divide_by))
-    for i, m in enumerate(sharded):  # (first, as the one setter that can refuse a module)
+    # The hooks first: FSDP2 refuses them, as it refuses a custom reduce-scatter, on a module
+    # whose parameters lie on several meshes; a refusal then leaves nothing set.
+    for i, m in enumerate(sharded):
         try:
             m.set_all_reduce_hook(divide)
-        except ValueError as err:  # several parameter groups (meshes per parameter)
+        except ValueError as err:
             for earlier in sharded[:i]:
                 earlier.set_all_reduce_hook(None)  # (FSDP2's default: no hook)
-            raise ValueError(f"reduce_exactly divides in FSDP2's all-reduce hook, which a module refused: "
-                             f"{err}") from err  # fmt: skip
+            raise ValueError(f"reduce_exactly cannot set this module's reduction: {err}") from err
     for m in sharded:
         m.set_custom_reduce_scatter(PairwiseReduceScatter())
         m.set_force_sum_reduction_for_comms(True)
