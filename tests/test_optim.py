@@ -606,6 +606,47 @@ def test_selection_is_named_by_the_optimizers_places_and_refuses_a_weight_twice(
 
 
 @pytest.mark.parametrize("store_codes", [False, True])
+def test_wrappers_of_a_models_parts_draw_one_wrappers_bits_from_their_first_index(store_codes):
+    """Pipeline stages wrap their own optimizers. Each wrapper counted its weights from 0,
+    so with one seed the stages' first weights drew the same bits (and none drew those of
+    one wrapper of the whole model); first_index gives each weight its place in the whole."""
+
+    def run(stages: bool, offset: bool = True) -> list[torch.Tensor]:
+        m = model()
+        parts = [[m[0].weight, m[0].bias], [m[2].weight, m[2].bias]] if stages else [list(m.parameters())]
+        wrappers, first = [], 0
+        for params in parts:
+            opt = torch.optim.SGD(params, lr=0.1)
+            wrappers.append(LowPrecisionWeights(opt, FMT, seed=9, store_codes=store_codes,
+                                                first_index=first if offset else 0))  # fmt: skip
+            first += len(wrappers[-1].params)
+        for t in range(3):
+            for w in wrappers:
+                w.zero_grad()
+            loss_of(m, t).backward()
+            for w in wrappers:
+                w.step()
+        for w in wrappers:
+            w.materialize()
+        return [m[0].weight.detach().clone(), m[2].weight.detach().clone()]
+
+    whole = run(stages=False)
+    assert all(bits_equal(a, b) for a, b in zip(run(stages=True), whole, strict=True))
+    assert not bits_equal(run(stages=True, offset=False)[1], whole[1])  # (and the first weight follows)
+
+
+def test_first_index_is_part_of_a_checkpoints_setup_and_refuses_bad_values():
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    saved = LowPrecisionWeights(opt, FMT, first_index=2).state_dict()
+    with pytest.raises(ValueError, match="first_index 2 \\(here 0\\)"):
+        LowPrecisionWeights(opt, FMT).load_state_dict(saved)
+    for bad in (-1, 2**32, True, 1.0):
+        with pytest.raises(ValueError, match="first_index must be an int in"):
+            LowPrecisionWeights(opt, FMT, first_index=bad)
+
+
+@pytest.mark.parametrize("store_codes", [False, True])
 def test_a_weight_without_a_gradient_is_left_as_it_is(store_codes):
     """A frozen weight (or one this step did not reach) is not rounded again after a step,
     as the inner optimizer does not update it. In HBFP rounding is not a fixed point:

@@ -63,6 +63,16 @@ def test_single_process_is_trivially_in_sync():
     assert drift_report(model) == {"weight": 0, "bias": 0}
 
 
+def test_a_group_that_is_not_a_process_group_is_refused_by_name():
+    """A DeviceMesh (a likely mistake) failed in torch's lookup of its name."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for check in (check_in_sync, drift_report):
+        said = r"group must be a torch.distributed.ProcessGroup \(a DeviceMesh's: .*\), not DeviceMesh"
+        with pytest.raises(TypeError, match=said):
+            check(torch.nn.Linear(3, 2), DeviceMesh.__new__(DeviceMesh))
+
+
 # ---------------------------------------------------------------------------------
 # Real torch.distributed processes (gloo on CPU). Process start-up dominates, so each
 # world size starts its processes once and runs all of its scenarios on them.

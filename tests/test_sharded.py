@@ -233,7 +233,9 @@ def guard_on_pipeline_stages(rank: int) -> list:
 
     outcomes = [_outcome(lambda: wrapped(params=named) and "built"),
                 _outcome(lambda: wrapped().step() or "stepped"),
-                _outcome(lambda: wrapped(guard_group=groups[1 - rank // 2]) and "built")]  # fmt: skip
+                _outcome(lambda: wrapped(guard_group=groups[1 - rank // 2]) and "built"),
+                _outcome(lambda: check_in_sync(stage, groups[1 - rank // 2])),
+                _outcome(lambda: drift_report(stage, groups[1 - rank // 2]))]  # fmt: skip
     opt = wrapped(params=named, guard_group=groups[rank // 2])
     for off in (0.001 * (rank == 3), 0.0):
         stage.weight.grad = stage.weight.detach() * 0.5 + off
@@ -761,15 +763,17 @@ def test_the_guard_compares_each_pipeline_stage_within_its_guard_group(runs):
     named (at construction, on every rank alike) and took them for drifted copies by their
     places; with each stage's group it compares the stage's copies alone, so rank 3's drift
     stops the second stage and not the first. The other stage's group is refused (it would
-    compare this rank with no one)."""
+    compare this rank with no one), by the guard and by check_in_sync and drift_report."""
     outcomes = [r["cases"]["guard, pipeline stages"] for r in runs[4]["edges"]]
     assert all(isinstance(o, list) for o in outcomes), outcomes  # (an error outside the cases: a string)
-    for rank, (named, placed, elsewhere, first, second, shared) in enumerate(outcomes):
+    for rank, (named, placed, elsewhere, synced, drifted, first, second, shared) in enumerate(outcomes):
         assert named.startswith("ReplicaDriftError: ranks hold different sets of tensors"), named
         assert "pipeline stages" in named, named
         assert placed.startswith("ReplicaDriftError: param 0 differs across ranks"), placed
         assert "guard_group" in placed, placed
         assert elsewhere.startswith("ValueError: guard_group does not hold this rank"), elsewhere
+        for outcome in (synced, drifted):  # ("in sync: 1 tensors on -1 ranks", truthy; a drift of 0)
+            assert outcome.startswith("ValueError: group does not hold this rank"), outcome
         if rank < 2:
             assert first == "stepped"
         else:

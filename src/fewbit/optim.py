@@ -34,8 +34,8 @@ from .block.ops import format_name as block_format_name
 from .config import as_flag, configure, current
 from .formats import FloatFormat
 from .operators import is_plain
-from .random import Key, as_key, fold_in
-from .replicas import SeedPolicy, assert_identical_inputs, check_in_sync, replica_key, world
+from .random import Key, as_key, fold_in, is_int
+from .replicas import SeedPolicy, assert_identical_inputs, check_group, check_in_sync, replica_key, world
 from .rounding import RoundMode, dtype_format
 from .rounding.checks import check_bits, check_holds, scalar_args
 from .rounding.foreach import round_foreach_
@@ -163,8 +163,9 @@ class LowPrecisionWeights:
             lays out weights), rounded with ``fewbit.block.round`` and the same keys.
         mode: the rounding of the write-back; ``"src"`` (few-bit SR, unbiased) by default.
         bits: N, random bits per element, for the modes that take it.
-        seed: an int or ``fewbit.random.Key``; step t rounds parameter i with
-            ``fold_in(key, t, i)`` (t = 0 is the rounding of the initial weights).
+        seed: an int or ``fewbit.random.Key``; step t rounds the i-th selected weight
+            (from ``first_index``) with ``fold_in(key, t, i)`` (t = 0 is the rounding of
+            the initial weights).
         params: the parameters to keep in ``fmt`` (tensors, or (name, tensor) pairs as
             ``named_parameters()`` gives); default: the optimizer's parameters with two or
             more dimensions (matrices and embeddings, as the paper).
@@ -205,6 +206,11 @@ class LowPrecisionWeights:
         guard_group: the ranks the guard compares, a ``torch.distributed`` process group
             (None: the whole world). Under pipeline parallelism each stage holds other
             weights: give the stage's data-parallel group.
+        first_index: the place of the first selected weight in the keys (default 0).
+            Every wrapper counts its weights from it, so two wrappers with one seed round
+            their weights alike from 0: a pipeline stage gives the number of weights the
+            earlier stages select, and its weights then draw the bits they would in one
+            wrapper of the whole model.
 
     Parameters may be DTensors (FSDP2's ``fully_shard``, HSDP, any Shard/Replicate
     placement, uneven shards): each rank rounds its own piece with the bits of the
@@ -234,6 +240,7 @@ class LowPrecisionWeights:
         policy: SeedPolicy | str = SeedPolicy.IDENTICAL,
         guard: bool = False,
         guard_group: torch.distributed.ProcessGroup | None = None,
+        first_index: int = 0,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
@@ -250,13 +257,18 @@ class LowPrecisionWeights:
         self.fraction = fraction
         self.sat = sat
         self.key = as_key(seed)
+        if not is_int(first_index) or not 0 <= first_index < 2**32:
+            raise ValueError(f"first_index must be an int in [0, 2**32), got {first_index!r}")
+        self.first_index = int(first_index)
         if update_dtype is not None and update_dtype not in _UPDATE_DTYPES:
             raise TypeError(f"update_dtype must be one of {_UPDATE_DTYPES}, not {update_dtype}")
         self.update_dtype = update_dtype
         self.scale = scale
         self.store_codes = store_codes
         self.policy = SeedPolicy(policy)
-        _check_guard_group(guard, guard_group)
+        if guard_group is not None and not guard:
+            raise ValueError("guard_group is the ranks guard=True compares: give guard=True with it")
+        check_group(guard_group, "guard_group")
         self.guard = guard
         self.guard_group = guard_group
         self.names, self.params = self._select(params)
@@ -441,7 +453,7 @@ class LowPrecisionWeights:
         ``__init__`` takes them; default: those of two or more dimensions) kept in ``fmt``
         from now on: checked before the group is added, rounded at once (key
         ``fold_in(seed, t, i)`` at step count t, i their places after the weights
-        selected before), then written back every step as the others."""
+        selected before, from ``first_index``), then written back every step as the others."""
         self.materialize()
         added = group["params"]
         if isinstance(added, set):  # torch refuses one too, but after list() below it could not
@@ -592,8 +604,9 @@ class LowPrecisionWeights:
         """Round the weights of ``live``; keep those of ``stored`` as codes and free them."""
         # fold_in(key, t, i) is fold_in(fold_in(key, t), i): the step's key, derived once.
         step_key = fold_in(self.key, self.steps) if self.mode.is_stochastic else None
+        place = range(self.first_index, self.first_index + len(self.params))  # weight i's in the keys
         # Whole tensors in formats with a NaN, under the identical policy (no rank to fold
-        # in), go through round_foreach_, tensor i with the key fold_in(step_key, i) (kept
+        # in), go through round_foreach_, weight i with the key fold_in(step_key, place[i]) (kept
         # as codes: one fewbit.quantize each, which rounds and encodes in one pass); a
         # piece of a sharded tensor takes the bits of its global indices; fewbit.round
         # raises where a value has no result in a format without NaN (a NaN input, say).
@@ -605,17 +618,18 @@ class LowPrecisionWeights:
         for i in [i for i in batched if i in in_codes]:  # straight to codes, a pass each
             kw = {"sat": self.sat, "bits": self.bits, "fraction": self.fraction}
             if step_key is not None:
-                kw["seed"] = fold_in(step_key, i)
+                kw["seed"] = fold_in(step_key, place[i])
             codes[i] = codec.quantize(pieces[i].to(self.via), self.fmt, self.mode, **kw)
         if floats := [i for i in batched if i not in in_codes]:
-            round_foreach_([pieces[i] for i in floats], self.spec, step_key, floats, self.via)
+            round_foreach_([pieces[i] for i in floats], self.spec, step_key, [place[i] for i in floats],
+                           self.via)  # fmt: skip
         if block:  # the full tensors'
             scales = tensor_scales([self.params[i] for i in live], self.fmt, self.via, self.spec.rule)
             tensor_scale = dict(zip(live, scales, strict=True))
         in_batch = set(batched)
         for i in [i for i in live if i not in in_batch]:
             t, at = pieces[i], self._layouts[i]
-            key = None if step_key is None else replica_key(fold_in(step_key, i), self.policy)
+            key = None if step_key is None else replica_key(fold_in(step_key, place[i]), self.policy)
             x = t.to(self.via)
             store = i in in_codes
             if store and not block:  # the codes in the pass that rounds: t is freed below
@@ -725,7 +739,8 @@ class LowPrecisionWeights:
         return {"fmt": self._format_name(), "mode": self.mode.value, "bits": self.bits,
                 "fraction": self.fraction, "sat": self.sat, "key": (self.key.k0, self.key.k1),
                 "scale": self.scale, "update_dtype": str(self.update_dtype), "policy": self.policy.value,
-                "params": selected, "dtypes": [str(p.dtype) for p in self.params]}  # fmt: skip
+                "params": selected, "dtypes": [str(p.dtype) for p in self.params],
+                "first_index": self.first_index}  # fmt: skip
 
     def state_dict(self, model: torch.nn.Module | None = None) -> dict:
         """The inner optimizer's state, the step count and the rounding set-up.
@@ -776,23 +791,6 @@ class LowPrecisionWeights:
             with self._inner_step():
                 set_optimizer_state_dict(model, self.optimizer, state["optimizer"])
         self.steps = steps
-
-
-def _check_guard_group(guard: bool, group) -> None:
-    """Refuse a guard_group the guard could not compare within (before any collective)."""
-    if group is None:
-        return
-    if not guard:
-        raise ValueError("guard_group is the ranks guard=True compares: give guard=True with it")
-    # torch's new_group gives the ranks outside the group an int; get_rank, -1 for a group
-    # of others. Either way the guard would compare this rank with no one.
-    if (isinstance(group, int) and group == torch.distributed.GroupMember.NON_GROUP_MEMBER) or (
-            isinstance(group, torch.distributed.ProcessGroup) and world(group)[0] < 0):  # fmt: skip
-        raise ValueError("guard_group does not hold this rank: give each rank the group of the ranks that "
-                         "hold copies of its weights")  # fmt: skip
-    if not isinstance(group, torch.distributed.ProcessGroup):
-        raise TypeError(f"guard_group must be a torch.distributed.ProcessGroup (a DeviceMesh's: "
-                        f"mesh.get_group()), not {type(group).__name__}")  # fmt: skip
 
 
 def _plain(config: dict) -> dict:

@@ -100,6 +100,24 @@ class ReplicaDriftError(RuntimeError):
     """Replicas hold different values where they must agree."""
 
 
+def check_group(group, what: str = "group") -> None:
+    """Refuse a process group the comparisons could not use, before any collective: one
+    that does not hold this rank (torch's ``new_group`` gives the ranks outside it an int,
+    ``get_rank`` -1 for a group of others), which would compare the rank with no one, or
+    anything not a ProcessGroup (a DeviceMesh)."""
+    if group is None:
+        return
+    import torch.distributed as dist
+
+    if (isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER) or (
+            isinstance(group, dist.ProcessGroup) and world(group)[0] < 0):  # fmt: skip
+        raise ValueError(f"{what} does not hold this rank: give each rank the group of the ranks that hold "
+                         "copies of its tensors")  # fmt: skip
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{what} must be a torch.distributed.ProcessGroup (a DeviceMesh's: "
+                        f"mesh.get_group()), not {type(group).__name__}")  # fmt: skip
+
+
 def _named_tensors(obj) -> list[tuple[str, torch.Tensor]]:
     if isinstance(obj, torch.nn.Module):
         return [(n, t) for n, t in obj.state_dict(keep_vars=True).items()]
@@ -167,6 +185,7 @@ def check_in_sync(tensors: torch.nn.Module | Iterable | torch.Tensor,
     every rank must call it). A module contributes its state_dict (parameters, buffers).
     A DTensor is compared between the ranks that hold the same piece of it. A tensor None
     (a gradient not computed) must be None on every rank."""
+    check_group(group)
     named = _named_tensors(tensors)
     names = [n for n, _ in named]
     rank, size = world(group)
@@ -252,6 +271,7 @@ def drift_report(
     between the ranks that hold the same piece (from the first of them), and left out where
     no two do. A collective: every rank must call it, with the same names, dtypes and
     shapes (else a ReplicaDriftError on every rank)."""
+    check_group(group)
     table = None
     if fmt is not None:
         finite = {v for v in format(fmt).values() if math.isfinite(v)}
