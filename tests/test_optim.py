@@ -641,6 +641,10 @@ def test_first_index_is_part_of_a_checkpoints_setup_and_refuses_bad_values():
     saved = LowPrecisionWeights(opt, FMT, first_index=2).state_dict()
     with pytest.raises(ValueError, match="first_index 2 \\(here 0\\)"):
         LowPrecisionWeights(opt, FMT).load_state_dict(saved)
+    older = {**saved, "config": {k: v for k, v in saved["config"].items() if k != "first_index"}}
+    LowPrecisionWeights(opt, FMT).load_state_dict(older)  # (written before first_index: from 0)
+    with pytest.raises(ValueError, match="first_index 0 \\(here 2\\)"):
+        LowPrecisionWeights(opt, FMT, first_index=2).load_state_dict(older)
     for bad in (-1, 2**32, True, 1.0):
         with pytest.raises(ValueError, match="first_index must be an int in"):
             LowPrecisionWeights(opt, FMT, first_index=bad)

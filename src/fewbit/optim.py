@@ -774,8 +774,9 @@ class LowPrecisionWeights:
                              "'config'): a torch optimizer's state goes to opt.optimizer.load_state_dict")
         mine = _plain(self._config())
         # What older checkpoints lack goes unchecked, and so does a format made by hand that
-        # they named by its name alone.
-        saved = _plain({"params": mine["params"], "dtypes": mine["dtypes"], **state["config"]})
+        # they named by its name alone; but their keys all counted the weights from 0.
+        lacked = {"params": mine["params"], "dtypes": mine["dtypes"], "first_index": 0}
+        saved = _plain({**lacked, **state["config"]})
         if saved["fmt"] == self.fmt.name:
             saved["fmt"] = mine["fmt"]
         differ = [f"{k} {saved.get(k)!r} (here {mine.get(k)!r})"
