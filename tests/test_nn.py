@@ -211,6 +211,26 @@ def test_quantize_outputs_of_every_linear():
     assert "0.output_quant.calls" in model.state_dict()
 
 
+def test_quantize_outputs_on_a_models_parts_keys_them_as_the_whole_from_first_index():
+    """A pipeline stage's call numbered its modules from 0: every stage's first Linear took
+    the key of the model's first, and rounded its outputs with the same bits."""
+
+    def keys(parts: bool, offset: bool = True) -> list:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(4)))
+        if not parts:
+            return [m.output_quant.key for m in quantize_outputs(model, E4M3, seed=3)]
+        changed = quantize_outputs(model[:2], E4M3, seed=3)
+        changed += quantize_outputs(model[2:], E4M3, seed=3, first_index=2 if offset else 0)
+        return [m.output_quant.key for m in changed]
+
+    whole = keys(parts=False)
+    assert len(set(whole)) == 4 and keys(parts=True) == whole
+    assert keys(parts=True, offset=False)[2:] == whole[:2]
+    with pytest.raises(ValueError, match="first_index must be in"):
+        quantize_outputs(torch.nn.Linear(2, 2), E4M3, first_index=-1)
+
+
 def test_quantize_outputs_leaves_out_what_never_runs_its_forward():
     """MultiheadAttention reads its out_proj's weight without calling it: hooked, it was
     reported as quantised and never rounded. It is left out, with a warning naming it."""

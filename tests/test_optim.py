@@ -645,8 +645,8 @@ def test_first_index_is_part_of_a_checkpoints_setup_and_refuses_bad_values():
     LowPrecisionWeights(opt, FMT).load_state_dict(older)  # (written before first_index: from 0)
     with pytest.raises(ValueError, match="first_index 0 \\(here 2\\)"):
         LowPrecisionWeights(opt, FMT, first_index=2).load_state_dict(older)
-    for bad in (-1, 2**32, True, 1.0):
-        with pytest.raises(ValueError, match="first_index must be an int in"):
+    for bad, error in ((-1, ValueError), (2**32, ValueError), (True, TypeError), (1.0, TypeError)):
+        with pytest.raises(error, match="first_index must be"):
             LowPrecisionWeights(opt, FMT, first_index=bad)
 
 

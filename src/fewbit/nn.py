@@ -26,7 +26,7 @@ from .block import BlockFormat, check_args, element_or_block, round_to
 from .block.ops import check_axis
 from .formats import FloatFormat
 from .operators import may_carry_tangent, operator, recording, refuse_compiled_forward_ad
-from .random import Key, as_key, fold_in, is_dtensor, key_of
+from .random import Key, as_key, check_index, fold_in, is_dtensor, key_of
 from .replicas import SeedPolicy, replica_key
 from .rounding import RoundMode
 from .rounding.checks import check_mode_args, scalar_args
@@ -360,16 +360,20 @@ def quantize_outputs(
     types: tuple[type[nn.Module], ...] = (nn.Linear,),
     seed: int | Key = 0,
     policy: SeedPolicy | str = SeedPolicy.DIFFERING,
+    first_index: int = 0,
 ) -> list[nn.Module]:
     """Fake-quantise the output of every submodule of ``types`` (and, in backward, the
     gradient flowing into it). Each gets a :class:`FakeQuantize` child named
-    ``output_quant`` (in the state_dict, so resumable) with key ``fold_in(seed, i)``;
-    returns the modules changed. ``del module.output_quant`` and the hook stop it;
-    calling this again replaces each module's ``output_quant`` (its one hook reads it).
+    ``output_quant`` (in the state_dict, so resumable) with key ``fold_in(seed, i)``, i
+    counting the changed modules from ``first_index`` (a part of a model, such as a
+    pipeline stage, gives the number of modules before it, so its keys are the whole
+    model's); returns the modules changed. ``del module.output_quant`` and the hook stop
+    it; calling this again replaces each module's ``output_quant`` (its one hook reads it).
     """
     # Checked before any module changes, and once for all of them.
     forward, backward = _as_quant(forward, "forward"), _as_quant(backward, "backward")
     key = as_key(seed)
+    first_index = check_index(first_index, "first_index")
     # MultiheadAttention reads its out_proj's weight without calling it: a hook there
     # would never run, so that Linear is left out, and said so.
     unused = {id(m.out_proj): name for name, m in model.named_modules()
@@ -384,7 +388,7 @@ def quantize_outputs(
         warnings.warn(f"quantize_outputs leaves out the out_proj of MultiheadAttention "
                       f"{', '.join(repr(n) for n in unused.values())}: it never runs its own forward, "
                       "so its output cannot be hooked", stacklevel=2)  # fmt: skip
-    for i, m in enumerate(changed):
+    for i, m in enumerate(changed, start=first_index):
         m.output_quant = FakeQuantize(forward, backward, fold_in(key, i), policy)
         if not getattr(m, "_output_quant_hooked", False):  # a second hook would round twice
             m.register_forward_hook(_quantize_output)

@@ -34,7 +34,7 @@ from .block.ops import format_name as block_format_name
 from .config import as_flag, configure, current
 from .formats import FloatFormat
 from .operators import is_plain
-from .random import Key, as_key, fold_in, is_int
+from .random import Key, as_key, check_index, fold_in
 from .replicas import SeedPolicy, assert_identical_inputs, check_group, check_in_sync, replica_key, world
 from .rounding import RoundMode, dtype_format
 from .rounding.checks import check_bits, check_holds, scalar_args
@@ -257,9 +257,7 @@ class LowPrecisionWeights:
         self.fraction = fraction
         self.sat = sat
         self.key = as_key(seed)
-        if not is_int(first_index) or not 0 <= first_index < 2**32:
-            raise ValueError(f"first_index must be an int in [0, 2**32), got {first_index!r}")
-        self.first_index = int(first_index)
+        self.first_index = check_index(first_index, "first_index")
         if update_dtype is not None and update_dtype not in _UPDATE_DTYPES:
             raise TypeError(f"update_dtype must be one of {_UPDATE_DTYPES}, not {update_dtype}")
         self.update_dtype = update_dtype

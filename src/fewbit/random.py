@@ -127,6 +127,12 @@ def _check_uint(x: object, limit: int, what: str) -> int:
     return x
 
 
+def check_index(x: object, what: str) -> int:
+    """``x``, a place that a key folds in (an int in ``[0, 2**32)``), or a TypeError or
+    ValueError naming ``what``."""
+    return _check_uint(x, _MAX_U32, what)
+
+
 def _check_size(x: object, limit: int, what: str) -> int:
     """Like _check_uint for sizes and offsets, which may also be symbolic ints
     (``torch.SymInt``) when traced by ``torch.compile(dynamic=True)``."""
