@@ -838,6 +838,18 @@ def test_global_amax_and_tensor_scales_refuse_a_partial_alike(runs):
             assert r["cases"][case].startswith("ValueError: ") and "holds addends" in r["cases"][case], r
 
 
+def one_rank(script: str, tmp_path: Path) -> list[str]:
+    """The lines ``script`` printed, run as one gloo rank in a process of its own (a crash
+    must not take pytest with it), its rendezvous file in ``tmp_path``."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "store")], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    return done.stdout.strip().splitlines()
+
+
 _IN_FLIGHT = """
 import sys, torch, torch.distributed as dist, fewbit
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -868,12 +880,7 @@ def test_a_piece_whose_collective_is_in_flight(tmp_path):
     a wrapper with a null data pointer: fake_quantize, round, quantize and block.round
     handed it to the kernel, and every rank died (SIGSEGV). One rank of gloo, in a process
     of its own (a crash must not take pytest with it)."""
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-c", _IN_FLIGHT, str(tmp_path / "store")], capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
-    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
+    assert one_rank(_IN_FLIGHT, tmp_path) == ["ok"]
 
 
 _REINITIALISED = """
@@ -947,13 +954,7 @@ def test_dtensor_calls_compiled_and_with_a_dtensor_seed_or_a_plain_x(tmp_path):
     """fewbit's DTensor rules run eagerly under torch.compile (Dynamo compiled their frames);
     a DTensor seed gives the int seed's bits (a 0-d one gave other bits); a plain x with a
     DTensor out= is refused by name (an AttributeError from inside the rule)."""
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-c", _DTENSOR_CALLS, str(tmp_path / "store")],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.strip().splitlines()
+    lines = one_rank(_DTENSOR_CALLS, tmp_path)
     graphs, breaks = map(int, lines[0].split()[1::2])
     assert breaks == 1 and graphs <= 3, lines[0]
     assert lines[1] == ("fewbit::round_into: x is a plain tensor and out a DTensor: give x as a DTensor laid "
@@ -1023,13 +1024,7 @@ def test_fake_quantize_on_dtensors_compiled_breaks_once_and_gives_eagers_bits(tm
     forward and backward, and no graph a call. A FakeQuantize whose count distribute_module
     made a DTensor failed wherever its count is an op (checkpoint_context, compiled).
     fullgraph=True refuses both, with fewbit's reason."""
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-c", _FAKE_QUANTIZE_COMPILED, str(tmp_path / "store")],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    *compiled, count = done.stdout.strip().splitlines()
+    *compiled, count = one_rank(_FAKE_QUANTIZE_COMPILED, tmp_path)
     refused = [line for line in compiled if line.startswith("fullgraph")]
     assert refused == ["fullgraph module True", "fullgraph function True"]  # (Dynamo's message said None)
     for line in set(compiled) - set(refused):
@@ -1068,10 +1063,4 @@ def test_reduce_exactly_divides_once_where_a_shard_group_has_one_rank(tmp_path):
     """FSDP2 divided the sum twice where the shard group has one rank (torch 2.13's copy for
     one rank divides, and so does the division after it): reduce_exactly(model, 4) on one
     rank gave 1/16 for 1/4, silently, and so did HSDP on an (R, 1) mesh."""
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-c", _ONE_RANK_SHARD_GROUPS, str(tmp_path / "store")],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["0.25", "0.25"]
+    assert one_rank(_ONE_RANK_SHARD_GROUPS, tmp_path) == ["0.25", "0.25"]
