@@ -276,6 +276,40 @@ def test_resume_gives_bit_identical_weights(text_data, tmp_path):
         Run(replace(cfg, seed=1), text_data).load_state_dict(torch.load(tmp_path / "ckpt.pt"))
 
 
+@pytest.mark.parametrize("strict_before", [None, False, True])
+def test_same_bits_on_a_gpu_and_as_it_was_after(strict_before):
+    """On a GPU (the settings alone: no GPU needed) a step runs with torch's deterministic
+    algorithms, warn only, torch.empty unfilled and attention by the math backend alone;
+    after it, all four are as they were, a user's own deterministic mode included. On a
+    CPU nothing changes (its runs' bits stay those the README records)."""
+    from torch.utils import deterministic
+
+    from fewbit.experiments.train import same_bits
+
+    def state():
+        return (torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled(),
+                deterministic.fill_uninitialized_memory, torch.backends.cuda.math_sdp_enabled(),
+                torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
+                torch.backends.cuda.cudnn_sdp_enabled())  # fmt: skip
+
+    saved = state()
+    try:
+        if strict_before is not None:
+            torch.use_deterministic_algorithms(True, warn_only=not strict_before)
+        before = state()
+        with same_bits(torch.device("cpu")):
+            assert state() == before
+        with same_bits(torch.device("cuda", 0)):
+            assert state() == (True, True, False, True, False, False, False)
+        assert state() == before
+        with pytest.raises(KeyError), same_bits(torch.device("cuda")):
+            raise KeyError  # restored on an error too
+        assert state() == before
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+
+
 def test_history_is_the_mean_loss_since_the_last_evaluation_and_a_resume_between_keeps_it(text_data):
     """History.train at an evaluation is the mean of the minibatch losses train_step gave
     since the one before; the validation loss the mean over eval_iters fixed batches; and a

@@ -15,12 +15,16 @@ step changed, the write-back's mean error in ulps.
 from __future__ import annotations
 
 import math
+import os
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
+import torch.utils.deterministic
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..block import BlockFormat, check_args, element_or_block
 from ..nn import Quant, quantize_outputs
@@ -264,6 +268,32 @@ def batch_generator(seed: int, it: int) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(f"batch|{seed}|{it}".encode()))
 
 
+@contextmanager
+def same_bits(device: torch.device) -> Iterator[None]:
+    """On a GPU, the kernels whose bits do not depend on the order in which the device's
+    threads happen to run: torch's deterministic algorithms, so that Inductor lowers the
+    embedding's backward without atomic adds and picks its reduction kernels' blocks
+    without timing them (warn only: an op without a deterministic kernel still runs), and
+    attention by the math backend (cuDNN's and flash's backward add with atomics, which
+    warn only still lets them do). torch.empty is left unfilled, as usual. An
+    H200 gave a resumed run of the paper preset's speed options other weights than the
+    uninterrupted run (a layer norm's bias, 2026-11-29). On a CPU nothing changes: its
+    kernels give the same bits every run (and the README's CPU figures stay those runs')."""
+    if device.type != "cuda":
+        yield
+        return
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    filled = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+        torch.utils.deterministic.fill_uninitialized_memory = filled
+
+
 def learning_rate(cfg: TrainConfig, it: int) -> float:
     """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_lr`` (nanoGPT's)."""
     if it < cfg.warmup:
@@ -277,6 +307,10 @@ class Run:
 
     def __init__(self, cfg: TrainConfig, data: CharDataset):
         self.cfg, self.data = cfg, data
+        if torch.device(cfg.device).type == "cuda":
+            # cuBLAS's workspace as deterministic algorithms want it (torch reads this once,
+            # at the process's first matrix product; else same_bits warns at every one).
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.manual_seed(cfg.seed)
         self.model = GPT(GPTConfig(len(data.vocab), cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd,
                                    cfg.dropout)).to(cfg.device)  # fmt: skip
@@ -328,12 +362,13 @@ class Run:
             group["lr"] = learning_rate(cfg, self.it)
         x, y = self.data.batch("train", cfg.batch_size, cfg.block_size, batch_generator(cfg.seed, self.it))
         self.model.train()
-        loss = self._loss(x, y)
-        self.stepper.zero_grad(set_to_none=True)
-        loss.backward()
-        self._round_weight_grads()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-        self.stepper.step()
+        with same_bits(self.device):
+            loss = self._loss(x, y)
+            self.stepper.zero_grad(set_to_none=True)
+            loss.backward()
+            self._round_weight_grads()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            self.stepper.step()
         self.it += 1
         self._losses.append(loss.detach())
         return self._losses[-1]
@@ -369,7 +404,8 @@ class Run:
         losses = []
         for i in range(cfg.eval_iters):
             x, y = self.data.batch("val", cfg.batch_size, cfg.block_size, batch_generator(-1, i))
-            losses.append(self._loss(x, y).item())
+            with same_bits(self.device):  # (the compiled model's guards see one setting)
+                losses.append(self._loss(x, y).item())
         return sum(losses) / len(losses)
 
     def _evaluates_at(self, it: int) -> bool:
