@@ -84,6 +84,9 @@ def test_char_dataset_split_and_batches(text_data):
     x, y = text_data.batch("train", 4, 16, torch.Generator().manual_seed(0))
     assert x.shape == y.shape == (4, 16)
     assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the next characters
+    starts = torch.randint(len(text_data.train) - 16, (4,), generator=torch.Generator().manual_seed(0))
+    for row, last, start in zip(x, y[:, -1], starts.tolist(), strict=True):  # windows of the text
+        assert text_data.decode(row) + text_data.decode(last[None]) == text[start : start + 17]
 
 
 def test_shakespeare_text_reads_modern_spelling_in_name_order(tmp_path):

@@ -124,7 +124,10 @@ class CharDataset:
             raise ValueError(f"{split} text has {len(data)} characters, block_size is {block_size}")
         starts = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
         rows = starts[:, None] + torch.arange(block_size + 1)
-        window = data[rows].long()
+        # index_select, not data[rows]: with two threads torch's advanced indexing of the
+        # 5.8M characters took 8 ms for the paper preset's batch (37 us with one; on an
+        # H200's host 5 ms, a third of the step), index_select 16 us; the same elements.
+        window = data.index_select(0, rows.view(-1)).view(rows.shape).long()
         return window[:, :-1], window[:, 1:]
 
 
