@@ -94,9 +94,14 @@ case "${1:-}" in
     status="${PIPESTATUS[0]}"
     if ((status != 0)); then echo "failed ($status): fewbit bench" | tee -a "$results/bench.txt"; fi
     # Three times: on the H200's host one call's time varied from 18.6 to 27.5 us between
-    # runs (2026-11-28), and #18's line is a median near 20 us.
+    # runs (2026-11-28), and #18's line is a median near 20 us. On 2026-11-29 two of three
+    # processes ran every call with Python 1.6 times slower, copy_ alike in all: twice more
+    # on one core of their own (taskset), to tell a process's placement from the code.
     for _ in 1 2 3; do
       log per_call.txt python3 benchmarks/bench_per_call.py --device "$device" --calls "$calls"
+    done
+    for _ in 1 2; do
+      log per_call_pinned.txt taskset -c 3 python3 benchmarks/bench_per_call.py --device "$device" --calls "$calls"
     done
     # fewbit's Python down the GPU path on this machine's host, launches stubbed: against
     # the VM's figures, how fast this host runs it (the per-call estimates' ratio).
