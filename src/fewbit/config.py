@@ -34,6 +34,7 @@ changes when it ends. Nothing in fewbit reads the environment after import.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 import threading
@@ -139,18 +140,36 @@ def current() -> Config:
     return _current
 
 
+#: The settings' names, which configure takes.
+_NAMES = frozenset(f.name for f in dataclasses.fields(Config))
+
+
+def _changed(config: Config, changes: dict[str, Any]) -> Config:
+    """``config`` with ``changes``, checked. The same block entered again (a write-back's,
+    every step) takes the frozen Config made the first time, without its checks: keyed by
+    each value's type too, since 8192.0 == 8192 but only the int passes them."""
+    try:
+        return _replaced(config, tuple((name, type(v), v) for name, v in changes.items()))
+    except TypeError:  # a value that cannot be hashed, or a wrong one (raises again here)
+        return dataclasses.replace(config, **changes)
+
+
+@functools.lru_cache(maxsize=64)
+def _replaced(config: Config, changes: tuple[tuple[str, type, Any], ...]) -> Config:
+    return dataclasses.replace(config, **{name: v for name, _, v in changes})
+
+
 @contextmanager
 def configure(**changes: Any) -> Iterator[Config]:
     """Change settings inside a ``with`` block: ``with fewbit.configure(compile=False): ...``.
     Unknown names and bad values raise before anything changes."""
     global _current, _base
-    names = {f.name for f in dataclasses.fields(Config)}
-    unknown = sorted(set(changes) - names)
+    unknown = sorted(set(changes) - _NAMES)
     if unknown:
-        raise ValueError(f"unknown setting(s) {unknown}; known: {sorted(names)}")
+        raise ValueError(f"unknown setting(s) {unknown}; known: {sorted(_NAMES)}")
     key = object()
     with _lock:
-        entered = dataclasses.replace(_current, **changes)
+        entered = _changed(_current, changes)
         if not _open:
             _base = _current
         _open[key] = changes
@@ -162,5 +181,5 @@ def configure(**changes: Any) -> Iterator[Config]:
             del _open[key]
             config = _base
             for still_open in _open.values():
-                config = dataclasses.replace(config, **still_open)
+                config = _changed(config, still_open)
             _current = config
