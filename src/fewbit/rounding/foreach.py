@@ -31,8 +31,9 @@ def round_foreach_(
     and ``spec.fmt`` has a NaN for anything without a value (nothing to raise)."""
     if not tensors:
         return
-    probe = tensors[0].new_empty(0, dtype=via)  # what the kernels would be given
-    if gpu.applies(spec, probe) and gpu.round_foreach_(tensors, spec, key, indices, via):
+    # Asked of the first tensor itself, not of a new tensor of dtype via (made every step):
+    # round_foreach_ checks every tensor's dtype and via's, and reads their own memory.
+    if gpu.applies(spec, tensors[0]) and gpu.round_foreach_(tensors, spec, key, indices, via):
         return
     for t, i in zip(tensors, indices, strict=True):
         x = t.to(via)  # torch's round to nearest even, as the GPU kernel's conversion is
