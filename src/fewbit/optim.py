@@ -576,8 +576,8 @@ class LowPrecisionWeights:
             self._own_storage([self.params[i] for i in live])
         pieces = [local_tensor(p) for p in self.params]  # a DTensor's piece shares its storage
         # (A storage a numpy array was made from cannot be resized: it is held too.)
-        shared = [i for i in live if store and (not pieces[i].untyped_storage().resizable() or (
-            (n := _storage_holders(pieces[i])) is not None and n > self._holders[i]))]  # fmt: skip
+        shared = [i for i in live if not pieces[i].untyped_storage().resizable() or (
+            (n := _storage_holders(pieces[i])) is not None and n > self._holders[i])] if store else []
         stored = [i for i in live if i not in shared] if store else []
         kept = [self.names[i] for i in shared]
         if not self.scale:
