@@ -278,6 +278,21 @@ _FOREACH_TENSORS = 64
 _TRITON_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+@functools.lru_cache(maxsize=16)
+def _table_rest(sizes: tuple[int, ...], indices: tuple[int, ...], elements: int) -> tuple[array.array, int]:
+    """The columns of a launch's table after the addresses (sizes, key indices, first
+    programs) and its programs, for tensors of ``sizes`` at ``elements`` a program: the
+    same every step of a write-back, so made once. Padded to _FOREACH_TENSORS entries that
+    start after the last program: every launch has the same arguments, so one compilation
+    serves every chunk and model."""
+    starts = list(itertools.accumulate((-(-size // elements) for size in sizes), initial=0))
+    missing = _FOREACH_TENSORS - len(sizes)
+    columns = (list(sizes), list(indices), starts[:-1])
+    fills = (0, 0, starts[-1])
+    return array.array("q", [v for column, fill in zip(columns, fills, strict=True)
+                             for v in column + [fill] * missing]), starts[-1]  # fmt: skip
+
+
 def round_foreach_(
     tensors: Sequence[torch.Tensor], spec: RoundSpec, key: Key | None, indices: Sequence[int],
     via: torch.dtype,
@@ -306,23 +321,19 @@ def round_foreach_(
     launched = False
     for lo in range(0, len(tensors), _FOREACH_TENSORS):
         hi = lo + _FOREACH_TENSORS
-        chunk, chunk_sizes = tensors[lo:hi], sizes[lo:hi]
-        starts = list(itertools.accumulate((-(-size // elements) for size in chunk_sizes), initial=0))
-        if starts[-1] == 0:
+        chunk = tensors[lo:hi]
+        rest, programs = _table_rest(tuple(sizes[lo:hi]), tuple(indices[lo:hi]), elements)
+        if programs == 0:
             continue
-        # The table, made afresh for every call (an address is read where the tensor is
-        # now), padded to _FOREACH_TENSORS entries that start after the last program: every
-        # launch has the same arguments, so one compilation serves every chunk and model.
-        missing = _FOREACH_TENSORS - len(chunk)
+        # The table, its addresses read afresh for every call (where the tensor is now).
         head = [key.k0, key.k1] if drawn else [0, 0]
-        columns = (addresses[lo:hi], chunk_sizes, list(indices[lo:hi]), starts[:-1])
-        padded = [v for column, fill in zip(columns, (0, 0, 0, starts[-1]), strict=True)
-                  for v in column + [fill] * missing]  # fmt: skip
-        table = torch.frombuffer(array.array("q", head + padded), dtype=torch.int64)
+        missing = _FOREACH_TENSORS - len(chunk)
+        table = array.array("q", head + addresses[lo:hi] + [0] * missing) + rest
+        table = torch.frombuffer(table, dtype=torch.int64)
         if first.device.type == "cuda":  # from pinned memory, without waiting for queued work
             table = table.pin_memory().to(first.device, non_blocking=True)
         arguments = (table, first, None, None, None, None), (_FOREACH_TENSORS, 0, 0, 0, 0, 0, 0, 0, 0)
-        if not _launch("round_kernel", starts[-1], *arguments, round_constants, variant):
+        if not _launch("round_kernel", programs, *arguments, round_constants, variant):
             if launched:  # (the same kernel as the launch before: not seen to happen)
                 raise RuntimeError("fewbit: a write-back launch failed after others had written")
             return False
