@@ -75,7 +75,7 @@ class ShardLayout:
     local_shape: tuple[int, ...]
     offset: tuple[int, ...]
 
-    @property
+    @functools.cached_property  # (asked of every weight at every write-back)
     def whole(self) -> bool:
         return self.local_shape == self.global_shape
 
