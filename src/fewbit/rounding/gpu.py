@@ -279,18 +279,19 @@ _TRITON_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.fl
 
 
 @functools.lru_cache(maxsize=16)
-def _table_rest(sizes: tuple[int, ...], indices: tuple[int, ...], elements: int) -> tuple[array.array, int]:
+def _table_rest(sizes: tuple[int, ...], indices: tuple[int, ...], elements: int) -> tuple[bytes, int]:
     """The columns of a launch's table after the addresses (sizes, key indices, first
-    programs) and its programs, for tensors of ``sizes`` at ``elements`` a program: the
-    same every step of a write-back, so made once. Padded to _FOREACH_TENSORS entries that
-    start after the last program: every launch has the same arguments, so one compilation
-    serves every chunk and model."""
+    programs), as int64 bytes, and its programs, for tensors of ``sizes`` at ``elements`` a
+    program: the same every step of a write-back, so made once (bytes: nothing can change
+    what the cache holds). Padded to _FOREACH_TENSORS entries that start after the last
+    program: every launch has the same arguments, so one compilation serves every chunk
+    and model."""
     starts = list(itertools.accumulate((-(-size // elements) for size in sizes), initial=0))
     missing = _FOREACH_TENSORS - len(sizes)
     columns = (list(sizes), list(indices), starts[:-1])
     fills = (0, 0, starts[-1])
     return array.array("q", [v for column, fill in zip(columns, fills, strict=True)
-                             for v in column + [fill] * missing]), starts[-1]  # fmt: skip
+                             for v in column + [fill] * missing]).tobytes(), starts[-1]  # fmt: skip
 
 
 def round_foreach_(
@@ -328,7 +329,8 @@ def round_foreach_(
         # The table, its addresses read afresh for every call (where the tensor is now).
         head = [key.k0, key.k1] if drawn else [0, 0]
         missing = _FOREACH_TENSORS - len(chunk)
-        table = array.array("q", head + addresses[lo:hi] + [0] * missing) + rest
+        table = array.array("q", head + addresses[lo:hi] + [0] * missing)
+        table.frombytes(rest)
         table = torch.frombuffer(table, dtype=torch.int64)
         if first.device.type == "cuda":  # from pinned memory, without waiting for queued work
             table = table.pin_memory().to(first.device, non_blocking=True)
