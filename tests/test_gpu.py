@@ -305,6 +305,37 @@ def test_write_back_gpu_equals_cpu(update_dtype, width, monkeypatch):
         assert_bitwise_equal(gpu_w.reshape(-1), cpu_w.reshape(-1), cpu_w.reshape(-1), "write-back")
 
 
+def test_write_back_table_stays_on_the_gpu_and_follows_the_weights():
+    """The write-back's launch table is sent once while the weights stay where they are (one
+    table for the first rounding and a step: the step's key goes with the launch), and a
+    weight given other memory between steps (p.data replaced) gets a table of its new
+    address: the CPU's weights, step after step."""
+    from fewbit.optim import LowPrecisionWeights
+    from fewbit.rounding import gpu
+
+    gen = torch.Generator().manual_seed(6)
+    shapes = [(256, 96), (64, 64)]
+    start = [torch.randn(shape, generator=gen) * 0.1 for shape in shapes]
+    grads = [[torch.randn(shape, generator=gen) for shape in shapes] for _ in range(3)]
+    weights, tables = {}, []
+    for device in ("cpu", "cuda"):
+        gpu._TABLES.clear()
+        params = [torch.nn.Parameter(w.to(device, copy=True)) for w in start]
+        opt = LowPrecisionWeights(torch.optim.SGD(params, lr=2.0**-6), "binary8p4", "src", bits=3, seed=5,
+                                  update_dtype=torch.bfloat16)  # fmt: skip
+        for i, step in enumerate(grads):
+            if i == 2:
+                params[0].data = params[0].data.clone()  # other memory, the same values
+            for p, g in zip(params, step, strict=True):
+                p.grad = g.to(device)
+            opt.step()
+            tables.append(len(gpu._TABLES))
+        weights[device] = [p.detach().cpu() for p in params]
+    assert tables == [0, 0, 0, 1, 1, 2], tables  # the CPU keeps none
+    for gpu_w, cpu_w in zip(weights["cuda"], weights["cpu"], strict=True):
+        assert_bitwise_equal(gpu_w.reshape(-1), cpu_w.reshape(-1), cpu_w.reshape(-1), "write-back")
+
+
 def test_write_back_to_codes_gpu_equals_cpu():
     """LowPrecisionWeights(store_codes=True) on the GPU (a fewbit.quantize a weight, the
     Triton kernel writing codes) keeps the CPU's codes, and restores the CPU's weights."""

@@ -294,6 +294,43 @@ def _table_rest(sizes: tuple[int, ...], indices: tuple[int, ...], elements: int)
                              for v in column + [fill] * missing]).tobytes(), starts[-1]  # fmt: skip
 
 
+#: Launch tables of round_foreach_ kept on their devices: a write-back's weights stay where
+#: they are step after step, so their table is made and sent once, not through pinned
+#: memory every step. Keyed by all that a table holds (the addresses, read again at every
+#: call, and the rest) and by the device and stream that read it, so a table is read only
+#: for tensors that lie at its addresses now, after the copy that wrote it; never written
+#: again, never handed out. Emptied when full (a dropped table's memory goes back to its
+#: stream's pool, after what that stream has queued).
+_TABLES: dict[tuple, torch.Tensor] = {}
+_TABLES_KEPT = 8
+
+
+def _launch_table(addresses: list[int], rest: bytes, device: torch.device) -> torch.Tensor:
+    """The int64 table of one launch of round_foreach_ (the addresses, padded to
+    _FOREACH_TENSORS, then ``rest``) on ``device``; on a CUDA device kept (:data:`_TABLES`),
+    except while the stream is captured in a CUDA graph, which keeps what it reads: a
+    table sent then is the graph's own."""
+    cuda = device.type == "cuda"
+    key = None
+    if cuda and not torch.cuda.is_current_stream_capturing():
+        key = (device.index, _stream_of()(device.index), tuple(addresses), rest)
+        kept = _TABLES.get(key)
+        if kept is not None:
+            return kept
+    table = array.array("q", addresses)
+    table.extend([0] * (_FOREACH_TENSORS - len(addresses)))
+    table.frombytes(rest)
+    table = torch.frombuffer(table, dtype=torch.int64)
+    if not cuda:
+        return table
+    table = table.pin_memory().to(device, non_blocking=True)  # without waiting for queued work
+    if key is not None:
+        if len(_TABLES) >= _TABLES_KEPT:
+            _TABLES.clear()
+        _TABLES[key] = table
+    return table
+
+
 def round_foreach_(
     tensors: Sequence[torch.Tensor], spec: RoundSpec, key: Key | None, indices: Sequence[int],
     via: torch.dtype,
@@ -326,15 +363,11 @@ def round_foreach_(
         rest, programs = _table_rest(tuple(sizes[lo:hi]), tuple(indices[lo:hi]), elements)
         if programs == 0:
             continue
-        # The table, its addresses read afresh for every call (where the tensor is now).
-        head = [key.k0, key.k1] if drawn else [0, 0]
-        missing = _FOREACH_TENSORS - len(chunk)
-        table = array.array("q", head + addresses[lo:hi] + [0] * missing)
-        table.frombytes(rest)
-        table = torch.frombuffer(table, dtype=torch.int64)
-        if first.device.type == "cuda":  # from pinned memory, without waiting for queued work
-            table = table.pin_memory().to(first.device, non_blocking=True)
-        arguments = (table, first, None, None, None, None), (_FOREACH_TENSORS, 0, 0, 0, 0, 0, 0, 0, 0)
+        # The table of where the tensors are now (their addresses read at every call); the
+        # step's key goes with the launch.
+        table = _launch_table(addresses[lo:hi], rest, first.device)
+        words = (key.k0, key.k1) if drawn else (0, 0)
+        arguments = (table, first, None, None, None, None), (_FOREACH_TENSORS, 0, 0, 0, 0, *words, 0, 0)
         if not _launch("round_kernel", programs, *arguments, round_constants, variant):
             if launched:  # (the same kernel as the launch before: not seen to happen)
                 raise RuntimeError("fewbit: a write-back launch failed after others had written")

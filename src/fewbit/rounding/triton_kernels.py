@@ -294,10 +294,12 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, scales_ptr, ts_ptr, n: tl.i
     ids, native.cpp's ``Mode`` and its float-adder (13, 14) and classical SR (15) paths.
 
     ``FOREACH``: round ``n`` tensors in place, each from 0 of its own stream, as
-    gpu.round_foreach_ lays them out in the int64 table at x_ptr: a key (k0, k1), then
-    the tensors' addresses, sizes, indices i and first programs (``n`` of each, ``n`` at
-    most ``TENSORS``). Tensor i draws with ``fold_in(key, i)``, derived here. out_ptr:
-    any tensor of theirs (for the dtype); each size and address is a multiple of 16.
+    gpu.round_foreach_ lays them out in the int64 table at x_ptr: the tensors'
+    addresses, sizes, indices i and first programs (``n`` of each, ``n`` at most
+    ``TENSORS``). Tensor i draws with ``fold_in(key, i)``, derived here from the key k0,
+    k1 that comes with the launch (the table holds nothing that changes from step to
+    step). out_ptr: any tensor of theirs (for the dtype); each size and address is a
+    multiple of 16.
     ``VIA``: the dtype each element is first rounded to (RNE), as ``x.to(VIA)``; None:
     x's own.
 
@@ -333,15 +335,14 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, scales_ptr, ts_ptr, n: tl.i
     if FOREACH:  # the program's tensor: the last to start at or before it
         table, tensors, program = x_ptr, n, tl.program_id(0)
         j = tl.arange(0, TENSORS)
-        starts = tl.load(table + 2 + 3 * tensors + j, mask=j < tensors, other=1 << 62)
+        starts = tl.load(table + 3 * tensors + j, mask=j < tensors, other=1 << 62)
         slot = tl.sum((starts <= program).to(tl.int32)) - 1
-        x_ptr = tl.load(table + 2 + slot).to(tl.pointer_type(out_ptr.dtype.element_ty))
+        x_ptr = tl.load(table + slot).to(tl.pointer_type(out_ptr.dtype.element_ty))
         out_ptr = x_ptr
-        n = tl.load(table + 2 + tensors + slot)
-        row0 = (program - tl.load(table + 2 + 3 * tensors + slot)) * ROWS
-        if DRAWN:
-            key0, key1 = tl.load(table).to(tl.uint32), tl.load(table + 1).to(tl.uint32)
-            k0, k1 = threefry(tl.load(table + 2 + 2 * tensors + slot), key0, key1)  # fold_in(key, i)
+        n = tl.load(table + tensors + slot)
+        row0 = (program - tl.load(table + 3 * tensors + slot)) * ROWS
+        if DRAWN:  # fold_in(key, i)
+            k0, k1 = threefry(tl.load(table + 2 * tensors + slot), k0.to(tl.uint32), k1.to(tl.uint32))
     else:
         program = tl.program_id(0).to(tl.int64)
         if RUNS:  # the program's run, as if it were a call of its own
