@@ -307,7 +307,7 @@ def test_write_back_gpu_equals_cpu(update_dtype, width, monkeypatch):
 
 def test_write_back_table_stays_on_the_gpu_and_follows_the_weights():
     """The write-back's launch table is sent once while the weights stay where they are (one
-    table for the first rounding and a step: the step's key goes with the launch), and a
+    table for the first rounding and two steps: the key goes with the launch), and a
     weight given other memory between steps (p.data replaced) gets a table of its new
     address: the CPU's weights, step after step."""
     from fewbit.optim import LowPrecisionWeights
