@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import fewbit
-from fewbit.config import Config, configure
+from fewbit.config import Config, configure, current
 from fewbit.random import Key, fold_in, random_bits
 from fewbit.rounding import native
 from fewbit.rounding.checks import make_spec
@@ -580,6 +580,15 @@ def test_a_cache_folder_spelled_with_a_tilde_is_the_home_folders():
     assert Config(native_cache="~/fewbit-cache").native_cache == os.path.join(home, "fewbit-cache")
     assert Config.from_env({"FEWBIT_CACHE": "~"}).native_cache == home
     assert Config(native_cache="a~b").native_cache == "a~b"
+
+
+def test_a_configure_block_entered_again_expands_a_tilde_in_the_home_folder_of_then(monkeypatch, tmp_path):
+    """configure's Configs kept for a block entered again (config._replaced) held the
+    expansion of the first entry's ~: a HOME changed since was not seen."""
+    for home in ("alice", "bob"):
+        monkeypatch.setenv("HOME", str(tmp_path / home))
+        with configure(native_cache="~/fewbit-cache"):
+            assert current().native_cache == str(tmp_path / home / "fewbit-cache")
 
 
 def test_a_cache_in_the_working_folder_is_loaded_by_its_path(stubs, monkeypatch, tmp_path):

@@ -147,7 +147,10 @@ _NAMES = frozenset(f.name for f in dataclasses.fields(Config))
 def _changed(config: Config, changes: dict[str, Any]) -> Config:
     """``config`` with ``changes``, checked. The same block entered again (a write-back's,
     every step) takes the frozen Config made the first time, without its checks: keyed by
-    each value's type too, since 8192.0 == 8192 but only the int passes them."""
+    each value's type too, since 8192.0 == 8192 but only the int passes them. Not a change
+    of native_cache: its leading ~ is the home folder of the call (HOME read then)."""
+    if "native_cache" in changes:
+        return dataclasses.replace(config, **changes)
     try:
         return _replaced(config, tuple((name, type(v), v) for name, v in changes.items()))
     except TypeError:  # a value that cannot be hashed, or a wrong one (raises again here)
