@@ -309,10 +309,11 @@ def _launch_table(addresses: list[int], rest: bytes, device: torch.device) -> to
     """The int64 table of one launch of round_foreach_ (the addresses, padded to
     _FOREACH_TENSORS, then ``rest``) on ``device``; on a CUDA device kept (:data:`_TABLES`),
     except while the stream is captured in a CUDA graph, which keeps what it reads: a
-    table sent then is the graph's own."""
+    table sent then is the graph's own. (Whether it is captured is asked of the current
+    device's stream: on another device the table is sent afresh, as under capture.)"""
     cuda = device.type == "cuda"
     key = None
-    if cuda and not torch.cuda.is_current_stream_capturing():
+    if cuda and device.index == _current_device()() and not torch.cuda.is_current_stream_capturing():
         key = (device.index, _stream_of()(device.index), tuple(addresses), rest)
         kept = _TABLES.get(key)
         if kept is not None:
