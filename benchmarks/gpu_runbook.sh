@@ -17,6 +17,11 @@
 # command's output, errors included, goes to its own file; one that fails is noted there
 # and the stage goes on to the next. Give the call a timeout_s at least STAGE_SECONDS + 30.
 #
+# A lease of 900 s (2026-11-29, an H200): the machine's start took 44 s, `all` 396 s, and a
+# second call on the still warm machine (within its 30 s), `sweep figure3 paper --seeds 0
+# --workers 5` with STAGE_SECONDS=405, 276 s: 724 s in all. So `all` and then one seed of a
+# paper-scale sweep fit one lease, if the second call follows the first at once.
+#
 #   benchmarks/gpu_runbook.sh all               check, then time, each cut short to end the call
 #                                               by STAGE_SECONDS (default 560): one call a lease
 #   benchmarks/gpu_runbook.sh check             #18: GPU tests, then the element and block rows at
