@@ -307,7 +307,8 @@ class Run:
 
     def __init__(self, cfg: TrainConfig, data: CharDataset):
         self.cfg, self.data = cfg, data
-        if torch.device(cfg.device).type == "cuda":
+        self.device = torch.device(cfg.device)
+        if self.device.type == "cuda":
             # cuBLAS's workspace as deterministic algorithms want it (torch reads this once,
             # at the process's first matrix product; else same_bits warns at every one).
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -316,7 +317,6 @@ class Run:
                                    cfg.dropout)).to(cfg.device)  # fmt: skip
         if cfg.compile_model:
             self.model.compile()  # in place: the state_dict keeps its keys
-        self.device = torch.device(cfg.device)
         self.matrices = [(n, p) for n, p in self.model.named_parameters() if p.dim() >= 2]
         others = [p for p in self.model.parameters() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(

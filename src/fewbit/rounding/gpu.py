@@ -357,6 +357,7 @@ def round_foreach_(
     drawn = key is not None and MODES[spec.mode].stochastic
     variant = (spec, drawn, False, True, via)
     elements = LANES * round_constants(*variant)["ROWS"]  # a program's
+    words = (key.k0, key.k1) if drawn else (0, 0)  # the step's key goes with each launch
     launched = False
     for lo in range(0, len(tensors), _FOREACH_TENSORS):
         hi = lo + _FOREACH_TENSORS
@@ -364,10 +365,8 @@ def round_foreach_(
         rest, programs = _table_rest(tuple(sizes[lo:hi]), tuple(indices[lo:hi]), elements)
         if programs == 0:
             continue
-        # The table of where the tensors are now (their addresses read at every call); the
-        # step's key goes with the launch.
+        # The table of where the tensors are now (their addresses read at every call).
         table = _launch_table(addresses[lo:hi], rest, first.device)
-        words = (key.k0, key.k1) if drawn else (0, 0)
         arguments = (table, first, None, None, None, None), (_FOREACH_TENSORS, 0, 0, 0, 0, *words, 0, 0)
         if not _launch("round_kernel", programs, *arguments, round_constants, variant):
             if launched:  # (the same kernel as the launch before: not seen to happen)
