@@ -45,10 +45,39 @@ from fewbit.rounding import gpu
 VOCAB = 65  # Shakespeare's characters
 
 
-def build() -> tuple[LowPrecisionWeights, list]:
+class WriteBackWindow:
+    """The host time of each step of ``weights`` from the end of its inner optimizer's step
+    (a step post-hook) to the return of ``LowPrecisionWeights.step``, in ``times``; a
+    cProfile set as ``profile`` records that window alone."""
+
+    def __init__(self, weights: LowPrecisionWeights) -> None:
+        self.times: list[float] = []
+        self.profile: cProfile.Profile | None = None
+        self._start = 0.0
+        weights.optimizer.register_step_post_hook(self._started)
+        step = weights.step
+
+        def stamped(*args, **kwargs):
+            loss = step(*args, **kwargs)
+            if self.profile is not None:
+                self.profile.disable()
+            self.times.append(time.perf_counter() - self._start)
+            return loss
+
+        weights.step = stamped  # this object's alone: a timing harness
+
+    def _started(self, *_) -> None:
+        if self.profile is not None:
+            self.profile.enable()
+        self._start = time.perf_counter()
+
+    def print_profile(self, sort: str = "tottime", rows: int = 40) -> None:
+        pstats.Stats(self.profile).sort_stats(sort).print_stats(rows)
+
+
+def build() -> tuple[LowPrecisionWeights, WriteBackWindow]:
     """The paper preset's wrapper at a width of 16, every selected weight with a
-    gradient, and what its inner optimizer's post-hook fills: the time, and a profile to
-    start there (where one is given at index 1)."""
+    gradient, and its write-back's window."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(VOCAB, 16, 6, 2, 16, 0.2))
     matrices = [(n, p) for n, p in model.named_parameters() if p.dim() >= 2]
@@ -60,15 +89,7 @@ def build() -> tuple[LowPrecisionWeights, list]:
     weights = LowPrecisionWeights(opt, "binary8p4", "src", bits=3, seed=1, params=matrices,
                                   update_dtype=torch.bfloat16)  # fmt: skip
     assert len(weights.params) == 26, len(weights.params)
-    stamped = [0.0, None]
-
-    def stamp(*_) -> None:
-        if stamped[1] is not None:
-            stamped[1].enable()
-        stamped[0] = time.perf_counter()
-
-    opt.register_step_post_hook(stamp)
-    return weights, stamped
+    return weights, WriteBackWindow(weights)
 
 
 def main() -> None:
@@ -80,32 +101,29 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     gpu._COMPILED = _stand_in()[0]
-    weights, stamped = build()
+    weights, window = build()
     for _ in range(50):
         weights.step()
-    steps, loops = [], []
+    loops = []
     for _ in range(args.runs):
-        loop = []
+        window.times.clear()
         for _ in range(args.steps):
             weights.step()
-            loop.append(time.perf_counter() - stamped[0])
-        steps += loop
-        loops.append(statistics.fmean(loop))
-    steps.sort()
+        loops.append(list(window.times))
+    steps = sorted(t for loop in loops for t in loop)
     print(f"after the inner step, us a step: median {steps[len(steps) // 2] * 1e6:.1f}, "
-          f"10th percentile {steps[len(steps) // 10] * 1e6:.1f}, best loop's mean {min(loops) * 1e6:.1f}")
+          f"10th percentile {steps[len(steps) // 10] * 1e6:.1f}, "
+          f"best loop's mean {min(map(statistics.fmean, loops)) * 1e6:.1f}")  # fmt: skip
     # The same write-back called back to back, the caches its own: steadier, and what
     # bench_write_back.py's host column times on a GPU.
     write_back = functools.partial(weights._write_back, initial=False)
     alone = min(timeit.repeat(write_back, number=args.steps, repeat=args.runs))
     print(f"the write-back alone, back to back: {alone / args.steps * 1e6:.1f} us")
     if args.profile:
-        profile = stamped[1] = cProfile.Profile()
+        window.profile = cProfile.Profile()
         for _ in range(args.steps):
             weights.step()
-            profile.disable()
-        pstats.Stats(profile).sort_stats(args.sort).print_stats(40)
-
+        window.print_profile(args.sort)
 
 if __name__ == "__main__":
     main()

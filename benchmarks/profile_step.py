@@ -11,12 +11,17 @@ kernels' time summed), which says whether a step waits on the host or on the dev
         [--data-dir DIR] [--data-tarball FILE] [--trace DIR]
 
 ``--trace DIR`` also writes each run's Chrome trace there (open in chrome://tracing or
-Perfetto).
+Perfetto). Then, without torch.profiler (whose Python tracer inflates every call), the
+write-back's own window in the same steps (bench_step_host.WriteBackWindow: from the end of
+AdamW's step to the return of LowPrecisionWeights.step): its host time a step, and a
+cProfile of that window alone, by each function's own time.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +29,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench_step_host import WriteBackWindow  # (this folder: a script's own is on the path)
 from fewbit.cli import device_option, int_in
 from fewbit.experiments.data import load_shakespeare
 from fewbit.experiments.train import Run, config_from
@@ -74,6 +80,18 @@ def main() -> None:
         if args.trace:
             args.trace.mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(args.trace / f"{name}.json"))
+    window = WriteBackWindow(runs["write_back"].weights)
+    for _ in range(args.steps * 5):
+        runs["write_back"].train_step()
+    times = sorted(window.times)
+    median, tenth = statistics.median(times) * 1e6, times[len(times) // 10] * 1e6
+    print(f"\n=== the write-back's window, {len(times)} steps without the profiler: host time a step "
+          f"median {median:.1f} us, 10th percentile {tenth:.1f} us")
+    window.profile = cProfile.Profile()
+    for _ in range(args.steps * 5):
+        runs["write_back"].train_step()
+    sync()
+    window.print_profile(rows=args.rows + 5)
 
 
 if __name__ == "__main__":

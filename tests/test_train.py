@@ -38,7 +38,7 @@ from fewbit.experiments.data import (
     write_atomically,
 )
 from fewbit.experiments.sweep import SWEEP_DEFAULTS, RunResult, arm_configs, summarise
-from fewbit.experiments.train import PRESETS, Run, TrainConfig, config_from, learning_rate
+from fewbit.experiments.train import PRESETS, Run, TrainConfig, config_from, learning_rate, time_steps
 from fewbit.random import Key, fold_in
 
 TINY = PRESETS["tiny"]
@@ -640,7 +640,12 @@ def test_time_steps_times_binary16_weights_with_the_seed_given(tmp_path, monkeyp
     assert [(c.mode, c.seed) for c in timed] == [("fp16", 5)]
     out = " ".join(capsys.readouterr().out.split())
     assert out.startswith("binary16 on cpu") and "the write-back alone 500.000 ms (25.0% of the step" in out
-    assert "until the step returns 125.000 ms (the rest: waiting for the device)" in out
+    assert "its host time 125.000 ms (until LowPrecisionWeights.step returns)" in out
+
+
+def test_time_steps_refuses_a_run_without_a_write_back(text_data):
+    with pytest.raises(ValueError, match="mode fp32 has none"):
+        time_steps(replace(config_from("tiny"), mode="fp32"), text_data, steps=1)
 
 
 @pytest.mark.parametrize("restart", [[], ["--restart"]])

@@ -545,8 +545,8 @@ def _time_steps(cfg, data_file, steps: int) -> int:
     print(f"  step with float32 weights     {t['without'] * 1e3:9.3f} ms")
     print(f"  the write-back alone          {t['write_back'] * 1e3:9.3f} ms  "
           f"({t['write_back'] / t['with']:.1%} of the step with it)")  # fmt: skip
-    print(f"    until the step returns      {t['write_back_host'] * 1e3:9.3f} ms  "
-          "(the rest: waiting for the device)")  # fmt: skip
+    print(f"    its host time               {t['write_back_host'] * 1e3:9.3f} ms  "
+          "(until LowPrecisionWeights.step returns)")  # fmt: skip
     return 0
 
 

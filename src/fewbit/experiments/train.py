@@ -14,6 +14,7 @@ step changed, the write-back's mean error in ulps.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -462,11 +463,14 @@ def time_steps(cfg: TrainConfig, data: CharDataset, steps: int = 20, rounds: int
     """Seconds per training step of ``cfg`` (``"with"``: its write-back) and of the same
     run with float32 weights and no ``LowPrecisionWeights`` (``"without"``), and seconds of
     the write-back alone (``"write_back"``: from the end of the inner optimizer's step to
-    the end of the step, the device synchronised at both ends, in steps of their own so
-    that the syncs do not slow the others; ``"write_back_host"``: the same until the step
-    returns, before the device is waited for). Each is the median of ``rounds`` timings of
+    the end of the training step, the device synchronised at both ends, in steps of their
+    own so that the syncs do not slow the others; ``"write_back_host"``: from the same
+    start until ``LowPrecisionWeights.step`` returns, the write-back's host time without
+    what the training step does after it). Each is the median of ``rounds`` timings of
     ``steps`` steps, taking turns so that all see the same machine; ``warmup`` steps first
     (compilation)."""
+    if cfg.mode == "fp32":
+        raise ValueError("time_steps times a run's write-back, and mode fp32 has none")
     runs = {"with": Run(cfg, data), "without": Run(replace(cfg, mode="fp32"), data)}
     device = torch.device(cfg.device)
 
@@ -475,13 +479,21 @@ def time_steps(cfg: TrainConfig, data: CharDataset, steps: int = 20, rounds: int
             torch.cuda.synchronize(device)
 
     inner_done: list[float] = []
+    wrapper_returned = [0.0]
 
     def stamp(*_) -> None:
         if inner_done:  # armed: an empty list is not
             sync()
             inner_done[:] = [time.perf_counter()]
 
+    def step_stamped(step, *args, **kwargs):
+        loss = step(*args, **kwargs)
+        wrapper_returned[0] = time.perf_counter()
+        return loss
+
     runs["with"].optimizer.register_step_post_hook(stamp)
+    weights = runs["with"].weights
+    weights.step = functools.partial(step_stamped, weights.step)  # this run's alone: a timing harness
     for run in runs.values():
         for _ in range(warmup):
             run.train_step()
@@ -498,10 +510,9 @@ def time_steps(cfg: TrainConfig, data: CharDataset, steps: int = 20, rounds: int
         for _ in range(steps):
             inner_done[:] = [0.0]
             runs["with"].train_step()
-            returned = time.perf_counter()
             sync()
             total += time.perf_counter() - inner_done[0]
-            host += returned - inner_done[0]
+            host += wrapper_returned[0] - inner_done[0]
         inner_done.clear()
         seconds["write_back"].append(total / steps)
         seconds["write_back_host"].append(host / steps)
