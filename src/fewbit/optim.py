@@ -682,10 +682,17 @@ class LowPrecisionWeights:
         exponent = min(math.floor(math.log2(self.fmt.max / 2 / amax)), dtype_format(w.dtype).emax)
         return 2.0**exponent
 
-    @torch.compiler.disable
-    @torch.no_grad()
     def materialize(self) -> None:
         """Decode weights kept as codes back into the parameters (no-op otherwise)."""
+        # Asked here first: every step and zero_grad calls this, most with nothing kept, and
+        # the decorators below cost 3 us. Traced (a user's compiled step), decided as it runs:
+        # a guard on the flag would compile the step again once weights are kept as codes.
+        if self._stored or torch.compiler.is_compiling():
+            self._decode()
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    def _decode(self) -> None:
         if not self._stored:
             return
         if self._before_forward is not None:
