@@ -474,7 +474,81 @@ def test_a_module_pickled_whole_before_the_key_buffer_loads():
     del old["_key_words"]
     loaded = FakeQuantize.__new__(FakeQuantize)
     loaded.__setstate__(pickle.loads(pickle.dumps(old)))
-    assert loaded.key == Key.from_seed(7) and int(loaded.calls) == 1
+    assert loaded.key == Key.from_seed(7) and int(loaded.calls) == 1 and loaded.replica_rank is None
     assert torch.equal(loaded(x), q(x))
     compiled = torch.compile(loaded, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x), q(x))
+
+
+@pytest.mark.parametrize(("policy", "group", "error", "match"), [
+    ("identical", [0, 1], ValueError, "give it with 'differing'"),
+    ("differing", torch.distributed.GroupMember.NON_GROUP_MEMBER, ValueError, "does not hold this rank"),
+    ("differing", [0, 1], TypeError, "must be a torch.distributed.ProcessGroup"),
+], ids=["identical", "not holding the rank", "ranks, not a group"])  # fmt: skip
+def test_a_replica_group_that_would_go_unused_or_is_no_group_of_this_rank_is_refused(policy, group, error,
+                                                                                       match):  # fmt: skip
+    """replica_group is the group whose rank DIFFERING folds in: refused with IDENTICAL (it
+    would be ignored) and, as guard_group is, where it is no process group or does not
+    hold this rank (torch's new_group gives the ranks outside it an int); by quantize_outputs
+    before any module changes."""
+    with pytest.raises(error, match=f"replica_group.*{match}"):
+        FakeQuantize(E5M2_SR, policy=policy, replica_group=group)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(error, match=f"replica_group.*{match}"):
+        quantize_outputs(model, E5M2_SR, policy=policy, replica_group=group)
+    assert not hasattr(model[0], "output_quant")
+
+
+def test_a_replica_rank_draws_that_replicas_bits_copies_and_compiles_as_a_constant():
+    """FakeQuantize keeps replica_group's rank as the int replica_rank (set here by hand: this
+    process has no process group): call c draws with the rank folded in as DIFFERING folds
+    in a replica's, forward and backward. It pickles and deep-copies (a group would not
+    pickle), the state_dict holds the count alone, and blocks compiled apart share a graph."""
+    import copy
+    import pickle
+
+    from torch._dynamo.utils import counters
+
+    q = Quant("binary8p4", "src", bits=3)
+    x, g = torch.full((4096,), 1.03), torch.full((4096,), 1.03)  # between neighbours 1 and 1.125
+
+    def blocks() -> list[torch.nn.Module]:
+        torch.manual_seed(0)
+        chain = [torch.nn.Sequential(torch.nn.Linear(8, 8), FakeQuantize(q, q, seed=i)) for i in range(4)]
+        for b in chain:
+            b[1].replica_rank = 1
+        return chain
+
+    def first_call(fq: torch.nn.Module) -> list[torch.Tensor]:
+        v = x.clone().requires_grad_()
+        y = fq(v)
+        y.backward(g)
+        return [y.detach(), v.grad]
+
+    def replica_1(count: int) -> list[torch.Tensor]:  # call count's bits on replica 1, keyed by hand
+        key = replica_key(fold_in(Key.from_seed(0), count), "differing", 1)
+        return first_call(lambda v: fake_quantize(v, q, q, key))
+
+    fq = blocks()[0][1]
+    got, unset = first_call(fq), first_call(FakeQuantize(q, q, seed=0))
+    assert all(torch.equal(a, b) for a, b in zip(got, replica_1(0), strict=True))
+    assert not any(torch.equal(a, b) for a, b in zip(got, unset, strict=True))  # (rank 0's)
+    for other in (pickle.loads(pickle.dumps(fq)), copy.deepcopy(fq)):  # (at call 1)
+        assert other.replica_rank == 1 and torch.equal(first_call(other)[0], replica_1(1)[0])
+    assert list(fq.state_dict()) == ["calls"]
+    assert repr(fq).endswith("replica_rank=1)") and "replica_rank" not in repr(FakeQuantize(q))
+    eager, compiled = blocks(), blocks()
+    counters.clear()
+    for b in compiled:
+        b.compile(fullgraph=True, backend="aot_eager")
+    h = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    outputs = []
+    for chain in (eager, compiled):
+        v = h.clone().requires_grad_()
+        out = v
+        for b in chain:
+            out = b(out)
+        out.square().sum().backward()
+        outputs += [out, v.grad]
+    assert torch.equal(outputs[0], outputs[2]) and torch.equal(outputs[1], outputs[3])
+    assert counters["stats"]["unique_graphs"] == 1

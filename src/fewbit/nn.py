@@ -27,7 +27,7 @@ from .block.ops import check_axis
 from .formats import FloatFormat
 from .operators import may_carry_tangent, operator, recording, refuse_compiled_forward_ad
 from .random import Key, as_key, check_index, fold_in, is_dtensor, key_of
-from .replicas import SeedPolicy, replica_key
+from .replicas import SeedPolicy, check_group, replica_key, world
 from .rounding import RoundMode
 from .rounding.checks import check_mode_args, scalar_args
 from .rounding.modes import parse_mode
@@ -270,12 +270,34 @@ def checkpoint_context(policy: Callable | None = None) -> tuple:
     return create_selective_checkpoint_contexts(save_counts)
 
 
+def _group_rank(policy: SeedPolicy, group: torch.distributed.ProcessGroup | None) -> int | None:
+    """This process's rank in ``replica_group`` (None: none given), refused where it would
+    go unused (IDENTICAL folds in no rank) or could not be this rank's replicas."""
+    if group is None:
+        return None
+    if policy is SeedPolicy.IDENTICAL:
+        raise ValueError("replica_group is the group whose rank policy='differing' folds in: give it with "
+                         "'differing' (policy='identical' folds in no rank)")  # fmt: skip
+    check_group(group, "replica_group")
+    return world(group)[0]
+
+
 class FakeQuantize(nn.Module):
     """:func:`fake_quantize` as a module with its own stream: call c uses ``fold_in(key, c)``,
     with the replica's rank folded in under the default DIFFERING policy (seed 000: forward
     and backward rounding differ per replica). For a DTensor the rank folded in is its
     mesh's (``fewbit.sharding.replica_rank``): ranks holding pieces of one tensor draw
-    alike, data-parallel replicas (other meshes) differently."""
+    alike, data-parallel replicas (other meshes) differently.
+
+    For a plain tensor the rank folded in is the global one, or, given ``replica_group``
+    (a ``torch.distributed`` process group holding this rank), this process's rank in it:
+    under pipeline parallelism with replicas of each stage, pass the stage's data-parallel
+    group, and replica r of a stage draws the bits replica r of a run without pipelining
+    draws, whichever ranks hold the stage. The rank is read once, here, and kept as the
+    int ``replica_rank`` (None: the global rank, read at each call), so the module pickles
+    and copies as before; a DTensor still folds in its mesh's rank. ``replica_group`` is
+    refused with policy IDENTICAL, which folds in no rank.
+    """
 
     def __init__(
         self,
@@ -283,11 +305,13 @@ class FakeQuantize(nn.Module):
         backward: Quant | FloatFormat | BlockFormat | str | None = None,
         seed: int | Key = 0,
         policy: SeedPolicy | str = SeedPolicy.DIFFERING,
+        replica_group: torch.distributed.ProcessGroup | None = None,
     ):
         super().__init__()
+        self.policy = SeedPolicy(policy)
+        self.replica_rank = _group_rank(self.policy, replica_group)
         self.forward_quant = _as_quant(forward, "forward")
         self.backward_quant = _as_quant(backward, "backward")
-        self.policy = SeedPolicy(policy)
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
         self.key = seed
 
@@ -309,6 +333,7 @@ class FakeQuantize(nn.Module):
     def __setstate__(self, state: dict) -> None:
         # A module pickled whole before the key was a property holds it as "key".
         key = state.pop("key", None)
+        state.setdefault("replica_rank", None)  # (before replica_group: the global rank)
         super().__setstate__(state)
         if key is not None:
             self.key = key
@@ -336,9 +361,11 @@ class FakeQuantize(nn.Module):
             if torch.is_grad_enabled():  # as a recomputation is; a backward hook's call is not
                 _refuse_in_backward()
             count = int(self.calls)
-        # A DTensor's pieces are one tensor: its mesh folds in one rank for all of them.
+        # A DTensor's pieces are one tensor: its mesh folds in one rank for all of them. A
+        # plain tensor folds in the rank in replica_group (an int: a constant when compiled).
         own = self._key_words.to(self.calls.device) if recorded else self.key
-        key = replica_key(fold_in(own, count), self.policy, replica_rank(x))
+        rank = replica_rank(x)
+        key = replica_key(fold_in(own, count), self.policy, self.replica_rank if rank is None else rank)
         y = fake_quantize(x, self.forward_quant, self.backward_quant, key)
         # Counted once it succeeded: a refused call draws nothing, so a retry that
         # succeeds gets the bits a run that never failed would have drawn.
@@ -347,7 +374,8 @@ class FakeQuantize(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return f"forward={self.forward_quant}, backward={self.backward_quant}"
+        group = "" if self.replica_rank is None else f", replica_rank={self.replica_rank}"
+        return f"forward={self.forward_quant}, backward={self.backward_quant}{group}"
 
 
 _eager_forward = torch.compiler.disable(FakeQuantize.forward, reason=_EAGER_ON_DTENSORS)
@@ -361,6 +389,7 @@ def quantize_outputs(
     seed: int | Key = 0,
     policy: SeedPolicy | str = SeedPolicy.DIFFERING,
     first_index: int = 0,
+    replica_group: torch.distributed.ProcessGroup | None = None,
 ) -> list[nn.Module]:
     """Fake-quantise the output of every submodule of ``types`` (and, in backward, the
     gradient flowing into it). Each gets a :class:`FakeQuantize` child named
@@ -369,9 +398,14 @@ def quantize_outputs(
     pipeline stage, gives the number of modules before it, so its keys are the whole
     model's); returns the modules changed. ``del module.output_quant`` and the hook stop
     it; calling this again replaces each module's ``output_quant`` (its one hook reads it).
+    ``policy`` and ``replica_group`` are :class:`FakeQuantize`'s: under pipeline parallelism,
+    ``policy="identical"`` without replicas of a stage, else the stage's data-parallel
+    group as ``replica_group``.
     """
     # Checked before any module changes, and once for all of them.
     forward, backward = _as_quant(forward, "forward"), _as_quant(backward, "backward")
+    policy = SeedPolicy(policy)
+    _group_rank(policy, replica_group)
     key = as_key(seed)
     first_index = check_index(first_index, "first_index")
     # MultiheadAttention reads its out_proj's weight without calling it: a hook there
@@ -389,7 +423,7 @@ def quantize_outputs(
                       f"{', '.join(repr(n) for n in unused.values())}: it never runs its own forward, "
                       "so its output cannot be hooked", stacklevel=2)  # fmt: skip
     for i, m in enumerate(changed, start=first_index):
-        m.output_quant = FakeQuantize(forward, backward, fold_in(key, i), policy)
+        m.output_quant = FakeQuantize(forward, backward, fold_in(key, i), policy, replica_group)
         if not getattr(m, "_output_quant_hooked", False):  # a second hook would round twice
             m.register_forward_hook(_quantize_output)
             m._output_quant_hooked = True
