@@ -30,7 +30,7 @@ from fewbit.experiments.sharded import (
     train_single,
 )  # fmt: skip
 from fewbit.formats import format
-from fewbit.nn import FakeQuantize, Quant, fake_quantize
+from fewbit.nn import FakeQuantize, Quant, fake_quantize, quantize_outputs
 from fewbit.optim import LowPrecisionWeights
 from fewbit.random import Key, fold_in, random_bits
 from fewbit.replicas import check_in_sync, drift_report, replica_key
@@ -104,6 +104,7 @@ def edge_cases(rank: int, world_size: int) -> dict:
             "guard, tp with dp replicas": functools.partial(guard_on_tp_replicas, rank),
             "tp and fsdp2, an empty piece of another shape": functools.partial(tp_fsdp_empty_pieces, True),
             "guard, pipeline stages": functools.partial(guard_on_pipeline_stages, rank),
+            "activations, pipeline stages": functools.partial(activations_on_pipeline_stages, rank),
         }  # fmt: skip
     else:
         mesh = init_device_mesh("cpu", (2,))
@@ -241,6 +242,40 @@ def guard_on_pipeline_stages(rank: int) -> list:
         stage.weight.grad = stage.weight.detach() * 0.5 + off
         outcomes.append(_outcome(lambda: opt.step() or "stepped"))
     return [*outcomes, copy.deepcopy(opt).guard_group is opt.guard_group]
+
+
+#: The activations' rounding of :func:`activations_on_pipeline_stages`, seeded as the whole model.
+STAGE_QUANT, STAGE_SEED = Quant("binary8p4", "src", bits=3), 3
+
+
+def pipeline_stage(stage: int) -> tuple[torch.nn.Linear, torch.Tensor, torch.Tensor]:
+    """Stage ``stage``'s Linear, its input and its output's gradient: alike on every rank."""
+    torch.manual_seed(stage)
+    return torch.nn.Linear(32, 32), torch.randn(16, 32), torch.randn(16, 32)
+
+
+def activations_on_pipeline_stages(rank: int) -> dict:
+    """Two pipeline stages of two data-parallel replicas each (as guard_on_pipeline_stages),
+    each stage a Linear whose output quantize_outputs rounds (``first_index`` its place in
+    the model): the output and input gradient with the stage's group as ``replica_group``,
+    then without it; and the refusal of the other stage's group and of a DeviceMesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # (every rank makes every group)
+    mesh = DeviceMesh("cpu", [0, 1, 2, 3])
+
+    def stage_run(**kw) -> list[torch.Tensor]:
+        linear, x, grad = pipeline_stage(rank // 2)
+        quantize_outputs(linear, STAGE_QUANT, STAGE_QUANT, seed=STAGE_SEED, first_index=rank // 2, **kw)
+        x.requires_grad_()
+        y = linear(x)
+        y.backward(grad)
+        return [y.detach(), x.grad]
+
+    return {"grouped": stage_run(replica_group=groups[rank // 2]), "global": stage_run(),
+            "other stage's group": _outcome(lambda: stage_run(replica_group=groups[1 - rank // 2])),
+            "mesh": _outcome(lambda: stage_run(replica_group=mesh))}  # fmt: skip
 
 
 def guard_on_unlike_weights(mesh, rank: int) -> str:
@@ -779,6 +814,32 @@ def test_the_guard_compares_each_pipeline_stage_within_its_guard_group(runs):
         else:
             assert first.startswith("ReplicaDriftError: 1.weight.grad differs across ranks"), first
         assert second == "stepped" and shared is True
+
+
+def test_pipeline_stages_with_replicas_draw_as_replicas_of_one_model_given_their_group(runs):
+    """2 stages x 2 replicas: with replica_group the stage's data-parallel group, replica r
+    of each stage draws the bits of replica r of a 2-rank run without pipelining (the key
+    made here by hand), forward and backward, whichever ranks hold the stage. Without it,
+    the global rank was folded in: rank 2, stage 1's replica 0, drew other bits. A group
+    not holding the rank, or a DeviceMesh, is refused."""
+    outcomes = [r["cases"]["activations, pipeline stages"] for r in runs[4]["edges"]]
+    assert all(isinstance(o, dict) for o in outcomes), outcomes  # (an error outside the cases: a string)
+    for rank, got in enumerate(outcomes):
+        stage, replica = divmod(rank, 2)
+        linear, x, grad = pipeline_stage(stage)
+        x.requires_grad_()
+        key = replica_key(fold_in(Key.from_seed(STAGE_SEED), stage, 0), "differing", replica)
+        y = fake_quantize(linear(x), STAGE_QUANT, STAGE_QUANT, key)
+        y.backward(grad)
+        out, input_grad = got["grouped"]
+        assert_bits_equal({"y": out, "grad": input_grad}, {"y": y.detach(), "grad": x.grad})
+        assert got["other stage's group"].startswith("ValueError: replica_group does not hold this rank")
+        assert got["mesh"].startswith("TypeError: replica_group must be a torch.distributed.ProcessGroup")
+    for stage in (0, 1):  # the replicas of a stage draw apart, forward and backward
+        first, second = (outcomes[2 * stage + r]["grouped"] for r in (0, 1))
+        assert not any(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    grouped, global_rank = outcomes[2]["grouped"], outcomes[2]["global"]
+    assert not any(torch.equal(a, b) for a, b in zip(grouped, global_rank, strict=True))
 
 
 def test_an_empty_piece_of_another_empty_shape_is_taken_on_every_rank(runs):
