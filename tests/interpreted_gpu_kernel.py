@@ -355,17 +355,18 @@ def foreach_inputs(dtype: torch.dtype) -> list[torch.Tensor]:
 ])  # fmt: skip
 def test_foreach_same_bits_as_each_round(dtype, via, mode):
     """The write-back's one launch for a list: tensor j as fewbit.round of ``t.to(via)``
-    with the key fold_in(key, indices[j]), which the kernel derives; in place."""
+    with the key fold_in(key, step, indices[j]), which the kernel derives; in place. (A
+    step above 2**32: both of its words count.)"""
     kw = {k: v for k, v in MODE_ARGS[mode].items() if k != "seed"}
     spec = make_spec(via, fewbit.format("binary8p4"), RoundMode(mode), True, kw.get("bits"),
                      kw.get("fraction"))  # fmt: skip
-    key, indices = Key.from_seed(9), [3, 0, 7, 12]
+    key, step, indices = Key.from_seed(9), 5 << 32 | 17, [3, 0, 7, 12]
     tensors = foreach_inputs(dtype)
-    seeds = [fold_in(key, i) if spec.bits is not None else None for i in indices]
+    seeds = [fold_in(key, step, i) if spec.bits is not None else None for i in indices]
     expected = [eager(t.to(via), "binary8p4", mode, sat=True, seed=s, **kw).to(dtype)
                 for t, s in zip(tensors, seeds, strict=True)]  # fmt: skip
     inputs, versions = [t.clone() for t in tensors], [t._version for t in tensors]
-    assert gpu.round_foreach_(tensors, spec, key if spec.bits is not None else None, indices, via)
+    assert gpu.round_foreach_(tensors, spec, key if spec.bits is not None else None, step, indices, via)
     assert all(t._version > v for t, v in zip(tensors, versions, strict=True))  # marked as written
     for j, (got, want, x) in enumerate(zip(tensors, expected, inputs, strict=True)):
         assert_bitwise_equal(got.view(-1), want.view(-1), x.view(-1), f"tensor {j}")
@@ -379,9 +380,9 @@ def test_foreach_of_more_tensors_than_a_launch_takes():
     count = 2 * gpu._FOREACH_TENSORS + 3
     tensors = [torch.randn(16 * (1 + i % 5), generator=gen) * 4 for i in range(count)]
     key, indices = Key.from_seed(2), [count - i for i in range(count)]
-    expected = [eager(t, "binary8p4", "src", sat=True, bits=3, seed=fold_in(key, i))
+    expected = [eager(t, "binary8p4", "src", sat=True, bits=3, seed=fold_in(key, 4, i))
                 for t, i in zip(tensors, indices, strict=True)]  # fmt: skip
-    assert gpu.round_foreach_(tensors, spec, key, indices, torch.float32)
+    assert gpu.round_foreach_(tensors, spec, key, 4, indices, torch.float32)
     for j, (got, want) in enumerate(zip(tensors, expected, strict=True)):
         assert_bitwise_equal(got, want, got, f"tensor {j}")
 
@@ -394,7 +395,7 @@ def test_foreach_leaves_what_it_does_not_take():
     for bad in ([whole[:4096 - 8]], [whole[1:4081]], [whole.view(64, 64).t()],
                 [whole[:2048], whole[2048:].bfloat16()]):  # fmt: skip
         before = [t.clone() for t in bad]
-        assert not gpu.round_foreach_(bad, spec, Key.from_seed(1), range(len(bad)), torch.float32)
+        assert not gpu.round_foreach_(bad, spec, Key.from_seed(1), 0, range(len(bad)), torch.float32)
         assert all(torch.equal(t, b) for t, b in zip(bad, before, strict=True))
 
 

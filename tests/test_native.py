@@ -344,12 +344,12 @@ def test_build_failure_warns_and_falls_back(monkeypatch, tmp_path):
         got = fewbit.round(x, "binary8p4", "src", bits=3, seed=1)
     assert same_bits(got, expected)
     assert native._failed
-    # The optimizer's write-back too: tensor 5 of key K draws with fold_in(K, 5).
+    # The optimizer's write-back too: tensor 5 of key K at step 3 draws with fold_in(K, 3, 5).
     weights = x.clone()
     with configure(compile=False):
-        expected = fewbit.round(x, "binary8p4", "src", bits=3, seed=fold_in(Key.from_seed(1), 5))
+        expected = fewbit.round(x, "binary8p4", "src", bits=3, seed=fold_in(Key.from_seed(1), 3, 5))
     spec = make_spec(torch.float32, fewbit.format("binary8p4"), RoundMode.SRC, False, 3, None)
-    round_foreach_([weights], spec, Key.from_seed(1), [5], torch.float32)
+    round_foreach_([weights], spec, Key.from_seed(1), 3, [5], torch.float32)
     assert same_bits(weights, expected)
 
 

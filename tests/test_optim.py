@@ -184,13 +184,13 @@ def test_compiled_write_back_compiles_for_each_format():
         for fmt in ("binary8p4", "ocp_e5m2"):
             spec = check_round_args(x, fmt, "src", True, 3, None)
             t = x.clone()
-            round_foreach_([t], spec, as_key(1), [0], torch.float32)
-            assert torch.equal(t, fewbit.round(x, fmt, "src", bits=3, seed=fold_in(as_key(1), 0))), fmt
+            round_foreach_([t], spec, as_key(1), 2, [0], torch.float32)
+            assert torch.equal(t, fewbit.round(x, fmt, "src", bits=3, seed=fold_in(as_key(1), 2, 0))), fmt
 
 
 def test_write_back_of_no_tensors_does_nothing():
     spec = check_round_args(torch.ones(1), "binary8p4", "src", True, 3, None)
-    round_foreach_([], spec, as_key(1), [], torch.float32)  # was an IndexError
+    round_foreach_([], spec, as_key(1), 0, [], torch.float32)  # was an IndexError
 
 
 @pytest.mark.parametrize("via", [torch.float64, torch.bfloat16])
@@ -211,10 +211,11 @@ def test_compiled_write_back_compiles_for_the_first_list_of_weights_only(monkeyp
             chosen = shapes if n == 0 else shapes[n % 4:] + shapes[: n % 3]
             weights = [torch.randn(shape, generator=g, dtype=torch.float64) for shape in chosen]
             got = [w.clone() for w in weights]
-            round_foreach_(got, spec, as_key(1), range(n, n + len(got)), via)
+            round_foreach_(got, spec, as_key(1), 0, range(n, n + len(got)), via)
             for i, (w, r) in enumerate(zip(weights, got, strict=True)):
                 with fewbit.configure(compile=False):
-                    want = fewbit.round(w.to(via), "binary8p4", "src", bits=3, seed=fold_in(as_key(1), n + i))
+                    key = fold_in(as_key(1), 0, n + i)
+                    want = fewbit.round(w.to(via), "binary8p4", "src", bits=3, seed=key)
                 assert torch.equal(r, want.to(torch.float64)), (n, i)
             if n == 0:
                 counters.clear()  # after the first list's compilation

@@ -600,32 +600,36 @@ class LowPrecisionWeights:
 
     def _round_pieces(self, live: list[int], stored: list[int], pieces: list[torch.Tensor]) -> None:
         """Round the weights of ``live``; keep those of ``stored`` as codes and free them."""
-        # fold_in(key, t, i) is fold_in(fold_in(key, t), i): the step's key, derived once.
-        step_key = fold_in(self.key, self.steps) if self.mode.is_stochastic else None
         place = range(self.first_index, self.first_index + len(self.params))  # weight i's in the keys
-        # Whole tensors in formats with a NaN, under the identical policy (no rank to fold
-        # in), go through round_foreach_, weight i with the key fold_in(step_key, place[i]) (kept
-        # as codes: one fewbit.quantize each, which rounds and encodes in one pass); a
-        # piece of a sharded tensor takes the bits of its global indices; fewbit.round
-        # raises where a value has no result in a format without NaN (a NaN input, say).
+        # Weight i draws with fold_in(key, t, i) at step t. Whole tensors in formats with a
+        # NaN, under the identical policy (no rank to fold in), go through round_foreach_,
+        # which derives each key in its kernel (kept as codes: one fewbit.quantize each,
+        # which rounds and encodes in one pass); a piece of a sharded tensor takes the bits
+        # of its global indices; fewbit.round raises where a value has no result in a
+        # format without NaN (a NaN input, say).
         block = isinstance(self.fmt, BlockFormat)
         batched = []
         if not block and self.fmt.has_nans and self.policy is SeedPolicy.IDENTICAL:
             batched = [i for i in live if self._layouts[i].whole]
-        codes, in_codes = {}, set(stored)
-        for i in [i for i in batched if i in in_codes]:  # straight to codes, a pass each
+        in_batch, in_codes = set(batched), set(stored)
+        coded, others = [i for i in batched if i in in_codes], [i for i in live if i not in in_batch]
+        # fold_in(key, t, i) is fold_in(fold_in(key, t), i): the step's key, derived once, where
+        # a weight needs it here (6 us in Python ints: not for round_foreach_ alone).
+        stochastic = self.mode.is_stochastic
+        step_key = fold_in(self.key, self.steps) if stochastic and (coded or others) else None
+        codes = {}
+        for i in coded:  # straight to codes, a pass each
             kw = {"sat": self.sat, "bits": self.bits, "fraction": self.fraction}
             if step_key is not None:
                 kw["seed"] = fold_in(step_key, place[i])
             codes[i] = codec.quantize(pieces[i].to(self.via), self.fmt, self.mode, **kw)
         if floats := [i for i in batched if i not in in_codes]:
-            round_foreach_([pieces[i] for i in floats], self.spec, step_key, [place[i] for i in floats],
-                           self.via)  # fmt: skip
+            key, places = self.key if stochastic else None, [place[i] for i in floats]
+            round_foreach_([pieces[i] for i in floats], self.spec, key, self.steps, places, self.via)
         if block:  # the full tensors'
             scales = tensor_scales([self.params[i] for i in live], self.fmt, self.via, self.spec.rule)
             tensor_scale = dict(zip(live, scales, strict=True))
-        in_batch = set(batched)
-        for i in [i for i in live if i not in in_batch]:
+        for i in others:
             t, at = pieces[i], self._layouts[i]
             key = None if step_key is None else replica_key(fold_in(step_key, place[i]), self.policy)
             x = t.to(self.via)

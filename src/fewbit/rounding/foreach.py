@@ -18,10 +18,11 @@ __all__ = ["round_foreach_"]
 
 
 def round_foreach_(
-    tensors: list[torch.Tensor], spec: RoundSpec, key: Key | None, indices: Sequence[int], via: torch.dtype
-) -> None:
+    tensors: list[torch.Tensor], spec: RoundSpec, key: Key | None, step: int, indices: Sequence[int],
+    via: torch.dtype,
+) -> None:  # fmt: skip
     """Round each tensor in place as ``round_`` of ``t.to(via)`` would, tensor j with the key
-    ``fold_in(key, indices[j])`` (None: a deterministic mode). On a GPU one launch of the
+    ``fold_in(key, step, indices[j])`` (None: a deterministic mode). On a GPU one launch of the
     Triton kernel for the whole list where it applies (``gpu.round_foreach_``); else
     ``round_``'s own kernels, a call per tensor: on a CPU the native kernel (a few
     microseconds each), else the compiled one, with at most four graphs (lengths under a
@@ -33,10 +34,11 @@ def round_foreach_(
         return
     # Asked of the first tensor itself, not of a new tensor of dtype via (made every step):
     # round_foreach_ checks every tensor's dtype and via's, and reads their own memory.
-    if gpu.applies(spec, tensors[0]) and gpu.round_foreach_(tensors, spec, key, indices, via):
+    if gpu.applies(spec, tensors[0]) and gpu.round_foreach_(tensors, spec, key, step, indices, via):
         return
+    step_key = None if key is None else fold_in(key, step)
     for t, i in zip(tensors, indices, strict=True):
         x = t.to(via)  # torch's round to nearest even, as the GPU kernel's conversion is
         out = torch.empty_like(x)
-        round_into(x, spec, None if key is None else fold_in(key, i), None, out)
+        round_into(x, spec, None if key is None else fold_in(step_key, i), None, out)
         t.copy_(out)

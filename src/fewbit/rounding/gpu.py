@@ -333,16 +333,16 @@ def _launch_table(addresses: list[int], rest: bytes, device: torch.device) -> to
 
 
 def round_foreach_(
-    tensors: Sequence[torch.Tensor], spec: RoundSpec, key: Key | None, indices: Sequence[int],
+    tensors: Sequence[torch.Tensor], spec: RoundSpec, key: Key | None, step: int, indices: Sequence[int],
     via: torch.dtype,
 ) -> bool:  # fmt: skip
     """Round each tensor in place as ``round_`` of ``t.to(via)`` would, tensor j with the key
-    ``fold_in(key, indices[j])`` (derived in the kernel): a launch for every
+    ``fold_in(key, step, indices[j])`` (derived in the kernel): a launch for every
     ``_FOREACH_TENSORS`` tensors; only where :func:`applies` to a tensor of dtype via on
     their device (or, for tests, on CPU tensors under ``TRITON_INTERPRET=1``). False
     (nothing written) where the kernel does not take the list: it takes tensors of one
-    dtype and device, contiguous, each size and address a multiple of 16. ``spec.fmt``
-    has a NaN: every element has a result."""
+    dtype and device, contiguous, each size and address a multiple of 16, and a step
+    below 2**63. ``spec.fmt`` has a NaN: every element has a result."""
     first = tensors[0]
     dtype, device = first.dtype, first.get_device()
     if dtype not in _TRITON_DTYPES or via not in _TRITON_DTYPES:
@@ -357,7 +357,9 @@ def round_foreach_(
     drawn = key is not None and MODES[spec.mode].stochastic
     variant = (spec, drawn, False, True, via)
     elements = LANES * round_constants(*variant)["ROWS"]  # a program's
-    words = (key.k0, key.k1) if drawn else (0, 0)  # the step's key goes with each launch
+    if drawn and not 0 <= step < 1 << 63:  # the kernel's int64 offset holds it (fold_in takes 64 bits)
+        return False
+    words, step = ((key.k0, key.k1), step) if drawn else ((0, 0), 0)  # they go with each launch
     launched = False
     for lo in range(0, len(tensors), _FOREACH_TENSORS):
         hi = lo + _FOREACH_TENSORS
@@ -367,7 +369,7 @@ def round_foreach_(
             continue
         # The table of where the tensors are now (their addresses read at every call).
         table = _launch_table(addresses[lo:hi], rest, first.device)
-        arguments = (table, first, None, None, None, None), (_FOREACH_TENSORS, 0, 0, 0, 0, *words, 0, 0)
+        arguments = (table, first, None, None, None, None), (_FOREACH_TENSORS, step, 0, 0, 0, *words, 0, 0)
         if not _launch("round_kernel", programs, *arguments, round_constants, variant):
             if launched:  # (the same kernel as the launch before: not seen to happen)
                 raise RuntimeError("fewbit: a write-back launch failed after others had written")

@@ -296,9 +296,9 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, scales_ptr, ts_ptr, n: tl.i
     ``FOREACH``: round ``n`` tensors in place, each from 0 of its own stream, as
     gpu.round_foreach_ lays them out in the int64 table at x_ptr: the tensors'
     addresses, sizes, indices i and first programs (``n`` of each, ``n`` at most
-    ``TENSORS``). Tensor i draws with ``fold_in(key, i)``, derived here from the key k0,
-    k1 that comes with the launch (the table holds nothing that changes from step to
-    step). out_ptr: any tensor of theirs (for the dtype); each size and address is a
+    ``TENSORS``). Tensor i draws with ``fold_in(key, step, i)``, derived here from the key
+    k0, k1 and the step (in ``offset``) that come with the launch (the table holds nothing
+    that changes from step to step). out_ptr: any tensor of theirs (for the dtype); each size and address is a
     multiple of 16.
     ``VIA``: the dtype each element is first rounded to (RNE), as ``x.to(VIA)``; None:
     x's own.
@@ -341,8 +341,10 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, scales_ptr, ts_ptr, n: tl.i
         out_ptr = x_ptr
         n = tl.load(table + tensors + slot)
         row0 = (program - tl.load(table + 3 * tensors + slot)) * ROWS
-        if DRAWN:  # fold_in(key, i)
-            k0, k1 = threefry(tl.load(table + 2 * tensors + slot), k0.to(tl.uint32), k1.to(tl.uint32))
+        if DRAWN:  # fold_in(key, step, i), the step in offset (interpreted, an int32)
+            k0, k1 = threefry(offset.to(tl.int64), k0.to(tl.uint32), k1.to(tl.uint32))
+            k0, k1 = threefry(tl.load(table + 2 * tensors + slot), k0, k1)
+        offset = tl.full((), 0, tl.int64)  # each tensor is its stream from 0
     else:
         program = tl.program_id(0).to(tl.int64)
         if RUNS:  # the program's run, as if it were a call of its own
