@@ -17,7 +17,9 @@ timed: that Python does not depend on the sizes.
 
 Microseconds a step, one thread: the median and the 10th percentile of every step timed
 (``runs`` loops of ``steps`` steps), and the best loop's mean; then ``_write_back`` alone,
-called back to back (the best of ``runs`` loops), the steadiest on a shared machine. A
+called back to back (the best of ``runs`` loops), the steadiest on a shared machine; and
+all the wrapper adds to a step, zero_grad and step with the inner optimizer's calls
+stubbed, back to back. A
 step's write-back runs after the inner step has had the caches, about 3x slower than
 back to back (130-200 us against 52 on a 2-core VM, 2026-11-29; of that, about 15 us is
 glibc's malloc tidying the small blocks the inner step freed, paid by the first request
@@ -124,6 +126,19 @@ def main() -> None:
         for _ in range(args.steps):
             weights.step()
         window.print_profile(args.sort)
+    # All that the wrapper adds to a step (its checks before the inner step, zero_grad's
+    # and step's materialize, the write-back), the inner optimizer's own calls stubbed.
+    weights.optimizer.step = lambda closure=None: None
+    weights.optimizer.zero_grad = lambda set_to_none=True: None
+    weights._stepping = True  # (as inside step: the stub is no step taken alone)
+
+    def wrapped() -> None:
+        weights.zero_grad()
+        weights.step()
+
+    whole = min(timeit.repeat(wrapped, number=args.steps, repeat=args.runs))
+    print(f"the wrapper's zero_grad and step, the inner optimizer's stubbed, back to back: "
+          f"{whole / args.steps * 1e6:.1f} us")
 
 if __name__ == "__main__":
     main()
