@@ -105,6 +105,7 @@ def edge_cases(rank: int, world_size: int) -> dict:
             "tp and fsdp2, an empty piece of another shape": functools.partial(tp_fsdp_empty_pieces, True),
             "guard, pipeline stages": functools.partial(guard_on_pipeline_stages, rank),
             "activations, pipeline stages": functools.partial(activations_on_pipeline_stages, rank),
+            "activations, tp with dp replicas": activations_on_tp_replicas,
         }  # fmt: skip
     else:
         mesh = init_device_mesh("cpu", (2,))
@@ -276,6 +277,19 @@ def activations_on_pipeline_stages(rank: int) -> dict:
     return {"grouped": stage_run(replica_group=groups[rank // 2]), "global": stage_run(),
             "other stage's group": _outcome(lambda: stage_run(replica_group=groups[1 - rank // 2])),
             "mesh": _outcome(lambda: stage_run(replica_group=mesh))}  # fmt: skip
+
+
+def activations_on_tp_replicas() -> list[torch.Tensor]:
+    """A Shard(1) DTensor on each row of a 2 x 2 (dp, tp) mesh through FakeQuantize, with
+    the dp group as replica_group and without: the full outputs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    _, x, _ = pipeline_stage(0)
+    piece = distribute_tensor(x, mesh["tp"], [Shard(1)])
+    grouped = FakeQuantize(STAGE_QUANT, seed=STAGE_SEED, replica_group=mesh.get_group("dp"))
+    return [grouped(piece).full_tensor(), FakeQuantize(STAGE_QUANT, seed=STAGE_SEED)(piece).full_tensor()]
 
 
 def guard_on_unlike_weights(mesh, rank: int) -> str:
@@ -840,6 +854,23 @@ def test_pipeline_stages_with_replicas_draw_as_replicas_of_one_model_given_their
         assert not any(torch.equal(a, b) for a, b in zip(first, second, strict=True))
     grouped, global_rank = outcomes[2]["grouped"], outcomes[2]["global"]
     assert not any(torch.equal(a, b) for a, b in zip(grouped, global_rank, strict=True))
+
+
+def test_tensor_parallel_replicas_given_their_group_fold_in_their_rank_in_it(runs):
+    """Rows of a (dp, tp) mesh: given the dp group, every rank holding a piece of the
+    tensor folds in its replica's rank in that group (the row), so the full output is
+    fake_quantize's of the full tensor with that rank folded in (the key made here by
+    hand); without it, the row's lowest global rank (0 and 2): row 1 drew other bits."""
+    outcomes = [r["cases"]["activations, tp with dp replicas"] for r in runs[4]["edges"]]
+    assert all(isinstance(o, list) for o in outcomes), outcomes
+    _, x, _ = pipeline_stage(0)
+    for rank, (grouped, ungrouped) in enumerate(outcomes):
+        row = rank // 2
+        for folded, got in ((row, grouped), (2 * row, ungrouped)):
+            key = replica_key(fold_in(Key.from_seed(STAGE_SEED), 0), "differing", folded)
+            assert_bits_equal({"y": got}, {"y": fake_quantize(x, STAGE_QUANT, None, key)})
+    assert not torch.equal(outcomes[0][0], outcomes[2][0])  # the rows draw apart
+    assert not torch.equal(outcomes[2][0], outcomes[2][1])  # row 1: the group's rank, not rank 2
 
 
 def test_an_empty_piece_of_another_empty_shape_is_taken_on_every_rank(runs):

@@ -293,10 +293,12 @@ class FakeQuantize(nn.Module):
     (a ``torch.distributed`` process group holding this rank), this process's rank in it:
     under pipeline parallelism with replicas of each stage, pass the stage's data-parallel
     group, and replica r of a stage draws the bits replica r of a run without pipelining
-    draws, whichever ranks hold the stage. The rank is read once, here, and kept as the
-    int ``replica_rank`` (None: the global rank, read at each call), so the module pickles
-    and copies as before; a DTensor still folds in its mesh's rank. ``replica_group`` is
-    refused with policy IDENTICAL, which folds in no rank.
+    draws, whichever ranks hold the stage. A DTensor then folds in that rank too, in
+    place of its mesh's: the ranks holding its pieces must share their rank in their
+    groups, as the rows of a (dp, tp) mesh do in ``mesh.get_group("dp")``. The rank is
+    read once, here, and kept as the int ``replica_rank`` (None: the global rank, read at
+    each call), so the module pickles and copies as before. ``replica_group`` is refused
+    with policy IDENTICAL, which folds in no rank.
     """
 
     def __init__(
@@ -361,11 +363,11 @@ class FakeQuantize(nn.Module):
             if torch.is_grad_enabled():  # as a recomputation is; a backward hook's call is not
                 _refuse_in_backward()
             count = int(self.calls)
-        # A DTensor's pieces are one tensor: its mesh folds in one rank for all of them. A
-        # plain tensor folds in the rank in replica_group (an int: a constant when compiled).
+        # A DTensor's pieces are one tensor: its mesh folds in one rank for all of them, or
+        # the rank in replica_group (an int: a constant when compiled), alike on its ranks.
         own = self._key_words.to(self.calls.device) if recorded else self.key
-        rank = replica_rank(x)
-        key = replica_key(fold_in(own, count), self.policy, self.replica_rank if rank is None else rank)
+        rank = replica_rank(x) if self.replica_rank is None else self.replica_rank
+        key = replica_key(fold_in(own, count), self.policy, rank)
         y = fake_quantize(x, self.forward_quant, self.backward_quant, key)
         # Counted once it succeeded: a refused call draws nothing, so a retry that
         # succeeds gets the bits a run that never failed would have drawn.
