@@ -1587,6 +1587,22 @@ def test_bad_input_is_refused():
             pass
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64])
+def test_rebalancing_a_non_float_tensor_is_refused_as_as_scaled_refuses_it(dtype):
+    """rebalance, pow2_scale and the dynamic rescalings take a plain tensor, whose dtype
+    as_scaled refuses when it is not floating: at scale 1 they made a ScaledTensor of
+    int64, bool or complex data, whose later ops computed in integers (rebalance of
+    arange(6) at 1, divided by 4, read 0, 0, 0, 0, 1, 1)."""
+    t = torch.ones(2, 3, dtype=dtype)
+    for call in (lambda: rebalance(t, 1.0), lambda: rebalance(t, 0.5), lambda: pow2_scale(t),
+                 lambda: dynamic_rescale_max(t), lambda: dynamic_rescale_l2(t, pow2=True),
+                 lambda: dynamic_scale(t, "l1")):
+        with pytest.raises(TypeError, match="floating dtype"):
+            call()
+    with pytest.raises(TypeError, match="floating dtype"):
+        ScaledTensor._make(t, 1.0)  # (the check where any rule wraps its result)
+
+
 def test_a_second_rule_for_an_op_is_refused():
     with pytest.raises(ValueError, match=r"aten\.neg already has a rule \(_keep\)"):
         rule(torch.ops.aten.frac, torch.ops.aten.neg)(lambda func, x: x)

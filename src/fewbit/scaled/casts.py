@@ -42,6 +42,14 @@ _E8M0 = "ocp_e8m0"
 _POW2_MODES = {"down": "rtz", "up": "rup", "nearest": "rne"}
 
 
+def _check_floating(t: torch.Tensor, name: str) -> None:
+    # A plain integer, bool or complex t, which as_scaled refuses: rebalanced at scale 1 it
+    # made a ScaledTensor of int64 data, whose value a later op computed in integers
+    # (rebalance(torch.arange(6), 1.0) / 4 gave 0, 0, 0, 0, 1, 1).
+    if isinstance(t, torch.Tensor) and not t.is_floating_point():
+        raise TypeError(f"{name}: t must have a floating dtype, not {t.dtype}")
+
+
 # --- cast ----------------------------------------------------------------------------
 #
 # cast and rebalance build a new ScaledTensor, which Dynamo cannot trace: their autograd
@@ -123,6 +131,7 @@ def rebalance(t: torch.Tensor, s: torch.Tensor | float) -> ScaledTensor:
 
     s: a positive float, or a float tensor broadcastable to t (on t's device).
     """
+    _check_floating(t, "rebalance")
     s = check_scale(s, parts(t)[0], positive=True)
     guard_settings()
     return _Rebalance.apply(t, s)
@@ -163,6 +172,7 @@ def round_pow2(s: Scale, rounding: Pow2 = "down") -> Scale:
 def pow2_scale(t: torch.Tensor, rounding: Pow2 = "down") -> ScaledTensor:
     """t with its scale rounded to a power of two and the same value (data * 2^k is
     exact, so products and quotients of such scales are too); the zero array stays one."""
+    _check_floating(t, "pow2_scale")
     guard_settings()
     return _Rebalance.apply(t, round_pow2(parts(t)[1], rounding))
 
@@ -213,6 +223,7 @@ def dynamic_scale(t: torch.Tensor, stat: Stat = "max", target: float = 1.0,
     (an all-zero t) or beyond float32, t keeps its scale; the zero array (scale 0, which
     a tensor scale cannot be) gets 1.
     """
+    _check_floating(t, "dynamic_scale")
     if not target > 0:
         raise ValueError(f"target must be positive, got {target}")
     # (Of parts, not of a ScaledTensor made from a plain t: Dynamo cannot trace making one.)

@@ -50,8 +50,11 @@ REDUCED = (torch.float16, torch.bfloat16)
 def check_dtype(dtype: torch.dtype) -> None:
     """Raise TypeError for a data dtype that ScaledTensor refuses: 8-bit (and packed
     4-bit) floats, on which torch has almost no arithmetic (no add, mul, matmul), so
-    that rules would fail deep inside an op instead of here."""
-    if dtype.is_floating_point and dtype.itemsize == 1:
+    that rules would fail deep inside an op instead of here; and integer, bool and complex
+    data, which ``as_scaled`` refuses and rules would compute on in integers."""
+    if not dtype.is_floating_point:
+        raise TypeError(f"data must have a floating dtype, not {dtype}")
+    if dtype.itemsize == 1:
         raise TypeError(f"ScaledTensor data of dtype {dtype} is not supported: torch computes almost "
                         "nothing on it. Keep an 8-bit format's values in float16, bfloat16 or float32 "
                         "data (cast(t, 'ocp_e4m3')) and store their codes with fewbit.codec.encode")
