@@ -227,6 +227,16 @@ def test_quantize_dequantize_equals_round_and_reports_bytes():
         assert stored.nbytes == blocks * (per_block + 1) + (4 if bfmt.tensor_scale else 0)
 
 
+def test_block_tensor_nbytes_under_compile_with_a_dynamic_shape():
+    """BlockTensor.nbytes read a tensor's nbytes, which torch refuses for a symbolic shape:
+    under torch.compile(fullgraph=True), a second batch size (made dynamic) failed with
+    Dynamo's internal error. Counted from numel, it compiles and gives eager's count."""
+    f = torch.compile(lambda x: block.quantize(x, "nvfp4").nbytes, fullgraph=True, backend="eager")
+    for rows in (4, 8, 6):
+        x = torch.randn(rows, 64)
+        assert f(x) == block.quantize(x, "nvfp4").nbytes == rows * 4 * (8 + 1) + 4
+
+
 def test_scale_rules_clip_and_waste_as_the_table_says():
     """A block whose amax scales to 7 (e2m1: max 6, binade [4, 8)): floor clips it to 6,
     ceil/rceil/even never clip; ceil doubles the scale, rceil too (7 > 6), even rounds 7 to 8."""

@@ -68,9 +68,10 @@ class BlockTensor:
 
     @property
     def nbytes(self) -> int:
-        """Bytes stored: codes, scales and the per-tensor scale."""
-        extra = 0 if self.tensor_scale is None else self.tensor_scale.nbytes
-        return self.codes.nbytes + self.scales.nbytes + extra
+        """Bytes stored: codes, scales and the per-tensor scale. (Counted from numel:
+        under torch.compile with a dynamic shape, a tensor's own ``nbytes`` is an error.)"""
+        parts = (self.codes, self.scales) + (() if self.tensor_scale is None else (self.tensor_scale,))
+        return sum(t.numel() * t.element_size() for t in parts)
 
     def block_scales(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Each block's factor ``S`` (``(rows, blocks)``): its scale, times the per-tensor scale."""
