@@ -237,6 +237,41 @@ def test_block_tensor_nbytes_under_compile_with_a_dynamic_shape():
         assert f(x) == block.quantize(x, "nvfp4").nbytes == rows * 4 * (8 + 1) + 4
 
 
+def test_a_block_tensor_goes_through_torch_export_saved_and_loaded():
+    """A BlockTensor is a pytree node: an exported function returns one (torch refused the
+    unknown type in the program's outputs), saved and loaded, its shape following a
+    dynamic batch size, a format made by hand by its repr; and torch.compile takes one
+    as an input without a recompile per tensor."""
+    mine = replace(block.format("mxfp6_e3m2"), name="test_pytree_mx")
+
+    class Quantize(torch.nn.Module):
+        def forward(self, x):
+            return block.quantize(x, "nvfp4", "sr", seed=1), block.quantize(x.t(), mine, axis=0)
+
+    def same(a, b):
+        return (type(a) is block.BlockTensor and (a.format, a.shape, a.axis) == (b.format, b.shape, b.axis)
+                and all(torch.equal(getattr(a, k), getattr(b, k)) for k in ("codes", "scales"))
+                and (a.tensor_scale is None) == (b.tensor_scale is None)
+                and (a.tensor_scale is None or torch.equal(a.tensor_scale, b.tensor_scale)))
+
+    x = torch.randn(4, 64)
+    batch = torch.export.Dim("b", min=2, max=64)
+    exported = torch.export.export(Quantize(), (x,), dynamic_shapes=({0: batch},))
+    buffer = io.BytesIO()
+    torch.export.save(exported, buffer)
+    buffer.seek(0)
+    loaded = torch.export.load(buffer).module()
+    for rows in (4, 9):
+        x = torch.randn(rows, 64)
+        assert all(same(a, b) for a, b in zip(loaded(x), Quantize()(x), strict=True))
+    calls = []
+    f = torch.compile(lambda q: q.dequantize(), fullgraph=True, backend=lambda gm, _: calls.append(gm) or gm)
+    for seed in range(3):
+        q = block.quantize(torch.randn(4, 64), "mxfp4", "sr", seed=seed)
+        assert torch.equal(f(q), q.dequantize())
+    assert len(calls) == 1
+
+
 def test_scale_rules_clip_and_waste_as_the_table_says():
     """A block whose amax scales to 7 (e2m1: max 6, binade [4, 8)): floor clips it to 6,
     ceil/rceil/even never clip; ceil doubles the scale, rceil too (7 > 6), even rounds 7 to 8."""

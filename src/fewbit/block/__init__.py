@@ -15,6 +15,7 @@ it): padding never changes a block's scale, and the stored codes include it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,7 @@ from .ops import (
     block_round_into_op,
     block_round_op,
     block_spec_of,
+    format_name,
     lookup,
 )
 
@@ -98,6 +100,38 @@ class BlockTensor:
 # they rebuild from tensors, numbers and strings alone. (Registered here: the formats' own
 # modules are pure data, without torch.)
 torch.serialization.add_safe_globals([BlockTensor, BlockFormat, FloatFormat])
+
+
+# A BlockTensor is a pytree node: a function exported by torch.export may return one,
+# saved and loaded too (torch refused a type it did not know in an exported program's
+# outputs; as an exported program's input it is still refused, torch taking no int
+# there). Its tensors and the ints of its shape are the children (the shape
+# is symbolic where the export's batch size is: a constant would give every batch the
+# traced one's); the format, by the name its ops take, and the axis are the context.
+
+
+def _flatten(q: BlockTensor) -> tuple[list, tuple[str, int]]:
+    return [q.codes, q.scales, q.tensor_scale, *q.shape], (format_name(q.format), q.axis)
+
+
+def _flatten_with_keys(q: BlockTensor) -> tuple[list, tuple[str, int]]:
+    children, context = _flatten(q)
+    keys = ["codes", "scales", "tensor_scale"] + [f"shape[{i}]" for i in range(len(q.shape))]
+    return [(torch.utils._pytree.GetAttrKey(k), c) for k, c in zip(keys, children, strict=True)], context
+
+
+def _unflatten(children, context: tuple[str, int]) -> BlockTensor:
+    name, axis = context
+    codes, scales, ts, *shape = children
+    return BlockTensor(codes, scales, ts, lookup(name), torch.Size(shape), axis)
+
+
+torch.utils._pytree.register_pytree_node(
+    BlockTensor, _flatten, _unflatten, serialized_type_name="fewbit.block.BlockTensor",
+    flatten_with_keys_fn=_flatten_with_keys,
+    to_dumpable_context=lambda context: json.dumps(list(context)),
+    from_dumpable_context=lambda dumped: tuple(json.loads(dumped)),
+)
 
 
 def quantize(
