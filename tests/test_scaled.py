@@ -1603,6 +1603,21 @@ def test_rebalancing_a_non_float_tensor_is_refused_as_as_scaled_refuses_it(dtype
         ScaledTensor._make(t, 1.0)  # (the check where any rule wraps its result)
 
 
+def test_rescalings_refuse_bad_arguments_at_the_call():
+    """The _grad rescalings checked their statistic and target only in the backward pass,
+    after the forward had run; a dynamic rescaling of float8 data failed in torch's
+    isfinite instead of with as_scaled's refusal of the dtype."""
+    h = X.clone().requires_grad_()
+    for call in (lambda: dynamic_rescale_grad(h, "l3"), lambda: dynamic_rescale_max_grad(h, target=0.0),
+                 lambda: dynamic_rescale_grad(h, "l2", target=float("nan"))):
+        with pytest.raises(ValueError, match="statistic must be|target must be positive"):
+            call()
+    e4m3 = X.float().to(torch.float8_e4m3fn)
+    for call in (lambda: dynamic_rescale_max(e4m3), lambda: dynamic_scale(e4m3), lambda: pow2_scale(e4m3)):
+        with pytest.raises(TypeError, match="float8_e4m3fn is not supported"):
+            call()
+
+
 def test_a_second_rule_for_an_op_is_refused():
     with pytest.raises(ValueError, match=r"aten\.neg already has a rule \(_keep\)"):
         rule(torch.ops.aten.frac, torch.ops.aten.neg)(lambda func, x: x)

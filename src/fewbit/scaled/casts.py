@@ -23,6 +23,7 @@ from .tensor import (
     ScaledTensor,
     as_scaled,
     at_scale,
+    check_dtype,
     check_scale,
     check_settable,
     compute_dtype,
@@ -48,6 +49,16 @@ def _check_floating(t: torch.Tensor, name: str) -> None:
     # (rebalance(torch.arange(6), 1.0) / 4 gave 0, 0, 0, 0, 1, 1).
     if isinstance(t, torch.Tensor) and not t.is_floating_point():
         raise TypeError(f"{name}: t must have a floating dtype, not {t.dtype}")
+    if isinstance(t, torch.Tensor) and not isinstance(t, ScaledTensor):
+        check_dtype(t.dtype)  # float8: refused by name, not by torch's isfinite deep inside
+
+
+def _check_statistic(stat: object, target: object) -> None:
+    # Before the statistic is taken, or (the _grad variants) before the backward pass.
+    if stat not in ("max", "l1", "l2"):
+        raise ValueError(f"statistic must be 'max', 'l1' or 'l2', not {stat!r}")
+    if not target > 0:
+        raise ValueError(f"target must be positive, got {target}")
 
 
 # --- cast ----------------------------------------------------------------------------
@@ -197,8 +208,6 @@ def _statistic(t: torch.Tensor, stat: Stat) -> torch.Tensor:
     d, s = parts(t)
     finite = d.isfinite()
     a = torch.where(finite, d.to(compute_dtype(d.dtype)).abs(), 0)
-    if stat not in ("max", "l1", "l2"):
-        raise ValueError(f"statistic must be 'max', 'l1' or 'l2', not {stat!r}")
     if a.numel() == 0:
         v = a.new_zeros(())  # no data: 0, which keeps the scale (dynamic_scale)
     elif stat == "max":
@@ -224,8 +233,7 @@ def dynamic_scale(t: torch.Tensor, stat: Stat = "max", target: float = 1.0,
     a tensor scale cannot be) gets 1.
     """
     _check_floating(t, "dynamic_scale")
-    if not target > 0:
-        raise ValueError(f"target must be positive, got {target}")
+    _check_statistic(stat, target)
     # (Of parts, not of a ScaledTensor made from a plain t: Dynamo cannot trace making one.)
     new = _statistic(t, stat) / target
     usable = (new > 0) & new.isfinite()  # before round_pow2, which saturates inf to 2^127
@@ -279,7 +287,9 @@ def dynamic_rescale_grad(t: torch.Tensor, stat: Stat = "max", target: float = 1.
                          pow2: bool = False) -> torch.Tensor:
     """t itself, but the gradient flowing back through it is rebalanced (same value) so
     that ``stat`` of its data is ``target``: where the gradient's data is about to leave
-    the range of a 16- or 8-bit format, its scale takes the size instead."""
+    the range of a 16- or 8-bit format, its scale takes the size instead. A bad ``stat``
+    or ``target`` is refused here, not in the backward pass."""
+    _check_statistic(stat, target)
     guard_settings()
     return _RescaleGrad.apply(t, stat, target, pow2)
 
