@@ -305,3 +305,14 @@ def test_encode_and_decode_of_strided_tensors_give_contiguous_results_as_compile
             assert torch.equal(got, want) and got.is_contiguous(), i
             compiled = torch.compile(lambda t, f=f: f(t) + 1, fullgraph=True)
             assert torch.equal(compiled(t), want + 1), i
+
+
+def test_pack_pairs_refuses_an_odd_last_dimension():
+    """fewbit.codec.pack_pairs of an odd last dimension broadcast its last code into every
+    byte (codes 0, 1, 2 gave 16, 18) instead of refusing; an even one pairs as before."""
+    from fewbit.codec import pack_pairs
+
+    for odd in (torch.arange(3), torch.zeros(2, 5, dtype=torch.int32), torch.tensor(1)):
+        with pytest.raises(ValueError, match="pairs codes along the last dimension"):
+            pack_pairs(odd)
+    assert pack_pairs(torch.tensor([1, 2, 3, 4])).tolist() == [0x21, 0x43]

@@ -143,7 +143,10 @@ def codes_of(work: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
 
 
 def pack_pairs(code: torch.Tensor) -> torch.Tensor:
-    """Two codes of at most 4 bits a byte along the last dimension, the even one low."""
+    """Two codes of at most 4 bits a byte along the last dimension, the even one low. An
+    odd last dimension is a ValueError (its last code broadcast into every byte)."""
+    if code.dim() == 0 or code.shape[-1] % 2:
+        raise ValueError(f"pack_pairs pairs codes along the last dimension; it has shape {tuple(code.shape)}")
     return code[..., 0::2] | (code[..., 1::2] << 4)
 
 
