@@ -1618,6 +1618,24 @@ def test_rescalings_refuse_bad_arguments_at_the_call():
             call()
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (torch.func imports torch.jit.script)
+def test_torch_func_transforms_are_refused_by_name():
+    """torch.func's grad, vmap and jvp through scaled's casts failed inside torch (an
+    autograd.Function without setup_context; a functorch wrapper hides a ScaledTensor's
+    dequantize); now refused, naming torch.autograd, which takes them."""
+    calls = (lambda x: rebalance(x, 0.5).dequantize().sum(), lambda x: dynamic_rescale_max_grad(x).sum(),
+             lambda x: cast(dynamic_rescale_max(x), "ocp_e4m3", "sr", seed=1).dequantize().sum(),
+             lambda x: pow2_scale(x).dequantize().sum())
+    for f in calls:
+        for transform in (torch.func.grad(f), torch.vmap(f),
+                          lambda x, f=f: torch.func.jvp(f, (x,), (torch.ones_like(x),))):
+            with pytest.raises(RuntimeError, match="fewbit.scaled does not run under torch.func"):
+                transform(X.clone())
+        h = X.clone().requires_grad_()
+        f(h).backward()  # (torch.autograd: straight through)
+        assert torch.equal(h.grad, torch.ones_like(X))
+
+
 def test_a_second_rule_for_an_op_is_refused():
     with pytest.raises(ValueError, match=r"aten\.neg already has a rule \(_keep\)"):
         rule(torch.ops.aten.frac, torch.ops.aten.neg)(lambda func, x: x)

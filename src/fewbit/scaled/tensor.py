@@ -33,6 +33,7 @@ except ImportError as err:  # fewbit's other modules do not import this one
                       f"which torch {torch.__version__} lacks; the rest of fewbit works without it") from err
 
 from ..config import current
+from ..operators import _transformed
 
 aten = torch.ops.aten
 
@@ -91,7 +92,15 @@ def guard_settings() -> None:
     """Under torch.compile, have Dynamo guard on :func:`traced_settings` where traced code
     makes a ScaledTensor of plain tensors (the flatten context guards them on ScaledTensor
     inputs alone): a graph traced under other settings would run its rules silently.
-    Dynamo guards on a value once it is used (a comparison), not on one merely read."""
+    Dynamo guards on a value once it is used (a comparison), not on one merely read.
+
+    Also refuses a call under torch.func's transforms (grad, vmap, jvp, ...), named: there
+    torch failed inside (an autograd.Function without ``setup_context``; a functorch wrapper
+    hides the ScaledTensor from its methods), where torch.autograd takes every cast."""
+    if not torch.compiler.is_compiling() and _transformed():
+        raise RuntimeError("fewbit.scaled does not run under torch.func's transforms (grad, vmap, jvp, "
+                           "jacrev, ...): take gradients with torch.autograd (loss.backward(), "
+                           "torch.autograd.grad)")
     if torch.compiler.is_compiling():
         unit, fallback = traced_settings()
         _ = (unit is True, fallback == "error")
