@@ -1636,6 +1636,23 @@ def test_torch_func_transforms_are_refused_by_name():
         assert torch.equal(h.grad, torch.ones_like(X))
 
 
+def test_in_place_rescalings_under_compile_break_once_naming_why():
+    """rebalance_ and dynamic_rescale_ traced broke the graph in Dynamo's words ("torch.*
+    op returned non-Tensor", a view's storage_offset) and again at the scale's checks; now
+    one break naming why, fullgraph=True refusing it so, and the eager result."""
+    def step(t):
+        dynamic_rescale_(t, "l2")
+        rebalance_(t, 0.25)
+        return t.dequantize() * 2
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="rebalance_ and dynamic_rescale_ run eagerly only"):
+        torch.compile(step, fullgraph=True, backend="eager")(as_scaled(X.clone(), 0.5))
+    t, mine = as_scaled(X.clone(), 0.5), as_scaled(X.clone(), 0.5)
+    assert torch.equal(torch.compile(step, backend="eager")(t), step(mine))
+    assert torch.equal(t.unscaled, mine.unscaled) and t.static_scale == mine.static_scale == 0.25
+
+
 def test_a_second_rule_for_an_op_is_refused():
     with pytest.raises(ValueError, match=r"aten\.neg already has a rule \(_keep\)"):
         rule(torch.ops.aten.frac, torch.ops.aten.neg)(lambda func, x: x)

@@ -150,7 +150,10 @@ def rebalance(t: torch.Tensor, s: torch.Tensor | float) -> ScaledTensor:
 
 def rebalance_(t: ScaledTensor, s: torch.Tensor | float) -> ScaledTensor:
     """In-place :func:`rebalance` of a ScaledTensor that is not a view (a parameter; or
-    a view whose rest is zeros, as FSDP2's short piece of a padded buffer)."""
+    a view whose rest is zeros, as FSDP2's short piece of a padded buffer). Eager only:
+    under torch.compile one graph break, then eager (fullgraph=True refuses it, naming why)."""
+    if torch.compiler.is_compiling():
+        return _eager_rebalance_(t, s)
     if not isinstance(t, ScaledTensor):
         raise TypeError(f"rebalance_ needs a ScaledTensor, not {type(t).__name__}")
     if not holds_every_value(t._data):
@@ -162,6 +165,14 @@ def rebalance_(t: ScaledTensor, s: torch.Tensor | float) -> ScaledTensor:
     set_scale(t, s)
     torch.autograd.graph.increment_version(t)
     return t
+
+
+#: Traced, rebalance_'s check of a view's storage (storage_offset, the rest's zeros) broke
+#: the graph in Dynamo's words ("torch.* op returned non-Tensor"), and its scale checks
+#: again (a tensor's values read): one break, named, then eager.
+_eager_rebalance_ = torch.compiler.disable(
+    rebalance_, reason="fewbit.scaled.rebalance_ and dynamic_rescale_ run eagerly only: they check the "
+    "storage of a view and the new scale's values, which a graph cannot (rebalance out of place compiles)")
 
 
 # --- power-of-two scales ---------------------------------------------------------------
