@@ -71,7 +71,7 @@ class Operator:
         if unseen(self._tensors(args)):
             return self._direct(*args)
         args = tuple(key_of(a) if isinstance(a, Key) else a for a in args)  # the schema's key tensor
-        if self._differentiable is not None and (_transformed() or may_carry_tangent(args[0])):
+        if self._differentiable is not None and (transformed() or may_carry_tangent(args[0])):
             return self._differentiable.apply(*args)
         return self.op(*args)
 
@@ -168,7 +168,7 @@ def _differentiable(op: torch._ops.OpOverload, backward: Callable) -> type[torch
     return Differentiable
 
 
-def _transformed() -> bool:
+def transformed() -> bool:
     """Whether a torch.func transform is active (False where this torch lacks the query)."""
     return _PRIVATE is not None and _PRIVATE[1]() is not None
 

@@ -108,6 +108,11 @@ torch.serialization.add_safe_globals([BlockTensor, BlockFormat, FloatFormat])
 # there). Its tensors and the ints of its shape are the children (the shape
 # is symbolic where the export's batch size is: a constant would give every batch the
 # traced one's); the format, by the name its ops take, and the axis are the context.
+# torch's registry of nodes is private (torch.utils._pytree): its public route,
+# torch.export.register_dataclass, makes every field a child, the format too, which no
+# program can output. Where a torch lacks it, BlockTensor is no node and export refuses
+# it as before (tests/test_block.py's export test fails first).
+_PYTREE = getattr(torch.utils, "_pytree", None)
 
 
 def _flatten(q: BlockTensor) -> tuple[list, tuple[str, int]]:
@@ -117,7 +122,7 @@ def _flatten(q: BlockTensor) -> tuple[list, tuple[str, int]]:
 def _flatten_with_keys(q: BlockTensor) -> tuple[list, tuple[str, int]]:
     children, context = _flatten(q)
     keys = ["codes", "scales", "tensor_scale"] + [f"shape[{i}]" for i in range(len(q.shape))]
-    return [(torch.utils._pytree.GetAttrKey(k), c) for k, c in zip(keys, children, strict=True)], context
+    return [(_PYTREE.GetAttrKey(k), c) for k, c in zip(keys, children, strict=True)], context
 
 
 def _unflatten(children, context: tuple[str, int]) -> BlockTensor:
@@ -126,12 +131,13 @@ def _unflatten(children, context: tuple[str, int]) -> BlockTensor:
     return BlockTensor(codes, scales, ts, lookup(name), torch.Size(shape), axis)
 
 
-torch.utils._pytree.register_pytree_node(
-    BlockTensor, _flatten, _unflatten, serialized_type_name="fewbit.block.BlockTensor",
-    flatten_with_keys_fn=_flatten_with_keys,
-    to_dumpable_context=lambda context: json.dumps(list(context)),
-    from_dumpable_context=lambda dumped: tuple(json.loads(dumped)),
-)
+if hasattr(_PYTREE, "register_pytree_node") and hasattr(_PYTREE, "GetAttrKey"):
+    _PYTREE.register_pytree_node(
+        BlockTensor, _flatten, _unflatten, serialized_type_name="fewbit.block.BlockTensor",
+        flatten_with_keys_fn=_flatten_with_keys,
+        to_dumpable_context=lambda context: json.dumps(list(context)),
+        from_dumpable_context=lambda dumped: tuple(json.loads(dumped)),
+    )
 
 
 def quantize(

@@ -33,7 +33,7 @@ except ImportError as err:  # fewbit's other modules do not import this one
                       f"which torch {torch.__version__} lacks; the rest of fewbit works without it") from err
 
 from ..config import current
-from ..operators import _transformed
+from ..operators import transformed
 
 aten = torch.ops.aten
 
@@ -97,7 +97,7 @@ def guard_settings() -> None:
     Also refuses a call under torch.func's transforms (grad, vmap, jvp, ...), named: there
     torch failed inside (an autograd.Function without ``setup_context``; a functorch wrapper
     hides the ScaledTensor from its methods), where torch.autograd takes every cast."""
-    if not torch.compiler.is_compiling() and _transformed():
+    if not torch.compiler.is_compiling() and transformed():
         raise RuntimeError("fewbit.scaled does not run under torch.func's transforms (grad, vmap, jvp, "
                            "jacrev, ...): take gradients with torch.autograd (loss.backward(), "
                            "torch.autograd.grad)")
