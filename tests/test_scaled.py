@@ -927,12 +927,33 @@ def test_a_number_scale_or_cast_argument_compiles_a_graph_per_value():
     scaled = as_scaled(data, torch.tensor(0.5))
     calls = (lambda v: as_scaled(data, v).dequantize(),
              lambda v: cast(scaled, "binary8p4", "src", bits=v, seed=3).dequantize(),
-             lambda v: cast(scaled, "binary8p4", "sr_fraction", bits=8, fraction=v, seed=3).dequantize())
-    for call, values in zip(calls, ((0.5, 0.125, 0.3), (3, 4, 5), (0.5, 0.25, 0.75)), strict=True):
+             lambda v: cast(scaled, "binary8p4", "sr_fraction", bits=8, fraction=v, seed=3).dequantize(),
+             lambda v: rebalance(data, v).dequantize())  # (its check of the number broke the graph)
+    values_of = ((0.5, 0.125, 0.3), (3, 4, 5), (0.5, 0.25, 0.75), (0.5, 0.25, 2.0))
+    for call, values in zip(calls, values_of, strict=True):
         torch._dynamo.reset()
         compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
         for v in values:
             assert torch.equal(compiled(v), call(v)), v
+
+
+def test_a_number_scale_is_refused_where_float32_cannot_hold_it():
+    """A number scale is checked by comparisons alone (which a compiled graph keeps): it
+    is refused exactly where torch's cast to float32 gives inf, or 0 from a nonzero
+    number, and where it is negative or NaN (> 0 for rebalance's)."""
+    edges = [0.0, -0.0, 2.0**-150, math.nextafter(2.0**-150, 1), 2.0**-149, 1.0, 2.0**128 - 2.0**104,
+             math.nextafter(2.0**128 - 2.0**103, 0), 2.0**128 - 2.0**103, 2.0**128, math.inf, math.nan,
+             -1e-30, -1.0]  # fmt: skip
+    for v in edges:
+        as32 = torch.tensor(v, dtype=torch.float64).to(torch.float32).item()
+        held = math.isfinite(as32) and as32 >= 0 and (as32 != 0 or v == 0)
+        for positive, call in ((False, lambda: as_scaled(torch.ones(2), v)),
+                               (True, lambda: rebalance(torch.ones(2), v))):  # fmt: skip
+            if held and (as32 > 0 or not positive):
+                call()
+            else:
+                with pytest.raises(ValueError, match="scale must be finite"):
+                    call()
 
 
 def test_a_scale_tensor_is_the_scaled_tensors_own():

@@ -441,9 +441,16 @@ def check_scale(scale: torch.Tensor | float, data: torch.Tensor, positive: bool 
     if isinstance(scale, bool) or not isinstance(scale, (int, float, torch.Tensor)):
         raise TypeError(f"scale must be a float or a float tensor, not {type(scale).__name__}")
     if not isinstance(scale, torch.Tensor):
-        # A static scale is float32 too (``ScaledTensor.scale``), though held as a float.
-        _check_float32(torch.tensor(float(scale), dtype=torch.float64), positive, f", got {scale}")
-        return float(scale)
+        # A static scale is float32 too (``ScaledTensor.scale``), though held as a float:
+        # refused where float32's cast would make it inf, or 0 from a nonzero value, by
+        # comparisons alone (_ROUNDS_TO_ZERO). Traced, a number that Dynamo
+        # made symbolic (the second value it saw) is compared and guarded on, where a
+        # tensor of it, or a message holding it, broke a fullgraph=True graph.
+        scale = float(scale)
+        if not ((scale == 0 and not positive) or _ROUNDS_TO_ZERO < scale < _ROUNDS_TO_INF):
+            raise ValueError(f"scale must be finite and {'> 0' if positive else '>= 0'} in float32 "
+                             f"(2^-149 to 2^128), got {scale}")
+        return scale
     if not scale.is_floating_point():
         raise TypeError(f"scale must have a floating dtype, not {scale.dtype}")
     if scale.device != data.device:
@@ -459,18 +466,21 @@ def check_scale(scale: torch.Tensor | float, data: torch.Tensor, positive: bool 
         # Traced, its values are not known (a check would break the graph): they are
         # checked where the same code runs eager.
         return scale.detach().to(torch.float32, copy=True)
-    return _check_float32(scale.detach(), True, " everywhere (the zero array's scale is the number 0)")
+    return _check_float32(scale.detach(), " everywhere (the zero array's scale is the number 0)")
 
 
-def _check_float32(scale: torch.Tensor, positive: bool, where: str) -> torch.Tensor:
-    # scale as float32, or ValueError: not finite, negative (zero with positive), or
-    # rounded to inf or to 0 from a nonzero value by the cast. A copy: the caller may
-    # change theirs later, to a scale this refuses.
+#: float32's rounding to nearest even takes a number at or below this to 0 (the tie with
+#: its smallest subnormal, 2^-149, goes to 0) and one at or above the other to inf (the
+#: tie between its largest, 2^128 - 2^104, and 2^128).
+_ROUNDS_TO_ZERO, _ROUNDS_TO_INF = 2.0**-150, 2.0**128 - 2.0**103
+
+
+def _check_float32(scale: torch.Tensor, where: str) -> torch.Tensor:
+    # scale as float32, or ValueError: not finite, not > 0, or rounded to inf or to 0 by
+    # the cast. A copy: the caller may change theirs later, to a scale this refuses.
     s = scale.to(torch.float32, copy=True)
-    ok = torch.isfinite(s) & ((s > 0) if positive else (s >= 0)) & ((s != 0) | (scale == 0))
-    if not bool(ok.all()):
-        raise ValueError(f"scale must be finite and {'> 0' if positive else '>= 0'} in float32 "
-                         f"(2^-149 to 2^128){where}")
+    if not bool((torch.isfinite(s) & (s > 0)).all()):
+        raise ValueError(f"scale must be finite and > 0 in float32 (2^-149 to 2^128){where}")
     return s
 
 
