@@ -642,6 +642,8 @@ def test_scalify_refuses_a_lazy_module_before_changing_any():
     assert not any(isinstance(p, ScaledTensor) for p in model.parameters())
     model(torch.randn(2, 4))  # initialises the lazy layer
     assert all(isinstance(p, ScaledTensor) for p in scalify(model).parameters())
+    with pytest.raises(TypeError, match="scalify takes an nn.Module, not Tensor"):
+        scalify(torch.ones(3))  # (an AttributeError: 'Tensor' object has no attribute 'modules')
 
 
 @pytest.mark.parametrize("value", [1e-23, 1e20])

@@ -25,6 +25,8 @@ def scalify(module: nn.Module, dtype: torch.dtype | None = None, rescale: Stat |
     floats; without dtype, a parameter's), or a lazy module's parameter not yet
     initialised, raises before any parameter changes.
     """
+    if not isinstance(module, nn.Module):  # (a tensor: as_scaled makes one a ScaledTensor)
+        raise TypeError(f"scalify takes an nn.Module, not {type(module).__name__} (as_scaled takes a tensor)")
     chosen = [(m, name, p) for m in module.modules() for name, p in m._parameters.items()
               if p is not None and p.is_floating_point()]
     if dtype is not None and not dtype.is_floating_point:
