@@ -316,3 +316,12 @@ def test_pack_pairs_refuses_an_odd_last_dimension():
         with pytest.raises(ValueError, match="pairs codes along the last dimension"):
             pack_pairs(odd)
     assert pack_pairs(torch.tensor([1, 2, 3, 4])).tolist() == [0x21, 0x43]
+
+
+def test_codes_of_refuses_what_it_cannot_read():
+    """codes_of reads float32 or float64 (its layouts' table): float16 was a KeyError."""
+    from fewbit.codec import codes_of
+
+    with pytest.raises(TypeError, match="codes_of reads float32 or float64 values, not torch.float16"):
+        codes_of(torch.ones(4, dtype=torch.float16), fewbit.format("binary8p4"))
+    assert codes_of(torch.ones(2, dtype=torch.float64), fewbit.format("binary8p4")).tolist() == [0x40, 0x40]

@@ -121,6 +121,8 @@ def codes_of(work: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     """int32 codes of ``work`` (float32 or float64) read as values of ``fmt``, unchecked:
     right for values of fmt, meaningless for others (:func:`encode` checks). Plain torch
     ops, so a compiled caller (block quantisation) fuses them."""
+    if work.dtype not in (torch.float32, torch.float64):  # (a KeyError of the layouts' table, before)
+        raise TypeError(f"codes_of reads float32 or float64 values, not {work.dtype} (encode takes any)")
     M = INT_LAYOUT[work.dtype][1]
     negative, is_inf, is_nan, e_x, sig = decompose(work, fmt.emin)
     exp_field_of_emin = 1 if fmt.has_subnormals else 0
