@@ -19,12 +19,13 @@ Microseconds a step, one thread: the median and the 10th percentile of every ste
 (``runs`` loops of ``steps`` steps), and the best loop's mean; then ``_write_back`` alone,
 called back to back (the best of ``runs`` loops), the steadiest on a shared machine; and
 all the wrapper adds to a step, zero_grad and step with the inner optimizer's calls
-stubbed, back to back. A
-step's write-back runs after the inner step has had the caches, about 3x slower than
-back to back (130-200 us against 52 on a 2-core VM, 2026-11-29; of that, about 15 us is
-glibc's malloc tidying the small blocks the inner step freed, paid by the first request
-over about 1 KB, which is the launch's table here). ``--profile``: cProfile of the same
-window (from the post-hook to the step's return), ``--sort`` its order.
+stubbed, back to back. A step's write-back runs after the inner step has had the caches,
+about 3x slower than back to back (130-200 us against 52 on a 2-core VM, 2026-11-29 at
+1fa7ea7; 114-118 against 42-44 with the step key in the kernel and the trims after it; of
+that, about 15 us is glibc's malloc tidying the small blocks the inner step freed, paid by
+the first request over about 1 KB, which is the launch's table here). ``--profile``:
+cProfile of the same window (from the post-hook to the step's return), ``--sort`` its
+order.
 """
 
 from __future__ import annotations
