@@ -298,8 +298,8 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, scales_ptr, ts_ptr, n: tl.i
     addresses, sizes, indices i and first programs (``n`` of each, ``n`` at most
     ``TENSORS``). Tensor i draws with ``fold_in(key, step, i)``, derived here from the key
     k0, k1 and the step (in ``offset``) that come with the launch (the table holds nothing
-    that changes from step to step). out_ptr: any tensor of theirs (for the dtype); each size and address is a
-    multiple of 16.
+    that changes from step to step). out_ptr: any tensor of theirs (for the dtype); each
+    size and address is a multiple of 16.
     ``VIA``: the dtype each element is first rounded to (RNE), as ``x.to(VIA)``; None:
     x's own.
 
