@@ -970,6 +970,30 @@ def test_a_compiled_step_keeps_the_write_back_out_of_the_graph():
     assert lpw.steps == 3 and not torch.equal(start, m.weight)
 
 
+def test_a_compiled_training_step_with_store_codes_compiles_once():
+    """A compiled training step (the wrapper's zero_grad, forward, backward, step) with
+    store_codes: materialize decides whether weights are held as codes as the step runs,
+    without a guard on the flag (``self._stored or is_compiling()`` read the flag first,
+    and the step compiled materialize again once weights were held)."""
+    torch._dynamo.reset()  # (materialize's frames compiled by other tests hold other wrappers)
+    torch.manual_seed(0)
+    m = torch.nn.Linear(64, 64)
+    lpw = LowPrecisionWeights(torch.optim.SGD(m.parameters(), lr=0.01), FMT, "src", bits=3, store_codes=True)
+
+    @torch.compile(backend="eager")
+    def train_step(x):
+        lpw.zero_grad()
+        m(x).square().mean().backward()
+        lpw.step()
+
+    g = torch.Generator().manual_seed(1)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(3):
+            train_step(torch.randn(4, 64, generator=g))
+            assert lpw._stored
+    assert lpw.steps == 3
+
+
 def test_block_format_store_codes_keeps_block_tensors_and_reports_their_bytes():
     a, b = model(), model()
     opts = {"update_dtype": torch.bfloat16, "seed": 4}

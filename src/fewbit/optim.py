@@ -690,8 +690,9 @@ class LowPrecisionWeights:
         """Decode weights kept as codes back into the parameters (no-op otherwise)."""
         # Asked here first: every step and zero_grad calls this, most with nothing kept, and
         # the decorators below cost 3 us. Traced (a user's compiled step), decided as it runs:
-        # a guard on the flag would compile the step again once weights are kept as codes.
-        if self._stored or torch.compiler.is_compiling():
+        # is_compiling first, so that Dynamo never reads the flag (a guard on it compiled the
+        # step again once weights were kept as codes).
+        if torch.compiler.is_compiling() or self._stored:
             self._decode()
 
     @torch.compiler.disable
