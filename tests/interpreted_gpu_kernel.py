@@ -390,13 +390,12 @@ def test_foreach_of_more_tensors_than_a_launch_takes():
 def test_foreach_takes_steps_below_2_63_and_leaves_the_rest():
     """The step travels as the launch's int64 offset: up to 2**63 - 1 the kernel folds it
     in (both words), and a step from 2**63 (fold_in takes 64 bits) is left to the other
-    paths: False, nothing written. (Not a step in [2**31, 2**32) here: Triton's interpreter
-    holds such an int as uint32 data under an int64 type, whose ``>> 32`` numpy leaves
-    as it was; compiled, the annotation makes it an int64.)"""
+    paths: False, nothing written. (Triton's interpreter holds a step in [2**31, 2**32) as
+    uint32 data under an int64 type, whose ``>> 32`` numpy returned whole: other bits.)"""
     spec = make_spec(torch.float32, fewbit.format("binary8p4"), RoundMode.SRC, True, 3, None)
     x = torch.randn(4096, generator=torch.Generator().manual_seed(3)) * 3
     key = Key.from_seed(4)
-    for step in ((1 << 63) - 1, (1 << 40) + 3):
+    for step in ((1 << 63) - 1, (1 << 40) + 3, (1 << 31) + 1, (1 << 32) - 1, 5):
         got, want = x.clone(), eager(x, "binary8p4", "src", sat=True, bits=3, seed=fold_in(key, step, 2))
         assert gpu.round_foreach_([got], spec, key, step, [2], torch.float32)
         assert_bitwise_equal(got, want, x, f"step {step}")

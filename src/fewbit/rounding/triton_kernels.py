@@ -341,8 +341,11 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, scales_ptr, ts_ptr, n: tl.i
         out_ptr = x_ptr
         n = tl.load(table + tensors + slot)
         row0 = (program - tl.load(table + 3 * tensors + slot)) * ROWS
-        if DRAWN:  # fold_in(key, step, i), the step in offset (interpreted, an int32)
-            k0, k1 = threefry(offset.to(tl.int64), k0.to(tl.uint32), k1.to(tl.uint32))
+        if DRAWN:  # fold_in(key, step, i), the step in offset (below 2**63)
+            # Through uint64: interpreted, a step in [2**31, 2**32) is uint32 data under an int64
+            # type, which .to(int64) keeps and numpy's >> 32 returns whole (compiled: no-ops).
+            step = offset.to(tl.uint64).to(tl.int64)
+            k0, k1 = threefry(step, k0.to(tl.uint32), k1.to(tl.uint32))
             k0, k1 = threefry(tl.load(table + 2 * tensors + slot), k0, k1)
         offset = tl.full((), 0, tl.int64)  # each tensor is its stream from 0
     else:
