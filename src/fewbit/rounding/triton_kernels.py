@@ -304,7 +304,8 @@ def round_kernel(x_ptr, out_ptr, given_ptr, key_ptr, scales_ptr, ts_ptr, n: tl.i
     x's own.
 
     ``ALIGNED`` (always, with FOREACH): x and out (and the given bits) lie at multiples of
-    16 bytes, and n and offset are multiples of 16, so that a row's loads and stores can
+    16 bytes, and n and offset are multiples of 16 (with FOREACH, each tensor's size, and
+    its stream's start, 0: offset carries the step), so that a row's loads and stores can
     be 16 bytes each. The host says so (``gpu.aligned``) rather than Triton finding it
     from the arguments, which it is told not to look at: a launch is then known by its
     constants and dtypes alone, and gpu.py can launch a compiled kernel again without
