@@ -408,7 +408,9 @@ def test_a_part_copied_at_a_larger_scale_gives_it_to_the_whole_tensor():
     assert torch.equal(model.dequantize(torch.float32), saved.dequantize(torch.float32))
     x = as_scaled(torch.full((6,), 1000.0, dtype=torch.float16), 1.0)
     x[:1].copy_(as_scaled(torch.tensor([3.0], dtype=torch.float16), 2.0**-3))
-    x[1:3].copy_(torch.empty_like(x[1:3]))  # the zero array
+    zero_array = torch.empty_like(x[1:3])  # zeros, whatever its data holds
+    zero_array.unscaled.fill_(float("inf"))  # (as empty memory may: inf * 0 gave NaN, now and then)
+    x[1:3].copy_(zero_array)
     assert x.static_scale == 1.0 and x.dequantize().tolist() == [0.375, 0, 0, 1000, 1000, 1000]
 
 

@@ -1070,10 +1070,11 @@ def assign(dest: torch.Tensor, out: Any, adopt: bool = False) -> torch.Tensor:
                                f"{dest.dtype}")
         dest.copy_(dequantize_any(out))
         return dest
-    d, s = parts(out)
     if dest._static != 0.0 and not adopt:
-        dest._data.copy_(times(d, sdiv(s, parts(dest)[1])))
+        # (at_scale: a zero array written in is zeros, whatever its data holds: inf * 0 was NaN)
+        dest._data.copy_(at_scale(out, parts(dest)[1]))
         return dest
+    d, s = parts(out)
     if isinstance(s, torch.Tensor) and s.dim() and not _one_geometry(dest):
         d, s = parts(scalar_scale(out))
     views = dest._parts.views
