@@ -414,6 +414,23 @@ def test_a_part_copied_at_a_larger_scale_gives_it_to_the_whole_tensor():
     assert x.static_scale == 1.0 and x.dequantize().tolist() == [0.375, 0, 0, 1000, 1000, 1000]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_zero_array_read_by_an_in_place_op_is_zeros(dtype):
+    """The zero array (empty_like's: scale 0) stands for zeros whatever its data holds:
+    read by add_, sub_, lerp_ or addcmul_ its data was rebalanced by 0, and inf there (as
+    empty memory may hold) gave NaN. Each now gives torch's result with zeros."""
+    ops = {"add_": lambda d, z: d.add_(z, alpha=3), "sub_": lambda d, z: d.sub_(z),
+           "lerp_": lambda d, z: d.lerp_(z, 0.25),
+           "addcmul_ first": lambda d, z: d.addcmul_(z, torch.ones(4)),
+           "addcmul_ second": lambda d, z: d.addcmul_(torch.ones(4), z, value=2)}  # fmt: skip
+    for name, op in ops.items():
+        dest = as_scaled(torch.tensor([1.0, -2.0, 3.0, 0.5], dtype=dtype), 0.5)
+        zero_array = torch.empty_like(dest)
+        zero_array.unscaled.fill_(float("inf"))
+        expected = op(dest.dequantize(torch.float32), torch.zeros(4))
+        assert torch.equal(op(dest, zero_array).dequantize(torch.float32), expected), name
+
+
 def test_fills_and_cumprod_keep_the_dtype_asked_for():
     x = as_scaled(torch.rand(4, dtype=torch.float16) + 1, 0.5)
     assert torch.equal(torch.full_like(x, 5, dtype=torch.int64), torch.full((4,), 5))

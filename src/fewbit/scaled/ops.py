@@ -419,6 +419,13 @@ def _operand(x: Any) -> tuple[Any, Scale]:
     return d, coefficient(s)
 
 
+def _source(x: Any) -> tuple[Any, Scale]:
+    # As _operand, for an operand only read: the zero array's data as the zeros it stands
+    # for (it holds anything, empty_like's memory: rebalanced by 0, inf gave NaN).
+    d, s = _operand(x)
+    return (torch.zeros_like(d), s) if is_static(s, 0.0) else (d, s)
+
+
 def _fusable(d: torch.Tensor, ratio: Scale) -> bool:
     # Whether ratio can be the scalar argument of an in-place op on data d.
     return is_static(ratio) and d.dtype not in REDUCED
@@ -435,7 +442,7 @@ def _add_(func, dest, other, alpha=1):
     sign = math.copysign(1.0, alpha) * (1 if func.overloadpacket is aten.add_ else -1)
     if isinstance(other, torch.Tensor) and d.dtype not in REDUCED:
         # One pass: d + sign * ratio * other's data.
-        do, so = _operand(other)
+        do, so = _source(other)
         r = sdiv(smul(so, abs(alpha)), sd)
         if is_static(r):
             d.add_(do, alpha=sign * r)
@@ -481,7 +488,7 @@ def _lerp_(func, dest, end, weight):
     if not _keeps_scale(dest):
         return inplace(func, dest, end, weight)
     d, sd = _operand(dest)
-    de, se = _operand(end)
+    de, se = _source(end)
     r = sdiv(se, sd)
     if is_static(r, 1.0):
         d.lerp_(de, weight)
@@ -501,7 +508,7 @@ def _addc_(func, dest, t1, t2, value=1):
     if not _keeps_scale(dest):
         return inplace(func, dest, t1, t2, value=value)
     d, sd = _operand(dest)
-    (d1, s1), (d2, s2) = _operand(t1), _operand(t2)
+    (d1, s1), (d2, s2) = _source(t1), _source(t2)
     if func.overloadpacket is aten.addcmul_:
         op, r = d.addcmul_, sdiv(smul(smul(s1, s2), abs(value)), sd)
     else:
