@@ -40,5 +40,5 @@ def round_foreach_(
     for t, i in zip(tensors, indices, strict=True):
         x = t.to(via)  # torch's round to nearest even, as the GPU kernel's conversion is
         out = torch.empty_like(x)
-        round_into(x, spec, None if key is None else fold_in(step_key, i), None, out)
+        round_into(x, spec, None if step_key is None else fold_in(step_key, i), None, out)
         t.copy_(out)

@@ -48,13 +48,13 @@ TINY = torch.finfo(torch.float32).tiny
 REDUCED = (torch.float16, torch.bfloat16)
 
 
-def check_dtype(dtype: torch.dtype) -> None:
-    """Raise TypeError for a data dtype that ScaledTensor refuses: 8-bit (and packed
-    4-bit) floats, on which torch has almost no arithmetic (no add, mul, matmul), so
-    that rules would fail deep inside an op instead of here; and integer, bool and complex
-    data, which ``as_scaled`` refuses and rules would compute on in integers."""
+def check_dtype(dtype: torch.dtype, what: str = "data") -> None:
+    """Raise TypeError for a data dtype that ScaledTensor refuses (``what`` names the
+    tensor): 8-bit (and packed 4-bit) floats, on which torch has almost no arithmetic (no
+    add, mul, matmul), so that rules would fail deep inside an op instead of here; and
+    integer, bool and complex data, which rules would compute on in integers."""
     if not dtype.is_floating_point:
-        raise TypeError(f"data must have a floating dtype, not {dtype}")
+        raise TypeError(f"{what} must have a floating dtype, not {dtype}")
     if dtype.itemsize == 1:
         raise TypeError(f"ScaledTensor data of dtype {dtype} is not supported: torch computes almost "
                         "nothing on it. Keep an 8-bit format's values in float16, bfloat16 or float32 "
@@ -417,8 +417,7 @@ def _checked(data: torch.Tensor, scale: torch.Tensor | float | None) -> tuple[to
         raise TypeError("data is already a ScaledTensor; use rebalance to change its scale")
     if not isinstance(data, torch.Tensor):
         raise TypeError(f"data must be a torch.Tensor, not {type(data).__name__}")
-    if not data.is_floating_point():
-        raise TypeError(f"data must have a floating dtype, not {data.dtype}")
+    check_dtype(data.dtype)
     return data, 1.0 if scale is None else check_scale(scale, data)
 
 
@@ -443,9 +442,9 @@ def check_scale(scale: torch.Tensor | float, data: torch.Tensor, positive: bool 
     if not isinstance(scale, torch.Tensor):
         # A static scale is float32 too (``ScaledTensor.scale``), though held as a float:
         # refused where float32's cast would make it inf, or 0 from a nonzero value, by
-        # comparisons alone (_ROUNDS_TO_ZERO). Traced, a number that Dynamo
-        # made symbolic (the second value it saw) is compared and guarded on, where a
-        # tensor of it, or a message holding it, broke a fullgraph=True graph.
+        # comparisons alone (_ROUNDS_TO_ZERO). Traced, a number that Dynamo made symbolic
+        # (the second value it saw) is compared and guarded on, where a tensor of it, or a
+        # message holding it, broke a fullgraph=True graph.
         scale = float(scale)
         if not ((scale == 0 and not positive) or _ROUNDS_TO_ZERO < scale < _ROUNDS_TO_INF):
             raise ValueError(f"scale must be finite and {'> 0' if positive else '>= 0'} in float32 "
