@@ -100,6 +100,29 @@ def has_finite_max(fmt: FloatFormat) -> bool:
     return True
 
 
+def blocks_eager_and_compiled(eager: list, compiled: list, x: torch.Tensor,
+                              backward: bool = False) -> tuple[list, list, int]:  # fmt: skip
+    """Chains of blocks run on x, ``eager`` as they are and each of ``compiled`` compiled
+    apart (fullgraph, aot_eager), as users of FSDP2 compile a model: each chain's output
+    (and with ``backward``, x's gradient from the sum of the output's squares), and the
+    graphs Dynamo made."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    for b in compiled:
+        b.compile(fullgraph=True, backend="aot_eager")
+    results = []
+    for chain in (eager, compiled):
+        v = x.clone().requires_grad_(backward)
+        out = v
+        for b in chain:
+            out = b(out)
+        if backward:
+            out.square().sum().backward()
+        results.append([out] + ([v.grad] if backward else []))
+    return results[0], results[1], counters["stats"]["unique_graphs"]
+
+
 def stable_seed(*parts) -> int:
     """A seed fixed by the case's description (never Python's salted hash)."""
     return zlib.crc32("|".join(str(p) for p in parts).encode())

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import fewbit
+from conftest import blocks_eager_and_compiled
 from fewbit.nn import FakeQuantize, Quant, fake_quantize, quantize_outputs
 from fewbit.random import Key, fold_in, key_of
 from fewbit.replicas import replica_key
@@ -507,8 +508,6 @@ def test_a_replica_rank_draws_that_replicas_bits_copies_and_compiles_as_a_consta
     import copy
     import pickle
 
-    from torch._dynamo.utils import counters
-
     q = Quant("binary8p4", "src", bits=3)
     x, g = torch.full((4096,), 1.03), torch.full((4096,), 1.03)  # between neighbours 1 and 1.125
 
@@ -537,18 +536,7 @@ def test_a_replica_rank_draws_that_replicas_bits_copies_and_compiles_as_a_consta
         assert other.replica_rank == 1 and torch.equal(first_call(other)[0], replica_1(1)[0])
     assert list(fq.state_dict()) == ["calls"]
     assert repr(fq).endswith("replica_rank=1)") and "replica_rank" not in repr(FakeQuantize(q))
-    eager, compiled = blocks(), blocks()
-    counters.clear()
-    for b in compiled:
-        b.compile(fullgraph=True, backend="aot_eager")
     h = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
-    outputs = []
-    for chain in (eager, compiled):
-        v = h.clone().requires_grad_()
-        out = v
-        for b in chain:
-            out = b(out)
-        out.square().sum().backward()
-        outputs += [out, v.grad]
-    assert torch.equal(outputs[0], outputs[2]) and torch.equal(outputs[1], outputs[3])
-    assert counters["stats"]["unique_graphs"] == 1
+    eager, compiled, graphs = blocks_eager_and_compiled(blocks(), blocks(), h, backward=True)
+    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])  # output, gradient
+    assert graphs == 1

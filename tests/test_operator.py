@@ -14,6 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import fewbit
+from conftest import blocks_eager_and_compiled
 from fewbit.nn import FakeQuantize, Quant
 from fewbit.optim import LowPrecisionWeights
 from fewbit.random import key_of, random_bits
@@ -265,18 +266,10 @@ def test_blocks_compiled_apart_share_one_graph_whatever_their_keys():
     eager, compiled = blocks(), blocks()
     compiled[3][1].key = 99
     eager[3][1].key = 99
-    counters.clear()
-    for b in compiled:
-        b.compile(fullgraph=True, backend="aot_eager")
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
-    outputs = []
-    for chain in (eager, compiled):
-        h = x
-        for b in chain:
-            h = b(h)
-        outputs.append(h)
-    assert torch.equal(*outputs)
-    assert counters["stats"]["unique_graphs"] == 1
+    (eager_out,), (compiled_out,), graphs = blocks_eager_and_compiled(eager, compiled, x)
+    assert torch.equal(eager_out, compiled_out)
+    assert graphs == 1
 
 @pytest.mark.parametrize("forward", [None, Quant("e4m3")], ids=["straight", "rne"])
 def test_compiled_fake_quantize_rounds_each_gradient_with_its_own_calls_key(forward):
