@@ -236,6 +236,14 @@ def test_help_lists_every_command_and_version(capsys):
     assert done.value.code == 0 and capsys.readouterr().out.startswith(f"fewbit {fewbit.__version__} ")
 
 
+def test_the_parsers_sweeps_are_the_experiments():
+    """The parser names the sweeps without importing the experiments: the same names."""
+    from fewbit.cli import SWEEP_NAMES
+    from fewbit.experiments.sweep import SWEEPS
+
+    assert SWEEP_NAMES == list(SWEEPS)
+
+
 def test_last_level_cache_is_the_highest_data_cache(tmp_path):
     """sysfs's cache folders: the highest level that holds data (not instructions), in
     its units; None where none can be read."""

@@ -142,7 +142,7 @@ def test_diagnostics_table_takes_means_over_seeds_of_the_last_evaluation():
                 "outward_ulp": error}  # fmt: skip
 
     last = [(0.25, 0.5, 0.25), (0.5, 0.25, -0.25), (0.75, 0.75, 0.75)]  # each seed's |w|, changed, error
-    runs = [RunResult(replace(TINY, seed=s), [0, 10], [5.0, 4.0], [6.0, 3.0], 1.0,
+    runs = [RunResult(TINY.label, s, [0, 10], [5.0, 4.0], [6.0, 3.0], 1.0,
                       [row(0, 1.0, None, None), row(10, 9.0, 0.9, 0.5), row(20, *end)])
             for s, end in enumerate(last)]  # fmt: skip
     header, line = format_diagnostics(runs).splitlines()

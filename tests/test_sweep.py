@@ -11,9 +11,11 @@ compilations would take minutes.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -288,3 +290,76 @@ def test_the_way_on_after_a_stop_or_a_failure_keeps_what_was_saved(data_dir, tmp
         main([*SWEEP, "--data-dir", str(data_dir), "--out", str(tmp_path), *restarting])
         way = "the same command without --restart" if restart else "the same command"
         assert f"; run {way} {says}" in capsys.readouterr().err
+
+
+def train_seed(data_dir: Path, out: Path, seed: int) -> None:
+    """SWEEP at ``seed`` into ``out``, from this process (as ``reference``)."""
+    args = [*SWEEP, "--data-dir", str(data_dir), "--out", str(out)]
+    args[args.index("--seeds") + 1] = str(seed)
+    with pytest.MonkeyPatch.context() as env:
+        for name in ("FEWBIT_EAGER", "PYTHONPATH"):
+            env.setenv(name, ENV[name])
+        assert main(args) == 0
+
+
+@pytest.fixture(scope="module")
+def seed_1(data_dir, tmp_path_factory) -> Path:
+    """SWEEP at seed 1, apart from the reference's seed 0."""
+    out = tmp_path_factory.mktemp("seed_1")
+    train_seed(data_dir, out, 1)
+    return out
+
+
+def test_seeds_run_apart_collect_into_what_a_sweep_of_both_writes(data_dir, reference, seed_1, tmp_path,
+                                                                  capsys):  # fmt: skip
+    """`fewbit collect` of two folders, seed 0's and seed 1's tables, against the sweep of
+    seeds 0 and 1 in one folder that holds both folders' runs (it trains none of them and
+    writes its tables from their result.json): the same bytes, PNGs included."""
+    together = tmp_path / "together"
+    for run in [*reference.glob("*-s0"), *seed_1.glob("*-s1")]:
+        shutil.copytree(run, together / run.name, ignore=shutil.ignore_patterns("checkpoint.pt"))
+    args = [*SWEEP, "--data-dir", str(data_dir), "--out", str(together)]
+    args[args.index("--seeds") + 1 : args.index("--seeds") + 2] = ["0", "1"]
+    assert main(args) == 0
+    assert "10 of 10 runs finished" in capsys.readouterr().err  # (none trained)
+    collected = tmp_path / "collected"
+    assert main(["collect", str(reference), str(seed_1), "--sweep", "figure3", "--out", str(collected)]) == 0
+    out = capsys.readouterr().out
+    assert_same_outputs(collected, together)
+    assert (collected / "times.csv").read_bytes() == (together / "times.csv").read_bytes()
+    # Each arm's mean and spread over the two seeds, as the summary prints them.
+    summary = {r["arm"]: r for r in csv.DictReader((together / "summary.csv").open())}
+    src = summary["binary8p4 SRC N=3"]
+    assert src["seeds"] == "2" and float(src["final_min"]) < float(src["final_max"])
+    assert f"{float(src['final_val']):.3f} [{float(src['final_min']):.3f}, " in out
+
+
+def test_collect_refuses_before_writing(reference, seed_1, tmp_path):
+    from fewbit.experiments.sweep import collect, read_outputs, write_losses
+
+    out = tmp_path / "out"
+    # Another configuration's run of an arm: evaluated at other iterations.
+    other = tmp_path / "other"
+    shutil.copytree(seed_1, other, ignore=shutil.ignore_patterns("*-s1"))
+    runs = read_outputs(other)
+    runs[0].iters = [i * 2 for i in runs[0].iters]
+    write_losses(runs, other / "losses.csv")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(seed_1, damaged, ignore=shutil.ignore_patterns("*-s1"))
+    text = (damaged / "losses.csv").read_text().splitlines()
+    text[3] = text[3].replace(",", ",x", 1)
+    (damaged / "losses.csv").write_text("\n".join(text) + "\n")
+    refused = {
+        "is in both": ([reference, reference], out),
+        "one of the folders collected from": ([reference], reference),
+        "holds runs (binary16-s0, ": ([seed_1], reference),
+        "evaluated at other iterations": ([reference, other], out),
+        "losses.csv, line 4: not a sweep's row": ([damaged], out),
+        "a sweep's folder holds losses.csv": ([tmp_path], out),
+    }
+    before = {p: p.stat().st_mtime_ns for p in reference.iterdir()}
+    for message, (sources, to) in refused.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            collect(sources, to, "figure3")
+    assert not out.exists()
+    assert {p: p.stat().st_mtime_ns for p in reference.iterdir()} == before

@@ -677,13 +677,13 @@ def test_summary_of_a_diverged_seed_is_the_same_in_any_order():
     comes first (min and max over [nan, 2.0] and [2.0, nan] differed). Over finite seeds the
     final loss is the mean, not the midrange (with a NaN seed any average is NaN, so the
     midrange passed): finals 1, 1, 4 give mean 2, min 1, max 4; bests min(6, final) mean 2."""
-    diverged = RunResult(replace(TINY, seed=0), [0, 10], [math.nan, 3.0], [4.0, math.nan], 1.0)
-    learned = RunResult(replace(TINY, seed=1), [0, 10], [math.nan, 3.0], [4.0, 2.0], 1.0)
+    diverged = RunResult(TINY.label, 0, [0, 10], [math.nan, 3.0], [4.0, math.nan], 1.0)
+    learned = RunResult(TINY.label, 1, [0, 10], [math.nan, 3.0], [4.0, 2.0], 1.0)
     for runs in ([diverged, learned], [learned, diverged]):
         (row,) = summarise(runs)
         assert math.isnan(row["final_val"]) and math.isnan(row["final_max"])
         assert (row["final_min"], row["best_val"]) == (2.0, 3.0)
-    finite = [RunResult(replace(TINY, seed=s), [0, 10], [5.0, 4.0], [6.0, final], 1.0)
+    finite = [RunResult(TINY.label, s, [0, 10], [5.0, 4.0], [6.0, final], 1.0)
               for s, final in enumerate([1.0, 4.0, 1.0])]  # fmt: skip
     (row,) = summarise(finite)
     assert row["seeds"] == 3 and (row["final_val"], row["final_min"], row["final_max"]) == (2.0, 1.0, 4.0)

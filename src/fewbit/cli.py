@@ -450,15 +450,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     import time
     from dataclasses import asdict
 
-    from .experiments.sweep import (
-        SWEEP_DEFAULTS,
-        SWEEPS,
-        arm_configs,
-        format_diagnostics,
-        format_summary,
-        run_sweep,
-        summarise,
-    )
+    from .experiments.sweep import SWEEP_DEFAULTS, SWEEPS, arm_configs, run_sweep
     from .experiments.train import OPTIONS, SPEED_OPTIONS, TrainConfig, config_from, unused_fields
 
     given = {field: value for field, option in OPTIONS.items()
@@ -512,10 +504,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             sys.stderr.close()  # (that reader)
         return 128 + signal.SIGPIPE  # as a shell reports a command that SIGPIPE ended
     if outcome.results:
-        print(format_summary(summarise(outcome.results)))
-        print()
-        print(format_diagnostics(outcome.results))
-        print("wrote " + ", ".join(str(p) for p in outcome.written))
+        _print_results(outcome.results, outcome.written)
         print(f"{time.perf_counter() - start:.0f} s wall")
     # (--restart again would discard what this command saved: the way on is without it.)
     same = "the same command without --restart" if args.restart else "the same command"
@@ -530,6 +519,24 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"fewbit: {len(outcome.failed)} of {outcome.total} runs did not finish: {lost}; run "
               f"{same} to continue them from their last checkpoint", file=sys.stderr)  # fmt: skip
         return 1
+    return 0
+
+
+def _print_results(results, written: list[Path]) -> None:
+    """A sweep's tables, per arm, and the files it wrote."""
+    from .experiments.sweep import format_diagnostics, format_summary, summarise
+
+    print(format_summary(summarise(results)))
+    print()
+    print(format_diagnostics(results))
+    print("wrote " + ", ".join(str(p) for p in written))
+
+
+def cmd_collect(args: argparse.Namespace) -> int:
+    from .experiments.sweep import collect
+
+    results, written = collect([Path(d) for d in args.folders], Path(args.out), args.sweep)
+    _print_results(results, written)
     return 0
 
 
@@ -747,7 +754,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="char GPT on Shakespeare with low-precision weights")
     p.add_argument("--preset", default="cpu-small",
                    help="cpu-small (2 CPU cores), paper or gpt2-medium (GPU), or tiny")
-    p.add_argument("--sweep", choices=["figure3", "stagnation", "hbfp", "srf", "figure4"],
+    p.add_argument("--sweep", choices=SWEEP_NAMES,
                    help="run every arm of a study")
     p.add_argument("--mode", type=str.lower,
                    help="fp32, fp16 (binary16 baseline) or a rounding mode (src, srff, rne, ...)")
@@ -778,6 +785,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_args(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_train)
+
+    p = sub.add_parser("collect", help="one sweep's tables and plots from sweeps run apart (seeds elsewhere)",
+                       description="The runs whose tables (losses.csv, times.csv, diagnostics.csv) the "
+                                   "FOLDERS hold, written into --out as one sweep's: its summary with "
+                                   "mean and [min, max] over every seed, the same files as had the runs "
+                                   "been trained together.")  # fmt: skip
+    p.add_argument("folders", nargs="+", metavar="FOLDER", help="the outputs of a `fewbit train` sweep")
+    p.add_argument("--sweep", choices=SWEEP_NAMES, help="the sweep they ran: names the plots (figure3.png)")
+    p.add_argument("--out", required=True, help="folder for the tables and plots (not one of FOLDERS)")
+    p.set_defaults(run=cmd_collect)
 
     p = sub.add_parser("replicas", help="data-parallel SR training, sync checked each step")
     p.add_argument("--nproc", type=int_in(1), default=2)
@@ -818,6 +835,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fewbit: error: cannot write {err.filename or 'the output'}: {err.strerror}", file=sys.stderr)
         _flush_or_drop_stdout()
         return 1
+
+
+#: experiments.sweep.SWEEPS's names, for the parser without importing the experiments.
+SWEEP_NAMES = ["figure3", "stagnation", "hbfp", "figure4", "srf"]
 
 
 #: Why a write fails for want of room, not for a fault of fewbit's.

@@ -16,6 +16,9 @@ compiling included). They are
 rewritten as runs finish; all but ``times.csv`` depend on the finished runs alone, so an
 interrupted and continued sweep writes the same bytes as an uninterrupted one.
 
+Sweeps run apart (seeds on other machines) become one sweep's outputs with
+:func:`collect` (``fewbit collect``), from their tables alone.
+
 A sweep survives interruption: SIGINT (Ctrl-C) or SIGTERM stops every worker, and the
 same call again continues each run from its last checkpoint. A worker that dies (killed,
 out of memory) costs its run alone, which is reported; the others go on. One sweep at a
@@ -99,7 +102,11 @@ SWEEP_DEFAULTS: dict[str, dict] = {"hbfp": {"mode": "fp32", "grad_format": "hbfp
 
 @dataclass
 class RunResult:
-    cfg: TrainConfig
+    """A finished run's evaluations, known by its arm's label and its seed (all that the
+    tables keep of its configuration)."""
+
+    label: str
+    seed: int
     iters: list[int]
     train: list[float]
     val: list[float]
@@ -160,7 +167,7 @@ def read_result(cfg: TrainConfig, folder: Path) -> RunResult | None:
     if not path.exists():
         return None
     saved = json.loads(path.read_text())
-    return RunResult(cfg, saved["iters"], saved["train"], saved["val"], saved["seconds"],
+    return RunResult(cfg.label, cfg.seed, saved["iters"], saved["train"], saved["val"], saved["seconds"],
                      saved.get("diagnostics", []))  # fmt: skip
 
 
@@ -419,21 +426,25 @@ def write_csv(path: Path, header: list[str], rows: list[list]) -> None:
     write_atomically(path, lambda f: f.write(text.getvalue().encode()))
 
 
-def write_losses(results: list[RunResult], path: Path) -> None:
-    rows = [[r.cfg.label, r.cfg.seed, *evaluation] for r in results
-            for evaluation in zip(r.iters, r.train, r.val, strict=True)]  # fmt: skip
-    write_csv(path, ["arm", "seed", "iter", "train_loss", "val_loss"], rows)
-
-
 _DIAGNOSTICS = ("numel", "mean_abs", "changed", "outward_ulp")
+#: The columns of the tables of every run's records (summary.csv's are per arm).
+_HEADERS = {"losses.csv": ["arm", "seed", "iter", "train_loss", "val_loss"],
+            "diagnostics.csv": ["arm", "seed", "iter", "param", *_DIAGNOSTICS],
+            "times.csv": ["arm", "seed", "seconds"]}  # fmt: skip
+
+
+def write_losses(results: list[RunResult], path: Path) -> None:
+    rows = [[r.label, r.seed, *evaluation] for r in results
+            for evaluation in zip(r.iters, r.train, r.val, strict=True)]  # fmt: skip
+    write_csv(path, _HEADERS["losses.csv"], rows)
 
 
 def write_diagnostics(results: list[RunResult], path: Path) -> None:
     # A measure a row lacks (None: no step before iteration 0, no format for float32
     # weights) is an empty field.
-    rows = [[r.cfg.label, r.cfg.seed, d["iter"], d["param"], *(d[k] for k in _DIAGNOSTICS)]
+    rows = [[r.label, r.seed, d["iter"], d["param"], *(d[k] for k in _DIAGNOSTICS)]
             for r in results for d in r.diagnostics]  # fmt: skip
-    write_csv(path, ["arm", "seed", "iter", "param", *_DIAGNOSTICS], rows)
+    write_csv(path, _HEADERS["diagnostics.csv"], rows)
 
 
 def _totals(run: RunResult, measure: str) -> tuple[list[int], list[float]]:
@@ -465,15 +476,15 @@ def format_diagnostics(results: list[RunResult]) -> str:
 
 
 def write_times(results: list[RunResult], path: Path) -> None:
-    rows = [[r.cfg.label, r.cfg.seed, f"{r.seconds:.1f}"] for r in results]
-    write_csv(path, ["arm", "seed", "seconds"], rows)
+    rows = [[r.label, r.seed, f"{r.seconds:.1f}"] for r in results]
+    write_csv(path, _HEADERS["times.csv"], rows)
 
 
 def by_arm(results: list[RunResult]) -> dict[str, list[RunResult]]:
     """Each arm's runs (one per seed), in sweep order."""
     arms: dict[str, list[RunResult]] = {}
     for r in results:
-        arms.setdefault(r.cfg.label, []).append(r)
+        arms.setdefault(r.label, []).append(r)
     return arms
 
 
@@ -617,6 +628,123 @@ def _plots(out_dir: Path, name: str) -> list[Path]:
     return [out_dir / f"{name}.png", out_dir / f"{name}_diagnostics.png"]
 
 
+def _outputs(out_dir: Path) -> list[str]:
+    """Every file a sweep may write in ``out_dir``: each is removed or written."""
+    return [*_TABLES, *(png.name for other in {*SWEEPS, "losses"} for png in _plots(out_dir, other))]
+
+
+def _remove_other_plots(out_dir: Path, name: str) -> None:
+    """The plots of sweeps other than ``name`` removed from ``out_dir``: they would show its runs."""
+    for other in {*SWEEPS, "losses"} - {name}:
+        for png in _plots(out_dir, other):
+            png.unlink(missing_ok=True)
+
+
+def _title(sweep: str | None, label: str) -> str:
+    """A sweep's plots' title; without a sweep, of the runs of one configuration, ``label``."""
+    return f"{sweep or label}: char GPT on Shakespeare"
+
+
+def _table(path: Path) -> list[dict[str, str]]:
+    """The rows of the table ``path`` that :func:`write_csv` wrote under its header
+    (:data:`_HEADERS`); a missing file, another header or a row of other fields is a
+    ValueError naming it."""
+    try:
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+    except OSError as err:
+        raise ValueError(f"cannot read {path} ({err.strerror}): a sweep's folder holds "
+                         f"{', '.join(_TABLES)}") from None  # fmt: skip
+    if reader.fieldnames != _HEADERS[path.name] or any(None in row or None in row.values() for row in rows):
+        raise ValueError(f"{path} is not a sweep's table: its columns are not {_HEADERS[path.name]}")
+    return rows
+
+
+def _number(text: str) -> float | None:
+    """A table's field: an empty one is None (a measure the row lacks)."""
+    return None if text == "" else float(text)
+
+
+def read_outputs(folder: Path) -> list[RunResult]:
+    """The finished runs whose tables (losses.csv, times.csv, diagnostics.csv) a sweep
+    wrote into ``folder``, each as that sweep had it: written again, the same bytes
+    (times to a tenth of a second, as times.csv keeps them)."""
+    runs: dict[tuple[str, int], RunResult] = {}
+
+    def evaluation(row: dict[str, str]) -> None:
+        key = row["arm"], int(row["seed"])
+        run = runs.setdefault(key, RunResult(*key, [], [], [], math.nan))
+        run.iters.append(int(row["iter"]))
+        run.train.append(float(row["train_loss"]))
+        run.val.append(float(row["val_loss"]))
+
+    def timing(row: dict[str, str]) -> None:
+        runs[row["arm"], int(row["seed"])].seconds = float(row["seconds"])
+
+    def diagnostic(row: dict[str, str]) -> None:
+        measures = {k: _number(row[k]) for k in _DIAGNOSTICS[1:]}
+        runs[row["arm"], int(row["seed"])].diagnostics.append(
+            {"iter": int(row["iter"]), "param": row["param"], "numel": int(row["numel"]), **measures})
+
+    for name, read in (("losses.csv", evaluation), ("times.csv", timing), ("diagnostics.csv", diagnostic)):
+        path = folder / name
+        for line, row in enumerate(_table(path), start=2):
+            try:
+                read(row)
+            except KeyError:  # (the runs are losses.csv's)
+                raise ValueError(f"{path}, line {line}: {row['arm']!r} seed {row['seed']} is not in "
+                                 "losses.csv") from None  # fmt: skip
+            except ValueError as err:
+                raise ValueError(f"{path}, line {line}: not a sweep's row ({err})") from None
+    return list(runs.values())
+
+
+def collect(
+    sources: Sequence[Path], out_dir: Path, sweep: str | None = None
+) -> tuple[list[RunResult], list[Path]]:
+    """The runs whose tables the folders ``sources`` hold (sweeps run apart: seeds on other
+    machines, or at other times), written into ``out_dir`` as one sweep's outputs, the
+    same tables and plots as had the runs been trained there together; the runs (arm by
+    arm as they first come, each arm's in order of seed) and the files written. Each
+    of these is a ValueError, raised before anything is written: a run (arm and seed) in
+    two sources, an arm whose runs were evaluated at other iterations (runs of other
+    configurations), an ``out_dir`` that is a source or holds runs (its tables would
+    no longer be theirs)."""
+    if sweep is not None and sweep not in SWEEPS:
+        raise ValueError(f"unknown sweep {sweep!r}; choose from {sorted(SWEEPS)}")
+    if not sources:
+        raise ValueError("no folders to collect from")
+    if any(out_dir.resolve() == source.resolve() for source in sources):
+        raise ValueError(f"{out_dir} is one of the folders collected from, whose tables it would replace: "
+                         "pass another --out")  # fmt: skip
+    if out_dir.is_dir() and (held := [f.name for f in out_dir.iterdir() if f.is_dir() and _is_run(f)]):
+        raise ValueError(f"{out_dir} holds runs ({', '.join(sorted(held)[:3])}, ...) whose tables these "
+                         "would replace: pass another --out")  # fmt: skip
+    found: dict[tuple[str, int], int] = {}  # each run's first source
+    results = []
+    for i, source in enumerate(sources):
+        for run in read_outputs(source):
+            if (first := found.setdefault((run.label, run.seed), i)) != i:
+                raise ValueError(f"{run.label!r} seed {run.seed} is in both {sources[first]} and {source}: "
+                                 "it would count twice")  # fmt: skip
+            results.append(run)
+    if not results:
+        raise ValueError(f"no runs to collect: the tables of {', '.join(map(str, sources))} are empty")
+    arms = list(dict.fromkeys(run.label for run in results))
+    results.sort(key=lambda run: (arms.index(run.label), run.seed))
+    for label, runs in by_arm(results).items():
+        if other := [run.seed for run in runs if run.iters != runs[0].iters]:
+            first = runs[0]
+            raise ValueError(f"the runs of {label!r} were evaluated at other iterations (seed {first.seed}: "
+                             f"{len(first.iters)} evaluations to {first.iters[-1]}; seed {other[0]}: "
+                             "others): runs of other configurations")  # fmt: skip
+    name = sweep or "losses"
+    with hold(out_dir, _outputs(out_dir)):
+        _remove_other_plots(out_dir, name)
+        return results, write_outputs(results, out_dir, name, _title(sweep, arms[0]))
+
+
 def run_sweep(
     sweep: str | None,
     configs: list[TrainConfig],
@@ -632,10 +760,8 @@ def run_sweep(
     finish and once more at the end."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    name, title = sweep or "losses", f"{sweep or configs[0].label}: char GPT on Shakespeare"
-    plots = {other: _plots(out_dir, other) for other in {*SWEEPS, "losses"}}  # each removed or written
-    outputs = [*_TABLES, *(png.name for pngs in plots.values() for png in pngs)]
-    with hold(out_dir, outputs):  # until the sweep ends: no other writes here meanwhile
+    name, title = sweep or "losses", _title(sweep, configs[0].label)
+    with hold(out_dir, _outputs(out_dir)):  # until the sweep ends: no other writes here meanwhile
         folders = claim_folders(configs, out_dir, restart, CharDataset.load(data_file).digest())
         finished = sum((f / RESULT).exists() for f in folders)
         if finished or _checkpointed(folders):
@@ -649,9 +775,7 @@ def run_sweep(
 
         if not finished:  # outputs of runs discarded (--restart) or of another sweep: gone now
             write([])
-        for other in plots.keys() - {name}:  # another sweep's plots would show its runs
-            for png in plots[other]:
-                png.unlink(missing_ok=True)
+        _remove_other_plots(out_dir, name)
         outcome = run_many(configs, folders, data_file, workers, progress_bar, on_finish=write)
         # A run may have written its result as a stop came, before its worker's message
         # was read: the finished runs are the results on disk.
