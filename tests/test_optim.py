@@ -175,6 +175,29 @@ def test_compiled_write_back_equals_eager(mode):
         assert bits_equal(a, b)
 
 
+@pytest.mark.parametrize("held", [False, True])
+def test_write_back_compiles_weights_of_8192_elements_or_more(monkeypatch, held):
+    """Where the native kernel does not apply, a weight of 8192 elements is rounded by the
+    compiled kernel (below the compile threshold of 65536 that other calls keep), one of
+    4096 eagerly: through round_foreach_, and through the calls of a weight each that
+    store_codes makes."""
+    from fewbit.rounding import ops
+
+    sizes = []
+    real = ops.compiled_round
+    monkeypatch.setattr(ops, "compiled_round", lambda flat, *a: sizes.append(flat.numel()) or real(flat, *a))
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(128, 64, bias=False), torch.nn.Linear(64, 64, bias=False))
+    with fewbit.configure(native=False):
+        assert fewbit.config.current().compile_threshold == 65536
+        lpw = LowPrecisionWeights(torch.optim.SGD(m.parameters(), lr=0.1), FMT, "src", seed=1,
+                                  store_codes=held)  # fmt: skip
+        sizes.clear()
+        m(torch.randn(2, 128)).square().sum().backward()
+        lpw.step()
+    assert sizes == [8192]
+
+
 def test_compiled_write_back_compiles_for_each_format():
     """Where the native kernel does not apply, the write-back's compiled kernel serves a
     second format too: compiled dynamic, Dynamo made the second spec's ints symbols and

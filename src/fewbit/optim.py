@@ -31,14 +31,14 @@ from .block import BlockFormat, BlockTensor, check_args, element_or_block, quant
 from .block.formats import check_storable
 from .block.ops import check_block_axis, with_tensor_scale
 from .block.ops import format_name as block_format_name
-from .config import as_flag, configure, current
+from .config import as_flag
 from .formats import FloatFormat
 from .operators import is_plain
 from .random import Key, as_key, check_index, fold_in
 from .replicas import SeedPolicy, assert_identical_inputs, check_group, check_in_sync, replica_key, world
 from .rounding import RoundMode, dtype_format
 from .rounding.checks import check_bits, check_holds, scalar_args
-from .rounding.foreach import round_foreach_
+from .rounding.foreach import round_foreach_, write_back_threshold
 from .rounding.modes import parse_mode
 from .rounding.ops import format_name
 from .sharding import (
@@ -57,11 +57,6 @@ from .sharding import (
 __all__ = ["LowPrecisionWeights"]
 
 _UPDATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-#: Where the native kernel does not apply, the write-back rounds every weight of 8192
-#: elements or more with the compiled kernel: it runs every step, so its compilations per
-#: run (the first length's graph, then one for every length) are soon repaid.
-COMPILE_FROM = 1 << 13
 
 #: What a weight held as codes answers without its values: its metadata, its gradient,
 #: its hash (the optimizer's state is keyed by it) and its (empty) storage.
@@ -536,28 +531,27 @@ class LowPrecisionWeights:
         live = [i for i, p in enumerate(self.params) if initial or p.grad is not None]
         live = live if only is None else [i for i in live if i in only]
         store = self.store_codes and not initial
-        with configure(compile_threshold=min(current().compile_threshold, COMPILE_FROM)):
-            if not self.spec.may_refuse:
-                return self._round_all(live, store)
-            # A value may have no result in fmt (a NaN, or under sat=False one beyond a format
-            # without Inf or NaN): where one rank's piece of a sharded weight holds it, every
-            # rank raises. At selection (where NaNs were refused before) the weights are then
-            # put back as they were; after a step the write-back stops part way (README).
-            saved = [local_tensor(self.params[i]).clone() for i in live] if initial and not self.sat else []
+        if not self.spec.may_refuse:
+            return self._round_all(live, store)
+        # A value may have no result in fmt (a NaN, or under sat=False one beyond a format
+        # without Inf or NaN): where one rank's piece of a sharded weight holds it, every
+        # rank raises. At selection (where NaNs were refused before) the weights are then
+        # put back as they were; after a step the write-back stops part way (README).
+        saved = [local_tensor(self.params[i]).clone() for i in live] if initial and not self.sat else []
+        try:
             try:
-                try:
-                    kept, error = self._round_all(live, store), None
-                except ValueError as err:
-                    kept, error = [], err
-                then = ("every selected weight is as it was" if saved else
-                        "that rank's write-back stopped part way; restore from a checkpoint")
-                refuse_alike(error, self.params, f"another rank's piece of a weight holds a value without a "
-                                                 f"result in {self.fmt.name} (see its error): {then}")
-            except ValueError:
-                if saved:
-                    torch._foreach_copy_([local_tensor(self.params[i]) for i in live], saved)
-                raise
-            return kept
+                kept, error = self._round_all(live, store), None
+            except ValueError as err:
+                kept, error = [], err
+            then = ("every selected weight is as it was" if saved else
+                    "that rank's write-back stopped part way; restore from a checkpoint")
+            refuse_alike(error, self.params, f"another rank's piece of a weight holds a value without a "
+                                             f"result in {self.fmt.name} (see its error): {then}")
+        except ValueError:
+            if saved:
+                torch._foreach_copy_([local_tensor(self.params[i]) for i in live], saved)
+            raise
+        return kept
 
     @staticmethod
     def _usual_holders(p: torch.Tensor) -> int | None:
@@ -618,64 +612,68 @@ class LowPrecisionWeights:
         stochastic = self.mode.is_stochastic
         step_key = fold_in(self.key, self.steps) if stochastic and (coded or others) else None
         codes = {}
-        for i in coded:  # straight to codes, a pass each
-            kw = {"sat": self.sat, "bits": self.bits, "fraction": self.fraction}
-            if step_key is not None:
-                kw["seed"] = fold_in(step_key, place[i])
-            codes[i] = codec.quantize(pieces[i].to(self.via), self.fmt, self.mode, **kw)
-        if floats := [i for i in batched if i not in in_codes]:
-            key, places = self.key if stochastic else None, [place[i] for i in floats]
-            round_foreach_([pieces[i] for i in floats], self.spec, key, self.steps, places, self.via)
-        if block:  # the full tensors'
-            scales = tensor_scales([self.params[i] for i in live], self.fmt, self.via, self.spec.rule)
-            tensor_scale = dict(zip(live, scales, strict=True))
-        for i in others:
-            t, at = pieces[i], self._layouts[i]
-            key = None if step_key is None else replica_key(fold_in(step_key, place[i]), self.policy)
-            x = t.to(self.via)
-            store = i in in_codes
-            if store and not block:  # the codes in the pass that rounds: t is freed below
-                codes_now = quantize_range(x, self.spec, key, at, packed=False)
-                if codes_now is not None:
-                    codes[i] = codes_now
+        # The weights rounded (and encoded) a call each here compile from COMPILE_FROM elements
+        # on, as round_foreach_'s do (where it takes every weight, the 3 us of setting that
+        # threshold are not paid: on a GPU its one launch asks none).
+        with write_back_threshold() if coded or others else contextlib.nullcontext():
+            for i in coded:  # straight to codes, a pass each
+                kw = {"sat": self.sat, "bits": self.bits, "fraction": self.fraction}
+                if step_key is not None:
+                    kw["seed"] = fold_in(step_key, place[i])
+                codes[i] = codec.quantize(pieces[i].to(self.via), self.fmt, self.mode, **kw)
+            if floats := [i for i in batched if i not in in_codes]:
+                key, places = self.key if stochastic else None, [place[i] for i in floats]
+                round_foreach_([pieces[i] for i in floats], self.spec, key, self.steps, places, self.via)
+            if block:  # the full tensors'
+                scales = tensor_scales([self.params[i] for i in live], self.fmt, self.via, self.spec.rule)
+                tensor_scale = dict(zip(live, scales, strict=True))
+            for i in others:
+                t, at = pieces[i], self._layouts[i]
+                key = None if step_key is None else replica_key(fold_in(step_key, place[i]), self.policy)
+                x = t.to(self.via)
+                store = i in in_codes
+                if store and not block:  # the codes in the pass that rounds: t is freed below
+                    codes_now = quantize_range(x, self.spec, key, at, packed=False)
+                    if codes_now is not None:
+                        codes[i] = codes_now
+                        continue
+                ts = tensor_scale[i] if block else None
+                done = None if block and store else round_range(x, self.spec, key, at, tensor_scale=ts)
+                if done is not None:  # runs of the full tensor: its bits drawn inside the kernel
+                    t.copy_(done)
                     continue
-            ts = tensor_scale[i] if block else None
-            done = None if block and store else round_range(x, self.spec, key, at, tensor_scale=ts)
-            if done is not None:  # runs of the full tensor: its bits drawn inside the kernel
-                t.copy_(done)
-                continue
-            random = piece_randomness(self.spec, key, at, t.device)
-            if not block:
-                sr = {"bits": self.bits, "fraction": self.fraction, **random} if random else {}
-                t.copy_(round_to(x, self.fmt, self.mode, sat=self.sat, **sr))
-                continue
-            axis = self.fmt.axis % x.dim()
-            drawn = {"key": random.get("seed"), "random_bits": random.get("random_bits")}
-            result = with_tensor_scale(x, self.spec, axis, ts, **drawn, fused=not store)
-            if store:  # the codes of this very rounding (NVFP4's per-tensor
-                # scale would move if the rounded values were quantised again)
-                codes[i] = BlockTensor(*result, ts, self.fmt, x.shape, axis)
-            else:
-                t.copy_(result[0])
-        if stored:
-            # The rest: values of fmt, rounded just now (unchecked: a GPU step waits for nothing).
-            for i in stored:
-                if i not in codes:
-                    codes[i] = codec.encode(pieces[i], self.fmt, check=False)
-            self._codes = [codes.get(i) for i in range(len(pieces))]  # (None: left as it is, in floats)
-            # The size of the whole storage: a piece may be a view into a larger one (FSDP2
-            # pads its shards), which must come back at its size.
-            self._nbytes = [t.untyped_storage().nbytes() for t in pieces]
-            for i in stored:
-                pieces[i].untyped_storage().resize_(0)
-                p = self.params[i]  # until materialize(): a read decodes first
-                p._fewbit_codes_of = self  # (held by the weight: its codes live as long)
-                p.__class__ = _held_class(type(p))
-            self._stored = True
-            if any(is_dtensor(self.params[i]) for i in stored):
-                # FSDP2's forward all-gathers from its shards' storage without asking the
-                # weights: any module's forward decodes first (a global hook, for the window).
-                self._before_forward = register_module_forward_pre_hook(lambda *_: self.materialize())
+                random = piece_randomness(self.spec, key, at, t.device)
+                if not block:
+                    sr = {"bits": self.bits, "fraction": self.fraction, **random} if random else {}
+                    t.copy_(round_to(x, self.fmt, self.mode, sat=self.sat, **sr))
+                    continue
+                axis = self.fmt.axis % x.dim()
+                drawn = {"key": random.get("seed"), "random_bits": random.get("random_bits")}
+                result = with_tensor_scale(x, self.spec, axis, ts, **drawn, fused=not store)
+                if store:  # the codes of this very rounding (NVFP4's per-tensor
+                    # scale would move if the rounded values were quantised again)
+                    codes[i] = BlockTensor(*result, ts, self.fmt, x.shape, axis)
+                else:
+                    t.copy_(result[0])
+            if stored:
+                # The rest: values of fmt, rounded just now (unchecked: a GPU step waits for nothing).
+                for i in stored:
+                    if i not in codes:
+                        codes[i] = codec.encode(pieces[i], self.fmt, check=False)
+                self._codes = [codes.get(i) for i in range(len(pieces))]  # (None: left as it is, in floats)
+                # The size of the whole storage: a piece may be a view into a larger one (FSDP2
+                # pads its shards), which must come back at its size.
+                self._nbytes = [t.untyped_storage().nbytes() for t in pieces]
+                for i in stored:
+                    pieces[i].untyped_storage().resize_(0)
+                    p = self.params[i]  # until materialize(): a read decodes first
+                    p._fewbit_codes_of = self  # (held by the weight: its codes live as long)
+                    p.__class__ = _held_class(type(p))
+                self._stored = True
+                if any(is_dtensor(self.params[i]) for i in stored):
+                    # FSDP2's forward all-gathers from its shards' storage without asking the
+                    # weights: any module's forward decodes first (a global hook, for the window).
+                    self._before_forward = register_module_forward_pre_hook(lambda *_: self.materialize())
 
     def _power_of_two_scale(self, w: torch.Tensor) -> float:
         amax = global_amax(w)

@@ -5,16 +5,29 @@ arithmetic, is the cost of many mid-sized tensors. Every path gives the bits
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
 
+from ..config import configure, current
 from ..random import Key, fold_in
 from . import gpu
 from .checks import RoundSpec
 from .ops import round_into
 
-__all__ = ["round_foreach_"]
+__all__ = ["round_foreach_", "write_back_threshold"]
+
+#: Where the native kernel does not apply, the write-back rounds every weight of 8192
+#: elements or more with the compiled kernel: it runs every step, so its compilations per
+#: run (the first length's graph, then one for every length) are soon repaid.
+COMPILE_FROM = 1 << 13
+
+
+def write_back_threshold() -> contextlib.AbstractContextManager:
+    """The settings of a write-back's calls of a tensor each: :data:`COMPILE_FROM` as the
+    compile threshold, unless a lower one is set."""
+    return configure(compile_threshold=min(current().compile_threshold, COMPILE_FROM))
 
 
 def round_foreach_(
@@ -37,8 +50,9 @@ def round_foreach_(
     if gpu.applies(spec, tensors[0]) and gpu.round_foreach_(tensors, spec, key, step, indices, via):
         return
     step_key = None if key is None else fold_in(key, step)
-    for t, i in zip(tensors, indices, strict=True):
-        x = t.to(via)  # torch's round to nearest even, as the GPU kernel's conversion is
-        out = torch.empty_like(x)
-        round_into(x, spec, None if step_key is None else fold_in(step_key, i), None, out)
-        t.copy_(out)
+    with write_back_threshold():
+        for t, i in zip(tensors, indices, strict=True):
+            x = t.to(via)  # torch's round to nearest even, as the GPU kernel's conversion is
+            out = torch.empty_like(x)
+            round_into(x, spec, None if step_key is None else fold_in(step_key, i), None, out)
+            t.copy_(out)
