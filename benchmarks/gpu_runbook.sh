@@ -191,16 +191,25 @@ case "${1:-}" in
       fi
     done
     back="$results/sweeps/$name-$preset${seeds:+-s$seeds}"
-    mkdir -p "$back"
+    limit=$(($(left) - 40))
+    if ((limit < 20)); then
+      echo "skipped (no time left): sweep $name $preset $*" | tee -a "$results/stages.txt"
+      exit 0
+    fi
+    mkdir -p "$back" "$runs"
+    # The tables in the shared folder are an earlier sweep's until this one writes its own.
+    rm -f "$runs"/*.csv "$runs"/*.png
+    touch "$runs/.started"
     # Stopped (SIGTERM: every run checkpoints at each evaluation) in time to send back what
     # it has: the call is killed at its limit, and its checkpoints cannot travel.
-    timeout --signal=TERM --kill-after=20 "$(($(left) - 40))" \
+    timeout --signal=TERM --kill-after=20 "$limit" \
       python3 -m fewbit.cli train --sweep "$name" --preset "$preset" --out "$runs" --quiet \
       "${data[@]}" "$@" 2>&1 | tee -a "$back/console.txt"
     status="${PIPESTATUS[0]}"
-    rm -f "$back"/unfinished*  # (an earlier call's, where this one finished them)
+    rm -f "$back"/unfinished* "$back"/*_unfinished.png  # (an earlier call's, where this one finished them)
     cp "$runs"/*.csv "$runs"/*.png "$back/" 2>/dev/null
-    # The unfinished runs' evaluations so far, from their checkpoints.
+    # The evaluations so far of the runs this sweep left unfinished (their checkpoints
+    # written since it started: the folder holds other sweeps' runs too).
     python3 - "$runs" "$back" "$name-$preset" <<'EOF'
 import sys
 from pathlib import Path
@@ -210,10 +219,12 @@ import torch
 from fewbit.experiments import sweep, train, worker
 
 runs, out, name = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+started = (runs / ".started").stat().st_mtime
 results = []
-for folder in sorted(runs.iterdir()):
-    if (folder / worker.CHECKPOINT).exists() and not (folder / worker.RESULT).exists():
-        state = torch.load(folder / worker.CHECKPOINT, map_location="cpu")
+for folder in sorted(f for f in runs.iterdir() if f.is_dir()):
+    checkpoint = folder / worker.CHECKPOINT
+    if checkpoint.exists() and checkpoint.stat().st_mtime >= started and not (folder / worker.RESULT).exists():
+        state = torch.load(checkpoint, map_location="cpu")
         h, cfg = state["run"]["history"], train.TrainConfig(**state["run"]["config"])
         results.append(sweep.RunResult(cfg.label, cfg.seed, h["iters"], h["train"], h["val"],
                                        state["seconds"], h["diagnostics"]))
