@@ -278,6 +278,23 @@ def test_quantize_outputs_refuses_modules_that_return_tuples():
     del pair.output_quant
     assert pair(torch.ones(2))[0].shape == (2,)
 
+
+def test_quantize_outputs_takes_types_as_a_list_and_names_bad_types():
+    """types=[nn.Linear, nn.Conv2d] reached isinstance, which refused the list with "isinstance()
+    arg 2 must be a type, a tuple of types, or a union", naming neither types= nor the fix."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Conv1d(1, 1, 1), torch.nn.ReLU())
+    changed = quantize_outputs(model, E4M3, types=[torch.nn.Linear, torch.nn.Conv1d])
+    assert changed == [model[0], model[1]] and not hasattr(model[2], "output_quant")
+    y = model(torch.randn(1, 4))  # the Conv1d's output, in E4M3 (ReLU keeps it there)
+    assert torch.equal(y, fewbit.round(y, "ocp_e4m3", sat=True))
+    assert quantize_outputs(torch.nn.Linear(4, 4), E4M3, types=torch.nn.Linear | torch.nn.Conv1d)
+    for bad in ("Linear", [torch.nn.Linear, "Conv1d"], {torch.nn.Linear}):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        with pytest.raises(TypeError, match="types must be module classes"):
+            quantize_outputs(model, E4M3, types=bad)
+        assert not hasattr(model[0], "output_quant")  # refused before any module changed
+
+
 def test_quantize_outputs_again_replaces_the_rounding_without_a_second_hook():
     """A second call hooked each module again: every output was rounded twice, and its
     stream advanced twice a call."""

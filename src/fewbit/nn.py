@@ -17,6 +17,8 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from types import UnionType
+from typing import get_args
 
 import torch
 from torch import nn
@@ -387,7 +389,7 @@ def quantize_outputs(
     model: nn.Module,
     forward: Quant | FloatFormat | BlockFormat | str | None = None,
     backward: Quant | FloatFormat | BlockFormat | str | None = None,
-    types: tuple[type[nn.Module], ...] = (nn.Linear,),
+    types: tuple[type[nn.Module], ...] | list[type[nn.Module]] = (nn.Linear,),
     seed: int | Key = 0,
     policy: SeedPolicy | str = SeedPolicy.DIFFERING,
     first_index: int = 0,
@@ -406,6 +408,7 @@ def quantize_outputs(
     """
     # Checked before any module changes, and once for all of them.
     forward, backward = _as_quant(forward, "forward"), _as_quant(backward, "backward")
+    types = _module_types(types)
     policy = SeedPolicy(policy)
     _group_rank(policy, replica_group)
     key = as_key(seed)
@@ -430,6 +433,18 @@ def quantize_outputs(
             m.register_forward_hook(_quantize_output)
             m._output_quant_hooked = True
     return changed
+
+
+def _module_types(types) -> tuple[type, ...]:
+    """``types`` as a tuple of classes: one class, a union, or a list or tuple of them (a
+    list went to isinstance, whose error named neither the argument nor the fix)."""
+    if isinstance(types, type | UnionType):
+        types = (types,)
+    if isinstance(types, list | tuple):
+        chosen = tuple(c for t in types for c in (get_args(t) if isinstance(t, UnionType) else (t,)))
+        if all(isinstance(c, type) for c in chosen):
+            return chosen
+    raise TypeError(f"types must be module classes (nn.Linear, or a tuple or list of them), got {types!r}")
 
 
 #: torch's modules that return a tuple (and pooling with return_indices): refused by
