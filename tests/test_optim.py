@@ -925,6 +925,23 @@ def test_the_inner_optimizer_stepped_alone_says_the_weights_were_not_rounded():
         scaler.update()
 
 
+def test_print_shows_the_setup_and_the_inner_optimizer_and_leaves_codes_held():
+    """print(opt) gave "<fewbit.optim.LowPrecisionWeights object at 0x...>": neither the
+    format and mode a run rounds to nor the inner optimizer's groups, which print(optimizer)
+    shows for torch's own."""
+    m = model()
+    inner = torch.optim.AdamW(m.parameters(), lr=0.01)
+    lpw = LowPrecisionWeights(inner, FMT, "src", bits=3, store_codes=True, update_dtype=torch.bfloat16)
+    train(m, lpw, 1)
+    text = repr(lpw)
+    assert text.startswith(f"LowPrecisionWeights({FMT}, src, bits=3, update_dtype=torch.bfloat16, "
+                           "store_codes=True, weights=2, steps=1) of AdamW (")  # fmt: skip
+    assert text.endswith(repr(inner)) and "lr: 0.01" in text
+    assert all(p.untyped_storage().nbytes() == 0 for p in lpw.params)  # still codes: no weight read
+    rne = LowPrecisionWeights(torch.optim.SGD(model().parameters(), lr=0.1), "mxfp8_e4m3", "rne", sat=False)
+    assert str(rne).startswith("LowPrecisionWeights(mxfp8_e4m3, rne, sat=False, weights=2, steps=0) of SGD (")
+
+
 def test_a_wrapper_rebuilt_around_the_same_optimizer_lets_the_old_one_go():
     """The inner optimizer's step hook held the wrapper: rebuilt around the same optimizer
     (a resume in the same process, a notebook), every old wrapper stayed alive and warned

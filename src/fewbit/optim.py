@@ -305,6 +305,17 @@ class LowPrecisionWeights:
         self._stepping = False
         self._watch_inner_steps()  # (last: a refused wrapper leaves none)
 
+    def __repr__(self) -> str:
+        # The set-up and the inner optimizer's own repr (its groups), as print(optimizer)
+        # shows for torch's; no weight is read, so weights held as codes stay so.
+        shown = {"bits": self.bits, "fraction": self.fraction, "sat": None if self.sat else False,
+                 "update_dtype": self.update_dtype, "scale": self.scale or None,
+                 "store_codes": self.store_codes or None,
+                 "first_index": self.first_index or None}  # fmt: skip
+        options = "".join(f", {k}={v}" for k, v in shown.items() if v is not None)
+        return (f"LowPrecisionWeights({self.fmt.name}, {self.mode.value}{options}, "
+                f"weights={len(self.params)}, steps={self.steps}) of {self.optimizer!r}")
+
     def __deepcopy__(self, memo: dict) -> LowPrecisionWeights:
         # A process group is a handle on the ranks' communicators (and cannot be copied):
         # a copy of the wrapper shares it.
