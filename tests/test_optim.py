@@ -925,6 +925,23 @@ def test_the_inner_optimizer_stepped_alone_says_the_weights_were_not_rounded():
         scaler.update()
 
 
+@pytest.mark.parametrize(("fmt", "sat", "there"), [("p3109_k8p4ue", True, "0.0"),
+                                                  ("p3109_k8p4ue", False, "nan"),
+                                                  ("ocp_e8m0", True, "5.877471754111438e-39")])  # fmt: skip
+def test_an_unsigned_format_warns_what_negative_weights_become(fmt, sat, there):
+    """An unsigned format took every negative weight to its smallest value (or NaN, under
+    sat=False) at construction and at each step, without a word: it warns when built."""
+    m = model()
+    with pytest.warns(UserWarning, match=f"{fmt} is unsigned: every write-back takes a negative weight such "
+                                         f"as -1 to {there};"):  # fmt: skip
+        LowPrecisionWeights(torch.optim.SGD(m.parameters(), lr=0.1), fmt, "rne", sat=sat)
+    w = m[0].weight  # what it warned of (2^-127 is E8M0's smallest value)
+    assert bool(w.isnan().any()) if not sat else bool((w > 0 if fmt == "ocp_e8m0" else w >= 0).all())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        LowPrecisionWeights(torch.optim.SGD(model().parameters(), lr=0.1), FMT, "rne")
+
+
 def test_print_shows_the_setup_and_the_inner_optimizer_and_leaves_codes_held():
     """print(opt) gave "<fewbit.optim.LowPrecisionWeights object at 0x...>": neither the
     format and mode a run rounds to nor the inner optimizer's groups, which print(optimizer)
