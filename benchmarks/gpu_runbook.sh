@@ -30,6 +30,10 @@
 #      last checkpoint (a finished one is read back);
 #   3. give the machine back. A later lease starts on a bare machine: name there the
 #      sweeps still to run (`lease "srf paper --seeds 1 --workers 5" ...`).
+# Back here: unpack results.tgz into docs/gpu_runs/DATE-h200-REV/, then Figure 3's seeds
+# from every lease into one table and plot, e.g.
+#     fewbit collect docs/gpu_runs/2026-11-29-h200-1442600 docs/gpu_runs/DATE-h200-REV/sweeps/figure3-paper-s{1,2} \
+#       --sweep figure3 --out docs/figure3_paper
 #
 #   benchmarks/gpu_runbook.sh lease [SWEEP...]  calls, time, then the sweeps in turn with the tests
 #                                               beside them: one call, the first of a lease
