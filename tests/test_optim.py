@@ -893,6 +893,11 @@ def test_a_closure_computes_with_grad_and_cast_or_scaled_weights_are_refused():
     with pytest.raises(RuntimeError, match=r"were torch.float32 on cpu .* are torch.float16 on cpu now"):
         lpw.step()
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, m.parameters(), strict=True))
+    m = model()  # one weight cast, the last selected
+    lpw = LowPrecisionWeights(torch.optim.SGD(m.parameters(), lr=0.1), FMT, "rne")
+    m[2].weight.data = m[2].weight.data.double()
+    with pytest.raises(RuntimeError, match=r"are torch.float32 on cpu and torch.float64 on cpu now"):
+        lpw.step()
     with pytest.raises(TypeError, match="param 0 is a ScaledTensor: .* fewbit.scaled.cast"):
         LowPrecisionWeights(torch.optim.SGD(scalify(model()).parameters(), lr=0.1), FMT)
 
