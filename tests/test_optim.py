@@ -947,6 +947,17 @@ def test_an_unsigned_format_warns_what_negative_weights_become(fmt, sat, there):
         LowPrecisionWeights(torch.optim.SGD(model().parameters(), lr=0.1), FMT, "rne")
 
 
+def test_an_unsigned_format_without_nan_under_sat_false_warns_and_builds():
+    """The warning's own rounding of -1 raised where the format has no NaN and sat=False
+    (-1 has no result there): a wrapper whose weights the format holds was refused with
+    "u8_finite has no Inf or NaN for a value beyond its range", naming neither -1 nor the warning."""
+    u8 = fewbit.formats.FloatFormat("u8_finite", 8, 4, 7, signed=False, extended=False)
+    w = torch.nn.Parameter(torch.rand(4, 4))
+    with pytest.warns(UserWarning, match="u8_finite is unsigned: every write-back raises for a negative"):
+        LowPrecisionWeights(torch.optim.SGD([w], lr=0.1), u8, "rne", sat=False)
+    assert bool((w >= 0).all())
+
+
 def test_print_shows_the_setup_and_the_inner_optimizer_and_leaves_codes_held():
     """print(opt) gave "<fewbit.optim.LowPrecisionWeights object at 0x...>": neither the
     format and mode a run rounds to nor the inner optimizer's groups, which print(optimizer)

@@ -287,10 +287,13 @@ class LowPrecisionWeights:
         if block and scale:
             raise ValueError(f"scale=True is for element formats: {self.fmt.name} scales each block itself")
         if not block and not self.fmt.signed:  # (a choice of the user's, but rarely one meant for weights)
-            there = round_to(torch.tensor(-1.0), self.fmt, sat=self.sat).item()
-            warnings.warn(f"{self.fmt.name} is unsigned: every write-back takes a negative weight such as -1 "
-                          f"to {there}; weights that change sign take a signed format",
-                          stacklevel=2)  # fmt: skip
+            try:
+                there = round_to(torch.tensor(-1.0), self.fmt, sat=self.sat).item()
+                there = f"takes a negative weight such as -1 to {there}"
+            except ValueError:  # (no NaN, under sat=False: -1 has no result; weights >= 0 do)
+                there = "raises for a negative weight (no result in it under sat=False)"
+            warnings.warn(f"{self.fmt.name} is unsigned: every write-back {there}; weights that change "
+                          "sign take a signed format", stacklevel=2)  # fmt: skip
         if self.store_codes and block:
             check_storable(self.fmt)
         if self.store_codes and not block and self.fmt.k > 8:
