@@ -90,12 +90,17 @@ log() {
 # RESULTS packed into $OUT/results.tgz and traces.tgz, each written aside and then renamed
 # (a call killed while packing still returns the last whole archive). tar's status 1 is a
 # file that changed as it was read (the tests beside a sweep write on): the archive is whole.
+# One pack at a time (a lock on RESULTS): the tests beside the sweeps pack as they end, and
+# two tars writing one .part interleave, the first's rename returning the mix.
 pack() {
-  tar -czf "$out/results.part" -C "$results" --warning=no-file-changed --exclude=./traces .
-  (($? <= 1)) && mv -f "$out/results.part" "$out/results.tgz"
-  if [[ -d "$results/traces" ]]; then
-    tar -czf "$out/traces.part" -C "$results" traces && mv -f "$out/traces.part" "$out/traces.tgz"
-  fi
+  {
+    flock 9
+    tar -czf "$out/results.part" -C "$results" --warning=no-file-changed --exclude=./traces .
+    (($? <= 1)) && mv -f "$out/results.part" "$out/results.tgz"
+    if [[ -d "$results/traces" ]]; then
+      tar -czf "$out/traces.part" -C "$results" traces && mv -f "$out/traces.part" "$out/traces.tgz"
+    fi
+  } 9<"$results"
 }
 
 # Run a stage for at most its own limit and what is left of the call, then pack what it wrote.
