@@ -363,3 +363,27 @@ def test_collect_refuses_before_writing(reference, seed_1, tmp_path):
             collect(sources, to, "figure3")
     assert not out.exists()
     assert {p: p.stat().st_mtime_ns for p in reference.iterdir()} == before
+
+
+def test_collect_refuses_diagnostics_of_other_iterations_before_writing(tmp_path):
+    """A diagnostics.csv that lacks a row of the whole model (damaged) passed every check, and
+    the diagnostics plot failed on it ("zip() argument 2 is shorter than argument 1") after
+    the tables and the loss plot were written."""
+    from fewbit.experiments.sweep import RunResult, collect, write_diagnostics, write_losses, write_times
+
+    def run(seed: int, evaluations: list[int]) -> RunResult:
+        rows = [{"iter": i, "param": "all", "numel": 64, "mean_abs": 0.5, "changed": 0.1, "outward_ulp": 0.01}
+                for i in evaluations]  # fmt: skip
+        return RunResult("binary8p4 SRC N=3", seed, [0, 10, 20], [5.0, 4.0, 3.0], [5.5, 4.5, 3.5], 1.0, rows)
+
+    folders = [tmp_path / "s0", tmp_path / "s1"]
+    for folder, result in zip(folders, [run(0, [0, 10, 20]), run(1, [0, 20])], strict=True):
+        folder.mkdir()
+        write_losses([result], folder / "losses.csv")
+        write_diagnostics([result], folder / "diagnostics.csv")
+        write_times([result], folder / "times.csv")
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"'binary8p4 SRC N=3' seed 1 hold mean_abs at other iterations than "
+                                         r"seed 0's: a damaged diagnostics.csv"):  # fmt: skip
+        collect(folders, out, "figure3")
+    assert not out.exists()

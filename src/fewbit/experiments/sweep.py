@@ -709,8 +709,8 @@ def collect(
     arm as they first come, each arm's in order of seed) and the files written. Each
     of these is a ValueError, raised before anything is written: a run (arm and seed) in
     two sources, an arm whose runs were evaluated at other iterations (runs of other
-    configurations), an ``out_dir`` that is a source or holds runs (its tables would
-    no longer be theirs)."""
+    configurations) or hold diagnostics at other iterations (a damaged table), an
+    ``out_dir`` that is a source or holds runs (its tables would no longer be theirs)."""
     if sweep is not None and sweep not in SWEEPS:
         raise ValueError(f"unknown sweep {sweep!r}; choose from {sorted(SWEEPS)}")
     if not sources:
@@ -739,6 +739,12 @@ def collect(
             raise ValueError(f"the runs of {label!r} were evaluated at other iterations (seed {first.seed}: "
                              f"{len(first.iters)} evaluations to {first.iters[-1]}; seed {other[0]}: "
                              "others): runs of other configurations")  # fmt: skip
+        for measure in _DIAGNOSTICS[1:]:  # (their plot averages the seeds' rows at each iteration)
+            at = [_totals(run, measure)[0] for run in runs]
+            if all(at) and (odd := [run.seed for run, its in zip(runs, at, strict=True) if its != at[0]]):
+                raise ValueError(f"the diagnostics of {label!r} seed {odd[0]} hold {measure} at other "
+                                 f"iterations than seed {runs[0].seed}'s: a damaged "
+                                 "diagnostics.csv")  # fmt: skip
     name = sweep or "losses"
     with hold(out_dir, _outputs(out_dir)):
         _remove_other_plots(out_dir, name)
