@@ -387,3 +387,20 @@ def test_collect_refuses_diagnostics_of_other_iterations_before_writing(tmp_path
                                          r"seed 0's: a damaged diagnostics.csv"):  # fmt: skip
         collect(folders, out, "figure3")
     assert not out.exists()
+
+
+def test_collect_keeps_the_sweeps_order_of_arms_whatever_comes_first(reference, seed_1, tmp_path):
+    """A folder of a sweep cut short (only its SRC arm finished) given first put SRC at the
+    top of summary.csv and the plots: the arms now come in the order the sweeps wrote them."""
+    from fewbit.experiments.sweep import collect, read_outputs, write_diagnostics, write_losses, write_times
+
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    src = [run for run in read_outputs(seed_1) if run.label == "binary8p4 SRC N=3"]
+    for write, name in ((write_losses, "losses.csv"), (write_times, "times.csv"),
+                        (write_diagnostics, "diagnostics.csv")):  # fmt: skip
+        write(src, cut / name)
+    collected, _ = collect([cut, reference], tmp_path / "out", "figure3")
+    arms = list(dict.fromkeys(run.label for run in collected))
+    assert arms == [run.label for run in read_outputs(reference)]  # binary16 first, SRC last
+    assert [(run.label, run.seed) for run in collected[-2:]] == [(src[0].label, 0), (src[0].label, 1)]

@@ -706,7 +706,7 @@ def collect(
     """The runs whose tables the folders ``sources`` hold (sweeps run apart: seeds on other
     machines, or at other times), written into ``out_dir`` as one sweep's outputs, the
     same tables and plots as had the runs been trained there together; the runs (arm by
-    arm as they first come, each arm's in order of seed) and the files written. Each
+    arm in the sweep's order, each arm's in order of seed) and the files written. Each
     of these is a ValueError, raised before anything is written: a run (arm and seed) in
     two sources, an arm whose runs were evaluated at other iterations (runs of other
     configurations) or hold diagnostics at other iterations (a damaged table), an
@@ -722,16 +722,25 @@ def collect(
         raise ValueError(f"{out_dir} holds runs ({', '.join(sorted(held)[:3])}, ...) whose tables these "
                          "would replace: pass another --out")  # fmt: skip
     found: dict[tuple[str, int], int] = {}  # each run's first source
-    results = []
+    results, arms = [], []
     for i, source in enumerate(sources):
-        for run in read_outputs(source):
+        runs = read_outputs(source)
+        for run in runs:
             if (first := found.setdefault((run.label, run.seed), i)) != i:
                 raise ValueError(f"{run.label!r} seed {run.seed} is in both {sources[first]} and {source}: "
                                  "it would count twice")  # fmt: skip
-            results.append(run)
+        results += runs
+        # Each source's arms in its sweep's order, merged: a source that finished only some
+        # arms (a lease cut short) puts none of them before the arms that come first.
+        at = -1
+        for label in dict.fromkeys(run.label for run in runs):
+            if label in arms:
+                at = arms.index(label)
+            else:
+                at += 1
+                arms.insert(at, label)
     if not results:
         raise ValueError(f"no runs to collect: the tables of {', '.join(map(str, sources))} are empty")
-    arms = list(dict.fromkeys(run.label for run in results))
     results.sort(key=lambda run: (arms.index(run.label), run.seed))
     for label, runs in by_arm(results).items():
         if other := [run.seed for run in runs if run.iters != runs[0].iters]:
