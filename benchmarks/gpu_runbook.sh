@@ -191,8 +191,10 @@ case "${1:-}" in
     name="$2" preset="$3"
     shift 3
     runs="/tmp/runs/$preset" seeds=""
-    for ((i = 1; i <= $#; i++)); do  # the words after --seeds, for the folder's name
-      if [[ "${!i}" == --seeds ]]; then
+    for ((i = 1; i <= $#; i++)); do  # the words after --seeds (or --seeds=N), for the folder's name
+      if [[ "${!i}" == --seeds=* ]]; then
+        seeds="${!i#--seeds=}"
+      elif [[ "${!i}" == --seeds ]]; then
         for ((j = i + 1; j <= $# && ${#seeds} < 40; j++)); do
           [[ "${!j}" =~ ^[0-9]+$ ]] || break
           seeds+="${seeds:+_}${!j}"
