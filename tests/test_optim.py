@@ -973,6 +973,8 @@ def test_print_shows_the_setup_and_the_inner_optimizer_and_leaves_codes_held():
     assert all(p.untyped_storage().nbytes() == 0 for p in lpw.params)  # still codes: no weight read
     rne = LowPrecisionWeights(torch.optim.SGD(model().parameters(), lr=0.1), "mxfp8_e4m3", "rne", sat=False)
     assert str(rne).startswith("LowPrecisionWeights(mxfp8_e4m3, rne, sat=False, weights=2, steps=0) of SGD (")
+    apart = LowPrecisionWeights(torch.optim.SGD(model().parameters(), lr=0.1), FMT, policy="differing")
+    assert str(apart).startswith(f"LowPrecisionWeights({FMT}, src, bits=3, policy=differing, weights=2, ")
 
 
 def test_a_wrapper_rebuilt_around_the_same_optimizer_lets_the_old_one_go():

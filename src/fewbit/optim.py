@@ -319,7 +319,8 @@ class LowPrecisionWeights:
         shown = {"bits": self.bits, "fraction": self.fraction, "sat": None if self.sat else False,
                  "update_dtype": self.update_dtype, "scale": self.scale or None,
                  "store_codes": self.store_codes or None,
-                 "first_index": self.first_index or None}  # fmt: skip
+                 "policy": None if self.policy is SeedPolicy.IDENTICAL else self.policy.value,
+                 "guard": self.guard or None, "first_index": self.first_index or None}  # fmt: skip
         options = "".join(f", {k}={v}" for k, v in shown.items() if v is not None)
         return (f"LowPrecisionWeights({self.fmt.name}, {self.mode.value}{options}, "
                 f"weights={len(self.params)}, steps={self.steps}) of {self.optimizer!r}")
