@@ -288,8 +288,8 @@ class LowPrecisionWeights:
             raise ValueError(f"scale=True is for element formats: {self.fmt.name} scales each block itself")
         if not block and not self.fmt.signed:  # (a choice of the user's, but rarely one meant for weights)
             try:
-                there = round_to(torch.tensor(-1.0), self.fmt, sat=self.sat).item()
-                there = f"takes a negative weight such as -1 to {there}"
+                value = round_to(torch.tensor(-1.0), self.fmt, sat=self.sat).item()
+                there = f"takes a negative weight such as -1 to {value}"
             except ValueError:  # (no NaN, under sat=False: -1 has no result; weights >= 0 do)
                 there = "raises for a negative weight (no result in it under sat=False)"
             warnings.warn(f"{self.fmt.name} is unsigned: every write-back {there}; weights that change "
@@ -636,19 +636,21 @@ class LowPrecisionWeights:
         # a weight needs it here (6 us in Python ints: not for round_foreach_ alone).
         stochastic = self.mode.is_stochastic
         step_key = fold_in(self.key, self.steps) if stochastic and (coded or others) else None
+        if floats := [i for i in batched if i not in in_codes]:  # (a GPU's one launch asks no threshold)
+            key, places = self.key if stochastic else None, [place[i] for i in floats]
+            round_foreach_([pieces[i] for i in floats], self.spec, key, self.steps, places, self.via)
+        if not (coded or others):  # (then nothing is stored: a stored weight is coded or another)
+            return
+        # The weights rounded (and encoded) a call each compile from COMPILE_FROM elements on,
+        # as round_foreach_'s do; where it takes every weight, the 3 us of setting that
+        # threshold are not paid.
         codes = {}
-        # The weights rounded (and encoded) a call each here compile from COMPILE_FROM elements
-        # on, as round_foreach_'s do (where it takes every weight, the 3 us of setting that
-        # threshold are not paid: on a GPU its one launch asks none).
-        with write_back_threshold() if coded or others else contextlib.nullcontext():
+        with write_back_threshold():
             for i in coded:  # straight to codes, a pass each
                 kw = {"sat": self.sat, "bits": self.bits, "fraction": self.fraction}
                 if step_key is not None:
                     kw["seed"] = fold_in(step_key, place[i])
                 codes[i] = codec.quantize(pieces[i].to(self.via), self.fmt, self.mode, **kw)
-            if floats := [i for i in batched if i not in in_codes]:
-                key, places = self.key if stochastic else None, [place[i] for i in floats]
-                round_foreach_([pieces[i] for i in floats], self.spec, key, self.steps, places, self.via)
             if block:  # the full tensors'
                 scales = tensor_scales([self.params[i] for i in live], self.fmt, self.via, self.spec.rule)
                 tensor_scale = dict(zip(live, scales, strict=True))

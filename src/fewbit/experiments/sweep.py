@@ -628,14 +628,18 @@ def _plots(out_dir: Path, name: str) -> list[Path]:
     return [out_dir / f"{name}.png", out_dir / f"{name}_diagnostics.png"]
 
 
+#: The names a sweep's plots take (``losses``: those of one configuration's runs).
+_PLOTTED = (*SWEEPS, "losses")
+
+
 def _outputs(out_dir: Path) -> list[str]:
     """Every file a sweep may write in ``out_dir``: each is removed or written."""
-    return [*_TABLES, *(png.name for other in {*SWEEPS, "losses"} for png in _plots(out_dir, other))]
+    return [*_TABLES, *(png.name for other in _PLOTTED for png in _plots(out_dir, other))]
 
 
 def _remove_other_plots(out_dir: Path, name: str) -> None:
     """The plots of sweeps other than ``name`` removed from ``out_dir``: they would show its runs."""
-    for other in {*SWEEPS, "losses"} - {name}:
+    for other in set(_PLOTTED) - {name}:
         for png in _plots(out_dir, other):
             png.unlink(missing_ok=True)
 
@@ -749,8 +753,8 @@ def collect(
                              f"{len(first.iters)} evaluations to {first.iters[-1]}; seed {other[0]}: "
                              "others): runs of other configurations")  # fmt: skip
         for measure in _DIAGNOSTICS[1:]:  # (their plot averages the seeds' rows at each iteration)
-            at = [_totals(run, measure)[0] for run in runs]
-            if all(at) and (odd := [run.seed for run, its in zip(runs, at, strict=True) if its != at[0]]):
+            when = [_totals(run, measure)[0] for run in runs]
+            if all(when) and (odd := [r.seed for r, its in zip(runs, when, strict=True) if its != when[0]]):
                 raise ValueError(f"the diagnostics of {label!r} seed {odd[0]} hold {measure} at other "
                                  f"iterations than seed {runs[0].seed}'s: a damaged "
                                  "diagnostics.csv")  # fmt: skip
