@@ -20,10 +20,12 @@ from fewbit.experiments.replicas import launch
 from fewbit.experiments.sharded import (
     OPS_CASES,
     TP_CASES,
+    Batches,
     LayoutProbe,
     OpsProbe,
     ShardedRun,
     TensorParallelProbe,
+    build,
     ops_data,
     run,
     tp_data,
@@ -1156,3 +1158,49 @@ def test_reduce_exactly_divides_once_where_a_shard_group_has_one_rank(tmp_path):
     one rank divides, and so does the division after it): reduce_exactly(model, 4) on one
     rank gave 1/16 for 1/4, silently, and so did HSDP on an (R, 1) mesh."""
     assert one_rank(_ONE_RANK_SHARD_GROUPS, tmp_path) == ["0.25", "0.25"]
+
+
+def scaled_checkpoint(rank: int, world_size: int, cfg: dict) -> dict:
+    """The scalified tiny GPT under FSDP2 on these ranks: every piece rebalanced to scale
+    1/4 and saved with DCP (``cfg["save"]``), or that checkpoint loaded into a fresh model,
+    whose LayerNorm weights are at scale 1. Returns the pieces' scales and what each
+    rank's all-gather makes of every parameter (its values)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.fsdp import FSDPModule
+
+    from fewbit.scaled import rebalance_
+
+    run = ShardedRun(params="scalified")
+    model, _ = build(run, Batches(run).vocab, world_size)
+    if cfg["save"]:
+        for p in model.parameters():
+            rebalance_(p.to_local(), 0.25)
+        dcp.save(get_model_state_dict(model), checkpoint_id=cfg["dir"])
+    else:
+        state = get_model_state_dict(model)
+        dcp.load(state, checkpoint_id=cfg["dir"])
+        set_model_state_dict(model, state)
+    scales = {n: float(p.to_local().scale) for n, p in model.named_parameters()}
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.unshard()
+    gathered = {n: p.dequantize().detach().numpy().copy() for n, p in model.named_parameters()}
+    return {"scales": scales, "gathered": gathered}
+
+
+def test_scalified_checkpoint_loads_on_other_ranks_at_one_scale_and_gathers_its_values(tmp_path):
+    """Saved on 2 ranks, loaded on 3: DCP fills a piece with one copy_ of a saved piece's
+    part (which takes its scale, 1/4) or with two (which keep the larger, 1), so the ranks
+    held a LayerNorm weight at scales (1/4, 1, 1/4) and every all-gather read the others'
+    data at its own scale, silently (4 for 1). scalify's modules agree on the largest
+    scale after load_state_dict: every rank's gathered values are the saved ones."""
+    with pytest.MonkeyPatch.context() as patch:  # the ranks import this file (see runs)
+        patch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.getenv("PYTHONPATH", "")]))
+        (saved,) = launch([{"save": True, "dir": str(tmp_path)}], 2, train=scaled_checkpoint)
+        (loaded,) = launch([{"save": False, "dir": str(tmp_path)}], 3, train=scaled_checkpoint)
+    for name, values in saved[0]["gathered"].items():
+        assert len({r["scales"][name] for r in loaded}) == 1, (name, [r["scales"][name] for r in loaded])
+        for r in loaded:
+            assert np.array_equal(r["gathered"][name], values), name
+    assert loaded[0]["scales"]["blocks.0.ln1.weight"] == 1.0

@@ -13,6 +13,13 @@ scale from the operands' scales, never from the data, so optimizer steps on the 
 keep the ranks' scales equal (the reduced gradients FSDP2 hands the optimizer are plain
 tensors, scale 1). A rescale computed from a piece's own data
 (``dynamic_rescale_`` on ``to_local()``) would break this: it is not supported.
+
+Loading a checkpoint can break it too: ``copy_`` into a piece takes the source's scale
+where it fills the whole piece and the larger of the two where it fills a part, so a
+checkpoint saved on other ranks (DCP loads it piece by piece) leaves the ranks on
+different scales, and each rank's gathered weight wrong. :func:`agree_scales` gives
+every piece the largest scale of its ranks; ``scalify`` calls it after every
+``load_state_dict`` of the module it made (``set_model_state_dict`` calls that).
 """
 
 from __future__ import annotations
@@ -20,11 +27,46 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.fsdp  # noqa: F401  (defines the fsdp:: ops named below)
+from torch import nn
 
+from ..random import is_dtensor
+from .casts import rebalance_
 from .tensor import ScaledTensor, if_present, parts, rule, set_scale, value
 
-__all__ = ["post_all_gather", "pre_all_gather"]
+__all__ = ["agree_scales", "post_all_gather", "pre_all_gather"]
+
+
+def agree_scales(module: nn.Module) -> int:
+    """Give every piece of each of ``module``'s sharded ScaledTensor parameters (a DTensor
+    whose local tensor is one, with one scale) the largest scale among the ranks of its
+    mesh, rebalancing its data (exact for power-of-two scales, but for 16-bit subnormals);
+    returns how many pieces of this rank changed. A collective over each mesh: call it on
+    every rank, after loading a checkpoint saved on other ranks (``scalify``'s modules do
+    so after each ``load_state_dict``)."""
+    with torch.no_grad():  # (a hook of load_state_dict, which may run with gradients on)
+        return _agree_scales(module)
+
+
+def _agree_scales(module: nn.Module) -> int:
+    meshes: dict[int, tuple[Any, list[ScaledTensor]]] = {}
+    for p in module.parameters():  # (one order on every rank: the module's)
+        local = p.to_local() if is_dtensor(p) else None  # (shares p's piece: rebalance_ writes it)
+        per_channel = isinstance(local, ScaledTensor) and getattr(parts(local)[1], "ndim", 0) > 0
+        if isinstance(local, ScaledTensor) and not per_channel:
+            meshes.setdefault(id(p.device_mesh), (p.device_mesh, []))[1].append(local)
+    changed = 0
+    for mesh, pieces in meshes.values():
+        held = [float(parts(t)[1]) for t in pieces]
+        largest = torch.tensor(held, dtype=torch.float64, device=mesh.device_type)
+        for dim in range(mesh.ndim):  # the largest over each dimension in turn: over the mesh
+            dist.all_reduce(largest, dist.ReduceOp.MAX, group=mesh.get_group(dim))
+        for t, mine, s in zip(pieces, held, largest.tolist(), strict=True):
+            if s != mine:  # (s > 0: it is at least mine, and a scale is never negative)
+                rebalance_(t, s)
+                changed += 1
+    return changed
 
 
 def pre_all_gather(t: ScaledTensor, mesh, outer_size: torch.Size, outer_stride, module, mp_policy):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
+from ..random import is_dtensor
 from .casts import Stat, dynamic_scale
 from .tensor import ScaledTensor, as_scaled, check_dtype, compute_dtype, is_static, parts, wrap
 
@@ -48,7 +51,24 @@ def scalify(module: nn.Module, dtype: torch.dtype | None = None, rescale: Stat |
             params[i] = nn.Parameter(values[i], requires_grad=p.requires_grad)
     for m, name, p in chosen:
         m._parameters[name] = params[id(p)]
+    if module not in _AGREEING:
+        module.register_load_state_dict_post_hook(_agree_after_load)
+        _AGREEING.add(module)
     return module
+
+
+# The modules scalify gave the hook, so that a second scalify does not add another.
+_AGREEING: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _agree_after_load(module: nn.Module, incompatible_keys) -> None:
+    """After ``load_state_dict``: the ranks' pieces of each sharded ScaledTensor parameter
+    take one scale (``fsdp.agree_scales``: a checkpoint saved on other ranks loads piece
+    by piece, and a rank's scale depends on how its piece was cut)."""
+    if any(is_dtensor(p) for p in module.parameters()):
+        from .fsdp import agree_scales
+
+        agree_scales(module)
 
 
 def _scalified(p: torch.Tensor, store: torch.dtype, rescale: Stat | None, pow2: bool) -> ScaledTensor:

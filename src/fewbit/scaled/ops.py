@@ -170,9 +170,10 @@ def _copy_(func, dest, src, non_blocking=False):
     by a power of two where the scales are powers of two: they never overflow, and lose
     bits only to subnormals), so that a part never overflows either: DCP loads a checkpoint
     saved on other ranks so, piece by piece at the saved tensor's scale, and float16 data at
-    a smaller scale had overflowed. The choice depends on the scales alone, which every rank
-    of a sharded tensor shares: the ranks keep one scale. A plain source's values go into
-    dest's data at dest's scale, as in other in-place ops."""
+    a smaller scale had overflowed. Whole or part differs between a sharded tensor's ranks
+    when they load a checkpoint saved on others, so their scales may differ after it:
+    ``fsdp.agree_scales`` (which scalify's modules run after ``load_state_dict``). A plain
+    source's values go into dest's data at dest's scale, as in other in-place ops."""
     out = _copy(aten.copy.default, dest, src, non_blocking)
     if not (isinstance(src, ScaledTensor) and isinstance(dest, ScaledTensor)):
         return assign(dest, out)
