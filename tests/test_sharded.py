@@ -1204,3 +1204,36 @@ def test_scalified_checkpoint_loads_on_other_ranks_at_one_scale_and_gathers_its_
         for r in loaded:
             assert np.array_equal(r["gathered"][name], values), name
     assert loaded[0]["scales"]["blocks.0.ln1.weight"] == 1.0
+
+
+_UNPACKABLE = """
+import sys, torch, torch.distributed as dist, fewbit
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+for fmt, shape in (("ocp_e2m1", (66, 5)), ("ocp_e2m1", (2, 3)), ("binary8p4", (4, 6))):
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    for placement in (Replicate(), Shard(0)):
+        x = distribute_tensor(full, mesh, [placement])
+        for call in (lambda v: fewbit.quantize(v, fmt, "src", bits=3, seed=1, sat=True, packed=True),
+                     lambda v: fewbit.encode(fewbit.round(v, fmt, sat=True), fmt, packed=True)):
+            said = []
+            for v in (full, x):
+                try:
+                    call(v)
+                    said.append("none")
+                except ValueError as e:
+                    said.append(str(e))
+            print(said[0] == said[1] != "none", fmt, shape, placement, said[1])
+dist.destroy_process_group()
+"""
+
+
+def test_packed_codes_of_a_dtensor_are_refused_as_the_full_tensors(tmp_path):
+    """Packed codes need K <= 4 and an even last dimension of the full tensor. The DTensor
+    rules checked only the cuts between pieces: a piece of an odd last dimension went to the
+    kernel, which wrote its pairs past the end of the codes (heap corruption, SIGABRT), and
+    binary8p4's 8-bit codes were packed in 4 bits without a word. One gloo rank, in a
+    process of its own."""
+    lines = one_rank(_UNPACKABLE, tmp_path)
+    assert len(lines) == 12 and all(line.startswith("True ") for line in lines), lines

@@ -107,8 +107,9 @@ def quantize(
     return _quantize(*args, packed)
 
 
-def _encode_checks(x: torch.Tensor, fmt: FloatFormat, packed: bool) -> tuple[torch.Size, torch.dtype]:
-    """Check an encode call; return the shape and dtype of its codes."""
+def encode_checks(x: torch.Tensor, fmt: FloatFormat, packed: bool) -> tuple[torch.Size, torch.dtype]:
+    """Check an encode (or quantize) call; return the shape and dtype of its codes. (Of the
+    full tensor for a DTensor: its rules check it, as its pieces' kernels see a piece.)"""
     check_holds(x.dtype, fmt)  # also rejects non-float dtypes
     dtype = code_dtype(fmt)
     if not packed:
@@ -159,7 +160,7 @@ def _encode(x: torch.Tensor, fmt: str, packed: bool, check: bool) -> torch.Tenso
 
 def _codes(x: torch.Tensor, fmt: FloatFormat, packed: bool, check: bool) -> torch.Tensor:
     """encode's kernel."""
-    shape, dtype = _encode_checks(x, fmt, packed)
+    shape, dtype = encode_checks(x, fmt, packed)
     out = _empty(x, shape, dtype)
     if native.usable(x, fmt):  # (its check is fused, and costs nothing to keep)
         bad = native.encode_into(x, fmt, out, packed)
@@ -211,7 +212,7 @@ def _(x, fmt, packed, check):
 @_encode.register_fake
 def _(x, fmt, packed, check):
     fmt = lookup_format(fmt)
-    shape, dtype = _encode_checks(x, fmt, packed)
+    shape, dtype = encode_checks(x, fmt, packed)
     return x.new_empty(shape, dtype=dtype)
 
 
@@ -221,7 +222,7 @@ def _quantize(
     key: torch.Tensor | None, random_bits: torch.Tensor | None, packed: bool,
 ) -> torch.Tensor:
     spec = checked_spec(x, fmt, rounding, sat, bits, fraction, key, random_bits)
-    shape, dtype = _encode_checks(x, spec.fmt, packed)
+    shape, dtype = encode_checks(x, spec.fmt, packed)
     rand = check_random_bits(x, spec, random_bits) if key is None else None
     ints = host_key(key)
     on_cpu = native.applies(spec, x, rand)
@@ -255,7 +256,7 @@ def _(x, fmt, rounding, sat, bits, fraction, key, random_bits, packed):
 def _(x, fmt, rounding, sat, bits, fraction, key, random_bits, packed):
     fake_checks(x, fmt, rounding, sat, bits, fraction, key, random_bits)
     fmt = lookup_format(fmt)
-    shape, dtype = _encode_checks(x, fmt, packed)
+    shape, dtype = encode_checks(x, fmt, packed)
     return x.new_empty(shape, dtype=dtype)
 
 

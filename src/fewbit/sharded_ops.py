@@ -19,7 +19,8 @@ Limits, each refused with an error before anything is written:
   bits (seen on 4 gloo ranks, torch 2.13);
 - ``random_bits`` must be a DTensor laid out as x; ``out`` too, and neither Partial;
 - packed codes pair elements along the last dimension: a piece cut inside a pair is
-  refused, as a block format's piece cut inside a block;
+  refused, as a block format's piece cut inside a block, and so is a full tensor whose
+  codes a plain tensor's call refuses (K > 4, an odd last dimension);
 - ``fewbit.block.quantize`` (its codes are laid out by block, not as x).
 
 Where an element may have no result, found only once rounded (a NaN, or a value beyond
@@ -36,7 +37,7 @@ from typing import TypeVar
 import torch
 
 from .block.ops import block_spec_of, with_tensor_scale
-from .codec import decode_checks_codes
+from .codec import decode_checks_codes, encode_checks
 from .operators import LIBRARY
 from .random import Key, host_key, replicated_piece
 from .rounding.ops import check_out_matches, checked_spec, lookup_format
@@ -193,6 +194,9 @@ def _quantize(cls, func, types, args, kwargs):
     x, fmt, rounding, sat, bits, fraction, key, random_bits, packed = args
     _eager("fewbit.quantize")
     spec = checked_spec(x.to_local(), fmt, rounding, sat, bits, fraction, key, random_bits)
+    # The full tensor's codes (packed: K <= 4, an even last dimension), which a piece's kernel
+    # cannot check: it wrote a piece's pairs past the end of its codes, or 8-bit codes in 4 bits.
+    encode_checks(x, spec.fmt, packed)
     shape = _pairs_whole(x, packed, "fewbit.quantize")
     given = _laid_out_as(x, random_bits, "random_bits", "fewbit.quantize")
 
@@ -207,7 +211,7 @@ def _quantize(cls, func, types, args, kwargs):
 def _encode(cls, func, types, args, kwargs):
     x, fmt, packed, check = args
     _eager("fewbit.encode")
-    lookup_format(fmt)  # (a bad name: the op's own error, before any collective)
+    encode_checks(x, lookup_format(fmt), packed)  # (a bad name, and the full tensor's codes, as above)
     shape = _pairs_whole(x, packed, "fewbit.encode")
     return _alike(x, check, "fewbit.encode", map_piece, x,
                   lambda piece, where: func(piece, fmt, packed, check), shape)  # fmt: skip
