@@ -186,7 +186,9 @@ class LowPrecisionWeights:
             ``state_dict()`` entry taken before and still held, a graph kept for a
             second backward) stays floats for that step, with a warning: freeing it
             would crash a read of that tensor (for a DTensor's piece: more tensors than
-            shared it when it was selected, FSDP2's own). A weight whose storage holds
+            shared it when it was selected, FSDP2's own, so a state dict taken before the
+            wrapper was built and held past a step is freed under its holder: build the
+            wrapper first, or drop it). A weight whose storage holds
             more than it (a flat buffer) is refused; one whose storage cannot be resized
             (``torch.load``'s) and that nothing else holds is given a copy of its own.
             The rounding at construction keeps them as floats.
