@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import re
 import shutil
@@ -404,3 +405,34 @@ def test_collect_keeps_the_sweeps_order_of_arms_whatever_comes_first(reference, 
     arms = list(dict.fromkeys(run.label for run in collected))
     assert arms == [run.label for run in read_outputs(reference)]  # binary16 first, SRC last
     assert [(run.label, run.seed) for run in collected[-2:]] == [(src[0].label, 0), (src[0].label, 1)]
+
+
+def _tables(folder: Path, runs) -> Path:
+    """``runs`` (RunResults) written into ``folder`` as a sweep writes its tables."""
+    from fewbit.experiments.sweep import write_diagnostics, write_losses, write_times
+
+    folder.mkdir()
+    write_losses(runs, folder / "losses.csv")
+    write_times(runs, folder / "times.csv")
+    write_diagnostics(runs, folder / "diagnostics.csv")
+    return folder
+
+
+def _run(seed: int = 0):
+    from fewbit.experiments.sweep import RunResult
+
+    return RunResult("binary8p4 SRC N=3", seed, [0, 10, 20], [math.nan, 4.0, 3.0], [5.5, 4.5, 3.5], 1.0)
+
+
+@pytest.mark.parametrize("content", [b"", b"\xff\xfe\x00garbage\n"])
+def test_collect_names_an_empty_or_undecodable_table(tmp_path, content):
+    """An empty losses.csv was refused with "I/O operation on closed file" (the header read
+    after the file was closed), and one that is not UTF-8 with the codec's words alone,
+    naming no file."""
+    from fewbit.experiments.sweep import collect
+
+    folder = _tables(tmp_path / "s0", [_run()])
+    (folder / "losses.csv").write_bytes(content)
+    with pytest.raises(ValueError, match=re.escape(f"{folder / 'losses.csv'} is not a sweep's table")):
+        collect([folder], tmp_path / "out")
+    assert not (tmp_path / "out").exists()

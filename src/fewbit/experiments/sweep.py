@@ -656,11 +656,15 @@ def _table(path: Path) -> list[dict[str, str]]:
     try:
         with path.open(newline="") as f:
             reader = csv.DictReader(f)
-            rows = list(reader)
+            # (read while the file is open: of an empty file, fieldnames reads it first, and
+            # failed on the closed file with "I/O operation on closed file")
+            header, rows = reader.fieldnames, list(reader)
     except OSError as err:
         raise ValueError(f"cannot read {path} ({err.strerror}): a sweep's folder holds "
                          f"{', '.join(_TABLES)}") from None  # fmt: skip
-    if reader.fieldnames != _HEADERS[path.name] or any(None in row or None in row.values() for row in rows):
+    except UnicodeDecodeError:  # (a ValueError: it was reported without the file's name)
+        header = rows = None
+    if header != _HEADERS[path.name] or any(None in row or None in row.values() for row in rows):
         raise ValueError(f"{path} is not a sweep's table: its columns are not {_HEADERS[path.name]}")
     return rows
 
