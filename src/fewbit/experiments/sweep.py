@@ -679,16 +679,20 @@ def read_outputs(folder: Path) -> list[RunResult]:
     wrote into ``folder``, each as that sweep had it: written again, the same bytes
     (times to a tenth of a second, as times.csv keeps them)."""
     runs: dict[tuple[str, int], RunResult] = {}
+    timed: set[tuple[str, int]] = set()
 
     def evaluation(row: dict[str, str]) -> None:
         key = row["arm"], int(row["seed"])
         run = runs.setdefault(key, RunResult(*key, [], [], [], math.nan))
+        if run.iters and int(row["iter"]) <= run.iters[-1]:  # (a run is evaluated at iterations that go up)
+            raise ValueError(f"iteration {row['iter']} after {run.iters[-1]} of the same run")
         run.iters.append(int(row["iter"]))
         run.train.append(float(row["train_loss"]))
         run.val.append(float(row["val_loss"]))
 
     def timing(row: dict[str, str]) -> None:
         runs[row["arm"], int(row["seed"])].seconds = float(row["seconds"])
+        timed.add((row["arm"], int(row["seed"])))
 
     def diagnostic(row: dict[str, str]) -> None:
         measures = {k: _number(row[k]) for k in _DIAGNOSTICS[1:]}
@@ -705,6 +709,10 @@ def read_outputs(folder: Path) -> list[RunResult]:
                                  "losses.csv") from None  # fmt: skip
             except ValueError as err:
                 raise ValueError(f"{path}, line {line}: not a sweep's row ({err})") from None
+    if untimed := [key for key in runs if key not in timed]:  # (written again as "nan" seconds)
+        label, seed = untimed[0]
+        raise ValueError(f"{folder / 'times.csv'} lacks {label!r} seed {seed} of losses.csv: a damaged "
+                         "times.csv")  # fmt: skip
     return list(runs.values())
 
 
