@@ -607,6 +607,21 @@ def test_a_claim_refuses_a_file_at_a_run_folder_and_a_cut_config(tmp_path):
     sweep.claim_folders(configs, tmp_path, restart=True, data_digest="text")  # --restart discards it
 
 
+def test_a_claim_refuses_a_link_to_a_run_that_is_gone_and_restart_removes_it(tmp_path):
+    """A run folder that is a link to a run kept elsewhere, since moved or deleted: the claim
+    made the folders before it, then failed with FileExistsError's traceback at its mkdir,
+    and --restart, which removes a link to a run, kept this one and failed alike."""
+    configs = arm_configs("figure3", TINY, [0])
+    folders = [sweep.run_folder(tmp_path, c) for c in configs]
+    folders[1].symlink_to(tmp_path / "gone")
+    gone = f"{folders[1]} is a link to {tmp_path / 'gone'}, which is not there: remove the link"
+    with pytest.raises(ValueError, match=gone):
+        sweep.claim_folders(configs, tmp_path, restart=False, data_digest="text")
+    assert list(tmp_path.iterdir()) == [folders[1]]  # nothing claimed
+    assert sweep.claim_folders(configs, tmp_path, restart=True, data_digest="text") == folders
+    assert not folders[1].is_symlink() and (folders[1] / "config.json").exists()
+
+
 def test_a_failed_atomic_write_leaves_no_temporary_file(tmp_path):
     (tmp_path / "a_folder").mkdir()
     with pytest.raises(IsADirectoryError):

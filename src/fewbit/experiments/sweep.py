@@ -271,9 +271,14 @@ def claim_folders(configs: list[TrainConfig], out_dir: Path, restart: bool, data
     for folder in folders:  # every check before anything is written or discarded
         if folder.exists() and not folder.is_dir():
             raise ValueError(f"{folder} is a file where a run's folder goes: move it or pass another --out")
+        # A link to a run kept elsewhere that has gone: its mkdir below was FileExistsError's
+        # traceback, after the runs before it had been claimed (and --restart kept it).
+        if folder.is_symlink() and not folder.exists() and not restart:
+            raise ValueError(f"{folder} is a link to {os.readlink(folder)}, which is not there: remove the "
+                             "link, or pass --restart to discard every run here")  # fmt: skip
     if restart and out_dir.is_dir():
         for old in out_dir.iterdir():  # (and this command's own folders, whatever they hold)
-            if old.is_dir() and (old in folders or _is_run(old)):
+            if old in folders or old.is_dir() and _is_run(old):  # (a file at one of folders: refused above)
                 if old.is_symlink():  # a run kept elsewhere: it leaves this folder, its files stay
                     old.unlink()
                 else:
