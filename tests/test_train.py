@@ -552,10 +552,10 @@ def test_an_out_that_is_a_file_is_refused(tmp_path):
             sweep.hold(out).__enter__()
 
 
-@pytest.mark.parametrize("output", ["summary.csv", "figure3_diagnostics.png", "losses.png"])
+@pytest.mark.parametrize("output", ["summary.csv", "figure3_diagnostics.png", "losses.png", sweep.LOCK])
 def test_a_folder_where_a_sweep_writes_a_file_is_refused_before_any_run(tmp_path, output):
     """Was IsADirectoryError's traceback when the first run finished (or, for another
-    sweep's plot, which a sweep removes, at its start)."""
+    sweep's plot, which a sweep removes, and the lock's file, at its start)."""
     out = tmp_path / "out"
     (out / output).mkdir(parents=True)
     with pytest.raises(ValueError, match=f"{out / output} is a folder where a file goes: move it"):

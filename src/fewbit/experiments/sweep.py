@@ -199,7 +199,7 @@ def hold(out_dir: Path, files: Iterable[str] = ()) -> Iterator[None]:
     ends, however it ends, so a crashed or killed sweep leaves no stale lock (the file
     stays; the next sweep takes it). A directory held by another process is a ValueError
     naming it and that pid, raised before anything is written."""
-    make_out_dir(out_dir, files)
+    make_out_dir(out_dir, [*files, LOCK])  # (a folder at LOCK was IsADirectoryError's traceback)
     fd = os.open(out_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)  # an existing file is left as it is
     try:
         try:
