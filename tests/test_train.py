@@ -279,6 +279,24 @@ def test_resume_gives_bit_identical_weights(text_data, tmp_path):
         Run(replace(cfg, seed=1), text_data).load_state_dict(torch.load(tmp_path / "ckpt.pt"))
 
 
+def test_a_cpu_runs_checkpoint_neither_reads_nor_restores_gpu_generators(text_data, monkeypatch):
+    """Where torch saw GPUs, a CPU run's checkpoint held every GPU's generator state: reading
+    them started CUDA in each worker of a CPU sweep (and failed where the GPUs were busy),
+    and restoring them on a machine with fewer GPUs raised IndexError at the first use of
+    CUDA. A CPU run's dropout draws from the CPU generator alone."""
+    cfg = replace(TINY, iters=2, eval_interval=1)
+    run = Run(cfg, text_data)
+    run.run(until=1)
+    touched = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("get_rng_state_all", "get_rng_state", "set_rng_state_all", "set_rng_state"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args, name=name: touched.append(name))
+    state = run.state_dict()
+    assert state["cuda_rng"] == [] and touched == []
+    state["cuda_rng"] = [torch.zeros(16, dtype=torch.uint8)] * 8  # saved before, on a machine with 8 GPUs
+    Run(cfg, text_data).load_state_dict(state)
+    assert touched == []
+
 @pytest.mark.parametrize("strict_before", [None, False, True])
 def test_same_bits_on_a_gpu_and_as_it_was_after(strict_before):
     """On a GPU (the settings alone: no GPU needed) a step runs with torch's deterministic

@@ -442,7 +442,10 @@ class Run:
             "history": asdict(self.history),
             "since_eval": list(self._since_eval),
             "torch_rng": torch.get_rng_state(),  # dropout draws from it
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            # (on a GPU, dropout draws from its generator). A CPU run reads none: reading them
+            # started CUDA in each worker of a CPU sweep on a machine with GPUs, and failed where
+            # they were busy.
+            "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else [],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -454,8 +457,11 @@ class Run:
         self.history = History(**state["history"])
         self._since_eval = list(state["since_eval"])
         torch.set_rng_state(state["torch_rng"])
-        if state["cuda_rng"]:
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        if self.device.type == "cuda":
+            # The run's GPU's generator alone, by its index as the checkpoint listed them: all of
+            # them raised IndexError on a machine with fewer GPUs than the one that saved it.
+            index = torch.cuda.current_device() if self.device.index is None else self.device.index
+            torch.cuda.set_rng_state(state["cuda_rng"][index], index)
 
 
 def time_steps(cfg: TrainConfig, data: CharDataset, steps: int = 20, rounds: int = 5,
