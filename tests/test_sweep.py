@@ -275,6 +275,23 @@ def test_a_run_that_finished_as_the_stop_came_is_counted_and_written(data_dir, t
     assert "2.8" in (tmp_path / "losses.csv").read_text()
 
 
+def test_a_stop_as_the_last_run_ends_stops_nothing(data_dir, tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the last run's tables and plots were drawn (the bar at 100%) said "stopped
+    by SIGINT: 5 of 5 runs finished, ...; run the same command to continue", status 130,
+    with every run finished and written."""
+    from fewbit.experiments import sweep
+
+    def stopped_as_the_last_finished(configs, folders, *args, **kwargs):
+        result = {"iters": [0, 10, 20], "train": [4.2, 3.1, 2.7], "val": [4.2, 3.2, 2.8], "seconds": 1.0}
+        for folder in folders:
+            (folder / "result.json").write_text(json.dumps(result))
+        return sweep.SweepOutcome(total=len(configs), stopped=signal.SIGINT)
+
+    monkeypatch.setattr(sweep, "run_many", stopped_as_the_last_finished)
+    assert main([*SWEEP, "--data-dir", str(data_dir), "--out", str(tmp_path)]) == 0
+    assert "stopped" not in capsys.readouterr().err
+    assert len((tmp_path / "losses.csv").read_text().splitlines()) == 1 + 5 * 3
+
 @pytest.mark.parametrize("restart", [False, True])
 def test_the_way_on_after_a_stop_or_a_failure_keeps_what_was_saved(data_dir, tmp_path, monkeypatch, capsys,
                                                                    restart):  # fmt: skip

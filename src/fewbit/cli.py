@@ -508,7 +508,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"{time.perf_counter() - start:.0f} s wall")
     # (--restart again would discard what this command saved: the way on is without it.)
     same = "the same command without --restart" if args.restart else "the same command"
-    if outcome.stopped is not None:
+    # A stop that came as the last run ended (while its tables and plots were drawn) stopped
+    # nothing: it said "5 of 5 runs finished ...; run the same command to continue", status 130.
+    if outcome.stopped is not None and len(outcome.results) < outcome.total:
         print(f"fewbit: stopped by {signal.Signals(outcome.stopped).name}: {len(outcome.results)} of "
               f"{outcome.total} runs finished, {outcome.checkpointed} more saved at their last evaluation "
               f"(in {out}); run {same} to continue, with --restart to start over",
