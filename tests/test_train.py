@@ -563,6 +563,18 @@ def test_train_refuses_options_before_anything_starts(tmp_path, capsys, argv, sa
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(("device", "count", "says"), [
+    ("cuda:1", 1, "--device cuda:1: this machine has 1 CUDA device (cuda:0)"),
+    ("cuda:4", 2, "--device cuda:4: this machine has 2 CUDA devices (cuda:0 to cuda:1)"),
+])  # fmt: skip
+def test_train_refuses_a_gpu_past_the_last_before_anything_starts(tmp_path, capsys, monkeypatch, device,
+                                                                  count, says):  # fmt: skip
+    """A GPU the machine lacks passed (there was a GPU): every run's worker then failed with
+    torch's "invalid device ordinal" traceback, and the same command failed them again."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    test_train_refuses_options_before_anything_starts(tmp_path, capsys, ["--device", device], says)
+
 def test_an_out_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "a_file").touch()
     for out in (tmp_path / "a_file", tmp_path / "a_file" / "runs"):  # (was FileExistsError's traceback)

@@ -486,6 +486,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         asked = (f"--device {args.device} asks for a GPU" if args.device
                  else f"--preset {args.preset} trains on a GPU ({base.device})")  # fmt: skip
         raise ValueError(f"{asked} and there is no CUDA device here; --device cpu runs it on the CPU")
+    checked_device(base.device)  # a GPU past the last (cuda:5 of one) failed in the worker of every run
     data_file = _shakespeare(args)
     if data_file is None:
         return 2
