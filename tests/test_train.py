@@ -297,6 +297,7 @@ def test_a_cpu_runs_checkpoint_neither_reads_nor_restores_gpu_generators(text_da
     Run(cfg, text_data).load_state_dict(state)
     assert touched == []
 
+
 @pytest.mark.parametrize("strict_before", [None, False, True])
 def test_same_bits_on_a_gpu_and_as_it_was_after(strict_before):
     """On a GPU (the settings alone: no GPU needed) a step runs with torch's deterministic
