@@ -646,3 +646,20 @@ def test_a_seed_tensor_on_the_meta_device_is_refused_for_real_data():
             call(torch.tensor(5, device="meta"))
     meta = fewbit.round(x.to("meta"), "e4m3", "sr", seed=torch.tensor(5, device="meta"))
     assert meta.is_meta and meta.shape == x.shape
+
+
+def test_bits_of_a_key_tensor_come_on_its_device():
+    """Without device=, random_bits, random_words and bits_from_range make their bits where
+    the key tensor lies (a key on a GPU makes them there): they made them on the CPU beside
+    the key's words, torch's "not on the expected device" error for a key on a GPU or meta."""
+    key = key_of(7)
+    calls = {
+        "random_bits": (lambda k: random_bits((3, 5), 3, k, offset=9), random_bits((3, 5), 3, 7, offset=9)),
+        "random_words": (lambda k: random_words(7, k, offset=9), random_words(7, 7, offset=9)),
+        "bits_from_range": (lambda k: bits_from_range(9, 15, 3, *k.unbind()),
+                            random_bits(15, 3, 7, offset=9)),
+    }
+    for name, (call, expected) in calls.items():
+        meta = call(key.to("meta"))
+        assert meta.is_meta and (meta.shape, meta.dtype) == (expected.shape, expected.dtype), name
+        assert torch.equal(call(key), expected), name

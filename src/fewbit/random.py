@@ -638,7 +638,10 @@ def _bits_range(
     offset: int, n: int, bits: int, k0: KeyInt, k1: KeyInt, device, dtype: torch.dtype
 ) -> torch.Tensor:
     """Flat ``dtype`` tensor of the ``bits``-bit values of elements
-    ``[offset, offset + n)`` (arguments already validated)."""
+    ``[offset, offset + n)`` (arguments already validated). ``device`` None: a key tensor's
+    device (a key on a GPU, or on the meta device, makes its bits there), else the CPU."""
+    if device is None:  # (the CPU's arange beside a key on another device was torch's device error)
+        device = next((k.device for k in (k0, k1) if isinstance(k, torch.Tensor)), None)
     first = offset // LANES  # rows of elements
     end = (offset + n + LANES - 1) // LANES
     skip = offset - first * LANES  # leading elements of the first row to drop
@@ -685,6 +688,7 @@ def random_bits(
     ``random_bits((n,), b, k, offset=o)`` equals ``random_bits((o + n,), b, k)[o:]``:
     a tensor processed in chunks gets exactly the bits it would get whole.
 
+    ``device``: where the bits are made; by default a key tensor's device, else the CPU.
     ``bits``: int in 1..32, else ValueError. ``dtype``: default ``torch.int32``
     for ``bits <= 31`` and ``torch.int64`` for ``bits == 32``; any of uint8,
     int8, int16, int32, int64 that can hold ``bits`` non-negative bits is
