@@ -79,6 +79,23 @@ def test_compiled_model_is_one_graph_compiles_each_spec_once_and_equals_eager(mo
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
+def test_given_bits_compile_one_kernel_for_every_length(monkeypatch):
+    """The compiled kernel that takes random_bits marks them of any length too: only x and
+    out were, and the bits' length fixed x's, a graph per length until Dynamo's limit of 8,
+    then a warning that compilation failed and eager from then on."""
+    monkeypatch.setattr(compiled, "_CACHE", {})
+    counters.clear()
+    with fewbit.configure(compile=True, compile_threshold=0, native=False):
+        for n in (300, 700, 1100):
+            x = torch.randn(n)
+            bits = random_bits(n, 3, n)
+            got = fewbit.round(x, "binary8p4", "src", bits=3, random_bits=bits)
+            with fewbit.configure(compile=False):
+                assert torch.equal(got, fewbit.round(x, "binary8p4", "src", bits=3, random_bits=bits))
+    assert not compiled._BROKEN
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 # (An int seed's key is kept only in eager code: ops._seed_key.)
 @pytest.mark.filterwarnings("error:Dynamo detected a call to a `functools.lru_cache`")
 def test_int_seed_under_compile_recompiles_at_most_once():

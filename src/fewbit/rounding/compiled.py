@@ -167,8 +167,8 @@ def compiled_round(
     kernel = _given_kernel if key is None else _rows_kernel
 
     def run(fn) -> None:
-        if key is None:
-            any_length(x, out)
+        if key is None:  # (the bits too: a length fixed in one input fixed x's, a graph per length)
+            any_length(x, random_bits, out)
             fn(x, random_bits, out)
         else:
             round_rows_into(x, out, word_tensors(spec, key, x.device), spec, kernel=fn)
