@@ -663,3 +663,23 @@ def test_bits_of_a_key_tensor_come_on_its_device():
         meta = call(key.to("meta"))
         assert meta.is_meta and (meta.shape, meta.dtype) == (expected.shape, expected.dtype), name
         assert torch.equal(call(key), expected), name
+
+
+def test_random_bits_export_with_a_dim_over_their_length():
+    """torch.export (non-strict) takes random_bits, random_words and bits_from_range over a
+    Dim, and the program draws eager's bits at other lengths: the stream's rows as shapes
+    were guarded on (one row, one row of blocks), and the export refused ("Constraints
+    violated") however the Dim was bounded."""
+
+    class Draws(torch.nn.Module):
+        def forward(self, x, key):
+            n = x.shape[0]
+            return (x + random_bits(x.shape, 4, key, offset=n), random_words(n, key, offset=3),
+                    bits_from_range(3 * n, n, 1, *key.unbind()), random_bits(x.shape, 32, key))  # fmt: skip
+
+    batch = torch.export.Dim("batch")
+    program = torch.export.export(Draws(), (torch.randn(4, 64), key_of(1)), dynamic_shapes=({0: batch}, None))
+    for n in (2, 129, 700):
+        x = torch.randn(n, 64)
+        for got, want in zip(program.module()(x, key_of(n)), Draws()(x, key_of(n)), strict=True):
+            assert torch.equal(got, want), n

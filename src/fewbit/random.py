@@ -652,6 +652,10 @@ def _bits_range(
             # Key words as data: ints Dynamo made symbolic, mixed into int32 tensor arithmetic,
             # made a C++ kernel Inductor could not compile; as tensors one graph serves every key.
             k0, k1 = key_tensor([k0, k1], device).unbind()
+        if isinstance(offset, torch.SymInt) or isinstance(n, torch.SymInt):
+            # Symbolic sizes that Python sees (torch.export, make_fx; Dynamo shows them as ints):
+            # bits_rows' row counts would be guarded on, and an export with a Dim refused.
+            return _symbolic_range(offset, n, bits, k0, k1, device).to(dtype)
         values = bits_rows(first, end - first, bits, k0, k1, device=device).reshape(-1)
         return values[skip : skip + n].to(dtype)
 
@@ -670,6 +674,31 @@ def _bits_range(
         out[pos : pos + values.numel()] = values
         pos += values.numel()
     return out
+
+
+def _symbolic_range(offset, n: int, bits: int, k0: torch.Tensor, k1: torch.Tensor, device) -> torch.Tensor:
+    """:func:`_bits_range`'s values (int32, int64 for ``bits == 32``) where ``offset`` or ``n``
+    is symbolic (traced with a dynamic shape). The rows of :func:`bits_rows` are shapes, on
+    whose counts torch guards (a view's and a stack's contiguity, the slices' bounds): a
+    graph for one row, one for one row of blocks, one for more, and ``torch.export`` with a
+    ``Dim`` refused. Here the shapes are the element count and a block count alone, and
+    each element picks its word from its block by index: the same values, one graph."""
+    per_word = 32 // bits
+    span = 2 * per_word * LANES  # elements per row of blocks
+    first = offset // span
+    # The rows of blocks the range meets, at most: a count that is plainly positive (the exact
+    # one, a difference of two floors, would be guarded on, and an export refused again).
+    blocks = (n + span - 1) // span + 1
+    x0, x1 = _threefry32(*_counter(torch.arange(blocks * LANES, device=device) + first * LANES),
+                         _key_schedule(k0, k1))  # fmt: skip
+    index = torch.arange(n, device=device) + offset
+    row = index // LANES
+    word_row = row // per_word
+    at = ((word_row >> 1) - first) * LANES + index - row * LANES  # the element's block, and its lane
+    word = torch.where((word_row & 1) == 1, x1[at], x0[at])
+    if bits == 32:
+        return word.to(torch.int64) & MASK32
+    return (word >> ((row - word_row * per_word) * bits).to(torch.int32)) & ((1 << bits) - 1)
 
 
 def random_bits(
