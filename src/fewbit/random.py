@@ -693,9 +693,17 @@ def _symbolic_range(offset, n: int, bits: int, k0: torch.Tensor, k1: torch.Tenso
                          _key_schedule(k0, k1))  # fmt: skip
     index = torch.arange(n, device=device) + offset
     row = index // LANES
+    at = ((row // per_word >> 1) - first) * LANES + index - row * LANES  # the element's block, and its lane
+    return _element_field(x0[at], x1[at], row, bits)
+
+
+def _element_field(x0: torch.Tensor, x1: torch.Tensor, row: torch.Tensor, bits: int) -> torch.Tensor:
+    """The value of each element of rows ``row``, from the two outputs of its Threefry
+    block: word row ``p = row // per_word`` takes output ``p mod 2``, and the element its
+    field ``row mod per_word`` of that word (int32; int64 for ``bits == 32``)."""
+    per_word = 32 // bits
     word_row = row // per_word
-    at = ((word_row >> 1) - first) * LANES + index - row * LANES  # the element's block, and its lane
-    word = torch.where((word_row & 1) == 1, x1[at], x0[at])
+    word = torch.where((word_row & 1) == 1, x1, x0)
     if bits == 32:
         return word.to(torch.int64) & MASK32
     return (word >> ((row - word_row * per_word) * bits).to(torch.int32)) & ((1 << bits) - 1)
@@ -794,14 +802,6 @@ def bits_from_index(index: torch.Tensor, bits: int, k0: KeyInt, k1: KeyInt) -> t
     if not isinstance(index, torch.Tensor) or index.dtype not in (torch.int64, torch.int32):
         got = index.dtype if isinstance(index, torch.Tensor) else type(index).__name__
         raise TypeError(f"index must be an int64 or int32 tensor, got {got}")
-    per_word = 32 // bits
     row = index // LANES
-    lane = index - row * LANES
-    word_row = row // per_word
-    field = row - word_row * per_word
-    block = (word_row >> 1) * LANES + lane
-    x0, x1 = _threefry32(*_counter(block), _key_schedule(k0, k1))
-    word = torch.where((word_row & 1) == 1, x1, x0)
-    if bits == 32:
-        return word.to(torch.int64) & MASK32
-    return (word >> (field * bits).to(torch.int32)) & ((1 << bits) - 1)
+    block = (row // (32 // bits) >> 1) * LANES + index - row * LANES  # its word row's block, its lane
+    return _element_field(*_threefry32(*_counter(block), _key_schedule(k0, k1)), row, bits)
