@@ -1237,3 +1237,42 @@ def test_packed_codes_of_a_dtensor_are_refused_as_the_full_tensors(tmp_path):
     process of its own."""
     lines = one_rank(_UNPACKABLE, tmp_path)
     assert len(lines) == 12 and all(line.startswith("True ") for line in lines), lines
+
+
+
+def empty_piece_agreement(rank: int, world_size: int, cfg: dict) -> dict:
+    """A float16 scalified Linear(8, 1) of weights up to 2^-20 (at scale 2^-20, data up to 1)
+    under FSDP2 on 2 ranks, rank 1's piece empty and at scale 1 (a checkpoint's load leaves
+    such a piece the fresh model's scale), then agree_scales: each rank's scale and what its
+    all-gather makes of the weight (in float32)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fewbit.scaled import rebalance_, scalify
+    from fewbit.scaled.fsdp import agree_scales
+
+    model = torch.nn.Linear(8, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.linspace(-1, 1, 8).mul(2.0**-20))
+    scalify(model, dtype=torch.float16, rescale="max")
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    if not model.weight.to_local().numel():
+        rebalance_(model.weight.to_local(), 1.0)
+    agree_scales(model)
+    scale = float(model.weight.to_local().scale)
+    model.unshard()
+    return {"scale": scale, "gathered": model.weight.dequantize(torch.float32).detach().numpy().copy()}
+
+
+def test_agree_scales_takes_no_scale_from_an_empty_piece():
+    """A rank whose piece is empty (a 1-row weight on 2 ranks) loads nothing and keeps the
+    fresh model's scale, here 1: the largest, it was agreed on, and the other piece's
+    float16 data of values near 2^-20 went to subnormals (a few bits left), silently. An
+    empty piece now takes the others' scale."""
+    want = torch.linspace(-1, 1, 8).half().float().mul(2.0**-20).numpy()[None]  # (data, scale)
+    with pytest.MonkeyPatch.context() as patch:  # the ranks import this file (see runs)
+        patch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.getenv("PYTHONPATH", "")]))
+        (ranks,) = launch([{}], 2, train=empty_piece_agreement)
+    assert [r["scale"] for r in ranks] == [2.0**-20] * 2
+    for r in ranks:
+        assert np.array_equal(r["gathered"], want)

@@ -18,7 +18,7 @@ Loading a checkpoint can break it too: ``copy_`` into a piece takes the source's
 where it fills the whole piece and the larger of the two where it fills a part, so a
 checkpoint saved on other ranks (DCP loads it piece by piece) leaves the ranks on
 different scales, and each rank's gathered weight wrong. :func:`agree_scales` gives
-every piece the largest scale of its ranks; ``scalify`` calls it after every
+every piece the largest scale of its ranks' non-empty pieces; ``scalify`` calls it after every
 ``load_state_dict`` of the module it made (``set_model_state_dict`` calls that).
 """
 
@@ -40,11 +40,11 @@ __all__ = ["agree_scales", "post_all_gather", "pre_all_gather"]
 
 def agree_scales(module: nn.Module) -> int:
     """Give every piece of each of ``module``'s sharded ScaledTensor parameters (a DTensor
-    whose local tensor is one, with one scale) the largest scale among the ranks of its
-    mesh, rebalancing its data (exact for power-of-two scales, but for 16-bit subnormals);
-    returns how many pieces of this rank changed. A collective over each mesh: call it on
-    every rank, after loading a checkpoint saved on other ranks (``scalify``'s modules do
-    so after each ``load_state_dict``)."""
+    whose local tensor is one, with one scale) the largest scale of its ranks' non-empty
+    pieces, rebalancing its data (exact for power-of-two scales, but for 16-bit
+    subnormals); returns how many pieces of this rank changed. A collective over each
+    mesh: call it on every rank, after loading a checkpoint saved on other ranks
+    (``scalify``'s modules do so after each ``load_state_dict``)."""
     with torch.no_grad():  # (a hook of load_state_dict, which may run with gradients on)
         return _agree_scales(module)
 
@@ -59,11 +59,15 @@ def _agree_scales(module: nn.Module) -> int:
     changed = 0
     for mesh, pieces in meshes.values():
         held = [float(parts(t)[1]) for t in pieces]
-        largest = torch.tensor(held, dtype=torch.float64, device=mesh.device_type)
+        # An empty piece (FSDP2's past the end of a short tensor) holds nothing that its scale
+        # says anything of, and a checkpoint's load leaves it the model's: it votes 0 and takes
+        # the others' (its scale of 1 had won over the loaded 2^-20, and float16 data lost bits).
+        votes = [h if t.numel() else 0.0 for t, h in zip(pieces, held, strict=True)]
+        largest = torch.tensor(votes, dtype=torch.float64, device=mesh.device_type)
         for dim in range(mesh.ndim):  # the largest over each dimension in turn: over the mesh
             dist.all_reduce(largest, dist.ReduceOp.MAX, group=mesh.get_group(dim))
         for t, mine, s in zip(pieces, held, largest.tolist(), strict=True):
-            if s != mine:  # (s > 0: it is at least mine, and a scale is never negative)
+            if s != mine and s > 0:  # (0: no rank holds any of the tensor, each keeps its scale)
                 rebalance_(t, s)
                 changed += 1
     return changed
