@@ -292,6 +292,27 @@ def test_a_stop_as_the_last_run_ends_stops_nothing(data_dir, tmp_path, monkeypat
     assert "stopped" not in capsys.readouterr().err
     assert len((tmp_path / "losses.csv").read_text().splitlines()) == 1 + 5 * 3
 
+
+def test_a_stop_as_the_last_run_ends_after_a_failure_reports_the_failure(data_dir, tmp_path, monkeypatch,
+                                                                        capsys):  # fmt: skip
+    """With one run failed and the others finished, a stop as the last ended stopped nothing
+    either; it said "stopped by SIGINT: 4 of 5 runs finished, 0 more saved", status 130, and
+    not which run had failed."""
+    from fewbit.experiments import sweep
+
+    def one_failed_and_stopped_as_the_last_finished(configs, folders, *args, **kwargs):
+        result = {"iters": [0, 10, 20], "train": [4.2, 3.1, 2.7], "val": [4.2, 3.2, 2.8], "seconds": 1.0}
+        for folder in folders[1:]:
+            (folder / "result.json").write_text(json.dumps(result))
+        return sweep.SweepOutcome(total=len(configs), failed=[(configs[0], "killed by SIGKILL")],
+                                  stopped=signal.SIGINT)  # fmt: skip
+
+    monkeypatch.setattr(sweep, "run_many", one_failed_and_stopped_as_the_last_finished)
+    assert main([*SWEEP, "--data-dir", str(data_dir), "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "stopped" not in err and "1 of 5 runs did not finish" in err
+
+
 @pytest.mark.parametrize("restart", [False, True])
 def test_the_way_on_after_a_stop_or_a_failure_keeps_what_was_saved(data_dir, tmp_path, monkeypatch, capsys,
                                                                    restart):  # fmt: skip

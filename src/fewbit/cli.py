@@ -511,7 +511,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     same = "the same command without --restart" if args.restart else "the same command"
     # A stop that came as the last run ended (while its tables and plots were drawn) stopped
     # nothing: it said "5 of 5 runs finished ...; run the same command to continue", status 130.
-    if outcome.stopped is not None and len(outcome.results) < outcome.total:
+    # Nor did it where a run had failed before it: that run's failure is the way this ended.
+    if outcome.stopped is not None and len(outcome.results) + len(outcome.failed) < outcome.total:
         print(f"fewbit: stopped by {signal.Signals(outcome.stopped).name}: {len(outcome.results)} of "
               f"{outcome.total} runs finished, {outcome.checkpointed} more saved at their last evaluation "
               f"(in {out}); run {same} to continue, with --restart to start over",
