@@ -576,6 +576,7 @@ def test_train_refuses_a_gpu_past_the_last_before_anything_starts(tmp_path, caps
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     test_train_refuses_options_before_anything_starts(tmp_path, capsys, ["--device", device], says)
 
+
 def test_an_out_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "a_file").touch()
     for out in (tmp_path / "a_file", tmp_path / "a_file" / "runs"):  # (was FileExistsError's traceback)
