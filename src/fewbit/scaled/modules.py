@@ -27,6 +27,11 @@ def scalify(module: nn.Module, dtype: torch.dtype | None = None, rescale: Stat |
     optimizers update the parameters in place. A dtype ScaledTensor refuses (8-bit
     floats; without dtype, a parameter's), or a lazy module's parameter not yet
     initialised, raises before any parameter changes.
+
+    Once its parameters are sharded (FSDP2, tensor parallelism), the module's
+    ``load_state_dict`` ends with ``fsdp.agree_scales``, a collective over their meshes:
+    call it on every rank of them (on one rank alone it waits for the others for good).
+    A submodule's own ``load_state_dict`` does not run it: call ``agree_scales`` after.
     """
     if not isinstance(module, nn.Module):  # (a tensor: as_scaled makes one a ScaledTensor)
         raise TypeError(f"scalify takes an nn.Module, not {type(module).__name__} (as_scaled takes a tensor)")
