@@ -462,11 +462,13 @@ def _run(seed: int = 0):
     return RunResult("binary8p4 SRC N=3", seed, [0, 10, 20], [math.nan, 4.0, 3.0], [5.5, 4.5, 3.5], 1.0)
 
 
-@pytest.mark.parametrize("content", [b"", b"\xff\xfe\x00garbage\n"])
+@pytest.mark.parametrize("content", [b"", b"\xff\xfe\x00garbage\n", b'arm,"' + b"x" * 200_000],
+                         ids=["empty", "not-utf-8", "unclosed-quote"])
 def test_collect_names_an_empty_or_undecodable_table(tmp_path, content):
     """An empty losses.csv was refused with "I/O operation on closed file" (the header read
-    after the file was closed), and one that is not UTF-8 with the codec's words alone,
-    naming no file."""
+    after the file was closed), one that is not UTF-8 with the codec's words alone, naming
+    no file, and one whose unclosed quote made a field past csv's limit with csv.Error's
+    traceback."""
     from fewbit.experiments.sweep import collect
 
     folder = _tables(tmp_path / "s0", [_run()])

@@ -667,7 +667,9 @@ def _table(path: Path) -> list[dict[str, str]]:
     except OSError as err:
         raise ValueError(f"cannot read {path} ({err.strerror}): a sweep's folder holds "
                          f"{', '.join(_TABLES)}") from None  # fmt: skip
-    except UnicodeDecodeError:  # (a ValueError: it was reported without the file's name)
+    # (UnicodeDecodeError, a ValueError, was reported without the file's name; csv.Error, a
+    # field past csv's limit as an unclosed quote makes one, was a traceback)
+    except (UnicodeDecodeError, csv.Error):
         header = rows = None
     if header != _HEADERS[path.name] or any(None in row or None in row.values() for row in rows):
         raise ValueError(f"{path} is not a sweep's table: its columns are not {_HEADERS[path.name]}")
