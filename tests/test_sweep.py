@@ -481,7 +481,9 @@ def test_collect_names_an_empty_or_undecodable_table(tmp_path, content):
 def test_collect_refuses_a_run_without_its_time_or_with_an_evaluation_out_of_order(tmp_path):
     """A times.csv that lacked a run of losses.csv was taken, and times.csv written again with
     "nan" seconds for it; a losses.csv with a run's evaluation again at the end (a row
-    appended twice) was taken as a run evaluated at 0, 10, 20, 20. Both are damaged tables."""
+    appended twice) was taken as a run evaluated at 0, 10, 20, 20; a times.csv with a run's
+    time twice was taken with the last, and written back with it alone. All are damaged
+    tables."""
     from fewbit.experiments.sweep import collect
 
     untimed = _tables(tmp_path / "untimed", [_run(0), _run(1)])
@@ -489,8 +491,12 @@ def test_collect_refuses_a_run_without_its_time_or_with_an_evaluation_out_of_ord
     again = _tables(tmp_path / "again", [_run(0)])
     with (again / "losses.csv").open("a") as f:
         f.write("binary8p4 SRC N=3,0,20,3.0,3.5\r\n")
+    twice = _tables(tmp_path / "twice", [_run(0)])
+    with (twice / "times.csv").open("a") as f:
+        f.write("binary8p4 SRC N=3,0,7.0\r\n")
     refused = {"untimed/times.csv lacks 'binary8p4 SRC N=3' seed 1 of losses.csv": untimed,
-               "again/losses.csv, line 5: not a sweep's row (iteration 20 after 20": again}  # fmt: skip
+               "again/losses.csv, line 5: not a sweep's row (iteration 20 after 20": again,
+               "twice/times.csv, line 3: not a sweep's row (a second time for the same": twice}  # fmt: skip
     for message, folder in refused.items():
         with pytest.raises(ValueError, match=re.escape(message)):
             collect([folder], tmp_path / "out")

@@ -698,8 +698,12 @@ def read_outputs(folder: Path) -> list[RunResult]:
         run.val.append(float(row["val_loss"]))
 
     def timing(row: dict[str, str]) -> None:
-        runs[row["arm"], int(row["seed"])].seconds = float(row["seconds"])
-        timed.add((row["arm"], int(row["seed"])))
+        key = row["arm"], int(row["seed"])
+        run = runs[key]
+        if key in timed:  # (a row appended again: the last one won, and was written back alone)
+            raise ValueError(f"a second time for the same run, after {run.seconds}")
+        run.seconds = float(row["seconds"])
+        timed.add(key)
 
     def diagnostic(row: dict[str, str]) -> None:
         measures = {k: _number(row[k]) for k in _DIAGNOSTICS[1:]}
