@@ -1276,3 +1276,24 @@ def test_agree_scales_takes_no_scale_from_an_empty_piece():
     assert [r["scale"] for r in ranks] == [2.0**-20] * 2
     for r in ranks:
         assert np.array_equal(r["gathered"], want)
+
+
+_META_LOAD = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from fewbit.scaled import scalify
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+with torch.device("meta"):
+    model = scalify(torch.nn.Linear(4, 4))
+fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+print(model.load_state_dict({}, strict=False).missing_keys)
+dist.destroy_process_group()
+"""
+
+
+def test_a_sharded_scalified_model_on_the_meta_device_loads_without_reading_its_scales(tmp_path):
+    """scalify's hook after load_state_dict read every piece's scale: on the meta device (a
+    model not yet materialised, loaded with strict=False) that was 'Tensor.item() cannot be
+    called on meta tensors'. Meta pieces take no part, alike on every rank."""
+    assert one_rank(_META_LOAD, tmp_path) == ["['weight', 'bias']"]

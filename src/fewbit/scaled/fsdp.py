@@ -53,8 +53,9 @@ def _agree_scales(module: nn.Module) -> int:
     meshes: dict[int, tuple[Any, list[ScaledTensor]]] = {}
     for p in module.parameters():  # (one order on every rank: the module's)
         local = p.to_local() if is_dtensor(p) else None  # (shares p's piece: rebalance_ writes it)
-        per_channel = isinstance(local, ScaledTensor) and getattr(parts(local)[1], "ndim", 0) > 0
-        if isinstance(local, ScaledTensor) and not per_channel:
+        # (Not a per-channel scale, refused by the all-gather; nor a model still on the meta
+        # device, whose scales have no value, alike on every rank.)
+        if isinstance(local, ScaledTensor) and getattr(parts(local)[1], "ndim", 0) == 0 and not local.is_meta:
             meshes.setdefault(id(p.device_mesh), (p.device_mesh, []))[1].append(local)
     changed = 0
     for mesh, pieces in meshes.values():
