@@ -1206,6 +1206,38 @@ def test_scalified_checkpoint_loads_on_other_ranks_at_one_scale_and_gathers_its_
     assert loaded[0]["scales"]["blocks.0.ln1.weight"] == 1.0
 
 
+
+_SCALIFY_SHARDED = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from fewbit.scaled import ScaledTensor, scalify
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+for first in (False, True):  # sharded plain, or scalified and then sharded (a second scalify)
+    model = torch.nn.Linear(4, 6)
+    if first:
+        scalify(model)
+    fully_shard(model, mesh=mesh)
+    try:
+        scalify(model)
+        print("taken")
+    except TypeError as e:
+        print(type(model.weight.to_local()) is (ScaledTensor if first else torch.Tensor), e)
+dist.destroy_process_group()
+"""
+
+
+def test_scalify_refuses_a_sharded_model_before_changing_it(tmp_path):
+    """scalify after fully_shard wrapped each DTensor parameter whole in a ScaledTensor, and
+    FSDP2's forward failed in torch ("'ScaledTensor' object has no attribute '_local_tensor'");
+    on a model scalified and then sharded, a rescale taken from each rank's piece would give
+    the ranks different scales. A clear TypeError, with the parameter as it was."""
+    said = one_rank(_SCALIFY_SHARDED, tmp_path)
+    assert len(said) == 2, said
+    for line in said:
+        assert line.startswith("True parameter 'weight' is a DTensor") and "before fully_shard" in line, line
+
 _UNPACKABLE = """
 import sys, torch, torch.distributed as dist, fewbit
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh

@@ -25,8 +25,9 @@ def scalify(module: nn.Module, dtype: torch.dtype | None = None, rescale: Stat |
     Parameters of integer, bool or complex dtype are left as they are (a scale would
     round integers away). Autograd then yields ScaledTensor gradients, and torch.optim
     optimizers update the parameters in place. A dtype ScaledTensor refuses (8-bit
-    floats; without dtype, a parameter's), or a lazy module's parameter not yet
-    initialised, raises before any parameter changes.
+    floats; without dtype, a parameter's), a lazy module's parameter not yet
+    initialised, or a sharded one (a DTensor: scalify before sharding), raises before any
+    parameter changes.
 
     Once its parameters are sharded (FSDP2, tensor parallelism), the module's
     ``load_state_dict`` ends with ``fsdp.agree_scales``, a collective over their meshes:
@@ -43,6 +44,12 @@ def scalify(module: nn.Module, dtype: torch.dtype | None = None, rescale: Stat |
         if isinstance(p, nn.parameter.UninitializedParameter):
             raise ValueError(f"parameter {name!r} of a lazy module is not initialised yet: run the model "
                              "once before scalify")
+        # A DTensor's value would become the data of one ScaledTensor, which torch.distributed
+        # then failed to find its pieces in ("no attribute '_local_tensor'"); and a rescale
+        # from each rank's own piece would give the ranks different scales for one tensor.
+        if is_dtensor(p):
+            raise TypeError(f"parameter {name!r} is a DTensor (sharded): scalify the model before "
+                            "fully_shard, which then shards its ScaledTensors")
     for d in {dtype} if dtype is not None else {p.dtype for _, _, p in chosen}:
         check_dtype(d)  # (an 8-bit parameter with a wider dtype given is taken)
     unique = {id(p): p for _, _, p in chosen}
