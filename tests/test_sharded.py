@@ -1238,6 +1238,44 @@ def test_scalify_refuses_a_sharded_model_before_changing_it(tmp_path):
     for line in said:
         assert line.startswith("True parameter 'weight' is a DTensor") and "before fully_shard" in line, line
 
+
+def scaled_cast(rank: int, world_size: int, cfg: dict) -> dict:
+    """A scalified Linear (rescale=None) whose first rows hold 1e6, sharded and cast with
+    ``half()``: the scale of this rank's piece before and after ``agree_scales``, and whether
+    the weight it then gathers is one process's cast."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fewbit.scaled import fsdp, scalify
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 6)
+    with torch.no_grad():
+        model.weight[:3] *= 1e6
+    scalify(model, rescale=None)
+    want = model.weight.detach().half().dequantize(torch.float32).numpy()  # as one process casts it
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    model.half()
+    cast = float(model.weight.to_local().scale)
+    changed = fsdp.agree_scales(model)
+    agreed = float(model.weight.to_local().scale)
+    model.unshard()
+    got = model.weight.dequantize(torch.float32).detach().numpy()
+    return {"scales": (cast, agreed), "changed": changed, "equal": bool(np.array_equal(got, want))}
+
+
+def test_a_cast_of_a_sharded_scalified_model_then_agree_scales_gathers_its_values():
+    """half() moves 2^19 into the scale of the piece whose data exceed float16 (rank 0's),
+    not the other's: the ranks' all-gathers read each other's data 2^19 off (the README
+    says to call agree_scales after such a cast); after it, both gather what one process's
+    half() of the whole weight holds."""
+    with pytest.MonkeyPatch.context() as patch:  # the ranks import this file (see runs)
+        patch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.getenv("PYTHONPATH", "")]))
+        (ranks,) = launch([{}], 2, train=scaled_cast)
+    assert [r["scales"] for r in ranks] == [(2.0**19, 2.0**19), (1.0, 2.0**19)]
+    assert [r["changed"] for r in ranks] == [0, 1]
+    assert all(r["equal"] for r in ranks)
+
 _UNPACKABLE = """
 import sys, torch, torch.distributed as dist, fewbit
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh

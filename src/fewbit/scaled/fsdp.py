@@ -18,8 +18,11 @@ Loading a checkpoint can break it too: ``copy_`` into a piece takes the source's
 where it fills the whole piece and the larger of the two where it fills a part, so a
 checkpoint saved on other ranks (DCP loads it piece by piece) leaves the ranks on
 different scales, and each rank's gathered weight wrong. :func:`agree_scales` gives
-every piece the largest scale of its ranks' non-empty pieces; ``scalify`` calls it after every
-``load_state_dict`` of the module it made (``set_model_state_dict`` calls that).
+every piece the largest scale of its ranks' non-empty pieces; ``scalify`` calls it after
+every ``load_state_dict`` of the module it made (``set_model_state_dict`` calls that). So
+can a cast of the sharded model (``model.half()``): a piece whose data would overflow the
+new dtype moves a power of two into its scale, the others do not; call
+:func:`agree_scales` after it.
 """
 
 from __future__ import annotations
