@@ -414,6 +414,16 @@ def test_a_part_copied_at_a_larger_scale_gives_it_to_the_whole_tensor():
     assert x.static_scale == 1.0 and x.dequantize().tolist() == [0.375, 0, 0, 1000, 1000, 1000]
 
 
+def test_a_part_of_the_zero_array_copied_at_a_scale_leaves_the_rest_zeros():
+    """empty_like's zero array, written through a view by copy_ of a ScaledTensor: the whole
+    takes the part's scale, and its rest was its data divided by the ratio (0), NaN where
+    empty memory held inf or NaN. The rest is zeros, as other in-place writes leave it."""
+    x = as_scaled(torch.ones(4, dtype=torch.float16), 0.5)
+    z = torch.empty_like(x)
+    z.unscaled.fill_(float("inf"))
+    z[:2].copy_(as_scaled(torch.full((2,), 3.0, dtype=torch.float16), 2.0))
+    assert z.static_scale == 2.0 and z.dequantize().tolist() == [6, 6, 0, 0]
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_a_zero_array_read_by_an_in_place_op_is_zeros(dtype):
     """The zero array (empty_like's: scale 0) stands for zeros whatever its data holds:

@@ -194,9 +194,13 @@ def _takes_the_larger_scale(dest: ScaledTensor, out: ScaledTensor) -> bool:
     copy_. Not where a scale is per channel, out's is zero (the zero array: zeros, at any
     scale), dest has no record of the views sharing its data (torch.load's, which may share
     them with another), or a tensor scale cannot be read (traced: a graph cannot branch on
-    it): dest keeps its scale there, as in other in-place ops."""
+    it): dest keeps its scale there, as in other in-place ops. Nor where dest is the zero
+    array: ``assign`` gives it out's scale and its rest zeros, where dividing the rest's
+    data by the ratio (0) made the inf or NaN that empty memory holds NaN."""
     s, t = parts(out)[1], parts(dest)[1]
-    if s is t or dest._parts.views is None or any(isinstance(v, torch.Tensor) and v.dim() for v in (s, t)):
+    if s is t or is_static(t, 0.0) or dest._parts.views is None:
+        return False
+    if any(isinstance(v, torch.Tensor) and v.dim() for v in (s, t)):
         return False
     if not (is_static(s) and is_static(t) or data_readable(dest._data)):
         return False
