@@ -372,8 +372,8 @@ def test_in_place_mul_by_a_scaled_factor_loses_no_16_bit_precision():
 def test_a_whole_copy_takes_the_sources_scale_so_a_checkpoint_loads():
     """load_state_dict copies each weight in place: weights at scale 2^16 into a fresh
     float16 model at about 2^-2 overflowed to inf when the copy kept the model's scale.
-    A part of a tensor takes the larger of the two scales; a plain source keeps the
-    destination's."""
+    A part of a tensor takes the larger of the two scales; a plain source keeps a
+    destination's scale of 1 or more."""
     torch.manual_seed(0)
     ckpt = {"weight": as_scaled(torch.randn(2, 4, dtype=torch.float16), 2.0**16),
             "bias": as_scaled(torch.randn(2, dtype=torch.float16), 2.0**16)}  # fmt: skip
@@ -389,6 +389,41 @@ def test_a_whole_copy_takes_the_sources_scale_so_a_checkpoint_loads():
     x.copy_(torch.full((4,), 3.0))
     assert x.static_scale == 2.0 and torch.equal(x.unscaled, torch.full((4,), 1.5, dtype=torch.float16))
 
+
+def test_a_plain_checkpoint_loads_into_a_float16_model_at_a_small_scale():
+    """A plain source counts as scale 1: a plain float32 checkpoint loaded into a float16
+    model whose weights sit at 2^-11 went into the data at that scale, inf above 32, where
+    plain float16 holds the values. The tensor takes scale 1 (a tensor, as scalify's), whole
+    or through a view; one at 1 or more keeps its own."""
+    torch.manual_seed(0)
+    plain = nn.Linear(8, 8)
+    with torch.no_grad():
+        plain.weight.mul_(1000)
+    model = nn.Linear(8, 8)
+    with torch.no_grad():
+        model.weight.mul_(2.0**-8)
+    model = scalify(model, dtype=torch.float16)
+    assert float(model.weight.scale) < 2.0**-8
+    model.load_state_dict(plain.state_dict())
+    for name, p in model.named_parameters():
+        assert torch.equal(p.dequantize(), getattr(plain, name).detach().half()), name
+        assert p.static_scale is None and p.scale.item() >= 1.0, name
+    x = as_scaled(torch.ones(4, dtype=torch.float16), 2.0**-11)
+    x[:2].copy_(torch.full((2,), 100.0))
+    assert x.static_scale == 1.0 and x.dequantize().tolist() == [100, 100, 2.0**-11, 2.0**-11]
+
+def test_a_plain_copy_into_an_input_of_a_compiled_function_keeps_its_scale():
+    """Traced, a copy_ of a plain tensor keeps dest's scale (eager gives a scale below 1
+    the scale 1): the graph writes an input back as its data at the scale it had, and a
+    new scale set inside it was lost (100 copied into data at 1/8 read back as 12.5)."""
+    x = as_scaled(torch.ones(4, dtype=torch.float16), 0.125)
+
+    def fill(x, y):
+        x.copy_(y)
+        return x * 2
+
+    out = torch.compile(fill, backend="aot_eager", fullgraph=True)(x, torch.full((4,), 100.0))
+    assert out.dequantize().tolist() == [200] * 4 and x.dequantize().tolist() == [100] * 4
 
 def test_a_part_copied_at_a_larger_scale_gives_it_to_the_whole_tensor():
     """DCP loads a checkpoint saved on other ranks piece by piece, each a copy_ into part of

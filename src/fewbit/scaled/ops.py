@@ -173,14 +173,28 @@ def _copy_(func, dest, src, non_blocking=False):
     a smaller scale had overflowed. Whole or part differs between a sharded tensor's ranks
     when they load a checkpoint saved on others, so their scales may differ after it:
     ``fsdp.agree_scales`` (which scalify's modules run after ``load_state_dict``). A plain
-    source's values go into dest's data at dest's scale, as in other in-place ops."""
+    source, whole or part, counts as scale 1 (a plain tensor's) and dest takes the larger
+    of the two: a plain checkpoint loaded into a float16 model at a small scale overflowed
+    where plain float16 holds its values (a scale of 1 or more is kept, as other in-place
+    ops keep theirs; traced, dest's is kept)."""
     out = _copy(aten.copy.default, dest, src, non_blocking)
-    if not (isinstance(src, ScaledTensor) and isinstance(dest, ScaledTensor)):
+    if not isinstance(dest, ScaledTensor):
         return assign(dest, out)
-    if holds_every_value(parts(dest)[0]):
+    whole = holds_every_value(parts(dest)[0])
+    if isinstance(src, ScaledTensor) and whole:
         return assign(dest, out, adopt=True)
-    if not _takes_the_larger_scale(dest, out):
+    if not isinstance(src, ScaledTensor):
+        # Eager only: traced, a new scale of an input (a static one, or a tensor's) was lost
+        # where the graph wrote the input back (its data at the old scale).
+        t = parts(dest)[1]
+        if not data_readable(parts(dest)[0]):
+            return assign(dest, out)
+        if isinstance(t, torch.Tensor) and t.dim() == 0:
+            out = wrap(parts(out)[0], torch.ones_like(t))  # scale 1 as a tensor: scalify's leaves train one
+    if not _takes_the_larger_scale(dest, out, whole):
         return assign(dest, out)
+    if whole:  # (a plain source: out's scale is 1)
+        return assign(dest, out, adopt=True)
     d, s = parts(out)
     base = dest._parts.views.base  # the data every view of dest shares
     base.copy_(times(base, sdiv(parts(dest)[1], s)))
@@ -189,16 +203,17 @@ def _copy_(func, dest, src, non_blocking=False):
     return dest
 
 
-def _takes_the_larger_scale(dest: ScaledTensor, out: ScaledTensor) -> bool:
+def _takes_the_larger_scale(dest: ScaledTensor, out: ScaledTensor, whole: bool = False) -> bool:
     """Whether out's scale, larger than dest's, becomes the whole tensor's in a part's
-    copy_. Not where a scale is per channel, out's is zero (the zero array: zeros, at any
-    scale), dest has no record of the views sharing its data (torch.load's, which may share
-    them with another), or a tensor scale cannot be read (traced: a graph cannot branch on
-    it): dest keeps its scale there, as in other in-place ops. Nor where dest is the zero
-    array: ``assign`` gives it out's scale and its rest zeros, where dividing the rest's
-    data by the ratio (0) made the inf or NaN that empty memory holds NaN."""
+    copy_ (or a ``whole`` one's of a plain source). Not where a scale is per channel, out's
+    is zero (the zero array: zeros, at any scale), a part's dest has no record of the views
+    sharing its data (torch.load's, which may share them with another), or a tensor scale
+    cannot be read (traced: a graph cannot branch on it): dest keeps its scale there, as in
+    other in-place ops. Nor where dest is the zero array: ``assign`` gives it out's scale
+    and its rest zeros, where dividing the rest's data by the ratio (0) made the inf or NaN
+    that empty memory holds NaN."""
     s, t = parts(out)[1], parts(dest)[1]
-    if s is t or is_static(t, 0.0) or dest._parts.views is None:
+    if s is t or is_static(t, 0.0) or (dest._parts.views is None and not whole):
         return False
     if any(isinstance(v, torch.Tensor) and v.dim() for v in (s, t)):
         return False
