@@ -412,6 +412,19 @@ def test_a_plain_checkpoint_loads_into_a_float16_model_at_a_small_scale():
     x[:2].copy_(torch.full((2,), 100.0))
     assert x.static_scale == 1.0 and x.dequantize().tolist() == [100, 100, 2.0**-11, 2.0**-11]
 
+def test_compiled_clip_grad_norm_clips_scaled_gradients():
+    """clip_grad_norm_ multiplies each gradient by a 0-d ScaledTensor, whose magnitude goes
+    into the gradient's scale; traced, that new scale of a graph input was lost on the
+    write-back, and the compiled call left the gradients as they were (norm 15.4, not
+    0.1). Traced, the data are multiplied instead."""
+    torch.manual_seed(0)
+    model = scalify(nn.Linear(4, 3))
+    model(torch.randn(5, 4)).dequantize(torch.float32).square().sum().backward()
+    clip = torch.compile(lambda ps: torch.nn.utils.clip_grad_norm_(ps, 0.1), backend="aot_eager")
+    clip(list(model.parameters()))
+    norm = torch.cat([p.grad.dequantize(torch.float64).flatten() for p in model.parameters()]).norm()
+    assert norm.item() == pytest.approx(0.1, rel=1e-5)
+
 def test_a_plain_copy_into_an_input_of_a_compiled_function_keeps_its_scale():
     """Traced, a copy_ of a plain tensor keeps dest's scale (eager gives a scale below 1
     the scale 1): the graph writes an input back as its data at the scale it had, and a

@@ -480,7 +480,9 @@ def _mul_(func, dest, other):
     other's value (in the compute dtype, rounded once). But a whole dest times a 0-d
     ScaledTensor (clip_grad_norm_'s coefficient) takes its magnitude into the scale, its
     sign into the data: exact, where 16-bit data would become subnormal or 0. (A factor
-    of 0, Inf or NaN goes into the data: a scale is finite and positive.)"""
+    of 0, Inf or NaN goes into the data: a scale is finite and positive.) Eager only:
+    traced, a graph writes an input back as its data at the scale it had, so the new scale
+    was lost there (``torch.compile`` of clip_grad_norm_ left the gradients unclipped)."""
     if not _keeps_scale(dest):
         return inplace(func, dest, other)
     d, sd = parts(dest)
@@ -488,7 +490,7 @@ def _mul_(func, dest, other):
     if func.overloadpacket is aten.div_:
         d.div_(factor)
     elif (isinstance(other, ScaledTensor) and other.dim() == 0 and not is_partial_view(d)
-          and not (isinstance(sd, torch.Tensor) and sd.dim())):  # fmt: skip
+          and not (isinstance(sd, torch.Tensor) and sd.dim()) and data_readable(d)):  # fmt: skip
         magnitude = torch.where(torch.isfinite(factor) & (factor != 0), factor.abs(), 1.0)
         d.mul_(factor / magnitude)
         set_scale(dest, smul(sd, magnitude))
