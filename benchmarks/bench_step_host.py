@@ -141,5 +141,6 @@ def main() -> None:
     print(f"the wrapper's zero_grad and step, the inner optimizer's stubbed, back to back: "
           f"{whole / args.steps * 1e6:.1f} us")
 
+
 if __name__ == "__main__":
     main()

@@ -27,6 +27,7 @@ def pytest_collection_modifyitems(config, items) -> None:
     the end, where a long one left for last kept one worker busy while the other idled."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
+
 # Integer dtype of the same width, to compare and print bit patterns.
 INT_VIEW = {
     torch.float16: torch.int16,

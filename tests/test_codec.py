@@ -51,7 +51,6 @@ def large_values() -> tuple[torch.Tensor, torch.Tensor]:
     return codes, fewbit.decode(codes, LARGE_VALUES)
 
 
-
 def test_decode_refuses_a_dtype_that_is_no_float_dtype_in_its_own_words():
     """It answered "fewbit rounds tensors of ...", a message about rounding."""
     codes = fewbit.encode(torch.tensor([1.0]), "e4m3")

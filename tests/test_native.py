@@ -36,6 +36,7 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ comp
 def test_the_kernel_builds():
     assert native._load() is not None
 
+
 # One of each kind the kernel treats differently: P3109 (P = 1 and P > 1, signed, unsigned
 # extended/finite), OCP (NaN-only, no Inf/NaN, two's complement), IEEE-like 16-bit ones.
 FORMATS = ["binary8p4", "binary8p1", "p3109_k8p3ue", "p3109_k6p2uf", "p3109_k8p5sf", "ocp_e4m3",

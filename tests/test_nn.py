@@ -124,6 +124,7 @@ def test_a_backward_quant_the_gradient_cannot_take_is_refused_at_the_call():
         with torch.no_grad():  # no gradient comes: inference runs, as before the check
             assert torch.equal(q(x), x)
 
+
 def test_module_on_the_meta_device_and_its_deferred_initialisation():
     """Read as an int, a meta count failed the call (a deterministic one too); after
     ``to_empty`` the count was whatever the memory held, and the bits with it."""
@@ -174,6 +175,7 @@ def test_traced_module_draws_each_calls_bits():
         for _ in range(3):
             assert torch.equal(replay(x), eager(x))
         assert int(traced_module.calls) == 4
+
 
 def test_module_draws_fresh_bits_per_call_and_resumes_from_state_dict():
     x = torch.full((4096,), 1.03)  # between binary8p4 neighbours 1 and 1.125

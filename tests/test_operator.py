@@ -246,6 +246,7 @@ def test_format_names_in_a_compiled_function():
         with pytest.raises(torch._dynamo.exc.Unsupported, match=message):
             torch.compile(lambda v: fake_quantize(v, bad), fullgraph=True, backend="eager")(x)
 
+
 def test_export_of_a_module_with_fake_quantize():
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(4, 8), FakeQuantize(Quant("e4m3", "src", bits=3), seed=1))
@@ -255,7 +256,6 @@ def test_export_of_a_module_with_fake_quantize():
     assert "fewbit.round" in ep.graph_module.code
     assert torch.equal(ep.module()(x), m(x))
     assert not torch.equal(ep.module()(x), torch.nn.Sequential(m[0])(x))  # it did round
-
 
 
 def test_export_says_the_backward_quant_is_left_out():
@@ -269,6 +269,7 @@ def test_export_says_the_backward_quant_is_left_out():
     w = dict(ep.module().named_parameters())["0.weight"]
     (ep.module()(x) * 1.03).sum().backward()  # 1.03 is no e5m2 value: rounded, it would move
     assert torch.equal(w.grad, torch.full((8, 3), 1.03) @ x)
+
 
 def test_blocks_compiled_apart_share_one_graph_whatever_their_keys():
     """Each FakeQuantize's Key ints were constants to Dynamo: compiling each block of a
@@ -288,6 +289,7 @@ def test_blocks_compiled_apart_share_one_graph_whatever_their_keys():
     assert torch.equal(eager_out, compiled_out)
     assert graphs == 1
 
+
 @pytest.mark.parametrize("forward", [None, Quant("e4m3")], ids=["straight", "rne"])
 def test_compiled_fake_quantize_rounds_each_gradient_with_its_own_calls_key(forward):
     """Where the forward pass draws nothing, the backward Quant's key came from the call
@@ -305,6 +307,7 @@ def test_compiled_fake_quantize_rounds_each_gradient_with_its_own_calls_key(forw
             grads.append(x.grad)
         assert torch.equal(*grads)
     assert int(compiled.calls) == int(eager.calls) == 3
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mode", list(RoundMode))

@@ -17,6 +17,8 @@ from fewbit.rounding.reference import fraction_to_bits
 FORMATS = ["binary8p4", "binary8p3", "p3109_k8p4ue", "p3109_k6p3sf", "binary8p1", "ocp_e4m3",
            "ocp_e5m2", "ocp_e2m1", "ocp_e8m0", "ocp_int8", "bfloat16", "binary3p2"]
 SR_MODES = ["srff", "srf", "src", "src_odd"]
+
+
 def sample(fmt, dtype, n_random=150, seed=0):
     """Random values around the target's range, its grid points, midpoints and specials."""
     g = torch.Generator().manual_seed(seed)

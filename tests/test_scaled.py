@@ -368,7 +368,6 @@ def test_in_place_mul_by_a_scaled_factor_loses_no_16_bit_precision():
     assert z.dequantize(torch.float64).item() == 3 * 2**10 / (1.5 * 2**20)
 
 
-
 def test_a_whole_copy_takes_the_sources_scale_so_a_checkpoint_loads():
     """load_state_dict copies each weight in place: weights at scale 2^16 into a fresh
     float16 model at about 2^-2 overflowed to inf when the copy kept the model's scale.
@@ -412,6 +411,7 @@ def test_a_plain_checkpoint_loads_into_a_float16_model_at_a_small_scale():
     x[:2].copy_(torch.full((2,), 100.0))
     assert x.static_scale == 1.0 and x.dequantize().tolist() == [100, 100, 2.0**-11, 2.0**-11]
 
+
 def test_compiled_clip_grad_norm_clips_scaled_gradients():
     """clip_grad_norm_ multiplies each gradient by a 0-d ScaledTensor, whose magnitude goes
     into the gradient's scale; traced, that new scale of a graph input was lost on the
@@ -425,6 +425,7 @@ def test_compiled_clip_grad_norm_clips_scaled_gradients():
     norm = torch.cat([p.grad.dequantize(torch.float64).flatten() for p in model.parameters()]).norm()
     assert norm.item() == pytest.approx(0.1, rel=1e-5)
 
+
 def test_a_plain_copy_into_an_input_of_a_compiled_function_keeps_its_scale():
     """Traced, a copy_ of a plain tensor keeps dest's scale (eager gives a scale below 1
     the scale 1): the graph writes an input back as its data at the scale it had, and a
@@ -437,6 +438,7 @@ def test_a_plain_copy_into_an_input_of_a_compiled_function_keeps_its_scale():
 
     out = torch.compile(fill, backend="aot_eager", fullgraph=True)(x, torch.full((4,), 100.0))
     assert out.dequantize().tolist() == [200] * 4 and x.dequantize().tolist() == [100] * 4
+
 
 def test_a_part_copied_at_a_larger_scale_gives_it_to_the_whole_tensor():
     """DCP loads a checkpoint saved on other ranks piece by piece, each a copy_ into part of
@@ -471,6 +473,7 @@ def test_a_part_of_the_zero_array_copied_at_a_scale_leaves_the_rest_zeros():
     z.unscaled.fill_(float("inf"))
     z[:2].copy_(as_scaled(torch.full((2,), 3.0, dtype=torch.float16), 2.0))
     assert z.static_scale == 2.0 and z.dequantize().tolist() == [6, 6, 0, 0]
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_a_zero_array_read_by_an_in_place_op_is_zeros(dtype):
@@ -2460,6 +2463,7 @@ class Net(nn.Module):
 
     def forward(self, x):
         return self.b(torch.relu(self.a(x)))
+
 
 def run(scaled, dtype, compiled, fsdp):
     torch.manual_seed(0)

@@ -1206,7 +1206,6 @@ def test_scalified_checkpoint_loads_on_other_ranks_at_one_scale_and_gathers_its_
     assert loaded[0]["scales"]["blocks.0.ln1.weight"] == 1.0
 
 
-
 _SCALIFY_SHARDED = """
 import sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -1276,6 +1275,7 @@ def test_a_cast_of_a_sharded_scalified_model_then_agree_scales_gathers_its_value
     assert [r["changed"] for r in ranks] == [0, 1]
     assert all(r["equal"] for r in ranks)
 
+
 _UNPACKABLE = """
 import sys, torch, torch.distributed as dist, fewbit
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
@@ -1307,7 +1307,6 @@ def test_packed_codes_of_a_dtensor_are_refused_as_the_full_tensors(tmp_path):
     process of its own."""
     lines = one_rank(_UNPACKABLE, tmp_path)
     assert len(lines) == 12 and all(line.startswith("True ") for line in lines), lines
-
 
 
 def empty_piece_agreement(rank: int, world_size: int, cfg: dict) -> dict:

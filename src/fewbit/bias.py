@@ -47,6 +47,7 @@ def __getattr__(name: str):
         return getattr(block, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 _ENUMERATE_UP_TO = 1 << 12  # grid points per period summed one by one
 
 

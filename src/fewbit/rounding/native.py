@@ -79,6 +79,7 @@ def even_fraction(fmt: FloatFormat) -> int:
     t = fmt.top_p - 1
     return 0x800000 - (1 << (22 - t)) if t < 23 else 0x800000
 
+
 _lock = fork_safe_lock(__name__)  # (a fork during a build gives the child a lock of its own)
 _library: ctypes.CDLL | None = None
 #: The cache folders (setting ``native_cache``) where the kernel could not be built or

@@ -79,6 +79,7 @@ def _rules_digest() -> str:
 
 RULES_DIGEST = _rules_digest()
 
+
 def traced_settings() -> tuple[bool, str]:
     """The settings that rules read (``unit_scaling``, ``scaled_fallback``), which
     torch.compile bakes into a graph as it traces them: part of each ScaledTensor's
