@@ -85,6 +85,16 @@ def test_excess_bits_of_a_twos_complement_format_leave_out_its_sign():
     assert bias.excess_bits("e4m3", "ocp_int8") == 3
 
 
+def test_outward_error_of_a_twos_complement_format_below_its_largest_magnitude():
+    """INT8 holds -2 and -127/64 (a gap of 1/64) below zero, but nothing beyond 127/64
+    above it: the ulp at -1.99 was taken at |x| = 1.99, beyond the largest value, as 1, so
+    an error of 0.36 ulp read as 0.0056 (`fewbit round` took x itself, and said 0.36)."""
+    x = torch.tensor([-1.99, -1.995, -2.0, -1.0625], dtype=torch.float64)
+    rounded = fewbit.round(x, "int8", "rne")  # -127/64, -2, -2, -68/64
+    expected = torch.tensor([-0.36, 0.32, 0.0, 0.0], dtype=torch.float64)
+    assert torch.allclose(bias.outward_error(x, rounded, "int8"), expected, rtol=0, atol=1e-12)
+
+
 def test_bias_at_one_fraction():
     assert bias.bias_at("srff", 2, Fraction(3, 8)) == Fraction(1, 4) - Fraction(3, 8)
     assert bias.bias_at("src", 2, Fraction(3, 8)) == Fraction(2, 4) - Fraction(3, 8)

@@ -294,10 +294,14 @@ def outward_error(x: torch.Tensor, rounded: torch.Tensor, fmt: FloatFormat | str
 
 
 def _ulp_at(x: torch.Tensor, fmt: FloatFormat | str) -> torch.Tensor:
-    """The gap between the values of ``fmt`` around each ``|x|`` (float64); 1 where
-    ``|x|`` is a value or lies beyond the largest (no gap: errors there are 0)."""
-    a = x.abs()
-    ulp = fewbit_round(a, fmt, "rup", sat=True).double() - fewbit_round(a, fmt, "rtz", sat=True).double()
+    """The gap between the values of ``fmt`` around each ``x`` (float64); 1 where ``x`` is
+    a value or lies beyond the largest or the most negative (no gap: errors there are 0)."""
+    # x itself, not |x|: a two's complement intM reaches one step further below zero than
+    # above (int8's -2 and -127/64 are a gap of 1/64 that |x| = 1.99 beyond the largest
+    # value, 127/64, hid), as `fewbit round` finds the neighbours. An unsigned format has
+    # no gap below zero: there |x|'s, as before.
+    y = x if format(fmt).signed else x.abs()
+    ulp = fewbit_round(y, fmt, "rup", sat=True).double() - fewbit_round(y, fmt, "rdn", sat=True).double()
     return torch.where(ulp > 0, ulp, torch.ones_like(ulp))
 
 
