@@ -95,6 +95,15 @@ def test_outward_error_of_a_twos_complement_format_below_its_largest_magnitude()
     assert torch.allclose(bias.outward_error(x, rounded, "int8"), expected, rtol=0, atol=1e-12)
 
 
+def test_measure_takes_a_deterministic_mode():
+    """measure passed its own seed (default 0) to fewbit.round, which refuses one for a
+    deterministic mode: measure(x, fmt, "rne", None, 2) raised "takes no seed"."""
+    x = torch.tensor([1.0625, -1.03125, 1.5, 1.1875], dtype=torch.float64)
+    mean, se = bias.measure(x, "binary8p4", "rne", None, samples=2)
+    assert torch.equal(mean, torch.tensor([-0.5, -0.25, 0.0, 0.5], dtype=torch.float64))
+    assert torch.equal(se, torch.zeros(4, dtype=torch.float64))
+
+
 def test_bias_at_one_fraction():
     assert bias.bias_at("srff", 2, Fraction(3, 8)) == Fraction(1, 4) - Fraction(3, 8)
     assert bias.bias_at("src", 2, Fraction(3, 8)) == Fraction(2, 4) - Fraction(3, 8)

@@ -268,15 +268,18 @@ def measure(
     """Empirical bias per input, through ``fewbit.round`` with generated bits.
 
     Rounds ``x`` ``samples`` times (keys ``fold_in(seed, s)``); returns the mean error
-    in ulps of each input and its standard error (float64 tensors of x's shape).
+    in ulps of each input and its standard error (float64 tensors of x's shape); a
+    deterministic mode (``rne``, ...) takes no seed, and rounds alike every sample.
     """
     _check_samples(samples)
+    # fewbit.round refuses a seed for a deterministic mode: measure's default seed is not the caller's.
+    stochastic = MODES[parse_mode(mode)].stochastic
     key = as_key(seed)
     ulp = _ulp_at(x, fmt)
     total = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
     total_sq = torch.zeros_like(total)
     for s in range(samples):
-        r = fewbit_round(x, fmt, mode, bits=bits, seed=fold_in(key, s))
+        r = fewbit_round(x, fmt, mode, bits=bits, seed=fold_in(key, s) if stochastic else None)
         err = (r.double().abs() - x.double().abs()) / ulp
         total += err
         total_sq += err * err
