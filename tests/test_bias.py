@@ -104,6 +104,19 @@ def test_measure_takes_a_deterministic_mode():
     assert torch.equal(se, torch.zeros(4, dtype=torch.float64))
 
 
+def test_measure_gives_an_error_that_never_changes_standard_error_zero():
+    """E[err^2] - E[err]^2 over equal errors left float64 roundoff: RNE over three samples
+    had standard errors up to 4e-9, and so had SRFF where P(away) is 0."""
+    x = 1 + torch.arange(1000, dtype=torch.float64) / 1000
+    for mode, bits in (("rne", None), ("srff", 2)):
+        mean, se = bias.measure(x, "binary8p4", mode, bits, samples=3)
+        if mode == "rne":
+            assert torch.equal(se, torch.zeros_like(se))
+        else:  # d < 1/4: SRFF with N = 2 never rounds away
+            never = (x - 1) * 8 % 1 < 0.25
+            assert never.sum() > 200 and (se[never] == 0).all()
+
+
 def test_bias_at_one_fraction():
     assert bias.bias_at("srff", 2, Fraction(3, 8)) == Fraction(1, 4) - Fraction(3, 8)
     assert bias.bias_at("src", 2, Fraction(3, 8)) == Fraction(2, 4) - Fraction(3, 8)
