@@ -125,6 +125,11 @@ def test_hand_derived_mxfp4_figures():
     # to 7/4 (mean error -1/8 there), no negative value does.
     b = block_bias("bfp4_b2", "rne", None, "floor")
     assert (b.mean_error, b.clipped) == (Fraction(-1, 64), Fraction(1, 8))
+    # An unsigned element (p3109_k6p3ue: 128 and 160 in the top binade under floor's
+    # S = 2^-7): positives above 160 saturate (3/4 of them, mean error -48/128 there), every
+    # negative goes to 0 (error -|x|, mean -3/2); what the module docstring says of signs.
+    b = block_bias("mx_p3109_k6p3ue", "src", 2, "floor")
+    assert (b.mean_error, b.clipped) == (Fraction(-57, 64), Fraction(7, 8))
 
 
 @pytest.mark.parametrize("bfmt, mode, bits, rule", [

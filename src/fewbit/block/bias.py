@@ -10,7 +10,9 @@ largest value ``M`` saturates to ``M`` in every mode.
 
 Distributions (errors are of magnitudes, ``|q S| - |x|``, negative towards zero; signs
 are fair coin flips apart from the magnitudes, and matter only for two's-complement
-elements, ``intM``, whose negative side reaches one step further, to ``-2``):
+elements, ``intM``, whose negative side reaches one step further, to ``-2``, and for
+unsigned ones, whose negative half saturates to 0: ``mx_p3109_k6p3ue`` clips 7/8 of a
+uniform block):
 
 ``"uniform"``
     The block's ``B`` magnitudes independent and uniform in ``[1, 2)``: the block's
