@@ -440,6 +440,33 @@ def test_a_plain_copy_into_an_input_of_a_compiled_function_keeps_its_scale():
     assert out.dequantize().tolist() == [200] * 4 and x.dequantize().tolist() == [100] * 4
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_a_compiled_op_that_would_rescale_an_input_runs_eager(static):
+    """A graph writes a mutated input back as its data alone, at the scale it had: x.copy_(y)
+    of a ScaledTensor at another scale, or x.zero_().add_(y), left x reading 1/8 where eager
+    gives 100, silently. The op breaks the graph there and runs eager (fullgraph=True
+    refuses it, naming why); zero_ alone (zeros at any scale), an in-place op at x's own
+    scale, and a tensor made in the graph still compile."""
+    def scaled(v):
+        return as_scaled(torch.ones(4, dtype=torch.float16), v if static else torch.tensor(v))
+
+    y = scaled(100.0)
+    for f in (lambda x, y: x.copy_(y), lambda x, y: x.zero_().add_(y)):
+        torch._dynamo.reset()
+        x = scaled(0.125)
+        with pytest.raises(Exception, match="would give a graph input a new scale"):
+            torch.compile(f, backend="aot_eager", fullgraph=True)(x, y)
+        assert x.dequantize().tolist() == [0.125] * 4
+        torch.compile(f, backend="aot_eager")(x, y)
+        assert x.dequantize().tolist() == [100] * 4
+    for f, want in ((lambda x, y: x.zero_(), 0), (lambda x, y: x.add_(y), 100.125),
+                    (lambda x, y: torch.zeros_like(x).add_(y).add_(x), 100.125)):
+        torch._dynamo.reset()
+        x = scaled(0.125)
+        out = torch.compile(f, backend="aot_eager", fullgraph=True)(x, y)
+        assert out.dequantize().tolist() == [want] * 4
+
+
 def test_a_part_copied_at_a_larger_scale_gives_it_to_the_whole_tensor():
     """DCP loads a checkpoint saved on other ranks piece by piece, each a copy_ into part of
     the weight at the saved scale: a part kept the weight's scale, and float16 data there

@@ -331,7 +331,9 @@ class ScaledTensor(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner: dict, ctx: tuple, outer_size, outer_stride) -> ScaledTensor:
         static = ctx[0]
-        return ScaledTensor._make(inner["_data"], inner["_scale"] if static is None else static)
+        t = ScaledTensor._make(inner["_data"], inner["_scale"] if static is None else static)
+        _UNFLATTENED.add(t._parts)
+        return t
 
     def __coerce_tangent_metadata__(self) -> ScaledTensor:
         # torch.compile traces the gradient of an output in this form. A static scale
@@ -576,10 +578,45 @@ def _one_geometry(t: ScaledTensor) -> bool:
 
 def check_settable(t: ScaledTensor, s: Scale) -> None:
     """ValueError for a per-channel s where a view of t's data has another shape or
-    strides: s has no form there (checked before an in-place op writes anything)."""
+    strides: s has no form there (checked before an in-place op writes anything). Traced
+    by Dynamo, a graph break where s would be a new scale for a graph input: the graph
+    would write the input back without it (the op then runs eager)."""
     if isinstance(s, torch.Tensor) and s.dim() and not _one_geometry(t):
         raise ValueError("a per-channel scale for a ScaledTensor with views of other shapes: give it "
                          "one scale, or drop the views first")
+    if torch.compiler.is_compiling() and _rescales_an_input(t, s):
+        from torch._dynamo.exc import unimplemented
+
+        unimplemented(
+            gb_type="fewbit.scaled: an in-place op would give a graph input a new scale",
+            context=f"a ScaledTensor of shape {tuple(t.shape)}",
+            explanation="A graph writes a mutated input back as its data alone, at the scale it had: the "
+                        "new scale would be lost and the data read at the old one. fewbit.scaled runs "
+                        "the op eager (a ScaledTensor's copy_ at another scale into an input, or an op "
+                        "into it after zero_).",
+            hints=["Run the op outside the compiled function, or return the new tensor from it."])
+
+
+def _rescales_an_input(t: ScaledTensor, s: Scale) -> bool:
+    # Traced, whether s would be a new scale for a graph input (t, or another view of its
+    # data): a graph writes a mutated input back as its data alone, at the scale it had, so
+    # the new scale was lost (wrong values, silently). Dynamo's propagation of fake values
+    # answers it (then the op runs eager); AOTAutograd's trace does not: there an input
+    # sharing its scale tensor with another (after an eager x.copy_(y)) has a scale of its
+    # own, and the same op would look like a new scale. The zero array's scale 0 (zero_)
+    # is not a new one: zeros read right at any scale.
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    if isinstance(t._data, FunctionalTensor) or is_static(s, 0.0):
+        return False
+    now = parts(t)[1]
+    same = s is now or (not isinstance(s, torch.Tensor) and not isinstance(now, torch.Tensor) and s == now)
+    return not same and any(m in _UNFLATTENED for m in _aliases(t))
+
+
+#: The parts of ScaledTensors that torch.compile rebuilt from their flattened parts: its
+#: graph inputs among them (read only while tracing, by :func:`check_settable`).
+_UNFLATTENED: weakref.WeakSet = weakref.WeakSet()
 
 
 def set_scale(t: ScaledTensor, s: Scale) -> None:
@@ -1077,6 +1114,7 @@ def assign(dest: torch.Tensor, out: Any, adopt: bool = False) -> torch.Tensor:
     d, s = parts(out)
     if isinstance(s, torch.Tensor) and s.dim() and not _one_geometry(dest):
         d, s = parts(scalar_scale(out))
+    check_settable(dest, s)  # (before the writes)
     views = dest._parts.views
     if views is not None and views.base is not dest._data and not is_static(s, 0.0):
         views.base.zero_()
