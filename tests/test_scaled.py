@@ -445,8 +445,8 @@ def test_a_compiled_op_that_would_rescale_an_input_runs_eager(static):
     """A graph writes a mutated input back as its data alone, at the scale it had: x.copy_(y)
     of a ScaledTensor at another scale, or x.zero_().add_(y), left x reading 1/8 where eager
     gives 100, silently. The op breaks the graph there and runs eager (fullgraph=True
-    refuses it, naming why); zero_ alone (zeros at any scale), an in-place op at x's own
-    scale, and a tensor made in the graph still compile."""
+    refuses it, naming why); an in-place op at x's own scale, and a tensor made in the
+    graph, still compile."""
     def scaled(v):
         return as_scaled(torch.ones(4, dtype=torch.float16), v if static else torch.tensor(v))
 
@@ -459,12 +459,29 @@ def test_a_compiled_op_that_would_rescale_an_input_runs_eager(static):
         assert x.dequantize().tolist() == [0.125] * 4
         torch.compile(f, backend="aot_eager")(x, y)
         assert x.dequantize().tolist() == [100] * 4
-    for f, want in ((lambda x, y: x.zero_(), 0), (lambda x, y: x.add_(y), 100.125),
+    for f, want in ((lambda x, y: x.add_(y), 100.125),
                     (lambda x, y: torch.zeros_like(x).add_(y).add_(x), 100.125)):
         torch._dynamo.reset()
         x = scaled(0.125)
         out = torch.compile(f, backend="aot_eager", fullgraph=True)(x, y)
         assert out.dequantize().tolist() == [want] * 4
+
+
+def test_a_compiled_zero_of_an_input_runs_eager():
+    """zero_ makes the zero array, which takes the next value's scale. Traced, an input's
+    scale 0 was lost on the write-back: zeros at 2^-10, and an eager add_ of 1000 then
+    gave inf (eager: 1000). It breaks the graph there and runs eager."""
+    y = as_scaled(torch.ones(4, dtype=torch.float16), torch.tensor(1000.0))
+    for fullgraph in (True, False):
+        torch._dynamo.reset()
+        x = as_scaled(torch.ones(4, dtype=torch.float16), torch.tensor(2.0**-10))
+        zero = torch.compile(lambda x: x.zero_(), backend="aot_eager", fullgraph=fullgraph)
+        if fullgraph:
+            with pytest.raises(Exception, match="would give a graph input a new scale"):
+                zero(x)
+        else:
+            zero(x)
+            assert x.add_(y).dequantize().tolist() == [1000] * 4
 
 
 def test_a_part_copied_at_a_larger_scale_gives_it_to_the_whole_tensor():

@@ -603,11 +603,12 @@ def _rescales_an_input(t: ScaledTensor, s: Scale) -> bool:
     # the new scale was lost (wrong values, silently). Dynamo's propagation of fake values
     # answers it (then the op runs eager); AOTAutograd's trace does not: there an input
     # sharing its scale tensor with another (after an eager x.copy_(y)) has a scale of its
-    # own, and the same op would look like a new scale. The zero array's scale 0 (zero_)
-    # is not a new one: zeros read right at any scale.
+    # own, and the same op would look like a new scale. zero_'s scale 0 counts too: its
+    # zeros read right at the old scale, but the next value stored met that scale in
+    # 16-bit data (inf where eager gives the zero array the value's scale).
     from torch._subclasses.functional_tensor import FunctionalTensor
 
-    if isinstance(t._data, FunctionalTensor) or is_static(s, 0.0):
+    if isinstance(t._data, FunctionalTensor):
         return False
     now = parts(t)[1]
     same = s is now or (not isinstance(s, torch.Tensor) and not isinstance(now, torch.Tensor) and s == now)
