@@ -467,6 +467,28 @@ def test_a_compiled_op_that_would_rescale_an_input_runs_eager(static):
         assert out.dequantize().tolist() == [want] * 4
 
 
+def test_a_torch_without_the_graph_break_fewbit_asks_refuses_the_rescale(monkeypatch):
+    """The graph break goes through torch._dynamo.exc.unimplemented (private; its keyword
+    form is torch 2.13's). A torch whose form differs gets an error naming why, not the
+    new scale lost on the write-back."""
+    import torch._dynamo.exc
+
+    real = torch._dynamo.exc.unimplemented
+
+    def another_form(*args, **kwargs):  # fewbit's call fails as on such a torch; Dynamo's own run
+        if str(kwargs.get("gb_type", "")).startswith("fewbit"):
+            raise TypeError("unimplemented() got an unexpected keyword argument 'gb_type'")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch._dynamo.exc, "unimplemented", another_form)
+    torch._dynamo.reset()
+    x = as_scaled(torch.ones(4, dtype=torch.float16), torch.tensor(0.125))
+    y = as_scaled(torch.ones(4, dtype=torch.float16), torch.tensor(100.0))
+    with pytest.raises(Exception, match="would give a graph input a new scale"):
+        torch.compile(lambda x, y: x.copy_(y), backend="aot_eager")(x, y)
+    assert x.dequantize().tolist() == [0.125] * 4
+
+
 def test_a_compiled_zero_of_an_input_runs_eager():
     """zero_ makes the zero array, which takes the next value's scale. Traced, an input's
     scale 0 was lost on the write-back: zeros at 2^-10, and an eager add_ of 1000 then

@@ -585,16 +585,31 @@ def check_settable(t: ScaledTensor, s: Scale) -> None:
         raise ValueError("a per-channel scale for a ScaledTensor with views of other shapes: give it "
                          "one scale, or drop the views first")
     if torch.compiler.is_compiling() and _rescales_an_input(t, s):
-        from torch._dynamo.exc import unimplemented
+        _graph_break(t)
 
-        unimplemented(
-            gb_type="fewbit.scaled: an in-place op would give a graph input a new scale",
-            context=f"a ScaledTensor of shape {tuple(t.shape)}",
-            explanation="A graph writes a mutated input back as its data alone, at the scale it had: the "
-                        "new scale would be lost and the data read at the old one. fewbit.scaled runs "
-                        "the op eager (a ScaledTensor's copy_ at another scale into an input, or an op "
-                        "into it after zero_).",
-            hints=["Run the op outside the compiled function, or return the new tensor from it."])
+
+def _graph_break(t: ScaledTensor) -> None:
+    """Dynamo's graph break, naming why (then the op runs eager; ``fullgraph=True`` refuses
+    it). ``unimplemented`` is private, in its keyword form of torch 2.13: where a torch
+    moves or changes it, an error that names why, never the silent wrong values
+    (tests/test_scaled.py's compiled rescale tests fail there, for the next engineer)."""
+    why = "fewbit.scaled: an in-place op would give a graph input a new scale"
+    explanation = ("A graph writes a mutated input back as its data alone, at the scale it had: the new "
+                   "scale would be lost and the data read at the old one. fewbit.scaled runs the op "
+                   "eager (a ScaledTensor's copy_ at another scale into an input, or an op into it "
+                   "after zero_).")
+    hint = "Run the op outside the compiled function, or return the new tensor from it."
+    try:
+        from torch._dynamo.exc import unimplemented
+    except ImportError:
+        unimplemented = None
+    if unimplemented is not None:
+        try:
+            unimplemented(gb_type=why, context=f"a ScaledTensor of shape {tuple(t.shape)}",
+                          explanation=explanation, hints=[hint])
+        except TypeError:  # (another signature: the error below)
+            pass
+    raise RuntimeError(f"{why}. {explanation} {hint}")
 
 
 def _rescales_an_input(t: ScaledTensor, s: Scale) -> bool:
