@@ -601,14 +601,11 @@ def _graph_break(t: ScaledTensor) -> None:
     hint = "Run the op outside the compiled function, or return the new tensor from it."
     try:
         from torch._dynamo.exc import unimplemented
-    except ImportError:
-        unimplemented = None
-    if unimplemented is not None:
-        try:
-            unimplemented(gb_type=why, context=f"a ScaledTensor of shape {tuple(t.shape)}",
-                          explanation=explanation, hints=[hint])
-        except TypeError:  # (another signature: the error below)
-            pass
+
+        unimplemented(gb_type=why, context=f"a ScaledTensor of shape {tuple(t.shape)}",
+                      explanation=explanation, hints=[hint])
+    except (ImportError, TypeError):  # (moved, or another signature: the error below)
+        pass
     raise RuntimeError(f"{why}. {explanation} {hint}")
 
 
@@ -1130,10 +1127,9 @@ def assign(dest: torch.Tensor, out: Any, adopt: bool = False) -> torch.Tensor:
     d, s = parts(out)
     if isinstance(s, torch.Tensor) and s.dim() and not _one_geometry(dest):
         d, s = parts(scalar_scale(out))
-    check_settable(dest, s)  # (before the writes)
+    set_scale(dest, s)  # (first: its checks come before anything is written; data are apart)
     views = dest._parts.views
     if views is not None and views.base is not dest._data and not is_static(s, 0.0):
         views.base.zero_()
     dest._data.copy_(d)
-    set_scale(dest, s)
     return dest
