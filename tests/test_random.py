@@ -7,6 +7,7 @@ import itertools
 import math
 from statistics import NormalDist
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -591,6 +592,28 @@ def test_random_bits_of_int_seeds_and_keys_under_compile_in_two_graphs():
     assert counters["stats"]["unique_graphs"] == 2  # not one per seed
     for seed in (2**63 + 1, 2**64 - 1):
         assert torch.equal(draw_key(seed), random_bits((4, 100), 5, seed)), seed
+
+
+def test_numpy_int_seeds_and_steps_under_fullgraph_compile_give_eagers_bits_in_one_graph():
+    """Eager code takes a numpy integer as an int; Dynamo shows it as a 0-d ndarray, which
+    no int check took, and the TypeError's repr of it failed fullgraph=True ("repr() on
+    tensor"). It is now the seed tensor it holds: eager's bits, one graph for every seed."""
+    from torch._dynamo.utils import counters
+
+    x = torch.randn(6, 40, generator=torch.Generator().manual_seed(0))
+    rounded = torch.compile(lambda x, seed: fewbit.round(x, "binary8p4", "src", bits=3, seed=seed),
+                            fullgraph=True, backend="eager")  # fmt: skip
+    derive = torch.compile(lambda step: fold_in(KEY, step, 5), fullgraph=True, backend="eager")
+    draw = torch.compile(lambda seed: random_bits((4, 100), 5, seed), fullgraph=True, backend="eager")
+    torch._dynamo.reset()
+    counters.clear()
+    for seed in (np.int64(3), np.int64(4), np.int64(2**62 + 1)):
+        assert torch.equal(rounded(x, seed), fewbit.round(x, "binary8p4", "src", bits=3, seed=int(seed)))
+    assert counters["stats"]["unique_graphs"] == 1
+    for seed in (np.int64(7), np.int32(9)):
+        want = fold_in(KEY, int(seed), 5)
+        assert derive(seed).tolist() == [want.k0, want.k1]
+        assert torch.equal(draw(seed), random_bits((4, 100), 5, int(seed)))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

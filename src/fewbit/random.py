@@ -55,6 +55,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -269,6 +270,7 @@ def fold_in(key: Key | int | torch.Tensor, *ints: int | torch.Tensor) -> Key | t
     device = tensors[0].device if tensors else None
     k = key_of(key, device)
     for v in ints:
+        v = _traced_numpy(v)
         if not isinstance(v, torch.Tensor):
             v = _check_uint(v, _MAX_U64, "fold_in value")
         elif v.dim():  # key_of would take a (2,) tensor as a counter's words, unchecked
@@ -311,6 +313,16 @@ def replicated_piece(t, what: str) -> torch.Tensor:
     return t.to_local()
 
 
+def _traced_numpy(v: object) -> object:
+    """``v``, or, traced, a numpy integer (``np.int64(7)``, which eager code takes as an int)
+    as the 0-d tensor it holds: Dynamo shows it as a 0-d ndarray, which no int check takes
+    (the TypeError's repr of it failed ``fullgraph=True`` with Dynamo's "repr() on tensor").
+    As a tensor it is data, as a seed tensor is: one graph for every seed."""
+    if torch.compiler.is_compiling() and isinstance(v, np.ndarray):
+        return torch.as_tensor(v)
+    return v
+
+
 def key_of(seed: Key | int | torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
     """A key as a tensor: int64 ``(k0, k1)`` of shape ``(2,)`` on ``device``, the form
     fewbit's operators take (a new key is new data, not a new graph).
@@ -321,10 +333,12 @@ def key_of(seed: Key | int | torch.Tensor, device: torch.device | str | None = N
     (split as :meth:`Key.from_seed` splits an int; int64 holds ``[0, 2**63)``, and a
     negative value stands for its 64-bit pattern, ``v + 2**64``, as a uint64 would: no
     host sync checks it). Under ``torch.compile`` an int seed that Dynamo made symbolic
-    is split alike.
+    is split alike, and a numpy integer is taken as the seed tensor it holds (a negative
+    one standing for its 64-bit pattern, as there).
     """
     if is_dtensor(seed):  # (DTensor's >> gave its input: torch 2.13 made the seed 5 the key (5, 5))
         seed = replicated_piece(seed, "a seed tensor that is a DTensor")
+    seed = _traced_numpy(seed)
     if isinstance(seed, torch.Tensor):
         if seed.dtype in (torch.bool,) or seed.is_floating_point() or seed.is_complex():
             raise TypeError(f"a seed tensor must have an integer dtype, not {seed.dtype}")
