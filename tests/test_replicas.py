@@ -171,6 +171,18 @@ def test_replica_context_from_distributed_takes_each_ranks_place(runs, nproc):
     assert ReplicaContext.from_distributed(5, 9) == ReplicaContext(5, 9, 0, 1)  # no process group here
 
 
+@pytest.mark.parametrize(("group", "error", "match"), [
+    (torch.distributed.GroupMember.NON_GROUP_MEMBER, ValueError, "does not hold this rank"),
+    ([0, 1], TypeError, "must be a torch.distributed.ProcessGroup"),
+], ids=["not holding the rank", "ranks, not a group"])  # fmt: skip
+def test_replica_context_from_distributed_refuses_a_group_without_this_rank(group, error, match):
+    """A group without this rank made a context of rank -1 and world size -1, whose
+    DIFFERING keys then failed with "fold_in value must be in [0, 2**64), got -1" (and
+    IDENTICAL ones went on); it is refused as FakeQuantize's replica_group is."""
+    with pytest.raises(error, match=match):
+        ReplicaContext.from_distributed(5, 9, group=group)
+
+
 @pytest.mark.parametrize("nproc", [2, 3, 4])
 def test_rank_order_mean_hook_gives_every_rank_the_mean_of_the_gradients(runs, nproc):
     """Rank r's bucket holds (r + 1) g: the hook's result is the mean, (n + 1)/2 g, on every

@@ -87,7 +87,10 @@ class ReplicaContext:
     def from_distributed(cls, seed: int | Key = 0, step: int = 0,
                          group: torch.distributed.ProcessGroup | None = None) -> ReplicaContext:
         """The context of this process: its rank and world size in ``group`` under
-        torch.distributed (0 and 1 without it)."""
+        torch.distributed (0 and 1 without it). A group that does not hold this rank, or
+        is no process group, is refused: torch gives the ranks outside a group the rank
+        -1, which DIFFERING's keys then failed to fold in, naming neither the group nor why."""
+        check_group(group)
         rank, size = world(group)
         return cls(seed, step, rank, size)
 
