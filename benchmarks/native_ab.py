@@ -150,7 +150,10 @@ def compare(title: str, calls: dict, x: torch.Tensor, pairs: int) -> None:
     copied, n = torch.empty_like(x), x.numel()
     ratios = {label: [] for label in calls}
     best = dict.fromkeys(calls, float("inf"))
-    for _ in range(3):  # warm-up: fault in the outputs
+    # Warm-up: fault in the outputs, the yardstick's too (its first copy_ would pay for fresh
+    # pages, and the first build's first ratio with them: 13x where the others gave 0.6x).
+    for _ in range(3):
+        copied.copy_(x)
         for call in calls.values():
             call()
     for _ in range(pairs):
