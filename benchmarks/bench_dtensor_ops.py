@@ -85,8 +85,8 @@ def time_ops(rank: int, world_size: int, case: Case) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int_in(1), default=2)
-    ap.add_argument("--rows", type=int, default=1024)
-    ap.add_argument("--cols", type=int, default=1024)
+    ap.add_argument("--rows", type=int_in(1), default=1024)
+    ap.add_argument("--cols", type=int_in(1), default=1024)
     ap.add_argument("--repeat", type=int_in(1), default=20)
     ap.add_argument("--op", default="round", choices=sorted(OPS), help="block.round: to mxfp8_e4m3")
     args = ap.parse_args()

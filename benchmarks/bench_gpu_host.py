@@ -24,6 +24,7 @@ from triton.runtime import driver
 
 import fewbit
 from bench_per_call import best_us  # (this folder: a script's own is on the path)
+from fewbit.cli import int_in
 from fewbit.rounding import gpu, native
 
 
@@ -74,12 +75,10 @@ def _stand_in() -> tuple[_EveryKernel, _EveryKernel]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calls", type=int, default=20000)
+    parser.add_argument("--calls", type=int_in(1), default=20000)
     parser.add_argument("--profile", help="a row's name: its cProfile, by time in each function")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    mirrored, tritons = _stand_in()
-    gpu._COMPILED = mirrored
     x = torch.randn(4096, generator=torch.Generator().manual_seed(0))
     out = torch.empty_like(x)
     calls = {
@@ -89,6 +88,10 @@ def main() -> None:
         "quantize RNE": lambda: fewbit.quantize(x, "binary8p4"),
         "block.round mxfp8_e4m3, 8 rows of 512": lambda: fewbit.block.round(x.view(8, 512), "mxfp8_e4m3"),
     }
+    if args.profile is not None and args.profile not in calls:  # (else a KeyError once every row is timed)
+        parser.error(f"--profile: a row's name, one of {', '.join(map(repr, calls))}; got {args.profile!r}")
+    mirrored, tritons = _stand_in()  # (after the checks: it patches fewbit for this process)
+    gpu._COMPILED = mirrored
     for name, call in calls.items():
         print(f"{name:30} {best_us(call, lambda: None, args.calls, runs=5):6.2f} us")
     # The same call with Triton's launcher's Python, which gpu._launcher passes by.

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fewbit.cli import int_in
 from fewbit.experiments.gpt import GPT, GPTConfig
 from fewbit.experiments.replicas import launch
 from fewbit.experiments.train import PRESETS
@@ -94,8 +95,8 @@ def time_write_back(rank: int, world_size: int, case: Case) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="cpu-small", choices=sorted(PRESETS))
-    ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--nproc", type=int_in(1), default=2)
+    ap.add_argument("--repeat", type=int_in(1), default=30)
     ap.add_argument("--fmt", default="binary8p4", help="the weights' format (a block format too: mxfp8_e4m3)")
     args = ap.parse_args()
     me = importable(__file__)  # (the ranks import time_write_back and Case by this module's name)

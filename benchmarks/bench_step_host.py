@@ -41,6 +41,7 @@ import timeit
 import torch
 
 from bench_gpu_host import _stand_in  # (this folder: a script's own is on the path)
+from fewbit.cli import int_in
 from fewbit.experiments.gpt import GPT, GPTConfig
 from fewbit.optim import LowPrecisionWeights
 from fewbit.rounding import gpu
@@ -97,10 +98,11 @@ def build() -> tuple[LowPrecisionWeights, WriteBackWindow]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--steps", type=int_in(1), default=2000)
+    parser.add_argument("--runs", type=int_in(1), default=7)
     parser.add_argument("--profile", action="store_true", help="then a cProfile of the same window")
-    parser.add_argument("--sort", default="tottime", help="the profile's order (pstats's keys)")
+    parser.add_argument("--sort", default="tottime", choices=sorted(pstats.Stats.sort_arg_dict_default),
+                        help="the profile's order (pstats's keys)")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
     gpu._COMPILED = _stand_in()[0]

@@ -17,7 +17,7 @@ import torch
 
 from fewbit.cli import device_option, int_in
 from fewbit.experiments.data import CharDataset
-from fewbit.experiments.train import SPEED_OPTIONS, config_from, time_steps
+from fewbit.experiments.train import PRESETS, SPEED_OPTIONS, config_from, time_steps
 
 
 def sample_text(n: int = 200_000) -> str:
@@ -28,7 +28,7 @@ def sample_text(n: int = 200_000) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="cpu-small")
+    p.add_argument("--preset", default="cpu-small", choices=sorted(PRESETS))
     p.add_argument("--steps", type=int_in(1), default=30)
     p.add_argument("--device", default="cpu", type=device_option)
     p.add_argument("--threads", type=int_in(1), help="torch threads (default: torch's)")

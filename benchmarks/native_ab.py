@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 import fewbit
+from fewbit.block import format as block_format
 from fewbit.block.ops import _spec, _tensor_scale
 from fewbit.cli import int_in
 from fewbit.formats import format
@@ -66,11 +67,15 @@ def main() -> None:
     parser.add_argument("--elements", action="store_true", help="element calls instead of block calls")
     parser.add_argument("--scale", type=float, default=8.0,
                         help="element calls round randn times this (8: fewbit bench's data)")
-    parser.add_argument("--log2-size", type=int, default=24)
+    parser.add_argument("--log2-size", type=int_in(0, 34), default=24)
     parser.add_argument("--threads", type=int_in(1), default=2)
     parser.add_argument("--pairs", type=int_in(2), default=25,
                         help="timed calls of each build (quartiles need 2 or more)")
     args = parser.parse_args()
+    try:  # before the builds (a minute): else the first block call's error, after them
+        block_format(args.format)
+    except ValueError as err:
+        parser.error(f"--format: {err}")
     args.labels = labels(args.builds)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as folder:

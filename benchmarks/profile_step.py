@@ -32,16 +32,16 @@ from torch.profiler import ProfilerActivity, profile
 from bench_step_host import WriteBackWindow  # (this folder: a script's own is on the path)
 from fewbit.cli import device_option, int_in
 from fewbit.experiments.data import load_shakespeare
-from fewbit.experiments.train import Run, config_from
+from fewbit.experiments.train import PRESETS, Run, config_from
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="paper")
+    ap.add_argument("--preset", default="paper", choices=sorted(PRESETS))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", type=device_option)
     ap.add_argument("--steps", type=int_in(1), default=10)
-    ap.add_argument("--warmup", type=int, default=5, help="steps before profiling (compilation)")
-    ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--warmup", type=int_in(0), default=5, help="steps before profiling (compilation)")
+    ap.add_argument("--rows", type=int_in(1), default=25)
     ap.add_argument("--data-dir", type=Path)
     ap.add_argument("--data-tarball", type=Path)
     ap.add_argument("--trace", type=Path)

@@ -2,6 +2,7 @@
 
 import importlib
 import importlib.metadata
+import importlib.util
 import os
 import re
 import sys
@@ -555,6 +556,8 @@ def test_bench_without_gfloat_says_how_to_get_it_or_leave_it_out(capsys, monkeyp
 
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+#: The scripts that import Triton (bench_gpu_host.py's stand-ins; Triton is a dev dependency on Linux).
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 
 
 def benchmark(monkeypatch, name: str, *argv: str):
@@ -623,6 +626,23 @@ def test_per_call_benchmark_refuses_no_calls(capsys, monkeypatch):
     *((name, ["--device", "cuda:7"], "--device cuda:7: ")
       for name in ("bench_per_call", "bench_write_back", "profile_step", "bench_train")),
     ("bench_per_call", ["--device", "mps"], "--device mps: this runs on cpu or cuda"),
+    # Each a traceback before (bench hunt), some after the whole run (--profile, --sort) or after
+    # building native.cpp (native_ab).
+    ("bench_sharded_writeback", ["--repeat", "0"], "--repeat: must be >= 1, got 0"),  # StatisticsError
+    ("bench_sharded_writeback", ["--nproc", "0"], "--nproc: must be >= 1, got 0"),
+    ("bench_dtensor_ops", ["--rows", "0"], "--rows: must be >= 1, got 0"),
+    ("bench_train", ["--preset", "papr"], "--preset: invalid choice: 'papr'"),
+    ("profile_step", ["--preset", "papr"], "--preset: invalid choice: 'papr'"),
+    ("profile_step", ["--warmup", "-1"], "--warmup: must be >= 0, got -1"),
+    ("native_ab", ["HEAD", "--log2-size", "-1"], "--log2-size: must be in 0..34, got -1"),
+    ("native_ab", ["HEAD", "--format", "mxfp9"], "--format: unknown block format 'mxfp9'"),
+    *(pytest.param(name, argv, says, marks=needs_triton) for name, argv, says in [
+        ("bench_gpu_host", ["--calls", "0"], "--calls: must be >= 1, got 0"),  # ZeroDivisionError
+        ("bench_gpu_host", ["--calls", "1", "--profile", "round"], "--profile: a row's name, one of "),
+        ("bench_step_host", ["--steps", "0"], "--steps: must be >= 1, got 0"),  # IndexError
+        ("bench_step_host", ["--runs", "0"], "--runs: must be >= 1, got 0"),
+        ("bench_step_host", ["--sort", "speed"], "--sort: invalid choice: 'speed'"),
+    ]),
 ])  # fmt: skip
 def test_benchmarks_refuse_counts_they_cannot_time(capsys, monkeypatch, name, argv, says):
     script = benchmark(monkeypatch, name, *argv)
