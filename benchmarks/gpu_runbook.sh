@@ -167,8 +167,10 @@ case "${1:-}" in
     for _ in 1 2 3; do
       log per_call.txt python3 benchmarks/bench_per_call.py --device "$device" --calls "$calls"
     done
+    # The last CPU this process may use (CPU 3, as it was, is not there on a 2-core VM's try).
+    cpu="$(python3 -c 'import os; print(max(os.sched_getaffinity(0)))')"
     for _ in 1 2; do
-      log per_call_pinned.txt taskset -c 3 python3 benchmarks/bench_per_call.py --device "$device" --calls "$calls"
+      log per_call_pinned.txt taskset -c "$cpu" python3 benchmarks/bench_per_call.py --device "$device" --calls "$calls"
     done
     # fewbit's Python down the GPU path on this machine's host, launches stubbed: against
     # the VM's figures, how fast this host runs it (the per-call estimates' ratio).
