@@ -2,19 +2,19 @@
 
 The char GPT of a training preset (cpu-small by default: 2 layers, 128 wide), its
 matrices held in binary8p4 (or ``--fmt``; SRC, N = 3, bfloat16 updates, as ``fewbit
-train``). One process rounds whole tensors (one batched call for all, for a format with
-NaN that is not a block format); under FSDP2 on W gloo processes each rank rounds its
-piece of every matrix with the bits of the piece's global indices, drawn in the kernel
-(``fewbit.sharding.round_range``): from one range of the full tensor for Shard(0), a
-run a row for Shard(1). Only ``_write_back`` is timed, after warm-up (first-call
-compilation), each repeat on freshly perturbed weights with a new step's key. The ranks
-take turns (a barrier between), so that each is timed alone on one torch thread, as one
-process is: what a rank costs where it has its own cores, not what two processes
-sharing this machine's cores cost. NVFP4's write-back holds a collective (the full
-tensors' largest magnitudes), so its ranks run together, a barrier before each
-write-back (on this 2-core VM, a core each). Prints per configuration the
-median time per write-back on the slowest rank, the elements each rank rounds, the
-time per element, and the ratio to one process.
+train``). One process rounds whole tensors, each in a native call of its own (through
+round_foreach_, for a format with NaN that is not a block format); under FSDP2 on W gloo
+processes each rank rounds its piece of every matrix with the bits of the piece's global
+indices, drawn in the kernel (``fewbit.sharding.round_range``): from one range of the
+full tensor for Shard(0), a run a row for Shard(1). Only ``_write_back`` is timed, after
+warm-up (first-call compilation), each repeat on freshly perturbed weights with a new
+step's key. The ranks take turns (a barrier between), so that each is timed alone on one
+torch thread, as one process is: what a rank costs where it has its own cores, not what
+two processes sharing this machine's cores cost. NVFP4's write-back holds a collective
+(the full tensors' largest magnitudes), so its ranks run together, a barrier before each
+write-back (on this 2-core VM, a core each). Prints per configuration the median time
+per write-back on the slowest rank, the elements each rank rounds, the time per element,
+and the ratio to one process.
 
     python benchmarks/bench_sharded_writeback.py [--preset cpu-small] [--nproc 2] [--repeat 30]
                                                  [--fmt binary8p4]
