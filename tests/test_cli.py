@@ -404,6 +404,27 @@ def test_bench_rows_printed_before_an_interruption_stay_printed(capsys, monkeypa
     assert err == f"\r{first}\r{' ' * len(first)}\r\r{second}\nfewbit: interrupted\n"
 
 
+def test_bench_json_interrupted_prints_the_rows_it_measured(capsys, monkeypatch):
+    """--json prints its rows at the end: a Ctrl-C is an end too, and the rows measured before it
+    come out as JSON, then the one line and status 130 (before, nothing was printed)."""
+    import json
+
+    from fewbit import bench
+
+    row = {"input": "torch.float32", "format": "memory", "mode": "copy_", "bits": None,
+           "melem_per_s": 1000.0, "gb_per_s": 8.0}  # fmt: skip
+
+    def interrupted(*args, progress, on_row, **kwargs):
+        on_row(row)
+        progress("float32 -> binary8p4 rne")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "run", interrupted)
+    monkeypatch.setattr(bench, "last_level_cache_bytes", lambda: None)  # no cache note
+    code, out, err = run(capsys, "bench", "--no-gfloat", "--log2-size", "24", "--json")
+    assert (code, json.loads(out), err) == (130, [row], "fewbit: interrupted\n")
+
+
 def test_bench_fails_naming_the_rows_whose_gpu_results_differ_from_the_cpus(capsys, monkeypatch):
     """A GPU kernel that wrote NaN everywhere was timed as a speed-up: a row whose result is
     not the CPU's is marked, and the bench, after printing everything, ends with status 1."""

@@ -271,14 +271,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(*([] if printed else [bench.table_header()]), bench.table_line(row), sep="\n", flush=True)
         printed = True
 
+    measured: list[dict] = []  # --json's rows, printed at the end: after a Ctrl-C, those measured
+    on_row, interrupted = measured.append if args.json else print_row, False
     try:
         rows = bench.run(args.log2_size, args.device, args.repeat, args.quick, with_gfloat=not args.no_gfloat,
-                         progress=progress, block=args.block, on_row=None if args.json else print_row)
+                         progress=progress, block=args.block, on_row=on_row)
+    except KeyboardInterrupt:
+        if not args.json:  # (its rows are on stdout already)
+            raise
+        rows, interrupted = measured, True
     finally:  # the progress line ends, also before a Ctrl-C's or an error's message
         if shown:
             print(file=sys.stderr)
     if args.json or not printed:  # (no rows: the table's head alone)
         print(bench.to_json(rows) if args.json else bench.format_table(rows))
+    if interrupted:  # main's line and status 130, after the rows
+        raise KeyboardInterrupt
     differing = [bench.label(r) for r in rows if r.get("matches_cpu") is False]
     if differing:
         print(f"fewbit bench: the results differ from the CPU's in {len(differing)} "
