@@ -559,3 +559,45 @@ def test_a_replica_rank_draws_that_replicas_bits_copies_and_compiles_as_a_consta
     eager, compiled, graphs = blocks_eager_and_compiled(blocks(), blocks(), h, backward=True)
     assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])  # output, gradient
     assert graphs == 1
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch.func.jvp
+def test_a_training_module_counts_its_calls_under_torch_func_transforms():
+    """torch.func.grad of a model with a FakeQuantize (functional_call), vmap of it
+    (per-sample gradients), jacrev and jvp: each call counts once and draws the bits an
+    eager call with that count draws. Counting wrote the buffer in place, which grad's
+    transforms refuse for a tensor the function did not take ("would mutate a captured
+    Tensor"), so none of them ran."""
+    from fewbit import nn as fewbit_nn
+
+    assert fewbit_nn._PAST_TRANSFORMS is not None  # torch's private context: this fails first where it goes
+    gen = torch.Generator().manual_seed(31)
+    sr = Quant("binary8p4", "src", bits=3)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), FakeQuantize(sr, sr, seed=3))
+    x = torch.randn(4, 16, generator=gen)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, rows):
+        return (torch.func.functional_call(model, p, (rows,)) * 1.03).sum()
+
+    def eager(rows, count):  # the gradients autograd gives for the call of that count
+        model[1].calls.fill_(count)
+        model.zero_grad()
+        loss(dict(model.named_parameters()), rows).backward()
+        return {k: v.grad for k, v in model.named_parameters()}
+
+    model[1].calls.fill_(5)
+    grads = torch.func.grad(loss)(params, x)
+    assert int(model[1].calls) == 6
+    assert all(torch.equal(grads[k], g) for k, g in eager(x, 5).items())
+    model[1].calls.fill_(5)
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x[:, None])
+    assert int(model[1].calls) == 6  # one call, for the batch
+    for i in range(4):
+        assert all(torch.equal(per_sample[k][i], g) for k, g in eager(x[i : i + 1], 5).items()), i
+    model[1].calls.fill_(5)
+    assert torch.func.jacrev(model)(x[0]).shape == (16, 16) and int(model[1].calls) == 6
+    values, _ = torch.func.jvp(model, (x,), (torch.ones_like(x),))
+    assert int(model[1].calls) == 7
+    model[1].calls.fill_(6)
+    assert torch.equal(values, model(x))

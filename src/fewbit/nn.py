@@ -27,7 +27,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from .block import BlockFormat, check_args, element_or_block, round_to
 from .block.ops import check_axis
 from .formats import FloatFormat
-from .operators import may_carry_tangent, operator, recording, refuse_compiled_forward_ad
+from .operators import may_carry_tangent, operator, recording, refuse_compiled_forward_ad, transformed
 from .random import Key, as_key, check_index, fold_in, is_dtensor, key_of
 from .replicas import SeedPolicy, check_group, replica_key, world
 from .rounding import RoundMode
@@ -374,7 +374,7 @@ class FakeQuantize(nn.Module):
         # Counted once it succeeded: a refused call draws nothing, so a retry that
         # succeeds gets the bits a run that never failed would have drawn.
         if self.training and not recorded:
-            self.calls.add_(1)  # (in place: += would set the attribute again, 3 us)
+            _advance(self.calls)
         return y
 
     def extra_repr(self) -> str:
@@ -383,6 +383,23 @@ class FakeQuantize(nn.Module):
 
 
 _eager_forward = torch.compiler.disable(FakeQuantize.forward, reason=_EAGER_ON_DTENSORS)
+
+#: torch's context that runs ops past functorch's transforms (private). None where this
+#: torch lacks it: a training FakeQuantize is then refused under them (tests/test_nn.py
+#: fails first).
+_PAST_TRANSFORMS = getattr(torch._C, "_DisableFuncTorch", None)
+
+
+def _advance(calls: torch.Tensor) -> None:
+    """Count an eager call: ``calls`` advanced by one, in place (+= would set the attribute
+    again, 3 us). Under torch.func's transforms past them: the count is the module's state,
+    not a value of the function transformed, and grad, jvp and jacrev (vmap of grad too)
+    refuse an in-place write to a tensor the function did not take as an input."""
+    if _PAST_TRANSFORMS is not None and transformed():
+        with _PAST_TRANSFORMS():
+            calls.add_(1)
+    else:
+        calls.add_(1)
 
 
 def quantize_outputs(
