@@ -858,6 +858,31 @@ def test_forward_mode_passes_the_tangent_straight_through(monkeypatch, level_kno
         assert torch.equal(torch.func.jvp(lambda v: v + f(x), (x,), (t,))[1], t)
 
 
+@pytest.mark.parametrize("compile", [True, False])
+def test_ops_without_a_gradient_take_a_tensor_with_a_tangent(compile):
+    """quantize, encode and block.quantize (out= too) of a dual tensor give the codes of a
+    plain call, without a tangent. Their kernels ran with forward AD on (no_grad leaves it
+    on), and the eager rounding's torch ops refused the tangent of x ("Trying to use
+    forward AD with add_out ..."): block.quantize of a small tensor, and every call with
+    compile=False."""
+    import torch.autograd.forward_ad as fwAD
+
+    gen = torch.Generator().manual_seed(15)
+    x = fewbit.round(torch.randn(4, 64, generator=gen) * 3, "ocp_e2m1", sat=True)
+    calls = (lambda v: fewbit.quantize(v, "ocp_e2m1", "src", bits=3, seed=1, sat=True),
+             lambda v: fewbit.encode(v, "ocp_e2m1", packed=True),
+             lambda v: fewbit.block.quantize(v[:, :8], "mxfp8_e4m3").codes,
+             lambda v: fewbit.block.quantize(v, "nvfp4", "src", bits=3, seed=1).scales,
+             lambda v: fewbit.block.quantize(v, "mxfp4", out=fewbit.block.quantize(v * 0, "mxfp4")).codes)
+    with fewbit.configure(compile=compile):
+        for i, f in enumerate(calls):
+            expected = f(x)
+            with fwAD.dual_level():
+                codes = f(fwAD.make_dual(x, torch.ones_like(x)))
+                assert fwAD.unpack_dual(codes).tangent is None, i
+            assert torch.equal(codes, expected), i
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch.func.jvp
 def test_forward_mode_under_compile_is_refused_or_runs_eagerly():
     """Traced, the ops have no forward-mode formula: a compiled torch.func.jvp through them

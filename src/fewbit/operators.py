@@ -188,6 +188,11 @@ def may_carry_tangent(x: torch.Tensor) -> bool:
     return _FORWARD_AD.unpack_dual(x).tangent is not None
 
 
+def dual_level_active() -> bool:
+    """Whether a forward-AD level is active (True where this torch does not say)."""
+    return not _LEVEL_KNOWN or _FORWARD_AD._current_level >= 0
+
+
 def has_tangent(t: torch.Tensor) -> bool:
     """Whether ``t`` carries a forward-AD tangent (asked only where one may be)."""
     return may_carry_tangent(t) and _FORWARD_AD.unpack_dual(t).tangent is not None
@@ -286,7 +291,12 @@ def _kernel(fn: Callable, written: tuple[int, ...], grad_off: bool) -> Callable:
     pick = _operator.itemgetter(*written) if written else None
 
     def kernel(*args):
-        if grad_off and torch.is_grad_enabled():
+        if grad_off and dual_level_active():
+            # no_grad leaves forward AD on: the torch ops inside would carry x's tangent, and
+            # those that write an out= (the eager rounding's) refuse one, in torch's words.
+            with torch.no_grad(), _FORWARD_AD._set_fwd_grad_enabled(False):
+                result = fn(*args)
+        elif grad_off and torch.is_grad_enabled():
             torch.set_grad_enabled(False)  # as torch.no_grad, at a third of its 4 us
             try:
                 result = fn(*args)
