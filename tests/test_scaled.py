@@ -1805,6 +1805,22 @@ def test_torch_func_transforms_are_refused_by_name():
         assert torch.equal(h.grad, torch.ones_like(X))
 
 
+def test_a_forward_mode_tangent_is_refused_by_name():
+    """A tensor with a forward-mode tangent (torch.autograd.forward_ad) into scaled's casts
+    failed inside torch (their Functions have no jvp), and as_scaled dropped the tangent
+    silently (a zero derivative); refused now, as torch.func's transforms are. A tensor
+    without one passes under a dual level."""
+    import torch.autograd.forward_ad as fwAD
+
+    calls = (lambda x: rebalance(x, 0.5), dynamic_rescale_max_grad, dynamic_rescale_max, pow2_scale,
+             lambda x: cast(x, "ocp_e4m3", "sr", seed=1), lambda x: as_scaled(x, 2.0))
+    for f in calls:
+        with fwAD.dual_level():
+            with pytest.raises(RuntimeError, match="does not carry forward-mode AD's tangents"):
+                f(fwAD.make_dual(X.clone(), torch.ones_like(X)))
+            f(X.clone())  # (no tangent)
+
+
 def test_in_place_rescalings_under_compile_break_once_naming_why():
     """rebalance_ and dynamic_rescale_ traced broke the graph in Dynamo's words ("torch.*
     op returned non-Tensor", a view's storage_offset) and again at the scale's checks; now

@@ -105,7 +105,7 @@ def cast(t: torch.Tensor, fmt: FloatFormat | str, mode: RoundMode | str = "rne",
         # went as a constant, a graph per seed, and a Key rebuilt from Dynamo's proxies
         # failed its checks).
         kwargs = {**kwargs, "seed": op_key(kwargs["seed"], t)}
-    guard_settings()
+    guard_settings(t)
     return _Cast.apply(t, fmt, mode, kwargs)
 
 
@@ -143,7 +143,7 @@ def rebalance(t: torch.Tensor, s: torch.Tensor | float) -> ScaledTensor:
     """
     _check_floating(t, "rebalance")
     s = check_scale(s, parts(t)[0], positive=True)
-    guard_settings()
+    guard_settings(t)
     return _Rebalance.apply(t, s)
 
 
@@ -194,7 +194,7 @@ def pow2_scale(t: torch.Tensor, rounding: Pow2 = "down") -> ScaledTensor:
     """t with its scale rounded to a power of two and the same value (data * 2^k is
     exact, so products and quotients of such scales are too); the zero array stays one."""
     _check_floating(t, "pow2_scale")
-    guard_settings()
+    guard_settings(t)
     return _Rebalance.apply(t, round_pow2(parts(t)[1], rounding))
 
 
@@ -256,7 +256,7 @@ def dynamic_scale(t: torch.Tensor, stat: Stat = "max", target: float = 1.0,
 def dynamic_rescale(t: torch.Tensor, stat: Stat = "max", target: float = 1.0,
                     pow2: bool = False) -> ScaledTensor:
     """t rebalanced to :func:`dynamic_scale` (same value; autograd sees the identity)."""
-    guard_settings()
+    guard_settings(t)
     return _Rebalance.apply(t, dynamic_scale(t, stat, target, pow2))
 
 
@@ -300,7 +300,7 @@ def dynamic_rescale_grad(t: torch.Tensor, stat: Stat = "max", target: float = 1.
     the range of a 16- or 8-bit format, its scale takes the size instead. A bad ``stat``
     or ``target`` is refused here, not in the backward pass."""
     _check_statistic(stat, target)
-    guard_settings()
+    guard_settings(t)
     return _RescaleGrad.apply(t, stat, target, pow2)
 
 

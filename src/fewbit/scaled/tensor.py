@@ -33,7 +33,7 @@ except ImportError as err:  # fewbit's other modules do not import this one
                       f"which torch {torch.__version__} lacks; the rest of fewbit works without it") from err
 
 from ..config import current
-from ..operators import transformed
+from ..operators import has_tangent, transformed
 
 aten = torch.ops.aten
 
@@ -89,7 +89,7 @@ def traced_settings() -> tuple[bool, str]:
     return config.unit_scaling, config.scaled_fallback
 
 
-def guard_settings() -> None:
+def guard_settings(t: torch.Tensor | None = None) -> None:
     """Under torch.compile, have Dynamo guard on :func:`traced_settings` where traced code
     makes a ScaledTensor of plain tensors (the flatten context guards them on ScaledTensor
     inputs alone): a graph traced under other settings would run its rules silently.
@@ -97,11 +97,19 @@ def guard_settings() -> None:
 
     Also refuses a call under torch.func's transforms (grad, vmap, jvp, ...), named: there
     torch failed inside (an autograd.Function without ``setup_context``; a functorch wrapper
-    hides the ScaledTensor from its methods), where torch.autograd takes every cast."""
-    if not torch.compiler.is_compiling() and transformed():
-        raise RuntimeError("fewbit.scaled does not run under torch.func's transforms (grad, vmap, jvp, "
-                           "jacrev, ...): take gradients with torch.autograd (loss.backward(), "
-                           "torch.autograd.grad)")
+    hides the ScaledTensor from its methods), where torch.autograd takes every cast; and
+    ``t`` (the tensor the call makes a ScaledTensor of) with a forward-mode tangent
+    (``torch.autograd.forward_ad``): the casts' Functions have no forward-mode formula
+    (torch's NotImplementedError), and ``as_scaled`` dropped the tangent without a word."""
+    if not torch.compiler.is_compiling():
+        if transformed():
+            raise RuntimeError("fewbit.scaled does not run under torch.func's transforms (grad, vmap, jvp, "
+                               "jacrev, ...): take gradients with torch.autograd (loss.backward(), "
+                               "torch.autograd.grad)")
+        if t is not None and has_tangent(t):
+            raise RuntimeError("fewbit.scaled does not carry forward-mode AD's tangents "
+                               "(torch.autograd.forward_ad), and this tensor has one: take gradients in "
+                               "reverse mode (loss.backward(), torch.autograd.grad)")
     if torch.compiler.is_compiling():
         unit, fallback = traced_settings()
         _ = (unit is True, fallback == "error")
@@ -536,7 +544,7 @@ def as_scaled(data: torch.Tensor, scale: torch.Tensor | float | None = None) -> 
         raise ValueError("as_scaled(data, scale) would cut data from autograd (its gradient would never "
                          "come back); for a differentiable ScaledTensor of a tensor's value use "
                          "fewbit.scaled.rebalance(x, scale), or pass data.detach()")
-    guard_settings()
+    guard_settings(data if isinstance(data, torch.Tensor) else None)
     return ScaledTensor(data, scale)
 
 
