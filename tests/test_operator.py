@@ -971,6 +971,34 @@ def test_vmap_rounds_each_sample_as_a_call_of_its_own():
         assert torch.vmap(f, in_dims=dims)(*args).shape == (0, 6, 64), i
 
 
+def test_vmap_of_block_quantize_gives_each_sample_its_own_codes():
+    """torch.vmap of fewbit.block.quantize (then dequantize): each sample's codes, scale
+    codes and NVFP4 tensor scale are a call on it alone's, along any batch dimension, with
+    a seed or bits per sample; an empty batch gives an empty result (torch's fallback, the
+    op having no batching rule, refused it, and warned at every call)."""
+    gen = torch.Generator().manual_seed(22)
+    x = torch.randn(3, 4, 64, generator=gen) * 3
+    bits = torch.randint(0, 8, (3, 4, 64), generator=gen, dtype=torch.int32)
+    cases = [
+        (lambda s: fewbit.block.quantize(s, "nvfp4", "src", bits=3, seed=4), (0,)),
+        (lambda s, r: fewbit.block.quantize(s, "mxfp8_e4m3", "srf", bits=3, random_bits=r, axis=0), (0, 0)),
+    ]
+    for i, (f, dims) in enumerate(cases):
+        def parts(*a, f=f):
+            q = f(*a)
+            return (q.codes, q.scales) + (() if q.tensor_scale is None else (q.tensor_scale,))
+
+        args = (x, bits)[: len(dims)]
+        alone = [torch.stack(p) for p in zip(*(parts(*(a[b] for a in args)) for b in range(3)), strict=True)]
+        for batched in (torch.vmap(parts, in_dims=dims)(*args),
+                        torch.vmap(parts, in_dims=(1,) * len(dims))(*(a.transpose(0, 1) for a in args))):
+            assert all(torch.equal(p, q) for p, q in zip(batched, alone, strict=True)), i
+        values = torch.vmap(lambda *a, f=f: f(*a).dequantize(), in_dims=dims)(*args)
+        assert torch.equal(values, torch.stack([f(*(a[b] for a in args)).dequantize() for b in range(3)])), i
+        empty = torch.vmap(parts, in_dims=dims)(*(a[:0] for a in args))
+        assert [p.shape[1:] for p in empty] == [p.shape[1:] for p in alone] and empty[0].shape[0] == 0, i
+
+
 def test_vmap_refuses_a_block_axis_that_a_call_on_a_sample_refuses():
     """A block axis that is none of a sample's, and a 0-d sample, are refused under
     torch.vmap with the error a call on a sample gives (before: the axis named the

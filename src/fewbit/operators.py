@@ -85,7 +85,8 @@ class Operator:
         and ``whole(*args)``, given x with its batch first, returns that call's arguments;
         else a call per sample, as torch's fallback makes them (without its warning that
         the op has no rule). A sample is a call of its own: a stochastic rounding draws
-        each sample the bits of its own indices, from 0."""
+        each sample the bits of its own indices, from 0. An op with several outputs (a
+        tuple) stacks each; ``whole`` always None calls it per sample."""
         op = self.op
 
         def rule(info, in_dims, *args):
@@ -97,10 +98,15 @@ class Operator:
                 zeros = [a if d is None else a.new_zeros(a.shape[:d] + a.shape[d + 1:])
                          for a, d in zip(args, in_dims, strict=True)]  # fmt: skip
                 one = op(*zeros)
+                if isinstance(one, tuple):
+                    return tuple(t.new_empty((0, *t.shape)) for t in one), (0,) * len(one)
                 return one.new_empty((0, *one.shape)), 0
             picked = [[a if d is None else a.select(d, i) for a, d in zip(args, in_dims, strict=True)]
                       for i in range(info.batch_size)]  # fmt: skip
-            return torch.stack([op(*sample) for sample in picked]), 0
+            results = [op(*sample) for sample in picked]
+            if isinstance(results[0], tuple):
+                return tuple(torch.stack(each) for each in zip(*results, strict=True)), (0,) * len(results[0])
+            return torch.stack(results), 0
 
         torch.library.register_vmap(self.qualname, rule, lib=LIBRARY)
         return whole

@@ -379,6 +379,13 @@ def block_quantize_op(
     return codes, scales, torch.ones((), device=x.device) if ts is None else ts
 
 
+@block_quantize_op.register_vmap
+def _(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule):
+    """A call per sample, each giving its own codes, scale codes and tensor scale (torch's
+    fallback did so, with its warning that the op has no rule, and refused an empty batch)."""
+    return None
+
+
 @block_quantize_op.register_fake
 def _(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule):
     spec, axis = _fake_checks(x, bfmt, rounding, sat, bits, fraction, key, random_bits, axis, rule)
