@@ -601,3 +601,24 @@ def test_a_training_module_counts_its_calls_under_torch_func_transforms():
     assert int(model[1].calls) == 7
     model[1].calls.fill_(6)
     assert torch.equal(values, model(x))
+
+
+def test_model_ensembling_is_refused_by_name():
+    """vmap of functional_call over stacked FakeQuantize states (model ensembling) failed in
+    torch's words (a vmapped .item(), "please file a bug report"); refused by name now, in
+    training and eval alike. A vmap over the inputs alone still runs."""
+    import copy
+
+    from fewbit import nn as fewbit_nn
+
+    assert fewbit_nn._IS_BATCHED is not None  # torch's private query: this fails first where it goes
+    sr = Quant("binary8p4", "src", bits=3)
+    members = [torch.nn.Sequential(torch.nn.Linear(8, 8), FakeQuantize(sr, seed=i)) for i in range(3)]
+    params, buffers = torch.func.stack_module_state(members)
+    base = copy.deepcopy(members[0]).to("meta")
+    x = torch.randn(4, 8)
+    for training in (True, False):
+        base.train(training)
+        with pytest.raises(RuntimeError, match="does not take a count stacked under torch.vmap"):
+            torch.vmap(lambda p, b: torch.func.functional_call(base, (p, b), (x,)))(params, buffers)
+    assert torch.vmap(members[0])(x[:, None]).shape == (4, 1, 8)

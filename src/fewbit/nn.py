@@ -349,6 +349,11 @@ class FakeQuantize(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling() and is_dtensor(x):  # as _eager_fake_quantize
             return _eager_forward(self, x)
+        if _IS_BATCHED is not None and transformed() and _IS_BATCHED(self.calls):
+            raise RuntimeError("FakeQuantize does not take a count stacked under torch.vmap (model "
+                               "ensembling: torch.func.stack_module_state, then vmap of functional_call): "
+                               "its key is no state, so every member would draw the base module's bits; "
+                               "call each model")
         # Eager, Python ints derive the key at a fraction of the cost of tensor ops. Where
         # the ops are recorded (torch.compile, torch.export, make_fx, torch.jit.trace) or
         # the count has no value (meta, fake tensors), it stays a tensor: a new count is
@@ -384,6 +389,9 @@ class FakeQuantize(nn.Module):
 
 _eager_forward = torch.compiler.disable(FakeQuantize.forward, reason=_EAGER_ON_DTENSORS)
 
+#: torch's query of a tensor batched by vmap (private). None where this torch lacks it:
+#: a stacked count is then refused in torch's words (a vmapped .item()).
+_IS_BATCHED = getattr(torch._C._functorch, "is_batchedtensor", None)
 #: torch's context that runs ops past functorch's transforms (private). None where this
 #: torch lacks it: a training FakeQuantize is then refused under them (tests/test_nn.py
 #: fails first).
