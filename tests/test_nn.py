@@ -622,3 +622,18 @@ def test_model_ensembling_is_refused_by_name():
         with pytest.raises(RuntimeError, match="does not take a count stacked under torch.vmap"):
             torch.vmap(lambda p, b: torch.func.functional_call(base, (p, b), (x,)))(params, buffers)
     assert torch.vmap(members[0])(x[:, None]).shape == (4, 1, 8)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (torch.jit.script is deprecated)
+def test_torch_jit_script_is_refused_by_name():
+    """torch.jit.script of a model with a FakeQuantize (its own, or quantize_outputs') failed
+    on Key's source (an OSError naming no module); refused by name, naming the tracers that
+    take it. torch.jit.trace still does."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), FakeQuantize("binary8p4"))
+    hooked = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    quantize_outputs(hooked, "binary8p4")
+    for m in (model, hooked):
+        with pytest.raises(RuntimeError, match="torch.jit.script does not take FakeQuantize"):
+            torch.jit.script(m)
+    x = torch.randn(2, 4)
+    assert torch.equal(torch.jit.trace(model, (x,))(x), model(x))

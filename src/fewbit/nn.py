@@ -382,6 +382,12 @@ class FakeQuantize(nn.Module):
             _advance(self.calls)
         return y
 
+    def __prepare_scriptable__(self) -> FakeQuantize:
+        # torch.jit.script asks each module of a model this first: TorchScript cannot compile
+        # the Python of a call's key (it failed on Key's source, an OSError naming no module).
+        raise RuntimeError("torch.jit.script does not take FakeQuantize (TorchScript cannot compile fewbit's "
+                           "Python): use torch.compile, torch.export or torch.jit.trace")
+
     def extra_repr(self) -> str:
         group = "" if self.replica_rank is None else f", replica_rank={self.replica_rank}"
         return f"forward={self.forward_quant}, backward={self.backward_quant}{group}"
