@@ -810,6 +810,28 @@ def test_torch_func_transforms_take_the_straight_through_gradient():
         torch.func.grad(lambda t: op(t, "binary8p4", "rne", False, None, None, None, None).sum())(x)
 
 
+def test_functionalize_takes_the_functional_ops():
+    """torch.func.functionalize of fewbit.round and block.round (alone, under vmap, and
+    traced by make_fx into one op call) gives the eager result: under any functorch
+    transform they went through their autograd.Function, which torch cannot functionalise
+    ("NYI: Functionalize rule for custom_function_call"); that Function is for the
+    transforms that differentiate."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fewbit.operators import _DIFFERENTIATE, _STACK
+
+    assert _STACK is not None and _DIFFERENTIATE is not None  # torch's private names: this fails first
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(16))
+    for name, f in (("round", lambda t: fewbit.round(t, "binary8p4", "src", bits=3, seed=1) * 2),
+                    ("block_round", lambda t: fewbit.block.round(t, "mxfp8_e4m3", "src", bits=3, seed=1))):
+        expected = f(x)
+        assert torch.equal(torch.func.functionalize(f)(x), expected), name
+        assert torch.equal(torch.func.functionalize(torch.vmap(f))(x), torch.vmap(f)(x)), name
+        graph = make_fx(torch.func.functionalize(f))(x)
+        assert torch.equal(graph(x), expected), name
+        assert sum(str(n.target) == f"fewbit.{name}.default" for n in graph.graph.nodes) == 1, name
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch.func.jvp
 @pytest.mark.parametrize("level_known", [True, False])
 def test_forward_mode_passes_the_tangent_straight_through(monkeypatch, level_known):

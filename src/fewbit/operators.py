@@ -71,7 +71,7 @@ class Operator:
         if unseen(self._tensors(args)):
             return self._direct(*args)
         args = tuple(key_of(a) if isinstance(a, Key) else a for a in args)  # the schema's key tensor
-        if self._differentiable is not None and (transformed() or may_carry_tangent(args[0])):
+        if self._differentiable is not None and (differentiating() or may_carry_tangent(args[0])):
             return self._differentiable.apply(*args)
         return self.op(*args)
 
@@ -177,6 +177,25 @@ def _differentiable(op: torch._ops.OpOverload, backward: Callable) -> type[torch
 def transformed() -> bool:
     """Whether a torch.func transform is active (False where this torch lacks the query)."""
     return _PRIVATE is not None and _PRIVATE[1]() is not None
+
+
+#: functorch's stack of active transforms, and those that differentiate (private; None
+#: where this torch lacks them: every transform then counts as one that differentiates).
+_STACK = getattr(torch._C._functorch, "get_interpreter_stack", None)
+_TRANSFORMS = getattr(torch._C._functorch, "TransformType", None)
+_DIFFERENTIATE = None if _TRANSFORMS is None else (_TRANSFORMS.Grad, _TRANSFORMS.Jvp)
+
+
+def differentiating() -> bool:
+    """Whether a torch.func transform that differentiates (grad, vjp, jacrev, jvp, jacfwd)
+    is active, where a straight-through op is called through its autograd.Function. Not
+    under vmap or functionalize alone: torch cannot functionalise an autograd.Function ("NYI:
+    Functionalize rule for custom_function_call"), where the op itself is functional."""
+    if not transformed():
+        return False
+    if _STACK is None or _DIFFERENTIATE is None:
+        return True
+    return any(level.key() in _DIFFERENTIATE for level in _STACK())
 
 
 _FORWARD_AD = torch.autograd.forward_ad
