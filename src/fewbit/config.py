@@ -28,7 +28,8 @@ setting                environment (import)   meaning
 The settings are process-wide: a ``with configure(...)`` block changes them for every
 thread until it ends, autograd's backward threads included (a per-thread setting would
 not reach those); blocks of several threads may overlap, each taking out only its own
-changes when it ends. Nothing in fewbit reads the environment after import.
+changes when it ends. Nothing in fewbit reads the environment after import: a process
+forked inside a block keeps its settings, a spawned one starts from the environment.
 """
 
 from __future__ import annotations
