@@ -613,6 +613,28 @@ def test_configure_blocks_of_two_threads_that_overlap_each_undo_only_their_own()
     assert fewbit.config.current() == before
 
 
+def test_configure_inside_a_compiled_function_is_refused_naming_why():
+    """A configure block traced by torch.compile failed in Dynamo's words ("Failed to trace
+    builtin operator `object`"); it names itself now, and without fullgraph the frame runs
+    eagerly, the block in force (a ScaledTensor matmul's unit scaling shows it)."""
+    from fewbit.scaled import as_scaled
+
+    a, b = (as_scaled(torch.ones(8, 64), torch.tensor(1.0)), as_scaled(torch.ones(64, 8), torch.tensor(1.0)))
+
+    def f(a, b):
+        with fewbit.configure(unit_scaling=True):
+            return a @ b
+
+    before = fewbit.config.current()
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="fewbit.configure cannot change the settings inside a compiled"):
+        torch.compile(f, fullgraph=True)(a, b)
+    assert fewbit.config.current() == before
+    torch._dynamo.reset()
+    assert float(torch.compile(f)(a, b).scale) == 8.0 == float(f(a, b).scale)
+    assert fewbit.config.current() == before
+
+
 @pytest.mark.parametrize("cache", [None, 5, ""])
 def test_configure_refuses_a_native_cache_that_is_not_a_path(cache):
     with pytest.raises(ValueError, match="native_cache must be a folder's path"):

@@ -163,6 +163,17 @@ def _replaced(config: Config, changes: tuple[tuple[str, type, Any], ...]) -> Con
     return dataclasses.replace(config, **{name: v for name, _, v in changes})
 
 
+def _refuse_traced() -> None:
+    """Refuse a block that torch.compile traces, naming why: the settings are read as the
+    kernels run, after the traced code has returned (Dynamo failed on the block's key,
+    "Failed to trace builtin operator `object`"; without fullgraph it runs eagerly). torch
+    as the process has it: this module imports none."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.compiler.is_compiling():
+        raise RuntimeError("fewbit.configure cannot change the settings inside a compiled function (the "
+                           "kernels read them as they run): enter it around the compiled call")
+
+
 @contextmanager
 def configure(**changes: Any) -> Iterator[Config]:
     """Change settings inside a ``with`` block: ``with fewbit.configure(compile=False): ...``.
@@ -171,6 +182,7 @@ def configure(**changes: Any) -> Iterator[Config]:
     unknown = sorted(set(changes) - _NAMES)
     if unknown:
         raise ValueError(f"unknown setting(s) {unknown}; known: {sorted(_NAMES)}")
+    _refuse_traced()
     key = object()
     with _lock:
         entered = _changed(_current, changes)
