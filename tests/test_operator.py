@@ -580,6 +580,12 @@ def test_configure_restores_and_refuses_unknown_names():
     with pytest.raises(TypeError, match="compile must be a bool, not int"):
         with fewbit.configure(compile=0):
             pass
+    # numpy's ints as fewbit.round's bits takes them, kept as ints (refused as "not an int" before)
+    with fewbit.configure(compile_threshold=np.int64(5), eager_chunk=np.uint16(7)) as inside:
+        assert (inside.compile_threshold, inside.eager_chunk) == (5, 7) and type(inside.eager_chunk) is int
+    with pytest.raises(ValueError, match="eager_chunk must be an int >= 1"):
+        with fewbit.configure(eager_chunk=np.bool_(True)):
+            pass
 
 
 def test_configure_blocks_of_two_threads_that_overlap_each_undo_only_their_own():

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 import os
 import sys
 import threading
@@ -79,10 +80,12 @@ class Config:
     def __post_init__(self) -> None:
         for name in ("compile", "unit_scaling", "native"):  # (numpy's bool too, as fewbit.round's sat)
             object.__setattr__(self, name, as_flag(getattr(self, name), name))
-        for name in ("compile_threshold", "eager_chunk"):
+        for name in ("compile_threshold", "eager_chunk"):  # (numpy's ints too, as fewbit.round's bits)
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "eager_chunk"):
+            if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral) or \
+                    value < (name == "eager_chunk"):  # fmt: skip
                 raise ValueError(f"{name} must be an int >= {int(name == 'eager_chunk')}, got {value!r}")
+            object.__setattr__(self, name, int(value))
         if self.scaled_fallback not in ("warn", "error"):
             raise ValueError(f"scaled_fallback must be 'warn' or 'error', got {self.scaled_fallback!r}")
         if not isinstance(self.native_cache, str | os.PathLike) or not os.fspath(self.native_cache):
