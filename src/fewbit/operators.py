@@ -213,6 +213,11 @@ def may_carry_tangent(x: torch.Tensor) -> bool:
     return _FORWARD_AD.unpack_dual(x).tangent is not None
 
 
+#: torch's context that turns forward AD off (private; None where this torch lacks it: the
+#: kernels of ops without a gradient then run with it on, and tests/test_operator.py fails).
+_FORWARD_GRAD_OFF = getattr(_FORWARD_AD, "_set_fwd_grad_enabled", None)
+
+
 def dual_level_active() -> bool:
     """Whether a forward-AD level is active (True where this torch does not say)."""
     return not _LEVEL_KNOWN or _FORWARD_AD._current_level >= 0
@@ -316,10 +321,10 @@ def _kernel(fn: Callable, written: tuple[int, ...], grad_off: bool) -> Callable:
     pick = _operator.itemgetter(*written) if written else None
 
     def kernel(*args):
-        if grad_off and dual_level_active():
+        if grad_off and _FORWARD_GRAD_OFF is not None and dual_level_active():
             # no_grad leaves forward AD on: the torch ops inside would carry x's tangent, and
             # those that write an out= (the eager rounding's) refuse one, in torch's words.
-            with torch.no_grad(), _FORWARD_AD._set_fwd_grad_enabled(False):
+            with torch.no_grad(), _FORWARD_GRAD_OFF(False):
                 result = fn(*args)
         elif grad_off and torch.is_grad_enabled():
             torch.set_grad_enabled(False)  # as torch.no_grad, at a third of its 4 us
