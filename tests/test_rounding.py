@@ -426,3 +426,38 @@ def test_a_schedule_of_fractions_keeps_a_bounded_number_of_specs():
         fewbit.nn.fake_quantize(x.requires_grad_(), None, q, seed=1)
     for cache in (make_spec, ops._named_spec, block_ops._spec, fewbit.nn._check_gradient):
         assert cache.cache_info().maxsize is not None  # (an unbounded cache has none)
+
+
+def _subnormals_of(dtype: torch.dtype) -> torch.Tensor:
+    """Subnormals of ``dtype`` with both signs, the smallest normal and neighbours around
+    twice it, made from their bit patterns (a conversion of values would flush them)."""
+    view = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16}[dtype]
+    m = {torch.float32: 23, torch.float64: 52, torch.bfloat16: 7}[dtype]
+    codes = [1, 2, 3, 5, (1 << m) // 3, (1 << m) - 1, 1 << m, (1 << m) + 1, (2 << m) - 1, (2 << m) + 1]
+    x = torch.tensor(codes, dtype=torch.int64).to(view).view(dtype)
+    return torch.cat([x, -x])
+
+
+@pytest.mark.parametrize("dtype, fmt", [
+    (torch.float32, "bfloat16"), (torch.float32, "binary32"), (torch.float32, "ocp_e8m0"),
+    (torch.bfloat16, "bfloat16"), (torch.bfloat16, "ocp_e8m0"), (torch.float64, "binary64"),
+])  # fmt: skip
+def test_torch_kernels_keep_subnormals_under_flush_denormal(dtype, fmt):
+    """torch.set_flush_denormal(True) (FTZ and DAZ on the calling thread) made the torch
+    kernels' float arithmetic flush: float32 subnormals into bfloat16 came out 0, and into
+    E8M0 (no zero) they came out 0, E8M0's 2^-127 being a float32 subnormal that the
+    conversion of the constant flushed, and a subnormal input's renormalisation read 0.
+    They compute subnormals in integers, as the native and GPU kernels do. (Eager here: the
+    compiled kernel is the same Python, and compiles seconds a spec.)"""
+    x = _subnormals_of(dtype)
+    rb = torch.randint(0, 8, x.shape, generator=torch.Generator().manual_seed(0))
+    cases = [("rne", {}), ("rup", {}), ("rtz", {}), ("src", {"bits": 3, "random_bits": rb})]
+    want = [round_reference(x, fmt, mode, **kw) for mode, kw in cases]
+    torch.set_flush_denormal(True)
+    try:
+        with fewbit.configure(compile=False):
+            got = [fewbit.round(x, fmt, mode, **kw) for mode, kw in cases]
+    finally:
+        torch.set_flush_denormal(False)
+    for (mode, _), g, w in zip(cases, got, want, strict=True):
+        assert_bitwise_equal(g, w, x, f"{dtype} to {fmt} {mode}")

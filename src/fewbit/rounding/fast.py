@@ -39,9 +39,14 @@ def working_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _bits_of(value: float, dtype: torch.dtype) -> int:
-    """Integer bit pattern of a Python float in the working float ``dtype``."""
+    """Integer bit pattern of a Python float in the working float ``dtype`` (a value it
+    holds: a format's constant)."""
     if dtype == torch.float64:
         return struct.unpack("<q", struct.pack("<d", value))[0]
+    if 0 < abs(value) < 2.0**-126:
+        # A float32 subnormal (E8M0's 2^-127): its bits count its smallest subnormals. The
+        # C library's conversion to float gives 0 under torch.set_flush_denormal(True).
+        return int(abs(value) * 2.0**149) | (_sign_mask(dtype) if value < 0 else 0)
     return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
@@ -106,10 +111,13 @@ def decompose(x: torch.Tensor, emin: int):
     sig = torch.where(e_field > 0, mantissa | (1 << M), mantissa)
     e_x = e_field.clamp(min=1) - bias_in
     if emin < 1 - bias_in:
-        # 2^(M+1) times larger is normal; its exponent less M + 1 is the true one.
-        scaled = (x.abs() * 2.0 ** (M + 1)).view(itype)
+        # A subnormal is its mantissa times the smallest subnormal, 2^(1 - bias_in - M); the
+        # mantissa as a float (exact, and normal) has the exponent and significand of the
+        # value renormalised. (Integer to float: a float multiply of x would read the
+        # subnormal as 0 under torch.set_flush_denormal(True).)
+        scaled = mantissa.to(x.dtype).view(itype)
         subnormal = (e_field == 0) & (a != 0)
-        e_x = torch.where(subnormal, (scaled >> M) - bias_in - (M + 1), e_x)
+        e_x = torch.where(subnormal, (scaled >> M) - 2 * bias_in + 1 - M, e_x)
         sig = torch.where(subnormal, (scaled & ((1 << M) - 1)) | (1 << M), sig)
     return negative, is_inf, is_nan, e_x, sig
 
@@ -145,13 +153,14 @@ def round_fast(x: torch.Tensor, spec: RoundSpec, random_bits: torch.Tensor | Non
     is_normal = r >= (1 << t)
     if fmt.emin < 1 - bias_in:
         # The format's normals reach below x's: r counts ulps of e_t, 2^(e_t - t), where
-        # e_t may lie above emin while the value is subnormal in x's dtype.
+        # e_t may lie above emin while the value is subnormal in x's dtype. There it is at
+        # most 2^(1 - bias_in), x's smallest normal, whose bits are its value over x's
+        # smallest subnormal, as a subnormal's are; elsewhere (e_t a normal binade of x's)
+        # a value below 2^t ulps is 0.
         is_normal &= e_t >= 1 - bias_in
-        subnormal_power = 1 << (e_t + bias_in - 1 + M).clamp(0, M)
-        power = torch.where(e_t >= 1 - bias_in, (e_t + bias_in) << M, subnormal_power)
-        tiny = (r.to(x.dtype) * 2.0**-t * power.view(x.dtype)).view(itype)
+        tiny = r << (e_t - t + bias_in - 1 + M).clamp(0, M + 1)
     else:
-        tiny = (r.to(x.dtype) * 2.0 ** fmt.min_ulp_exponent).view(itype)
+        tiny = _times_power_of_two(r, fmt.min_ulp_exponent, x.dtype)
     mag = torch.where(is_normal, normal, tiny)
 
     # Range: saturate, stop directed modes at the limit, or go beyond (Inf/NaN).
@@ -183,6 +192,21 @@ def round_fast(x: torch.Tensor, spec: RoundSpec, random_bits: torch.Tensor | Non
     out = torch.where(keep_sign, mag | sign_mask, mag)
     out = torch.where(is_nan, const(float("nan")), out)
     return out.view(x.dtype)
+
+
+def _times_power_of_two(r: torch.Tensor, q: int, dtype: torch.dtype) -> torch.Tensor:
+    """The bits of ``r * 2^q`` in ``dtype`` (its integer view), for integers ``r`` below
+    ``2^(M+1)`` whose products lie in dtype's range, in integer arithmetic where they are
+    subnormal: a float multiply there gives 0 under ``torch.set_flush_denormal(True)``
+    (FTZ and DAZ; 2^q itself may be a subnormal). A subnormal's bits are its value over
+    the smallest subnormal, 2^(1 - bias - M); a normal product's are float(r)'s (exact)
+    with q added to the exponent (as the GPU kernel computes them)."""
+    itype, M, bias = INT_LAYOUT[dtype]
+    if q >= 1 - bias:  # 2^q and every nonzero product are normal
+        return (r.to(dtype) * 2.0**q).view(itype)
+    shifted = r << (q - (1 - bias - M))
+    normal = r.to(dtype).view(itype) + (q << M)
+    return torch.where(r < (1 << (1 - bias - q)), shifted, normal)
 
 
 def _directed_to_limit(mode: RoundMode, negative):
