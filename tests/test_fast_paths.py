@@ -18,6 +18,7 @@ import torch
 
 import fewbit
 from conftest import assert_bitwise_equal, hexbits, stable_seed
+from fewbit.formats import FloatFormat
 from fewbit.random import random_bits
 from fewbit.rounding import natural_sr_bits
 from fewbit.rounding.checks import check_round_args, dtype_format
@@ -98,6 +99,35 @@ def test_shortcut_equals_general_kernel(name):
             want = round_fast(x, spec, rand)
             assert torch.equal(got.view(torch.int32), want.view(torch.int32)), \
                 _first_difference(x, got, want, f"{name} {mode} N={n} sat={sat}")
+
+
+def test_shortcut_leaves_grids_that_reach_float32_subnormals_under_flush_denormal():
+    """The float adder computes in float32, which torch.set_flush_denormal(True) (FTZ and
+    DAZ) flushes below 2^-126: a format made by hand whose subnormals are float32 ones, or
+    whose grid 2^(min_ulp - N) is fine enough to round float32 subnormals away from 0,
+    came out 0 there (eager; the native kernel clears FTZ). Such formats go to the
+    general kernel, which builds subnormals in integers."""
+    formats = [FloatFormat("fast_paths_hm_k10p4", 10, 4, 126), FloatFormat("fast_paths_hm_k12p8", 12, 8, 125),
+               FloatFormat("fast_paths_hm_k9p3", 9, 3, 120)]  # fmt: skip
+    gen = torch.Generator().manual_seed(5)
+    codes = torch.randint(-(1 << 31), (1 << 31) - 1, (1 << 12,), generator=gen, dtype=torch.int64)
+    codes = (codes & 0x807FFFFF) | (torch.randint(0, 9, codes.shape, generator=gen) << 23)  # below 2^-118
+    x = codes.to(torch.int32).view(torch.float32)
+    rand = torch.randint(0, 8, x.shape, generator=gen, dtype=torch.int32)
+    for fmt in formats:
+        for mode, n, bits in [("rne", None, None), ("src", 3, rand)]:
+            spec = check_round_args(x, fmt, mode, False, n, None)
+            want = round_fast(x, spec, bits)
+            torch.set_flush_denormal(True)
+            try:
+                with fewbit.configure(compile=False):
+                    got = fewbit.round(x, fmt, mode, bits=n, random_bits=bits)
+            finally:
+                torch.set_flush_denormal(False)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), \
+                _first_difference(x, got, want, f"{fmt.name} {mode}")
+    # The shortcut still takes a format made by hand whose grid stays above them.
+    assert magic_applies(check_round_args(x, formats[2], "src", False, 3, None), torch.float32)
 
 
 def _first_difference(x, got, want, context: str) -> str:

@@ -59,9 +59,13 @@ def magic_applies(spec: RoundSpec, dtype: torch.dtype) -> bool:
     lowest_c = fmt.emin + 23 - fmt.t - _fraction_bits(spec)
     highest_c = fmt.emax + 23 - fmt.t - _fraction_bits(spec)
     # The target's normals are float32 normals, and C is a normal float32 for every
-    # binade from emin to emax.
+    # binade from emin to emax. The adder meets no float32 subnormal that matters, which
+    # torch.set_flush_denormal(True) would flush (FTZ) or read as 0 (DAZ): every result
+    # is a multiple of the smallest subnormal 2^min_ulp, a normal, and every float32
+    # subnormal lies below half the grid g = 2^(min_ulp - N), where it rounds to 0 with
+    # d_N = 0, as 0 does. (Hand-made formats only: the registry's lie far above.)
     return (fmt.t + _fraction_bits(spec) <= 21 and fmt.emin >= -126
-            and lowest_c >= -126 and highest_c <= 127)
+            and lowest_c >= -126 and highest_c <= 127 and fmt.min_ulp_exponent - _fraction_bits(spec) >= -125)
 
 
 def round_magic(
