@@ -324,3 +324,28 @@ def test_codes_of_refuses_what_it_cannot_read():
     with pytest.raises(TypeError, match="codes_of reads float32 or float64 values, not torch.float16"):
         codes_of(torch.ones(4, dtype=torch.float16), fewbit.format("binary8p4"))
     assert codes_of(torch.ones(2, dtype=torch.float64), fewbit.format("binary8p4")).tolist() == [0x40, 0x40]
+
+
+@pytest.mark.parametrize("config", [{}, {"compile": False}])
+def test_float32_subnormal_values_survive_flush_denormal(config):
+    """torch.set_flush_denormal(True) (FTZ and DAZ) flushed the conversion of decode's value
+    table, built once and kept: E8M0's code 0 (2^-127) and bfloat16's subnormal codes
+    decoded to 0 for the rest of the process; and encode's check compared floats, which
+    read subnormals as 0, so 2^-149 passed as E8M0's 2^-127 and as bfloat16's 0."""
+    e8m0 = torch.tensor([0x400000, 0x800000, 0x3F800000], dtype=torch.int32).view(torch.float32)
+    bf16 = torch.tensor([0x10000, 0x7F0000, -0x7FFF0000], dtype=torch.int32).view(torch.float32)
+    not_a_value = torch.tensor([1], dtype=torch.int32).view(torch.float32)  # 2^-149
+    fewbit.codec._table.cache_clear()  # (built under the setting below)
+    torch.set_flush_denormal(True)
+    try:
+        with fewbit.configure(**config):
+            decoded = [fewbit.decode(fewbit.encode(v, name), name) for v, name in
+                       ((e8m0, "ocp_e8m0"), (bf16, "bfloat16"))]  # fmt: skip
+            for name in ("ocp_e8m0", "bfloat16"):
+                with pytest.raises(ValueError, match="is not a value"):
+                    fewbit.encode(not_a_value, name)
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(decoded[0].view(torch.int32), e8m0.view(torch.int32))
+    assert torch.equal(decoded[1].view(torch.int32), bf16.view(torch.int32))
+    assert fewbit.decode(torch.zeros(1, dtype=torch.uint8), "ocp_e8m0").view(torch.int32).item() == 0x400000

@@ -179,7 +179,12 @@ def _codes(x: torch.Tensor, fmt: FloatFormat, packed: bool, check: bool) -> torc
     if check:
         in_range = (code >= 0) & (code < 1 << fmt.k)
         back = _lookup(code.clamp(0, (1 << fmt.k) - 1), fmt, work.dtype)
-        same = in_range & ((back == work) | (torch.isnan(back) & torch.isnan(work)))
+        # Compared as bits, a zero of either sign matching the other: a float compare under
+        # torch.set_flush_denormal(True) reads subnormals as 0 (2^-149 passed as E8M0's 2^-127).
+        itype = INT_LAYOUT[work.dtype][0]
+        ours, theirs = work.view(itype), back.view(itype)
+        equal = (ours == theirs) | (((ours | theirs) << 1) == 0)
+        same = in_range & (equal | (torch.isnan(back) & torch.isnan(work)))
         if not bool(same.all()):
             _not_a_value(work[~same].flatten()[0].item(), fmt)
     else:  # an element that is no value has a code of any width: kept to K bits, off its neighbour's
@@ -356,4 +361,16 @@ def _lookup(code: torch.Tensor, fmt: FloatFormat, dtype: torch.dtype) -> torch.T
 
 @lru_cache(maxsize=64)
 def _table(fmt: FloatFormat, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(fmt.values(), dtype=torch.float64).to(dtype).to(device)
+    values = torch.tensor(fmt.values(), dtype=torch.float64)
+    if dtype != torch.float64:
+        # Through float32, whose subnormals (E8M0's 2^-127, bfloat16's) are made from their
+        # bits, counts of 2^-149: the conversion gives 0 under torch.set_flush_denormal(True),
+        # and the table is kept for the process. (float32 to 16 bits converts exactly.)
+        wide = values.to(torch.float32).view(torch.int32)
+        tiny = (values != 0) & (values.abs() < 2.0**-126)
+        count = (values.abs() * 2.0**149).to(torch.int32)
+        values = torch.where(tiny, torch.where(values < 0, count | _SIGN32, count), wide).view(torch.float32)
+    return values.to(dtype).to(device)
+
+
+_SIGN32 = -(1 << 31)
