@@ -18,6 +18,7 @@ each as one op. Codes carry no gradient: they are integers.
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import torch
@@ -170,7 +171,7 @@ def _codes(x: torch.Tensor, fmt: FloatFormat, packed: bool, check: bool) -> torc
         bad = None
     if bad is not None:
         if check and bad >= 0:
-            _not_a_value(float(x.reshape(-1)[bad]), fmt)
+            _not_a_value(x.reshape(-1)[bad], fmt)
         return out
     work = x.to(working_dtype(x.dtype))
     code = codes_of(work, fmt)
@@ -186,7 +187,7 @@ def _codes(x: torch.Tensor, fmt: FloatFormat, packed: bool, check: bool) -> torc
         equal = (ours == theirs) | (((ours | theirs) << 1) == 0)
         same = in_range & (equal | (torch.isnan(back) & torch.isnan(work)))
         if not bool(same.all()):
-            _not_a_value(work[~same].flatten()[0].item(), fmt)
+            _not_a_value(work[~same].flatten()[0], fmt)
     else:  # an element that is no value has a code of any width: kept to K bits, off its neighbour's
         code = code & ((1 << fmt.k) - 1)
     if packed:
@@ -202,7 +203,13 @@ def _empty(like: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.T
     return torch.empty(shape, dtype=dtype, device=like.device)
 
 
-def _not_a_value(value: float, fmt: FloatFormat):
+def _not_a_value(element: torch.Tensor, fmt: FloatFormat):
+    """Refuse a 0-d tensor's value, named exactly: a float32 subnormal's from its bits (its
+    conversion to a Python float reads it as 0 under torch.set_flush_denormal(True))."""
+    value = element.item()
+    if value == 0 and element.dtype != torch.float64:
+        bits = element.float().view(torch.int32).item()  # (16 bits to float32: exact)
+        value = math.copysign(math.ldexp(bits & 0x7FFFFF, -149), bits if bits else 1.0)
     raise ValueError(f"{value!r} is not a value of {fmt.name}; round it first (fewbit.round)")
 
 
