@@ -448,7 +448,8 @@ def test_torch_kernels_keep_subnormals_under_flush_denormal(dtype, fmt):
     E8M0 (no zero) they came out 0, E8M0's 2^-127 being a float32 subnormal that the
     conversion of the constant flushed, and a subnormal input's renormalisation read 0.
     They compute subnormals in integers, as the native and GPU kernels do. (Eager here: the
-    compiled kernel is the same Python, and compiles seconds a spec.)"""
+    compiled kernel is the same Python, and compiles seconds a spec.) round_reference read
+    and wrote them through float conversions, which flushed them too."""
     x = _subnormals_of(dtype)
     rb = torch.randint(0, 8, x.shape, generator=torch.Generator().manual_seed(0))
     cases = [("rne", {}), ("rup", {}), ("rtz", {}), ("src", {"bits": 3, "random_bits": rb})]
@@ -457,7 +458,9 @@ def test_torch_kernels_keep_subnormals_under_flush_denormal(dtype, fmt):
     try:
         with fewbit.configure(compile=False):
             got = [fewbit.round(x, fmt, mode, **kw) for mode, kw in cases]
+        again = [round_reference(x, fmt, mode, **kw) for mode, kw in cases]
     finally:
         torch.set_flush_denormal(False)
-    for (mode, _), g, w in zip(cases, got, want, strict=True):
+    for (mode, _), g, a, w in zip(cases, got, again, want, strict=True):
         assert_bitwise_equal(g, w, x, f"{dtype} to {fmt} {mode}")
+        assert_bitwise_equal(a, w, x, f"round_reference, {dtype} to {fmt} {mode}")

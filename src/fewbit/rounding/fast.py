@@ -24,7 +24,7 @@ import torch
 from .checks import RoundSpec
 from .modes import MODES, RoundMode
 
-__all__ = ["INT_LAYOUT", "decompose", "round_fast", "working_dtype"]
+__all__ = ["INT_LAYOUT", "bits_of", "decompose", "round_fast", "working_dtype"]
 
 # (integer view, trailing significand bits M, exponent bias) of each working float.
 INT_LAYOUT = {
@@ -38,7 +38,7 @@ def working_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _bits_of(value: float, dtype: torch.dtype) -> int:
+def bits_of(value: float, dtype: torch.dtype) -> int:
     """Integer bit pattern of a Python float in the working float ``dtype`` (a value it
     holds: a format's constant)."""
     if dtype == torch.float64:
@@ -103,7 +103,7 @@ def decompose(x: torch.Tensor, emin: int):
     bits = x.view(itype)
     negative = bits < 0
     a = bits & ~_sign_mask(x.dtype)
-    inf_bits = _bits_of(float("inf"), x.dtype)
+    inf_bits = bits_of(float("inf"), x.dtype)
     is_inf = a == inf_bits
     is_nan = a > inf_bits
     e_field = a >> M
@@ -167,7 +167,7 @@ def round_fast(x: torch.Tensor, spec: RoundSpec, random_bits: torch.Tensor | Non
     def const(value: float):
         # A 0-d tensor keeps torch.where in the integer view's dtype. (Filled on the device:
         # a tensor copied to a GPU waits for its queued work.)
-        return torch.full((), _bits_of(value, x.dtype), dtype=itype, device=x.device)
+        return torch.full((), bits_of(value, x.dtype), dtype=itype, device=x.device)
 
     if fmt.max_negative_magnitude == fmt.max:
         limit = const(fmt.max)

@@ -15,12 +15,14 @@ that ``fewbit.bias`` integrates. The fast implementation is tested against it.
 from __future__ import annotations
 
 import math
+import struct
 from fractions import Fraction
 
 import torch
 
 from ..formats import FloatFormat
 from .checks import RoundSpec, check_random_bits, check_round_args, no_result
+from .fast import bits_of
 from .modes import MODES, RoundMode
 
 __all__ = ["fraction_to_bits", "probability_away", "round_away", "round_reference"]
@@ -138,7 +140,7 @@ def _round_scalar(v: float, spec: RoundSpec, n: int | None) -> float:
     if math.isinf(v):
         magnitude = None
     else:
-        magnitude = _round_magnitude(abs(Fraction(v)), spec, negative, n)
+        magnitude = _round_magnitude(_exact_fraction(abs(v)), spec, negative, n)
         if magnitude > limit and _directed_to_limit(spec.mode, negative):
             magnitude = limit
     if magnitude is None or magnitude > limit:
@@ -149,7 +151,22 @@ def _round_scalar(v: float, spec: RoundSpec, n: int | None) -> float:
         if not fmt.has_zero:
             return fmt.smallest_normal
         return -0.0 if negative and fmt.has_nz else 0.0
-    return float(-magnitude if negative else magnitude)
+    if magnitude < _SMALLEST_NORMAL64:  # a float64 subnormal from its bits: the division gives 0 under FTZ
+        value = struct.unpack("<d", struct.pack("<q", int(magnitude * 2**1074)))[0]
+    else:
+        value = float(magnitude)
+    return math.copysign(value, -1.0 if negative else 1.0)
+
+
+_SMALLEST_NORMAL64 = Fraction(1, 2**1022)
+
+
+def _exact_fraction(a: float) -> Fraction:
+    """A finite ``a >= 0`` as a Fraction; a float64 subnormal from its bits (Fraction(a)
+    reads it through frexp, which gives 0 under DAZ)."""
+    if a < 2.0**-1022:
+        return Fraction(struct.unpack("<q", struct.pack("<d", a))[0], 2**1074)
+    return Fraction(a)
 
 
 def round_reference(
@@ -166,7 +183,27 @@ def round_reference(
     rational arithmetic. Slow: for tests and documentation."""
     spec = check_round_args(x, fmt, mode, sat, bits, fraction)
     check_random_bits(x, spec, random_bits)
-    values = x.detach().cpu().double().flatten().tolist()
+    values = _exact_values(x)
     rand = random_bits.cpu().flatten().tolist() if random_bits is not None else [None] * len(values)
     out = [_round_scalar(v, spec, n) for v, n in zip(values, rand, strict=True)]
-    return torch.tensor(out, dtype=torch.float64).reshape(x.shape).to(x.dtype).to(x.device)
+    if x.dtype == torch.float64:
+        result = torch.tensor(out, dtype=torch.float64)
+    else:  # (through float32's bits, exactly: see _exact_values)
+        result = torch.tensor([bits_of(v, torch.float32) for v in out], dtype=torch.int32).view(torch.float32)
+    return result.reshape(x.shape).to(x.dtype).to(x.device)
+
+
+def _exact_values(x: torch.Tensor) -> list[float]:
+    """x's values as Python floats. A float32 subnormal (bfloat16's too) is read from its
+    bits: a float conversion, to float64 or back, reads or makes it as 0 under
+    torch.set_flush_denormal(True) (DAZ and FTZ)."""
+    x = x.detach().cpu().flatten()
+    if x.dtype == torch.float64:
+        return x.tolist()
+    return [_float32_value(b) for b in x.float().view(torch.int32).tolist()]  # (16 bits to float32: exact)
+
+
+def _float32_value(bits: int) -> float:
+    if bits & 0x7F800000:  # normal, Inf or NaN
+        return struct.unpack("<f", struct.pack("<i", bits))[0]
+    return math.copysign(math.ldexp(bits & 0x7FFFFF, -149), -1.0 if bits < 0 else 1.0)
