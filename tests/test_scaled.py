@@ -530,6 +530,24 @@ def test_a_part_copied_at_a_larger_scale_gives_it_to_the_whole_tensor():
     assert x.static_scale == 1.0 and x.dequantize().tolist() == [0.375, 0, 0, 1000, 1000, 1000]
 
 
+def test_a_channel_copied_into_a_per_channel_tensor_leaves_the_other_channels():
+    """``x[2] = row`` of a per-row x: the view x[2] has one element of x's scale, so the
+    copy took the row's scale (1 for a plain row, the source's for a ScaledTensor) for the
+    whole tensor, and every other row's data were divided by that row's ratio: x[0] read
+    0.001 for 1. Each channel keeps its scale, as a per-channel tensor's other writes do."""
+    s = torch.tensor([[1.0], [1e3], [1e-3]])
+    for dtype in (torch.float32, torch.float16):
+        for row, col in ((torch.full((4,), 2.0, dtype=dtype), as_scaled(torch.ones(3, dtype=dtype), 4.0)),
+                         (as_scaled(torch.ones(4, dtype=dtype), 2.0), torch.full((3,), 4.0, dtype=dtype))):
+            x = as_scaled(torch.ones(3, 4, dtype=dtype), s)
+            ref = x.dequantize(torch.float64)
+            x[2] = row
+            x[:, 1] = col
+            ref[2], ref[:, 1] = 2.0, 4.0
+            assert torch.equal(x.scale, s)
+            torch.testing.assert_close(x.dequantize(torch.float64), ref, rtol=1e-3, atol=0)
+
+
 def test_a_part_of_the_zero_array_copied_at_a_scale_leaves_the_rest_zeros():
     """empty_like's zero array, written through a view by copy_ of a ScaledTensor: the whole
     takes the part's scale, and its rest was its data divided by the ratio (0), NaN where

@@ -33,6 +33,7 @@ from .tensor import (
     coefficient,
     compute_dtype,
     data_readable,
+    has_per_channel_views,
     holds_every_value,
     inplace,
     is_partial_view,
@@ -205,9 +206,11 @@ def _copy_(func, dest, src, non_blocking=False):
 
 def _takes_the_larger_scale(dest: ScaledTensor, out: ScaledTensor, whole: bool = False) -> bool:
     """Whether out's scale, larger than dest's, becomes the whole tensor's in a part's
-    copy_ (or a ``whole`` one's of a plain source). Not where a scale is per channel, out's
-    is zero (the zero array: zeros, at any scale), a part's dest has no record of the views
-    sharing its data (torch.load's, which may share them with another), or a tensor scale
+    copy_ (or a ``whole`` one's of a plain source). Not where a scale is per channel (out's,
+    or that of dest or of a view of its data: ``x[2] = row`` of a per-row x gave the row's
+    scale to every row, their data divided by that row's ratio), out's is zero (the zero
+    array: zeros, at any scale), a part's dest has no record of the views sharing its data
+    (torch.load's, which may share them with another), or a tensor scale
     cannot be read (traced: a graph cannot branch on it): dest keeps its scale there, as in
     other in-place ops. Nor where dest is the zero array: ``assign`` gives it out's scale
     and its rest zeros, where dividing the rest's data by the ratio (0) made the inf or NaN
@@ -215,7 +218,7 @@ def _takes_the_larger_scale(dest: ScaledTensor, out: ScaledTensor, whole: bool =
     s, t = parts(out)[1], parts(dest)[1]
     if s is t or is_static(t, 0.0) or (dest._parts.views is None and not whole):
         return False
-    if any(isinstance(v, torch.Tensor) and v.dim() for v in (s, t)):
+    if _per_channel(s) or has_per_channel_views(dest):
         return False
     if not (is_static(s) and is_static(t) or data_readable(dest._data)):
         return False

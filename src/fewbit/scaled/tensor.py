@@ -584,6 +584,13 @@ def _one_geometry(t: ScaledTensor) -> bool:
     return all((m.data.shape, m.data.stride(), m.data.storage_offset()) == key for m in _aliases(t))
 
 
+def has_per_channel_views(t: ScaledTensor) -> bool:
+    """Whether t's scale, or that of a view of its data, is per channel. A view of one
+    channel (``x[2]`` of a per-row x) holds one element of its base's scale, a scale of
+    one element: a scale set through it would replace every channel's."""
+    return any(m.scale is not None and m.scale.dim() > 0 for m in _aliases(t))
+
+
 def check_settable(t: ScaledTensor, s: Scale) -> None:
     """ValueError for a per-channel s where a view of t's data has another shape or
     strides: s has no form there (checked before an in-place op writes anything). Traced
