@@ -1697,6 +1697,30 @@ def test_per_channel_masked_fill(fill):
     check(x)
 
 
+def test_per_channel_writes_by_index_leave_the_other_channels():
+    """index_put (``x[i] = v``), scatter, scatter_add and index_add of a per-channel x:
+    x was first rebalanced to its largest channel's scale, so in float16 a channel 10^6
+    times smaller went to subnormals and back, the elements the op does not write too
+    (1.5e-3 read 1.49e-3). Each value written meets the scale of the element it lands on."""
+    s = torch.tensor([[1.0], [1e3], [1e-3]])
+
+    def ones(*shape, dtype):
+        return torch.ones(shape, dtype=dtype)
+
+    rows, cols = torch.tensor([0, 2]), torch.tensor([1, 3])
+    middle = torch.tensor([False, True, False])
+    ops = {"index_put_": lambda t, dt: t.index_put_((rows, cols), torch.tensor([2.0, 3e-3], dtype=dt)),
+           "index_put_ mask": lambda t, dt: t.index_put_((middle,), 500 * ones(4, dtype=dt)),
+           "scatter_": lambda t, dt: t.scatter_(0, torch.tensor([[2, 1, 0, 0]]), 0.5),
+           "scatter_add": lambda t, dt: t.scatter_add(1, torch.tensor([[0], [2], [1]]), ones(3, 2, dtype=dt)),
+           "index_add_": lambda t, dt: t.index_add_(1, cols[1:], ones(3, 1, dtype=dt), alpha=2)}  # fmt: skip
+    for name, op in ops.items():
+        x = as_scaled(torch.tensor([[1.0, 1.5, -1.25, 1.75]] * 3, dtype=torch.float16), s)
+        want = op(x.dequantize(torch.float64), torch.float64)
+        got = op(x, torch.float16).dequantize(torch.float64)
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=0, msg=name)
+
+
 def test_per_channel_norm_gradient():
     """norm's backward masks by masked_fill at the per-channel scale of its input."""
     s = torch.tensor([[0.5], [2.0], [4.0], [0.25]])

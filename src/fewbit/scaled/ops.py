@@ -783,16 +783,34 @@ def _cat(func, tensors, dim=0):
 @rule(aten.index_put, aten.scatter.src, aten.scatter.value, aten.scatter_add, aten.index_add)
 def _merge(func, x, *args, **kwargs):
     """index_put, scatter, scatter_add, index_add: the values written meet x at scale
-    max(s, s_src) (a zero-scale x, as autograd's zeros, takes s_src)."""
-    x = scalar_scale(x)
+    max(s, s_src) (a zero-scale x, as autograd's zeros, takes s_src), per channel for a
+    per-channel x: each value written is rebalanced to the scale of the element it lands
+    on. (x at its largest channel's scale flushed the small channels' data, those the op
+    leaves as they are too, in 16 bits: ``x[i] = v``, ``index_add_``.)"""
     i = 1 if func.overloadpacket is aten.index_put else 2
     src = scalar_scale(args[i])
     s = common_scale(x, src)
-    d, v = at_scale(x, s), at_scale(src, s)
+    if _per_channel(s):
+        at = _landing_scale(func, s.expand(x.shape), args)
+        if func.overloadpacket in (aten.scatter, aten.scatter_add) and isinstance(src, torch.Tensor):
+            src = src[tuple(slice(0, n) for n in at.shape)]  # (scatter reads src where its index is)
+        d, v = at_scale(x, s), at_scale(src, at)
+    else:
+        d, v = at_scale(x, s), at_scale(src, s)
     if func is aten.scatter.value and isinstance(v, torch.Tensor):
         # A number at a tensor scale is a tensor, which scatter.value does not take.
         func, v = aten.scatter.src, v.to(d.dtype).expand(args[1].shape)
     return wrap(func(d, *args[:i], v, *args[i + 1:], **kwargs), s)
+
+
+def _landing_scale(func, s: torch.Tensor, args: tuple) -> torch.Tensor:
+    """For ``_merge``: of s, x's scale expanded to x's shape, the elements that its op's
+    values land on, in the values' shape."""
+    if func.overloadpacket is aten.index_put:
+        return aten.index.Tensor(s, args[0])
+    if func.overloadpacket is aten.index_add:
+        return s.index_select(args[0], args[1])
+    return s.gather(args[0], args[1])  # scatter, scatter_add: where the index says
 
 
 # --- reductions ----------------------------------------------------------------------
