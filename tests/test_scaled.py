@@ -1721,6 +1721,26 @@ def test_per_channel_writes_by_index_leave_the_other_channels():
         torch.testing.assert_close(got, want, rtol=1e-3, atol=0, msg=name)
 
 
+def test_as_strided_of_a_per_channel_tensor_is_a_view():
+    """as_strided of a per-channel x rebalanced x to one scale first: a copy, so a write
+    through it was lost, and so was one through the view of a per-channel input that a
+    compiled function returned (AOTAutograd makes it with as_strided): ``x[1:]`` then
+    ``add_`` left x as it was. Each element takes its own scale, the data are x's."""
+    s = torch.tensor([[1.0], [1e3], [1e-3]])
+    x = as_scaled(torch.ones(3, 4, dtype=torch.float16), s)
+    v = x.as_strided((2, 2), (4, 2), 5)  # x[1:, 1::2]
+    torch.testing.assert_close(v.dequantize(), x.dequantize()[1:, 1::2])
+    v.add_(1.0)
+    want = torch.ones(3, 4, dtype=torch.float64) * s.double()
+    want[1:, 1::2] += 1
+    torch.testing.assert_close(x.dequantize(torch.float64), want, rtol=1e-3, atol=0)
+    torch._dynamo.reset()
+    x = as_scaled(torch.ones(3, 4), s)
+    rows = torch.compile(lambda x: x[1:], backend="aot_eager", fullgraph=True)(x)
+    rows.add_(1.0)
+    torch.testing.assert_close(x.dequantize(), torch.tensor([[1.0], [1001.0], [1.001]]).expand(3, 4))
+
+
 def test_per_channel_norm_gradient():
     """norm's backward masks by masked_fill at the per-channel scale of its input."""
     s = torch.tensor([[0.5], [2.0], [4.0], [0.25]])

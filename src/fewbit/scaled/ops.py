@@ -98,10 +98,19 @@ def _view_dtype(func, x, dtype):
 
 
 @rule(aten.as_strided)
-def _as_strided(func, x, *args, **kwargs):
-    """as_strided: scale s (a per-channel scale is first made one scale)."""
-    d, s = parts(scalar_scale(x))
-    return wrap(func(d, *args, **kwargs), s)
+def _as_strided(func, x, size, stride, storage_offset=None):
+    """as_strided: scale s; a per-channel one laid out over the data's storage as the data
+    are, so that the same as_strided picks each element's (an element beyond x's takes the
+    largest). It was x rebalanced to one scale, a copy: writes through it were lost, as they
+    were through a view of a per-channel input that a compiled function returned, which
+    AOTAutograd makes with as_strided."""
+    d, s = parts(x)
+    offset = d.storage_offset() if storage_offset is None else storage_offset
+    if not _per_channel(s):
+        return wrap(func(d, size, stride, offset), s)
+    laid = s.amax().expand(d.untyped_storage().nbytes() // d.element_size()).clone()
+    laid.as_strided(d.shape, d.stride(), d.storage_offset()).copy_(s.expand(d.shape))
+    return wrap(func(d, size, stride, offset), _compact(laid.as_strided(size, stride, offset)))
 
 
 @rule(aten.clone, aten.neg, aten.abs, aten.relu, aten.tril, aten.triu, aten.leaky_relu)
