@@ -1523,6 +1523,29 @@ def test_in_place_results_into_an_integer_tensor_are_refused_as_in_torch():
         assert torch.equal(dest, before)
 
 
+def test_an_out_tensor_of_another_shape_is_resized_as_in_torch():
+    """out= a plain tensor of another shape (torch.empty(0), the usual preallocation) is
+    resized to the result's, as torch resizes it (warning where it held elements): the
+    rules' copy into it failed on the shapes, and one that broadcast, (2, 4) for (4,),
+    kept its shape. A ScaledTensor is refused before anything is written."""
+    a = as_scaled(torch.tensor([1.0, -2.0, 3.0, 0.5], dtype=torch.float16), 2.0**-10)
+    b = as_scaled(torch.tensor([4.0, 1.0, -1.0, 2.0], dtype=torch.float16), 2.0**4)
+    want = torch.add(a.dequantize(), b.dequantize())
+    out = torch.empty(0, dtype=torch.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (none for an empty out, as in torch)
+        assert torch.add(a, b, out=out) is out
+    assert torch.equal(out, want)
+    out = torch.zeros(2, 4, dtype=torch.float16)
+    with pytest.warns(UserWarning, match="resized"):
+        torch.mul(a, 2.0, out=out)
+    assert torch.equal(out, a.dequantize() * 2)
+    scaled = as_scaled(torch.zeros(0, dtype=torch.float16), 2.0)
+    with pytest.raises(RuntimeError, match="not resized"):
+        torch.add(a, b, out=scaled)
+    assert scaled.shape == (0,)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_comparisons_at_scale_1_are_torchs(dtype):
     """At scale 1 a ScaledTensor is a plain tensor: a number meets 16-bit data in the

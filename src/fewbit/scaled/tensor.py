@@ -839,8 +839,23 @@ def _view_in_place(func, x, *args, **kwargs):
 
 
 def _out_variant(packet, func, *args, out, **kwargs):
-    # op(..., out=t) is op(...) stored into t.
-    return assign(out, packet(*args, **kwargs))
+    # op(..., out=t) is op(...) stored into t. A plain t of another shape is resized to the
+    # result's first, as torch resizes an out= tensor (warning where t held elements; the
+    # copy into it failed on the shapes: torch.add(a, b, out=torch.empty(0))); a
+    # ScaledTensor's is refused, before anything is written.
+    result = packet(*args, **kwargs)
+    if isinstance(result, torch.Tensor) and out.shape != result.shape:
+        if isinstance(out, ScaledTensor):
+            raise RuntimeError(f"{func}: out= is a ScaledTensor of shape {tuple(out.shape)}, the result's is "
+                               f"{tuple(result.shape)}: a ScaledTensor is not resized; pass one of the "
+                               "result's shape")
+        check_castable(result.dtype, out)
+        if out.numel():
+            warnings.warn(f"An output with one or more elements was resized since it had shape "
+                          f"{list(out.shape)}, which does not match the required output shape "
+                          f"{list(result.shape)} (as torch warns)", stacklevel=3)
+        out.resize_(result.shape)
+    return assign(out, result)
 
 
 def _foreach(base, inplace: bool, store: bool, func, *args, **kwargs):
@@ -1119,6 +1134,13 @@ def holds_every_value(d: torch.Tensor) -> bool:
     return bool(storage.count_nonzero() == d.count_nonzero())
 
 
+def check_castable(dtype: torch.dtype, dest: torch.Tensor) -> None:
+    """RuntimeError where a result of ``dtype`` cannot be stored into plain dest, as torch
+    refuses a float result for an int or bool tensor."""
+    if not torch.can_cast(dtype, dest.dtype):
+        raise RuntimeError(f"result type {dtype} can't be cast to the desired output type {dest.dtype}")
+
+
 def assign(dest: torch.Tensor, out: Any, adopt: bool = False) -> torch.Tensor:
     """Store the result of an in-place op into dest, and return dest.
 
@@ -1130,9 +1152,7 @@ def assign(dest: torch.Tensor, out: Any, adopt: bool = False) -> torch.Tensor:
     which the new scale would show.
     """
     if not isinstance(dest, ScaledTensor):
-        if not torch.can_cast(out.dtype, dest.dtype):  # as torch refuses float into int
-            raise RuntimeError(f"result type {out.dtype} can't be cast to the desired output type "
-                               f"{dest.dtype}")
+        check_castable(out.dtype, dest)
         dest.copy_(dequantize_any(out))
         return dest
     if dest._static != 0.0 and not adopt:
