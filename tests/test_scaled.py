@@ -1787,7 +1787,27 @@ PICKS = {
     "mode": lambda x: x.mode()[0],
     "inf_norm": lambda x: torch.linalg.vector_norm(x, float("inf"), dim=0),
     "neg_inf_norm": lambda x: torch.linalg.vector_norm(x, float("-inf")),
+    "sort": lambda x: x.sort(0)[0],
+    "sort_stable": lambda x: torch.sort(x, stable=True, descending=True)[0],
+    "topk": lambda x: x.topk(2, 0)[0],
+    "cummax": lambda x: x.cummax(0)[0],
+    "cummin": lambda x: x.cummin(1)[0],
 }
+
+
+def test_sorts_keep_the_scale():
+    """sort and topk had no rule: they ran on the values at scale 1 in the data's dtype,
+    so float16 data at scale 2^-30 sorted to zeros (and at 2^20 to inf). They pick
+    elements, as max does: the data sorted, at the scale (indices as torch's); the zero
+    array sorts as zeros, whatever its data hold."""
+    for s in (2.0**-30, 2.0**20):
+        x, values = as_scaled(X.half(), s), X.half().double() * s
+        want, got = torch.sort(values, 1, descending=True), torch.sort(x, 1, descending=True)
+        assert torch.equal(got[0].dequantize(torch.float64), want[0]) and torch.equal(got[1], want[1])
+        assert torch.equal(x.topk(2)[0].dequantize(torch.float64), values.topk(2)[0])
+    zero_array = torch.empty_like(as_scaled(X.half(), 2.0))
+    zero_array.unscaled.copy_(Y)
+    assert torch.equal(zero_array.sort()[1], torch.zeros_like(Y).sort()[1])
 
 
 @pytest.mark.parametrize("form", ["per_row", "static"])

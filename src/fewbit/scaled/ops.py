@@ -864,9 +864,12 @@ def reduced_parts(func, x: Any, given: dict, dtype: torch.dtype | None = None) -
     d, s = parts(x)
     if _scale_varies(s, given):
         return parts(scalar_scale(x, dtype))
-    kept = given.get("keepdim") or func.overloadpacket is aten.cumsum
+    kept = given.get("keepdim") or func.overloadpacket in _SAME_RANK
     return d, (s if kept else s.squeeze(tuple(_reduced_dims(given, s.dim()))))
 
+
+#: Ops along a dim that keep every dim (no keepdim to read).
+_SAME_RANK = (aten.cumsum, aten.sort, aten.topk, aten.cummax, aten.cummin)
 
 #: The op along one dim, with indices, of each reduction that picks elements (``_picked``).
 _ALONG = {aten.max: aten.max.dim, aten.amax: aten.max.dim, aten.min: aten.min.dim, aten.amin: aten.min.dim,
@@ -888,7 +891,7 @@ def _picked(func, x: ScaledTensor, args: tuple, kwargs: dict, given: dict) -> An
         along = aten.max.dim if given["ord"] > 0 else aten.min.dim
     if len(func._schema.returns) == 2:  # (max.dim, kthvalue, ...: func gives the indices)
         _, idx = func(v, *args, **kwargs)
-        dim, keep = given["dim"], given["keepdim"]
+        dim, keep = given["dim"], given.get("keepdim", True)  # (sort, topk, cummax: every dim kept)
         at = idx if keep else idx.unsqueeze(dim)
         out = [t.gather(dim, at) if keep else t.gather(dim, at).squeeze(dim) for t in (d, s)]
         return wrap(*out), idx
@@ -934,12 +937,17 @@ def _foreach_norm(func, tensors, ord=2, dtype=None):
 
 
 @rule(aten.max.default, aten.min.default, aten.max.dim, aten.min.dim, aten.median.default, aten.median.dim,
-      aten.nanmedian.default, aten.nanmedian.dim, aten.kthvalue.default, aten.mode.default)
+      aten.nanmedian.default, aten.nanmedian.dim, aten.kthvalue.default, aten.mode.default, aten.sort.default,
+      aten.sort.stable, aten.topk.default, aten.cummax.default, aten.cummin.default)
 def _max(func, x, *args, **kwargs):
-    """max, min, median, kthvalue, mode (and their indices), which pick elements and so
-    commute with a positive scale: scale s (per channel where the channels are not
-    reduced; where they are, each picked element's own, :func:`_picked`)."""
+    """max, min, median, kthvalue, mode, sort, topk, cummax, cummin (and their indices),
+    which pick elements and so commute with a positive scale: scale s (per channel where
+    the channels are not reduced, or sorted; where they are, each picked element's own,
+    :func:`_picked`). Sort and topk had no rule: on values at scale 1 in the data's dtype,
+    float16 data at scale 2^-30 sorted to zeros."""
     d, s = parts(x)
+    if is_static(s, 0.0):  # the zero array: zeros whatever its data holds (indices of empty memory)
+        d = torch.zeros_like(d)
     if _per_channel(s):
         given = _given(func, args, kwargs)
         if _scale_varies(s, given):
