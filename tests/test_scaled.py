@@ -1546,6 +1546,21 @@ def test_an_out_tensor_of_another_shape_is_resized_as_in_torch():
     assert scaled.shape == (0,)
 
 
+def test_nonzero_any_and_all_read_the_data():
+    """nonzero, any, all and count_nonzero had no rule: they ran on the values at scale 1 in
+    the data's dtype, where float16 data at scale 2^-30 are all zeros (``g.any()`` of a
+    small gradient was False). A scale is > 0: the data's zeros are the value's; the zero
+    array is zeros, whatever its data hold."""
+    data = torch.tensor([[0.0, 1.0, -2.0], [0.0, 0.0, 3.0]], dtype=torch.float16)
+    x = as_scaled(data, 2.0**-30)
+    for op in (torch.nonzero, torch.argwhere, torch.count_nonzero, torch.any, torch.all,
+               lambda t: t.any(1), lambda t: t.all(0), lambda t: t.count_nonzero(1)):  # fmt: skip
+        assert torch.equal(op(x), op(data))
+    zero_array = torch.empty_like(x)
+    zero_array.unscaled.fill_(5.0)
+    assert not zero_array.any() and zero_array.nonzero().numel() == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_comparisons_at_scale_1_are_torchs(dtype):
     """At scale 1 a ScaledTensor is a plain tensor: a number meets 16-bit data in the

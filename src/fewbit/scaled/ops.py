@@ -1001,6 +1001,16 @@ def _compare(func, *args, **kwargs):
     return func(*(value(a) for a in args), **kwargs)
 
 
+@rule(aten.nonzero, aten.any, aten.all, aten.count_nonzero)
+def _nonzero(func, x, *args, **kwargs):
+    """nonzero, any, all, count_nonzero: a plain result, computed on the data, which are zero
+    where the value is (a scale is > 0; the zero array is zeros, whatever its data hold).
+    They had no rule: on the values at scale 1 in the data's dtype, float16 data at scale
+    2^-30 were all zeros there (``g.any()`` False, ``g.nonzero()`` empty)."""
+    d, s = parts(x)
+    return func(torch.zeros_like(d) if is_static(s, 0.0) else d, *args, **kwargs)
+
+
 @rule(aten._local_scalar_dense)
 def _item(func, x):
     """item(): the value as a Python number."""
