@@ -1779,6 +1779,32 @@ def test_as_strided_of_a_per_channel_tensor_is_a_view():
     torch.testing.assert_close(x.dequantize(), torch.tensor([[1.0], [1001.0], [1.001]]).expand(3, 4))
 
 
+MOVES = {
+    "masked_select": lambda x: x.masked_select(torch.tensor([True, False, True, True, False, True])),
+    "take": lambda x: x.take(torch.tensor([0, 7, 19])),
+    "rot90": lambda x: x.rot90(),
+    "narrow_copy": lambda x: x.narrow_copy(1, 1, 3),
+    "diag": lambda x: torch.diag(x, 1),
+    "reflection_pad": lambda x: F.pad(x[None], (2, 1), mode="reflect"),
+    "replication_pad": lambda x: F.pad(x[None, None], (1, 1, 2, 0), mode="replicate"),
+    "nearest": lambda x: F.interpolate(x[None], scale_factor=2),
+    "nearest_exact_2d": lambda x: F.interpolate(x[None, None], size=(5, 7), mode="nearest-exact"),
+    "pixel_unshuffle": lambda x: F.pixel_unshuffle(x[None, None, :, :4], 2),
+}
+
+
+@pytest.mark.parametrize("name", list(MOVES))
+def test_ops_that_move_elements_keep_the_scale(name):
+    """masked_select, take, rot90, reflection and replication padding, nearest upsampling,
+    ... had no rule: they ran on the values at scale 1 in the data's dtype, so float16 data
+    at scale 2^-30 gave zeros and at 2^20 inf. They move elements: the data moved, at the
+    scale (a per-channel one moved with them)."""
+    op = MOVES[name]
+    for s in (2.0**-30, 2.0**20, torch.tensor([[1.0], [1e3], [1e-3], [4.0]])):
+        x = as_scaled(X.half(), s)
+        assert torch.equal(op(x).dequantize(torch.float64), op(x.dequantize(torch.float64))), s
+
+
 def test_per_channel_norm_gradient():
     """norm's backward masks by masked_fill at the per-channel scale of its input."""
     s = torch.tensor([[0.5], [2.0], [4.0], [0.25]])

@@ -71,10 +71,18 @@ def _compact(s: torch.Tensor) -> torch.Tensor:
 @rule(aten.view, aten._unsafe_view, aten.reshape, aten.expand, aten.permute, aten.t, aten.transpose,
       aten.unsqueeze, aten.squeeze, aten.select, aten.slice, aten.alias, aten.detach, aten.split,
       aten.split_with_sizes, aten.unbind, aten.narrow, aten.index, aten.index_select, aten.gather,
-      aten.embedding, aten.repeat, aten.flip, aten.roll, aten.diagonal, aten.unfold, aten.movedim)
+      aten.embedding, aten.repeat, aten.flip, aten.roll, aten.diagonal, aten.unfold, aten.movedim,
+      aten.masked_select, aten.take, aten.rot90, aten.narrow_copy, aten.diagonal_copy, aten.pixel_shuffle,
+      aten.pixel_unshuffle, aten.channel_shuffle, aten.native_channel_shuffle, aten.reflection_pad1d,
+      aten.reflection_pad2d, aten.reflection_pad3d, aten.replication_pad1d, aten.replication_pad2d,
+      aten.replication_pad3d, aten.upsample_nearest1d, aten.upsample_nearest2d, aten.upsample_nearest3d,
+      aten._upsample_nearest_exact1d, aten._upsample_nearest_exact2d, aten._upsample_nearest_exact3d)
 def _layout(func, x, *args, **kwargs):
-    """Views, indexing, gather, embedding, repeat: scale s (a per-channel scale goes
-    through the same op, expanded to data's shape)."""
+    """Views, indexing, gather, embedding, repeat, and the ops that move or copy elements
+    (masked_select, take, rot90, reflection and replication padding, nearest upsampling,
+    pixel shuffles): scale s (a per-channel scale goes through the same op, expanded to
+    data's shape). The latter had no rule: on the values at scale 1 in the data's dtype,
+    float16 data at scale 2^-30 were zeros there, and at 2^20 inf."""
     d, s = parts(x)
     out = func(d, *args, **kwargs)
     if is_static(s) or s.dim() == 0:
