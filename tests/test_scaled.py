@@ -1805,6 +1805,44 @@ def test_ops_that_move_elements_keep_the_scale(name):
         assert torch.equal(op(x).dequantize(torch.float64), op(x.dequantize(torch.float64))), s
 
 
+POOLS = {
+    "max_pool": lambda x: F.max_pool2d(x, 2),
+    "avg_pool": lambda x: F.avg_pool2d(x, 2),
+    "adaptive_avg_pool": lambda x: F.adaptive_avg_pool2d(x, 3),
+    "adaptive_max_pool": lambda x: F.adaptive_max_pool2d(x, 3),
+    "bilinear": lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"),
+    "bicubic": lambda x: F.interpolate(x, size=(5, 3), mode="bicubic"),
+    "linear": lambda x: F.interpolate(x.flatten(2), scale_factor=1.5, mode="linear"),
+    "nearest": lambda x: F.interpolate(x, scale_factor=2),
+    "reflection_pad": lambda x: F.pad(x, (1, 1, 1, 1), mode="reflect"),
+    "replication_pad": lambda x: F.pad(x, (1, 1, 0, 2), mode="replicate"),
+    "unfold_fold": lambda x: F.fold(F.unfold(x, 2), (4, 4), 2),
+}
+
+
+@pytest.mark.parametrize("name", list(POOLS))
+def test_pooling_and_interpolation_keep_the_scale_and_their_gradients(name):
+    """Pooling, linear interpolation and im2col (and the backward of those and of padding
+    and nearest upsampling) had no rule: on the values at scale 1 in the data's dtype, so
+    float16 data and gradients at scale 2^-30 were zeros there. They keep the scale, a
+    per-channel one where it is constant over the dims they mix; their gradients keep the
+    gradient's."""
+    op = POOLS[name]
+    d = torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(0)).half()
+    per_channel = torch.tensor([1.0, 1e3, 1e-3]).view(1, 3, 1, 1)  # (im2col mixes channels: one scale)
+    for s in (2.0**-30, 2.0**-30 if name == "unfold_fold" else per_channel):
+        x = as_scaled(d, s).requires_grad_()
+        plain = x.detach().dequantize(torch.float64).requires_grad_()
+        out, want = op(x), op(plain)
+        weight = torch.randn(want.shape, dtype=F64, generator=torch.Generator().manual_seed(1))
+        (out.dequantize(torch.float64) * weight).sum().backward()
+        (want * weight).sum().backward()
+        assert isinstance(x.grad, ScaledTensor)
+        for got, ref in ((out, want), (x.grad, plain.grad)):  # float16 rounding, relative to the largest
+            unit = ref.abs().amax((-2, -1), keepdim=True)  # (per channel)
+            torch.testing.assert_close(got.dequantize(torch.float64) / unit, ref / unit, rtol=0, atol=2e-3)
+
+
 def test_per_channel_norm_gradient():
     """norm's backward masks by masked_fill at the per-channel scale of its input."""
     s = torch.tensor([[0.5], [2.0], [4.0], [0.25]])

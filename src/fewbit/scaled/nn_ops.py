@@ -359,11 +359,51 @@ def _activation_backward(func, g, *args, **kwargs):
     return wrap(func(dg.to(cdt), *args, **kwargs).to(dg.dtype), sg)
 
 
-@rule(aten.select_backward, aten.slice_backward, aten.embedding_dense_backward, aten.native_dropout_backward)
+@rule(aten.select_backward, aten.slice_backward, aten.embedding_dense_backward, aten.native_dropout_backward,
+      aten.max_pool2d_with_indices_backward, aten.max_pool3d_with_indices_backward, aten.avg_pool2d_backward,
+      aten.avg_pool3d_backward, aten._adaptive_avg_pool2d_backward, aten._adaptive_avg_pool3d_backward,
+      aten.adaptive_max_pool2d_backward, aten.adaptive_max_pool3d_backward, aten.upsample_nearest1d_backward,
+      aten.upsample_nearest2d_backward, aten.upsample_nearest3d_backward,
+      aten._upsample_nearest_exact1d_backward, aten._upsample_nearest_exact2d_backward,
+      aten._upsample_nearest_exact3d_backward,
+      aten.upsample_linear1d_backward, aten.upsample_bilinear2d_backward, aten.upsample_bicubic2d_backward,
+      aten.upsample_trilinear3d_backward, aten.reflection_pad1d_backward, aten.reflection_pad2d_backward,
+      aten.reflection_pad3d_backward, aten.replication_pad1d_backward, aten.replication_pad2d_backward,
+      aten.replication_pad3d_backward, aten.col2im)
 def _gather_backward(func, g, *args, **kwargs):
-    """Gradients of views, embedding and dropout (g moved or masked): scale sg."""
+    """Gradients of views, embedding, dropout, pooling, upsampling and padding (g moved,
+    masked or averaged; a ScaledTensor input, there for its shape, passes its data): scale
+    sg. The latter had no rule: on the values at scale 1 in the data's dtype, float16
+    gradients at scale 2^-30 were zeros there."""
     dg, sg = parts(scalar_scale(g))
+    args = tuple(parts(a)[0] if isinstance(a, ScaledTensor) else a for a in args)
     return wrap(func(dg, *args, **kwargs), sg)
+
+
+#: Pooling and interpolation that average or pick elements over a tensor's last dims: how
+#: many (None: ops that mix every dim, as im2col mixes channels with the kernel's places).
+_SPATIAL = {aten.avg_pool2d: 2, aten.avg_pool3d: 3, aten._adaptive_avg_pool2d: 2,
+            aten._adaptive_avg_pool3d: 3, aten.max_pool2d_with_indices: 2, aten.max_pool3d_with_indices: 3,
+            aten.adaptive_max_pool2d: 2, aten.adaptive_max_pool3d: 3, aten.upsample_linear1d: 1,
+            aten.upsample_bilinear2d: 2, aten.upsample_bicubic2d: 2, aten.upsample_trilinear3d: 3,
+            aten.im2col: None}
+
+
+@rule(*_SPATIAL)
+def _pool(func, x, *args, **kwargs):
+    """Pooling, linear and cubic interpolation, im2col (linear in x, or picking its
+    elements, with their indices): scale s, per channel where it is constant over the dims
+    they mix (a per-channel one there first rebalanced to its largest). They had no rule:
+    on the values at scale 1 in the data's dtype, float16 data at scale 2^-30 were zeros
+    there, and at 2^20 inf."""
+    d, s = parts(x)
+    mixed = _SPATIAL[func.overloadpacket]
+    if isinstance(s, torch.Tensor) and s.dim() and (mixed is None or any(n != 1 for n in s.shape[-mixed:])):
+        d, s = parts(scalar_scale(x))
+    if is_static(s, 0.0):  # the zero array: zeros whatever its data hold (indices of empty memory)
+        d = torch.zeros_like(d)
+    out = func(d, *args, **kwargs)
+    return (wrap(out[0], s), *out[1:]) if isinstance(out, tuple) else wrap(out, s)
 
 
 @rule(aten.native_dropout)
