@@ -1820,6 +1820,17 @@ POOLS = {
 }
 
 
+def test_trace_diag_embed_and_unique_keep_the_scale():
+    """trace, diag_embed and unique had no rule: on the values at scale 1 in the data's
+    dtype, float16 data at scale 2^-30 were zeros there (unique: one 0) and at 2^20 inf."""
+    for s in (2.0**-30, 2.0**20):
+        x = as_scaled(X.half(), s)
+        plain = x.dequantize(torch.float64)
+        for op in (torch.trace, torch.diag_embed, lambda t: t[0].unique(return_counts=True)[0],
+                   lambda t: t.unique_consecutive(dim=1), lambda t: t.unique(dim=0)):  # fmt: skip
+            torch.testing.assert_close(op(x).dequantize(torch.float64), op(plain), rtol=1e-3, atol=0)
+
+
 @pytest.mark.parametrize("name", list(POOLS))
 def test_pooling_and_interpolation_keep_the_scale_and_their_gradients(name):
     """Pooling, linear interpolation and im2col (and the backward of those and of padding

@@ -380,22 +380,24 @@ def _gather_backward(func, g, *args, **kwargs):
     return wrap(func(dg, *args, **kwargs), sg)
 
 
-#: Pooling and interpolation that average or pick elements over a tensor's last dims: how
-#: many (None: ops that mix every dim, as im2col mixes channels with the kernel's places).
+#: Ops that average, pick or sum elements over a tensor's last dims (pooling, interpolation):
+#: how many. None: ops that mix every dim (im2col mixes channels with the kernel's places;
+#: trace, diag_embed, unique).
 _SPATIAL = {aten.avg_pool2d: 2, aten.avg_pool3d: 3, aten._adaptive_avg_pool2d: 2,
             aten._adaptive_avg_pool3d: 3, aten.max_pool2d_with_indices: 2, aten.max_pool3d_with_indices: 3,
             aten.adaptive_max_pool2d: 2, aten.adaptive_max_pool3d: 3, aten.upsample_linear1d: 1,
             aten.upsample_bilinear2d: 2, aten.upsample_bicubic2d: 2, aten.upsample_trilinear3d: 3,
-            aten.im2col: None}
+            aten.im2col: None, aten.trace: None, aten.diag_embed: None, aten._unique: None,
+            aten._unique2: None, aten.unique_consecutive: None, aten.unique_dim: None}
 
 
 @rule(*_SPATIAL)
 def _pool(func, x, *args, **kwargs):
-    """Pooling, linear and cubic interpolation, im2col (linear in x, or picking its
-    elements, with their indices): scale s, per channel where it is constant over the dims
-    they mix (a per-channel one there first rebalanced to its largest). They had no rule:
-    on the values at scale 1 in the data's dtype, float16 data at scale 2^-30 were zeros
-    there, and at 2^20 inf."""
+    """Pooling, linear and cubic interpolation, im2col, trace, diag_embed, unique (linear
+    in x, or picking its elements, with their indices): scale s, per channel where it is
+    constant over the dims they mix (a per-channel one there first rebalanced to its
+    largest). They had no rule: on the values at scale 1 in the data's dtype, float16
+    data at scale 2^-30 were zeros there, and at 2^20 inf."""
     d, s = parts(x)
     mixed = _SPATIAL[func.overloadpacket]
     if isinstance(s, torch.Tensor) and s.dim() and (mixed is None or any(n != 1 for n in s.shape[-mixed:])):
