@@ -1831,6 +1831,35 @@ def test_trace_diag_embed_and_unique_keep_the_scale():
             torch.testing.assert_close(op(x).dequantize(torch.float64), op(plain), rtol=1e-3, atol=0)
 
 
+@pytest.mark.parametrize("norm", ["batch", "group"])
+def test_batch_and_group_norm_of_small_values(norm):
+    """batch_norm and group_norm had no rule: on the values at scale 1 in float16, where
+    data at scale 2^-20 (the README's input scale) are zeros, so the output was the bias,
+    the input's gradient zeros, and batch_norm's running variance went to 0. They compute
+    on the values (the gradients: on the gradient's data, the input's at rstd's scale)."""
+    d = torch.randn(4, 3, 5, 5, generator=torch.Generator().manual_seed(0))
+    module = torch.nn.BatchNorm2d(3) if norm == "batch" else torch.nn.GroupNorm(1, 3)
+    with torch.no_grad():
+        module.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(1))
+        module.bias.uniform_(-1.0, 1.0, generator=torch.Generator().manual_seed(1))
+    plain_module, scaled_module = copy.deepcopy(module).double(), scalify(module, dtype=torch.float16)
+    weight = torch.randn(d.shape, dtype=F64, generator=torch.Generator().manual_seed(2))
+    for train in (True, False):
+        scaled_module.train(train), plain_module.train(train)
+        x = as_scaled(d.half(), 2.0**-20).requires_grad_()
+        plain = x.detach().dequantize(torch.float64).requires_grad_()
+        out, want = scaled_module(x), plain_module(plain)
+        (out.dequantize(torch.float64) * weight).sum().backward()
+        (want * weight).sum().backward()
+        pairs = [(out.dequantize(torch.float64), want), (x.grad.dequantize(torch.float64), plain.grad)]
+        pairs += [(p.grad.dequantize(torch.float64), q.grad) for p, q in
+                  zip(scaled_module.parameters(), plain_module.parameters(), strict=True)]
+        pairs += [(b.double(), c) for b, c in
+                  zip(scaled_module.buffers(), plain_module.buffers(), strict=True) if b.is_floating_point()]
+        for got, ref in pairs:  # float16 rounding, relative to the largest
+            torch.testing.assert_close(got / ref.abs().max(), ref / ref.abs().max(), rtol=0, atol=2e-3)
+
+
 @pytest.mark.parametrize("name", list(POOLS))
 def test_pooling_and_interpolation_keep_the_scale_and_their_gradients(name):
     """Pooling, linear interpolation and im2col (and the backward of those and of padding

@@ -22,6 +22,7 @@ from .ops import lincomb, scale_of
 from .tensor import (
     Scale,
     ScaledTensor,
+    assign,
     at_scale,
     aten,
     coefficient,
@@ -275,6 +276,47 @@ def _layer_norm_backward(func, g, x, normalized_shape, mean, rstd, weight, bias,
     return (None if gi is None else _normalized_input_gradient(gi, x, sg, sw, rstd),
             None if gw is None else wrap(gw.to(parts(weight)[0].dtype), sg),
             None if gb is None else wrap(gb.to(parts(bias)[0].dtype), sg))
+
+
+def _values(cdt: torch.dtype, *ts: Any) -> list:
+    # The values of tensor arguments in the compute dtype (None, numbers, ints stay).
+    return [value(t, cdt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in ts]
+
+
+@rule(aten.native_batch_norm, aten.native_group_norm)
+def _batch_norm(func, x, weight, bias, *args):
+    """batch_norm and group_norm on the values (of the affine weight and bias too, and of
+    batch_norm's running statistics, which take the kernel's update at their own dtype and
+    scale): scale 1; mean and rstd stay in float32 (they are of the value). They had no
+    rule: on the values at scale 1 in the data's dtype, where float16 data at scale 2^-20
+    are zeros, so the output was the bias (and the running variance went to 0)."""
+    d = parts(x)[0]
+    cdt = compute_dtype(d.dtype)
+    running = args[:2] if func.overloadpacket is aten.native_batch_norm else ()
+    stats = _values(cdt, *running)
+    out, mean, rstd = func(value(x, cdt), *_values(cdt, weight, bias), *stats, *args[len(running):])
+    for dest, new in zip(running, stats, strict=True):
+        if new is not dest:  # (a copy in the compute dtype, which the kernel updated)
+            assign(dest, new)
+    return wrap(out.to(d.dtype), 1.0), mean, rstd
+
+
+@rule(aten.native_batch_norm_backward, aten.native_group_norm_backward)
+def _batch_norm_backward(func, g, x, *args):
+    """Gradients of batch_norm and group_norm: input sg times rstd's largest (a power of
+    two), weight and bias sg."""
+    dg, sg = parts(scalar_scale(g))
+    cdt = compute_dtype(dg.dtype)
+    values = _values(cdt, *args)
+    gi, gw, gb = func(dg.to(cdt), value(x, cdt), *values)
+    if func.overloadpacket is aten.native_batch_norm_backward:
+        weight, running_var, save_invstd, train, eps = args[0], values[2], values[4], args[5], args[6]
+        rstd = save_invstd if train else (running_var + eps).rsqrt()
+    else:
+        weight, rstd = args[2], values[1]
+    dtype = dg.dtype if weight is None else parts(weight)[0].dtype
+    return (None if gi is None else _normalized_input_gradient(gi, x, sg, 1.0, rstd),
+            None if gw is None else wrap(gw.to(dtype), sg), None if gb is None else wrap(gb.to(dtype), sg))
 
 
 @rule(*if_present(aten, "_fused_rms_norm"))
