@@ -1860,6 +1860,25 @@ def test_batch_and_group_norm_of_small_values(norm):
             torch.testing.assert_close(got / ref.abs().max(), ref / ref.abs().max(), rtol=0, atol=2e-3)
 
 
+def test_compiled_batch_norm_is_eagers():
+    """torch.compile decomposes batch_norm into _native_batch_norm_legit, which had no rule:
+    a scalify'd float16 BatchNorm2d failed ("expected scalar type Half but found Float").
+    Compiled, it gives eager's output, gradients and running statistics."""
+    d = torch.randn(4, 3, 5, 5, generator=torch.Generator().manual_seed(0)).half()
+    eager = scalify(torch.nn.BatchNorm2d(3), dtype=torch.float16)
+    module = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
+    outs, grads = [], []
+    for m in (eager, compiled):
+        x = as_scaled(d, torch.tensor(2.0**-20)).requires_grad_()
+        out = m(x)
+        out.dequantize(torch.float32).square().sum().backward()
+        outs.append(out.dequantize(torch.float32)), grads.append(x.grad.dequantize(torch.float32))
+    assert torch.equal(*outs) and torch.equal(*grads)
+    assert all(torch.equal(a, b) for a, b in zip(eager.buffers(), module.buffers(), strict=True))
+
+
 @pytest.mark.parametrize("name", list(POOLS))
 def test_pooling_and_interpolation_keep_the_scale_and_their_gradients(name):
     """Pooling, linear interpolation and im2col (and the backward of those and of padding

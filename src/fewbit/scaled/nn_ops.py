@@ -283,16 +283,18 @@ def _values(cdt: torch.dtype, *ts: Any) -> list:
     return [value(t, cdt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in ts]
 
 
-@rule(aten.native_batch_norm, aten.native_group_norm)
+@rule(aten.native_batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training,
+      aten.native_group_norm)
 def _batch_norm(func, x, weight, bias, *args):
-    """batch_norm and group_norm on the values (of the affine weight and bias too, and of
-    batch_norm's running statistics, which take the kernel's update at their own dtype and
-    scale): scale 1; mean and rstd stay in float32 (they are of the value). They had no
-    rule: on the values at scale 1 in the data's dtype, where float16 data at scale 2^-20
-    are zeros, so the output was the bias (and the running variance went to 0)."""
+    """batch_norm (in the ops torch.compile decomposes it into too) and group_norm on the
+    values (of the affine weight and bias too, and of batch_norm's running statistics, which
+    take the kernel's update at their own dtype and scale): scale 1; mean and rstd stay in
+    float32 (they are of the value). They had no rule: on the values at scale 1 in the
+    data's dtype, where float16 data at scale 2^-20 are zeros, so the output was the bias
+    (and the running variance went to 0); compiled, float16 data met float32 statistics."""
     d = parts(x)[0]
     cdt = compute_dtype(d.dtype)
-    running = args[:2] if func.overloadpacket is aten.native_batch_norm else ()
+    running = args[:2] if func._schema.arguments[3].name == "running_mean" else ()  # (batch_norm's)
     stats = _values(cdt, *running)
     out, mean, rstd = func(value(x, cdt), *_values(cdt, weight, bias), *stats, *args[len(running):])
     for dest, new in zip(running, stats, strict=True):
