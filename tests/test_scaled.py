@@ -1902,6 +1902,23 @@ def test_pooling_and_interpolation_keep_the_scale_and_their_gradients(name):
             torch.testing.assert_close(got.dequantize(torch.float64) / unit, ref / unit, rtol=0, atol=2e-3)
 
 
+def test_index_fill_and_masked_scatter_keep_the_scale():
+    """index_fill and masked_scatter had no rule: on the values at scale 1 in the data's
+    dtype, float16 data at scale 2^-30 became zeros. index_fill is masked_fill along a dim,
+    masked_scatter writes source's elements at the common scale."""
+    for s, fill in ((2.0**-30, -1e-9), (torch.tensor([[1.0], [1e3], [1e-3], [4.0]]), 0.5)):
+        x = as_scaled(X.half(), s)
+        plain = x.dequantize(torch.float64)
+        mask = X > 0
+        ops = [lambda t: t.index_fill(1, torch.tensor([0, 2]), 0.0),
+               lambda t: t.clone().index_fill_(-1, torch.tensor([5]), fill),
+               lambda t: t.index_fill(0, torch.tensor([1]), torch.tensor(0.0, dtype=t.dtype))]
+        if not isinstance(s, torch.Tensor):  # (masked_scatter mixes channels: one scale, the largest)
+            ops.append(lambda t: t.masked_scatter(mask, t.flip(0)))
+        for op in ops:
+            torch.testing.assert_close(op(x).dequantize(torch.float64), op(plain), rtol=1e-3, atol=0)
+
+
 def test_per_channel_norm_gradient():
     """norm's backward masks by masked_fill at the per-channel scale of its input."""
     s = torch.tensor([[0.5], [2.0], [4.0], [0.25]])

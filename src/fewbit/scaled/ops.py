@@ -778,6 +778,30 @@ def _masked_fill(func, x, mask, fill):
     return wrap(torch.masked_fill(d, mask, c), s)
 
 
+@rule(aten.index_fill)
+def _index_fill(func, x, dim, index, fill):
+    """index_fill: masked_fill along dim (scale max(s, |fill|), per channel). It had no
+    rule: on the values at scale 1 in the data's dtype, float16 data at scale 2^-30 became
+    zeros."""
+    d = parts(x)[0]
+    if d.dim() == 0:
+        mask = torch.tensor(index.numel() > 0, device=d.device)
+    else:
+        mask = torch.zeros(d.shape[dim], dtype=torch.bool, device=d.device).index_fill(0, index, True)
+        mask = mask.view([-1 if i == dim % d.dim() else 1 for i in range(d.dim())])
+    return _masked_fill(aten.masked_fill, x, mask, fill)  # (the packet: fill may be a 0-d tensor)
+
+
+@rule(aten.masked_scatter)
+def _masked_scatter(func, x, mask, source):
+    """masked_scatter: source's elements meet x at scale max(s, s_source) (a per-channel
+    one first rebalanced to its largest). It had no rule: on the values at scale 1 in the
+    data's dtype, float16 data at scale 2^-30 became zeros."""
+    x, source = scalar_scale(x), scalar_scale(source)
+    s = common_scale(x, source)
+    return wrap(func(at_scale(x, s), mask, at_scale(source, s)), s)
+
+
 @rule(aten.constant_pad_nd)
 def _pad(func, x, pad, value=0):
     """Padding (F.pad, and so distribute_tensor's uneven shards): with zeros, scale s (a
