@@ -1911,12 +1911,27 @@ def test_index_fill_and_masked_scatter_keep_the_scale():
         plain = x.dequantize(torch.float64)
         mask = X > 0
         ops = [lambda t: t.index_fill(1, torch.tensor([0, 2]), 0.0),
-               lambda t: t.clone().index_fill_(-1, torch.tensor([5]), fill),
-               lambda t: t.index_fill(0, torch.tensor([1]), torch.tensor(0.0, dtype=t.dtype))]
+               lambda t: t.clone().index_fill_(-1, torch.tensor([5]), fill)]
         if not isinstance(s, torch.Tensor):  # (masked_scatter mixes channels: one scale, the largest)
             ops.append(lambda t: t.masked_scatter(mask, t.flip(0)))
         for op in ops:
             torch.testing.assert_close(op(x).dequantize(torch.float64), op(plain), rtol=1e-3, atol=0)
+
+
+def test_masked_fill_by_a_one_element_tensor_is_a_number():
+    """masked_fill (and index_fill) by a plain one-element tensor counted it as a plain
+    tensor, scale 1, so ``x.masked_fill(mask, torch.tensor(0.0))`` of float16 data at scale
+    2^-30 zeroed every element. The fill is a number there, its size not read."""
+    mask = X > 0
+    for s in (2.0**-30, torch.tensor(2.0**-30), torch.tensor([[1.0], [1e3], [1e-3], [4.0]])):
+        x = as_scaled(X.half(), s)
+        plain = x.dequantize(torch.float64)
+        small = () if isinstance(s, torch.Tensor) and s.dim() else (-1e-9,)  # (a row at 1e3 flushes it)
+        for fill in (0.0, float("-inf"), *small):
+            for op in (lambda t, c: t.masked_fill(mask, c),
+                       lambda t, c: t.index_fill(1, torch.tensor([2]), c)):  # fmt: skip
+                got = op(x, torch.tensor(fill)).dequantize(torch.float64)
+                torch.testing.assert_close(got, op(plain, fill), rtol=1e-3, atol=1e-12)
 
 
 def test_per_channel_norm_gradient():

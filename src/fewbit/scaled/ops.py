@@ -767,9 +767,20 @@ def _where(func, cond, a, b):
 
 @rule(aten.masked_fill)
 def _masked_fill(func, x, mask, fill):
-    """masked_fill: scale max(s, |fill|) (a non-finite fill, e.g. -inf, keeps s)."""
+    """masked_fill: scale max(s, |fill|) (a non-finite fill, e.g. -inf, keeps s). A fill in a
+    plain one-element tensor is such a number, not read (it may wait for a device, or be
+    traced): it counted as scale 1, a plain tensor's, so ``masked_fill(mask, torch.tensor(0.))``
+    of float16 data at scale 2^-30 zeroed every element."""
     if _unit_scales(x, fill):
         return _on_data(func, x, mask, fill)
+    sx = parts(x)[1]
+    if (isinstance(fill, torch.Tensor) and not isinstance(fill, ScaledTensor) and fill.numel() == 1
+            and fill.is_floating_point() and not is_static(sx, 0.0)):  # fmt: skip
+        c = fill.to(torch.float32).reshape(())
+        finite = c.isfinite()
+        s = smax(sx, torch.where(finite, c.abs(), 0.0))
+        d = at_scale(x, s)
+        return wrap(torch.where(mask, torch.where(finite, sdiv(c, s), c).to(d.dtype), d), s)
     s = common_scale(x, fill)
     d, c = at_scale(x, s), at_scale(fill, s)
     if isinstance(c, torch.Tensor) and c.dim():
