@@ -625,6 +625,7 @@ def test_model_ensembling_is_refused_by_name():
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (torch.jit.script is deprecated)
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
 def test_torch_jit_script_is_refused_by_name():
     """torch.jit.script of a model with a FakeQuantize (its own, or quantize_outputs') failed
     on Key's source (an OSError naming no module); refused by name, naming the tracers that
