@@ -648,6 +648,70 @@ def test_nvfp4_edges_of_the_tensor_scale(dtype):
     assert torch.equal(block.round(tiny, "nvfp4"), block_round_reference(tiny, "nvfp4"))
 
 
+def _tiny_data() -> torch.Tensor:
+    """float32 rows near and below 2^-126: blocks whose E8M0 scale is 2^-127 (a float32
+    subnormal) and whose values q * S are float32 subnormals, subnormal elements
+    (2^-149 multiples, from their bits) among them, and NVFP4 tensor scales below 2^-126."""
+    g = torch.Generator().manual_seed(stable_seed("block-ftz"))
+    codes = torch.randint(-(1 << 23), 1 << 23, (64,), generator=g, dtype=torch.int32)
+    return torch.stack([torch.randn(64, generator=g) * 2.0**-122, torch.randn(64, generator=g) * 2.0**-135,
+                        torch.randn(64, generator=g) * torch.logspace(-149, -110, 64, base=2.0),
+                        (codes & ~0x7F800000).view(torch.float32)])  # fmt: skip
+
+
+def _block_results(x: torch.Tensor, name: str, axis: int) -> list[torch.Tensor]:
+    """block.round, quantize's codes, scales and tensor scale, and dequantize of x."""
+    stored = block.quantize(x, name, axis=axis)
+    ts = [] if stored.tensor_scale is None else [stored.tensor_scale.view(torch.int32)]
+    return [block.round(x, name, axis=axis).view(torch.int32), stored.codes, stored.scales, *ts,
+            stored.dequantize().view(torch.int32)]  # fmt: skip
+
+
+@pytest.mark.parametrize("config", [{}, {"compile": False}, pytest.param(
+    {"native": False, "compile_threshold": 0}, marks=pytest.mark.slow)])  # fmt: skip
+def test_tiny_data_keeps_its_bits_under_flush_denormal(config):
+    """torch.set_flush_denormal(True) (FTZ and DAZ on the thread) made float32 subnormals 0
+    in the torch kernel's float ops: a block's amax, its scale 2^-127 and x / S, q * S, and
+    NVFP4's tensor scale (on the native path too: amax / 2688, and the native kernel's
+    amax, read back as a float); rounded, quantised or dequantised, such data came out 0
+    (mxfp8_e4m3 of randn * 2^-122: all of it). The config's defaults run the native kernel
+    along the last axis and the eager torch kernel along the first (4 rows: under one
+    block); the reference computed in float32 and numpy, which flush too. All of them now
+    give the bits they give with it off (which test_mx_formats_agree_with_gfloat_block_api
+    holds to gfloat for tiny blocks, as here). Compiled, for two formats (seconds a spec)."""
+    x = _tiny_data()
+    names = [*MX, "nvfp4", "hbfp4", "mx_binary8p4"] if config.get("native", True) else ["mxfp8_e4m3", "nvfp4"]
+    cases = [(name, axis) for name in names for axis in (-1, 0)]
+    want = {case: _block_results(x, *case) for case in cases}
+    refs = ["mxfp8_e4m3", "mxint8", "nvfp4"]
+    rb = x.view(torch.int32) & 7
+    want_ref = {name: block_round_reference(x, name, "src", bits=3, random_bits=rb) for name in refs}
+    assert all(bool(w[0].count_nonzero()) for w in want.values())
+    from gfloat import compute_scale_amax, encode_block
+
+    for name in set(MX) & set(names):  # along rows, blocks of 32: gfloat's codes
+        fi, stored = _gfloat_block(name), want[name, -1]
+        for row, vals in enumerate(x.view(-1, 32).double().numpy()):
+            scale = compute_scale_amax(fi.etype.emax, vals)
+            codes = list(encode_block(fi, scale, vals / scale, gfloat_mode("rne")))
+            elements = stored[1].view(-1, stored[1].shape[-1])[row]
+            if block.format(name).packed:
+                elements = torch.stack([elements & 0xF, elements >> 4], -1).flatten()
+            assert [int(stored[2].flatten()[row]), *elements.tolist()] == codes, (name, row)
+    torch.set_flush_denormal(True)
+    try:
+        with fewbit.configure(**config):
+            got = {case: _block_results(x, *case) for case in cases}
+        got_ref = {name: block_round_reference(x, name, "src", bits=3, random_bits=rb) for name in refs}
+    finally:
+        torch.set_flush_denormal(False)
+    for case in cases:
+        for i, (g, w) in enumerate(zip(got[case], want[case], strict=True)):
+            assert torch.equal(g, w), (case, i)
+    for name in refs:
+        assert torch.equal(got_ref[name].view(torch.int32), want_ref[name].view(torch.int32)), name
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_nvfp4_rule_up_clips_nothing(native):
     """Under rule "up" the per-tensor scale ts = amax / 2688 and each block's S = scale * ts

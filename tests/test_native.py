@@ -377,7 +377,7 @@ def test_the_cache_keeps_the_builds_used_last(tmp_path, monkeypatch):
 #: Stand-ins for native.cpp's library: its three functions (doing nothing), and none of them.
 STUB_SOURCES = {
     "fewbit": 'extern "C" { long fewbit_round(const char*) { return -1; } long fewbit_decode(const char*) '
-              '{ return -1; } float fewbit_finite_amax(void*, int, long, int) { return 0; } }',
+              '{ return -1; } unsigned fewbit_finite_amax(void*, int, long, int) { return 0; } }',
     "other": 'extern "C" int other() { return 1; }',
 }
 

@@ -30,7 +30,7 @@ from ..rounding.checks import check_round_args
 from ..rounding.ops import call_with_out, check_writable
 from .formats import SCALE_RULES, BlockFormat, ScaleRule, names
 from .formats import format as block_format
-from .kernel import from_block_layout, work_dtype
+from .kernel import flushes, from_block_layout, times_scale, widened, work_dtype
 from .ops import (
     block_args,
     block_quantize_into_op,
@@ -79,8 +79,10 @@ class BlockTensor:
         """Each block's factor ``S`` (``(rows, blocks)``): its scale, times the per-tensor scale."""
         check_value_dtype(dtype)
         scale = decode(self.scales, self.format.scale, torch.float32)
-        factor = scale if self.tensor_scale is None else scale * self.tensor_scale
-        return factor.to(dtype)
+        flushed = flushes()  # (see kernel.widened)
+        ts = self.tensor_scale
+        factor = scale if ts is None else times_scale(scale, ts, torch.float32, flushed)
+        return widened(factor, flushed) if dtype == torch.float64 else factor.to(dtype)
 
     def elements(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The element values ``q`` (``(rows, blocks, B)``), before scaling."""
@@ -92,8 +94,8 @@ class BlockTensor:
         as ``block.round`` forms them for data of ``dtype`` (in float64 for float64)."""
         check_value_dtype(dtype)
         work = work_dtype(self.format, dtype == torch.float64)
-        values = self.elements(work) * self.block_scales(work)[..., None]
-        return from_block_layout(values, self.shape, self.axis).to(dtype)
+        values = times_scale(self.elements(work), self.block_scales(work)[..., None], dtype, flushes())
+        return from_block_layout(values, self.shape, self.axis)
 
 
 # A checkpoint of BlockTensors or formats loads with torch.load's default (weights_only=True):

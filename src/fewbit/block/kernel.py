@@ -13,6 +13,18 @@ NVFP4's. Where the quotient falls below the working float's normal range it is r
 ``±2^emin`` of that float: every value in ``(0, 2^-125)`` rounds alike in every mode to an
 element format whose smallest subnormal is at least ``2^-92`` (SR reads at most 32 bits
 of the fraction), and the working float is float64 for element formats finer than that.
+
+Subnormals are kept whatever ``torch.set_flush_denormal`` says (FTZ and DAZ on the thread:
+a float op then reads a float32 subnormal as 0 and makes 0 for one). Data near 2^-126
+has scales that are float32 subnormals (E8M0's 2^-127, NVFP4's ``scale * tensor scale``)
+and values ``q * S`` that are, so no float32 op may meet them there: magnitudes compare
+as their bits (:func:`magnitude_max`) and 2^e is built from its bits; and where the thread
+flushes (``flushed``, :func:`flushes`) the scales, NVFP4's tensor scale, ``x / S`` and
+``q * S`` are formed in float64 from float32s :func:`widened` from their bits (float32's
+subnormals are float64's normals; the product of two float32 significands is exact there,
+a quotient's double rounding innocuous) and :func:`narrowed` back to float32 to nearest
+in integers. With it off, the float32 ops and conversions give those bits, cheaper (a
+float32<->float64 conversion costs torch's CPU ops some 10 ns an element).
 """
 
 from __future__ import annotations
@@ -24,14 +36,17 @@ import torch
 from ..formats import FloatFormat, format
 from ..rounding.checks import RoundSpec, make_spec
 from ..rounding.compiled import round_body
+from ..rounding.fast import INT_LAYOUT, bits_of
 from ..rounding.modes import RoundMode
 from .formats import BlockFormat
 
-__all__ = ["BlockSpec", "block_layout", "block_scales", "quantize_blocks"]
+__all__ = ["BlockSpec", "block_layout", "block_scales", "flushes", "magnitude_max", "narrowed",
+           "quantize_blocks", "times_scale", "widened"]
 
 #: An element format whose smallest subnormal is below 2^-92 is rounded in float64 (see above).
 _FLOAT32_FLOOR = -92
 _FLOAT32_SMALLEST = format("binary32").smallest_subnormal
+_FLOAT32_TINY = format("binary32").smallest_normal
 
 
 @dataclass(frozen=True)
@@ -95,15 +110,93 @@ def from_block_layout(blocks: torch.Tensor, shape: torch.Size, axis: int) -> tor
     return flat.movedim(-1, axis)
 
 
+_SMALLEST64, _TINY64, _ONE, _HALF = 2.0**-1074, 2.0**-1022, 1.0, 0.5  # (names: no constant folding)
+
+
+def flushes() -> bool:
+    """Whether this thread's float ops flush subnormals (``torch.set_flush_denormal(True)``:
+    DAZ reads them as 0, FTZ makes 0 for them): a Python float op runs on the thread, as
+    eager torch's do. True while Dynamo traces (a user's compiled ``dequantize``): the graph
+    runs on threads it cannot know, and the exact way is exact with flushing off too. (The
+    block kernels, compiled once for both, take it as an argument.)"""
+    return torch.compiler.is_compiling() or _SMALLEST64 * _ONE == 0.0 or _TINY64 * _HALF == 0.0
+
+
+def widened(t: torch.Tensor, flushed: bool = True) -> torch.Tensor:
+    """``t`` (float32, or 16-bit: exact in float32) as float64, exactly where the thread
+    flushes (``flushed``, :func:`flushes`), whose DAZ has the conversion read a float32
+    subnormal as 0: a subnormal's bits count float32's smallest subnormals, 2^-149."""
+    if t.dtype == torch.float64:
+        return t
+    if not flushed:
+        return t.double()
+    t = t.float()  # (16 bits to float32: exact, a bfloat16 subnormal's bits shifted)
+    bits = t.view(torch.int32)
+    counted = (bits & 0x7FFFFF).to(torch.float64) * _FLOAT32_SMALLEST  # (float64 normals)
+    counted = torch.where(bits < 0, -counted, counted)
+    return torch.where((bits & 0x7F800000) == 0, counted, t.double())
+
+
+def narrowed(v: torch.Tensor, dtype: torch.dtype = torch.float32, flushed: bool = True) -> torch.Tensor:
+    """float64 ``v`` to nearest (ties to even) in float32, then in ``dtype`` (float64: ``v``
+    itself): as the conversion rounds, but, where the thread flushes (``flushed``), a
+    float32 subnormal is made from its bits, the count of 2^-149 in it rounded in float64
+    (exact), where FTZ would make the conversion's 0."""
+    if dtype == torch.float64:
+        return v
+    if not flushed:
+        return v.float().to(dtype)
+    magnitude = v.abs()
+    count = torch.round(magnitude * 2.0**149).to(torch.int32)  # (ties to even; used below 2^23)
+    subnormal = torch.where(torch.signbit(v), count | -(1 << 31), count).view(torch.float32)
+    return torch.where(magnitude < _FLOAT32_TINY, subnormal, v.float()).to(dtype)
+
+
+def times_scale(q: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype, flushed: bool = True
+                ) -> torch.Tensor:  # fmt: skip
+    """Block values ``q * S`` (both float32, or both float64) in ``dtype``: in float64 for
+    float64, else rounded once to float32 (as a float32 product is, and float64's converted)
+    and converted to dtype. ``flushed`` (:func:`flushes`): formed in float64 (exact for
+    float32 ``q`` and ``S``) and :func:`narrowed`, as the product of a float32 subnormal S,
+    or one that is a float32 subnormal, is 0 under FTZ and DAZ; else by a float op."""
+    if not flushed:
+        return (q * factor).to(dtype)
+    return narrowed(widened(q) * widened(factor), dtype)
+
+
+def next_float32_up(t: torch.Tensor) -> torch.Tensor:
+    """The float32 after each finite ``t >= 0``, from its bits (nextafter's compares read a
+    subnormal as 0 under DAZ)."""
+    return (t.view(torch.int32) + 1).view(torch.float32)
+
+
+def magnitude_max(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """``t.abs().amax(dim, keepdim=True)`` (every dimension for None: 0-d), compared as
+    the magnitudes' bits, which order as their values (a NaN's above Inf's, so a NaN
+    wins, as amax's does): DAZ has a float compare read float32 subnormals as 0, which
+    made amax of a block of them 0."""
+    itype = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
+             torch.float16: torch.int16}[t.dtype]  # fmt: skip
+    magnitudes = t.view(itype) & ~(-1 << (8 * t.element_size() - 1))  # the sign bit cleared
+    top = magnitudes.amax() if dim is None else magnitudes.amax(dim=dim, keepdim=True)
+    return top.view(t.dtype)
+
+
 def _pow2(e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``2^e`` for integer ``e`` in ``[-1022, 1023]``, built from float64 bits (exact)."""
-    return ((e.to(torch.int64) + 1023) << 52).view(torch.float64).to(dtype)
+    """``2^e`` for integer ``e`` in ``[-127, 127]``, built from its bits (exact; E8M0's
+    2^-127, a float32 subnormal, is 0 through a float conversion under FTZ)."""
+    if dtype == torch.float64:
+        return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
+    _, M, bias = INT_LAYOUT[torch.float32]
+    e = e.to(torch.int32)
+    subnormal = torch.ones_like(e) << (e + (bias - 1 + M)).clamp(min=0)  # 2^e over 2^-149
+    return torch.where(e >= 1 - bias, (e + bias) << M, subnormal).view(torch.float32)
 
 
-def _exponent_of(amax: torch.Tensor, rule: str, element: FloatFormat) -> torch.Tensor:
+def _exponent_of(amax: torch.Tensor, rule: str, element: FloatFormat, flushed: bool) -> torch.Tensor:
     """The power-of-two scale's exponent ``e`` for each block, by ``rule``, clipped to
     E8M0's ``[-127, 127]`` (an all-zero block takes -127, as gfloat does)."""
-    a = amax.to(torch.float64)
+    a = widened(amax, flushed)
     bits = a.view(torch.int64)
     floor_log2 = ((bits >> 52) & 0x7FF) - 1023  # exact for every float32 amax; Inf gives 1024
     m = ((bits & ((1 << 52) - 1)) | (1023 << 52)).view(torch.float64)  # amax / 2^floor_log2, in [1, 2)
@@ -118,49 +211,59 @@ def _exponent_of(amax: torch.Tensor, rule: str, element: FloatFormat) -> torch.T
 
 
 def block_scales(
-    amax: torch.Tensor, spec: BlockSpec, tensor_scale: torch.Tensor | None
+    amax: torch.Tensor, spec: BlockSpec, tensor_scale: torch.Tensor | None, flushed: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, S)`` per block: ``scale`` holds values of the scale format (in the
     working dtype), ``S`` the factor elements are multiplied by (``scale`` times the
-    per-tensor scale where the format has one). A block holding a NaN gets NaN."""
+    per-tensor scale where the format has one). A block holding a NaN gets NaN.
+    ``flushed``: the thread flushes subnormals (:func:`flushes`)."""
     bfmt, work = spec.bfmt, spec.work_dtype
     if bfmt.power_of_two:
-        scale = _pow2(_exponent_of(amax, spec.rule, bfmt.element), work)
+        scale = _pow2(_exponent_of(amax, spec.rule, bfmt.element, flushed), work)
     else:
-        target = amax.to(torch.float64) / bfmt.element.max
+        target = widened(amax, flushed) / bfmt.element.max
         if tensor_scale is not None:
-            target = target / tensor_scale.to(torch.float64)
+            target = target / widened(tensor_scale, flushed)
         scale = round_body(target, spec.scale_spec, None).to(work)
     scale = torch.where(torch.isnan(amax), torch.nan, scale)
-    factor = scale if tensor_scale is None else (scale.float() * tensor_scale).to(work)
-    if spec.rule == "up" and tensor_scale is not None:
+    if tensor_scale is None:
+        return scale, scale
+
+    def times_tensor_scale(scale: torch.Tensor) -> torch.Tensor:
+        # scale * ts to nearest in float32 (a subnormal there where ts is small), in work.
+        product = times_scale(scale, tensor_scale, torch.float32, flushed)
+        return widened(product, flushed) if work == torch.float64 else product
+
+    factor = times_tensor_scale(scale)
+    if spec.rule == "up":
         # S = scale * ts rounds to nearest in float32, maybe below amax / M: the next scale
         # then (E4M3's values lie at least 1/16 apart, so 1 + 2^-5 lies below the next).
-        short = factor.to(torch.float64) * bfmt.element.max < amax.to(torch.float64)
+        short = widened(factor, flushed) * bfmt.element.max < widened(amax, flushed)
         bumped = round_body(scale.to(torch.float64) * (1 + 2.0**-5), spec.scale_spec, None).to(work)
         scale = torch.where(short, bumped, scale)
-        factor = (scale.float() * tensor_scale).to(work)
+        factor = times_tensor_scale(scale)
     return scale, factor
 
 
-def finite_amax(x: torch.Tensor, found: float | torch.Tensor | None = None) -> torch.Tensor:
+def finite_amax(x: torch.Tensor, found: float | torch.Tensor | None = None, flushed: bool = True
+                ) -> torch.Tensor:  # fmt: skip
     """``x``'s largest finite magnitude, a 0-d float32 tensor on x's device (0 for a
     tensor without one); float64 data's rounded up to float32 (to nearest, it could land
     below the data, and rule "up" clip). ``found``: that magnitude where the caller has
     it (the native kernel finds it in one read, as a float; the GPU's as a 0-d float32
-    tensor)."""
+    tensor). ``flushed``: the thread flushes subnormals (:func:`flushes`)."""
     if isinstance(found, torch.Tensor):
         return found
-    if found is not None:
-        return torch.tensor(found, dtype=torch.float32, device=x.device)
+    if found is not None:  # (from its bits: a float32 subnormal converted from found is 0 under FTZ)
+        bits = torch.tensor(bits_of(found, torch.float32), dtype=torch.int32, device=x.device)
+        return bits.view(torch.float32)
     if not x.numel():
         return torch.zeros((), device=x.device)
-    amax = torch.where(torch.isfinite(x), x, 0).abs().amax()
-    rounded = amax.to(torch.float32)
-    if amax.dtype == torch.float64:
-        above = torch.nextafter(rounded, torch.full_like(rounded, torch.inf))
-        rounded = torch.where(rounded.double() < amax, above, rounded)
-    return rounded
+    amax = magnitude_max(torch.where(torch.isfinite(x), x, 0))
+    if amax.dtype != torch.float64:
+        return amax.float()  # (16 bits to float32: exact)
+    rounded = narrowed(amax, flushed=flushed)
+    return torch.where(widened(rounded, flushed) < amax, next_float32_up(rounded), rounded)
 
 
 def divided(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
@@ -190,35 +293,46 @@ def tensor_scale_of(x: torch.Tensor, bfmt: BlockFormat, amax: float | torch.Tens
     quotient underflows takes float32's smallest positive value (1 would flush them all)."""
     if not bfmt.tensor_scale:
         return None
-    found = finite_amax(x, amax).clamp(max=torch.finfo(torch.float32).max)
-    ts = divided(found, bfmt.element.max * bfmt.scale.max).clamp(min=_FLOAT32_SMALLEST)
+    # In float64, where a float32 subnormal (amax, ts, S) is normal (see the module's
+    # docstring); a float64 division is correctly rounded on every device (see divided).
+    flushed = flushes()
+    found = widened(finite_amax(x, amax, flushed), flushed).clamp(max=torch.finfo(torch.float32).max)
+    ts = narrowed((found / (bfmt.element.max * bfmt.scale.max)).clamp(min=_FLOAT32_SMALLEST), flushed=flushed)
     if (rule or bfmt.rule) == "up":
         # ts and S, each rounded to nearest, are at least (1 - 2^-24) of their quotient and
         # product, and a float32 step raises ts by at least 2^-24 of it: three steps suffice.
-        inf = torch.full_like(ts, torch.inf)  # (made on the device: a tensor copied there waits for it)
+        top_scale = torch.full_like(ts, bfmt.scale.max)
         for _ in range(3):
-            short = (ts * bfmt.scale.max).double() * bfmt.element.max < found.double()
-            ts = torch.where(short, torch.nextafter(ts, inf), ts)
+            top = times_scale(top_scale, ts, torch.float32, flushed)
+            short = widened(top, flushed) * bfmt.element.max < found
+            ts = torch.where(short, next_float32_up(ts), ts)
     return torch.where(found > 0, ts, 1.0)
 
 
 def quantize_blocks(
-    blocks: torch.Tensor, spec: BlockSpec, rand: torch.Tensor | None, tensor_scale: torch.Tensor | None
+    blocks: torch.Tensor, spec: BlockSpec, rand: torch.Tensor | None, tensor_scale: torch.Tensor | None,
+    flushed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantise ``blocks`` (``(rows, blocks, B)``): returns ``(q, scale, S)``, ``q`` the
     element values (working dtype, the layout of ``blocks``), ``scale`` and ``S`` per
-    block (:func:`block_scales`). ``rand``: the random bits in the layout of ``blocks``."""
+    block (:func:`block_scales`). ``rand``: the random bits in the layout of ``blocks``.
+    ``flushed``: the thread flushes subnormals (:func:`flushes`)."""
     work = blocks.to(spec.work_dtype)
-    amax = work.abs().amax(dim=-1, keepdim=True)
-    scale, factor = block_scales(amax, spec, tensor_scale)
-    scaled = divided(work, factor)
+    amax = magnitude_max(work, -1)
+    scale, factor = block_scales(amax, spec, tensor_scale, flushed)
+    if flushed:  # in float64, where float32 subnormals are normal (see the module's docstring)
+        wide, wide_factor = widened(work), widened(factor)
+        scaled = wide / wide_factor
+    else:
+        wide, wide_factor = work, factor
+        scaled = divided(work, factor)
     tiny = torch.finfo(spec.work_dtype).tiny
-    underflow = (scaled.abs() < tiny) & (work != 0)
-    scaled = torch.where(underflow, torch.copysign(torch.full_like(work, tiny), work), scaled)
+    underflow = (scaled.abs() < tiny) & (wide != 0)
+    scaled = torch.where(underflow, torch.copysign(torch.full_like(scaled, tiny), wide), scaled)
     # A scale that underflowed holds zeros, each with its element's sign (E2M1 has a -0).
-    scaled = torch.where(factor == 0, torch.copysign(torch.zeros_like(work), work), scaled)
+    scaled = torch.where(wide_factor == 0, torch.copysign(torch.zeros_like(scaled), wide), scaled)
     # In a NaN block the scale carries the NaN; elements without a NaN code hold 0.
     fill = torch.nan if spec.spec.fmt.has_nans else 0.0
-    scaled = torch.where(torch.isnan(factor), fill, scaled)
+    scaled = torch.where(torch.isnan(factor), fill, scaled).to(spec.work_dtype)
     q = round_body(scaled.reshape(-1), spec.spec, None if rand is None else rand.reshape(-1))
     return q.view(work.shape), scale, factor

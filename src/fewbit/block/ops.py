@@ -28,6 +28,7 @@ from ..rounding.compiled import (
     use_compiled,
     word_tensors,
 )
+from ..rounding.fast import float32_value
 from ..rounding.modes import parse_mode
 from ..rounding.ops import (
     batch_bits,
@@ -45,10 +46,12 @@ from .kernel import (
     BlockSpec,
     block_layout,
     finite_amax,
+    flushes,
     from_block_layout,
     make_block_spec,
     quantize_blocks,
     tensor_scale_of,
+    times_scale,
 )
 
 __all__ = ["block_args", "block_spec_of", "check_axis", "format_name", "largest_finite", "lookup",
@@ -140,17 +143,18 @@ def _fake_checks(
     return spec, axis
 
 
-def _kernel(blocks, words, rand, tensor_scale, *, spec: BlockSpec, fused: bool):
+def _kernel(blocks, words, rand, tensor_scale, *, spec: BlockSpec, fused: bool, flushed: bool):
     """On ``blocks`` (``(n, B)``, contiguous): the rounded values in x's dtype (``fused``)
     or the codes and scale codes; and whether an element had no value (overflow without
     sat in a format without Inf or NaN: NaN blocks hold zeros there, so a NaN element is
-    such an overflow). ``words``: draw the bits of elements ``0 .. n B`` here."""
+    such an overflow). ``words``: draw the bits of elements ``0 .. n B`` here. ``flushed``:
+    the calling thread flushes subnormals (``kernel.flushes``)."""
     if words is not None:
         rand = range_bits(spec.spec, words, 0, blocks.numel(), blocks.device).view(blocks.shape)
-    q, scale, factor = quantize_blocks(blocks, spec, rand, tensor_scale)
+    q, scale, factor = quantize_blocks(blocks, spec, rand, tensor_scale, flushed)
     invalid = torch.isnan(q).any() if spec.may_refuse else None
     if fused:
-        return (q * factor).to(blocks.dtype), invalid
+        return times_scale(q, factor, blocks.dtype, flushed), invalid
     codes = codes_of(q, spec.bfmt.element)
     if spec.bfmt.packed:
         codes = pack_pairs(codes)
@@ -173,7 +177,8 @@ def _native(x: torch.Tensor, spec: BlockSpec, key: Key | None, rand: torch.Tenso
     written into ``into`` where given."""
     out, scales = _outputs(x, spec, fused, into)
     words = None if key is None else stream_words(spec.spec, key)
-    tensor_scale = 1.0 if ts is None else float(ts)
+    # (From its bits: float(ts) reads a subnormal as 0 under DAZ.)
+    tensor_scale = 1.0 if ts is None else float32_value(int(ts.view(torch.int32)))
     bad = native.block_into(x, spec.spec, words, rand, out, scales, block_size=spec.bfmt.block_size,
                             rule=spec.rule, tensor_scale=tensor_scale, packed=spec.bfmt.packed)  # fmt: skip
     return (out, bad >= 0) if fused else (out, scales, bad >= 0)
@@ -222,6 +227,7 @@ def _run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool, ts: torch
     blocks = blocks.reshape(-1, size)
     rand = None if rand is None else block_layout(rand, axis, size).reshape(-1, size)
     result = None
+    flushed = flushes()
     if use_compiled(x.numel()):
 
         def run(fn) -> None:
@@ -230,11 +236,11 @@ def _run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool, ts: torch
             result = fn(blocks, None if words is None else word_tensors(spec.spec, key, x.device), rand, ts)
 
         # (result stays None where the compiled kernel failed: eager below)
-        run_compiled((spec, fused, x.dtype, x.device.type, words is None), _kernel, run, spec.spec, x.device,
-                     spec=spec, fused=fused)  # fmt: skip
+        run_compiled((spec, fused, x.dtype, x.device.type, words is None, flushed), _kernel, run, spec.spec,
+                     x.device, spec=spec, fused=fused, flushed=flushed)  # fmt: skip
     if result is None:
         result = _kernel(blocks, None if words is None else stream_words(spec.spec, words), rand, ts,
-                         spec=spec, fused=fused)
+                         spec=spec, fused=fused, flushed=flushed)
     if fused:
         out, invalid = result
         return from_block_layout(out.view(shape3), x.shape, axis), invalid

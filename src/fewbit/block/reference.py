@@ -23,6 +23,11 @@ For each block of ``B`` values along the axis (zero-padded at the end):
    that float's normal range counts as its smallest normal (which every mode rounds as
    the exact quotient);
 4. the block's values are ``q_i * S``.
+
+It computes in float64, where every float32 value (subnormals too) is normal, and rounds
+to float32 with ``round_reference`` where the steps above do: float64 and Python floats
+then give the same bits whatever ``torch.set_flush_denormal`` says (a float32 op, or a
+float conversion, reads and makes float32 subnormals as 0 under its DAZ and FTZ).
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ import numpy as np
 import torch
 
 from ..rounding.checks import make_spec, scalar_args
+from ..rounding.fast import bits_of
 from ..rounding.modes import MODES, RoundMode, parse_mode
-from ..rounding.reference import round_reference
+from ..rounding.reference import _exact_values, round_reference
 from .formats import BlockFormat, format
 from .kernel import work_dtype
 
@@ -75,10 +81,10 @@ def scale_reference(amax: float, bfmt: BlockFormat, rule: str, tensor_scale: flo
     scale = _to_scale(target, bfmt, mode)
     if tensor_scale is None:
         return scale
-    factor = float(np.float32(scale) * np.float32(tensor_scale))
+    factor = _float32(scale * tensor_scale)
     if rule == "up" and bfmt.element.max * factor < amax and scale < bfmt.scale.max:
         scale = _to_scale(math.nextafter(scale, math.inf), bfmt, "rup")  # the next scale
-        factor = float(np.float32(scale) * np.float32(tensor_scale))
+        factor = _float32(scale * tensor_scale)
     return factor
 
 
@@ -86,20 +92,37 @@ def _to_scale(target: float, bfmt: BlockFormat, mode: str) -> float:
     return round_reference(torch.tensor([target], dtype=torch.float64), bfmt.scale, mode, sat=True).item()
 
 
+def _float32(value: float, mode: str = "rne") -> float:
+    """``value`` (a float64: a product of two float32s is exact) rounded to float32, as a
+    float32 op or conversion rounds it (for a quotient formed in float64, the double
+    rounding is innocuous: 53 >= 2 * 24 + 2 bits)."""
+    return round_reference(torch.tensor([value], dtype=torch.float64), "binary32", mode).item()
+
+
+def _next_float32(value: float) -> float:
+    """The float32 after a float32 ``value > 0``."""
+    return value + 2.0 ** (max(math.frexp(value)[1] - 1, -126) - 23)
+
+
+def _as_float32(values: torch.Tensor) -> torch.Tensor:
+    """float64 ``values`` to nearest in float32, through float32's bits."""
+    rounded = round_reference(values.flatten(), "binary32", "rne").tolist()
+    bits = torch.tensor([bits_of(v, torch.float32) for v in rounded], dtype=torch.int32)
+    return bits.view(torch.float32).reshape(values.shape)
+
+
 def tensor_scale_reference(amax: float, bfmt: BlockFormat, rule: str) -> float:
     """The per-tensor scale for a tensor whose largest finite magnitude is ``amax``
     (step 2 above)."""
-    bounded = min(amax, float(np.finfo(np.float32).max))
-    amax_t = np.float32(bounded)
-    if float(amax_t) < bounded:  # float64 data: the float32 above (kernel.finite_amax)
-        amax_t = np.nextafter(amax_t, np.float32(np.inf))
+    # float64 data: the float32 at or above (kernel.finite_amax)
+    amax_t = _float32(min(amax, float(np.finfo(np.float32).max)), "rup")
     if not amax_t:
         return 1.0
     top = bfmt.element.max * bfmt.scale.max
-    ts = max(np.float32(amax_t / np.float32(top)), np.float32(2.0**-149))
-    while rule == "up" and bfmt.element.max * float(ts * np.float32(bfmt.scale.max)) < float(amax_t):
-        ts = np.nextafter(ts, np.float32(np.inf))
-    return float(ts)
+    ts = max(_float32(amax_t / top), 2.0**-149)
+    while rule == "up" and bfmt.element.max * _float32(ts * bfmt.scale.max) < amax_t:
+        ts = _next_float32(ts)
+    return ts
 
 
 def block_round_reference(
@@ -119,7 +142,8 @@ def block_round_reference(
     axis = bfmt.axis if axis is None else axis
     rule = rule or bfmt.rule
     size = bfmt.block_size
-    values = x.detach().double().movedim(axis, -1).cpu().numpy()
+    moved = x.detach().movedim(axis, -1)
+    values = np.array(_exact_values(moved), dtype=np.float64).reshape(moved.shape)
     work = np.float64 if work_dtype(bfmt, x.dtype == torch.float64) == torch.float64 else np.float32
     rand = None if random_bits is None else random_bits.movedim(axis, -1).cpu().numpy()
     tensor_scale = None
@@ -138,7 +162,9 @@ def block_round_reference(
                 scaled = block / scale  # exact: a power of two
             elif scale:  # one division in the working float; a nonzero quotient below its
                 # normal range rounds as the exact one does, so it counts as the smallest normal
-                quotient = block.astype(work) / work(scale)
+                quotient = block / scale
+                if work == np.float32:
+                    quotient = round_reference(torch.from_numpy(quotient), "binary32", "rne").numpy()
                 tiny = np.finfo(work).tiny
                 flushed = (np.abs(quotient) < tiny) & (block != 0)
                 scaled = np.where(flushed, np.copysign(tiny, block), quotient).astype(np.float64)
@@ -148,4 +174,5 @@ def block_round_reference(
             q = round_reference(torch.from_numpy(np.asarray(scaled, dtype=np.float64)), bfmt.element, mode,
                                 sat=sat, bits=bits, random_bits=n, fraction=fraction)
             out[row][start : start + size] = q.numpy() * scale
-    return torch.from_numpy(out).movedim(-1, axis).to(x.dtype)
+    result = torch.from_numpy(out).movedim(-1, axis)
+    return result if x.dtype == torch.float64 else _as_float32(result).to(x.dtype)

@@ -17,6 +17,7 @@ so ``torch.compile`` can fuse the whole function into one kernel.
 
 from __future__ import annotations
 
+import math
 import struct
 
 import torch
@@ -24,7 +25,7 @@ import torch
 from .checks import RoundSpec
 from .modes import MODES, RoundMode
 
-__all__ = ["INT_LAYOUT", "bits_of", "decompose", "round_fast", "working_dtype"]
+__all__ = ["INT_LAYOUT", "bits_of", "decompose", "float32_value", "round_fast", "working_dtype"]
 
 # (integer view, trailing significand bits M, exponent bias) of each working float.
 INT_LAYOUT = {
@@ -48,6 +49,15 @@ def bits_of(value: float, dtype: torch.dtype) -> int:
         # C library's conversion to float gives 0 under torch.set_flush_denormal(True).
         return int(abs(value) * 2.0**149) | (_sign_mask(dtype) if value < 0 else 0)
     return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+def float32_value(bits: int) -> float:
+    """The Python float a float32 bit pattern (as an int) holds, the inverse of
+    :func:`bits_of`. A subnormal is made from its bits: the C conversion of a float32 to a
+    float reads it as 0 under torch.set_flush_denormal(True) (DAZ)."""
+    if bits & 0x7F800000:  # normal, Inf or NaN
+        return struct.unpack("<f", struct.pack("<i", bits))[0]
+    return math.copysign(math.ldexp(bits & 0x7FFFFF, -149), -1.0 if bits < 0 else 1.0)
 
 
 def _fraction_to_bits(rem, D, bits: int, tie: str, max_shift: int):

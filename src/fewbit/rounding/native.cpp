@@ -1983,7 +1983,9 @@ int64_t fewbit_round(const Call* c) {
 
 // The largest finite magnitude in x[0 .. n) (0 if none), for NVFP4's per-tensor scale
 // (block.kernel.tensor_scale_of): one read of x instead of torch's three temporaries.
-float fewbit_finite_amax(const void* x, int dtype, int64_t n, int threads) {
+// Returned as its float32 bits: the caller's conversion of a returned float (ctypes'
+// float to double) reads a subnormal as 0 under torch.set_flush_denormal(True) (DAZ).
+uint32_t fewbit_finite_amax(const void* x, int dtype, int64_t n, int threads) {
   // Magnitudes compare as their float32 bits, in int32 (below 2^31: AVX2 has no unsigned
   // compare); Inf and NaN count as 0. One loop per dtype, each of which vectorises (a
   // dtype test per element kept the loop scalar, slower than the quantisation it serves).
@@ -2008,9 +2010,9 @@ float fewbit_finite_amax(const void* x, int dtype, int64_t n, int threads) {
       const int32_t a = v[i] & 0x7FFF;
       best = std::max(best, a < 0x7C00 ? a : 0);
     }
-    return float(__builtin_bit_cast(_Float16, uint16_t(best)));
+    return __builtin_bit_cast(uint32_t, float(__builtin_bit_cast(_Float16, uint16_t(best))));
   }
-  return as_float(uint32_t(best));
+  return uint32_t(best);
 }
 
 // One call of fewbit_decode, as native.py's LOOKUP packs it (as Call, one bytes object).

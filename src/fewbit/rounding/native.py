@@ -35,6 +35,7 @@ from ..config import current, fork_safe_lock
 from ..formats import FloatFormat
 from ..operators import is_plain
 from .checks import RoundSpec, make_spec
+from .fast import float32_value
 from .magic import magic_applies
 from .modes import MODES, SELECT_BITS, RoundMode
 
@@ -290,7 +291,8 @@ def finite_amax(x: torch.Tensor) -> float:
     library = _load()
     assert library is not None, "the native kernel is called only where usable() found it built"
     x = x.contiguous()
-    return library.fewbit_finite_amax(x.data_ptr(), _DTYPES[x.dtype], x.numel(), torch.get_num_threads())
+    bits = library.fewbit_finite_amax(x.data_ptr(), _DTYPES[x.dtype], x.numel(), torch.get_num_threads())
+    return float32_value(bits)
 
 
 #: native.cpp's ``Call``: x, dtype, out, output, n, offset, params, mode, the four key
@@ -481,7 +483,7 @@ def _open(path: Path) -> ctypes.CDLL:
         library.fewbit_round.argtypes = [ctypes.c_char_p]  # a packed CALL
         library.fewbit_decode.restype = ctypes.c_int64
         library.fewbit_decode.argtypes = [ctypes.c_char_p]  # a packed LOOKUP
-        library.fewbit_finite_amax.restype = ctypes.c_float
+        library.fewbit_finite_amax.restype = ctypes.c_uint32  # (float32 bits: see there)
         library.fewbit_finite_amax.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int]
     except (OSError, AttributeError) as err:  # unreadable, cut short, not a library, or not fewbit's
         raise _LoadFailed(str(err)) from err

@@ -22,7 +22,7 @@ import torch
 
 from ..formats import FloatFormat
 from .checks import RoundSpec, check_random_bits, check_round_args, no_result
-from .fast import bits_of
+from .fast import bits_of, float32_value
 from .modes import MODES, RoundMode
 
 __all__ = ["fraction_to_bits", "probability_away", "round_away", "round_reference"]
@@ -200,10 +200,4 @@ def _exact_values(x: torch.Tensor) -> list[float]:
     x = x.detach().cpu().flatten()
     if x.dtype == torch.float64:
         return x.tolist()
-    return [_float32_value(b) for b in x.float().view(torch.int32).tolist()]  # (16 bits to float32: exact)
-
-
-def _float32_value(bits: int) -> float:
-    if bits & 0x7F800000:  # normal, Inf or NaN
-        return struct.unpack("<f", struct.pack("<i", bits))[0]
-    return math.copysign(math.ldexp(bits & 0x7FFFFF, -149), -1.0 if bits < 0 else 1.0)
+    return [float32_value(b) for b in x.float().view(torch.int32).tolist()]  # (16 bits to float32: exact)
