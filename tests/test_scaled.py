@@ -727,6 +727,123 @@ def test_transformer_block_forward_backward(kw, rtol):
         close(p.grad, q.grad, rtol)
 
 
+@pytest.mark.parametrize("make,shape", [
+    (lambda: nn.BatchNorm2d(3, eps=1e-30), (4, 3, 5, 5)),  # (an eps far below the variance at 2^-20)
+    (lambda: nn.BatchNorm1d(3, eps=1e-30).eval(), (8, 3)),
+    (lambda: nn.BatchNorm1d(3, eps=1e-30, momentum=None, affine=False), (8, 3, 4)),
+    (lambda: nn.GroupNorm(2, 4, eps=1e-30), (3, 4, 5)),
+])
+def test_batch_and_group_norm_of_a_float16_model_at_small_and_large_scales(make, shape):
+    """BatchNorm and GroupNorm had no rule: on a scalify'd float16 model the fallback
+    failed inside torch (float16 weight, float32 running statistics: "expected scalar
+    type Half but found Float"), and GroupNorm's at scale 1 overflowed at an input scale
+    of 2^20. Now on the value, as layer_norm: output, gradients and running statistics
+    are the plain model's, to float16's rounding."""
+    torch.manual_seed(0)
+    plain = make()
+    if plain.weight is not None:
+        with torch.no_grad():
+            plain.weight.uniform_(0.5, 2.0)
+            plain.bias.uniform_(-1.0, 1.0)
+    if getattr(plain, "running_mean", None) is not None:
+        plain.running_mean.uniform_(-0.5, 0.5)
+    x = torch.randn(shape).half().float()  # float16's values: the input is the plain model's
+    w = torch.randn(shape).half().double()
+    for scale in (2.0**-20, 2.0**20):
+        if not plain.training:
+            plain.running_mean.mul_(scale)
+            plain.running_var.mul_(scale**2)
+        ref, scaled = copy.deepcopy(plain).double(), scalify(copy.deepcopy(plain), dtype=torch.float16)
+        xr = (x.double() * scale).requires_grad_()
+        xs = as_scaled(x.half(), scale).requires_grad_()
+        want, got = ref(xr), scaled(xs)
+
+        def near(got, want, rtol=4e-3):  # relative to want's largest, however small
+            top = float(want.detach().abs().max()) or 1.0
+            got = got.dequantize(F64) if isinstance(got, ScaledTensor) else got.double()
+            close(got / top, want / top, rtol)
+
+        near(got, want, 2e-3)
+        (want * w).sum().backward()
+        (got * as_scaled(w.half())).sum().backward()
+        near(xs.grad, xr.grad)
+        for a, b in zip(ref.parameters(), scaled.parameters(), strict=True):
+            near(b.grad, a.grad)
+        for a, b in zip(ref.buffers(), scaled.buffers(), strict=True):
+            near(b, a)
+        if not plain.training:
+            plain.running_mean.div_(scale)
+            plain.running_var.div_(scale**2)
+
+
+@pytest.mark.parametrize("op", [
+    lambda x: F.max_pool2d(x, 3, stride=2, padding=1, ceil_mode=True),
+    lambda x: F.max_pool1d(x.flatten(2), 2),
+    lambda x: F.avg_pool2d(x, 3, stride=2, padding=1, count_include_pad=False),
+    lambda x: F.adaptive_avg_pool2d(x, 3),
+    lambda x: F.adaptive_max_pool2d(x, 3),
+    lambda x: F.interpolate(x, scale_factor=2),
+    lambda x: F.interpolate(x, size=(5, 9), mode="bilinear", align_corners=True),
+    lambda x: F.interpolate(x, scale_factor=2, mode="bicubic"),
+    lambda x: F.pixel_shuffle(x, 2),
+    lambda x: F.pixel_unshuffle(x[..., :6], 2),
+    lambda x: F.pad(x, (2, 1, 1, 2), mode="reflect"),
+    lambda x: F.pad(x, (2, 1, 1, 2), mode="replicate"),
+])
+def test_pooling_resampling_and_reflection_keep_the_scale(op):
+    """Pooling, upsampling, pixel shuffles and padding by reflection had no rule: the
+    fallback computed on float16 values at scale 1, inf at an input scale of 2^20 and
+    subnormal at 2^-20. They commute with the scale, forward and backward."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 6, 7).half().double()
+    w = None
+    for scale in (2.0**-20, 2.0**20):
+        xr = (x * scale).requires_grad_()
+        xs = as_scaled(x.half(), scale).requires_grad_()
+        want, got = op(xr), op(xs)
+        assert isinstance(got, ScaledTensor) and got.unscaled.dtype == torch.float16
+        close(got.dequantize(F64) / scale, want / scale, 1e-3)
+        w = torch.randn(want.shape).half() if w is None else w
+        (want * w.double()).sum().backward()
+        (got * as_scaled(w)).sum().backward()
+        close(xs.grad.dequantize(F64), xr.grad, 2e-3)
+
+
+@pytest.mark.parametrize("op", [F.mish, F.hardswish, F.elu, F.selu, lambda x: F.celu(x, 0.7)])
+def test_activations_that_follow_relu_keep_the_scale(op):
+    """mish, hardswish and the elus had no rule: the fallback's float16 values at scale 1
+    overflowed at an input scale of 2^20. They keep the input's scale, as gelu does; their
+    gradients (and softplus's) the gradient's."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8).half().double()
+    w = torch.randn(4, 8).half()
+    for scale in (2.0**-20, 2.0**20):
+        xr = (x * scale).requires_grad_()
+        xs = as_scaled(x.half(), scale).requires_grad_()
+        want, got = op(xr), op(xs)
+        close(got.dequantize(F64) / scale, want / scale, 2e-3)
+        (want * w.double()).sum().backward()
+        (got * as_scaled(w)).sum().backward()
+        close(xs.grad.dequantize(F64), xr.grad, 2e-3)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_compiled_batch_norm_matches_eager(train):
+    """Traced, BatchNorm is _native_batch_norm_legit (training) or its _no_training
+    overload (eval), which need the rule too."""
+    torch.manual_seed(0)
+    eager = scalify(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), dtype=torch.float32).train(train)
+    traced = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled = torch.compile(traced, backend="aot_eager", fullgraph=True)
+    x = as_scaled(torch.randn(2, 3, 6, 6), torch.tensor(0.5))
+    for run in (eager, compiled):
+        run(x).dequantize(torch.float32).pow(2).sum().backward()
+    close(traced[1].running_var, eager[1].running_var, 1e-6)
+    for a, b in zip(traced.parameters(), eager.parameters(), strict=True):
+        close(a.grad, b.grad, 1e-5)
+
+
 def test_scale_one_transformer_block_is_bitwise_plain():
     plain = _layer(dropout=0.0)
     scaled = scalify(copy.deepcopy(plain), rescale=None)

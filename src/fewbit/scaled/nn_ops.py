@@ -383,17 +383,19 @@ def _softmax_backward(func, g, output, dim, input_dtype):
     return wrap(func(dg.to(cdt), value(output, cdt), dim, cdt).to(input_dtype), sg)
 
 
-@rule(aten.gelu, aten.silu)
-def _gelu(func, x, **kwargs):
-    """gelu (exact and tanh), silu on the value; they follow relu for large |x|, so the
-    output keeps the input's scale s."""
+@rule(aten.gelu, aten.silu, aten.mish, aten.hardswish, aten.elu, aten.celu)
+def _gelu(func, x, *args, **kwargs):
+    """gelu (exact and tanh), silu, mish, hardswish, elu, celu on the value; they follow relu
+    (elu, celu: the identity) for large |x| and a multiple of x near 0, so the output keeps the
+    input's scale s. (Not softplus: log 2 at 0, at the scale of a small x.)"""
     d, s = parts(x)
-    out = func(value(x, compute_dtype(d.dtype)), **kwargs)
+    out = func(value(x, compute_dtype(d.dtype)), *args, **kwargs)
     return wrap(times(out, sdiv(1.0, s)).to(d.dtype), s)
 
 
 @rule(aten.threshold_backward, aten.gelu_backward, aten.silu_backward, aten.tanh_backward,
-      aten.sigmoid_backward, aten.leaky_relu_backward)
+      aten.sigmoid_backward, aten.leaky_relu_backward, aten.mish_backward, aten.hardswish_backward,
+      aten.elu_backward, aten.softplus_backward)
 def _activation_backward(func, g, *args, **kwargs):
     """Gradients of activations, g * f'(x) (f' from the value of x or of the output):
     scale sg."""
