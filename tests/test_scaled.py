@@ -827,6 +827,25 @@ def test_activations_that_follow_relu_keep_the_scale(op):
         close(xs.grad.dequantize(F64), xr.grad, 2e-3)
 
 
+def test_prelu_keeps_the_input_scale_and_scales_the_weights_gradient():
+    """PReLU had no rule: the fallback's float16 values at scale 1 overflowed at an input
+    scale of 2^20. Its output keeps the input's scale; the weight's gradient is g x."""
+    torch.manual_seed(0)
+    plain = nn.PReLU(3, init=0.1)
+    x = torch.randn(2, 3, 4).half().double()
+    w = torch.randn(2, 3, 4).half()
+    for scale in (2.0**-20, 2.0**20):
+        ref, scaled = copy.deepcopy(plain).double(), scalify(copy.deepcopy(plain), dtype=torch.float16)
+        xr = (x * scale).requires_grad_()
+        xs = as_scaled(x.half(), scale).requires_grad_()
+        want, got = ref(xr), scaled(xs)
+        close(got.dequantize(F64) / scale, want / scale, 2e-3)
+        (want * w.double()).sum().backward()
+        (got * as_scaled(w)).sum().backward()
+        close(xs.grad.dequantize(F64), xr.grad, 2e-3)
+        close(scaled.weight.grad.dequantize(F64) / scale, ref.weight.grad / scale, 2e-3)
+
+
 @pytest.mark.parametrize("train", [True, False])
 def test_compiled_batch_norm_matches_eager(train):
     """Traced, BatchNorm is _native_batch_norm_legit (training) or its _no_training

@@ -393,6 +393,28 @@ def _gelu(func, x, *args, **kwargs):
     return wrap(times(out, sdiv(1.0, s)).to(d.dtype), s)
 
 
+
+@rule(aten._prelu_kernel)
+def _prelu(func, x, weight):
+    """prelu on the values: x where x > 0, else weight times x, so the output keeps x's
+    scale s (the weight, a slope, multiplies the negative part only)."""
+    d, s = parts(x)
+    _refuse_mixed("prelu", "weight", weight, d.dtype)
+    cdt = compute_dtype(d.dtype)
+    out = func(value(x, cdt), value(weight, cdt))
+    return wrap(times(out, sdiv(1.0, s)).to(d.dtype), s)
+
+
+@rule(aten._prelu_kernel_backward)
+def _prelu_backward(func, g, x, weight):
+    """Gradients of prelu: the input's, g or weight times g, scale sg; the weight's, g times
+    the negative x, scale sg sx."""
+    dg, sg = parts(scalar_scale(g))
+    dx, sx = parts(scalar_scale(x))
+    cdt = compute_dtype(dg.dtype)
+    gx, gw = func(dg.to(cdt), dx.to(cdt), value(weight, cdt))
+    return wrap(gx.to(dx.dtype), sg), wrap(gw.to(parts(weight)[0].dtype), smul(sg, sx))
+
 @rule(aten.threshold_backward, aten.gelu_backward, aten.silu_backward, aten.tanh_backward,
       aten.sigmoid_backward, aten.leaky_relu_backward, aten.mish_backward, aten.hardswish_backward,
       aten.elu_backward, aten.softplus_backward)
