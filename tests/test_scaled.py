@@ -2015,6 +2015,21 @@ def test_compiled_batch_norm_is_eagers():
     assert all(torch.equal(a, b) for a, b in zip(eager.buffers(), module.buffers(), strict=True))
 
 
+def test_compiled_nearest_upsampling_keeps_the_gradients_scale():
+    """Traced, nearest upsampling's backward is _unsafe_index_put, which had no rule: on the
+    values at scale 1 in the data's dtype, so float16 gradients at scale 2^-30 were zeros.
+    It takes index_put's rule: compiled, the gradient is eager's."""
+    d = torch.randn(1, 2, 3, 3, generator=torch.Generator().manual_seed(0)).half()
+    module = torch.nn.Upsample(scale_factor=2)
+    torch._dynamo.reset()
+    grads = []
+    for m in (module, torch.compile(module, backend="aot_eager", fullgraph=True)):
+        x = as_scaled(d, torch.tensor(2.0**-30)).requires_grad_()
+        m(x).dequantize(torch.float32).square().sum().backward()
+        grads.append(x.grad.dequantize(torch.float32))
+    assert grads[0].abs().min() > 0 and torch.equal(*grads)
+
+
 @pytest.mark.parametrize("name", list(POOLS))
 def test_pooling_and_interpolation_keep_the_scale_and_their_gradients(name):
     """Pooling, linear interpolation and im2col (and the backward of those and of padding

@@ -393,7 +393,6 @@ def _gelu(func, x, *args, **kwargs):
     return wrap(times(out, sdiv(1.0, s)).to(d.dtype), s)
 
 
-
 @rule(aten._prelu_kernel)
 def _prelu(func, x, weight):
     """prelu on the values: x where x > 0, else weight times x, so the output keeps x's
@@ -414,6 +413,7 @@ def _prelu_backward(func, g, x, weight):
     cdt = compute_dtype(dg.dtype)
     gx, gw = func(dg.to(cdt), dx.to(cdt), value(weight, cdt))
     return wrap(gx.to(dx.dtype), sg), wrap(gw.to(parts(weight)[0].dtype), smul(sg, sx))
+
 
 @rule(aten.threshold_backward, aten.gelu_backward, aten.silu_backward, aten.tanh_backward,
       aten.sigmoid_backward, aten.leaky_relu_backward, aten.mish_backward, aten.hardswish_backward,

@@ -70,13 +70,14 @@ def _compact(s: torch.Tensor) -> torch.Tensor:
 
 @rule(aten.view, aten._unsafe_view, aten.reshape, aten.expand, aten.permute, aten.t, aten.transpose,
       aten.unsqueeze, aten.squeeze, aten.select, aten.slice, aten.alias, aten.detach, aten.split,
-      aten.split_with_sizes, aten.unbind, aten.narrow, aten.index, aten.index_select, aten.gather,
-      aten.embedding, aten.repeat, aten.flip, aten.roll, aten.diagonal, aten.unfold, aten.movedim,
-      aten.masked_select, aten.take, aten.rot90, aten.narrow_copy, aten.diagonal_copy, aten.pixel_shuffle,
-      aten.pixel_unshuffle, aten.channel_shuffle, aten.native_channel_shuffle, aten.reflection_pad1d,
-      aten.reflection_pad2d, aten.reflection_pad3d, aten.replication_pad1d, aten.replication_pad2d,
-      aten.replication_pad3d, aten.upsample_nearest1d, aten.upsample_nearest2d, aten.upsample_nearest3d,
-      aten._upsample_nearest_exact1d, aten._upsample_nearest_exact2d, aten._upsample_nearest_exact3d)
+      aten.split_with_sizes, aten.unbind, aten.narrow, aten.index, aten._unsafe_index, aten.index_select,
+      aten.gather, aten.embedding, aten.repeat, aten.flip, aten.roll, aten.diagonal, aten.unfold,
+      aten.movedim, aten.masked_select, aten.take, aten.rot90, aten.narrow_copy, aten.diagonal_copy,
+      aten.pixel_shuffle, aten.pixel_unshuffle, aten.channel_shuffle, aten.native_channel_shuffle,
+      aten.reflection_pad1d, aten.reflection_pad2d, aten.reflection_pad3d, aten.replication_pad1d,
+      aten.replication_pad2d, aten.replication_pad3d, aten.upsample_nearest1d, aten.upsample_nearest2d,
+      aten.upsample_nearest3d, aten._upsample_nearest_exact1d, aten._upsample_nearest_exact2d,
+      aten._upsample_nearest_exact3d)
 def _layout(func, x, *args, **kwargs):
     """Views, indexing, gather, embedding, repeat, and the ops that move or copy elements
     (masked_select, take, rot90, reflection and replication padding, nearest upsampling,
@@ -832,14 +833,18 @@ def _cat(func, tensors, dim=0):
     return wrap(func([at_scale(t, s, dtype) for t in tensors], dim), s)
 
 
-@rule(aten.index_put, aten.scatter.src, aten.scatter.value, aten.scatter_add, aten.index_add)
+#: index_put and the form that traced code (nearest upsampling's backward) calls.
+_INDEX_PUTS = (aten.index_put, aten._unsafe_index_put)
+
+
+@rule(*_INDEX_PUTS, aten.scatter.src, aten.scatter.value, aten.scatter_add, aten.index_add)
 def _merge(func, x, *args, **kwargs):
     """index_put, scatter, scatter_add, index_add: the values written meet x at scale
     max(s, s_src) (a zero-scale x, as autograd's zeros, takes s_src), per channel for a
     per-channel x: each value written is rebalanced to the scale of the element it lands
     on. (x at its largest channel's scale flushed the small channels' data, those the op
     leaves as they are too, in 16 bits: ``x[i] = v``, ``index_add_``.)"""
-    i = 1 if func.overloadpacket is aten.index_put else 2
+    i = 1 if func.overloadpacket in _INDEX_PUTS else 2
     src = scalar_scale(args[i])
     s = common_scale(x, src)
     if _per_channel(s):
@@ -858,7 +863,7 @@ def _merge(func, x, *args, **kwargs):
 def _landing_scale(func, s: torch.Tensor, args: tuple) -> torch.Tensor:
     """For ``_merge``: of s, x's scale expanded to x's shape, the elements that its op's
     values land on, in the values' shape."""
-    if func.overloadpacket is aten.index_put:
+    if func.overloadpacket in _INDEX_PUTS:
         return aten.index.Tensor(s, args[0])
     if func.overloadpacket is aten.index_add:
         return s.index_select(args[0], args[1])
