@@ -290,6 +290,44 @@ def test_blocks_compiled_apart_share_one_graph_whatever_their_keys():
     assert graphs == 1
 
 
+@pytest.mark.parametrize("fmt", ["binary8p4", "mxfp4", "by_hand", "by_hand_block"])
+def test_equal_formats_share_a_graph_and_different_ones_do_not(fmt):
+    """Dynamo guarded a format object handed to the ops by its id: blocks cloned with
+    copy.deepcopy (as torch.nn.TransformerEncoder clones its layers), each holding a copy of
+    its Quant's format, made a graph per block when compiled apart, and fullgraph=True
+    failed at the recompile limit (so did a format made by hand for each layer). Equal
+    formats share a graph now; one that differs in a single field gets its own."""
+    import copy
+
+    from fewbit.block import BlockFormat
+    from fewbit.formats import FloatFormat
+
+    made = {"by_hand": FloatFormat("test_shared_b8p4", 8, 4, 8),
+            "by_hand_block": BlockFormat("test_shared_mx", "e2m1", 16, "e8m0")}  # fmt: skip
+    q = Quant(made.get(fmt, fmt), "src", bits=3)
+
+    def blocks() -> list[torch.nn.Module]:
+        torch.manual_seed(0)
+        block = torch.nn.Sequential(torch.nn.Linear(32, 32), FakeQuantize(q, q, seed=1))
+        return [copy.deepcopy(block) for _ in range(9)]  # one more than Dynamo's recompile limit
+
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+    (eager_out,), (compiled_out,), graphs = blocks_eager_and_compiled(blocks(), blocks(), x)
+    assert torch.equal(eager_out, compiled_out)
+    assert graphs == 1
+    if fmt == "by_hand":  # an int field apart: a graph each, each rounding as eagerly
+        torch._dynamo.reset()
+        counters.clear()
+        f = torch.compile(lambda v, m: fewbit.round(v, m, sat=True), fullgraph=True, backend="eager")
+        for bias in (8, 7, 6, 8, 7, 6):
+            other = FloatFormat(f"test_shared_bias{bias}", 8, 4, bias)
+            assert torch.equal(f(x, other), fewbit.round(x, other, sat=True)), bias
+        assert counters["stats"]["unique_graphs"] == 3
+        inside = torch.compile(lambda v: fewbit.round(v, FloatFormat("test_inside", 8, 4, 8), sat=True),
+                               fullgraph=True, backend="eager")  # (Dynamo's internal error before)
+        assert torch.equal(inside(x), fewbit.round(x, made["by_hand"], sat=True))
+
+
 @pytest.mark.parametrize("forward", [None, Quant("e4m3")], ids=["straight", "rne"])
 def test_compiled_fake_quantize_rounds_each_gradient_with_its_own_calls_key(forward):
     """Where the forward pass draws nothing, the backward Quant's key came from the call

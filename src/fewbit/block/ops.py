@@ -32,6 +32,7 @@ from ..rounding.fast import float32_value
 from ..rounding.modes import parse_mode
 from ..rounding.ops import (
     batch_bits,
+    by_fields,
     check_key,
     check_out_matches,
     name_for_op,
@@ -64,7 +65,7 @@ _KNOWN: dict[str, BlockFormat] = {}
 
 
 @torch.compiler.assume_constant_result  # (as rounding.ops.format_name)
-def format_name(bfmt: BlockFormat | str) -> str:
+def _format_name(bfmt: BlockFormat | str) -> str:
     """The name an op takes for ``bfmt`` (``name_for_op``: one made by hand, its repr).
     Its element format keeps its name as ``fewbit.round``'s formats do: one made by hand
     under another format's name is refused (the scale is checked when the format is made)."""
@@ -72,6 +73,10 @@ def format_name(bfmt: BlockFormat | str) -> str:
         element_name(bfmt.element)
         _ELEMENT_CHECKED[bfmt.name] = bfmt
     return name_for_op(bfmt, BlockFormat, block_format, _UNREGISTERED, "block format")
+
+
+#: The name an op takes for a block format (or a name); by its fields under torch.compile (``by_fields``).
+format_name = by_fields(_format_name, BlockFormat)
 
 
 def lookup(name: str) -> BlockFormat:

@@ -18,6 +18,7 @@ gradient there would pin a value at the format's maximum.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from operator import index
 
@@ -41,8 +42,8 @@ from .compiled import compiled_round, range_bits, round_body, stream_words, use_
 from .modes import mode_name, parse_mode
 
 __all__ = [
-    "batch_bits", "check_key", "check_out_matches", "check_writable", "checked_spec", "fake_checks",
-    "format_name", "lookup_format", "name_for_op", "op_args", "round_into", "storages_overlap",
+    "batch_bits", "by_fields", "check_key", "check_out_matches", "check_writable", "checked_spec",
+    "fake_checks", "format_name", "lookup_format", "name_for_op", "op_args", "round_into", "storages_overlap",
 ]  # fmt: skip
 
 #: Formats made by hand (not in the registry) that went through an op, by name: a name is one format.
@@ -72,12 +73,51 @@ def name_for_op(fmt, kind: type, registry, unregistered: dict, what: str = "form
     return repr(fmt)
 
 
+def by_fields(name_of, kind: type):
+    """``name_of`` (a ``torch.compiler.assume_constant_result`` function: Dynamo runs it at
+    trace time) taking a format of ``kind`` by its fields' values where Dynamo traces. Dynamo
+    guards an object handed to such a function by its id: every equal copy of a format (each
+    block of a model cloned with ``copy.deepcopy``, a format made by hand per layer) made a
+    graph of its own, and fullgraph=True failed at Dynamo's recompile limit. Its fields (a
+    format among them as its own fields) are guarded by value: equal formats share a graph,
+    formats that differ in any field do not."""
+
+    @torch.compiler.assume_constant_result
+    def name_of_fields(values: tuple) -> str:
+        return name_of(kind(*(FloatFormat(*v) if isinstance(v, tuple) else v for v in values)))
+
+    def named(fmt) -> str:
+        if isinstance(fmt, kind) and torch.compiler.is_dynamo_compiling():
+            return name_of_fields(field_values(fmt))
+        return name_of(fmt)
+
+    return named
+
+
+def field_values(fmt) -> tuple:
+    """A format's fields in their order, a FloatFormat among them as its own tuple, ints made
+    static (an int Dynamo made symbolic, once another format's differed, is specialised)."""
+    values = []
+    for field in dataclasses.fields(fmt):
+        value = getattr(fmt, field.name)
+        if isinstance(value, FloatFormat):
+            value = field_values(value)
+        elif type(value) is int:
+            value = index(value)
+        values.append(value)
+    return tuple(values)
+
+
 @torch.compiler.assume_constant_result
-def format_name(fmt: FloatFormat | str) -> str:
+def _format_name(fmt: FloatFormat | str) -> str:
     """The name an op takes for ``fmt`` (:func:`name_for_op`). Under torch.compile it runs as
     eagerly, at trace time, and its name is a constant of the graph: Dynamo cannot trace the
     registry's search for close names, and would put off keeping a new format past the graph."""
     return name_for_op(fmt, FloatFormat, format, _UNREGISTERED)
+
+
+#: The name an op takes for a format or a name (:func:`_format_name`; a format by its fields, compiled).
+format_name = by_fields(_format_name, FloatFormat)
 
 
 def lookup_format(name: str) -> FloatFormat:
