@@ -70,6 +70,12 @@ def test_unknown_names_suggest_close_ones():
         fewbit.format("e4m4")
     with pytest.raises(TypeError):
         fewbit.format(8)
+    # Refused before the cache, which said "unhashable type: 'list'" (a block format's element too).
+    for look_up in (fewbit.format, fewbit.formats.format):
+        with pytest.raises(TypeError, match="a format is a name or a FloatFormat, not list"):
+            look_up(["e4m3"])
+    with pytest.raises(TypeError, match="a format is a name or a FloatFormat, not list"):
+        fewbit.block.BlockFormat("b", ["e2m1"], 32, "e8m0")
     # Digits are ASCII: Python's int() reads other scripts' digits, and \d matched them.
     with pytest.raises(ValueError, match="closest: .*binary8p4"):
         fewbit.format("binary\u0668p4")

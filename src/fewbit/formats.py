@@ -443,7 +443,6 @@ def _all_spellings() -> list[str]:
     return list(names()) + list(_ALIASES)
 
 
-@cache
 def format(name: str | FloatFormat) -> FloatFormat:
     """Look a format up by name (or pass a FloatFormat through).
 
@@ -454,8 +453,13 @@ def format(name: str | FloatFormat) -> FloatFormat:
     """
     if isinstance(name, FloatFormat):
         return name
-    if not isinstance(name, str):
+    if not isinstance(name, str):  # (before the cache, which would hash a list first)
         raise TypeError(f"a format is a name or a FloatFormat, not {type(name).__name__}")
+    return _named(name)
+
+
+@cache
+def _named(name: str) -> FloatFormat:
     key = name.strip().lower()
     key = _ALIASES.get(key, key)
     if key in _FIXED:
