@@ -638,3 +638,36 @@ def test_torch_jit_script_is_refused_by_name():
             torch.jit.script(m)
     x = torch.randn(2, 4)
     assert torch.equal(torch.jit.trace(model, (x,))(x), model(x))
+
+
+@pytest.mark.parametrize(("backward", "skipped"), [(Quant("ocp_e4m3", sat=False), True),
+                                                    (Quant("mxfp8_e4m3", sat=False), True),
+                                                    (Quant("mxfp8_e4m3"), False)])  # fmt: skip
+def test_loss_scaling_skips_on_sat_false_gradients_even_without_overflow_in_block_formats(backward, skipped):
+    """The README advised sat=False for every gradient Quant under GradScaler (amp hunt). An
+    element format's overflow then reads Inf and the step is skipped, as meant; but a block
+    format cannot overflow (each block scales itself), and under sat=False its scale rule's
+    largest elements of ordinary data read Inf or NaN: GradScaler skipped every step. The
+    README now says to keep sat=True for block formats."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(64, 64)
+    quantize_outputs(m, None, backward, seed=3)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20)
+    scaler.scale(m(torch.randn(8, 64)).square().mean()).backward()  # E4M3 overflows: 448
+    scaler.step(opt)
+    scaler.update()
+    assert (scaler.get_scale() < 2.0**20) == skipped
+
+
+def test_a_sat_false_block_gradient_without_inf_or_nan_is_refused_in_backward():
+    """Under sat=False, a block format whose elements have neither Inf nor NaN refuses the
+    ordinary gradient its scale rule rounds past the element's largest value (README)."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 64, requires_grad=True)
+    y = fake_quantize(x, None, Quant("hbfp4", "src", bits=8, sat=False), seed=1)
+    with pytest.raises(ValueError, match="int4 has no Inf or NaN for a value beyond its range; use sat=True"):
+        y.backward(torch.randn(64, 64))
+    x.grad = None
+    fake_quantize(x, None, Quant("hbfp4", "src", bits=8), seed=1).backward(torch.randn(64, 64))
+    assert bool(x.grad.isfinite().all())
