@@ -671,3 +671,50 @@ def test_a_sat_false_block_gradient_without_inf_or_nan_is_refused_in_backward():
     x.grad = None
     fake_quantize(x, None, Quant("hbfp4", "src", bits=8), seed=1).backward(torch.randn(64, 64))
     assert bool(x.grad.isfinite().all())
+
+
+def _autocast_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    quantize_outputs(m, Quant("ocp_e4m3", "src", bits=3), E5M2_SR, seed=3)
+    return m
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_under_autocast_outputs_and_gradients_are_those_of_the_model_cast_by_hand(dtype):
+    """Under torch.autocast FakeQuantize rounds the tensor in autocast's dtype, forward and
+    backward: the bits of the model cast by hand (README; undocumented before the amp hunt)."""
+    x = torch.randn(5, 8)
+    m, by_hand, unrounded = _autocast_model(), _autocast_model().to(dtype), _autocast_model()
+    del unrounded[0].output_quant, unrounded[2].output_quant
+    with torch.autocast("cpu", dtype=dtype):
+        y, plain = m(x), unrounded(x)
+    expected = by_hand(x.to(dtype))
+    assert y.dtype == dtype and torch.equal(y, expected)
+    for out in (y, plain, expected):
+        out.float().square().sum().backward()
+    grads, plain_grads, hand_grads = ([p.grad for p in net.parameters()] for net in (m, unrounded, by_hand))
+    assert all(g.dtype == torch.float32 for g in grads)
+    assert all(torch.equal(a, b.float()) for a, b in zip(grads, hand_grads, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))  # the backward rounds
+    quantize_outputs(m, "binary16")
+    with pytest.raises(ValueError, match="a torch.bfloat16 tensor cannot hold every value of binary16"), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        m(x)
+
+
+@pytest.mark.slow
+def test_under_autocast_compiled_rounds_as_eager():
+    """torch.compile(fullgraph=True) under bfloat16 autocast: the outputs and the weights'
+    gradients of eager, step after step (a bias's gradient is torch's own bfloat16 sum,
+    which compiled code adds in another order, with fewbit or without)."""
+    x = torch.randn(5, 8)
+    m, c = _autocast_model(), _autocast_model()
+    compiled = torch.compile(c, fullgraph=True)
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, z = m(x), compiled(x)
+        assert torch.equal(y, z)
+        for out in (y, z):
+            out.float().square().sum().backward()
+        assert all(torch.equal(m[i].weight.grad, c[i].weight.grad) for i in (0, 2))
