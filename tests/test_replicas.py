@@ -192,6 +192,28 @@ def test_rank_order_mean_hook_gives_every_rank_the_mean_of_the_gradients(runs, n
     assert [r["mean"] for r in runs[nproc]["hook"]] == [want] * nproc
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_rank_order_mean_hook_adds_16_bit_gradients_without_overflow(monkeypatch, dtype):
+    """Two ranks' float16 gradients of 40960 added in float16 before the division read inf,
+    where their mean (and torch's own hook, which divides first) is 40960 (amp hunt): 16-bit
+    gradients now add in float32. (all_gather stood in for: no ranks are spawned.)"""
+    import torch.distributed as dist
+
+    ranks = [torch.tensor([40960.0, 1.0, -3.0], dtype=dtype), torch.tensor([40960.0, 2.0, 5.0], dtype=dtype)]
+
+    def all_gather(parts, grads, group=None, async_op=False):
+        for part, theirs in zip(parts, ranks, strict=True):
+            part.copy_(theirs)
+        done = torch.futures.Future()
+        done.set_result(parts)
+        return type("Work", (), {"get_future": lambda self: done})()
+
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+    monkeypatch.setattr(dist, "get_world_size", lambda group: 2)
+    mean = rank_order_mean_hook(object(), _Bucket(ranks[0].clone())).wait()
+    assert mean.dtype == dtype and mean.tolist() == [40960.0, 1.5, 1.0]
+
+
 def test_update_keyed_with_the_rank_drifts_and_is_named(runs):
     log = runs[2]["differing-update"][0]["log"]
     assert not any(e["in_sync"] for e in log)

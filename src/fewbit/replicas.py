@@ -365,10 +365,14 @@ def rank_order_mean_hook(process_group, bucket):  # no annotation: DDP checks it
     parts = [torch.empty_like(grads) for _ in range(size)]
     gathered = dist.all_gather(parts, grads, group=group, async_op=True).get_future()
 
+    # 16-bit gradients add in float32: their sum overflowed float16 (two ranks' 40960 read
+    # inf) where the mean, and torch's own hook, which divides first, hold it.
+    wide = torch.promote_types(grads.dtype, torch.float32)
+
     def mean(_) -> torch.Tensor:
-        total = parts[0].clone()
+        total = parts[0].to(wide, copy=True)
         for part in parts[1:]:
             total += part
-        return total.div_(size)
+        return total.div_(size).to(grads.dtype)
 
     return gathered.then(mean)
