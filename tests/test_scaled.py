@@ -2075,6 +2075,11 @@ def test_masked_fill_by_a_one_element_tensor_is_a_number():
                        lambda t, c: t.index_fill(1, torch.tensor([2]), c)):  # fmt: skip
                 got = op(x, torch.tensor(fill)).dequantize(torch.float64)
                 torch.testing.assert_close(got, op(plain, fill), rtol=1e-3, atol=1e-12)
+        for fill in (torch.tensor(0), torch.tensor(False)):  # (integer and bool fills: numbers too)
+            for op in (lambda t, c: t.masked_fill(mask, c),
+                       lambda t, c: t.index_fill(1, torch.tensor([2]), c)):  # fmt: skip
+                got = op(x, fill).dequantize(torch.float64)
+                torch.testing.assert_close(got, op(plain, fill.item()), rtol=1e-3, atol=1e-12)
 
 
 def test_per_channel_norm_gradient():

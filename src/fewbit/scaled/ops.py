@@ -771,12 +771,13 @@ def _masked_fill(func, x, mask, fill):
     """masked_fill: scale max(s, |fill|) (a non-finite fill, e.g. -inf, keeps s). A fill in a
     plain one-element tensor is such a number, not read (it may wait for a device, or be
     traced): it counted as scale 1, a plain tensor's, so ``masked_fill(mask, torch.tensor(0.))``
-    of float16 data at scale 2^-30 zeroed every element."""
+    of float16 data at scale 2^-30 zeroed every element. An integer or bool one too (torch
+    takes ``torch.tensor(0)`` as the float 0 there)."""
     if _unit_scales(x, fill):
         return _on_data(func, x, mask, fill)
     sx = parts(x)[1]
     if (isinstance(fill, torch.Tensor) and not isinstance(fill, ScaledTensor) and fill.numel() == 1
-            and fill.is_floating_point() and not is_static(sx, 0.0)):  # fmt: skip
+            and not fill.is_complex() and not is_static(sx, 0.0)):  # fmt: skip
         c = fill.to(torch.float32).reshape(())
         finite = c.isfinite()
         s = smax(sx, torch.where(finite, c.abs(), 0.0))
