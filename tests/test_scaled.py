@@ -1907,6 +1907,18 @@ def test_as_strided_of_a_per_channel_tensor_is_a_view():
     torch.testing.assert_close(x.dequantize(), torch.tensor([[1.0], [1001.0], [1.001]]).expand(3, 4))
 
 
+def test_as_strided_of_an_expanded_per_channel_tensor():
+    """as_strided of a per-channel x that holds an element more than once (an expanded
+    view) failed in torch's words: the scale laid over the data's storage was written by a
+    copy_ into the same as_strided, which refuses overlapping memory."""
+    s = torch.tensor([[1.0], [1e3], [1e-3]])
+    x = as_scaled(torch.arange(1.0, 4.0, dtype=torch.float16)[:, None], s).expand(3, 4)
+    v = x.as_strided(x.shape, x.stride(), x.storage_offset())
+    torch.testing.assert_close(v.dequantize(torch.float64), x.dequantize(torch.float64))
+    torch.testing.assert_close(x.as_strided((3,), (1,)).dequantize(torch.float64),
+                               torch.tensor([1.0, 2e3, 3e-3], dtype=torch.float64), rtol=1e-3, atol=0)
+
+
 MOVES = {
     "masked_select": lambda x: x.masked_select(torch.tensor([True, False, True, True, False, True])),
     "take": lambda x: x.take(torch.tensor([0, 7, 19])),

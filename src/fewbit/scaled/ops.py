@@ -117,8 +117,13 @@ def _as_strided(func, x, size, stride, storage_offset=None):
     offset = d.storage_offset() if storage_offset is None else storage_offset
     if not _per_channel(s):
         return wrap(func(d, size, stride, offset), s)
-    laid = s.amax().expand(d.untyped_storage().nbytes() // d.element_size()).clone()
-    laid.as_strided(d.shape, d.stride(), d.storage_offset()).copy_(s.expand(d.shape))
+    n = d.untyped_storage().nbytes() // d.element_size()
+    laid = s.amax().expand(n).clone()
+    # Written by index: d may hold an element more than once (an expanded view), where copy_
+    # into the same as_strided of laid refuses (torch's "more than one element ... refers to
+    # a single memory location"). Such elements are one, so their scales are too.
+    at = torch.arange(n, device=d.device).as_strided(d.shape, d.stride(), d.storage_offset())
+    laid.index_put_((at,), s.expand(d.shape))
     return wrap(func(d, size, stride, offset), _compact(laid.as_strided(size, stride, offset)))
 
 
