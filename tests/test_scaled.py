@@ -1674,6 +1674,17 @@ def test_an_out_tensor_of_another_shape_is_resized_as_in_torch():
     assert scaled.shape == (0,)
 
 
+def test_a_wider_plain_out_tensor_takes_the_value():
+    """out= a plain tensor wider than the data (float32 for float16 data) took the value
+    rounded to the data's dtype first: float16 data at scale 2^-30 were zeros there. The
+    value is rounded once, to out's dtype; to the data's own, as before."""
+    a = as_scaled(torch.tensor([1.0, -2.0, 3.0, 0.5], dtype=torch.float16), 2.0**-30)
+    for dtype in (torch.float32, torch.float64, torch.float16):
+        out = torch.empty(4, dtype=dtype)
+        torch.add(a, a, out=out)
+        assert torch.equal(out, (a.dequantize(torch.float64) * 2).to(dtype))
+
+
 def test_nonzero_any_and_all_read_the_data():
     """nonzero, any, all and count_nonzero had no rule: they ran on the values at scale 1 in
     the data's dtype, where float16 data at scale 2^-30 are all zeros (``g.any()`` of a

@@ -1080,12 +1080,6 @@ def value(x: Any, dtype: torch.dtype | None = None) -> Any:
     return v if dtype is None else v.to(dtype)
 
 
-def dequantize_any(x: Any) -> Any:
-    """x's value in x's dtype when x is a ScaledTensor; anything else unchanged. For rules,
-    which run below autograd: not recorded, and scale 1 gives the data itself."""
-    return value(x, x.dtype) if isinstance(x, ScaledTensor) else x
-
-
 def at_scale(x: Any, s: Scale, dtype: torch.dtype | None = None) -> Any:
     """x's data rebalanced to scale s (x's value = result * s), rounded to ``dtype``, the
     op's, where that is wider than the data's (:func:`times`)."""
@@ -1153,7 +1147,9 @@ def assign(dest: torch.Tensor, out: Any, adopt: bool = False) -> torch.Tensor:
     """
     if not isinstance(dest, ScaledTensor):
         check_castable(out.dtype, dest)
-        dest.copy_(dequantize_any(out))
+        # The value in the compute dtype, rounded once, to dest's: in the data's dtype first,
+        # a float32 out= lost what float16 cannot hold (2^-29 of data at scale 2^-30 read 0).
+        dest.copy_(value(out))
         return dest
     if dest._static != 0.0 and not adopt:
         # (at_scale: a zero array written in is zeros, whatever its data holds: inf * 0 was NaN)
