@@ -386,8 +386,10 @@ def _softmax_backward(func, g, output, dim, input_dtype):
 @rule(aten.gelu, aten.silu, aten.mish, aten.hardswish, aten.elu, aten.celu)
 def _gelu(func, x, *args, **kwargs):
     """gelu (exact and tanh), silu, mish, hardswish, elu, celu on the value; they follow relu
-    (elu, celu: the identity) for large |x| and a multiple of x near 0, so the output keeps the
-    input's scale s. (Not softplus: log 2 at 0, at the scale of a small x.)"""
+    for large |x| (elu, celu: the identity for large x, -alpha for large -x) and a multiple of
+    x near 0, so the output keeps the input's scale s. (elu's -alpha, no multiple of x, is
+    data -alpha/s: 0 in float16 at s = 2^30.) (Not softplus: log 2 at 0, at the scale of a
+    small x.)"""
     d, s = parts(x)
     out = func(value(x, compute_dtype(d.dtype)), *args, **kwargs)
     return wrap(times(out, sdiv(1.0, s)).to(d.dtype), s)
