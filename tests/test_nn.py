@@ -624,6 +624,26 @@ def test_model_ensembling_is_refused_by_name():
     assert torch.vmap(members[0])(x[:, None]).shape == (4, 1, 8)
 
 
+def test_model_ensembling_under_grad_is_refused_by_name():
+    """vmap of grad of functional_call over stacked FakeQuantize states (ensembled training)
+    still failed in torch's words: grad wraps the stacked count, and the wrapper is no
+    batched tensor. Each level is looked through."""
+    import copy
+
+    from fewbit import nn as fewbit_nn
+
+    members = [torch.nn.Sequential(torch.nn.Linear(8, 8), FakeQuantize("bfloat16")) for _ in range(2)]
+    params, buffers = torch.func.stack_module_state(members)
+    base = copy.deepcopy(members[0]).to("meta")
+
+    def loss(p, b, x):
+        return torch.func.functional_call(base, (p, b), (x,)).sum()
+
+    with pytest.raises(RuntimeError, match="does not take a count stacked under torch.vmap"):
+        torch.vmap(torch.func.grad(loss), in_dims=(0, 0, None))(params, buffers, torch.randn(4, 8))
+    assert fewbit_nn._IS_WRAPPED is not None and fewbit_nn._UNWRAPPED is not None  # torch's private queries
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (torch.jit.script is deprecated)
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
 def test_torch_jit_script_is_refused_by_name():

@@ -349,7 +349,7 @@ class FakeQuantize(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling() and is_dtensor(x):  # as _eager_fake_quantize
             return _eager_forward(self, x)
-        if _IS_BATCHED is not None and transformed() and _IS_BATCHED(self.calls):
+        if _IS_BATCHED is not None and transformed() and _stacked(self.calls):
             raise RuntimeError("FakeQuantize does not take a count stacked under torch.vmap (model "
                                "ensembling: torch.func.stack_module_state, then vmap of functional_call): "
                                "its key is no state, so every member would draw the base module's bits; "
@@ -398,6 +398,23 @@ _eager_forward = torch.compiler.disable(FakeQuantize.forward, reason=_EAGER_ON_D
 #: torch's query of a tensor batched by vmap (private). None where this torch lacks it:
 #: a stacked count is then refused in torch's words (a vmapped .item()).
 _IS_BATCHED = getattr(torch._C._functorch, "is_batchedtensor", None)
+#: torch's queries of a functorch wrapper (grad's over vmap's) and what it wraps (private).
+#: None where this torch lacks them: a count vmapped under grad is then refused in torch's
+#: words (tests/test_nn.py fails first).
+_IS_WRAPPED = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+_UNWRAPPED = getattr(torch._C._functorch, "get_unwrapped", None)
+
+
+def _stacked(calls: torch.Tensor) -> bool:
+    """Whether ``calls`` is batched by vmap at any level: under vmap of grad (ensembled
+    training) the count vmap stacked is wrapped by grad's, which is no batched tensor."""
+    while not _IS_BATCHED(calls):
+        if _IS_WRAPPED is None or _UNWRAPPED is None or not _IS_WRAPPED(calls):
+            return False
+        calls = _UNWRAPPED(calls)
+    return True
+
+
 #: torch's context that runs ops past functorch's transforms (private). None where this
 #: torch lacks it: a training FakeQuantize is then refused under them (tests/test_nn.py
 #: fails first).
