@@ -39,7 +39,7 @@ from fewbit.scaled import (
     scale_to_e8m0,
     scalify,
 )
-from fewbit.scaled.tensor import rule
+from fewbit.scaled.tensor import parts, rule
 
 F64 = torch.float64
 
@@ -1896,6 +1896,29 @@ def test_per_channel_writes_by_index_leave_the_other_channels():
         want = op(x.dequantize(torch.float64), torch.float64)
         got = op(x, torch.float16).dequantize(torch.float64)
         torch.testing.assert_close(got, want, rtol=1e-3, atol=0, msg=name)
+
+
+def test_per_channel_writes_by_index_raise_only_the_channels_written():
+    """Writes by index of values at a scale above a channel's raised every channel to it,
+    max(s, s_src), those no value lands in too: ``x.index_add_(0, [0], ones)`` of a row at
+    scale 1e-6 divided its float16 data by 10^6 (subnormals; 1.5 read 1.49). Only the
+    channels written take s_src."""
+    s = torch.tensor([[1e-3], [1.0], [1e-6]])
+    ops = {"index_put_": lambda t, dt: t.index_put_((torch.tensor([0]),), torch.ones(4, dtype=dt)),
+           "scatter_": lambda t, dt: t.scatter_(0, torch.tensor([[0, 1, 0, 1]]), 0.5),
+           "index_add_": lambda t, dt: t.index_add_(0, torch.tensor([0]), torch.ones(1, 4, dtype=dt))}
+    for name, op in ops.items():
+        x = as_scaled(torch.tensor([[1.0, 1.5, -1.25, 1.75]] * 3, dtype=torch.float16), s)
+        want = op(x.dequantize(torch.float64), torch.float64)
+        got = op(x, torch.float16)
+        torch.testing.assert_close(got.dequantize(torch.float64), want, rtol=1e-3, atol=0, msg=name)
+        assert parts(got)[1][2].item() == s[2].item(), name
+    per_column = torch.tensor([[1e-3, 1.0, 1e-6, 1.0]])
+    x = as_scaled(torch.tensor([[1.0, 1.5, -1.25, 1.75]] * 3, dtype=torch.float16), per_column)
+    want = x.dequantize(torch.float64)
+    x[:, torch.tensor([1, 3])] = torch.ones(3, 2, dtype=torch.float16)  # (index_put's indices hold a None)
+    want[:, [1, 3]] = 1.0
+    torch.testing.assert_close(x.dequantize(torch.float64), want, rtol=1e-3, atol=0)
 
 
 def test_as_strided_of_a_per_channel_tensor_is_a_view():

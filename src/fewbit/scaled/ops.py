@@ -848,12 +848,14 @@ def _merge(func, x, *args, **kwargs):
     """index_put, scatter, scatter_add, index_add: the values written meet x at scale
     max(s, s_src) (a zero-scale x, as autograd's zeros, takes s_src), per channel for a
     per-channel x: each value written is rebalanced to the scale of the element it lands
-    on. (x at its largest channel's scale flushed the small channels' data, those the op
+    on, a channel raised to s_src only where a value lands. (x at its largest channel's
+    scale, or each channel at max(s, s_src), flushed the small channels' data, those the op
     leaves as they are too, in 16 bits: ``x[i] = v``, ``index_add_``.)"""
     i = 1 if func.overloadpacket in _INDEX_PUTS else 2
     src = scalar_scale(args[i])
     s = common_scale(x, src)
     if _per_channel(s):
+        s = _raised_where_written(func, parts(x)[1], s, x.shape, args)
         at = _landing_scale(func, s.expand(x.shape), args)
         if func.overloadpacket in (aten.scatter, aten.scatter_add) and isinstance(src, torch.Tensor):
             src = src[tuple(slice(0, n) for n in at.shape)]  # (scatter reads src where its index is)
@@ -874,6 +876,23 @@ def _landing_scale(func, s: torch.Tensor, args: tuple) -> torch.Tensor:
     if func.overloadpacket is aten.index_add:
         return s.index_select(args[0], args[1])
     return s.gather(args[0], args[1])  # scatter, scatter_add: where the index says
+
+
+def _raised_where_written(func, sx: torch.Tensor, s: torch.Tensor, shape: torch.Size, args: tuple
+                          ) -> torch.Tensor:  # fmt: skip
+    """For ``_merge``: s, max(x's per-channel scale sx, the values'), in the channels that
+    its op's values land on; sx in the others, whose data it leaves as they are."""
+    need = _landing_scale(func, s.expand(shape), args)
+    full = sx.expand(shape)
+    if func.overloadpacket in _INDEX_PUTS:
+        full = aten.index_put.default(full, args[0], need)  # (indices may hold None: x[:, i])
+    elif func.overloadpacket is aten.index_add:
+        full = full.index_copy(args[0], args[1], need)
+    else:
+        full = full.scatter(args[0], args[1], need)
+    lead = len(shape) - s.dim()
+    dims = [i for i in range(len(shape)) if i < lead or s.shape[i - lead] == 1]
+    return full.amax(dims, keepdim=True).reshape(s.shape) if dims else full
 
 
 # --- reductions ----------------------------------------------------------------------
