@@ -18,7 +18,7 @@ import torch
 
 from ..config import current
 from .casts import round_pow2
-from .ops import lincomb, scale_of
+from .ops import lincomb, read_parts, scale_of
 from .tensor import (
     Scale,
     ScaledTensor,
@@ -468,12 +468,11 @@ def _pool(func, x, *args, **kwargs):
     constant over the dims they mix (a per-channel one there first rebalanced to its
     largest). They had no rule: on the values at scale 1 in the data's dtype, float16
     data at scale 2^-30 were zeros there, and at 2^20 inf."""
-    d, s = parts(x)
+    s = parts(x)[1]
     mixed = _SPATIAL[func.overloadpacket]
     if isinstance(s, torch.Tensor) and s.dim() and (mixed is None or any(n != 1 for n in s.shape[-mixed:])):
-        d, s = parts(scalar_scale(x))
-    if is_static(s, 0.0):  # the zero array: zeros whatever its data hold (indices of empty memory)
-        d = torch.zeros_like(d)
+        x = scalar_scale(x)
+    d, s = read_parts(x)
     out = func(d, *args, **kwargs)
     return (wrap(out[0], s), *out[1:]) if isinstance(out, tuple) else wrap(out, s)
 

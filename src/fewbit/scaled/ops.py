@@ -465,6 +465,13 @@ def _operand(x: Any) -> tuple[Any, Scale]:
     return d, coefficient(s)
 
 
+def read_parts(x: Any) -> tuple[Any, Scale]:
+    """(data, scale) of x for an op that reads its data, the zero array's as the zeros it
+    stands for (its data hold anything: the indices a sort or max pool picks in empty memory)."""
+    d, s = parts(x)
+    return (torch.zeros_like(d), s) if is_static(s, 0.0) else (d, s)
+
+
 def _source(x: Any) -> tuple[Any, Scale]:
     # As _operand, for an operand only read: the zero array's data as the zeros it stands
     # for (it holds anything, empty_like's memory: rebalanced by 0, inf gave NaN).
@@ -1018,9 +1025,7 @@ def _max(func, x, *args, **kwargs):
     the channels are not reduced, or sorted; where they are, each picked element's own,
     :func:`_picked`). Sort and topk had no rule: on values at scale 1 in the data's dtype,
     float16 data at scale 2^-30 sorted to zeros."""
-    d, s = parts(x)
-    if is_static(s, 0.0):  # the zero array: zeros whatever its data holds (indices of empty memory)
-        d = torch.zeros_like(d)
+    d, s = read_parts(x)
     if _per_channel(s):
         given = _given(func, args, kwargs)
         if _scale_varies(s, given):
@@ -1080,8 +1085,7 @@ def _nonzero(func, x, *args, **kwargs):
     where the value is (a scale is > 0; the zero array is zeros, whatever its data hold).
     They had no rule: on the values at scale 1 in the data's dtype, float16 data at scale
     2^-30 were all zeros there (``g.any()`` False, ``g.nonzero()`` empty)."""
-    d, s = parts(x)
-    return func(torch.zeros_like(d) if is_static(s, 0.0) else d, *args, **kwargs)
+    return func(read_parts(x)[0], *args, **kwargs)
 
 
 @rule(aten._local_scalar_dense)
