@@ -407,9 +407,11 @@ _UNWRAPPED = getattr(torch._C._functorch, "get_unwrapped", None)
 
 def _stacked(calls: torch.Tensor) -> bool:
     """Whether ``calls`` is batched by vmap at any level: under vmap of grad (ensembled
-    training) the count vmap stacked is wrapped by grad's, which is no batched tensor."""
+    training) the count vmap stacked is wrapped by grad's, which is no batched tensor.
+    Traced, the first level alone: Dynamo cannot trace the wrapper queries."""
     while not _IS_BATCHED(calls):
-        if _IS_WRAPPED is None or _UNWRAPPED is None or not _IS_WRAPPED(calls):
+        if (_IS_WRAPPED is None or _UNWRAPPED is None or torch.compiler.is_compiling()
+                or not _IS_WRAPPED(calls)):
             return False
         calls = _UNWRAPPED(calls)
     return True
