@@ -106,9 +106,11 @@ def blocks_eager_and_compiled(eager: list, compiled: list, x: torch.Tensor,
     """Chains of blocks run on x, ``eager`` as they are and each of ``compiled`` compiled
     apart (fullgraph, aot_eager), as users of FSDP2 compile a model: each chain's output
     (and with ``backward``, x's gradient from the sum of the output's squares), and the
-    graphs Dynamo made."""
+    graphs Dynamo made (from a fresh cache: an earlier test's graph, whose guards now pass
+    on equal formats however made, would count none)."""
     from torch._dynamo.utils import counters
 
+    torch._dynamo.reset()
     counters.clear()
     for b in compiled:
         b.compile(fullgraph=True, backend="aot_eager")
