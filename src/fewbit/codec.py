@@ -18,7 +18,6 @@ each as one op. Codes carry no gradient: they are integers.
 
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 
 import torch
@@ -30,7 +29,7 @@ from .random import Key, host_key
 from .rounding import RoundMode, gpu, native
 from .rounding.checks import check_holds, check_random_bits, check_tensor, no_result
 from .rounding.compiled import stream_words
-from .rounding.fast import INT_LAYOUT, decompose, working_dtype
+from .rounding.fast import INT_LAYOUT, decompose, float32_value, working_dtype
 from .rounding.ops import (
     batch_bits,
     checked_spec,
@@ -206,10 +205,10 @@ def _empty(like: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.T
 def _not_a_value(element: torch.Tensor, fmt: FloatFormat):
     """Refuse a 0-d tensor's value, named exactly: a float32 subnormal's from its bits (its
     conversion to a Python float reads it as 0 under torch.set_flush_denormal(True))."""
-    value = element.item()
-    if value == 0 and element.dtype != torch.float64:
-        bits = element.float().view(torch.int32).item()  # (16 bits to float32: exact)
-        value = math.copysign(math.ldexp(bits & 0x7FFFFF, -149), bits if bits else 1.0)
+    if element.dtype == torch.float64:
+        value = element.item()
+    else:  # (16 bits to float32: exact)
+        value = float32_value(element.float().view(torch.int32).item())
     raise ValueError(f"{value!r} is not a value of {fmt.name}; round it first (fewbit.round)")
 
 
