@@ -29,7 +29,7 @@ from .random import Key, host_key
 from .rounding import RoundMode, gpu, native
 from .rounding.checks import check_holds, check_random_bits, check_tensor, no_result
 from .rounding.compiled import stream_words
-from .rounding.fast import INT_LAYOUT, decompose, float32_value, working_dtype
+from .rounding.fast import INT_LAYOUT, decompose, float32_value, narrowed, working_dtype
 from .rounding.ops import (
     batch_bits,
     checked_spec,
@@ -367,16 +367,7 @@ def _lookup(code: torch.Tensor, fmt: FloatFormat, dtype: torch.dtype) -> torch.T
 
 @lru_cache(maxsize=64)
 def _table(fmt: FloatFormat, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    values = torch.tensor(fmt.values(), dtype=torch.float64)
-    if dtype != torch.float64:
-        # Through float32, whose subnormals (E8M0's 2^-127, bfloat16's) are made from their
-        # bits, counts of 2^-149: the conversion gives 0 under torch.set_flush_denormal(True),
-        # and the table is kept for the process. (float32 to 16 bits converts exactly.)
-        wide = values.to(torch.float32).view(torch.int32)
-        tiny = (values != 0) & (values.abs() < 2.0**-126)
-        count = (values.abs() * 2.0**149).to(torch.int32)
-        values = torch.where(tiny, torch.where(values < 0, count | _SIGN32, count), wide).view(torch.float32)
-    return values.to(dtype).to(device)
-
-
-_SIGN32 = -(1 << 31)
+    # Through float32 to nearest, its subnormals (E8M0's 2^-127, bfloat16's) made from
+    # their bits: the conversion gives 0 under torch.set_flush_denormal(True), and the table
+    # is kept for the process. (float32 to 16 bits converts exactly.)
+    return narrowed(torch.tensor(fmt.values(), dtype=torch.float64), dtype).to(device)

@@ -37,17 +37,16 @@ import torch
 from ..formats import FloatFormat, format
 from ..rounding.checks import RoundSpec, make_spec
 from ..rounding.compiled import round_body
-from ..rounding.fast import INT_LAYOUT, bits_of
+from ..rounding.fast import INT_LAYOUT, bits_of, narrowed
 from ..rounding.modes import RoundMode
 from .formats import BlockFormat
 
-__all__ = ["BlockSpec", "block_layout", "block_scales", "flushes", "magnitude_max", "narrowed",
-           "quantize_blocks", "times_scale", "widened"]
+__all__ = ["BlockSpec", "block_layout", "block_scales", "flushes", "magnitude_max", "quantize_blocks",
+           "times_scale", "widened"]
 
 #: An element format whose smallest subnormal is below 2^-92 is rounded in float64 (see above).
 _FLOAT32_FLOOR = -92
 _FLOAT32_SMALLEST = format("binary32").smallest_subnormal
-_FLOAT32_TINY = format("binary32").smallest_normal
 
 
 @dataclass(frozen=True)
@@ -136,21 +135,6 @@ def widened(t: torch.Tensor, flushed: bool = True) -> torch.Tensor:
     counted = (bits & 0x7FFFFF).to(torch.float64) * _FLOAT32_SMALLEST  # (float64 normals)
     counted = torch.where(bits < 0, -counted, counted)
     return torch.where((bits & 0x7F800000) == 0, counted, t.double())
-
-
-def narrowed(v: torch.Tensor, dtype: torch.dtype = torch.float32, flushed: bool = True) -> torch.Tensor:
-    """float64 ``v`` to nearest (ties to even) in float32, then in ``dtype`` (float64: ``v``
-    itself): as the conversion rounds, but, where the thread flushes (``flushed``), a
-    float32 subnormal is made from its bits, the count of 2^-149 in it rounded in float64
-    (exact), where FTZ would make the conversion's 0."""
-    if dtype == torch.float64:
-        return v
-    if not flushed:
-        return v.float().to(dtype)
-    magnitude = v.abs()
-    count = torch.round(magnitude * 2.0**149).to(torch.int32)  # (ties to even; used below 2^23)
-    subnormal = torch.where(torch.signbit(v), count | -(1 << 31), count).view(torch.float32)
-    return torch.where(magnitude < _FLOAT32_TINY, subnormal, v.float()).to(dtype)
 
 
 def times_scale(q: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype, flushed: bool = True

@@ -25,7 +25,7 @@ import torch
 from .checks import RoundSpec
 from .modes import MODES, RoundMode
 
-__all__ = ["INT_LAYOUT", "bits_of", "decompose", "float32_value", "round_fast", "working_dtype"]
+__all__ = ["INT_LAYOUT", "bits_of", "decompose", "float32_value", "narrowed", "round_fast", "working_dtype"]
 
 # (integer view, trailing significand bits M, exponent bias) of each working float.
 INT_LAYOUT = {
@@ -49,6 +49,21 @@ def bits_of(value: float, dtype: torch.dtype) -> int:
         # C library's conversion to float gives 0 under torch.set_flush_denormal(True).
         return int(abs(value) * 2.0**149) | (_sign_mask(dtype) if value < 0 else 0)
     return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+def narrowed(v: torch.Tensor, dtype: torch.dtype = torch.float32, flushed: bool = True) -> torch.Tensor:
+    """float64 ``v`` to nearest (ties to even) in float32, then in ``dtype`` (float64: ``v``
+    itself): as the conversion rounds, but, where the thread flushes (``flushed``), a
+    float32 subnormal is made from its bits, the count of 2^-149 in it rounded in float64
+    (exact), where FTZ would make the conversion's 0 (``torch.set_flush_denormal(True)``)."""
+    if dtype == torch.float64:
+        return v
+    if not flushed:
+        return v.float().to(dtype)
+    magnitude = v.abs()
+    count = torch.round(magnitude * 2.0**149).to(torch.int32)  # (ties to even; used below 2^23)
+    subnormal = torch.where(torch.signbit(v), count | -(1 << 31), count).view(torch.float32)
+    return torch.where(magnitude < 2.0**-126, subnormal, v.float()).to(dtype)
 
 
 def float32_value(bits: int) -> float:
