@@ -568,9 +568,9 @@ def test_a_training_module_counts_its_calls_under_torch_func_transforms():
     eager call with that count draws. Counting wrote the buffer in place, which grad's
     transforms refuse for a tensor the function did not take ("would mutate a captured
     Tensor"), so none of them ran."""
-    from fewbit import nn as fewbit_nn
+    from fewbit import operators
 
-    assert fewbit_nn._PAST_TRANSFORMS is not None  # torch's private context: this fails first where it goes
+    assert operators._PAST_TRANSFORMS is not None  # torch's private context: this fails first where it goes
     gen = torch.Generator().manual_seed(31)
     sr = Quant("binary8p4", "src", bits=3)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), FakeQuantize(sr, sr, seed=3))
@@ -609,9 +609,9 @@ def test_model_ensembling_is_refused_by_name():
     training and eval alike. A vmap over the inputs alone still runs."""
     import copy
 
-    from fewbit import nn as fewbit_nn
+    from fewbit import operators
 
-    assert fewbit_nn._IS_BATCHED is not None  # torch's private query: this fails first where it goes
+    assert operators._IS_BATCHED is not None  # torch's private query: this fails first where it goes
     sr = Quant("binary8p4", "src", bits=3)
     members = [torch.nn.Sequential(torch.nn.Linear(8, 8), FakeQuantize(sr, seed=i)) for i in range(3)]
     params, buffers = torch.func.stack_module_state(members)
@@ -630,7 +630,7 @@ def test_model_ensembling_under_grad_is_refused_by_name():
     batched tensor. Each level is looked through."""
     import copy
 
-    from fewbit import nn as fewbit_nn
+    from fewbit import operators
 
     members = [torch.nn.Sequential(torch.nn.Linear(8, 8), FakeQuantize("bfloat16")) for _ in range(2)]
     params, buffers = torch.func.stack_module_state(members)
@@ -641,7 +641,7 @@ def test_model_ensembling_under_grad_is_refused_by_name():
 
     with pytest.raises(RuntimeError, match="does not take a count stacked under torch.vmap"):
         torch.vmap(torch.func.grad(loss), in_dims=(0, 0, None))(params, buffers, torch.randn(4, 8))
-    assert fewbit_nn._IS_WRAPPED is not None and fewbit_nn._UNWRAPPED is not None  # torch's private queries
+    assert operators._IS_WRAPPED is not None and operators._UNWRAPPED is not None  # torch's private queries
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (torch.jit.script is deprecated)

@@ -27,7 +27,15 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from .block import BlockFormat, check_args, element_or_block, round_to
 from .block.ops import check_axis
 from .formats import FloatFormat
-from .operators import may_carry_tangent, operator, recording, refuse_compiled_forward_ad, transformed
+from .operators import (
+    may_carry_tangent,
+    operator,
+    past_transforms,
+    recording,
+    refuse_compiled_forward_ad,
+    transformed,
+    vmapped,
+)
 from .random import Key, as_key, check_index, fold_in, is_dtensor, key_of
 from .replicas import SeedPolicy, check_group, replica_key, world
 from .rounding import RoundMode
@@ -349,7 +357,7 @@ class FakeQuantize(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling() and is_dtensor(x):  # as _eager_fake_quantize
             return _eager_forward(self, x)
-        if _IS_BATCHED is not None and transformed() and _stacked(self.calls):
+        if transformed() and vmapped(self.calls):
             raise RuntimeError("FakeQuantize does not take a count stacked under torch.vmap (model "
                                "ensembling: torch.func.stack_module_state, then vmap of functional_call): "
                                "its key is no state, so every member would draw the base module's bits; "
@@ -395,43 +403,13 @@ class FakeQuantize(nn.Module):
 
 _eager_forward = torch.compiler.disable(FakeQuantize.forward, reason=_EAGER_ON_DTENSORS)
 
-#: torch's query of a tensor batched by vmap (private). None where this torch lacks it:
-#: a stacked count is then refused in torch's words (a vmapped .item()).
-_IS_BATCHED = getattr(torch._C._functorch, "is_batchedtensor", None)
-#: torch's queries of a functorch wrapper (grad's over vmap's) and what it wraps (private).
-#: None where this torch lacks them: a count vmapped under grad is then refused in torch's
-#: words (tests/test_nn.py fails first).
-_IS_WRAPPED = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-_UNWRAPPED = getattr(torch._C._functorch, "get_unwrapped", None)
-
-
-def _stacked(calls: torch.Tensor) -> bool:
-    """Whether ``calls`` is batched by vmap at any level: under vmap of grad (ensembled
-    training) the count vmap stacked is wrapped by grad's, which is no batched tensor.
-    Traced, the first level alone: Dynamo cannot trace the wrapper queries."""
-    while not _IS_BATCHED(calls):
-        if (_IS_WRAPPED is None or _UNWRAPPED is None or torch.compiler.is_compiling()
-                or not _IS_WRAPPED(calls)):
-            return False
-        calls = _UNWRAPPED(calls)
-    return True
-
-
-#: torch's context that runs ops past functorch's transforms (private). None where this
-#: torch lacks it: a training FakeQuantize is then refused under them (tests/test_nn.py
-#: fails first).
-_PAST_TRANSFORMS = getattr(torch._C, "_DisableFuncTorch", None)
-
 
 def _advance(calls: torch.Tensor) -> None:
     """Count an eager call: ``calls`` advanced by one, in place (+= would set the attribute
     again, 3 us). Under torch.func's transforms past them: the count is the module's state,
     not a value of the function transformed, and grad, jvp and jacrev (vmap of grad too)
     refuse an in-place write to a tensor the function did not take as an input."""
-    if _PAST_TRANSFORMS is not None and transformed():
-        with _PAST_TRANSFORMS():
-            calls.add_(1)
-    else:
+    with past_transforms():
         calls.add_(1)
 
 

@@ -33,6 +33,7 @@ takes 9 us in all (``benchmarks/bench_per_call.py``).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator as _operator
 from collections.abc import Callable, Sequence
@@ -177,6 +178,44 @@ def _differentiable(op: torch._ops.OpOverload, backward: Callable) -> type[torch
 def transformed() -> bool:
     """Whether a torch.func transform is active (False where this torch lacks the query)."""
     return _PRIVATE is not None and _PRIVATE[1]() is not None
+
+
+#: torch's query of a tensor batched by vmap (private). None where this torch lacks it:
+#: a stacked count is then refused in torch's words (a vmapped .item()).
+_IS_BATCHED = getattr(torch._C._functorch, "is_batchedtensor", None)
+#: torch's queries of a functorch wrapper (grad's over vmap's) and what it wraps (private).
+#: None where this torch lacks them: a count vmapped under grad is then refused in torch's
+#: words (tests/test_nn.py fails first).
+_IS_WRAPPED = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+_UNWRAPPED = getattr(torch._C._functorch, "get_unwrapped", None)
+
+
+def vmapped(t: torch.Tensor) -> bool:
+    """Whether ``t`` is batched by vmap at any level: under vmap of grad (ensembled
+    training) the tensor vmap stacked is wrapped by grad's, which is no batched tensor.
+    Traced, the first level alone: Dynamo cannot trace the wrapper queries."""
+    if _IS_BATCHED is None:
+        return False
+    while not _IS_BATCHED(t):
+        if (_IS_WRAPPED is None or _UNWRAPPED is None or torch.compiler.is_compiling()
+                or not _IS_WRAPPED(t)):
+            return False
+        t = _UNWRAPPED(t)
+    return True
+
+
+#: torch's context that runs ops past functorch's transforms (private). None where this
+#: torch lacks it: a training FakeQuantize is then refused under them (tests/test_nn.py
+#: fails first).
+_PAST_TRANSFORMS = getattr(torch._C, "_DisableFuncTorch", None)
+
+
+def past_transforms() -> contextlib.AbstractContextManager:
+    """A context in which ops run past the active torch.func transforms, on the tensors
+    they wrap (none active: a context that does nothing)."""
+    if _PAST_TRANSFORMS is not None and transformed():
+        return _PAST_TRANSFORMS()
+    return contextlib.nullcontext()
 
 
 #: functorch's stack of active transforms, and those that differentiate (private; None
