@@ -1366,3 +1366,62 @@ def test_a_sharded_scalified_model_on_the_meta_device_loads_without_reading_its_
     model not yet materialised, loaded with strict=False) that was 'Tensor.item() cannot be
     called on meta tensors'. Meta pieces take no part, alike on every rank."""
     assert one_rank(_META_LOAD, tmp_path) == ["['weight', 'bias']"]
+
+
+# Errors that only some ranks see (the rank-errors hunt): every rank must raise alike, and
+# none may be left in a collective that the others never reach (a hang, or the others' next
+# collective taken for it). One launch of 2 ranks for all the cases; after each, every rank
+# adds its rank + 1 in an all-reduce of the world, which reads 3 only if the ranks' collectives
+# paired up.
+
+
+def _misplaced_on_rank_1(rank: int):
+    """A (7, 32) DTensor on 2 ranks, Shard(0): rank 0's piece (4 rows) is where the placements
+    say, rank 1's (4 rows, not 3) is not."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    full = torch.randn(7, 32, generator=torch.Generator().manual_seed(0))
+    piece = full[:4] if rank == 0 else full[3:].repeat(2, 1)[:4]
+    mesh = init_device_mesh("cpu", (2,))
+    return DTensor.from_local(piece, mesh, [Shard(0)], run_check=False, shape=(7, 32), stride=(32, 1))
+
+
+def rank_errors(rank: int, world_size: int, cfg: dict) -> dict:
+    """Each case's outcome on this rank (its result or its error) and the all-reduce after it."""
+    import torch.distributed as dist
+
+    cases = {
+        "sync, misplaced": lambda: str(check_in_sync([("w", _misplaced_on_rank_1(rank))])),
+        "drift, misplaced": lambda: drift_report({"w": _misplaced_on_rank_1(rank)}),
+    }  # fmt: skip
+    out = {}
+    for name, call in cases.items():
+        outcome = _outcome(call)
+        paired = torch.tensor([rank + 1.0])
+        dist.all_reduce(paired)
+        out[name] = [outcome, float(paired)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def rank_error_runs() -> list[dict]:
+    with pytest.MonkeyPatch.context() as patch:  # the ranks import this file (see runs)
+        patch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.getenv("PYTHONPATH", "")]))
+        (ranks,) = launch([{}], 2, timeout=120, train=rank_errors)  # (a hang fails, it does not wait)
+    return ranks
+
+
+def _alike(runs: list[dict], case: str) -> tuple[str, str]:
+    """The two ranks' outcomes of ``case``, once the all-reduce after it paired up."""
+    assert [r[case][1] for r in runs] == [3.0, 3.0], [r[case] for r in runs]
+    return runs[0][case][0], runs[1][case][0]
+
+
+@pytest.mark.parametrize("case", ["sync, misplaced", "drift, misplaced"])
+def test_sync_checks_refuse_a_misplaced_piece_on_every_rank(rank_error_runs, case):
+    """The misplaced rank raised before the gathers, and the other waited in them (gloo's
+    timeout, or the next collective taken for theirs)."""
+    first, second = _alike(rank_error_runs, case)
+    assert first.startswith("ValueError: another rank holds a DTensor piece not where its placements"), first
+    assert second.startswith("RuntimeError: w: a DTensor of shape (7, 32)"), second

@@ -193,10 +193,12 @@ def check_in_sync(tensors: torch.nn.Module | Iterable | torch.Tensor,
     names = [n for n, _ in named]
     rank, size = world(group)
     # Which ranks must agree: equal keys (an empty piece, None, gets a key of its own).
-    keys = [piece_key(t) for _, t in named]
+    keys, misplaced = _piece_keys(named)
     keys = [-1 - rank if k is None else k for k in keys]
     if size > 1:
-        _check_same_names([f"{n} (None)" if t is None else n for n, t in named], group, size)
+        _check_same_names([f"{n} (None)" if t is None else n for n, t in named], group, size, misplaced)
+    elif misplaced is not None:
+        raise misplaced
     # One all_gather of integers: each tensor's digest, then its key.
     mine = torch.tensor([0 if t is None else _digest(t) for _, t in named] + keys, dtype=torch.int64)
     everyone = [mine]
@@ -216,14 +218,35 @@ def check_in_sync(tensors: torch.nn.Module | Iterable | torch.Tensor,
     return SyncResult(names, differing, size, unchecked)
 
 
-def _check_same_names(names: list[str], group, size: int) -> None:
+def _piece_keys(named: list[tuple[str, torch.Tensor]]) -> tuple[list[int | None], Exception | None]:
+    """Each tensor's :func:`~fewbit.sharding.piece_key` (0 for None), and this rank's error
+    where a DTensor's piece is not where its placements say (``layout``'s RuntimeError):
+    only its rank sees it, so it is raised after the ranks have agreed (:func:`_check_same_names`)."""
+    keys: list[int | None] = []
+    for name, t in named:
+        try:
+            keys.append(piece_key(t))
+        except RuntimeError as err:
+            return keys, RuntimeError(f"{name}: {err}")
+    return keys, None
+
+
+def _check_same_names(names: list[str], group, size: int, misplaced: Exception | None = None) -> None:
     """Raise ReplicaDriftError on every rank unless every rank holds the same names in the
     same order (each with what else must agree for the gathers that follow: "w (None)").
-    The gathers need as many, as large, on every rank: first an all_gather of two integers
-    (the names' hash and count), then, only where they differ, the names."""
-    mine = torch.tensor([_digest(torch.tensor(list("|".join(names).encode()))), len(names)])
+    The gathers need as many, as large, on every rank: first an all_gather of three integers
+    (the names' hash and count, and whether this rank holds a piece not where placed:
+    ``misplaced``, raised on its rank, a ValueError on the others, where before they waited
+    for it in the gathers), then, only where they differ, the names."""
+    mine = torch.tensor([_digest(torch.tensor(list("|".join(names).encode()))), len(names),
+                         misplaced is not None])  # fmt: skip
     everyone = [torch.empty_like(mine) for _ in range(size)]
     torch.distributed.all_gather(everyone, mine, group=group)
+    if misplaced is not None:
+        raise misplaced
+    if any(e[2] for e in everyone):
+        raise ValueError("another rank holds a DTensor piece not where its placements say (see its error): "
+                         "nothing was compared")  # fmt: skip
     if all(torch.equal(e, mine) for e in everyone):
         return
     lists: list = [None] * size
@@ -281,15 +304,18 @@ def drift_report(
         table = torch.tensor([-math.inf, *sorted(finite), math.inf], dtype=torch.float64)
     _, size = world(group)
     named = _named_tensors(tensors)
+    keys, misplaced = _piece_keys(named)  # (before any gather: see _check_same_names)
     if size > 1:  # the gathers below need as many tensors, as large, on every rank
         _check_same_names([f"{n} ({'None' if t is None else f'{t.dtype}, shape {tuple(t.shape)}'})"
-                           for n, t in named], group, size)  # fmt: skip
+                           for n, t in named], group, size, misplaced)  # fmt: skip
+    elif misplaced is not None:
+        raise misplaced
     report = {}
-    for name, t in named:
+    for (name, t), key in zip(named, keys, strict=True):
         if t is None or not t.is_floating_point():
             continue
         if is_dtensor(t):
-            distance = _piece_drift(t, table, group, size)
+            distance = _piece_drift(t, key, table, group, size)
             if distance is not None:
                 report[name] = distance
             continue
@@ -314,10 +340,11 @@ def _distance(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(torch.where(same_sign, (a - b).abs(), apart).max())
 
 
-def _piece_drift(t: torch.Tensor, table: torch.Tensor | None, group, size: int) -> int | None:
-    """:func:`drift_report` of one DTensor: pieces differ in shape, so they travel as
-    objects; None when no two ranks hold the same piece."""
-    here = (piece_key(t), _ordered(local_tensor(t), table).cpu())
+def _piece_drift(t: torch.Tensor, key: int | None, table: torch.Tensor | None, group,
+                 size: int) -> int | None:  # fmt: skip
+    """:func:`drift_report` of one DTensor whose piece has ``key`` (``piece_key``): pieces
+    differ in shape, so they travel as objects; None when no two ranks hold the same piece."""
+    here = (key, _ordered(local_tensor(t), table).cpu())
     gathered = [here]
     if size > 1:
         gathered = [None] * size
