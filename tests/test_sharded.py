@@ -1387,6 +1387,23 @@ def _misplaced_on_rank_1(rank: int):
     return DTensor.from_local(piece, mesh, [Shard(0)], run_check=False, shape=(7, 32), stride=(32, 1))
 
 
+def _sharded_weight() -> torch.nn.Parameter:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    full = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+    return torch.nn.Parameter(distribute_tensor(full, init_device_mesh("cpu", (2,)), [Shard(0)]))
+
+
+def _added_misplaced(rank: int) -> str:
+    """A group whose weight's piece is misplaced on rank 1, added to a wrapper of a sharded
+    weight."""
+    w = _sharded_weight()
+    opt = LowPrecisionWeights(torch.optim.SGD([w], lr=0.1), "binary8p4", "src")
+    opt.add_param_group({"params": [torch.nn.Parameter(_misplaced_on_rank_1(rank))]})
+    return "added"
+
+
 def rank_errors(rank: int, world_size: int, cfg: dict) -> dict:
     """Each case's outcome on this rank (its result or its error) and the all-reduce after it."""
     import torch.distributed as dist
@@ -1394,6 +1411,11 @@ def rank_errors(rank: int, world_size: int, cfg: dict) -> dict:
     cases = {
         "sync, misplaced": lambda: str(check_in_sync([("w", _misplaced_on_rank_1(rank))])),
         "drift, misplaced": lambda: drift_report({"w": _misplaced_on_rank_1(rank)}),
+        **{f"weights, misplaced, {fmt}": functools.partial(
+            lambda fmt: LowPrecisionWeights(torch.optim.SGD([torch.nn.Parameter(_misplaced_on_rank_1(rank))],
+                                                            lr=0.1), fmt) and "built", fmt)
+           for fmt in ("binary8p4", "e2m1")},
+        "weights, added group misplaced": functools.partial(_added_misplaced, rank),
     }  # fmt: skip
     out = {}
     for name, call in cases.items():
@@ -1425,3 +1447,14 @@ def test_sync_checks_refuse_a_misplaced_piece_on_every_rank(rank_error_runs, cas
     first, second = _alike(rank_error_runs, case)
     assert first.startswith("ValueError: another rank holds a DTensor piece not where its placements"), first
     assert second.startswith("RuntimeError: w: a DTensor of shape (7, 32)"), second
+
+
+@pytest.mark.parametrize("case", ["weights, misplaced, binary8p4", "weights, misplaced, e2m1",
+                                  "weights, added group misplaced"])  # fmt: skip
+def test_weights_refuse_a_misplaced_piece_on_every_rank(rank_error_runs, case):
+    """LowPrecisionWeights placed each piece (``layout``) on its own rank: the misplaced one
+    raised alone, and rank 0 went on (with e2m1, into an all-reduce that took rank 1's next)."""
+    first, second = _alike(rank_error_runs, case)
+    assert first.startswith("ValueError: another rank's piece of a selected weight"), first
+    assert "not where its placements say" in first, first
+    assert second.startswith("RuntimeError: ") and "a DTensor of shape (7, 32)" in second, second

@@ -42,6 +42,7 @@ from .rounding.foreach import round_foreach_, write_back_threshold
 from .rounding.modes import parse_mode
 from .rounding.ops import format_name
 from .sharding import (
+    ShardLayout,
     check_whole_blocks,
     global_amax,
     is_dtensor,
@@ -270,17 +271,19 @@ class LowPrecisionWeights:
         if not self.params:
             raise ValueError("no parameters selected: pass params=")
         self._check(self.names, self.params)
-        #: Where each rank's piece of each parameter lies in the full tensor.
-        self._layouts = [layout(p) for p in self.params]
         # The ranks say whether any two hold the same piece, as the guard will ask them: a copy
         # may lie outside a weight's own mesh (TP on each row of a (dp, tp) mesh), and every
-        # rank must take the same way past this collective.
+        # rank must take the same way past this collective. (First: it is over the world or
+        # guard_group, which every rank knows, where a rank whose weights are unlike the
+        # others' knows no mesh of theirs for the collectives below.)
         named = list(zip(self.names, self.params, strict=True))
         unchecked = guard and world(guard_group)[1] > 1 and check_in_sync(named, guard_group).unchecked
         if unchecked and len(unchecked) == len(named):
             raise ValueError("guard=True has nothing to compare: every selected weight is sharded and "
                              "no two ranks hold the same piece (FSDP without replication); use HSDP "
                              "or drop guard")  # fmt: skip
+        #: Where each rank's piece of each parameter lies in the full tensor.
+        self._layouts = self._place(self.names, self.params)
         #: The dtype ``w + u`` is rounded from.
         self.via = update_dtype or self.params[0].dtype
         #: The selected weights' dtype and device (one of each: ``_check``).
@@ -405,7 +408,8 @@ class LowPrecisionWeights:
     def _check(self, names: list[str], params: list[torch.Tensor]) -> None:
         """Refuse parameters the write-back cannot hold: a piece without whole blocks, a
         dtype without every value of the format, or a mix of dtypes or devices (among
-        them and the parameters already selected)."""
+        them and the parameters already selected). Alike on every rank; :meth:`_place`
+        refuses what only one rank sees."""
         for name, p in zip(names, params, strict=True):
             if not is_plain(local_tensor(p)):  # (a ScaledTensor's ops refused the rounding's, deep inside)
                 raise TypeError(f"LowPrecisionWeights rounds plain weights (or DTensors of them); {name} "
@@ -426,16 +430,30 @@ class LowPrecisionWeights:
         if self.store_codes:
             self._check_own_storage([*zip(self.names, self.params, strict=True),
                                      *zip(names, params, strict=True)])  # fmt: skip
-        # A NaN that fmt has no value for (a block format holds it in the scale) is refused
-        # here, before any weight is rounded, rather than by the rounding part way (on every
-        # rank where one rank's piece holds it).
-        if not isinstance(self.fmt, BlockFormat) and not self.fmt.has_nans:
+
+    def _place(self, names: list[str], params: list[torch.Tensor]) -> list[ShardLayout]:
+        """Where each rank's piece of each of ``params`` lies in the full tensor. A piece not
+        where its placements say is seen by its rank alone (``layout`` raises there), and so
+        is a NaN that fmt has no value for (a block format holds it in the scale): both are
+        refused here, before any weight is rounded, on every rank of the mesh (one
+        all-reduce, once). Before, a misplaced piece's rank raised alone, and the others
+        waited for it in the write-back's collectives or took its next one for theirs."""
+        layouts, error = [], None
+        for name, p in zip(names, params, strict=True):
+            try:
+                layouts.append(layout(p))
+            except RuntimeError as err:
+                error = RuntimeError(f"{name}: {err}")
+                break
+        if error is None and not isinstance(self.fmt, BlockFormat) and not self.fmt.has_nans:
             nan = next((name for name, p in zip(names, params, strict=True)
                         if bool(local_tensor(p).isnan().any())), None)  # fmt: skip
             error = None if nan is None else ValueError(f"{nan} holds a NaN, which {self.fmt.name} has no "
                                                         "value for")  # fmt: skip
-            refuse_alike(error, params, f"another rank's piece of a selected weight holds a NaN, which "
-                                        f"{self.fmt.name} has no value for")  # fmt: skip
+        refuse_alike(error, params, f"another rank's piece of a selected weight holds a NaN that "
+                                    f"{self.fmt.name} has no value for, or is not where its placements say "
+                                    "(see its error)")  # fmt: skip
+        return layouts
 
     @staticmethod
     def _check_own_storage(named: list[tuple[str, torch.Tensor]]) -> None:
@@ -477,11 +495,12 @@ class LowPrecisionWeights:
         group["params"] = added = [added] if isinstance(added, torch.Tensor) else list(added)
         names, chosen = self._select(params, owned=added, start=len(self._owned()))
         self._check(names, chosen)
+        layouts = self._place(names, chosen)
         self.optimizer.add_param_group(group)
         first = len(self.params)
         self.names += names
         self.params += chosen
-        self._layouts += [layout(p) for p in chosen]
+        self._layouts += layouts
         self._scales += [1.0] * len(chosen)
         self._holders += [self._usual_holders(p) for p in chosen]
         try:
