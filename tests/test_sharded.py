@@ -1395,6 +1395,25 @@ def _sharded_weight() -> torch.nn.Parameter:
     return torch.nn.Parameter(distribute_tensor(full, init_device_mesh("cpu", (2,)), [Shard(0)]))
 
 
+def _stepped(**kw) -> str:
+    """A sharded weight wrapped with ``kw`` (this rank's), and a step."""
+    w = _sharded_weight()
+    opt = LowPrecisionWeights(torch.optim.SGD([w], lr=0.1), **{"fmt": "binary8p4", "mode": "src", **kw})
+    w.grad = torch.ones_like(w)
+    opt.step()
+    return "stepped"
+
+
+def _nvfp4_weights(native: bool) -> list:
+    """A sharded weight in NVFP4 after a step, the native kernels on or off: the full weight."""
+    w = _sharded_weight()
+    with fewbit.configure(native=native):
+        opt = LowPrecisionWeights(torch.optim.SGD([w], lr=0.1), "nvfp4", "src", seed=5)
+        w.grad = torch.ones_like(w)
+        opt.step()
+    return w.full_tensor().tolist()
+
+
 def _added_misplaced(rank: int) -> str:
     """A group whose weight's piece is misplaced on rank 1, added to a wrapper of a sharded
     weight."""
@@ -1416,6 +1435,12 @@ def rank_errors(rank: int, world_size: int, cfg: dict) -> dict:
                                                             lr=0.1), fmt) and "built", fmt)
            for fmt in ("binary8p4", "e2m1")},
         "weights, added group misplaced": functools.partial(_added_misplaced, rank),
+        "weights, scale=True on rank 0": lambda: _stepped(scale=rank == 0),
+        "weights, nvfp4 and mxfp8": lambda: _stepped(fmt=("nvfp4", "mxfp8_e4m3")[rank]),
+        "weights, seeds differ": lambda: _stepped(seed=rank),
+        "weights, alike": lambda: _stepped(seed=5, scale=True),
+        "weights, configure alike": lambda: _nvfp4_weights(True),
+        "weights, configure unlike": lambda: _nvfp4_weights(rank == 0),
     }  # fmt: skip
     out = {}
     for name, call in cases.items():
@@ -1458,3 +1483,26 @@ def test_weights_refuse_a_misplaced_piece_on_every_rank(rank_error_runs, case):
     assert first.startswith("ValueError: another rank's piece of a selected weight"), first
     assert "not where its placements say" in first, first
     assert second.startswith("RuntimeError: ") and "a DTensor of shape (7, 32)" in second, second
+
+
+@pytest.mark.parametrize("case", ["weights, scale=True on rank 0", "weights, nvfp4 and mxfp8",
+                                  "weights, seeds differ"])  # fmt: skip
+def test_weights_set_up_unlike_on_the_ranks_of_a_mesh_are_refused_on_every_rank(rank_error_runs, case):
+    """Each rank rounded its piece as its own set-up said: another seed gave full weights of
+    no one set-up, silently; scale=True's and NVFP4's all-reduces on rank 0 alone took the
+    next all-reduce of rank 1 (it read a largest magnitude into its sum)."""
+    for outcome in _alike(rank_error_runs, case):
+        assert outcome.startswith("ValueError: LowPrecisionWeights: ranks holding pieces of the same weights "
+                                  "were given different set-ups"), outcome  # fmt: skip
+
+
+def test_weights_set_up_alike_step(rank_error_runs):
+    assert _alike(rank_error_runs, "weights, alike") == ("stepped", "stepped")
+
+
+def test_weights_under_configure_settings_unlike_on_the_ranks_equal_alike(rank_error_runs):
+    """configure() chooses kernels, which give the same bits and run the same collectives:
+    not part of the set-up the ranks agree on."""
+    alike = _alike(rank_error_runs, "weights, configure alike")
+    assert isinstance(alike[0], list) and alike[0] == alike[1]
+    assert _alike(rank_error_runs, "weights, configure unlike") == alike

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import hashlib
 import math
 import warnings
 import weakref
@@ -44,6 +45,7 @@ from .rounding.ops import format_name
 from .sharding import (
     ShardLayout,
     check_whole_blocks,
+    differs_across_holders,
     global_amax,
     is_dtensor,
     layout,
@@ -284,6 +286,7 @@ class LowPrecisionWeights:
                              "or drop guard")  # fmt: skip
         #: Where each rank's piece of each parameter lies in the full tensor.
         self._layouts = self._place(self.names, self.params)
+        self._agree(self.params)  # (before the write-back's collectives)
         #: The dtype ``w + u`` is rounded from.
         self.via = update_dtype or self.params[0].dtype
         #: The selected weights' dtype and device (one of each: ``_check``).
@@ -455,6 +458,23 @@ class LowPrecisionWeights:
                                     "(see its error)")  # fmt: skip
         return layouts
 
+    def _agree(self, params: list[torch.Tensor]) -> None:
+        """Refuse, on every rank, a set-up that differs between the ranks holding pieces of
+        the sharded weights among ``params`` (one all-reduce per mesh dimension, once).
+        Each rank rounds its piece as its own set-up says, so the full weights were no one
+        set-up's (another seed, silently), and the collectives of the write-back that some
+        set-ups take (NVFP4's or scale=True's largest magnitude, the flag of a format
+        without NaN) and others not paired with the next collective of the others: a
+        user's all-reduce summed a largest magnitude in. Plain weights (DDP, pipeline
+        stages, whose weights differ by design) are not compared: ``guard=True`` is."""
+        mine = _plain(self._config())
+        digest = int.from_bytes(hashlib.blake2b(repr(mine).encode(), digest_size=8).digest(), "little") >> 2
+        if differs_across_holders(digest, params):
+            said = ", ".join(f"{k}={v!r}" for k, v in mine.items() if k not in ("params", "dtypes"))
+            raise ValueError(f"LowPrecisionWeights: ranks holding pieces of the same weights were given "
+                             f"different set-ups or selections; every rank must wrap its pieces alike. This "
+                             f"rank's: {said}, {len(mine['params'])} weights")  # fmt: skip
+
     @staticmethod
     def _check_own_storage(named: list[tuple[str, torch.Tensor]]) -> None:
         """store_codes frees each weight's whole storage: refuse one whose storage holds more
@@ -504,6 +524,7 @@ class LowPrecisionWeights:
         self._scales += [1.0] * len(chosen)
         self._holders += [self._usual_holders(p) for p in chosen]
         try:
+            self._agree(chosen)
             self._write_back(initial=True, only=range(first, len(self.params)))
         except BaseException:  # (a weight beyond the range under sat=False: the weights are as they were)
             self.optimizer.param_groups.pop()

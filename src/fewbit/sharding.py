@@ -35,8 +35,9 @@ from .rounding.checks import RoundSpec
 from .rounding.compiled import index_bits, range_bits, stream_words
 
 __all__ = [
-    "PairwiseReduceScatter", "Runs", "ShardLayout", "check_cuts", "check_whole_blocks", "global_amax",
-    "global_bits", "is_dtensor", "layout", "local_tensor", "map_piece", "pairwise_sum", "piece_key",
+    "PairwiseReduceScatter", "Runs", "ShardLayout", "check_cuts", "check_whole_blocks",
+    "differs_across_holders", "global_amax", "global_bits", "is_dtensor", "layout", "local_tensor",
+    "map_piece", "pairwise_sum", "piece_key",
     "piece_randomness", "placement_offsets", "quantize_range", "reduce_exactly", "refuse_alike",
     "replica_rank", "round_range", "sharded_by_mesh", "summed", "tensor_scales",
     "torch_offsets",
@@ -494,6 +495,25 @@ def refuse_alike(error: Exception | None, tensors: list[torch.Tensor], others: s
             raise ValueError(others)
     if error is not None:
         raise error
+
+
+def differs_across_holders(value: int, tensors: list[torch.Tensor]) -> bool:
+    """Whether ``value`` (an int of at most 62 bits: a digest) differs between the ranks
+    that hold pieces of the sharded DTensors among ``tensors``, on any of their meshes, along
+    every mesh dimension (HSDP's replicas too): one all-reduce (MAX of value and -value) per
+    mesh dimension. False without sharded DTensors; on a rank outside a mesh, nothing."""
+    import torch.distributed as dist
+
+    differs = False
+    for at in sharded_by_mesh(tensors).values():
+        mesh = tensors[at[0]].device_mesh
+        if mesh.get_coordinate() is None:
+            continue
+        bounds = torch.tensor([value, -value], dtype=torch.int64, device=local_tensor(tensors[at[0]]).device)
+        for mesh_dim in range(mesh.ndim):
+            dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=mesh.get_group(mesh_dim))
+        differs |= int(bounds[0]) != -int(bounds[1])  # (the largest and the smallest)
+    return differs
 
 
 def sharded_by_mesh(tensors: list[torch.Tensor]) -> dict:
