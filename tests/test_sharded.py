@@ -1414,6 +1414,19 @@ def _nvfp4_weights(native: bool) -> list:
     return w.full_tensor().tolist()
 
 
+def _loaded_unlike_on_rank_1(rank: int) -> list:
+    """A wrapper of a sharded weight loading its own state_dict after a step, rank 1's
+    checkpoint written with bits=2: the outcome and the step count after it."""
+    w = _sharded_weight()
+    opt = LowPrecisionWeights(torch.optim.SGD([w], lr=0.1), "binary8p4", "src")
+    state = opt.state_dict()
+    w.grad = torch.ones_like(w)
+    opt.step()
+    if rank == 1:
+        state["config"] = {**state["config"], "bits": 2}
+    return [_outcome(lambda: opt.load_state_dict(state) or "loaded"), opt.steps]
+
+
 def _added_misplaced(rank: int) -> str:
     """A group whose weight's piece is misplaced on rank 1, added to a wrapper of a sharded
     weight."""
@@ -1439,6 +1452,7 @@ def rank_errors(rank: int, world_size: int, cfg: dict) -> dict:
         "weights, nvfp4 and mxfp8": lambda: _stepped(fmt=("nvfp4", "mxfp8_e4m3")[rank]),
         "weights, seeds differ": lambda: _stepped(seed=rank),
         "weights, alike": lambda: _stepped(seed=5, scale=True),
+        "weights, loaded unlike on rank 1": functools.partial(_loaded_unlike_on_rank_1, rank),
         "weights, configure alike": lambda: _nvfp4_weights(True),
         "weights, configure unlike": lambda: _nvfp4_weights(rank == 0),
     }  # fmt: skip
@@ -1506,3 +1520,12 @@ def test_weights_under_configure_settings_unlike_on_the_ranks_equal_alike(rank_e
     alike = _alike(rank_error_runs, "weights, configure alike")
     assert isinstance(alike[0], list) and alike[0] == alike[1]
     assert _alike(rank_error_runs, "weights, configure unlike") == alike
+
+
+def test_a_checkpoint_unlike_on_one_rank_is_refused_on_every_rank(rank_error_runs):
+    """Rank 1 refused its checkpoint alone and kept its step count; rank 0 resumed at the
+    checkpoint's (another step's keys) and went on to its next collective."""
+    first, second = _alike(rank_error_runs, "weights, loaded unlike on rank 1")
+    assert first[0].startswith("ValueError: another rank's checkpoint was written with another set-up"), first
+    assert second[0].startswith("ValueError: checkpoint was written with bits 2 (here 3)"), second
+    assert first[1] == second[1] == 1  # (nothing loaded: the count of the step after the state_dict)

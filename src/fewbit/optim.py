@@ -858,8 +858,13 @@ class LowPrecisionWeights:
             saved["fmt"] = mine["fmt"]
         differ = [f"{k} {saved.get(k)!r} (here {mine.get(k)!r})"
                   for k in {**saved, **mine} if saved.get(k) != mine.get(k)]  # fmt: skip
-        if differ:
-            raise ValueError(f"checkpoint was written with {'; '.join(differ)}: its bits would not continue")
+        said = f"checkpoint was written with {'; '.join(differ)}: its bits would not continue"
+        error = ValueError(said) if differ else None
+        # A checkpoint read by each rank from its own file can be unlike on one rank: every rank
+        # of a sharded weight's mesh refuses it (one all-reduce a load), where that rank alone
+        # raised and the others resumed, at another step count, into the next collective.
+        refuse_alike(error, self.params, "another rank's checkpoint was written with another set-up (see its "
+                                         "error): nothing was loaded")  # fmt: skip
         steps = int(state["steps"])
         if model is None:
             self.optimizer.load_state_dict(state["optimizer"])
