@@ -1251,3 +1251,40 @@ def test_a_kernel_whose_compilation_fails_warns_once_and_runs_eager_with_the_sam
     assert len(first) == len(compiled._BROKEN) == 5
     for a, b, c in zip(got, again, want, strict=True):
         assert torch.equal(a, c) and torch.equal(b, c)
+
+
+# --- export hunt: torch.fx, torch.func under torch.compile ---
+
+
+def test_symbolic_trace_is_refused_by_name_and_a_leaf_fake_quantize_traces():
+    """torch.fx.symbolic_trace hands fewbit's functions a Proxy, which holds no values: each
+    refuses it naming the tracers that record fewbit's ops ("x must be a torch.Tensor, not
+    Proxy", and torch's "symbolically traced variables cannot be used as inputs to control
+    flow" for FakeQuantize, until 2026-11-30); a FakeQuantize kept a leaf traces and runs."""
+
+    class Calls(torch.nn.Module):
+        def __init__(self, call):
+            super().__init__()
+            self.call = call
+
+        def forward(self, x):
+            return self.call(x)
+
+    for call in (lambda x: fewbit.round(x, "e4m3", "sr", seed=3), lambda x: fewbit.block.round(x, "mxfp4"),
+                 lambda x: fewbit.quantize(x, "e4m3"), lambda x: fewbit.encode(x, "e4m3"),
+                 lambda x: fewbit.nn.fake_quantize(x, "e4m3", "e5m2")):  # fmt: skip
+        with pytest.raises(TypeError, match="symbolic_trace cannot trace .*make_fx"):
+            torch.fx.symbolic_trace(Calls(call))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), FakeQuantize("e4m3", "e5m2", seed=1))
+    with pytest.raises(TypeError, match="cannot trace FakeQuantize.*is_leaf_module"):
+        torch.fx.symbolic_trace(model)
+
+    class Leaves(torch.fx.Tracer):
+        def is_leaf_module(self, m, name):
+            return isinstance(m, FakeQuantize) or super().is_leaf_module(m, name)
+
+    traced = torch.fx.GraphModule(model, Leaves().trace(model))
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    want = model(x)
+    model[1].reset_parameters()
+    assert torch.equal(traced(x), want) and int(model[1].calls) == 1

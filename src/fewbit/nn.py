@@ -39,12 +39,15 @@ from .operators import (
 from .random import Key, as_key, check_index, fold_in, is_dtensor, key_of
 from .replicas import SeedPolicy, check_group, replica_key, world
 from .rounding import RoundMode
-from .rounding.checks import check_mode_args, scalar_args
+from .rounding.checks import check_mode_args, scalar_args, symbolic_trace_refused
 from .rounding.modes import parse_mode
 from .rounding.ops import op_key
 from .sharding import replica_rank
 
 __all__ = ["FakeQuantize", "Quant", "checkpoint_context", "fake_quantize", "quantize_outputs"]
+
+#: torch.fx.symbolic_trace's stand-in for a tensor (refused by name: it has no values).
+_PROXY = torch.fx.Proxy
 
 #: Streams of one call: forward and backward rounding draw from different keys.
 _FORWARD, _BACKWARD = 0, 1
@@ -198,6 +201,8 @@ def fake_quantize(
     """
     if torch.compiler.is_compiling() and is_dtensor(x):
         return _eager_fake_quantize(x, forward, backward, seed)
+    if isinstance(x, _PROXY):  # (its checks below ask x's values)
+        raise symbolic_trace_refused("fake_quantize")
     forward, backward = _as_quant(forward, "forward"), _as_quant(backward, "backward")
     for q in (forward, backward):
         if q is not None:
@@ -357,6 +362,8 @@ class FakeQuantize(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling() and is_dtensor(x):  # as _eager_fake_quantize
             return _eager_forward(self, x)
+        if isinstance(x, _PROXY):  # (the count's value picks the path below)
+            raise symbolic_trace_refused("FakeQuantize")
         if transformed() and vmapped(self.calls):
             raise RuntimeError("FakeQuantize does not take a count stacked under torch.vmap (model "
                                "ensembling: torch.func.stack_module_state, then vmap of functional_call): "

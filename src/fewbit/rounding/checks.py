@@ -107,6 +107,8 @@ def check_tensor(x, name: str = "x") -> torch.Tensor:
     kernels read its elements there, which a sparse tensor or a ZeroTensor does not lay
     out); return it, a view with torch's negative bit as a tensor of its values."""
     if not isinstance(x, torch.Tensor):
+        if isinstance(x, torch.fx.Proxy):
+            raise symbolic_trace_refused("fewbit's functions")
         raise TypeError(f"{name} must be a torch.Tensor, not {type(x).__name__}")
     # (Eager only: traced, in a backward torch.compile's strict mode refuses the query.)
     if torch.compiler.is_compiling():
@@ -118,6 +120,17 @@ def check_tensor(x, name: str = "x") -> torch.Tensor:
     if lazy := lazily_valued(x, name):
         raise TypeError(f"{name} is {lazy}")
     return x
+
+
+def symbolic_trace_refused(what: str) -> TypeError:
+    """The error for ``what`` given a ``torch.fx.Proxy``: symbolic tracing runs Python on
+    stand-ins that hold no values, where fewbit checks its arguments' values and types as
+    Python runs (a Proxy failed as "x must be a torch.Tensor, not Proxy", or in torch's words
+    on FakeQuantize's control flow). The tracers that record fewbit's ops work."""
+    return TypeError(f"torch.fx.symbolic_trace cannot trace {what} (fewbit checks arguments as Python "
+                     "runs, and a Proxy has no values): torch.export.export(model, args).module() or "
+                     "torch.fx.experimental.proxy_tensor.make_fx gives an FX graph holding fewbit's ops, "
+                     "or make the module calling it a leaf of your torch.fx.Tracer (is_leaf_module)")
 
 
 def lazily_valued(t: torch.Tensor, name: str) -> str | None:
