@@ -1288,3 +1288,30 @@ def test_symbolic_trace_is_refused_by_name_and_a_leaf_fake_quantize_traces():
     want = model(x)
     model[1].reset_parameters()
     assert torch.equal(traced(x), want) and int(model[1].calls) == 1
+
+
+def test_compiled_func_grad_is_refused_by_name_or_runs_eagerly():
+    """torch.compile of torch.func.grad through fewbit's functions: torch 2.13 refuses the
+    traced op's gradient there, and failed without fullgraph too, in words about an
+    autograd.Function's setup_context (until 2026-11-30). fullgraph=True now refuses it
+    naming the ways that work; without it Dynamo runs the frame eagerly, with eager's
+    gradient. An op without a gradient (quantize) and vmap compile as before."""
+    from fewbit.nn import fake_quantize
+
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(15))
+    key = key_of(3)
+    for f in (lambda v: fewbit.round(v, "e4m3", "sr", seed=key).pow(2).sum(),
+              lambda v: fewbit.block.round(v, "mxfp4", "sr", seed=key).pow(2).sum(),
+              lambda v: fake_quantize(v, "e4m3", Quant("e5m2", "sr"), key).pow(2).sum()):  # fmt: skip
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="fewbit: torch.compile of torch.func.grad"):
+            torch.compile(torch.func.grad(f), fullgraph=True, backend="eager")(x)
+    # (aot_eager: with backend="eager", Dynamo fails inside the eager frames' backward, torch 2.13)
+    grad = torch.func.grad(lambda v: fewbit.round(v, "e4m3", "sr", seed=key).pow(2).sum())
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(grad, backend="aot_eager")(x), grad(x))
+    f = lambda v: fewbit.quantize(v, "e4m3", "sr", seed=key).float().sum() + v.pow(2).sum()  # noqa: E731
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(torch.func.grad(f), fullgraph=True, backend="eager")(x), 2 * x)
+    f = lambda v: fewbit.round(v, "e4m3", "sr", seed=key)  # noqa: E731
+    assert torch.equal(torch.compile(torch.vmap(f), fullgraph=True, backend="eager")(x), torch.vmap(f)(x))

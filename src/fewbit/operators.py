@@ -68,6 +68,7 @@ class Operator:
         if torch.compiler.is_compiling():
             if self._differentiable is not None:
                 refuse_compiled_forward_ad()
+                refuse_compiled_transform()
             return self.op(*args)
         if unseen(self._tensors(args)):
             return self._direct(*args)
@@ -276,6 +277,24 @@ def refuse_compiled_forward_ad() -> None:
         raise RuntimeError("fewbit: forward-mode AD (torch.func.jvp, jacfwd, forward_ad) through fewbit's "
                            "ops under torch.compile would give a zero tangent (torch 2.13 traces the op "
                            "without its forward-mode formula); call it eagerly")
+
+
+#: Whether a differentiating torch.func transform is active where Dynamo traces: run at
+#: trace time (Dynamo cannot trace functorch's queries), its answer a constant of the graph.
+_differentiating_traced = torch.compiler.assume_constant_result(differentiating)
+
+
+def refuse_compiled_transform() -> None:
+    """Under torch.compile, refuse a call inside a torch.func transform that differentiates
+    (``torch.compile(torch.func.grad(f))``; vjp, jacrev): the traced op has only the
+    gradient ``register_autograd`` gives it, which torch 2.13 refuses there, and the
+    autograd.Function that eager calls take instead fails inside Dynamo. Torch said so in
+    its words, about a setup_context that fewbit's function does not lack."""
+    if _differentiating_traced():
+        raise RuntimeError("fewbit: torch.compile of torch.func.grad (vjp, jacrev) through fewbit's ops is "
+                           "not supported in torch 2.13 (pytorch/pytorch#170834): call the transform "
+                           "eagerly, or compile the function and take its gradient with torch.autograd "
+                           "(backward outside the compiled function)")
 
 
 #: Tensors a call may run on directly: torch's own, whose __torch_function__ is torch's.
