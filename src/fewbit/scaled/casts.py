@@ -66,6 +66,19 @@ def _check_statistic(stat: object, target: object) -> None:
 # Functions go into the graph whole (allow_in_graph), and AOTAutograd traces them below,
 # as it traces the rules, so that they compile with torch.compile(fullgraph=True).
 
+def _making(name: str, t: torch.Tensor) -> None:
+    """Before ``name``'s autograd.Function makes a ScaledTensor of t: Dynamo's guards on the
+    settings (:func:`guard_settings`), and under torch.export a refusal naming why. torch
+    2.13's export does not track the ScaledTensor such a Function returns: it failed on the
+    first use ("... is not tracked with proxy", a RecursionError before 2026-11-30), strict
+    or not, even returned as it came."""
+    if torch.compiler.is_exporting():
+        raise RuntimeError(f"fewbit.scaled.{name} does not run under torch.export (torch 2.13 does not "
+                           "trace the ScaledTensor it makes): call it before the exported code and pass "
+                           "its result in")
+    guard_settings(t)
+
+
 @torch.compiler.allow_in_graph
 class _Cast(torch.autograd.Function):
     # Rounding with a straight-through gradient, the usual estimator for quantisation.
@@ -105,7 +118,7 @@ def cast(t: torch.Tensor, fmt: FloatFormat | str, mode: RoundMode | str = "rne",
         # went as a constant, a graph per seed, and a Key rebuilt from Dynamo's proxies
         # failed its checks).
         kwargs = {**kwargs, "seed": op_key(kwargs["seed"], t)}
-    guard_settings(t)
+    _making("cast", t)
     return _Cast.apply(t, fmt, mode, kwargs)
 
 
@@ -143,7 +156,7 @@ def rebalance(t: torch.Tensor, s: torch.Tensor | float) -> ScaledTensor:
     """
     _check_floating(t, "rebalance")
     s = check_scale(s, parts(t)[0], positive=True)
-    guard_settings(t)
+    _making("rebalance", t)
     return _Rebalance.apply(t, s)
 
 
@@ -194,7 +207,7 @@ def pow2_scale(t: torch.Tensor, rounding: Pow2 = "down") -> ScaledTensor:
     """t with its scale rounded to a power of two and the same value (data * 2^k is
     exact, so products and quotients of such scales are too); the zero array stays one."""
     _check_floating(t, "pow2_scale")
-    guard_settings(t)
+    _making("pow2_scale", t)
     return _Rebalance.apply(t, round_pow2(parts(t)[1], rounding))
 
 
@@ -256,7 +269,7 @@ def dynamic_scale(t: torch.Tensor, stat: Stat = "max", target: float = 1.0,
 def dynamic_rescale(t: torch.Tensor, stat: Stat = "max", target: float = 1.0,
                     pow2: bool = False) -> ScaledTensor:
     """t rebalanced to :func:`dynamic_scale` (same value; autograd sees the identity)."""
-    guard_settings(t)
+    _making("dynamic_rescale", t)
     return _Rebalance.apply(t, dynamic_scale(t, stat, target, pow2))
 
 
