@@ -3173,3 +3173,23 @@ def test_export_refuses_casts_by_name():
         torch.export.export(Calls(lambda t: cast(t, "ocp_e4m3")), (t,), strict=True)
     program = torch.export.export(Calls(lambda t: (t * 2).dequantize()), (t,)).module()
     assert torch.equal(program(t), (t * 2).dequantize())
+
+
+def test_export_of_a_scaled_input_with_a_varying_batch():
+    """A ScaledTensor input's batch varies in an exported program with Dim.AUTO or
+    Dim.DYNAMIC, which torch 2.13 carries to the data inside; a named Dim it does not (the
+    README says so, and this fails once torch takes it)."""
+    gen = torch.Generator().manual_seed(0)
+    t = as_scaled(torch.randn(5, 8, generator=gen, dtype=torch.float16), torch.tensor(2.0**-6))
+    other = as_scaled(torch.randn(9, 8, generator=gen, dtype=torch.float16), torch.tensor(2.0**-3))
+
+    class Twice(nn.Module):
+        def forward(self, x):
+            return fewbit.round((x * 2).dequantize(torch.float32), "ocp_e4m3")
+
+    # (First: an export with AUTO marks t's data dynamic, and a named Dim then fails otherwise.)
+    with pytest.raises(Exception, match="specialized it to be a constant"):
+        torch.export.export(Twice(), (t,), dynamic_shapes={"x": {0: torch.export.Dim("b", min=2, max=64)}})
+    for dim in (torch.export.Dim.AUTO, torch.export.Dim.DYNAMIC):
+        program = torch.export.export(Twice(), (t,), dynamic_shapes={"x": {0: dim}}).module()
+        assert torch.equal(program(other), Twice()(other))
