@@ -1315,3 +1315,30 @@ def test_compiled_func_grad_is_refused_by_name_or_runs_eagerly():
     assert torch.equal(torch.compile(torch.func.grad(f), fullgraph=True, backend="eager")(x), 2 * x)
     f = lambda v: fewbit.round(v, "e4m3", "sr", seed=key)  # noqa: E731
     assert torch.equal(torch.compile(torch.vmap(f), fullgraph=True, backend="eager")(x), torch.vmap(f)(x))
+
+
+def test_numpy_scalars_that_pick_the_graph_are_refused_by_name_under_compile():
+    """Dynamo traces a numpy scalar as an array without its value: bits, fraction, sat and a
+    block axis, which pick the graph, are refused naming the argument and the fix (they
+    were "bits must be an int, not ndarray", and for sat Dynamo's error on a tensor's
+    repr, until 2026-11-30); without fullgraph the call runs eagerly, with eager's bits.
+    A numpy seed is a seed tensor: one graph for every value."""
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(16))
+    for name, value, call in (
+        ("bits", np.int64(3), lambda v, b: fewbit.round(v, "e4m3", "src", bits=b, seed=1)),
+        ("fraction", np.float32(0.5), lambda v, p: fewbit.round(v, "e4m3", "sr_fraction", fraction=p,
+                                                                seed=1)),
+        ("sat", np.bool_(True), lambda v, s: fewbit.round(v, "e4m3", sat=s)),
+        ("axis", np.int64(1), lambda v, a: fewbit.block.round(v, "mxfp4", axis=a)),
+    ):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=f"{name}: torch.compile traces a numpy scalar"):
+            torch.compile(call, fullgraph=True, backend="eager")(x, value)
+    assert torch.equal(torch.compile(call, backend="eager")(x, value), call(x, value))
+    torch._dynamo.reset()
+    counters.clear()
+    seeded = torch.compile(lambda v, s: fewbit.round(v, "e4m3", "sr", seed=s), fullgraph=True,
+                           backend="eager")
+    for seed in (1, 2, 2**40):
+        assert torch.equal(seeded(x, np.int64(seed)), fewbit.round(x, "e4m3", "sr", seed=seed))
+    assert counters["stats"]["unique_graphs"] == 1

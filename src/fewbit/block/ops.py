@@ -19,7 +19,7 @@ from ..formats import FloatFormat, from_repr
 from ..operators import operator
 from ..random import Key, host_key, is_int
 from ..rounding import gpu, native
-from ..rounding.checks import check_random_bits, no_result
+from ..rounding.checks import check_random_bits, no_result, refuse_traced_numpy
 from ..rounding.compiled import (
     any_length,
     range_bits,
@@ -104,6 +104,7 @@ def check_axis(axis: object) -> int | None:
     if axis is None:
         return None
     if not is_int(axis):
+        refuse_traced_numpy(axis, "axis", "int")
         raise TypeError(f"axis must be an int, not {type(axis).__name__}")
     return int(axis)
 

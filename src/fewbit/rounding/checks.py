@@ -90,6 +90,8 @@ def scalar_args(sat, bits, fraction) -> tuple[bool, int | None, float | None]:
     floats are accepted as their Python kinds; a bool is not a number here."""
     if type(sat) is bool and type(bits) in (int, type(None)) and type(fraction) in (float, type(None)):
         return sat, bits, fraction  # Python scalars already: every call passes here first
+    for value, name, kind in ((sat, "sat", "bool"), (bits, "bits", "int"), (fraction, "fraction", "float")):
+        refuse_traced_numpy(value, name, kind)
     sat = as_flag(sat, "sat")
     if bits is not None:
         if isinstance(bits, (bool, np.bool_)) or not isinstance(bits, numbers.Integral):
@@ -100,6 +102,16 @@ def scalar_args(sat, bits, fraction) -> tuple[bool, int | None, float | None]:
             raise TypeError(f"fraction must be a number in [0, 1], not {type(fraction).__name__}")
         fraction = float(fraction)
     return sat, bits, fraction
+
+
+def refuse_traced_numpy(value: object, name: str, kind: str) -> None:
+    """Refuse, naming it, a numpy scalar that Dynamo traces: it traces numpy as tensors, so
+    the scalar comes as an array with no value at trace time, where ``name`` picks the graph
+    (the checks refused it as "not ndarray", and a numpy bool in Dynamo's words about a
+    tensor's repr, until 2026-11-30). Eager calls take numpy scalars."""
+    if isinstance(value, np.ndarray) and torch.compiler.is_compiling():
+        raise TypeError(f"{name}: torch.compile traces a numpy scalar as an array, without its value; "
+                        f"pass a Python {kind} ({kind}({name}) before the compiled call)")
 
 
 def check_tensor(x, name: str = "x") -> torch.Tensor:
