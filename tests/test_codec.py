@@ -350,3 +350,28 @@ def test_float32_subnormal_values_survive_flush_denormal(config):
     assert torch.equal(decoded[0].view(torch.int32), e8m0.view(torch.int32))
     assert torch.equal(decoded[1].view(torch.int32), bf16.view(torch.int32))
     assert fewbit.decode(torch.zeros(1, dtype=torch.uint8), "ocp_e8m0").view(torch.int32).item() == 0x400000
+
+
+# Codec and storage hunt (codec hunt): every code of the named formats against gfloat, and
+# the dtypes values come back in.
+
+
+def test_values_come_back_only_in_a_dtype_fewbit_rounds():
+    """BlockTensor.dequantize and block_scales took torch's 8-bit floats and cast q * S into
+    them, unchecked: mxfp4's 768 came back 448 and mxfp8_e4m3's 1e-4 as 0 in float8_e4m3fn;
+    elements and decode refused them in rounding's words ("fewbit rounds tensors of")."""
+    import fewbit.block as block
+
+    big = block.quantize(torch.tensor([[1000.0] + [0.5] * 31]), "mxfp4")
+    tiny = block.quantize(torch.full((1, 32), 1e-4), "mxfp8_e4m3")
+    codes = torch.zeros(2, dtype=torch.uint8)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu):
+        for stored in (big, tiny):
+            for call in (stored.dequantize, stored.block_scales):
+                with pytest.raises(TypeError, match=r"^values come in a float dtype \(torch.float16, "):
+                    call(dtype)
+            with pytest.raises(TypeError, match="^decode gives values in a float dtype"):
+                stored.elements(dtype)
+        with pytest.raises(TypeError, match="^decode gives values in a float dtype"):
+            fewbit.decode(codes, "e4m3", dtype)
+    assert float(big.dequantize()[0, 0]) == 768.0 and float(tiny.dequantize()[0, 0]) > 0

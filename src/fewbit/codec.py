@@ -27,7 +27,7 @@ from .formats import FloatFormat, format
 from .operators import operator
 from .random import Key, host_key
 from .rounding import RoundMode, gpu, native
-from .rounding.checks import check_holds, check_random_bits, check_tensor, no_result
+from .rounding.checks import VALUE_DTYPES, check_holds, check_random_bits, check_tensor, no_result
 from .rounding.compiled import stream_words
 from .rounding.fast import INT_LAYOUT, decompose, float32_value, narrowed, working_dtype
 from .rounding.ops import (
@@ -272,10 +272,13 @@ def _(x, fmt, rounding, sat, bits, fraction, key, random_bits, packed):
 
 
 def check_value_dtype(dtype: object, what: str = "values come") -> None:
-    """Raise TypeError unless ``dtype`` is a float dtype, the only kind values of a format
-    come in (``what`` begins the message)."""
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"{what} in a float dtype (torch.float32, torch.bfloat16, ...), not {dtype!r}")
+    """Raise TypeError unless ``dtype`` is a float dtype fewbit rounds (``VALUE_DTYPES``), the
+    only kind values of a format come in (``what`` begins the message). Not torch's 8-bit
+    floats: a cast into one would round the values again, unchecked (BlockTensor.dequantize
+    gave 448 for mxfp4's 768, and 0 for mxfp8_e4m3's 1e-4, in float8_e4m3fn)."""
+    if not isinstance(dtype, torch.dtype) or dtype not in VALUE_DTYPES:
+        supported = ", ".join(str(d) for d in VALUE_DTYPES)
+        raise TypeError(f"{what} in a float dtype ({supported}), not {dtype!r}")
 
 
 def _decode_checks(codes: torch.Tensor, fmt: FloatFormat, dtype: torch.dtype, packed: bool) -> torch.Size:

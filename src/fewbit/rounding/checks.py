@@ -27,8 +27,8 @@ from .modes import (
 )
 
 __all__ = [
-    "RoundSpec", "check_bits", "check_holds", "check_random_bits", "check_round_args", "dtype_format",
-    "make_spec", "no_result", "scalar_args",
+    "VALUE_DTYPES", "RoundSpec", "check_bits", "check_holds", "check_random_bits", "check_round_args",
+    "dtype_format", "make_spec", "no_result", "scalar_args",
 ]
 
 _DTYPE_FORMATS = {
@@ -37,6 +37,8 @@ _DTYPE_FORMATS = {
     torch.float32: "binary32",
     torch.float64: "binary64",
 }
+#: The dtypes fewbit rounds, and the only ones values of a format come back in.
+VALUE_DTYPES = tuple(_DTYPE_FORMATS)
 
 
 def dtype_format(dtype: torch.dtype) -> FloatFormat:
