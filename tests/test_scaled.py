@@ -3193,3 +3193,70 @@ def test_export_of_a_scaled_input_with_a_varying_batch():
     for dim in (torch.export.Dim.AUTO, torch.export.Dim.DYNAMIC):
         program = torch.export.export(Twice(), (t,), dynamic_shapes={"x": {0: dim}}).module()
         assert torch.equal(program(other), Twice()(other))
+
+
+# --- scaled-coverage hunt: one-element plain operands, ops without rules ------------------
+
+def _one_element_ops(mask: torch.Tensor) -> dict:
+    # op(x, c) for a one-element plain c, each as torch spells it.
+    return {"add": lambda t, c: t + c, "sub": lambda t, c: t - c, "rsub": lambda t, c: c - t,
+            "where": lambda t, c: torch.where(mask, t, c), "maximum": lambda t, c: torch.maximum(t, c),
+            "minimum": lambda t, c: torch.minimum(t, c), "clamp": lambda t, c: t.clamp(min=c),
+            "clamp_max": lambda t, c: t.clamp(max=c), "mul": lambda t, c: t * c,
+            "masked_fill": lambda t, c: t.masked_fill(mask, c)}
+
+
+def test_a_one_element_plain_tensor_meets_a_scaled_tensor_as_a_number():
+    """A plain one-element tensor (0-d or not) counted as a plain tensor, scale 1, where
+    operands meet: ``x + torch.tensor(0.)``, ``torch.where(m, x, torch.tensor(0.))``,
+    ``torch.maximum(x, torch.tensor(0.))``, ``x.clamp(min=torch.tensor(0.))``, ``x[i] = 0``
+    (index_put of torch's 0-d tensor of 0) of float16 data at scale 2^-30 flushed every
+    element to 0. It is the number it holds, as a Python number is (its size not read)."""
+    mask = X > 0
+    for s in (2.0**-30, 2.0**20, torch.tensor(2.0**-30)):
+        x = as_scaled(X.half(), s)
+        plain = x.dequantize(F64)
+        size = s if isinstance(s, float) else float(s)
+        for name, op in _one_element_ops(mask).items():
+            for c in (0.0, -0.5 * size, 2.0 * size):
+                for t in (torch.tensor(c), torch.tensor([c]))[:1 if name == "masked_fill" else 2]:
+                    got = op(x, t)
+                    assert got.dtype == op(X.half(), torch.zeros_like(t)).dtype, name
+                    want = op(plain, torch.tensor(c, dtype=F64).reshape(t.shape))
+                    torch.testing.assert_close(got.dequantize(F64), want, rtol=1e-3, atol=1e-3 * size,
+                                               msg=name)  # (atol: a sum's cancellation)
+        x[torch.tensor([0, 2])] = 0
+        plain[torch.tensor([0, 2])] = 0
+        torch.testing.assert_close(x.dequantize(F64), plain, rtol=1e-3, atol=0)
+
+
+def test_a_one_element_plain_tensor_in_a_sum_keeps_the_data_device_and_zero_array():
+    """The size of a one-element operand is a tensor on the data's device (a CPU 0-d tensor
+    meets data on any device: masked_fill gave meta data a CPU scale), and the zero array
+    plus a plain 0 is zeros at scale 1, not at a tensor scale 0."""
+    x = as_scaled(torch.empty(3, dtype=torch.float16, device="meta"), 2.0**-30)
+    m = torch.ones(3, dtype=torch.bool, device="meta")
+    c = torch.tensor(0.0)
+    for out in (x + c, x * c, torch.where(m, x, c), torch.maximum(x, c), x.masked_fill(m, c)):
+        assert out.scale.device == out.unscaled.device == x.device
+    z = torch.zeros_like(as_scaled(X.half(), 2.0**-30)) + torch.tensor(0.0)
+    assert float(z.scale) == 1.0 and not z.dequantize().any()
+
+
+def test_a_one_element_plain_tensor_compiles_once_for_every_value():
+    """Compiled with fullgraph=True, the one-element operand's size is traced, not read: one
+    graph for every value (and eager's values)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    mask = X > 0
+    ops = _one_element_ops(mask)
+    counter = CompileCounterWithBackend("aot_eager")
+    f = torch.compile(lambda t, c: [op(t, c) for op in ops.values()], backend=counter, fullgraph=True)
+    x = as_scaled(X.half(), torch.tensor(2.0**-30))
+    for c in (0.0, -3e-10, 2e-9):
+        for got, op in zip(f(x, torch.tensor(c)), ops.values(), strict=True):
+            want = op(x.dequantize(F64), torch.tensor(c, dtype=F64))
+            torch.testing.assert_close(got.dequantize(F64), want, rtol=1e-3, atol=1e-12)
+    assert counter.frame_count == 1
+

@@ -324,9 +324,42 @@ def scale_of(x: Any) -> Scale:
     return abs(c) if math.isfinite(c) else 0.0
 
 
-def common_scale(*xs: Any) -> Scale:
-    """max of the operands' scales (seed 003's add rule)."""
-    return reduce(smax, (scale_of(x) for x in xs))
+def is_number(x: Any) -> bool:
+    """Whether x is a plain one-element real tensor (float, integer or bool): where it
+    meets a ScaledTensor, the number it holds (:func:`number_size`)."""
+    return isinstance(x, torch.Tensor) and not isinstance(x, ScaledTensor) and x.numel() == 1 \
+        and not x.is_complex()  # fmt: skip
+
+
+def number_size(c: torch.Tensor, device: torch.device | None = None, zero: float = 0.0) -> torch.Tensor:
+    """|c| of a one-element tensor c (:func:`is_number`) as a float32 0-d tensor on
+    ``device`` (the data's: a CPU 0-d tensor meets data on any device), ``zero`` where
+    |c| is 0 or c not finite (as :func:`scale_of` counts a number, with ``zero`` 0). Not
+    read: that would wait for a device, and break a graph or compile one per value."""
+    c = c.detach().to(device=device, dtype=torch.float32).reshape(())
+    return torch.where(c.isfinite() & (c != 0), c.abs(), zero)
+
+
+def common_scale(*xs: Any, coefs: tuple[float, ...] | None = None) -> Scale:
+    """max of the operands' scales (seed 003's add rule), each times |coef| where given.
+
+    A plain one-element tensor counts as the number it holds (:func:`number_size`), not as
+    a plain tensor of scale 1, which flushed float16 data at scale 2^-30 to zeros in
+    ``x + torch.tensor(0.)``, ``torch.where(m, x, torch.tensor(0.))``, ``x[i] = 0``
+    (index_put of a 0-d 0); but not where every tensor operand has the static scale 1:
+    plain tensors, which meet as in torch, bit for bit. Where such tensors alone bring a
+    tensor scale (the others' are static: the zero array's 0, a number's), a 0 there is
+    1: the zero array plus a plain 0 is zeros, not at a tensor scale 0, whose in-place
+    writes would be lost."""
+    numbers = not _unit_scales(*xs)
+    device = next((x.device for x in xs if isinstance(x, ScaledTensor)), None)
+    scales = [number_size(x, device) if numbers and is_number(x) else scale_of(x) for x in xs]
+    s = reduce(smax, scales if coefs is None else
+               (smul(sx, abs(c)) for sx, c in zip(scales, coefs, strict=True)))
+    if isinstance(s, torch.Tensor) and all(is_static(sx) for x, sx in zip(xs, scales, strict=True)
+                                           if not (numbers and is_number(x))):
+        return torch.where(s > 0, s, 1.0)
+    return s
 
 
 def _unit_scales(*xs: Any) -> bool:
@@ -375,7 +408,9 @@ def lincomb(terms: list[tuple[Any, float]]) -> tuple[torch.Tensor, Scale]:
     live = [t for t in (_term(x, c) for x, c in terms) if t is not None]
     if not live:
         return _like(datas, 1.0, 0.0), 0.0
-    s = reduce(smax, (ts for _, ts, _ in live))
+    # The scale from the operands' sizes (a one-element plain tensor's too: common_scale),
+    # not from the terms' scales, which count such a tensor 1.
+    s = common_scale(*(x for x, c in terms), coefs=tuple(c for _, c in terms))
     if len(live) == 1:
         d, ts, sign = live[0]
         return _like(datas, sign, d if is_static(ts, 0.0) else times(d, sdiv(ts, s), dtype)), s
@@ -596,6 +631,8 @@ def _mul(func, a, b):
             return _signed_at(func, (a, b), d, c, smul(s, abs(c)))
         if (z := _zero_array_by(x, c)) is not None:
             return z
+        if (y := _by_number(func, x, c)) is not None:
+            return y
     da, sa = parts(a)
     db, sb = parts(b)
     if is_static(sa, 0.0) != is_static(sb, 0.0):
@@ -640,7 +677,29 @@ def _div(func, a, b):
         return torch.mul(torch.reciprocal(b), a)
     if (z := _zero_array_by(a, b)) is not None:
         return z
+    if (y := _by_number(func, a, b)) is not None:
+        return y
     return _divide(a, b)
+
+
+def _by_number(func, x: Any, c: Any) -> torch.Tensor | None:
+    """x times or over c, a plain one-element tensor (:func:`is_number`), as by a number
+    (``_signed_at``): |c| goes into the scale, its sign into the data, so that 16-bit data
+    neither overflow nor flush (``x * torch.tensor(1e6)`` of float16 data was inf). c is
+    not read: where |c| is 0 or not finite, or the scale would leave float32's range, c
+    stays in the data. None where x is no ScaledTensor, or has the static scale
+    1 (a plain tensor's product, bit for bit) or 0 (``_zero_array_by``), or c is no such
+    tensor."""
+    if not (isinstance(x, ScaledTensor) and is_number(c)):
+        return None
+    d, s = parts(x)
+    if is_static(s) and s in (0.0, 1.0):
+        return None
+    size = number_size(c, d.device, zero=1.0)
+    new = smul(s, size) if func.overloadpacket is aten.mul else sdiv(s, size)
+    fits = ((new >= _FLOAT32_SMALLEST) & (new <= _FLOAT32_MAX)).all()
+    size = torch.where(fits, size, 1.0)
+    return wrap(func(d, c / size), torch.where(fits, new, s))
 
 
 def _zero_array_by(z: Any, c: Any) -> torch.Tensor | None:
@@ -781,20 +840,10 @@ def _where(func, cond, a, b):
 @rule(aten.masked_fill)
 def _masked_fill(func, x, mask, fill):
     """masked_fill: scale max(s, |fill|) (a non-finite fill, e.g. -inf, keeps s). A fill in a
-    plain one-element tensor is such a number, not read (it may wait for a device, or be
-    traced): it counted as scale 1, a plain tensor's, so ``masked_fill(mask, torch.tensor(0.))``
-    of float16 data at scale 2^-30 zeroed every element. An integer or bool one too (torch
-    takes ``torch.tensor(0)`` as the float 0 there)."""
+    plain one-element tensor is such a number (:func:`common_scale`), an integer or bool one too
+    (torch takes ``torch.tensor(0)`` as the float 0 there)."""
     if _unit_scales(x, fill):
         return _on_data(func, x, mask, fill)
-    sx = parts(x)[1]
-    if (isinstance(fill, torch.Tensor) and not isinstance(fill, ScaledTensor) and fill.numel() == 1
-            and not fill.is_complex() and not is_static(sx, 0.0)):  # fmt: skip
-        c = fill.to(torch.float32).reshape(())
-        finite = c.isfinite()
-        s = smax(sx, torch.where(finite, c.abs(), 0.0))
-        d = at_scale(x, s)
-        return wrap(torch.where(mask, torch.where(finite, sdiv(c, s), c).to(d.dtype), d), s)
     s = common_scale(x, fill)
     d, c = at_scale(x, s), at_scale(fill, s)
     if isinstance(c, torch.Tensor) and c.dim():
