@@ -3260,3 +3260,19 @@ def test_a_one_element_plain_tensor_compiles_once_for_every_value():
             torch.testing.assert_close(got.dequantize(F64), want, rtol=1e-3, atol=1e-12)
     assert counter.frame_count == 1
 
+
+def test_fill_by_a_one_element_tensor_is_the_number_it_holds():
+    """``x[:, 1] = t`` and ``x.fill_(t)`` (fill_.Tensor) of a plain 0-d t had no rule: on the
+    values at scale 1 in float16, data at scale 2^-30 kept their old values (1e-9 is 0
+    there, as were they). The part keeps x's scale, the whole tensor takes |t|'s."""
+    for s in (2.0**-30, torch.tensor([[2.0**-31], [2.0**-30], [2.0**-28], [2.0**-29]])):
+        x = as_scaled(X.half(), s)
+        plain = x.dequantize(F64)
+        for c in (1e-9, 0.0, -3e-9, float("-inf")):
+            part, whole = x.clone(), x.clone()
+            part[:, 1] = torch.tensor(c)
+            whole.fill_(torch.tensor(c))
+            want = plain.clone()
+            want[:, 1] = c
+            torch.testing.assert_close(part.dequantize(F64), want, rtol=1e-3, atol=1e-3 * 2.0**-30)
+            torch.testing.assert_close(whole.dequantize(F64), torch.full_like(plain, c), rtol=1e-6, atol=0)

@@ -291,6 +291,21 @@ def _full(func, x, *args, **kwargs):
     return _factory(func, x, tuple(args), kwargs, abs(c))
 
 
+@rule(aten.fill.Tensor)
+def _fill_tensor(func, x, c):
+    """Filled with a one-element tensor c (``x[:, 1] = t``, ``x.fill_(t)``): the number it
+    holds, data c / |c| at scale |c| (1 for 0 or a non-finite c), as fill by a number; a
+    0-d ScaledTensor gives its data and scale; at x's static scale 1, torch's fill. It had
+    no rule: on the values at scale 1 in the data's dtype, ``x[:, 1] = torch.tensor(1e-9)``
+    of float16 data at scale 2^-30 left the column as it was (both 0 in float16)."""
+    d, sx = parts(x)
+    if isinstance(c, ScaledTensor) or is_static(sx, 1.0):
+        s = scale_of(c)
+    else:
+        s = number_size(c, d.device, zero=1.0)
+    return wrap(func(d, at_scale(c, s)), s)
+
+
 @rule(aten.zero_)
 def _zero_(func, dest):
     """Zeroing in place: the zero array (scale 0, as ``zero``), so that the next value
