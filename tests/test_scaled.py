@@ -123,7 +123,7 @@ CASES = {
     "norm": (lambda x, y: x.norm(), lambda a, b: a),
     "cumsum": (lambda x, y: x.cumsum(1), lambda a, b: a),
     "prod": (lambda x, y: x.prod(1), lambda a, b: a**6),
-    "logsumexp": (lambda x, y: torch.logsumexp(x, 1), lambda a, b: 1.0),
+    "logsumexp": (lambda x, y: torch.logsumexp(x, 1), None),  # (a power of two that fits it)
     "softmax": (lambda x, y: F.softmax(x, -1), lambda a, b: 1.0),
     "log_softmax": (lambda x, y: F.log_softmax(x, 0), lambda a, b: 1.0),
     "masked_softmax": (lambda x, y: F.softmax(x.masked_fill(y > 0, float("-inf")), -1), lambda a, b: 1.0),
@@ -2309,21 +2309,21 @@ def test_in_place_rescalings_under_compile_break_once_naming_why():
 
 def test_a_second_rule_for_an_op_is_refused():
     with pytest.raises(ValueError, match=r"aten\.neg already has a rule \(_keep\)"):
-        rule(torch.ops.aten.frac, torch.ops.aten.neg)(lambda func, x: x)
-    assert torch.ops.aten.frac not in RULES  # refused as a whole: frac has no rule either
+        rule(torch.ops.aten.sinh, torch.ops.aten.neg)(lambda func, x: x)
+    assert torch.ops.aten.sinh not in RULES  # refused as a whole: sinh has no rule either
 
 
 def test_fallback_warns_once_or_raises():
     x = as_scaled(X * 4, 0.25)
-    with pytest.raises(NoRuleError, match="aten.frac"):
-        torch.frac(x)
+    with pytest.raises(NoRuleError, match="aten.sinh"):
+        torch.sinh(x)
     with configure(scaled_fallback="warn"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        a = torch.frac(x)
-        b = torch.frac(x)
-    assert sum("aten.frac" in str(w.message) for w in caught) == 1
+        a = torch.sinh(x)
+        b = torch.sinh(x)
+    assert sum("aten.sinh" in str(w.message) for w in caught) == 1
     assert a.static_scale == 1.0
-    assert torch.equal(a.dequantize(), torch.frac(X)) and torch.equal(b.unscaled, a.unscaled)
+    assert torch.equal(a.dequantize(), torch.sinh(X)) and torch.equal(b.unscaled, a.unscaled)
 
 
 @pytest.mark.parametrize("pow2", [True, False], ids=["pow2", "float32"])
@@ -2369,20 +2369,20 @@ def test_fused_adamw_without_a_rule_updates_scaled_parameters(pow2, monkeypatch)
 
 
 def test_in_place_op_without_a_rule_writes_back():
-    """frac_ (and frac with out=) have no rule: the fallback writes the new value into
+    """sinh_ (and sinh with out=) have no rule: the fallback writes the new value into
     the ScaledTensor, at its scale, and returns it. One that would resize a ScaledTensor
     is refused before anything is written."""
     x = as_scaled(X * 4, 0.25)
     out = as_scaled(torch.zeros_like(X), 2.0)
     with configure(scaled_fallback="warn"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert x.frac_() is x
-        assert x.static_scale == 0.25 and torch.equal(x.dequantize(), torch.frac(X))
+        assert x.sinh_() is x
+        assert x.static_scale == 0.25 and torch.equal(x.dequantize(), torch.sinh(X))
         y = as_scaled(X * 4, 0.25)
-        assert torch.frac(y, out=out) is out
-        assert out.static_scale == 2.0 and torch.equal(out.dequantize(), torch.frac(X))
+        assert torch.sinh(y, out=out) is out
+        assert out.static_scale == 2.0 and torch.equal(out.dequantize(), torch.sinh(X))
         with pytest.raises(NoRuleError, match="resizes"):
-            torch.frac(y, out=as_scaled(torch.zeros(0, dtype=F64), 2.0))
+            torch.sinh(y, out=as_scaled(torch.zeros(0, dtype=F64), 2.0))
     assert torch.equal(y.unscaled, X * 4)
 
 
@@ -3276,3 +3276,70 @@ def test_fill_by_a_one_element_tensor_is_the_number_it_holds():
             want[:, 1] = c
             torch.testing.assert_close(part.dequantize(F64), want, rtol=1e-3, atol=1e-3 * 2.0**-30)
             torch.testing.assert_close(whole.dequantize(F64), torch.full_like(plain, c), rtol=1e-6, atol=0)
+
+
+def _sized_ops() -> dict:
+    # op(x) for ops whose output's size follows no input's scale, and layout ops that had
+    # no rule; each differentiable one with True.
+    target = (X > 0).to(torch.float16)
+    at = torch.tensor([[0, 1, 0]] * 4)
+    return {"nan_to_num": (lambda t: torch.nan_to_num(t / 0.0 * 0.0 + t, nan=0.5), False),
+            "frac": (lambda t: torch.frac(t * 3.0), True), "round": (lambda t: torch.round(t * 3.0), False),
+            "round_decimals": (lambda t: torch.round(t, decimals=1), False),
+            "floor": (lambda t: torch.floor(t), False), "fmod": (lambda t: torch.fmod(t, 0.75), False),
+            "logsumexp": (lambda t: torch.logsumexp(t, 1), True),
+            "logcumsumexp": (lambda t: torch.logcumsumexp(t, 1), False),
+            "logaddexp": (lambda t: torch.logaddexp(t, t.flip(0)), True),
+            "xlogy": (lambda t: torch.xlogy(t, 3.0), True),
+            "renorm": (lambda t: torch.renorm(t, 2, 0, 1.0), False),
+            "dist": (lambda t: torch.dist(t, t.flip(0)), True),
+            "histc": (lambda t: torch.histc(t.float(), 4), False),
+            "pairwise_distance": (lambda t: F.pairwise_distance(t, t.flip(0), eps=0.0), True),
+            "index_copy": (lambda t: t.index_copy(0, torch.tensor([0, 2]), t[1:3] * 2.0), True),
+            "put": (lambda t: t.put(torch.tensor([1, 5]), t[0, :2] * 3.0), True),
+            **{f"scatter_reduce_{r}": (lambda t, r=r: t.scatter_reduce(1, at, t[:, 3:], r), r != "prod")
+               for r in ("sum", "prod", "amax", "amin", "mean")},
+            "softplus": (lambda t: F.softplus(t), True), "glu": (lambda t: F.glu(t, 1), True),
+            "hardtanh": (lambda t: F.hardtanh(t, -0.5, 0.5), True),
+            "relu6": (lambda t: F.relu6(t * 8.0), True),
+            "smooth_l1_loss": (lambda t: F.smooth_l1_loss(t, t.flip(0).detach()), True),
+            "huber_loss": (lambda t: F.huber_loss(t, t.flip(0).detach(), reduction="none"), True),
+            "binary_cross_entropy_with_logits": (
+                lambda t: F.binary_cross_entropy_with_logits(t, target.to(t.dtype)), True),
+            "binary_cross_entropy": (lambda t: F.binary_cross_entropy(t.sigmoid(), target.to(t.dtype)), True),
+            "soft_margin_loss": (lambda t: F.soft_margin_loss(t, target.to(t.dtype) * 2 - 1), True)}
+
+
+@pytest.mark.parametrize("s", [2.0**-30, 2.0**20])
+def test_ops_without_a_rule_or_a_scale_give_the_value_at_any_scale(s):
+    """nan_to_num, frac, round, floor, fmod, logsumexp, logcumsumexp, logaddexp, xlogy,
+    renorm, dist, norm, histc, scatter_reduce, softplus, glu, hardtanh, the smooth L1,
+    Huber, BCE and soft margin losses had no rule (logsumexp: scale 1), index_copy and put
+    neither: on the values at scale 1 in float16, data at scale 2^-30 were zeros and at
+    2^20 inf or NaN. Against float64 on the value, with the gradient."""
+    for name, (op, differentiable) in _sized_ops().items():
+        if s > 1 and name in ("softplus", "binary_cross_entropy", "soft_margin_loss", "xlogy",
+                              "binary_cross_entropy_with_logits", "relu6", "hardtanh"):
+            continue  # (their value there is x, 0 or inf: as torch, no scale asked)
+        x = as_scaled(X.half(), torch.tensor(s)).requires_grad_(differentiable)
+        plain = x.detach().dequantize(F64).requires_grad_(differentiable)
+        got, want = op(x), op(plain)
+        torch.testing.assert_close(got.detach().dequantize(F64), want.detach().to(F64), rtol=2e-3,
+                                   atol=2e-3 * float(want.detach().abs().max()), msg=name)
+        if differentiable:
+            (g,) = torch.autograd.grad(got.dequantize(torch.float32).sum(), x)
+            (gw,) = torch.autograd.grad(want.sum(), plain)
+            g = g.dequantize(F64) if isinstance(g, ScaledTensor) else g.to(F64)
+            torch.testing.assert_close(g, gw, rtol=5e-3, atol=5e-3 * float(gw.abs().max()), msg=name)
+
+
+def test_ops_sized_on_their_values_compile_whole():
+    """The power-of-two scale that fits such an output is traced, not read: fullgraph=True,
+    one graph for two scales given as tensors, eager's values."""
+    torch._dynamo.reset()
+    ops = {k: v[0] for k, v in _sized_ops().items() if k in ("logsumexp", "softplus", "huber_loss", "frac")}
+    f = torch.compile(lambda t: [op(t) for op in ops.values()], backend="aot_eager", fullgraph=True)
+    for s in (2.0**-30, 2.0**20):
+        x = as_scaled(X.half(), torch.tensor(s))
+        for got, op in zip(f(x), ops.values(), strict=True):
+            assert torch.equal(got.dequantize(F64), op(x).dequantize(F64))

@@ -18,7 +18,7 @@ import torch
 
 from ..config import current
 from .casts import round_pow2
-from .ops import lincomb, read_parts, scale_of
+from .ops import lincomb, on_values_sized, read_parts, scale_of
 from .tensor import (
     Scale,
     ScaledTensor,
@@ -395,6 +395,22 @@ def _gelu(func, x, *args, **kwargs):
     return wrap(times(out, sdiv(1.0, s)).to(d.dtype), s)
 
 
+@rule(aten.softplus, aten.glu, aten.glu_backward)
+def _softplus(func, *args, **kwargs):
+    """softplus (log 2 at 0, x for large x: no input's scale), glu (a times sigmoid(b),
+    halves of x) and glu's gradient: on the values, at a power-of-two scale that fits the
+    output (``ops.on_values_sized``). They had no rule: on the values at scale 1 in the
+    data's dtype, softplus of float16 data at scale 2^20 was inf, glu at 2^-30 zeros."""
+    return on_values_sized(func, *args, **kwargs)
+
+
+@rule(aten.hardtanh)
+def _hardtanh(func, x, min_val=-1.0, max_val=1.0):
+    """hardtanh (and relu6), a clamp by numbers: scale s (``ops._clamp``). It had no rule:
+    on the values at scale 1 in the data's dtype, float16 data at scale 2^-30 were zeros."""
+    return aten.clamp.default(x, min_val, max_val)
+
+
 @rule(aten._prelu_kernel)
 def _prelu(func, x, weight):
     """prelu on the values: x where x > 0, else weight times x, so the output keeps x's
@@ -419,7 +435,7 @@ def _prelu_backward(func, g, x, weight):
 
 @rule(aten.threshold_backward, aten.gelu_backward, aten.silu_backward, aten.tanh_backward,
       aten.sigmoid_backward, aten.leaky_relu_backward, aten.mish_backward, aten.hardswish_backward,
-      aten.elu_backward, aten.softplus_backward)
+      aten.elu_backward, aten.softplus_backward, aten.hardtanh_backward)
 def _activation_backward(func, g, *args, **kwargs):
     """Gradients of activations, g * f'(x) (f' from the value of x or of the output):
     scale sg."""
@@ -503,6 +519,18 @@ def _nll_loss_backward(func, g, x, target, weight, reduction, ignore_index, tota
     d = parts(x)[0]
     return wrap(func(dg.to(d.dtype), d, target, value(weight, d.dtype), reduction, ignore_index,
                      total_weight), sg)
+
+
+@rule(aten.smooth_l1_loss, aten.smooth_l1_loss_backward, aten.huber_loss, aten.huber_loss_backward,
+      aten.binary_cross_entropy, aten.binary_cross_entropy_backward, aten.binary_cross_entropy_with_logits,
+      aten.soft_margin_loss, aten.soft_margin_loss_backward)
+def _sized_loss(func, *args, **kwargs):
+    """smooth_l1_loss, huber_loss, binary_cross_entropy (with logits), soft_margin_loss and
+    their gradients (quadratic near 0, linear beyond, or logarithmic: no input's scale):
+    on the values, at a power-of-two scale that fits the output (``ops.on_values_sized``).
+    They had no rule: on the values at scale 1 in the data's dtype, float16 data at scale
+    2^-30 gave a loss of 0 and at 2^20 NaN."""
+    return on_values_sized(func, *args, **kwargs)
 
 
 @rule(aten.mse_loss)

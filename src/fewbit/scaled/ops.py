@@ -772,8 +772,46 @@ def _on_values(func, *args, **kwargs):
     return wrap(out.to(kwargs.get("dtype") or promoted_dtype(args)), 1.0)
 
 
+def on_values_sized(func, *args, **kwargs):
+    """func on the values, as :func:`_on_values`, for an op whose output's size follows
+    neither an input's scale nor 1 (round, frac, logsumexp, softplus, smooth_l1_loss and
+    its gradient): the output takes the power-of-two scale that brings its largest finite
+    magnitude to (1/2, 1] (as ``dynamic_rescale_max(pow2=True)``; 1 where there is none),
+    exact, so that 16-bit data neither overflow (logsumexp of float16 data at scale 2^20
+    was inf) nor flush (frac at 2^-30 was 0). Where every tensor argument has the static
+    scale 1 (plain tensors): func on the data, as in torch."""
+    if _unit_scales(*args, *kwargs.values()):
+        return _on_data(func, *args, **kwargs)
+    dtype = kwargs.get("dtype") or promoted_dtype(args)
+    cdt = compute_dtype(dtype or torch.float32)
+
+    def computed(a: Any) -> Any:  # (every float tensor in one dtype, as a kernel takes them)
+        return value(a, cdt) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+
+    out = func(*map(computed, args), **{k: computed(v) for k, v in kwargs.items()})
+    dtype = dtype or out.dtype
+    if not out.numel():
+        return wrap(out.to(dtype), 1.0)
+    top = torch.where(out.isfinite(), out.abs(), 0).amax().to(torch.float32)
+    f = torch.where(top > 0, round_pow2(top, "up"), 1.0)
+    return wrap((out / f).to(dtype), f)
+
+
+@rule(aten.nan_to_num, aten.frac, aten.round, aten.floor, aten.ceil, aten.trunc, aten.fmod, aten.remainder,
+      aten.logsumexp, aten.logcumsumexp, aten.logaddexp, aten.xlogy, aten.renorm, aten.dist, aten.norm,
+      aten.histc, aten.scatter_reduce)
+def _sized(func, *args, **kwargs):
+    """nan_to_num, frac, round, floor, ceil, trunc, fmod, remainder, logsumexp,
+    logcumsumexp, logaddexp, xlogy, renorm, dist, norm (pairwise_distance's), histc,
+    scatter_reduce (sum, prod, mean, amax, amin): computed on the values, at a
+    power-of-two scale that fits the output (:func:`on_values_sized`). They had no rule
+    (logsumexp: scale 1): on the values at scale 1 in the data's dtype, float16 data at
+    scale 2^-30 were zeros there, and at 2^20 inf."""
+    return on_values_sized(func, *args, **kwargs)
+
+
 @rule(aten.tanh, aten.sigmoid, aten.exp, aten.expm1, aten.log1p, aten.erf, aten.sin, aten.cos, aten.atan,
-      aten.sgn, aten.sign, aten.pow.Tensor_Tensor, aten.pow.Scalar, aten.logsumexp, aten.cumprod)
+      aten.sgn, aten.sign, aten.pow.Tensor_Tensor, aten.pow.Scalar, aten.cumprod)
 def _bounded(func, *args, **kwargs):
     """tanh, sigmoid, exp, sign, ...: computed on the value; scale 1 (bounded outputs,
     or outputs whose size does not follow the input's scale)."""
@@ -881,14 +919,15 @@ def _index_fill(func, x, dim, index, fill):
     return _masked_fill(aten.masked_fill, x, mask, fill)  # (the packet: fill may be a 0-d tensor)
 
 
-@rule(aten.masked_scatter)
-def _masked_scatter(func, x, mask, source):
-    """masked_scatter: source's elements meet x at scale max(s, s_source) (a per-channel
-    one first rebalanced to its largest). It had no rule: on the values at scale 1 in the
-    data's dtype, float16 data at scale 2^-30 became zeros."""
+@rule(aten.masked_scatter, aten.put)
+def _masked_scatter(func, x, where, source, *args):
+    """masked_scatter, put (by flat indices ``where``, with ``accumulate`` in args):
+    source's elements meet x at scale max(s, s_source) (a per-channel one first rebalanced
+    to its largest). They had no rule: on the values at scale 1 in the data's dtype,
+    float16 data at scale 2^-30 became zeros."""
     x, source = scalar_scale(x), scalar_scale(source)
     s = common_scale(x, source)
-    return wrap(func(at_scale(x, s), mask, at_scale(source, s)), s)
+    return wrap(func(at_scale(x, s), where, at_scale(source, s), *args), s)
 
 
 @rule(aten.constant_pad_nd)
@@ -914,10 +953,10 @@ def _cat(func, tensors, dim=0):
 _INDEX_PUTS = (aten.index_put, aten._unsafe_index_put)
 
 
-@rule(*_INDEX_PUTS, aten.scatter.src, aten.scatter.value, aten.scatter_add, aten.index_add)
+@rule(*_INDEX_PUTS, aten.scatter.src, aten.scatter.value, aten.scatter_add, aten.index_add, aten.index_copy)
 def _merge(func, x, *args, **kwargs):
-    """index_put, scatter, scatter_add, index_add: the values written meet x at scale
-    max(s, s_src) (a zero-scale x, as autograd's zeros, takes s_src), per channel for a
+    """index_put, scatter, scatter_add, index_add, index_copy: the values written meet x at
+    scale max(s, s_src) (a zero-scale x, as autograd's zeros, takes s_src), per channel for a
     per-channel x: each value written is rebalanced to the scale of the element it lands
     on, a channel raised to s_src only where a value lands. (x at its largest channel's
     scale, or each channel at max(s, s_src), flushed the small channels' data, those the op
@@ -944,7 +983,7 @@ def _landing_scale(func, s: torch.Tensor, args: tuple) -> torch.Tensor:
     values land on, in the values' shape."""
     if func.overloadpacket in _INDEX_PUTS:
         return aten.index.Tensor(s, args[0])
-    if func.overloadpacket is aten.index_add:
+    if func.overloadpacket in (aten.index_add, aten.index_copy):
         return s.index_select(args[0], args[1])
     return s.gather(args[0], args[1])  # scatter, scatter_add: where the index says
 
@@ -957,7 +996,7 @@ def _raised_where_written(func, sx: torch.Tensor, s: torch.Tensor, shape: torch.
     full = sx.expand(shape)
     if func.overloadpacket in _INDEX_PUTS:
         full = aten.index_put.default(full, args[0], need)  # (indices may hold None: x[:, i])
-    elif func.overloadpacket is aten.index_add:
+    elif func.overloadpacket in (aten.index_add, aten.index_copy):
         full = full.index_copy(args[0], args[1], need)
     else:
         full = full.scatter(args[0], args[1], need)

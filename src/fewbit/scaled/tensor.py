@@ -886,7 +886,7 @@ _COLLECTIVES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
 def _fallback(func, args: tuple, kwargs: dict):
     """func on the dequantized values; float outputs get scale 1. An argument that func
     writes in place (its schema's ``Tensor(a!)``, ``Tensor(a!)[]``: fused optimizers,
-    ``frac_``, ``out=``) gets the new value back, as in-place rules store theirs
+    ``sinh_``, ``out=``) gets the new value back, as in-place rules store theirs
     (``assign``), and an in-place op returns that argument itself."""
     name = str(func)
     if func.namespace in _COLLECTIVES:
