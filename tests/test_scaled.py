@@ -3343,3 +3343,25 @@ def test_ops_sized_on_their_values_compile_whole():
         x = as_scaled(X.half(), torch.tensor(s))
         for got, op in zip(f(x), ops.values(), strict=True):
             assert torch.equal(got.dequantize(F64), op(x).dequantize(F64))
+
+
+def test_setitem_of_a_number_keeps_its_value_at_the_scale():
+    """torch's indexing makes a number a tensor of the data's dtype before any rule sees
+    it: ``x[:, 1] = 1e-9`` wrote float16's 1e-9, 0, into data at scale 2^-30, and ``x[i] =
+    1e6`` inf at 2^20. Eager and compiled (fullgraph=True), against float64."""
+    mask = X > 1
+
+    def write(t, c):
+        t = t * 1.0
+        t[:, 1] = c
+        t[torch.tensor([0])] = -2 * c
+        t[mask] = 3 * c
+        return t
+
+    torch._dynamo.reset()
+    compiled = torch.compile(write, backend="aot_eager", fullgraph=True)
+    for s, c in ((2.0**-30, 1e-9), (2.0**20, 1e6), (torch.tensor(2.0**-30), 2e-9)):
+        x = as_scaled(X.half(), s)
+        want = write(x.dequantize(F64), c)
+        for f in (write, compiled):
+            torch.testing.assert_close(f(x, c).dequantize(F64), want, rtol=1e-3, atol=0)

@@ -240,6 +240,17 @@ class ScaledTensor(torch.Tensor):
         torch._C.TensorBase.data.__set__(self, alias)
         self._parts = alias._parts
 
+    def __setitem__(self, index: Any, v: Any) -> None:
+        # torch's indexing makes a number a tensor of the data's dtype before any rule sees
+        # it: x[:, 1] = 1e-9 wrote 0 (float16's 1e-9) into data at scale 2^-30, x[i] = 1e6
+        # inf at 2^20. The number goes in as a 0-d ScaledTensor instead, data sign(c) at
+        # scale |c| as a fill by a number (0, non-finite and float32's outliers as torch's).
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if number and _ROUNDS_TO_ZERO < abs(v) < _ROUNDS_TO_INF:
+            sign = torch.tensor(math.copysign(1.0, v), dtype=self.dtype, device=self.device)
+            v = ScaledTensor._make(sign, abs(float(v)))
+        super().__setitem__(index, v)
+
     def share_memory_(self) -> ScaledTensor:
         """Refused with TypeError (``model.share_memory()`` too): an in-place op may give
         this tensor a new scale, which other processes would not see, so they would read
