@@ -111,7 +111,7 @@ CASES = {
     "sqrt": (lambda x, y: y.abs().sqrt(), lambda a, b: b**0.5),
     "rsqrt": (lambda x, y: y.abs().rsqrt(), lambda a, b: b**-0.5),
     "pow": (lambda x, y: x.pow(3), lambda a, b: a**3),
-    "pow_tensor": (lambda x, y: x.abs() ** y, lambda a, b: 1.0),
+    "pow_tensor": (lambda x, y: x.abs() ** y, None),  # (a power of two that fits it)
     "sum": (lambda x, y: x.sum(0), lambda a, b: a),
     "mean": (lambda x, y: x.mean(), lambda a, b: a),
     "var": (lambda x, y: x.var(1), lambda a, b: a * a),
@@ -3294,6 +3294,8 @@ def _sized_ops() -> dict:
             "renorm": (lambda t: torch.renorm(t, 2, 0, 1.0), False),
             "dist": (lambda t: torch.dist(t, t.flip(0)), True),
             "histc": (lambda t: torch.histc(t.float(), 4), False),
+            "pow_tensor": (lambda t: t ** torch.tensor(2.0), True),
+            "cumprod": (lambda t: torch.cumprod(t[:, :2], 1), False),  # (its gradient spans 2^40)
             "pairwise_distance": (lambda t: F.pairwise_distance(t, t.flip(0), eps=0.0), True),
             "index_copy": (lambda t: t.index_copy(0, torch.tensor([0, 2]), t[1:3] * 2.0), True),
             "put": (lambda t: t.put(torch.tensor([1, 5]), t[0, :2] * 3.0), True),
@@ -3314,9 +3316,9 @@ def _sized_ops() -> dict:
 def test_ops_without_a_rule_or_a_scale_give_the_value_at_any_scale(s):
     """nan_to_num, frac, round, floor, fmod, logsumexp, logcumsumexp, logaddexp, xlogy,
     renorm, dist, norm, histc, scatter_reduce, softplus, glu, hardtanh, the smooth L1,
-    Huber, BCE and soft margin losses had no rule (logsumexp: scale 1), index_copy and put
-    neither: on the values at scale 1 in float16, data at scale 2^-30 were zeros and at
-    2^20 inf or NaN. Against float64 on the value, with the gradient."""
+    Huber, BCE and soft margin losses had no rule (logsumexp, pow by a tensor, cumprod:
+    scale 1), index_copy and put neither: on the values at scale 1 in float16, data at
+    scale 2^-30 were zeros and at 2^20 inf or NaN. Against float64 on the value, with the gradient."""
     for name, (op, differentiable) in _sized_ops().items():
         if s > 1 and name in ("softplus", "binary_cross_entropy", "soft_margin_loss", "xlogy",
                               "binary_cross_entropy_with_logits", "relu6", "hardtanh"):
@@ -3365,3 +3367,4 @@ def test_setitem_of_a_number_keeps_its_value_at_the_scale():
         want = write(x.dequantize(F64), c)
         for f in (write, compiled):
             torch.testing.assert_close(f(x, c).dequantize(F64), want, rtol=1e-3, atol=0)
+

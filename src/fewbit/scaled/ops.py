@@ -799,19 +799,20 @@ def on_values_sized(func, *args, **kwargs):
 
 @rule(aten.nan_to_num, aten.frac, aten.round, aten.floor, aten.ceil, aten.trunc, aten.fmod, aten.remainder,
       aten.logsumexp, aten.logcumsumexp, aten.logaddexp, aten.xlogy, aten.renorm, aten.dist, aten.norm,
-      aten.histc, aten.scatter_reduce)
+      aten.histc, aten.scatter_reduce, aten.pow.Tensor_Tensor, aten.cumprod)
 def _sized(func, *args, **kwargs):
     """nan_to_num, frac, round, floor, ceil, trunc, fmod, remainder, logsumexp,
     logcumsumexp, logaddexp, xlogy, renorm, dist, norm (pairwise_distance's), histc,
-    scatter_reduce (sum, prod, mean, amax, amin): computed on the values, at a
-    power-of-two scale that fits the output (:func:`on_values_sized`). They had no rule
-    (logsumexp: scale 1): on the values at scale 1 in the data's dtype, float16 data at
-    scale 2^-30 were zeros there, and at 2^20 inf."""
+    scatter_reduce (sum, prod, mean, amax, amin), pow by a tensor, cumprod: computed on
+    the values, at a power-of-two scale that fits the output (:func:`on_values_sized`).
+    They had no rule (logsumexp, pow by a tensor, cumprod: scale 1): on the values at scale
+    1 in the data's dtype, float16 data at scale 2^-30 were zeros there (``x **
+    torch.tensor(2.)``), and at 2^20 inf."""
     return on_values_sized(func, *args, **kwargs)
 
 
 @rule(aten.tanh, aten.sigmoid, aten.exp, aten.expm1, aten.log1p, aten.erf, aten.sin, aten.cos, aten.atan,
-      aten.sgn, aten.sign, aten.pow.Tensor_Tensor, aten.pow.Scalar, aten.cumprod)
+      aten.sgn, aten.sign, aten.pow.Scalar)
 def _bounded(func, *args, **kwargs):
     """tanh, sigmoid, exp, sign, ...: computed on the value; scale 1 (bounded outputs,
     or outputs whose size does not follow the input's scale)."""
