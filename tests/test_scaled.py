@@ -3368,3 +3368,13 @@ def test_setitem_of_a_number_keeps_its_value_at_the_scale():
         for f in (write, compiled):
             torch.testing.assert_close(f(x, c).dequantize(F64), want, rtol=1e-3, atol=0)
 
+
+def test_diag_embed_keeps_a_per_channel_scale():
+    """diag_embed rebalanced a per-channel scale to its largest (float16 data at 2^-30
+    beside a channel at 2^20 became zeros): one constant along the last dim stays per
+    channel."""
+    s = torch.tensor([[2.0**-30], [1.0], [2.0**20], [4.0]])
+    x = as_scaled(X.half(), s)
+    for kw in ({}, {"offset": 1}, {"dim1": 0, "dim2": 2}, {"offset": -2, "dim1": -1, "dim2": 1}):
+        got = torch.diag_embed(x, **kw)
+        assert torch.equal(got.dequantize(F64), torch.diag_embed(x.dequantize(F64), **kw)), kw

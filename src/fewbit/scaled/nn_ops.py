@@ -468,18 +468,18 @@ def _gather_backward(func, g, *args, **kwargs):
 
 #: Ops that average, pick or sum elements over a tensor's last dims (pooling, interpolation):
 #: how many. None: ops that mix every dim (im2col mixes channels with the kernel's places;
-#: trace, diag_embed, unique).
+#: trace, unique).
 _SPATIAL = {aten.avg_pool2d: 2, aten.avg_pool3d: 3, aten._adaptive_avg_pool2d: 2,
             aten._adaptive_avg_pool3d: 3, aten.max_pool2d_with_indices: 2, aten.max_pool3d_with_indices: 3,
             aten.adaptive_max_pool2d: 2, aten.adaptive_max_pool3d: 3, aten.upsample_linear1d: 1,
             aten.upsample_bilinear2d: 2, aten.upsample_bicubic2d: 2, aten.upsample_trilinear3d: 3,
-            aten.im2col: None, aten.trace: None, aten.diag_embed: None, aten._unique: None,
+            aten.im2col: None, aten.trace: None, aten._unique: None,
             aten._unique2: None, aten.unique_consecutive: None, aten.unique_dim: None}
 
 
 @rule(*_SPATIAL)
 def _pool(func, x, *args, **kwargs):
-    """Pooling, linear and cubic interpolation, im2col, trace, diag_embed, unique (linear
+    """Pooling, linear and cubic interpolation, im2col, trace, unique (linear
     in x, or picking its elements, with their indices): scale s, per channel where it is
     constant over the dims they mix (a per-channel one there first rebalanced to its
     largest). They had no rule: on the values at scale 1 in the data's dtype, float16
@@ -491,6 +491,24 @@ def _pool(func, x, *args, **kwargs):
     d, s = read_parts(x)
     out = func(d, *args, **kwargs)
     return (wrap(out[0], s), *out[1:]) if isinstance(out, tuple) else wrap(out, s)
+
+
+@rule(aten.diag_embed)
+def _diag_embed(func, x, offset=0, dim1=-2, dim2=-1):
+    """diag_embed: scale s; a per-channel one constant along the last dim (the one spread
+    over the diagonal) stays per channel, one element along the two new dims (each output
+    matrix holds one channel's elements, and zeros); another is first rebalanced to its
+    largest. It was rebalanced always: float16 data at scale 2^-30 in a channel beside one
+    at 2^20 became zeros."""
+    d, s = read_parts(x)
+    if not (isinstance(s, torch.Tensor) and s.dim()):
+        return wrap(func(d, offset, dim1, dim2), s)
+    if s.shape[-1] != 1:
+        d, s = read_parts(scalar_scale(x))
+        return wrap(func(d, offset, dim1, dim2), s)
+    n = d.dim() + 1
+    lo, hi = sorted((dim1 % n, dim2 % n))
+    return wrap(func(d, offset, dim1, dim2), s.squeeze(-1).unsqueeze(lo).unsqueeze(hi))
 
 
 @rule(aten.native_dropout)
