@@ -3378,3 +3378,17 @@ def test_diag_embed_keeps_a_per_channel_scale():
     for kw in ({}, {"offset": 1}, {"dim1": 0, "dim2": 2}, {"offset": -2, "dim1": -1, "dim2": 1}):
         got = torch.diag_embed(x, **kw)
         assert torch.equal(got.dequantize(F64), torch.diag_embed(x.dequantize(F64), **kw)), kw
+
+
+def test_embedding_renorm_keeps_the_value():
+    """embedding_renorm_ (``F.embedding(max_norm=)``) had no rule: NoRuleError, or the
+    fallback on the values at scale 1 in float16, where data at scale 2^-20 lose their
+    bits. The rows shrink on their values and are stored at the weight's scale."""
+    for s, most in ((2.0**-20, 1e-6), (torch.tensor([[2.0**-20], [1.0], [2.0**10], [4.0]]), 0.5)):
+        w = as_scaled(X.half(), s)
+        plain = w.dequantize(F64)
+        rows = torch.tensor([0, 1, 3])
+        got = F.embedding(rows, w, max_norm=most)
+        want = F.embedding(rows, plain, max_norm=most)
+        torch.testing.assert_close(got.dequantize(F64), want, rtol=2e-3, atol=0)
+        torch.testing.assert_close(w.dequantize(F64), plain, rtol=2e-3, atol=0)

@@ -511,6 +511,17 @@ def _diag_embed(func, x, offset=0, dim1=-2, dim2=-1):
     return wrap(func(d, offset, dim1, dim2), s.squeeze(-1).unsqueeze(lo).unsqueeze(hi))
 
 
+@rule(aten.embedding_renorm_)
+def _embedding_renorm_(func, weight, indices, max_norm, norm_type):
+    """embedding_renorm_ (``F.embedding(..., max_norm=)``): the rows looked up whose norm
+    exceeds max_norm shrink to it, on the values (max_norm is a value), stored back at the
+    weight's scale (they only shrink). It had no rule: NoRuleError, or on the values at
+    scale 1 in the data's dtype, where float16 data at scale 2^-20 lose their bits."""
+    v = value(weight, compute_dtype(weight.dtype)).clone()
+    func(v, indices, max_norm, norm_type)
+    return assign(weight, wrap(v, 1.0))
+
+
 @rule(aten.native_dropout)
 def _dropout(func, x, p, train):
     """dropout: scale s (the kept data is divided by 1 - p)."""
