@@ -3290,6 +3290,10 @@ def _sized_ops() -> dict:
             "logsumexp": (lambda t: torch.logsumexp(t, 1), True),
             "logcumsumexp": (lambda t: torch.logcumsumexp(t, 1), False),
             "logaddexp": (lambda t: torch.logaddexp(t, t.flip(0)), True),
+            "logaddexp2": (lambda t: torch.logaddexp2(t, t.flip(0)), True),
+            "logsigmoid": (lambda t: F.logsigmoid(t), True),
+            "multilabel_soft_margin_loss": (
+                lambda t: F.multilabel_soft_margin_loss(t, target.to(t.dtype)), True),
             "xlogy": (lambda t: torch.xlogy(t, 3.0), True),
             "renorm": (lambda t: torch.renorm(t, 2, 0, 1.0), False),
             "dist": (lambda t: torch.dist(t, t.flip(0)), True),

@@ -18,7 +18,7 @@ import torch
 
 from ..config import current
 from .casts import round_pow2
-from .ops import lincomb, on_values_sized, read_parts, scale_of
+from .ops import fitted, lincomb, on_values_sized, read_parts, scale_of
 from .tensor import (
     Scale,
     ScaledTensor,
@@ -404,6 +404,21 @@ def _softplus(func, *args, **kwargs):
     return on_values_sized(func, *args, **kwargs)
 
 
+@rule(aten.log_sigmoid_forward)
+def _log_sigmoid(func, x):
+    """logsigmoid (0 for large x, x for large -x, -log 2 at 0: no input's scale) on the
+    values, at a power-of-two scale that fits the output (``ops.fitted``), and the buffer
+    its gradient reads, plain in the data's dtype; at the static scale 1, torch's. It had
+    no rule: on the values at scale 1 in the data's dtype, float16 data at scale 2^20
+    gave -inf (and multilabel_soft_margin_loss NaN)."""
+    d, s = parts(x)
+    if is_static(s, 1.0):
+        out, buffer = func(d)
+        return wrap(out, 1.0), buffer
+    out, buffer = func(value(x, compute_dtype(d.dtype)))
+    return fitted(out, d.dtype), buffer.to(d.dtype)
+
+
 @rule(aten.hardtanh)
 def _hardtanh(func, x, min_val=-1.0, max_val=1.0):
     """hardtanh (and relu6), a clamp by numbers: scale s (``ops._clamp``). It had no rule:
@@ -435,7 +450,7 @@ def _prelu_backward(func, g, x, weight):
 
 @rule(aten.threshold_backward, aten.gelu_backward, aten.silu_backward, aten.tanh_backward,
       aten.sigmoid_backward, aten.leaky_relu_backward, aten.mish_backward, aten.hardswish_backward,
-      aten.elu_backward, aten.softplus_backward, aten.hardtanh_backward)
+      aten.elu_backward, aten.softplus_backward, aten.hardtanh_backward, aten.log_sigmoid_backward)
 def _activation_backward(func, g, *args, **kwargs):
     """Gradients of activations, g * f'(x) (f' from the value of x or of the output):
     scale sg."""

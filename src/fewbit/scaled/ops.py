@@ -789,7 +789,13 @@ def on_values_sized(func, *args, **kwargs):
         return value(a, cdt) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
 
     out = func(*map(computed, args), **{k: computed(v) for k, v in kwargs.items()})
-    dtype = dtype or out.dtype
+    return fitted(out, dtype or out.dtype)
+
+
+def fitted(out: torch.Tensor, dtype: torch.dtype) -> ScaledTensor:
+    """A value computed on values (``out``) in ``dtype`` at the power-of-two scale that
+    brings its largest finite magnitude to (1/2, 1] (1 where there is none), exactly
+    (:func:`on_values_sized`)."""
     if not out.numel():
         return wrap(out.to(dtype), 1.0)
     top = torch.where(out.isfinite(), out.abs(), 0).amax().to(torch.float32)
@@ -798,11 +804,11 @@ def on_values_sized(func, *args, **kwargs):
 
 
 @rule(aten.nan_to_num, aten.frac, aten.round, aten.floor, aten.ceil, aten.trunc, aten.fmod, aten.remainder,
-      aten.logsumexp, aten.logcumsumexp, aten.logaddexp, aten.xlogy, aten.renorm, aten.dist, aten.norm,
-      aten.histc, aten.scatter_reduce, aten.pow.Tensor_Tensor, aten.cumprod)
+      aten.logsumexp, aten.logcumsumexp, aten.logaddexp, aten.logaddexp2, aten.xlogy, aten.renorm, aten.dist,
+      aten.norm, aten.histc, aten.scatter_reduce, aten.pow.Tensor_Tensor, aten.cumprod)
 def _sized(func, *args, **kwargs):
     """nan_to_num, frac, round, floor, ceil, trunc, fmod, remainder, logsumexp,
-    logcumsumexp, logaddexp, xlogy, renorm, dist, norm (pairwise_distance's), histc,
+    logcumsumexp, logaddexp(2), xlogy, renorm, dist, norm (pairwise_distance's), histc,
     scatter_reduce (sum, prod, mean, amax, amin), pow by a tensor, cumprod: computed on
     the values, at a power-of-two scale that fits the output (:func:`on_values_sized`).
     They had no rule (logsumexp, pow by a tensor, cumprod: scale 1): on the values at scale
