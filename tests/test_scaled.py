@@ -3396,3 +3396,25 @@ def test_embedding_renorm_keeps_the_value():
         want = F.embedding(rows, plain, max_norm=most)
         torch.testing.assert_close(got.dequantize(F64), want, rtol=2e-3, atol=0)
         torch.testing.assert_close(w.dequantize(F64), plain, rtol=2e-3, atol=0)
+
+
+def test_embedding_bag_keeps_the_scale():
+    """embedding_bag (and its gradients) had no rule: on the values at scale 1 in float16,
+    weights at scale 2^-30 gave zeros and at 2^20 NaN. Sums, means and maxima of rows,
+    per-sample weights too, against float64 with the gradients."""
+    rows, offsets = torch.tensor([0, 1, 2, 1, 3]), torch.tensor([0, 2])
+    for s in (2.0**-30, 2.0**20):
+        for mode, weights in (("mean", None), ("sum", X[0, :5].abs()), ("max", None)):
+            w = as_scaled(X.half(), s).requires_grad_()
+            plain = w.detach().dequantize(F64).requires_grad_()
+            pw = None if weights is None else as_scaled(weights.half(), 2.0**-3).requires_grad_()
+            pp = None if weights is None else pw.detach().dequantize(F64).requires_grad_()
+            got = F.embedding_bag(rows, w, offsets, mode=mode, per_sample_weights=pw)
+            want = F.embedding_bag(rows, plain, offsets, mode=mode, per_sample_weights=pp)
+            torch.testing.assert_close(got.detach().dequantize(F64), want.detach(), rtol=2e-3, atol=0)
+            inputs = [w] if pw is None else [w, pw]
+            grads = torch.autograd.grad(got.dequantize(torch.float32).sum(), inputs)
+            wants = torch.autograd.grad(want.sum(), [plain] if pp is None else [plain, pp])
+            for g, gw in zip(grads, wants, strict=True):
+                atol = 2e-3 * float(gw.abs().max())
+                torch.testing.assert_close(g.dequantize(F64), gw, rtol=2e-3, atol=atol)

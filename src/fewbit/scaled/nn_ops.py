@@ -537,6 +537,29 @@ def _embedding_renorm_(func, weight, indices, max_norm, norm_type):
     return assign(weight, wrap(v, 1.0))
 
 
+@rule(aten._embedding_bag, aten._embedding_bag_forward_only, aten._embedding_bag_backward,
+      aten._embedding_bag_dense_backward, aten._embedding_bag_per_sample_weights_backward)
+def _embedding_bag(func, *args, **kwargs):
+    """embedding_bag (sums, means or maxima of looked-up rows, times per_sample_weights in
+    sum mode) and its gradients, linear in each tensor of values among their arguments
+    (weight, per-sample weights, gradient): on their data, each at one scale (a per-channel
+    one rebalanced to its largest), the first output at the product of their scales (the
+    offsets, sizes and indices stay plain). They had no rule: on the values at scale 1 in
+    float16, weights at scale 2^-30 gave zeros and at 2^20 NaN."""
+    scale: Scale = 1.0
+
+    def data(a: Any) -> Any:
+        nonlocal scale
+        if not isinstance(a, ScaledTensor):
+            return a
+        d, s = read_parts(scalar_scale(a))
+        scale = smul(scale, s)
+        return d
+
+    out = func(*map(data, args), **{k: data(v) for k, v in kwargs.items()})
+    return (wrap(out[0], scale), *out[1:]) if isinstance(out, tuple) else wrap(out, scale)
+
+
 @rule(aten.native_dropout)
 def _dropout(func, x, p, train):
     """dropout: scale s (the kept data is divided by 1 - p)."""
