@@ -3418,3 +3418,20 @@ def test_embedding_bag_keeps_the_scale():
             for g, gw in zip(grads, wants, strict=True):
                 atol = 2e-3 * float(gw.abs().max())
                 torch.testing.assert_close(g.dequantize(F64), gw, rtol=2e-3, atol=atol)
+
+
+def test_bilinear_keeps_the_scale():
+    """F.bilinear (_trilinear, in its gradients too) had no rule: on the values at scale 1
+    in float16, factors at scale 2^-30 gave zeros and at 2^20 NaN. The product of the
+    three scales, against float64 with the gradients."""
+    g = torch.Generator().manual_seed(0)
+    a, b, w, bias = (torch.randn(*n, dtype=F64, generator=g) for n in ((4, 3), (4, 5), (2, 3, 5), (2,)))
+    for s in (2.0**-30, 2.0**20):
+        pairs = ((a, s), (b, 0.125), (w, s), (bias, s * s))
+        scaled = [as_scaled(t.half(), u).requires_grad_() for t, u in pairs]
+        plain = [t.detach().dequantize(F64).requires_grad_() for t in scaled]
+        got, want = F.bilinear(*scaled), F.bilinear(*plain)
+        torch.testing.assert_close(got.detach().dequantize(F64), want.detach(), rtol=2e-3, atol=0)
+        grads = torch.autograd.grad(got.dequantize(torch.float32).sum(), scaled)
+        for grad, gw in zip(grads, torch.autograd.grad(want.sum(), plain), strict=True):
+            torch.testing.assert_close(grad.dequantize(F64), gw, rtol=2e-3, atol=2e-3 * float(gw.abs().max()))

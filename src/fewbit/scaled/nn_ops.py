@@ -538,14 +538,15 @@ def _embedding_renorm_(func, weight, indices, max_norm, norm_type):
 
 
 @rule(aten._embedding_bag, aten._embedding_bag_forward_only, aten._embedding_bag_backward,
-      aten._embedding_bag_dense_backward, aten._embedding_bag_per_sample_weights_backward)
-def _embedding_bag(func, *args, **kwargs):
+      aten._embedding_bag_dense_backward, aten._embedding_bag_per_sample_weights_backward, aten._trilinear)
+def _multilinear(func, *args, **kwargs):
     """embedding_bag (sums, means or maxima of looked-up rows, times per_sample_weights in
-    sum mode) and its gradients, linear in each tensor of values among their arguments
-    (weight, per-sample weights, gradient): on their data, each at one scale (a per-channel
-    one rebalanced to its largest), the first output at the product of their scales (the
-    offsets, sizes and indices stay plain). They had no rule: on the values at scale 1 in
-    float16, weights at scale 2^-30 gave zeros and at 2^20 NaN."""
+    sum mode) and its gradients, and _trilinear (F.bilinear and its gradients), linear in
+    each tensor of values among their arguments (weight, per-sample weights, gradient; the
+    three factors): on their data, each at one scale (a per-channel one rebalanced to its
+    largest), the first output at the product of their scales (the offsets, sizes and
+    indices stay plain). They had no rule: on the values at scale 1 in float16, weights at
+    scale 2^-30 gave zeros and at 2^20 NaN."""
     scale: Scale = 1.0
 
     def data(a: Any) -> Any:
