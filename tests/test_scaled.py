@@ -3435,3 +3435,28 @@ def test_bilinear_keeps_the_scale():
         grads = torch.autograd.grad(got.dequantize(torch.float32).sum(), scaled)
         for grad, gw in zip(grads, torch.autograd.grad(want.sum(), plain), strict=True):
             torch.testing.assert_close(grad.dequantize(F64), gw, rtol=2e-3, atol=2e-3 * float(gw.abs().max()))
+
+
+# --- scalify on real models (scalify hunt) ---------------------------------------------
+
+def test_scalify_gives_a_zero_parameter_the_largest_scale_of_its_module():
+    """A zero-initialised bias took scale 1, and with it add's common scale: a Linear whose
+    weights (scale 2^-10) met inputs near 0.01 summed its products, near 1e-4, at scale 1,
+    in float16's subnormals (62% of the outputs lost bits against the same Linear without
+    the bias). The bias now takes its weight's scale; a LayerNorm's its weight's (1); a
+    module whose parameters are all zero keeps 1."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 8)
+    with torch.no_grad():
+        lin.weight.normal_(0, 1e-3)
+        lin.bias.zero_()
+    alone = nn.Linear(16, 8, bias=False)
+    alone.weight = nn.Parameter(lin.weight.detach().clone())
+    norm, zero = nn.LayerNorm(8), nn.Linear(2, 2)
+    nn.init.zeros_(zero.weight)
+    nn.init.zeros_(zero.bias)
+    scalify(nn.ModuleList([lin, alone, norm, zero]), dtype=torch.float16)
+    assert scale_of(lin.bias) == scale_of(lin.weight) == 2.0**-10 and not lin.bias.unscaled.any()
+    assert scale_of(norm.bias) == scale_of(norm.weight) == 1.0 and scale_of(zero.bias) == 1.0
+    x = as_scaled(torch.randn(32, 16).mul(0.01).half())
+    assert torch.equal(lin(x).dequantize(F64), alone(x).dequantize(F64))

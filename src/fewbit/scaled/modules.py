@@ -9,7 +9,7 @@ from torch import nn
 
 from ..random import is_dtensor
 from .casts import Stat, dynamic_scale
-from .tensor import ScaledTensor, as_scaled, check_dtype, compute_dtype, is_static, parts, wrap
+from .tensor import ScaledTensor, as_scaled, check_dtype, compute_dtype, data_readable, is_static, parts, wrap
 
 
 def scalify(module: nn.Module, dtype: torch.dtype | None = None, rescale: Stat | None = "l2",
@@ -20,8 +20,12 @@ def scalify(module: nn.Module, dtype: torch.dtype | None = None, rescale: Stat |
     dtype: storage dtype of the data (default: the parameter's). rescale: the data is
     rebalanced so that this statistic ("max", "l1", "l2" for RMS) is 1, with a
     power-of-two scale when pow2, so the value is kept exactly; None keeps the scale (1
-    for a plain parameter). A parameter that is already a ScaledTensor (a second
-    scalify) takes the dtype and rescale too, from its value. Tied parameters stay tied.
+    for a plain parameter). An all-zero parameter (a zero-initialised bias), which has no
+    statistic, takes the largest scale of its module's other parameters (a Linear's bias
+    its weight's), the scale of the products it is added to; 1 where they are all zero
+    (and on the meta device, where there are no values to read). A parameter that is
+    already a ScaledTensor (a second scalify) takes the dtype and rescale too, from its
+    value. Tied parameters stay tied.
     Parameters of integer, bool or complex dtype are left as they are (a scale would
     round integers away). Autograd then yields ScaledTensor gradients, and torch.optim
     optimizers update the parameters in place. A dtype ScaledTensor refuses (8-bit
@@ -54,6 +58,8 @@ def scalify(module: nn.Module, dtype: torch.dtype | None = None, rescale: Stat |
         check_dtype(d)  # (an 8-bit parameter with a wider dtype given is taken)
     unique = {id(p): p for _, _, p in chosen}
     values = {i: _scalified(p.detach(), dtype or p.dtype, rescale, pow2) for i, p in unique.items()}
+    if rescale is not None:
+        _zeros_at_siblings_scale(chosen, values)
     params: dict[int, nn.Parameter] = {}
     for i, p in unique.items():
         if isinstance(p, ScaledTensor):
@@ -81,6 +87,31 @@ def _agree_after_load(module: nn.Module, incompatible_keys) -> None:
         from .fsdp import agree_scales
 
         agree_scales(module)
+
+
+def _zeros_at_siblings_scale(chosen: list, values: dict[int, ScaledTensor]) -> None:
+    # An all-zero parameter (a zero-initialised bias) has no statistic to take a scale from.
+    # At scale 1 it set the scale of its module's sums (add's common scale is the larger):
+    # products at a weight's scale 2^-10 fell into float16's subnormals there. It takes the
+    # largest scale of its module's other parameters, whose products it is added to. Not the
+    # zero array: the first optimizer update would give it that update's small scale for
+    # good (the scaled demo's E4M3 run overflowed float16 biases within 20 SGD steps).
+    ids: dict[int, list[int]] = {}
+    for m, _, p in chosen:
+        ids.setdefault(id(m), []).append(id(p))
+    for members in ids.values():
+        zero = [i for i in members if _all_zero(values[i])]
+        scales = [parts(values[i])[1] for i in members if i not in zero]
+        if zero and scales:
+            s = torch.stack([torch.as_tensor(t, dtype=torch.float32) for t in scales]).amax()
+            for i in zero:
+                values[i] = wrap(parts(values[i])[0], s.clone())  # (zeros at any scale)
+
+
+def _all_zero(t: ScaledTensor) -> bool:
+    # (Not read on the meta device, where there are no values: a model built there keeps 1.)
+    d, s = parts(t)
+    return data_readable(d) and not bool(d.count_nonzero())
 
 
 def _scalified(p: torch.Tensor, store: torch.dtype, rescale: Stat | None, pow2: bool) -> ScaledTensor:
