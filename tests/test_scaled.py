@@ -3460,3 +3460,20 @@ def test_scalify_gives_a_zero_parameter_the_largest_scale_of_its_module():
     assert scale_of(norm.bias) == scale_of(norm.weight) == 1.0 and scale_of(zero.bias) == 1.0
     x = as_scaled(torch.randn(32, 16).mul(0.01).half())
     assert torch.equal(lin(x).dequantize(F64), alone(x).dequantize(F64))
+
+
+def test_scalify_keeps_the_parameters_an_optimizer_made_before_it_holds():
+    """scalify put new Parameters into the modules: an optimizer made before it kept the
+    old float32 tensors and stepped them, while the model ran on the new ones, silently.
+    The plain parameters become the ScaledTensors (swapped, as Module._apply swaps a cast)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    held = list(model.parameters())
+    scalify(model, dtype=torch.float16)
+    assert all(p is q and isinstance(p, ScaledTensor) and p.requires_grad
+               for p, q in zip(model.parameters(), held, strict=True))
+    before = [p.dequantize(F64) for p in held]
+    model(as_scaled(torch.randn(3, 4).half())).dequantize(torch.float32).square().sum().backward()
+    opt.step()
+    assert all(bool((p.dequantize(F64) != b).any()) for p, b in zip(model.parameters(), before, strict=True))

@@ -25,7 +25,10 @@ def scalify(module: nn.Module, dtype: torch.dtype | None = None, rescale: Stat |
     its weight's), the scale of the products it is added to; 1 where they are all zero
     (and on the meta device, where there are no values to read). A parameter that is
     already a ScaledTensor (a second scalify) takes the dtype and rescale too, from its
-    value. Tied parameters stay tied.
+    value. Each parameter stays the object it was (a plain one is swapped for its
+    ScaledTensor, as ``Module._apply`` swaps a cast), so an optimizer made before scalify
+    keeps its parameters; an RNN's, which torch holds weak references to and refuses to
+    swap, are replaced: make its optimizer after scalify. Tied parameters stay tied.
     Parameters of integer, bool or complex dtype are left as they are (a scale would
     round integers away). Autograd then yields ScaledTensor gradients, and torch.optim
     optimizers update the parameters in place. A dtype ScaledTensor refuses (8-bit
@@ -67,6 +70,15 @@ def scalify(module: nn.Module, dtype: torch.dtype | None = None, rescale: Stat |
             params[i] = p
         else:
             params[i] = nn.Parameter(values[i], requires_grad=p.requires_grad)
+            # The plain parameter becomes the ScaledTensor itself, as Module._apply swaps a
+            # cast's: an optimizer made before scalify held the old float32 tensors and
+            # updated them, silently, while the model ran on the new ones. torch refuses to
+            # swap one that a weak reference points to (an RNN's flat weights): replaced.
+            try:
+                torch.utils.swap_tensors(p, params[i])
+                params[i] = p
+            except RuntimeError:
+                pass
     for m, name, p in chosen:
         m._parameters[name] = params[id(p)]
     if module not in _AGREEING:
