@@ -191,3 +191,20 @@ def assert_bitwise_equal(
         raise AssertionError(
             f"{context}: " + describe_mismatches(x, got, expected, bad, random_bits)
         )
+
+
+def peak_allocated(call) -> int:
+    """The most bytes of torch's CPU allocator that ``call`` held at once beyond what was
+    held before it (its result included while it was alive), from the profiler's memory
+    events in time order: what an op allocates, for the tests of its memory."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        call()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())  # fmt: skip
+    held = peak = 0
+    for event in events:
+        held += event.nbytes()
+        peak = max(peak, held)
+    return peak

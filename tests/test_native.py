@@ -983,3 +983,19 @@ def test_flushed_subnormals_or_another_rounding_direction_change_no_bit():
     finally:
         torch.set_flush_denormal(False)
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_in_place_takes_no_copy_of_x(dtype):
+    from conftest import peak_allocated
+
+    # round_ rounded into a temporary as large as x and copied it back (the output overlaps
+    # x, and every overlap took the temporary): an in-place call needed twice x's memory,
+    # and at 2^24 float32 elements took 14 times as long as round(out=).
+    x = torch.randn(1 << 14, dtype=dtype) * 8
+    for mode, kwargs in (("rne", {}), ("src", {"bits": 3, "seed": 1})):
+        want = fewbit.round(x, "binary8p4", mode, **kwargs)
+        y = x.clone()
+        assert peak_allocated(lambda y=y: fewbit.round_(y, "binary8p4", mode, **kwargs)) < x.nbytes // 8
+        assert torch.equal(y.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                           want.view(torch.int16 if dtype != torch.float32 else torch.int32))  # fmt: skip

@@ -204,9 +204,13 @@ def round_into(x, spec: RoundSpec, key, random_bits, out: torch.Tensor) -> None:
     """Round x into out (x's shape and dtype). Nothing is written on an error."""
     rand = check_random_bits(x, spec, random_bits) if key is None else None
     # The kernels write contiguous memory. out is that unless it is strided, or overlaps x
-    # (an in-place call) or the random bits, or a format without NaN may still refuse the
-    # call once rounded: then a temporary takes the result first.
-    direct = out.is_contiguous() and not spec.may_refuse and not storages_overlap(out, x, rand)
+    # or the random bits, or a format without NaN may still refuse the call once rounded:
+    # then a temporary takes the result first. An in-place call (out is x's own memory,
+    # element for element) is direct on the native kernel, which reads each element before
+    # it writes that element's result and no other's: fewbit.round_ costs no copy of x.
+    direct = out.is_contiguous() and not spec.may_refuse and (
+        not storages_overlap(out, x, rand) or (_in_place(x, out) and native.applies(spec, x, rand)
+                                               and not storages_overlap(out, rand)))
     result = out if direct else torch.empty_like(x, memory_format=torch.contiguous_format)
     ints = host_key(key)
     if gpu.applies(spec, x, rand) and gpu.round_into(x, spec, ints, rand, result):  # as native, on a GPU
@@ -224,6 +228,11 @@ def round_into(x, spec: RoundSpec, key, random_bits, out: torch.Tensor) -> None:
         _raise_on_invalid(x, result, spec)
     if not direct:
         out.copy_(result)
+
+
+def _in_place(x: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether ``out`` is ``x``'s memory element for element (``fewbit.round_``)."""
+    return out.data_ptr() == x.data_ptr() and out.stride() == x.stride()
 
 
 def spans_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
