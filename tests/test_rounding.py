@@ -464,3 +464,22 @@ def test_torch_kernels_keep_subnormals_under_flush_denormal(dtype, fmt):
     for (mode, _), g, a, w in zip(cases, got, again, want, strict=True):
         assert_bitwise_equal(g, w, x, f"{dtype} to {fmt} {mode}")
         assert_bitwise_equal(a, w, x, f"round_reference, {dtype} to {fmt} {mode}")
+
+
+# Memory (memory hunt): what a call allocates beyond its result.
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16])
+def test_narrow_random_bits_are_not_widened_to_int64(dtype):
+    from conftest import peak_allocated
+
+    # Bits in a dtype narrower than int32 were copied to int64 for their range check, then
+    # to the kernels' int32: 12 bytes an element beside the result (3 times a float32 x).
+    x = torch.randn(1 << 14)
+    bits = torch.randint(0, 8, x.shape).to(dtype)
+    want = fewbit.round(x, "binary8p4", "src", bits=3, random_bits=bits.to(torch.int32))
+    call = lambda: fewbit.round(x, "binary8p4", "src", bits=3, random_bits=bits)  # noqa: E731
+    assert peak_allocated(call) <= 2 * x.nbytes  # the result, and the bits as int32
+    assert torch.equal(call(), want)
+    with pytest.raises(ValueError, match=r"found values in \[0, 8\]"):
+        fewbit.round(x[:2], "binary8p4", "src", bits=3, random_bits=torch.tensor([0, 8], dtype=dtype))

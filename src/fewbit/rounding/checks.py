@@ -277,6 +277,10 @@ def make_spec(
     return RoundSpec(fmt, source, mode, sat, bits, select_below)
 
 
+#: Integer dtypes without torch's min/max kernels (:func:`check_random_bits`).
+_NO_MIN_MAX = (torch.uint16, torch.uint32, torch.uint64)
+
+
 def check_random_bits(
     x: torch.Tensor, spec: RoundSpec, random_bits: torch.Tensor | None, values: bool = True
 ) -> torch.Tensor | None:
@@ -300,10 +304,11 @@ def check_random_bits(
         raise ValueError(f"random_bits has shape {tuple(random_bits.shape)}, x has {tuple(x.shape)}")
     if random_bits.device != x.device:
         raise ValueError(f"random_bits is on {random_bits.device}, x on {x.device}")
-    # Unsigned dtypes lack min/max kernels: compare as int64, where a uint64 beyond 2^63
-    # wraps to a negative value and is refused like one. int32 bits, the common case, are
-    # compared and passed on as they are (no copy).
-    wide = random_bits if random_bits.dtype == torch.int32 else random_bits.to(torch.int64)
+    # uint16, uint32 and uint64 lack min/max kernels: compare them as int64, where a uint64
+    # beyond 2^63 wraps to a negative value and is refused like one. Other dtypes are compared
+    # as they are (an int64 copy of uint8 bits took 8 bytes an element beside the kernels'
+    # int32 copy); int32 bits, the common case, are passed on without a copy.
+    wide = random_bits.to(torch.int64) if random_bits.dtype in _NO_MIN_MAX else random_bits
     if values and wide.numel():
         lo, hi = (int(v) for v in torch.aminmax(wide))
         if lo < 0 or hi >= spec.random_range:
