@@ -950,3 +950,20 @@ def test_blocktensors_and_formats_load_with_torch_loads_defaults():
     assert (loaded["t"].shape, loaded["t"].axis) == (stored.shape, stored.axis)
     for name in ("codes", "scales", "tensor_scale"):
         assert torch.equal(getattr(loaded["t"], name), getattr(stored, name)), name
+
+
+# Memory (memory hunt): what a call allocates beyond its result.
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_forms_the_product_in_the_decoded_elements(dtype):
+    from conftest import peak_allocated
+
+    # dequantize formed q * S in a second float32 tensor beside the decoded elements q: from
+    # float32, twice the result's bytes; from bfloat16, five times.
+    x = torch.randn(64, 256, dtype=dtype)
+    q = block.quantize(x, "mxfp8_e4m3")
+    work = 4 * x.numel()  # the float32 elements, which now take the product
+    result = 0 if dtype == torch.float32 else x.nbytes  # (float32's is the elements themselves)
+    assert peak_allocated(lambda: q.dequantize(dtype)) <= 1.25 * (work + result)  # (and the scales)
+    assert torch.equal(q.dequantize(dtype), block.round(x, "mxfp8_e4m3"))

@@ -94,7 +94,9 @@ class BlockTensor:
         as ``block.round`` forms them for data of ``dtype`` (in float64 for float64)."""
         check_value_dtype(dtype)
         work = work_dtype(self.format, dtype == torch.float64)
-        values = times_scale(self.elements(work), self.block_scales(work)[..., None], dtype, flushes())
+        factor = self.block_scales(work)[..., None]
+        # (the elements are decode's new tensor: owned, they take the product)
+        values = times_scale(self.elements(work), factor, dtype, flushes(), owned=True)
         return from_block_layout(values, self.shape, self.axis)
 
 

@@ -137,15 +137,16 @@ def widened(t: torch.Tensor, flushed: bool = True) -> torch.Tensor:
     return torch.where((bits & 0x7F800000) == 0, counted, t.double())
 
 
-def times_scale(q: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype, flushed: bool = True
-                ) -> torch.Tensor:  # fmt: skip
+def times_scale(q: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype, flushed: bool = True,
+                owned: bool = False) -> torch.Tensor:  # fmt: skip
     """Block values ``q * S`` (both float32, or both float64) in ``dtype``: in float64 for
     float64, else rounded once to float32 (as a float32 product is, and float64's converted)
     and converted to dtype. ``flushed`` (:func:`flushes`): formed in float64 (exact for
     float32 ``q`` and ``S``) and :func:`narrowed`, as the product of a float32 subnormal S,
-    or one that is a float32 subnormal, is 0 under FTZ and DAZ; else by a float op."""
+    or one that is a float32 subnormal, is 0 under FTZ and DAZ; else by a float op, in q's
+    own memory where ``q`` is the caller's temporary (``owned``: no second tensor of its size)."""
     if not flushed:
-        return (q * factor).to(dtype)
+        return (q.mul_(factor) if owned else q * factor).to(dtype)
     return narrowed(widened(q) * widened(factor), dtype)
 
 
