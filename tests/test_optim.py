@@ -1097,3 +1097,27 @@ def test_block_format_store_codes_keeps_block_tensors_and_reports_their_bytes():
         LowPrecisionWeights(torch.optim.AdamW(a.parameters()), "mxfp4", scale=True)
     with pytest.raises(ValueError, match="float16.*cannot hold every value of binary8p2"):
         LowPrecisionWeights(torch.optim.AdamW(a.parameters()), "mx_binary8p2", update_dtype=torch.float16)
+
+
+# Memory (memory hunt): what a write-back allocates.
+
+
+def test_write_back_rounds_the_weights_in_place():
+    from conftest import peak_allocated
+
+    # The write-back (round_foreach_) rounded each weight into a new tensor as large as it
+    # and copied that back: a step held a copy of a weight beside the weights, and took
+    # several times as long from 2^20 elements on.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(128, 128, bias=False) for _ in range(3)])
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt = LowPrecisionWeights(torch.optim.SGD(model.parameters(), lr=0.1), "binary8p4", "src", bits=3, seed=0)
+    opt.step()
+    weight = 128 * 128 * 4
+    assert peak_allocated(opt.step) < weight // 8
+    key = fewbit.random.Key.from_seed(0)  # the third step's keys: fold_in(key, 3, i)
+    want = [fewbit.round(p.detach() - 0.1 * p.grad, "binary8p4", "src", bits=3, sat=True,
+                         seed=fold_in(key, 3, i)) for i, p in enumerate(model.parameters())]  # fmt: skip
+    opt.step()
+    assert all(torch.equal(p.detach(), w) for p, w in zip(model.parameters(), want, strict=True))

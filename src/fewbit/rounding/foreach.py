@@ -53,6 +53,8 @@ def round_foreach_(
     with write_back_threshold():
         for t, i in zip(tensors, indices, strict=True):
             x = t.to(via)  # torch's round to nearest even, as the GPU kernel's conversion is
-            out = torch.empty_like(x)
-            round_into(x, spec, None if step_key is None else fold_in(step_key, i), None, out)
-            t.copy_(out)
+            # Rounded in place: x is t itself (via is its dtype) or a new tensor of the call's
+            # own; round_into takes a temporary only where its kernel cannot write x directly.
+            round_into(x, spec, None if step_key is None else fold_in(step_key, i), None, x)
+            if x is not t:
+                t.copy_(x)
