@@ -411,3 +411,21 @@ def test_every_code_of_every_named_format_is_gfloats_both_ways(native):
                 assert ours.tolist() == theirs_codes.tolist(), (fmt.name, dtype)
                 checked += 1
     assert checked > 1300
+
+
+# Memory (memory hunt): what a call allocates beyond its result.
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_decode_looks_codes_up_without_an_int64_copy(dtype):
+    from conftest import peak_allocated
+
+    # The torch kernel (float64 values, or no native kernel) indexed its table with an int64
+    # copy of the int32 codes: 12 bytes a code beside the values, where 4 are needed.
+    codes = torch.randint(0, 256, (64, 256), dtype=torch.uint8)
+    with fewbit.configure(native=False):
+        want = fewbit.decode(codes, "binary8p4", dtype)
+        values = codes.numel() * want.element_size()
+        assert peak_allocated(lambda: fewbit.decode(codes, "binary8p4", dtype)) <= values + 4 * codes.numel()
+    table = torch.tensor(fewbit.format("binary8p4").values(), dtype=dtype)  # (exact in float32)
+    torch.testing.assert_close(want, table[codes.long()], rtol=0, atol=0, equal_nan=True)
