@@ -3477,3 +3477,24 @@ def test_scalify_keeps_the_parameters_an_optimizer_made_before_it_holds():
     model(as_scaled(torch.randn(3, 4).half())).dequantize(torch.float32).square().sum().backward()
     opt.step()
     assert all(bool((p.dequantize(F64) != b).any()) for p, b in zip(model.parameters(), before, strict=True))
+
+
+# Memory (memory hunt): what an op allocates beyond its result.
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sum_of_16_bit_data_at_two_scales_takes_one_float32_temporary(dtype):
+    from conftest import peak_allocated
+
+    # times() (an operand rebalanced to the sum's scale) and value() widened 16-bit data to
+    # float32 and multiplied that out of place: two float32 tensors of the data's size at
+    # once (a + b: 4 times the data's bytes, where the float32 copy takes the product: 3).
+    a = fewbit.scaled.as_scaled(torch.randn(64, 256, dtype=dtype), 4.0)
+    b = fewbit.scaled.as_scaled(torch.randn(64, 256, dtype=dtype), 0.5)
+    data = a.numel() * 2
+    assert peak_allocated(lambda: a + b) <= 3 * data  # the float32 operand, and the sum
+    assert peak_allocated(lambda: fewbit.scaled.tensor.value(b)) <= 2 * data + 64  # (and a 0-d scale)
+    (da, _), (db, _) = fewbit.scaled.tensor.parts(a), fewbit.scaled.tensor.parts(b)
+    sum_data, sum_scale = fewbit.scaled.tensor.parts(a + b)
+    assert sum_scale == 4.0
+    assert torch.equal(sum_data, da + (db.float() * 0.125).to(dtype))  # b's data at a's scale, rounded once

@@ -1053,9 +1053,23 @@ def times(d: Any, r: Scale, dtype: torch.dtype | None = None) -> Any:
         return d * r
     target = d.dtype if dtype is None else torch.promote_types(d.dtype, dtype)
     if d.dtype in REDUCED or target != d.dtype or (isinstance(r, torch.Tensor) and r.dim()):
-        out = d.to(compute_dtype(target)) * r
+        out = _widened_times(d, compute_dtype(target), r)
         return out.to(target) if target.is_floating_point else out
     return d * r
+
+
+def _widened_times(d: torch.Tensor, dtype: torch.dtype, r: Scale) -> torch.Tensor:
+    """``d.to(dtype) * r`` as a new tensor: the product in the widened copy's own memory
+    where ``to`` made one (16-bit data: no second float32 tensor of d's size), where it has
+    the product's dtype and shape and no gradient is recorded; else out of place (d itself,
+    already of dtype, is the caller's)."""
+    wide = d.to(dtype)
+    if wide is d:
+        return wide * r
+    if isinstance(r, torch.Tensor) and (torch.result_type(wide, r) != wide.dtype or r.requires_grad
+                                        or torch.broadcast_shapes(wide.shape, r.shape) != wide.shape):
+        return wide * r
+    return wide * r if wide.requires_grad and torch.is_grad_enabled() else wide.mul_(r)
 
 
 def coefficient(s: Scale) -> Scale:
@@ -1085,9 +1099,8 @@ def value(x: Any, dtype: torch.dtype | None = None) -> Any:
     if is_static(s, 0.0):
         v = torch.zeros_like(d, dtype=compute_dtype(d.dtype))
     else:
-        v = d.to(compute_dtype(d.dtype))
-        if not is_static(s, 1.0):
-            v = v * s
+        wide = compute_dtype(d.dtype)
+        v = d.to(wide) if is_static(s, 1.0) else _widened_times(d, wide, s)
     return v if dtype is None else v.to(dtype)
 
 
