@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import math
 from dataclasses import replace
@@ -967,3 +968,51 @@ def test_dequantize_forms_the_product_in_the_decoded_elements(dtype):
     result = 0 if dtype == torch.float32 else x.nbytes  # (float32's is the elements themselves)
     assert peak_allocated(lambda: q.dequantize(dtype)) <= 1.25 * (work + result)  # (and the scales)
     assert torch.equal(q.dequantize(dtype), block.round(x, "mxfp8_e4m3"))
+
+
+def _on_thread_whose_workers_flush(fn):
+    """``fn()`` on a new thread that keeps subnormals while its intra-op threads flush
+    them: torch.set_flush_denormal sets the calling thread's flags alone, and its OpenMP
+    pool, started by its first parallel op, keeps those its threads began with. Returns
+    the result, or skips where torch's workers do not take the flags so (one thread,
+    another parallel backend)."""
+
+    def body():
+        torch.set_flush_denormal(True)
+        try:
+            torch.ones(1 << 17).mul_(2.0)  # the thread's pool starts here, flushing
+        finally:
+            torch.set_flush_denormal(False)
+        smallest = torch.ones(1 << 17, dtype=torch.int32).view(torch.float32)  # 2^-149 each
+        return bool(smallest.mul(1.0).eq(0).any()), fn()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            workers_flush, result = pool.submit(body).result()
+    finally:
+        torch.set_num_threads(threads)
+    if not workers_flush:
+        pytest.skip("torch's intra-op threads here do not keep the flags they started with")
+    return result
+
+
+@pytest.mark.parametrize("config", [{"compile": False},
+                                    pytest.param({"native": False}, marks=pytest.mark.slow)])  # fmt: skip
+def test_tiny_data_keeps_its_bits_where_only_the_workers_flush(config):
+    """The torch kernels probed FTZ and DAZ on the calling thread alone (kernel.flushes)
+    and took the float32 ops where it kept subnormals, but torch splits a tensor of 2^15
+    elements or more among its OpenMP threads, which may flush where the caller does not
+    (a thread whose pool started under torch.set_flush_denormal(True), cleared since):
+    data near 2^-126 came out 0 on those threads' share, eager, compiled, and in
+    dequantize after the native kernel's quantize (4 x 8256 such values, every format,
+    along either axis: values, codes and the tensor scale). They probe the workers too now."""
+    x = _tiny_data().repeat(1, 129)  # just over 2^15 elements
+    cases = [("mxint8", -1), ("nvfp4", 0)]
+    with fewbit.configure(**config):
+        want = {case: _block_results(x, *case) for case in cases}
+        got = _on_thread_whose_workers_flush(lambda: {case: _block_results(x, *case) for case in cases})
+    for case in cases:
+        for i, (g, w) in enumerate(zip(got[case], want[case], strict=True)):
+            assert torch.equal(g, w), (case, i)

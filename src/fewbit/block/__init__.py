@@ -79,7 +79,7 @@ class BlockTensor:
         """Each block's factor ``S`` (``(rows, blocks)``): its scale, times the per-tensor scale."""
         check_value_dtype(dtype)
         scale = decode(self.scales, self.format.scale, torch.float32)
-        flushed = flushes()  # (see kernel.widened)
+        flushed = flushes(scale)  # (see kernel.widened)
         ts = self.tensor_scale
         factor = scale if ts is None else times_scale(scale, ts, torch.float32, flushed)
         return widened(factor, flushed) if dtype == torch.float64 else factor.to(dtype)
@@ -94,9 +94,10 @@ class BlockTensor:
         as ``block.round`` forms them for data of ``dtype`` (in float64 for float64)."""
         check_value_dtype(dtype)
         work = work_dtype(self.format, dtype == torch.float64)
-        factor = self.block_scales(work)[..., None]
+        elements = self.elements(work)
         # (the elements are decode's new tensor: owned, they take the product)
-        values = times_scale(self.elements(work), factor, dtype, flushes(), owned=True)
+        factor = self.block_scales(work)[..., None]
+        values = times_scale(elements, factor, dtype, flushes(elements), owned=True)
         return from_block_layout(values, self.shape, self.axis)
 
 

@@ -19,7 +19,8 @@ a float op then reads a float32 subnormal as 0 and makes 0 for one). Data near 2
 has scales that are float32 subnormals (E8M0's 2^-127, NVFP4's ``scale * tensor scale``)
 and values ``q * S`` that are, so no float32 op may meet them there: 2^e is built from
 its bits; a whole tensor's largest magnitude is found from its bits (:func:`magnitude_max`);
-and where the thread flushes (``flushed``, :func:`flushes`) a block's is too, and the
+and where the thread or a thread torch splits the work among flushes (``flushed``,
+:func:`flushes`) a block's is too, and the
 scales, NVFP4's tensor scale, ``x / S`` and ``q * S`` are formed in float64 from float32s
 :func:`widened` from their bits (float32's subnormals are float64's normals; the product
 of two float32 significands is exact there, a quotient's double rounding innocuous) and
@@ -30,6 +31,7 @@ ops some 10 ns an element; Inductor vectorises a float amax, not one of bits).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -113,13 +115,52 @@ def from_block_layout(blocks: torch.Tensor, shape: torch.Size, axis: int) -> tor
 _SMALLEST64, _TINY64, _ONE, _HALF = 2.0**-1074, 2.0**-1022, 1.0, 0.5  # (names: no constant folding)
 
 
-def flushes() -> bool:
-    """Whether this thread's float ops flush subnormals (``torch.set_flush_denormal(True)``:
-    DAZ reads them as 0, FTZ makes 0 for them): a Python float op runs on the thread, as
-    eager torch's do. True while Dynamo traces (a user's compiled ``dequantize``): the graph
-    runs on threads it cannot know, and the exact way is exact with flushing off too. (The
-    block kernels, compiled once for both, take it as an argument.)"""
-    return torch.compiler.is_compiling() or _SMALLEST64 * _ONE == 0.0 or _TINY64 * _HALF == 0.0
+#: torch's CPU ops split a tensor of this many elements or more among their threads
+#: (ATen's GRAIN_SIZE); below it an op runs on the calling thread.
+_GRAIN = 32768
+#: One element in this many of the probe is float32's smallest subnormal: a kept subnormal
+#: costs its op a microcode assist, and a thread's share of the probe holds 64 of them.
+_PROBE_STEP = 512
+
+
+def flushes(work: torch.Tensor | None = None, compiled: bool = False) -> bool:
+    """Whether float ops on ``work``'s elements may flush subnormals
+    (``torch.set_flush_denormal(True)``: DAZ reads them as 0, FTZ makes 0 for them): on
+    this thread, whose Python float ops run as eager torch's do, or, where torch splits
+    the work among its threads (a CPU tensor of ``_GRAIN`` elements or more, or any size
+    in a ``compiled`` kernel, which Inductor splits as it likes), on one of those.
+    torch.set_flush_denormal sets the calling thread's flags alone, and each OpenMP
+    thread keeps those its pool started with: set before a thread's first parallel op
+    and cleared after, its workers flushed where the thread did not (block values near
+    2^-126 came out 0 there), so they are probed (:func:`_workers_flush`). ``work``
+    None: the thread's own ops (0-d tensors). True while Dynamo traces (a user's
+    compiled ``dequantize``): the graph runs on threads it cannot know, and the exact
+    way is exact with flushing off too. (The block kernels, compiled once for both,
+    take it as an argument.)"""
+    if torch.compiler.is_compiling() or _SMALLEST64 * _ONE == 0.0 or _TINY64 * _HALF == 0.0:
+        return True
+    if work is None or work.device.type != "cpu" or (work.numel() < _GRAIN and not compiled):
+        return False
+    threads = torch.get_num_threads()
+    return threads > 1 and _workers_flush(threads)
+
+
+def _workers_flush(threads: int) -> bool:
+    """Whether one of the calling thread's ``threads`` intra-op threads flushes: a torch
+    op on ``threads`` grains gives each of them one, every grain holding subnormals.
+    (Probed each call, not cached: a pool grown later starts its new threads with the
+    flags the thread has then.)"""
+    product = _probe(threads).mul(_ONE)
+    return bool(product[::_PROBE_STEP].eq(0).any())
+
+
+@functools.lru_cache(maxsize=8)
+def _probe(threads: int) -> torch.Tensor:
+    """The probe's input: float32 zeros with every ``_PROBE_STEP``-th the smallest
+    subnormal, made from its bits (a conversion would flush it on a thread that does)."""
+    bits = torch.zeros(threads * _GRAIN, dtype=torch.int32)
+    bits[::_PROBE_STEP] = 1
+    return bits.view(torch.float32)
 
 
 def widened(t: torch.Tensor, flushed: bool = True) -> torch.Tensor:

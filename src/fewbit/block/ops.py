@@ -154,7 +154,7 @@ def _kernel(blocks, words, rand, tensor_scale, *, spec: BlockSpec, fused: bool, 
     or the codes and scale codes; and whether an element had no value (overflow without
     sat in a format without Inf or NaN: NaN blocks hold zeros there, so a NaN element is
     such an overflow). ``words``: draw the bits of elements ``0 .. n B`` here. ``flushed``:
-    the calling thread flushes subnormals (``kernel.flushes``)."""
+    the calling thread or its intra-op threads flush subnormals (``kernel.flushes``)."""
     if words is not None:
         rand = range_bits(spec.spec, words, 0, blocks.numel(), blocks.device).view(blocks.shape)
     q, scale, factor = quantize_blocks(blocks, spec, rand, tensor_scale, flushed)
@@ -233,8 +233,9 @@ def _run(x, spec: BlockSpec, key, random_bits, axis: int, fused: bool, ts: torch
     blocks = blocks.reshape(-1, size)
     rand = None if rand is None else block_layout(rand, axis, size).reshape(-1, size)
     result = None
-    flushed = flushes()
-    if use_compiled(x.numel()):
+    compiled = use_compiled(x.numel())
+    flushed = flushes(blocks, compiled)
+    if compiled:
 
         def run(fn) -> None:
             nonlocal result
