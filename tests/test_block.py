@@ -1016,3 +1016,25 @@ def test_tiny_data_keeps_its_bits_where_only_the_workers_flush(config):
     for case in cases:
         for i, (g, w) in enumerate(zip(got[case], want[case], strict=True)):
             assert torch.equal(g, w), (case, i)
+
+
+def test_quantize_blocks_defaults_to_the_way_exact_under_flushing():
+    """kernel.quantize_blocks took the float32 ops by default (flushed=False), where the
+    helpers it calls default to the exact way: called without it by a thread that
+    flushes, mxfp8_e4m3 blocks of _tiny_data's first rows came out 0. The default is the
+    exact way now, which gives flushing off's bits either way."""
+    from fewbit.block.kernel import block_layout, make_block_spec, quantize_blocks
+
+    x = _tiny_data()
+    bfmt = block.format("mxfp8_e4m3")
+    spec = make_block_spec(x.dtype, bfmt, bfmt.rule, fewbit.RoundMode.RNE, True, None, None)
+    blocks = block_layout(x, -1, bfmt.block_size)
+    want = quantize_blocks(blocks, spec, None, None, flushed=False)
+    torch.set_flush_denormal(True)
+    try:
+        got = quantize_blocks(blocks, spec, None, None)
+    finally:
+        torch.set_flush_denormal(False)
+    assert want[0].count_nonzero()
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g.view(torch.int32), w.view(torch.int32)), i

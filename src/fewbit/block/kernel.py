@@ -339,12 +339,15 @@ def tensor_scale_of(x: torch.Tensor, bfmt: BlockFormat, amax: float | torch.Tens
 
 def quantize_blocks(
     blocks: torch.Tensor, spec: BlockSpec, rand: torch.Tensor | None, tensor_scale: torch.Tensor | None,
-    flushed: bool = False,
+    flushed: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantise ``blocks`` (``(rows, blocks, B)``): returns ``(q, scale, S)``, ``q`` the
     element values (working dtype, the layout of ``blocks``), ``scale`` and ``S`` per
     block (:func:`block_scales`). ``rand``: the random bits in the layout of ``blocks``.
-    ``flushed``: the thread flushes subnormals (:func:`flushes`)."""
+    ``flushed``: a thread of the work flushes subnormals (:func:`flushes`); True by
+    default, as for the helpers it calls: the exact way holds whatever the threads do,
+    the float32 ops only where none flushes (a default of False gave 0 for data near
+    2^-126 to a caller that flushed and passed none)."""
     work = blocks.to(spec.work_dtype)
     # Compared as bits where the thread flushes; else as floats, which Inductor vectorises
     # where it does not the bits' (compiled block kernels took 1.2-1.7 times as long).
