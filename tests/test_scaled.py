@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import threading
 import warnings
 
 import pytest
@@ -3498,3 +3499,35 @@ def test_sum_of_16_bit_data_at_two_scales_takes_one_float32_temporary(dtype):
     sum_data, sum_scale = fewbit.scaled.tensor.parts(a + b)
     assert sum_scale == 4.0
     assert torch.equal(sum_data, da + (db.float() * 0.125).to(dtype))  # b's data at a's scale, rounded once
+
+
+def test_a_rule_being_looked_up_is_found_by_another_thread(monkeypatch):
+    """The op table's lookup put None in its cache while it looked (for the overloads it
+    asks back), and another thread's first call of the same op found that None: no rule,
+    a NoRuleError under scaled_fallback="error" (8 threads' first in-place ops did, in
+    one run of three). The marker is per thread now: thread B looks the rule up itself
+    while A, held here inside its look-up, has not finished."""
+    import fewbit.scaled.tensor as st
+
+    func, inside, done = torch.ops.aten.mul.Tensor, threading.Event(), threading.Event()
+
+    class HeldRules(dict):
+        def get(self, key, default=None):
+            if key is func and threading.current_thread() is not threading.main_thread() and \
+                    not inside.is_set():  # fmt: skip
+                inside.set()
+                done.wait(10)
+            return super().get(key, default)
+
+    monkeypatch.setattr(st, "RULES", HeldRules(st.RULES))
+    monkeypatch.setattr(st, "_CACHE", {})
+    found = {}
+    a = threading.Thread(target=lambda: found.setdefault("a", st._lookup(func)))
+    a.start()
+    try:
+        assert inside.wait(10)
+        found["b"] = st._lookup(func)  # B: this thread
+    finally:
+        done.set()
+        a.join()
+    assert found["b"] is not None and found["a"] is found["b"]

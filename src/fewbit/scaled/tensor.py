@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -685,6 +686,19 @@ _CACHE: dict[Any, Callable | None] = {}
 _UNSEEN = object()
 
 
+class _Looking(threading.local):
+    """The overloads this thread is looking up (``funcs``), which their siblings, asking
+    back, find without a rule. Per thread: a None put in ``_CACHE`` while looking was
+    found by another thread's first call of the op, which then had no rule (a
+    NoRuleError with scaled_fallback="error", else the op on plain tensors)."""
+
+    def __init__(self) -> None:
+        self.funcs: set = set()
+
+
+_LOOKING = _Looking()
+
+
 def rule(*ops: Any) -> Callable[[Callable], Callable]:
     """Register the decorated function as the rule of each op (overload or packet).
 
@@ -777,7 +791,20 @@ def _lookup(func: torch._ops.OpOverload) -> Callable | None:
     found = _CACHE.get(func, _UNSEEN)  # one lookup: this runs before every op
     if found is not _UNSEEN:
         return found
-    _CACHE[func] = None  # while looking: siblings that ask back find nothing
+    looking = _LOOKING.funcs
+    if func in looking:  # a sibling asking back finds nothing
+        return None
+    looking.add(func)
+    try:
+        found = _find(func)
+    finally:
+        looking.discard(func)
+    _CACHE[func] = found
+    return found
+
+
+def _find(func: torch._ops.OpOverload) -> Callable | None:
+    """:func:`_lookup`'s answer, found."""
     found = RULES.get(func)
     name = func.overloadpacket.__name__
     if found is None and "out" not in func._overloadname:
@@ -799,7 +826,6 @@ def _lookup(func: torch._ops.OpOverload) -> Callable | None:
             found = _view_in_place if torch.Tag.inplace_view in func.tags else inplace
     if found is not None and _is_aliasing(func):
         found = partial(_aliasing, found)
-    _CACHE[func] = found
     return found
 
 
