@@ -1427,6 +1427,19 @@ def _loaded_unlike_on_rank_1(rank: int) -> list:
     return [_outcome(lambda: opt.load_state_dict(state) or "loaded"), opt.steps]
 
 
+def _loaded_no_state_dict_on_rank_1(rank: int) -> list:
+    """As :func:`_loaded_unlike_on_rank_1`, rank 1 given no LowPrecisionWeights state_dict
+    (its torch optimizer's)."""
+    w = _sharded_weight()
+    opt = LowPrecisionWeights(torch.optim.SGD([w], lr=0.1), "binary8p4", "src")
+    state = opt.state_dict()
+    w.grad = torch.ones_like(w)
+    opt.step()
+    if rank == 1:
+        state = state["optimizer"]
+    return [_outcome(lambda: opt.load_state_dict(state) or "loaded"), opt.steps]
+
+
 def _added_misplaced(rank: int) -> str:
     """A group whose weight's piece is misplaced on rank 1, added to a wrapper of a sharded
     weight."""
@@ -1453,6 +1466,7 @@ def rank_errors(rank: int, world_size: int, cfg: dict) -> dict:
         "weights, seeds differ": lambda: _stepped(seed=rank),
         "weights, alike": lambda: _stepped(seed=5, scale=True),
         "weights, loaded unlike on rank 1": functools.partial(_loaded_unlike_on_rank_1, rank),
+        "weights, loaded no state_dict on rank 1": functools.partial(_loaded_no_state_dict_on_rank_1, rank),
         "weights, configure alike": lambda: _nvfp4_weights(True),
         "weights, configure unlike": lambda: _nvfp4_weights(rank == 0),
     }  # fmt: skip
@@ -1529,3 +1543,12 @@ def test_a_checkpoint_unlike_on_one_rank_is_refused_on_every_rank(rank_error_run
     assert first[0].startswith("ValueError: another rank's checkpoint was written with another set-up"), first
     assert second[0].startswith("ValueError: checkpoint was written with bits 2 (here 3)"), second
     assert first[1] == second[1] == 1  # (nothing loaded: the count of the step after the state_dict)
+
+
+def test_no_checkpoint_on_one_rank_is_refused_on_every_rank(rank_error_runs):
+    """Rank 1 refused a state that is no LowPrecisionWeights.state_dict() before the all-reduce
+    that pairs the refusal, where rank 0 waited for it (and took the next collective for it)."""
+    first, second = _alike(rank_error_runs, "weights, loaded no state_dict on rank 1")
+    assert first[0].startswith("ValueError: another rank's checkpoint was written with another set-up"), first
+    assert second[0].startswith("ValueError: not a LowPrecisionWeights.state_dict()"), second
+    assert first[1] == second[1] == 1

@@ -846,23 +846,11 @@ class LowPrecisionWeights:
     def load_state_dict(self, state: dict, model: torch.nn.Module | None = None) -> None:
         """Resume: the next step draws the bits an uninterrupted run would. Pass the
         ``model`` that :meth:`state_dict` was given."""
-        if not isinstance(state, dict) or not {"optimizer", "steps", "config"} <= state.keys():
-            raise ValueError("not a LowPrecisionWeights.state_dict() (it has 'optimizer', 'steps' and "
-                             "'config'): a torch optimizer's state goes to opt.optimizer.load_state_dict")
-        mine = _plain(self._config())
-        # What older checkpoints lack goes unchecked, and so does a format made by hand that
-        # they named by its name alone; but their keys all counted the weights from 0.
-        lacked = {"params": mine["params"], "dtypes": mine["dtypes"], "first_index": 0}
-        saved = _plain({**lacked, **state["config"]})
-        if saved["fmt"] == self.fmt.name:
-            saved["fmt"] = mine["fmt"]
-        differ = [f"{k} {saved.get(k)!r} (here {mine.get(k)!r})"
-                  for k in {**saved, **mine} if saved.get(k) != mine.get(k)]  # fmt: skip
-        said = f"checkpoint was written with {'; '.join(differ)}: its bits would not continue"
-        error = ValueError(said) if differ else None
-        # A checkpoint read by each rank from its own file can be unlike on one rank: every rank
-        # of a sharded weight's mesh refuses it (one all-reduce a load), where that rank alone
-        # raised and the others resumed, at another step count, into the next collective.
+        error = self._unlike(state)
+        # A checkpoint read by each rank from its own file can be unlike on one rank, or no
+        # checkpoint there (another file): every rank of a sharded weight's mesh refuses it (one
+        # all-reduce a load), where that rank alone raised and the others resumed, at another
+        # step count, into the next collective (or waited in this all-reduce).
         refuse_alike(error, self.params, "another rank's checkpoint was written with another set-up (see its "
                                          "error): nothing was loaded")  # fmt: skip
         steps = int(state["steps"])
@@ -874,6 +862,25 @@ class LowPrecisionWeights:
             with self._inner_step():
                 set_optimizer_state_dict(model, self.optimizer, state["optimizer"])
         self.steps = steps
+
+    def _unlike(self, state: object) -> ValueError | None:
+        """Why ``state`` is not a checkpoint this wrapper continues (not a state_dict, or
+        written with another set-up), or None: this rank's alone, which
+        :meth:`load_state_dict` raises on every rank."""
+        if not isinstance(state, dict) or not {"optimizer", "steps", "config"} <= state.keys():
+            return ValueError("not a LowPrecisionWeights.state_dict() (it has 'optimizer', 'steps' and "
+                              "'config'): a torch optimizer's state goes to opt.optimizer.load_state_dict")
+        mine = _plain(self._config())
+        # What older checkpoints lack goes unchecked, and so does a format made by hand that
+        # they named by its name alone; but their keys all counted the weights from 0.
+        lacked = {"params": mine["params"], "dtypes": mine["dtypes"], "first_index": 0}
+        saved = _plain({**lacked, **state["config"]})
+        if saved["fmt"] == self.fmt.name:
+            saved["fmt"] = mine["fmt"]
+        differ = [f"{k} {saved.get(k)!r} (here {mine.get(k)!r})"
+                  for k in {**saved, **mine} if saved.get(k) != mine.get(k)]  # fmt: skip
+        said = f"checkpoint was written with {'; '.join(differ)}: its bits would not continue"
+        return ValueError(said) if differ else None
 
 
 def _plain(config: dict) -> dict:
