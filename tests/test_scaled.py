@@ -3340,6 +3340,18 @@ def test_ops_without_a_rule_or_a_scale_give_the_value_at_any_scale(s):
             torch.testing.assert_close(g, gw, rtol=5e-3, atol=5e-3 * float(gw.abs().max()), msg=name)
 
 
+@pytest.mark.parametrize("s", [2.0**-10, 2.0**20])
+def test_nan_to_num_makes_inf_the_largest_finite_value_of_the_dtype(s):
+    """Computed on the values in float32, Inf became float32's largest, which the output's
+    scale took to 2 in float16 data: Inf again. As torch's default for a float16 tensor."""
+    x = as_scaled(torch.tensor([1.0, float("inf"), float("nan"), -float("inf")], dtype=torch.float16),
+                  torch.tensor(s))
+    got = torch.nan_to_num(x).dequantize(torch.float32)
+    assert torch.equal(got[1:], torch.tensor([65504.0, 0.0, -65504.0])), got
+    got = torch.nan_to_num(x, nan=2.0, neginf=-3.0).dequantize(torch.float32)
+    assert torch.equal(got[1:], torch.tensor([65504.0, 2.0, -3.0])), got
+
+
 def test_ops_sized_on_their_values_compile_whole():
     """The power-of-two scale that fits such an output is traced, not read: fullgraph=True,
     one graph for two scales given as tensors, eager's values."""

@@ -803,18 +803,29 @@ def fitted(out: torch.Tensor, dtype: torch.dtype) -> ScaledTensor:
     return wrap((out / f).to(dtype), f)
 
 
-@rule(aten.nan_to_num, aten.frac, aten.round, aten.floor, aten.ceil, aten.trunc, aten.fmod, aten.remainder,
+@rule(aten.frac, aten.round, aten.floor, aten.ceil, aten.trunc, aten.fmod, aten.remainder,
       aten.logsumexp, aten.logcumsumexp, aten.logaddexp, aten.logaddexp2, aten.xlogy, aten.renorm, aten.dist,
       aten.norm, aten.histc, aten.scatter_reduce, aten.pow.Tensor_Tensor, aten.cumprod)
 def _sized(func, *args, **kwargs):
-    """nan_to_num, frac, round, floor, ceil, trunc, fmod, remainder, logsumexp,
-    logcumsumexp, logaddexp(2), xlogy, renorm, dist, norm (pairwise_distance's), histc,
-    scatter_reduce (sum, prod, mean, amax, amin), pow by a tensor, cumprod: computed on
+    """frac, round, floor, ceil, trunc, fmod, remainder, logsumexp, logcumsumexp,
+    logaddexp(2), xlogy, renorm, dist, norm (pairwise_distance's), histc, scatter_reduce
+    (sum, prod, mean, amax, amin), pow by a tensor, cumprod (nan_to_num: below): computed on
     the values, at a power-of-two scale that fits the output (:func:`on_values_sized`).
     They had no rule (logsumexp, pow by a tensor, cumprod: scale 1): on the values at scale
     1 in the data's dtype, float16 data at scale 2^-30 were zeros there (``x **
     torch.tensor(2.)``), and at 2^20 inf."""
     return on_values_sized(func, *args, **kwargs)
+
+
+@rule(aten.nan_to_num)
+def _nan_to_num(func, x, nan=None, posinf=None, neginf=None):
+    """nan_to_num as :func:`_sized`, Inf (and -Inf) by default the largest finite value of
+    x's dtype, as torch's default for a tensor of that dtype: on the values in float32 the
+    default was float32's largest, which the output's scale took to 2 in float16 data, so
+    ``torch.nan_to_num(x)`` gave Inf back."""
+    top = torch.finfo(x.dtype).max
+    posinf, neginf = top if posinf is None else posinf, -top if neginf is None else neginf
+    return on_values_sized(func, x, nan, posinf, neginf)
 
 
 @rule(aten.tanh, aten.sigmoid, aten.exp, aten.expm1, aten.log1p, aten.erf, aten.sin, aten.cos, aten.atan,
