@@ -3352,6 +3352,16 @@ def test_nan_to_num_makes_inf_the_largest_finite_value_of_the_dtype(s):
     assert torch.equal(got[1:], torch.tensor([65504.0, 2.0, -3.0])), got
 
 
+def test_a_number_written_at_the_static_scale_1_is_torchs_write():
+    """x[0] = 1000. at the static scale 1 went in at scale 1000, rescaling every element
+    there (float16 2.3e-4 lost 5 bits); a plain tensor's write keeps scale 1, as torch's."""
+    plain = torch.tensor([1e-4, 2.3e-4, 3.1e-4], dtype=torch.float16)
+    x = as_scaled(plain.clone(), 1.0)
+    x[0] = 1000.0
+    plain[0] = 1000.0
+    assert parts(x)[1] == 1.0 and torch.equal(parts(x)[0], plain), parts(x)
+
+
 def test_ops_sized_on_their_values_compile_whole():
     """The power-of-two scale that fits such an output is traced, not read: fullgraph=True,
     one graph for two scales given as tensors, eager's values."""

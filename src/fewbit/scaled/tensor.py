@@ -246,7 +246,9 @@ class ScaledTensor(torch.Tensor):
         # it: x[:, 1] = 1e-9 wrote 0 (float16's 1e-9) into data at scale 2^-30, x[i] = 1e6
         # inf at 2^20. The number goes in as a 0-d ScaledTensor instead, data sign(c) at
         # scale |c| as a fill by a number (0, non-finite and float32's outliers as torch's).
-        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        # Not at the static scale 1, where data are values and a write is torch's, bit for bit,
+        # as by a plain tensor (x[0] = 1000. rescaled every element to scale 1000).
+        number = isinstance(v, (int, float)) and not isinstance(v, bool) and self._static != 1.0
         if number and _ROUNDS_TO_ZERO < abs(v) < _ROUNDS_TO_INF:
             sign = torch.tensor(math.copysign(1.0, v), dtype=self.dtype, device=self.device)
             v = ScaledTensor._make(sign, abs(float(v)))
