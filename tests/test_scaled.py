@@ -3362,6 +3362,17 @@ def test_a_number_written_at_the_static_scale_1_is_torchs_write():
     assert parts(x)[1] == 1.0 and torch.equal(parts(x)[0], plain), parts(x)
 
 
+@pytest.mark.parametrize("s", [2.0**-20, 2.0**20])
+def test_a_one_element_tensor_over_a_scaled_tensor_is_a_number_over_it(s):
+    """torch.tensor(c) / x divided c by the data (c's size in float16: 1e6 / x was inf, and
+    5e-8 / x subnormal, at any scale); as c / x of the number c."""
+    x = as_scaled(X.half(), torch.tensor(s))
+    for c in (1e6, 5e-8, -3.0):
+        got = (torch.tensor(c) / x).dequantize(F64)
+        assert torch.equal(got, (c / x).dequantize(F64)), c
+        torch.testing.assert_close(got, c / x.dequantize(F64), rtol=2e-3, atol=0.0)
+
+
 def test_ops_sized_on_their_values_compile_whole():
     """The power-of-two scale that fits such an output is traced, not read: fullgraph=True,
     one graph for two scales given as tensors, eager's values."""

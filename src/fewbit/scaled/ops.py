@@ -694,6 +694,11 @@ def _div(func, a, b):
         return z
     if (y := _by_number(func, a, b)) is not None:
         return y
+    if is_number(a) and isinstance(b, ScaledTensor) and not _unit_scales(a, b) \
+            and not is_static(parts(b)[1], 0.0):  # fmt: skip
+        # c / x of a one-element plain c as of a number (1 / x, then _by_number): on the data,
+        # c / d put c's size in 16-bit data (torch.tensor(1e6) / x was inf at any scale).
+        return torch.mul(torch.reciprocal(b), a)
     return _divide(a, b)
 
 
