@@ -832,6 +832,13 @@ def test_bad_input():
         with pytest.raises(ValueError, match=r"not a LowPrecisionWeights.state_dict\(\)"):
             fresh.load_state_dict(state)
         assert fresh.param_groups[0]["lr"] == 0.1
+    # A config that is no dict, or lacks the format, is refused as such (TypeError, KeyError: on its
+    # rank alone, before the all-reduce that refuses it on every rank of a sharded weight's mesh).
+    with pytest.raises(ValueError, match=r"not a LowPrecisionWeights.state_dict\(\)"):
+        fresh.load_state_dict({**written, "config": None})
+    with pytest.raises(ValueError, match="checkpoint was written with fmt None"):
+        fresh.load_state_dict({**written, "config": {k: v for k, v in written["config"].items()
+                                                     if k != "fmt"}})  # fmt: skip
 
 
 def test_a_checkpoint_names_its_format_by_every_field_and_its_weights_dtypes(monkeypatch):

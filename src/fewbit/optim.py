@@ -867,7 +867,8 @@ class LowPrecisionWeights:
         """Why ``state`` is not a checkpoint this wrapper continues (not a state_dict, or
         written with another set-up), or None: this rank's alone, which
         :meth:`load_state_dict` raises on every rank."""
-        if not isinstance(state, dict) or not {"optimizer", "steps", "config"} <= state.keys():
+        if (not isinstance(state, dict) or not {"optimizer", "steps", "config"} <= state.keys()
+                or not isinstance(state["config"], dict)):  # fmt: skip
             return ValueError("not a LowPrecisionWeights.state_dict() (it has 'optimizer', 'steps' and "
                               "'config'): a torch optimizer's state goes to opt.optimizer.load_state_dict")
         mine = _plain(self._config())
@@ -875,7 +876,7 @@ class LowPrecisionWeights:
         # they named by its name alone; but their keys all counted the weights from 0.
         lacked = {"params": mine["params"], "dtypes": mine["dtypes"], "first_index": 0}
         saved = _plain({**lacked, **state["config"]})
-        if saved["fmt"] == self.fmt.name:
+        if saved.get("fmt") == self.fmt.name:  # (one without "fmt" differs: KeyError on its rank alone)
             saved["fmt"] = mine["fmt"]
         differ = [f"{k} {saved.get(k)!r} (here {mine.get(k)!r})"
                   for k in {**saved, **mine} if saved.get(k) != mine.get(k)]  # fmt: skip
