@@ -3564,3 +3564,33 @@ def test_a_rule_being_looked_up_is_found_by_another_thread(monkeypatch):
         done.set()
         a.join()
     assert found["b"] is not None and found["a"] is found["b"]
+
+
+# Corners left by the morning's hunts (scaled-left hunt).
+
+
+@pytest.mark.parametrize("accessor", ["unscaled", "scale"])
+def test_accessors_of_a_tensor_made_in_a_compiled_graph(accessor):
+    import torch._dynamo.testing
+
+    # Dynamo reads an attribute of a tensor its graph made only by a __tensor_flatten__
+    # name: .unscaled and .scale failed with "Unexpected type in sourceless builder".
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    f = torch.compile(lambda t: getattr(t * t, accessor), fullgraph=True, backend=counter)
+    for s in (2.0**-10, 3.0):  # a tensor scale: one graph for both
+        x = as_scaled(torch.randn(8).half(), torch.tensor(s))
+        assert torch.equal(f(x), getattr(x * x, accessor))
+    assert counter.frame_count == 1
+    with pytest.raises(ValueError, match="shape, dtype and device"):  # (AOTAutograd's setter only)
+        x.unscaled = torch.zeros(8)
+
+
+def test_static_scale_of_a_tensor_made_in_a_compiled_graph_is_refused_by_name():
+    # A number scale has no tensor in the graph: refused naming static_scale, which works.
+    torch._dynamo.reset()
+    x = as_scaled(torch.randn(8).half(), 2.0**-10)
+    with pytest.raises(Exception, match="static_scale"):
+        torch.compile(lambda t: (t * 1.0).scale, fullgraph=True, backend="aot_eager")(x)
+    assert torch.compile(lambda t: (t * 2.0).static_scale, fullgraph=True, backend="aot_eager")(x) == 2.0**-9
+    assert torch.compile(lambda t: (t * 2.0).scale + 1, backend="aot_eager")(x) == 1 + 2.0**-9  # (eager)

@@ -205,17 +205,42 @@ class ScaledTensor(torch.Tensor):
         _hold(t._parts, scale)
         return t
 
+    # unscaled and scale are also the names __tensor_flatten__ gives the parts: Dynamo
+    # reads an attribute of a tensor made inside the graph only where it is one of those
+    # (any other it takes for a constant, and a tensor is none: "Unexpected type in
+    # sourceless builder"), and AOTAutograd writes a gradient's parts back by them.
     @property
     def unscaled(self) -> torch.Tensor:
         """The stored data (value = unscaled * scale)."""
-        return self._data
+        return self._parts.data
+
+    @unscaled.setter
+    def unscaled(self, data: torch.Tensor) -> None:
+        self._data = _same_form(self._data, data, "unscaled")
 
     @property
     def scale(self) -> torch.Tensor:
-        """The scale as a float32 tensor (built on the spot when it is static)."""
-        if self._scale is not None:
-            return self._scale
+        """The scale as a float32 tensor (built on the spot when it is static).
+
+        Under torch.compile, a static scale of a tensor made inside the graph is refused
+        by name (Dynamo cannot take a tensor built outside the graph): read
+        ``static_scale``, a number and a constant of the graph, or give the scale as a
+        tensor."""
+        if self._parts.scale is not None:
+            return self._parts.scale
+        if _dynamo_reads(self._data):
+            _graph_break(self, "fewbit.scaled: .scale of a static (number) scale inside a compiled function",
+                         "The scale is a Python number, a constant of the graph, and .scale would build "
+                         "a tensor of it outside the graph, which Dynamo cannot take.",
+                         "Read t.static_scale (the number) instead, or give the scale as a tensor "
+                         "(as_scaled(x, torch.tensor(s)); scalify's parameters have one).")
         return torch.full((), self._static, dtype=torch.float32, device=self._data.device)
+
+    @scale.setter
+    def scale(self, scale: torch.Tensor) -> None:
+        if self._scale is None:
+            raise TypeError("a static scale is set by rebalance_, not by assigning .scale")
+        self._scale = _same_form(self._scale, scale, "scale")
 
     @property
     def static_scale(self) -> float | None:
@@ -347,13 +372,13 @@ class ScaledTensor(torch.Tensor):
         self.__dict__.update(state)
 
     def __tensor_flatten__(self) -> tuple[list[str], tuple]:
-        inner = ["_data"] if self._scale is None else ["_data", "_scale"]
+        inner = ["unscaled"] if self._scale is None else ["unscaled", "scale"]
         return inner, (self._static, *traced_settings())
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, ctx: tuple, outer_size, outer_stride) -> ScaledTensor:
         static = ctx[0]
-        t = ScaledTensor._make(inner["_data"], inner["_scale"] if static is None else static)
+        t = ScaledTensor._make(inner["unscaled"], inner["scale"] if static is None else static)
         _UNFLATTENED.add(t._parts)
         return t
 
@@ -617,17 +642,20 @@ def check_settable(t: ScaledTensor, s: Scale) -> None:
         _graph_break(t)
 
 
-def _graph_break(t: ScaledTensor) -> None:
+_RESCALED_INPUT = (
+    "fewbit.scaled: an in-place op would give a graph input a new scale",
+    "A graph writes a mutated input back as its data alone, at the scale it had: the new scale would be "
+    "lost and the data read at the old one. fewbit.scaled runs the op eager (a ScaledTensor's copy_ at "
+    "another scale into an input, or an op into it after zero_).",
+    "Run the op outside the compiled function, or return the new tensor from it.")
+
+
+def _graph_break(t: ScaledTensor, why: str = _RESCALED_INPUT[0], explanation: str = _RESCALED_INPUT[1],
+                 hint: str = _RESCALED_INPUT[2]) -> None:
     """Dynamo's graph break, naming why (then the op runs eager; ``fullgraph=True`` refuses
     it). ``unimplemented`` is private, in its keyword form of torch 2.13: where a torch
     moves or changes it, an error that names why, never the silent wrong values
     (tests/test_scaled.py's compiled rescale tests fail there, for the next engineer)."""
-    why = "fewbit.scaled: an in-place op would give a graph input a new scale"
-    explanation = ("A graph writes a mutated input back as its data alone, at the scale it had: the new "
-                   "scale would be lost and the data read at the old one. fewbit.scaled runs the op "
-                   "eager (a ScaledTensor's copy_ at another scale into an input, or an op into it "
-                   "after zero_).")
-    hint = "Run the op outside the compiled function, or return the new tensor from it."
     try:
         from torch._dynamo.exc import unimplemented
 
@@ -654,6 +682,27 @@ def _rescales_an_input(t: ScaledTensor, s: Scale) -> bool:
     now = parts(t)[1]
     same = s is now or (not isinstance(s, torch.Tensor) and not isinstance(now, torch.Tensor) and s == now)
     return not same and any(m in _UNFLATTENED for m in _aliases(t))
+
+
+def _dynamo_reads(d: torch.Tensor) -> bool:
+    # Whether Dynamo itself reads an attribute of a ScaledTensor that its graph made: the
+    # tensor is fake and no fake mode runs (rules, which run under one, read it freely).
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    fake_mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    return torch.compiler.is_compiling() and isinstance(d, FakeTensor) and fake_mode is None
+
+
+def _same_form(old: torch.Tensor, new: torch.Tensor, name: str) -> torch.Tensor:
+    # A part assigned by its flatten name (AOTAutograd gives a gradient's parts another memory
+    # format so): the same shape, dtype and device, else refused before anything changes.
+    if not isinstance(new, torch.Tensor) or isinstance(new, ScaledTensor):
+        raise TypeError(f"{name} must be a plain tensor, not {type(new).__name__}")
+    if (new.shape, new.dtype, new.device) != (old.shape, old.dtype, old.device):
+        raise ValueError(f"{name} can only be replaced by a tensor of its shape, dtype and device "
+                         f"({tuple(old.shape)}, {old.dtype}, {old.device}); got ({tuple(new.shape)}, "
+                         f"{new.dtype}, {new.device}): use rebalance or as_scaled for another")
+    return new
 
 
 #: The parts of ScaledTensors that torch.compile rebuilt from their flattened parts: its
@@ -1011,7 +1060,9 @@ def parts(x: Any) -> tuple[Any, Scale]:
     """(data, scale) of an operand: a plain tensor has scale 1, and a Python number c
     is the constant sign(c) with scale |c| (seed 003's scalar as a scaled array)."""
     if isinstance(x, ScaledTensor):
-        return x._data, (x._static if x._scale is None else x._scale)
+        # By the flatten names (unscaled, scale), and _static, a number or None: Dynamo
+        # traces this in casts (pow2_scale), where a tensor made in the graph has no other.
+        return x.unscaled, (x.scale if x._static is None else x._static)
     if isinstance(x, torch.Tensor):
         return x, 1.0
     c = float(x)
