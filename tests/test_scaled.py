@@ -3594,3 +3594,30 @@ def test_static_scale_of_a_tensor_made_in_a_compiled_graph_is_refused_by_name():
         torch.compile(lambda t: (t * 1.0).scale, fullgraph=True, backend="aot_eager")(x)
     assert torch.compile(lambda t: (t * 2.0).static_scale, fullgraph=True, backend="aot_eager")(x) == 2.0**-9
     assert torch.compile(lambda t: (t * 2.0).scale + 1, backend="aot_eager")(x) == 1 + 2.0**-9  # (eager)
+
+
+def test_a_zeroed_parameter_keeps_room_after_a_tiny_first_update():
+    # nn.init.zeros_ after scalify makes the zero array, which took its first update's
+    # scale: lr 1e-6 (a warmup's first step), then lr 1 overflowed float16 (-inf; plain -2).
+    torch.manual_seed(0)
+    lin = scalify(nn.Linear(4, 4), dtype=torch.float16)
+    nn.init.zeros_(lin.bias)
+    opt = torch.optim.SGD(lin.parameters(), lr=1e-6)
+    x = as_scaled(torch.ones(2, 4).half())
+    for lr in (1e-6, 1.0):
+        opt.param_groups[0]["lr"] = lr
+        opt.zero_grad()
+        lin(x).dequantize(torch.float32).sum().backward()
+        opt.step()
+    assert torch.equal(lin.bias.dequantize(torch.float32), torch.full((4,), -2.0))
+    assert parts(lin.bias)[1] == 2.0**-5  # 2e-6 at the bottom of float16's normal range
+    nn.init.zeros_(lin.bias)
+    with torch.no_grad():
+        lin.bias.mul_(0.5)  # (AdamW's decay: still the zero array, for the update to come)
+    assert parts(lin.bias)[1] == 0.0
+    # Optimizer state still takes its first value's scale (exp_avg: the gradient's).
+    w = scalify(nn.Linear(2, 2, bias=False), dtype=torch.float16).weight
+    w.grad = fewbit.scaled.rebalance(torch.full((2, 2), 3.0, dtype=torch.float16), 2.0**-20)
+    adam = torch.optim.Adam([w])
+    adam.step()
+    assert parts(adam.state[w]["exp_avg"])[1] == 2.0**-20

@@ -912,9 +912,35 @@ def inplace(func, dest, *args, **kwargs):
     (:func:`holds_every_value`: FSDP2's padded piece too, as its ranks' other pieces), as
     ``x = x.op(...)`` would: x's own scale would put a result of another size out of
     16-bit data's range (``sigmoid_`` of float16 data at scale 2^-20: values near 1 are
-    data near 2^20, inf)."""
+    data near 2^20, inf).
+
+    A parameter at the zero array (``nn.init.zeros_`` after ``scalify``; a tensor that
+    requires grad) takes :func:`first_scale` instead of the result's: its first update's
+    scale (the learning rate's, at a warmup's 1e-6) had 16-bit data overflow at the next,
+    larger ones. Optimizer state and gradients (which do not require grad) take the
+    result's, with which their next values come."""
     whole = isinstance(dest, ScaledTensor) and holds_every_value(dest._data)
-    return assign(dest, _functional(func)(dest, *args, **kwargs), adopt=whole)
+    out = _functional(func)(dest, *args, **kwargs)
+    if whole and dest._static == 0.0 and dest.requires_grad and isinstance(out, ScaledTensor) \
+            and out._static != 0.0:  # (the zero array still: AdamW's decay, mul_, keeps it one)
+        s = first_scale(out, dest.dtype)
+        out = wrap(at_scale(out, s), s)
+    return assign(dest, out, adopt=whole)
+
+
+def first_scale(x: ScaledTensor, dtype: torch.dtype) -> torch.Tensor:
+    """The power of two nearest 1 at which data of ``dtype`` hold x's largest finite
+    |value| as a normal number: 1, as the plain dtype holds it, where that does (so the
+    parameter has the plain dtype's room to grow and shrink); else the one that brings it
+    to (1/2, 1] (a larger value), or to the bottom of the normal range (a smaller one:
+    float16's 2^-14, leaving it 2^30 to grow). 1 for an all-zero x. A float32 tensor: its
+    value is not read."""
+    from .casts import _statistic, round_pow2  # (casts builds on this module)
+
+    top = _statistic(scalar_scale(x), "max")
+    high = round_pow2(top, "up")
+    low = high / (2 * torch.finfo(dtype).tiny)  # (inf where float32 cannot hold it: then 1)
+    return torch.where(top > 0, torch.ones_like(top).clamp(min=high, max=low), 1.0)
 
 
 def _view_in_place(func, x, *args, **kwargs):
