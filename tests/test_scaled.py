@@ -3621,3 +3621,53 @@ def test_a_zeroed_parameter_keeps_room_after_a_tiny_first_update():
     adam = torch.optim.Adam([w])
     adam.step()
     assert parts(adam.state[w]["exp_avg"])[1] == 2.0**-20
+
+
+@pytest.mark.parametrize("split", [lambda t: torch.unsafe_split(t, 2), lambda t: torch.unsafe_chunk(t, 3, 1),
+                                   lambda t: torch.unsafe_split_with_sizes(t, [1, 5])])
+@pytest.mark.parametrize("scale", [2.0**-20, "tensor", "per-row"])
+def test_unsafe_split_is_split(split, scale):
+    # unsafe_split and its variants (GRU's gates) had no rule: they warned and ran on values.
+    x = torch.randn(6, 4, requires_grad=True)
+    s = {"tensor": torch.tensor(3.0), "per-row": torch.rand(6, 1) + 0.5}.get(scale, scale)
+    xs = fewbit.scaled.rebalance(x, s)
+    with configure(scaled_fallback="error"):
+        pieces = split(xs)
+        sum((p.dequantize() * (i + 1)).sum() for i, p in enumerate(pieces)).backward()
+    plain = x.detach().clone().requires_grad_()
+    want = split(plain)
+    sum((p * (i + 1)).sum() for i, p in enumerate(want)).backward()
+    assert all(torch.allclose(p.dequantize(), w, rtol=1e-6) for p, w in zip(pieces, want, strict=True))
+    assert torch.allclose(value(x.grad), plain.grad)
+
+
+def test_gru_runs_on_scaled_tensors_with_rules_and_unsafe_split_pieces_share_the_scale():
+    torch.manual_seed(0)
+    gru, ref = nn.GRU(4, 3), nn.GRU(4, 3)
+    ref.load_state_dict(gru.state_dict())
+    scalify(gru)
+    x = torch.randn(5, 2, 4)
+    with configure(scaled_fallback="error"):
+        out, _ = gru(as_scaled(x))
+        out.dequantize().sum().backward()
+    want, _ = ref(x)
+    want.sum().backward()
+    assert torch.allclose(out.dequantize(), want, atol=1e-6)
+    assert all(torch.allclose(p.grad.dequantize(), q.grad, atol=1e-6)
+               for p, q in zip(gru.parameters(), ref.parameters(), strict=True))
+    # The pieces view x's data: the zero array's first value, written into one, is x's too.
+    z = torch.zeros_like(as_scaled(torch.randn(4, 2)))
+    torch.unsafe_split(z, 2)[1].add_(as_scaled(torch.ones(2, 2), 2.0**-10))
+    assert torch.equal(z.dequantize(), torch.tensor([[0.0, 0], [0, 0], [1, 1], [1, 1]]) * 2.0**-10)
+
+
+def test_unsafe_split_into_a_list_out():
+    # Its rule made the out= overload _out_variant's, which took the list for a tensor.
+    x = as_scaled(torch.randn(4, 2), 0.5)
+    outs = [as_scaled(torch.empty(2, 2), 1.0), as_scaled(torch.empty(2, 2), 1.0)]
+    torch.ops.aten.unsafe_split.Tensor_out(x, 2, out=outs)
+    assert torch.equal(torch.cat([o.dequantize() for o in outs]), x.dequantize())
+    outs = [as_scaled(torch.zeros(2, 2), 1.0), as_scaled(torch.zeros(3, 2), 1.0)]
+    with pytest.raises(RuntimeError, match="not resized"):  # before either is written
+        torch.ops.aten.unsafe_split.Tensor_out(x, 2, out=outs)
+    assert not outs[0].dequantize().any()

@@ -44,6 +44,7 @@ from .tensor import (
     scalar_scale,
     sdiv,
     set_scale,
+    share_scale,
     smax,
     smul,
     spow,
@@ -93,6 +94,19 @@ def _layout(func, x, *args, **kwargs):
     if isinstance(out, (list, tuple)):
         return [wrap(o, _compact(t)) for o, t in zip(out, so, strict=True)]
     return wrap(out, _compact(so))
+
+
+@rule(aten.unsafe_split, aten.unsafe_split_with_sizes, aten.unsafe_chunk)
+def _unsafe_split(func, x, *args, **kwargs):
+    """unsafe_split, unsafe_split_with_sizes, unsafe_chunk (GRU's gates): split's pieces,
+    whose aliasing of x the schema does not state (autograd does not track them as views).
+    They view x's data all the same, so they share its scale as split's pieces do. They had
+    no rule: GRU warned and ran on dequantized values."""
+    out = _layout(func, x, *args, **kwargs)
+    if isinstance(x, ScaledTensor):
+        for piece in out:
+            share_scale(x, piece)
+    return out
 
 
 @rule(aten.view.dtype)

@@ -602,7 +602,8 @@ class _Views:
         self.members = weakref.WeakSet([first])  # each one's _Parts
 
 
-def _share_scale(base: ScaledTensor, view: ScaledTensor) -> None:
+def share_scale(base: ScaledTensor, view: ScaledTensor) -> None:
+    """Record that view's data view base's: they share one scale from now on."""
     views = base._parts.views
     if views is None:
         views = base._parts.views = _Views(base._parts, base._data)
@@ -886,7 +887,7 @@ def _aliasing(rule: Callable, func, *args, **kwargs):
     out = rule(func, *args, **kwargs)
     for view in out if isinstance(out, (list, tuple)) else (out,):
         if isinstance(view, ScaledTensor) and isinstance(args[0], ScaledTensor):
-            _share_scale(args[0], view)
+            share_scale(args[0], view)
     return return_and_correct_aliasing(func, args, kwargs, out)
 
 
@@ -956,18 +957,40 @@ def _out_variant(packet, func, *args, out, **kwargs):
     # op(..., out=t) is op(...) stored into t. A plain t of another shape is resized to the
     # result's first, as torch resizes an out= tensor (warning where t held elements; the
     # copy into it failed on the shapes: torch.add(a, b, out=torch.empty(0))); a
-    # ScaledTensor's is refused, before anything is written.
+    # ScaledTensor's is refused, before anything is written. A list out= (unsafe_split's)
+    # takes each piece, all checked before any is written (it failed: "'list' object has
+    # no attribute 'dtype'").
     result = packet(*args, **kwargs)
+    if not isinstance(out, (list, tuple)):
+        _check_out(func, out, result)
+        return _store_out(out, result)
+    if not isinstance(result, (list, tuple)) or len(result) != len(out):
+        raise RuntimeError(f"{func}: out= holds {len(out)} tensors, the result "
+                           f"{len(result) if isinstance(result, (list, tuple)) else 1}")
+    for o, r in zip(out, result, strict=True):
+        _check_out(func, o, r)
+    for o, r in zip(out, result, strict=True):
+        _store_out(o, r)
+    return None
+
+
+def _check_out(func, out: torch.Tensor, result: Any) -> None:
+    # What _out_variant refuses before writing: a ScaledTensor out= of another shape, a
+    # plain one of a dtype the result cannot be cast to.
     if isinstance(result, torch.Tensor) and out.shape != result.shape:
         if isinstance(out, ScaledTensor):
             raise RuntimeError(f"{func}: out= is a ScaledTensor of shape {tuple(out.shape)}, the result's is "
                                f"{tuple(result.shape)}: a ScaledTensor is not resized; pass one of the "
                                "result's shape")
         check_castable(result.dtype, out)
+
+
+def _store_out(out: torch.Tensor, result: Any) -> torch.Tensor:
+    if isinstance(result, torch.Tensor) and out.shape != result.shape:
         if out.numel():
             warnings.warn(f"An output with one or more elements was resized since it had shape "
                           f"{list(out.shape)}, which does not match the required output shape "
-                          f"{list(result.shape)} (as torch warns)", stacklevel=3)
+                          f"{list(result.shape)} (as torch warns)", stacklevel=4)
         out.resize_(result.shape)
     return assign(out, result)
 
