@@ -3671,3 +3671,11 @@ def test_unsafe_split_into_a_list_out():
     with pytest.raises(RuntimeError, match="not resized"):  # before either is written
         torch.ops.aten.unsafe_split.Tensor_out(x, 2, out=outs)
     assert not outs[0].dequantize().any()
+
+
+def test_a_format_spec_of_a_scaled_tensor_made_in_a_compiled_function():
+    # Dynamo traced __format__ and put the value's __format__ into the graph, which failed
+    # on its fake tensor (a crash, where a plain tensor's compiles).
+    torch._dynamo.reset()
+    x = as_scaled(torch.tensor([1.0, 2.0]).half(), torch.tensor(0.5))
+    assert torch.compile(lambda t: f"{(t * 2.0).sum():.3f}", backend="aot_eager")(x) == "3.000"

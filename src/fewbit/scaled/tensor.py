@@ -306,7 +306,10 @@ class ScaledTensor(torch.Tensor):
         return f"ScaledTensor(unscaled={self._data!r}, scale={s!r})"
 
     # torch's own refuse a subclass; these give the value's, as a plain tensor's do
-    # (logging f"{loss:.4f}", np.asarray). An empty format spec keeps the repr.
+    # (logging f"{loss:.4f}", np.asarray). An empty format spec keeps the repr. Eager under
+    # torch.compile: a graph break, as for a plain tensor, where Dynamo put a call of the
+    # value's __format__ into the graph and failed on its fake tensor.
+    @torch.compiler.disable
     def __format__(self, spec: str) -> str:
         return self.detach().dequantize().__format__(spec) if spec else repr(self)
 
