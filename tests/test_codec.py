@@ -429,3 +429,32 @@ def test_decode_looks_codes_up_without_an_int64_copy(dtype):
         assert peak_allocated(lambda: fewbit.decode(codes, "binary8p4", dtype)) <= values + 4 * codes.numel()
     table = torch.tensor(fewbit.format("binary8p4").values(), dtype=dtype)  # (exact in float32)
     torch.testing.assert_close(want, table[codes.long()], rtol=0, atol=0, equal_nan=True)
+
+
+# Memory, second pass (memory-2 hunt).
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_encode_torch_path_works_in_chunks(dtype):
+    from conftest import peak_allocated
+
+    # encode's torch kernel ran codes_of and its check over the whole tensor: several int64
+    # tensors of x's size at once, 8.5x x's bytes from float32 (19x from bfloat16). In chunks
+    # of eager_chunk elements it holds the codes and one chunk's intermediates (66 bytes an
+    # element from float64: here 0.16 MB, where the whole tensor's were 1.0 MB).
+    x = fewbit.round(torch.randn(1 << 14, dtype=torch.float64), "binary8p4").to(dtype)
+    chunk = 1 << 11
+    with fewbit.configure(native=False, eager_chunk=chunk):
+        want = fewbit.encode(x, "binary8p4")
+        peak = peak_allocated(lambda: fewbit.encode(x, "binary8p4"))
+        assert peak <= x.numel() + 72 * chunk, peak / x.nbytes
+        # The first element that is no value is named, in a later chunk than the first.
+        bad = x.clone()
+        bad[5 * chunk + 3], bad[7 * chunk] = 1.0625, 1.03125
+        with pytest.raises(ValueError, match=r"^1\.0625 is not a value of binary8p4"):
+            fewbit.encode(bad, "binary8p4")
+        packed = fewbit.encode(fewbit.round(x, "e2m1", sat=True).reshape(64, -1), "e2m1", packed=True)
+    table = torch.tensor(fewbit.format("binary8p4").values(), dtype=torch.float64)
+    assert torch.equal(table[want.long()], x.double())
+    unpacked = fewbit.encode(fewbit.round(x, "e2m1", sat=True).reshape(64, -1), "e2m1")
+    assert torch.equal(packed, unpacked[:, 0::2] | (unpacked[:, 1::2] << 4))
