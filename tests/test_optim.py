@@ -1128,3 +1128,36 @@ def test_write_back_rounds_the_weights_in_place():
                          seed=fold_in(key, 3, i)) for i, p in enumerate(model.parameters())]  # fmt: skip
     opt.step()
     assert all(torch.equal(p.detach(), w) for p, w in zip(model.parameters(), want, strict=True))
+
+
+# Memory, second pass (memory-2 hunt).
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "nvfp4", "binary8p4"])
+def test_write_back_through_round_range_rounds_the_weights_in_place(fmt):
+    from conftest import peak_allocated
+
+    # Block formats (and element formats under the differing policy) were rounded by
+    # round_range into a new tensor as large as the weight and copied back: a step held
+    # two weights' bytes. Where nothing can be refused the kernel now rounds the weight
+    # into itself (NVFP4's per-tensor scales are found first, from every weight).
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(128, 128, bias=False) for _ in range(3)])
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt = LowPrecisionWeights(torch.optim.SGD(model.parameters(), lr=0.1), fmt, "src", bits=3, seed=0,
+                              policy="identical" if "fp" in fmt else "differing")  # fmt: skip
+    opt.step()
+    weight = 128 * 128 * 4
+    assert peak_allocated(opt.step) < weight // 8
+    # The third step's keys: fold_in(key, 3, i), and under the differing policy rank 0's.
+    keys = [fold_in(fewbit.random.Key.from_seed(0), 3, i) for i in range(3)]
+    if "fp" in fmt:
+        want = [block.round(p.detach() - 0.1 * p.grad, fmt, "src", bits=3, sat=True, seed=k)
+                for p, k in zip(model.parameters(), keys, strict=True)]  # fmt: skip
+    else:
+        keys = [fewbit.replicas.replica_key(k, "differing", rank=0) for k in keys]
+        want = [fewbit.round(p.detach() - 0.1 * p.grad, fmt, "src", bits=3, sat=True, seed=k)
+                for p, k in zip(model.parameters(), keys, strict=True)]  # fmt: skip
+    opt.step()
+    assert all(torch.equal(p.detach(), w) for p, w in zip(model.parameters(), want, strict=True))

@@ -707,9 +707,13 @@ class LowPrecisionWeights:
                         codes[i] = codes_now
                         continue
                 ts = tensor_scale[i] if block else None
-                done = None if block and store else round_range(x, self.spec, key, at, tensor_scale=ts)
+                # In place into x: t itself, or t.to(via), this call's own (a new tensor of the
+                # weight's size beside it doubled the step's peak). Not into codes kept.
+                done = None if block and store else round_range(x, self.spec, key, at, tensor_scale=ts,
+                                                                in_place=True)  # fmt: skip
                 if done is not None:  # runs of the full tensor: its bits drawn inside the kernel
-                    t.copy_(done)
+                    if done is not t:
+                        t.copy_(done)
                     continue
                 random = piece_randomness(self.spec, key, at, t.device)
                 if not block:

@@ -279,7 +279,7 @@ def global_bits(spec: RoundSpec, words, piece: ShardLayout, device) -> torch.Ten
 
 def round_range(
     x: torch.Tensor, spec: RoundSpec | BlockSpec, key: Key | None, piece: ShardLayout,
-    axis: int | None = None, tensor_scale: torch.Tensor | None = None,
+    axis: int | None = None, tensor_scale: torch.Tensor | None = None, in_place: bool = False,
 ) -> torch.Tensor | None:
     """``x`` (a piece, in the dtype the rounding starts from) rounded stochastically by
     fewbit's kernel (native on a CPU, Triton on a GPU) with the bits its elements have in
@@ -288,14 +288,23 @@ def round_range(
     format, where its blocks lie along the last dimension (``axis``; None: the format's)
     and the runs are whole blocks, with the full tensor's ``tensor_scale`` for a format
     that has one (:func:`tensor_scales`). None where that does not apply, or where an
-    element has no value in the format (the caller's rounding then raises)."""
+    element has no value in the format (the caller's rounding then raises).
+
+    ``in_place``: x is the caller's own, and the native kernel rounds it into itself (x
+    returned) where it takes x and no element can be refused: it reads each element (a
+    block's, each block) before it writes the results there. A refusal would leave x
+    rounded part way, and the caller's rounding would then name the wrong value."""
     runs = piece.runs()
     if key is None or runs is None:
         return None
+    own = in_place and not spec.may_refuse and x.is_contiguous()
     if isinstance(spec, BlockSpec):
         axis = spec.bfmt.axis if axis is None else axis
-        return _blocks_in_range(x, spec, key, piece, runs, axis, tensor_scale)
+        return _blocks_in_range(x, spec, key, piece, runs, axis, tensor_scale, own)
     if native.applies(spec, x):
+        if own:
+            bad = native.round_into(x, spec, stream_words(spec, key), None, x, **runs.placed)
+            return x if bad < 0 else None
         return native.rounded(x, spec, stream_words(spec, key), **runs.placed)
     if gpu.applies(spec, x):
         return gpu.rounded(x, spec, key, **runs.placed)
@@ -322,7 +331,8 @@ def quantize_range(x: torch.Tensor, spec: RoundSpec, key: Key | None, piece: Sha
 
 
 def _blocks_in_range(x: torch.Tensor, spec: BlockSpec, key: Key, piece: ShardLayout, runs: Runs,
-                     axis: int, tensor_scale: torch.Tensor | None) -> torch.Tensor | None:  # fmt: skip
+                     axis: int, tensor_scale: torch.Tensor | None,
+                     own: bool) -> torch.Tensor | None:  # fmt: skip
     """:func:`round_range` for a block format: each run whole blocks, from a block's first
     element, blocks along the last dimension (``axis``) lying as in the full tensor (its
     length a multiple of the block size)."""
@@ -332,14 +342,15 @@ def _blocks_in_range(x: torch.Tensor, spec: BlockSpec, key: Key, piece: ShardLay
     if (axis % dims != dims - 1 or piece.global_shape[-1] % size or runs.start % size or runs.length % size
             or runs.stride % size or spec.work_dtype != torch.float32):  # fmt: skip
         return None
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
     call = {"block_size": size, "rule": spec.rule, **runs.placed}
     if native.block_applies(spec.spec, x, None, size, bfmt.scale):
+        out = x if own else torch.empty_like(x, memory_format=torch.contiguous_format)  # (in_place)
         ts = 1.0 if tensor_scale is None else float(tensor_scale)
         bad = native.block_into(x, spec.spec, stream_words(spec.spec, key), None, out, None, tensor_scale=ts,
                                 **call)  # fmt: skip
         return out if bad < 0 else None
     if gpu.block_applies(spec.spec, x, None, size, bfmt.scale):  # every element has a result there
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
         done = gpu.block_into(x, spec.spec, key, None, out, None, tensor_scale=tensor_scale, **call)
         return out if done else None
     return None
