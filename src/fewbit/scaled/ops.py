@@ -380,13 +380,15 @@ def common_scale(*xs: Any, coefs: tuple[float, ...] | None = None) -> Scale:
     tensor scale (the others' are static: the zero array's 0, a number's), a 0 there is
     1: the zero array plus a plain 0 is zeros, not at a tensor scale 0, whose in-place
     writes would be lost."""
-    numbers = not _unit_scales(*xs)
+    numbers = [is_number(x) for x in xs]
+    if not any(numbers) or _unit_scales(*xs):  # (the usual case: no more work than this)
+        numbers = [False] * len(xs)
     device = next((x.device for x in xs if isinstance(x, ScaledTensor)), None)
-    scales = [number_size(x, device) if numbers and is_number(x) else scale_of(x) for x in xs]
+    scales = [number_size(x, device) if n else scale_of(x) for x, n in zip(xs, numbers, strict=True)]
     s = reduce(smax, scales if coefs is None else
                (smul(sx, abs(c)) for sx, c in zip(scales, coefs, strict=True)))
-    if isinstance(s, torch.Tensor) and all(is_static(sx) for x, sx in zip(xs, scales, strict=True)
-                                           if not (numbers and is_number(x))):
+    if any(numbers) and isinstance(s, torch.Tensor) and all(
+            is_static(sx) for sx, n in zip(scales, numbers, strict=True) if not n):
         return torch.where(s > 0, s, 1.0)
     return s
 
@@ -437,9 +439,10 @@ def lincomb(terms: list[tuple[Any, float]]) -> tuple[torch.Tensor, Scale]:
     live = [t for t in (_term(x, c) for x, c in terms) if t is not None]
     if not live:
         return _like(datas, 1.0, 0.0), 0.0
-    # The scale from the operands' sizes (a one-element plain tensor's too: common_scale),
-    # not from the terms' scales, which count such a tensor 1.
-    s = common_scale(*(x for x, c in terms), coefs=tuple(c for _, c in terms))
+    # The scale from the terms' scales; where a one-element plain tensor is among them, from
+    # the operands' sizes (common_scale's, which count it the number it holds, not 1).
+    s = (common_scale(*(x for x, c in terms), coefs=tuple(c for _, c in terms))
+         if any(is_number(x) for x, _ in terms) else reduce(smax, (ts for _, ts, _ in live)))
     if len(live) == 1:
         d, ts, sign = live[0]
         return _like(datas, sign, d if is_static(ts, 0.0) else times(d, sdiv(ts, s), dtype)), s
