@@ -1414,29 +1414,16 @@ def _nvfp4_weights(native: bool) -> list:
     return w.full_tensor().tolist()
 
 
-def _loaded_unlike_on_rank_1(rank: int) -> list:
+def _loaded_on_rank_1(rank: int, spoiled) -> list:
     """A wrapper of a sharded weight loading its own state_dict after a step, rank 1's
-    checkpoint written with bits=2: the outcome and the step count after it."""
+    ``spoiled(state)``: the outcome and the step count after it."""
     w = _sharded_weight()
     opt = LowPrecisionWeights(torch.optim.SGD([w], lr=0.1), "binary8p4", "src")
     state = opt.state_dict()
     w.grad = torch.ones_like(w)
     opt.step()
     if rank == 1:
-        state["config"] = {**state["config"], "bits": 2}
-    return [_outcome(lambda: opt.load_state_dict(state) or "loaded"), opt.steps]
-
-
-def _loaded_no_state_dict_on_rank_1(rank: int) -> list:
-    """As :func:`_loaded_unlike_on_rank_1`, rank 1 given no LowPrecisionWeights state_dict
-    (its torch optimizer's)."""
-    w = _sharded_weight()
-    opt = LowPrecisionWeights(torch.optim.SGD([w], lr=0.1), "binary8p4", "src")
-    state = opt.state_dict()
-    w.grad = torch.ones_like(w)
-    opt.step()
-    if rank == 1:
-        state = state["optimizer"]
+        state = spoiled(state)
     return [_outcome(lambda: opt.load_state_dict(state) or "loaded"), opt.steps]
 
 
@@ -1465,8 +1452,11 @@ def rank_errors(rank: int, world_size: int, cfg: dict) -> dict:
         "weights, nvfp4 and mxfp8": lambda: _stepped(fmt=("nvfp4", "mxfp8_e4m3")[rank]),
         "weights, seeds differ": lambda: _stepped(seed=rank),
         "weights, alike": lambda: _stepped(seed=5, scale=True),
-        "weights, loaded unlike on rank 1": functools.partial(_loaded_unlike_on_rank_1, rank),
-        "weights, loaded no state_dict on rank 1": functools.partial(_loaded_no_state_dict_on_rank_1, rank),
+        # (written with bits=2; its torch optimizer's state_dict, no LowPrecisionWeights')
+        "weights, loaded unlike on rank 1": functools.partial(
+            _loaded_on_rank_1, rank, lambda state: {**state, "config": {**state["config"], "bits": 2}}),
+        "weights, loaded no state_dict on rank 1": functools.partial(
+            _loaded_on_rank_1, rank, lambda state: state["optimizer"]),
         "weights, configure alike": lambda: _nvfp4_weights(True),
         "weights, configure unlike": lambda: _nvfp4_weights(rank == 0),
     }  # fmt: skip
