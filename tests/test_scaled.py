@@ -3594,6 +3594,9 @@ def test_static_scale_of_a_tensor_made_in_a_compiled_graph_is_refused_by_name():
         torch.compile(lambda t: (t * 1.0).scale, fullgraph=True, backend="aot_eager")(x)
     assert torch.compile(lambda t: (t * 2.0).static_scale, fullgraph=True, backend="aot_eager")(x) == 2.0**-9
     assert torch.compile(lambda t: (t * 2.0).scale + 1, backend="aot_eager")(x) == 1 + 2.0**-9  # (eager)
+    from fewbit.scaled import tensor
+
+    assert tensor._FAKE_KEY is not None and tensor._ACTIVE_MODE is not None  # torch's private query
 
 
 def test_a_zeroed_parameter_keeps_room_after_a_tiny_first_update():

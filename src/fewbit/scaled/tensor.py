@@ -688,13 +688,21 @@ def _rescales_an_input(t: ScaledTensor, s: Scale) -> bool:
     return not same and any(m in _UNFLATTENED for m in _aliases(t))
 
 
+#: torch's query of the active fake mode (private). None where this torch lacks it: .scale
+#: of a static scale made inside a compiled function then fails in Dynamo's words
+#: (tests/test_scaled.py fails first).
+_FAKE_KEY = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "FAKE", None)
+_ACTIVE_MODE = getattr(torch._C, "_get_dispatch_mode", None)
+
+
 def _dynamo_reads(d: torch.Tensor) -> bool:
     # Whether Dynamo itself reads an attribute of a ScaledTensor that its graph made: the
     # tensor is fake and no fake mode runs (rules, which run under one, read it freely).
+    if not torch.compiler.is_compiling() or _FAKE_KEY is None or _ACTIVE_MODE is None:
+        return False
     from torch._subclasses.fake_tensor import FakeTensor
 
-    fake_mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
-    return torch.compiler.is_compiling() and isinstance(d, FakeTensor) and fake_mode is None
+    return isinstance(d, FakeTensor) and _ACTIVE_MODE(_FAKE_KEY) is None
 
 
 def _same_form(old: torch.Tensor, new: torch.Tensor, name: str) -> torch.Tensor:
