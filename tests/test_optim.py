@@ -1161,3 +1161,27 @@ def test_write_back_through_round_range_rounds_the_weights_in_place(fmt):
                 for p, k in zip(model.parameters(), keys, strict=True)]  # fmt: skip
     opt.step()
     assert all(torch.equal(p.detach(), w) for p, w in zip(model.parameters(), want, strict=True))
+
+
+def test_nvfp4_write_back_of_tiny_weights_keeps_its_bits_under_flush_denormal():
+    """The write-back's native block kernel took NVFP4's tensor scale as float(ts), which
+    reads a float32 subnormal as 0 under torch.set_flush_denormal(True): weights near 2^-120
+    (normal, their tensor scale amax / 2688 subnormal) were written back as zeros. From its
+    bits, as block.round's native call takes it, they keep the bits they get with it off."""
+    signs = torch.randint(0, 2, (8, 32), generator=torch.Generator().manual_seed(4)) * 2 - 1
+    start = signs * (1 + torch.rand(8, 32, generator=torch.Generator().manual_seed(5))) * 2.0**-121
+
+    def written_back(flush: bool) -> torch.Tensor:
+        w = torch.nn.Parameter(start.clone())  # normal floats: SGD's own add keeps them under DAZ
+        opt = LowPrecisionWeights(torch.optim.SGD([w], lr=0.0), "nvfp4", "src", seed=3)
+        w.grad = torch.zeros_like(w)
+        torch.set_flush_denormal(flush)
+        try:
+            opt.step()
+        finally:
+            torch.set_flush_denormal(False)
+        return w.detach().view(torch.int32)
+
+    kept = written_back(False)
+    assert bool(kept.count_nonzero())
+    assert torch.equal(written_back(True), kept)

@@ -33,6 +33,7 @@ from .random import Key, is_dtensor
 from .rounding import gpu, native
 from .rounding.checks import RoundSpec
 from .rounding.compiled import index_bits, range_bits, stream_words
+from .rounding.fast import float32_item
 
 __all__ = [
     "PairwiseReduceScatter", "Runs", "ShardLayout", "check_cuts", "check_whole_blocks",
@@ -345,7 +346,7 @@ def _blocks_in_range(x: torch.Tensor, spec: BlockSpec, key: Key, piece: ShardLay
     call = {"block_size": size, "rule": spec.rule, **runs.placed}
     if native.block_applies(spec.spec, x, None, size, bfmt.scale):
         out = x if own else torch.empty_like(x, memory_format=torch.contiguous_format)  # (in_place)
-        ts = 1.0 if tensor_scale is None else float(tensor_scale)
+        ts = 1.0 if tensor_scale is None else float32_item(tensor_scale)  # (float() flushes a subnormal)
         bad = native.block_into(x, spec.spec, stream_words(spec.spec, key), None, out, None, tensor_scale=ts,
                                 **call)  # fmt: skip
         return out if bad < 0 else None

@@ -28,7 +28,7 @@ from ..rounding.compiled import (
     use_compiled,
     word_tensors,
 )
-from ..rounding.fast import float32_value
+from ..rounding.fast import float32_item
 from ..rounding.modes import parse_mode
 from ..rounding.ops import (
     batch_bits,
@@ -183,8 +183,7 @@ def _native(x: torch.Tensor, spec: BlockSpec, key: Key | None, rand: torch.Tenso
     written into ``into`` where given."""
     out, scales = _outputs(x, spec, fused, into)
     words = None if key is None else stream_words(spec.spec, key)
-    # (From its bits: float(ts) reads a subnormal as 0 under DAZ.)
-    tensor_scale = 1.0 if ts is None else float32_value(int(ts.view(torch.int32)))
+    tensor_scale = 1.0 if ts is None else float32_item(ts)
     bad = native.block_into(x, spec.spec, words, rand, out, scales, block_size=spec.bfmt.block_size,
                             rule=spec.rule, tensor_scale=tensor_scale, packed=spec.bfmt.packed)  # fmt: skip
     return (out, bad >= 0) if fused else (out, scales, bad >= 0)

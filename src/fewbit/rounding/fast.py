@@ -25,7 +25,8 @@ import torch
 from .checks import RoundSpec
 from .modes import MODES, RoundMode
 
-__all__ = ["INT_LAYOUT", "bits_of", "decompose", "float32_value", "narrowed", "round_fast", "working_dtype"]
+__all__ = ["INT_LAYOUT", "bits_of", "decompose", "float32_item", "float32_value", "narrowed", "round_fast",
+           "working_dtype"]
 
 # (integer view, trailing significand bits M, exponent bias) of each working float.
 INT_LAYOUT = {
@@ -73,6 +74,12 @@ def float32_value(bits: int) -> float:
     if bits & 0x7F800000:  # normal, Inf or NaN
         return struct.unpack("<f", struct.pack("<i", bits))[0]
     return math.copysign(math.ldexp(bits & 0x7FFFFF, -149), -1.0 if bits < 0 else 1.0)
+
+
+def float32_item(t: torch.Tensor) -> float:
+    """The Python float a one-element float32 tensor holds, from its bits (``float(t)``
+    reads a subnormal as 0 under torch.set_flush_denormal(True): :func:`float32_value`)."""
+    return float32_value(int(t.view(torch.int32)))
 
 
 def _fraction_to_bits(rem, D, bits: int, tie: str, max_shift: int):
