@@ -430,11 +430,9 @@ def _hardtanh(func, x, min_val=-1.0, max_val=1.0):
 def _prelu(func, x, weight):
     """prelu on the values: x where x > 0, else weight times x, so the output keeps x's
     scale s (the weight, a slope, multiplies the negative part only)."""
-    d, s = parts(x)
-    _refuse_mixed("prelu", "weight", weight, d.dtype)
-    cdt = compute_dtype(d.dtype)
-    out = func(value(x, cdt), value(weight, cdt))
-    return wrap(times(out, sdiv(1.0, s)).to(d.dtype), s)
+    dtype = parts(x)[0].dtype
+    _refuse_mixed("prelu", "weight", weight, dtype)
+    return _gelu(func, x, value(weight, compute_dtype(dtype)))  # (x's scale kept, as gelu's)
 
 
 @rule(aten._prelu_kernel_backward)

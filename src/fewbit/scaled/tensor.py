@@ -1203,19 +1203,19 @@ def _widened_times(d: torch.Tensor, dtype: torch.dtype, r: Scale) -> torch.Tenso
     the product's dtype and shape and no gradient is recorded; else out of place (d itself,
     already of dtype, is the caller's)."""
     wide = d.to(dtype)
-    if wide is d:
-        return wide * r
-    if isinstance(r, torch.Tensor) and (torch.result_type(wide, r) != wide.dtype or r.requires_grad
-                                        or not _broadcasts_into(r, wide)):
-        return wide * r
-    return wide * r if wide.requires_grad and torch.is_grad_enabled() else wide.mul_(r)
+    owned = wide is not d and not (wide.requires_grad and torch.is_grad_enabled())
+    if owned and (not isinstance(r, torch.Tensor) or (
+            torch.result_type(wide, r) == wide.dtype and not r.requires_grad and _broadcasts_into(r, wide))):
+        return wide.mul_(r)
+    return wide * r
 
 
 def _broadcasts_into(r: torch.Tensor, t: torch.Tensor) -> bool:
     """Whether ``r`` broadcasts to ``t``'s shape (``t * r`` has t's shape): dimension by
     dimension from the last, in Python (torch.broadcast_shapes costs 10 us a call)."""
-    last = t.shape[t.dim() - r.dim():]
-    return r.dim() <= t.dim() and all(a == 1 or a == b for a, b in zip(r.shape, last, strict=True))
+    if r.dim() > t.dim():
+        return False
+    return all(a == 1 or a == b for a, b in zip(r.shape, t.shape[t.dim() - r.dim():], strict=True))
 
 
 def coefficient(s: Scale) -> Scale:
